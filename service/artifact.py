@@ -1,0 +1,467 @@
+"""The model artifact: the one definition of what training writes and the service reads.
+
+An artifact is a directory::
+
+    manifest.json      schema version, shapes, classes, decision rule, training record,
+                       metrics, and for every array file its shape, dtype and sha256
+    projection.npy     W, float32 (d, D)   } z = x @ W.T + b maps a raw input x (D,)
+    offset.npy         b, float32 (d,)     } to its embedding z (d,), standardisation included
+    embeddings.npy     float32 (N, d)      the reference (training) points, already projected
+    labels.npy         int32 (N,)          indices into manifest["classes"]
+    mean.npy           float64 (D,)        the input standardisation, x_std = (x - mean) / scale,
+    scale.npy          float64 (D,)        kept so a later job can warm-start from A = W * scale
+    ids.npy            int64 (N,)          optional reference ids (default: 0..N-1)
+    index.faiss        optional prebuilt FAISS index (bytes; checksummed, not interpreted here)
+
+Writing is atomic: everything goes to a temporary sibling directory, each file and the
+directory are fsynced, then the directory is renamed into place (an existing artifact at
+that path is exchanged in one step where the OS allows it). A reader never sees half an
+artifact and a crash leaves the previous one intact.
+
+Reading checks everything and raises :class:`ArtifactError` naming the file, the
+expected and the actual value. This module imports numpy and the standard library only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import datetime as _dt
+import errno
+import hashlib
+import io
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from service import __version__
+
+SCHEMA_VERSION = 1
+FORMAT_NAME = "nca-knn-artifact"
+MANIFEST_FILE = "manifest.json"
+INDEX_FILE = "index.faiss"
+DECISION_RULES = ("majority", "soft")
+
+# name -> (file name, dtype, symbolic shape). Symbols: d components, D features, N references.
+ARRAY_SPECS: dict[str, tuple[str, np.dtype, tuple[str, ...]]] = {
+    "projection": ("projection.npy", np.dtype(np.float32), ("d", "D")),
+    "offset": ("offset.npy", np.dtype(np.float32), ("d",)),
+    "embeddings": ("embeddings.npy", np.dtype(np.float32), ("N", "d")),
+    "labels": ("labels.npy", np.dtype(np.int32), ("N",)),
+    "mean": ("mean.npy", np.dtype(np.float64), ("D",)),
+    "scale": ("scale.npy", np.dtype(np.float64), ("D",)),
+    "ids": ("ids.npy", np.dtype(np.int64), ("N",)),
+}
+OPTIONAL_ARRAYS = frozenset({"ids"})
+REQUIRED_MANIFEST_KEYS = (
+    "format",
+    "schema_version",
+    "n_features_in",
+    "n_components",
+    "n_references",
+    "classes",
+    "default_k",
+    "decision_rule",
+    "files",
+    "created_at",
+    "package_version",
+)
+
+
+class ArtifactError(ValueError):
+    """An artifact is missing, malformed, corrupted or inconsistent."""
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """A loaded, validated artifact. Arrays may be read-only memory maps."""
+
+    path: Path
+    manifest: dict[str, Any]
+    projection: np.ndarray  # (d, D) float32
+    offset: np.ndarray  # (d,) float32
+    embeddings: np.ndarray  # (N, d) float32
+    labels: np.ndarray  # (N,) int32, indices into classes
+    mean: np.ndarray  # (D,) float64
+    scale: np.ndarray  # (D,) float64
+    ids: np.ndarray  # (N,) int64
+    index_path: Path | None = field(default=None)
+
+    @property
+    def classes(self) -> list:
+        return list(self.manifest["classes"])
+
+    @property
+    def n_features_in(self) -> int:
+        return int(self.manifest["n_features_in"])
+
+    @property
+    def n_components(self) -> int:
+        return int(self.manifest["n_components"])
+
+    @property
+    def default_k(self) -> int:
+        return int(self.manifest["default_k"])
+
+    @property
+    def decision_rule(self) -> str:
+        return str(self.manifest["decision_rule"])
+
+    @property
+    def version(self) -> str:
+        """A short content hash identifying this model (changes whenever any array does)."""
+        return str(self.manifest.get("model_version", "unknown"))
+
+    def components_in_standardized_space(self) -> np.ndarray:
+        """A (d, D) with W = A / scale, i.e. the map learned on standardised inputs."""
+        return np.asarray(self.projection, dtype=np.float64) * self.scale[None, :]
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_bytes_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+def _npy_bytes(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    return buffer.getvalue()
+
+
+def _to_json_label(label: Any) -> Any:
+    if isinstance(label, np.generic):
+        label = label.item()
+    if isinstance(label, bool) or not isinstance(label, (int, str)):
+        raise ArtifactError(
+            f"class labels must be integers or strings, got {label!r} ({type(label).__name__})"
+        )
+    return label
+
+
+def _coerce(name: str, array: Any) -> np.ndarray:
+    file_name, dtype, _ = ARRAY_SPECS[name]
+    array = np.asarray(array)
+    if array.dtype.kind not in "biuf":
+        raise ArtifactError(f"{file_name}: expected a numeric array, got dtype {array.dtype}")
+    if not np.all(np.isfinite(array)):
+        raise ArtifactError(f"{file_name}: contains NaN or Inf")
+    return np.ascontiguousarray(array, dtype=dtype)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange_paths(a: Path, b: Path) -> bool:
+    """Atomically swap two existing paths (Linux renameat2 RENAME_EXCHANGE). False if unsupported."""
+    libc_name = ctypes.util.find_library("c")
+    if libc_name is None:
+        return False
+    try:
+        libc = ctypes.CDLL(libc_name, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    result = renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    if result == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _move_into_place(staging: Path, final: Path) -> None:
+    """Rename the staged directory to ``final``; replace an existing one without a gap."""
+    if not final.exists() and not final.is_symlink():
+        os.rename(staging, final)
+        return
+    if final.is_symlink() or not final.is_dir():
+        raise ArtifactError(f"{final}: exists and is not an artifact directory; refusing to replace")
+    if _exchange_paths(staging, final):
+        shutil.rmtree(staging, ignore_errors=True)  # staging now holds the old artifact
+        return
+    # Portable fallback: move the old one aside, move the new one in, restore on failure.
+    backup = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
+    os.rename(final, backup)
+    try:
+        os.rename(staging, final)
+    except BaseException:
+        os.rename(backup, final)
+        raise
+    shutil.rmtree(backup, ignore_errors=True)
+
+
+def write_artifact(
+    path: str | os.PathLike,
+    *,
+    projection: np.ndarray,
+    offset: np.ndarray,
+    embeddings: np.ndarray,
+    labels: np.ndarray,
+    classes: list,
+    mean: np.ndarray,
+    scale: np.ndarray,
+    default_k: int,
+    decision_rule: str = "majority",
+    ids: np.ndarray | None = None,
+    index_bytes: bytes | None = None,
+    extra_files: Mapping[str, bytes] | None = None,
+    metadata: Mapping[str, Any] | None = None,
+) -> Path:
+    """Validate the pieces of a model and write them atomically as an artifact at ``path``.
+
+    ``metadata`` is merged into the manifest (training config, metrics, data fingerprint...);
+    it may not override the keys this module owns. ``extra_files`` (name -> bytes: a report,
+    plots) are written into the same directory before it is renamed into place and listed
+    with their sha256 under ``extras``. Returns the artifact path.
+    """
+    final = Path(path).absolute()
+    arrays = {
+        "projection": _coerce("projection", projection),
+        "offset": _coerce("offset", offset),
+        "embeddings": _coerce("embeddings", embeddings),
+        "labels": _coerce("labels", labels),
+        "mean": _coerce("mean", mean),
+        "scale": _coerce("scale", scale),
+    }
+    if ids is not None:
+        arrays["ids"] = _coerce("ids", ids)
+    classes_json = [_to_json_label(c) for c in classes]
+    if len(set(classes_json)) != len(classes_json):
+        raise ArtifactError(f"classes must be distinct, got {classes_json!r}")
+    if decision_rule not in DECISION_RULES:
+        raise ArtifactError(f"decision_rule must be one of {DECISION_RULES}, got {decision_rule!r}")
+    if arrays["projection"].ndim != 2:
+        raise ArtifactError(
+            f"projection.npy: expected 2 dimensions (d, D), got shape {arrays['projection'].shape}"
+        )
+    d, n_features = arrays["projection"].shape
+    n_refs = arrays["embeddings"].shape[0] if arrays["embeddings"].ndim == 2 else -1
+    dims = {"d": d, "D": n_features, "N": n_refs}
+    _check_shapes({name: a.shape for name, a in arrays.items()}, dims)
+    if n_refs < 1:
+        raise ArtifactError("embeddings.npy: an artifact needs at least one reference point")
+    if np.any(arrays["scale"] <= 0):
+        raise ArtifactError("scale.npy: every standardisation scale must be > 0")
+    if arrays["labels"].min() < 0 or arrays["labels"].max() >= len(classes_json):
+        raise ArtifactError(
+            f"labels.npy: label indices must lie in [0, {len(classes_json)}), got range "
+            f"[{arrays['labels'].min()}, {arrays['labels'].max()}]"
+        )
+    if not (isinstance(default_k, (int, np.integer)) and 1 <= int(default_k) <= n_refs):
+        raise ArtifactError(f"default_k must be an integer in [1, {n_refs}], got {default_k!r}")
+
+    manifest: dict[str, Any] = dict(metadata or {})
+    owned = set(REQUIRED_MANIFEST_KEYS) | {"model_version", "standardization", "extras"}
+    clash = owned & set(manifest)
+    if clash:
+        raise ArtifactError(f"metadata may not set the manifest keys {sorted(clash)}")
+
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:12]}")
+    staging.mkdir()
+    try:
+        files: dict[str, dict[str, Any]] = {}
+        model_hash = hashlib.sha256()
+        for name, array in arrays.items():
+            file_name = ARRAY_SPECS[name][0]
+            data = _npy_bytes(array)
+            _write_bytes_synced(staging / file_name, data)
+            digest = hashlib.sha256(data).hexdigest()
+            model_hash.update(digest.encode())
+            files[name] = {
+                "path": file_name,
+                "dtype": array.dtype.str,
+                "shape": list(array.shape),
+                "sha256": digest,
+            }
+        if index_bytes is not None:
+            _write_bytes_synced(staging / INDEX_FILE, index_bytes)
+            files["index"] = {
+                "path": INDEX_FILE,
+                "bytes": len(index_bytes),
+                "sha256": hashlib.sha256(index_bytes).hexdigest(),
+            }
+        extras: dict[str, dict[str, Any]] = {}
+        reserved = {spec[0] for spec in ARRAY_SPECS.values()} | {MANIFEST_FILE, INDEX_FILE}
+        for name, data in (extra_files or {}).items():
+            if name in reserved or Path(name).name != name or name.startswith("."):
+                raise ArtifactError(f"extra file name {name!r} is reserved or not a plain file name")
+            _write_bytes_synced(staging / name, data)
+            extras[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        manifest.update(
+            {
+                "format": FORMAT_NAME,
+                "schema_version": SCHEMA_VERSION,
+                "n_features_in": int(n_features),
+                "n_components": int(d),
+                "n_references": int(n_refs),
+                "classes": classes_json,
+                "default_k": int(default_k),
+                "decision_rule": decision_rule,
+                "standardization": {
+                    "method": "standard",
+                    "formula": "z = x @ projection.T + offset = ((x - mean) / scale) @ A.T",
+                    "mean_file": ARRAY_SPECS["mean"][0],
+                    "scale_file": ARRAY_SPECS["scale"][0],
+                },
+                "model_version": model_hash.hexdigest()[:16],
+                "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                "package_version": __version__,
+                "files": files,
+                "extras": extras,
+            }
+        )
+        text = json.dumps(manifest, indent=2, sort_keys=True, allow_nan=False)
+        _write_bytes_synced(staging / MANIFEST_FILE, text.encode("utf-8"))
+        _fsync_dir(staging)
+        _move_into_place(staging, final)
+        _fsync_dir(final.parent)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return final
+
+
+def _check_shapes(shapes: Mapping[str, tuple[int, ...]], dims: Mapping[str, int]) -> None:
+    for name, shape in shapes.items():
+        file_name, _, symbols = ARRAY_SPECS[name]
+        expected = tuple(dims[s] for s in symbols)
+        if tuple(shape) != expected:
+            described = ", ".join(f"{s}={dims[s]}" for s in symbols)
+            raise ArtifactError(
+                f"{file_name}: expected shape {expected} ({described}), got {tuple(shape)}"
+            )
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
+    """Read and check manifest.json of the artifact at ``path`` (no array is opened)."""
+    root = Path(path)
+    manifest_path = root / MANIFEST_FILE
+    if not root.is_dir():
+        raise ArtifactError(f"{root}: no artifact directory there")
+    if not manifest_path.is_file():
+        raise ArtifactError(f"{manifest_path}: missing; is {root} an nca-knn artifact?")
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ArtifactError(f"{manifest_path}: not valid JSON ({exc})") from exc
+    if not isinstance(manifest, dict):
+        raise ArtifactError(f"{manifest_path}: expected a JSON object, got {type(manifest).__name__}")
+    missing = [key for key in REQUIRED_MANIFEST_KEYS if key not in manifest]
+    if missing:
+        raise ArtifactError(f"{manifest_path}: missing keys {missing}")
+    if manifest["format"] != FORMAT_NAME:
+        raise ArtifactError(
+            f"{manifest_path}: format is {manifest['format']!r}, expected {FORMAT_NAME!r}"
+        )
+    if manifest["schema_version"] != SCHEMA_VERSION:
+        raise ArtifactError(
+            f"{manifest_path}: schema_version is {manifest['schema_version']!r}, this nca-knn "
+            f"{__version__} reads schema_version {SCHEMA_VERSION}"
+        )
+    if manifest["decision_rule"] not in DECISION_RULES:
+        raise ArtifactError(
+            f"{manifest_path}: decision_rule is {manifest['decision_rule']!r}, "
+            f"expected one of {DECISION_RULES}"
+        )
+    return manifest
+
+
+def read_artifact(path: str | os.PathLike, *, mmap: bool = True) -> Artifact:
+    """Load the artifact at ``path``, verifying checksums, dtypes, shapes and consistency."""
+    root = Path(path)
+    manifest = read_manifest(root)
+    files = manifest["files"]
+    dims = {
+        "d": int(manifest["n_components"]),
+        "D": int(manifest["n_features_in"]),
+        "N": int(manifest["n_references"]),
+    }
+    arrays: dict[str, np.ndarray] = {}
+    for name, (file_name, dtype, symbols) in ARRAY_SPECS.items():
+        entry = files.get(name)
+        if entry is None:
+            if name in OPTIONAL_ARRAYS:
+                continue
+            raise ArtifactError(f"{root / MANIFEST_FILE}: no entry for required file {file_name}")
+        file_path = root / entry["path"]
+        if not file_path.is_file():
+            raise ArtifactError(f"{file_path}: missing (listed in the manifest)")
+        actual_sha = _sha256_file(file_path)
+        if actual_sha != entry["sha256"]:
+            raise ArtifactError(
+                f"{file_path}: checksum mismatch, expected sha256 {entry['sha256']}, "
+                f"got {actual_sha} (the file is corrupted or was changed after writing)"
+            )
+        try:
+            array = np.load(file_path, allow_pickle=False, mmap_mode="r" if mmap else None)
+        except (ValueError, OSError, EOFError) as exc:
+            raise ArtifactError(f"{file_path}: cannot be read as .npy ({exc})") from exc
+        if array.dtype != dtype:
+            raise ArtifactError(f"{file_path}: expected dtype {dtype}, got {array.dtype}")
+        expected = tuple(dims[s] for s in symbols)
+        if array.shape != expected or list(array.shape) != list(entry["shape"]):
+            raise ArtifactError(
+                f"{file_path}: expected shape {expected}, got {array.shape} "
+                f"(manifest says {tuple(entry['shape'])})"
+            )
+        arrays[name] = array
+    classes = manifest["classes"]
+    labels = arrays["labels"]
+    if labels.size and (labels.min() < 0 or labels.max() >= len(classes)):
+        raise ArtifactError(
+            f"{root / ARRAY_SPECS['labels'][0]}: label indices must lie in [0, {len(classes)})"
+        )
+    index_path = None
+    if "index" in files:
+        index_path = root / files["index"]["path"]
+        if not index_path.is_file():
+            raise ArtifactError(f"{index_path}: missing (listed in the manifest)")
+        actual_sha = _sha256_file(index_path)
+        if actual_sha != files["index"]["sha256"]:
+            raise ArtifactError(
+                f"{index_path}: checksum mismatch, expected sha256 {files['index']['sha256']}, "
+                f"got {actual_sha}"
+            )
+    if "ids" not in arrays:
+        arrays["ids"] = np.arange(dims["N"], dtype=np.int64)
+    return Artifact(path=root, manifest=manifest, index_path=index_path, **arrays)

@@ -1,0 +1,125 @@
+"""The numpy-only kNN core shared by offline evaluation and online serving.
+
+Three functions, used unchanged on both sides so that the accuracy the training report
+states is the accuracy the service delivers:
+
+* :func:`project`     z = x @ W.T + b, in float32 (one GEMM).
+* :func:`exact_knn`   brute-force k nearest references by squared Euclidean distance.
+* :func:`decide`      neighbour labels and distances -> predicted class and probabilities.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+RULES = ("majority", "soft")
+
+
+def project(x: np.ndarray, projection: np.ndarray, offset: np.ndarray) -> np.ndarray:
+    """Embed raw inputs: z = x @ W.T + b.
+
+    x: (n, D), projection W: (d, D), offset b: (d,)  ->  z: (n, d) float32.
+    """
+    x32 = np.asarray(x, dtype=np.float32)
+    z = x32 @ np.asarray(projection, dtype=np.float32).T
+    z += np.asarray(offset, dtype=np.float32)
+    return z
+
+
+def squared_distances(queries: np.ndarray, references: np.ndarray) -> np.ndarray:
+    """||q_i - r_j||^2 = ||q_i||^2 + ||r_j||^2 - 2 q_i.r_j, clipped at 0.
+
+    queries: (n, d), references: (N, d)  ->  (n, N) float32.
+    """
+    q = np.asarray(queries, dtype=np.float32)
+    r = np.asarray(references, dtype=np.float32)
+    d2 = (q * q).sum(axis=1)[:, None] + (r * r).sum(axis=1)[None, :]
+    d2 -= 2.0 * (q @ r.T)
+    np.maximum(d2, 0.0, out=d2)
+    return d2
+
+
+def exact_knn(
+    queries: np.ndarray,
+    references: np.ndarray,
+    k: int,
+    *,
+    chunk_size: int = 1024,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The k nearest references of each query by squared Euclidean distance.
+
+    queries: (n, d), references: (N, d)  ->  (distances (n, k) float32, indices (n, k) int64),
+    each row sorted by increasing distance (ties by increasing index). Memory: O(chunk * N).
+    """
+    n_refs = len(references)
+    if not 1 <= k <= n_refs:
+        raise ValueError(f"k must lie in [1, {n_refs}] (the number of references), got {k}")
+    n = len(queries)
+    out_d = np.empty((n, k), dtype=np.float32)
+    out_i = np.empty((n, k), dtype=np.int64)
+    for start in range(0, n, chunk_size):
+        d2 = squared_distances(queries[start : start + chunk_size], references)
+        if k < n_refs:
+            part = np.argpartition(d2, k - 1, axis=1)[:, :k]
+        else:
+            part = np.broadcast_to(np.arange(n_refs), d2.shape)
+        part_d = np.take_along_axis(d2, part, axis=1)
+        order = np.lexsort((part, part_d), axis=1)
+        out_i[start : start + chunk_size] = np.take_along_axis(part, order, axis=1)
+        out_d[start : start + chunk_size] = np.take_along_axis(part_d, order, axis=1)
+    return out_d, out_i
+
+
+def decide(
+    neighbor_labels: np.ndarray,
+    neighbor_distances: np.ndarray,
+    n_classes: int,
+    rule: str = "majority",
+) -> tuple[np.ndarray, np.ndarray]:
+    """The kNN decision rule.
+
+    neighbor_labels: (n, k) int class indices, neighbor_distances: (n, k) squared distances,
+    each row sorted nearest first. Returns (predicted class index (n,) int64,
+    class probabilities (n, n_classes) float64).
+
+    * ``majority``: probabilities are vote fractions votes_c / k; the prediction is the class
+      with most votes, ties broken in favour of the tied class whose nearest member comes
+      first in the neighbour list (deterministic; it reduces to 1-NN on a full tie).
+    * ``soft``: the NCA rule restricted to the k retrieved neighbours,
+      P(c) = sum_{j: y_j = c} exp(-d_j) / sum_j exp(-d_j) (computed with the minimum
+      distance subtracted); the prediction is argmax P(c), ties to the smaller index.
+    """
+    labels = np.asarray(neighbor_labels)
+    dists = np.asarray(neighbor_distances, dtype=np.float64)
+    if labels.ndim != 2 or labels.shape != dists.shape:
+        raise ValueError(
+            f"neighbor_labels and neighbor_distances must both be (n, k); got "
+            f"{labels.shape} and {dists.shape}"
+        )
+    if rule not in RULES:
+        raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+    n, k = labels.shape
+    if n == 0:
+        return np.empty(0, dtype=np.int64), np.empty((0, n_classes), dtype=np.float64)
+    if k == 0:
+        raise ValueError("decide needs at least one neighbour per query (k >= 1)")
+    rows = np.repeat(np.arange(n), k)
+    cols = labels.reshape(-1).astype(np.int64)
+    if rule == "majority":
+        weights = np.ones((n, k), dtype=np.float64)
+    else:
+        weights = np.exp(-(dists - dists.min(axis=1, keepdims=True)))
+    scores = np.zeros((n, n_classes), dtype=np.float64)
+    np.add.at(scores, (rows, cols), weights.reshape(-1))
+    proba = scores / scores.sum(axis=1, keepdims=True)
+    if rule == "majority":
+        # first_rank[i, c]: position of the nearest neighbour of class c (k when absent).
+        first_rank = np.full((n, n_classes), k, dtype=np.int64)
+        ranks = np.broadcast_to(np.arange(k), (n, k)).reshape(-1)
+        np.minimum.at(first_rank, (rows, cols), ranks)
+        # votes dominate (steps of k + 1); among equal votes the earliest class wins.
+        key = scores.astype(np.int64) * (k + 1) + (k - first_rank)
+        predicted = key.argmax(axis=1)
+    else:
+        predicted = proba.argmax(axis=1)
+    return predicted.astype(np.int64), proba

@@ -1,0 +1,5 @@
+import sys
+
+from training.cli import main
+
+sys.exit(main())

@@ -1,0 +1,293 @@
+"""Data: loading, validation, stratified splitting and standardisation.
+
+Sources: a built-in scikit-learn set (digits, iris, wine, breast_cancer: shipped with the
+package, no network), an ``.npz`` file (``X``, ``y``, optional ``X_test``, ``y_test``), an
+``.npy`` feature file with a separate ``.npy`` label file, or a CSV file with a label column.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+BUILTIN_DATASETS = ("digits", "iris", "wine", "breast_cancer")
+
+
+class DataError(ValueError):
+    """The data cannot be used for training; the message says what and why."""
+
+
+@dataclass
+class Dataset:
+    """Features and labels as loaded; labels in their original type (ints or strings)."""
+
+    X: np.ndarray  # (n, D) float64
+    y: np.ndarray  # (n,) labels
+    X_test: np.ndarray | None = None  # (n_test, D)
+    y_test: np.ndarray | None = None  # (n_test,)
+    name: str = "data"
+    feature_names: list[str] | None = None
+
+
+@dataclass
+class Split:
+    """A stratified train / validation / test split with labels encoded as class indices."""
+
+    X_train: np.ndarray  # (n_train, D)
+    y_train: np.ndarray  # (n_train,) int64 indices into classes
+    X_val: np.ndarray  # (n_val, D), possibly empty
+    y_val: np.ndarray
+    X_test: np.ndarray  # (n_test, D), possibly empty
+    y_test: np.ndarray
+    classes: np.ndarray  # (C,) original labels, sorted
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_dataset(spec: str, *, labels: str | None = None, label_column: str | None = None) -> Dataset:
+    """Load a data set from a built-in name or a file path (see module docstring)."""
+    if spec in BUILTIN_DATASETS:
+        return _load_builtin(spec)
+    path = Path(spec)
+    suffix = path.suffix.lower()
+    if suffix not in (".npz", ".npy", ".csv"):
+        raise DataError(
+            f"--data {spec!r}: expected one of the built-in sets {list(BUILTIN_DATASETS)} "
+            "or a path ending in .npz, .npy or .csv"
+        )
+    if not path.is_file():
+        raise DataError(f"--data {spec!r}: no such file")
+    if suffix == ".npz":
+        return _load_npz(path)
+    if suffix == ".npy":
+        return _load_npy_pair(path, labels)
+    return _load_csv(path, label_column)
+
+
+def _load_builtin(name: str) -> Dataset:
+    from sklearn import datasets
+
+    loader = getattr(datasets, f"load_{name}")
+    bunch = loader()
+    return Dataset(
+        X=np.asarray(bunch.data, dtype=np.float64),
+        y=np.asarray(bunch.target),
+        name=name,
+        feature_names=[str(f) for f in getattr(bunch, "feature_names", [])] or None,
+    )
+
+
+def _load_npy(path: Path, what: str) -> np.ndarray:
+    try:
+        return np.load(path, allow_pickle=False)
+    except ValueError as exc:
+        raise DataError(f"{path}: cannot read {what} without pickle ({exc})") from exc
+    except (OSError, EOFError) as exc:
+        raise DataError(f"{path}: not a readable .npy/.npz file ({exc})") from exc
+
+
+def _load_npz(path: Path) -> Dataset:
+    try:
+        archive = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as exc:
+        raise DataError(f"{path}: not a readable .npz file ({exc})") from exc
+    with archive:
+        keys = set(archive.files)
+        missing = {"X", "y"} - keys
+        if missing:
+            raise DataError(f"{path}: missing arrays {sorted(missing)}; found {sorted(keys)}")
+        try:
+            X, y = archive["X"], archive["y"]
+            X_test = archive["X_test"] if "X_test" in keys else None
+            y_test = archive["y_test"] if "y_test" in keys else None
+        except ValueError as exc:
+            raise DataError(f"{path}: arrays must load without pickle ({exc})") from exc
+    if (X_test is None) != (y_test is None):
+        raise DataError(f"{path}: X_test and y_test must be given together")
+    return Dataset(X=X, y=y, X_test=X_test, y_test=y_test, name=path.stem)
+
+
+def _load_npy_pair(path: Path, labels: str | None) -> Dataset:
+    if labels is None:
+        raise DataError(f"--data {path}: a .npy feature file needs --labels LABELS.npy")
+    label_path = Path(labels)
+    if not label_path.is_file():
+        raise DataError(f"--labels {labels!r}: no such file")
+    return Dataset(X=_load_npy(path, "features"), y=_load_npy(label_path, "labels"), name=path.stem)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _load_csv(path: Path, label_column: str | None) -> Dataset:
+    with open(path, newline="", encoding="utf-8") as fh:
+        rows = [row for row in csv.reader(fh) if row]
+    if not rows:
+        raise DataError(f"{path}: empty CSV file")
+    header = rows[0]
+    has_header = not all(_is_number(cell) for cell in header) and label_column != "-1"
+    if has_header:
+        body = rows[1:]
+    else:
+        header = [str(i) for i in range(len(rows[0]))]
+        body = rows
+    if label_column is None:
+        label_column = "label" if "label" in header else header[-1]
+    if label_column not in header:
+        raise DataError(f"{path}: no label column {label_column!r}; columns are {header}")
+    li = header.index(label_column)
+    widths = {len(r) for r in body}
+    if widths != {len(header)}:
+        raise DataError(f"{path}: every row must have {len(header)} fields, found {sorted(widths)}")
+    try:
+        X = np.array([[float(v) for j, v in enumerate(r) if j != li] for r in body], dtype=np.float64)
+    except ValueError as exc:
+        raise DataError(f"{path}: non-numeric feature value ({exc})") from exc
+    raw = [r[li] for r in body]
+    y = np.array([int(v) for v in raw]) if all(_is_int(v) for v in raw) else np.array(raw)
+    names = [h for j, h in enumerate(header) if j != li]
+    return Dataset(X=X, y=y, name=path.stem, feature_names=names)
+
+
+def _is_int(text: str) -> bool:
+    try:
+        int(text)
+    except ValueError:
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def validate_xy(X, y, *, what: str = "X") -> tuple[np.ndarray, np.ndarray]:
+    """Check features (n, D) numeric and finite and labels (n,) ints or strings."""
+    X = np.asarray(X)
+    y = np.asarray(y)
+    if X.dtype.kind not in "biuf":
+        raise DataError(f"{what}: features must be numeric, got dtype {X.dtype}")
+    if X.ndim != 2:
+        raise DataError(f"{what}: expected a 2-D array (n_samples, n_features), got shape {X.shape}")
+    if X.shape[1] == 0:
+        raise DataError(f"{what}: has 0 features")
+    if y.ndim != 1:
+        raise DataError(f"labels for {what}: expected a 1-D array, got shape {y.shape}")
+    if len(X) != len(y):
+        raise DataError(f"{what} has {len(X)} rows but its labels have {len(y)}")
+    if not np.all(np.isfinite(X)):
+        bad = np.argwhere(~np.isfinite(X))[0]
+        raise DataError(f"{what}: contains NaN or Inf (first at row {bad[0]}, column {bad[1]})")
+    if y.dtype.kind == "f":
+        if not np.all(np.isfinite(y)) or not np.all(y == np.round(y)):
+            raise DataError(f"labels for {what}: must be integers or strings, got non-integer floats")
+        y = y.astype(np.int64)
+    elif y.dtype.kind not in "biuUS":
+        raise DataError(f"labels for {what}: must be integers or strings, got dtype {y.dtype}")
+    if y.dtype.kind == "S":
+        y = y.astype(str)
+    return X.astype(np.float64), y
+
+
+def fingerprint(X: np.ndarray, y: np.ndarray) -> str:
+    """sha256 over the features' bytes (float64, C order) and the labels' text."""
+    digest = hashlib.sha256()
+    digest.update(np.ascontiguousarray(X, dtype=np.float64).tobytes())
+    digest.update("\x1f".join(map(str, y.tolist())).encode())
+    return digest.hexdigest()
+
+
+# --------------------------------------------------------------------------- splitting
+
+
+def stratified_split(
+    y: np.ndarray, fractions: tuple[float, ...], seed: int
+) -> list[np.ndarray]:
+    """Split indices of ``y`` into len(fractions) + 1 parts, class by class.
+
+    Part p > 0 gets round(fraction_p * n_c) members of each class c (at least one when the
+    fraction is > 0 and the class has enough members to leave two in part 0); part 0 (train)
+    gets the rest. Deterministic for a seed. Returns sorted index arrays.
+    """
+    rng = np.random.default_rng(seed)
+    parts: list[list[np.ndarray]] = [[] for _ in range(len(fractions) + 1)]
+    for cls in np.unique(y):
+        members = rng.permutation(np.flatnonzero(y == cls))
+        n_c = len(members)
+        start = 0
+        for p, frac in enumerate(fractions, start=1):
+            take = round(frac * n_c)
+            if frac > 0 and take == 0 and n_c - start >= 3:
+                take = 1
+            take = min(take, max(0, n_c - start - 2))  # keep >= 2 in train where possible
+            parts[p].append(members[start : start + take])
+            start += take
+        parts[0].append(members[start:])
+    return [np.sort(np.concatenate(p)) if p else np.empty(0, dtype=np.int64) for p in parts]
+
+
+def make_split(data: Dataset, *, test_size: float, val_size: float, seed: int) -> Split:
+    """Validate, encode labels and split into train / validation / test."""
+    for name, value in (("test_size", test_size), ("val_size", val_size)):
+        if not 0.0 <= value < 1.0:
+            raise DataError(f"--{name.replace('_', '-')}={value} must lie in [0, 1)")
+    if test_size + val_size >= 0.9:
+        raise DataError(
+            f"--test-size + --val-size = {test_size + val_size:.2f} leaves too little to train on "
+            "(must be < 0.9)"
+        )
+    X, y = validate_xy(data.X, data.y, what="X")
+    classes, y_idx = np.unique(y, return_inverse=True)
+    if len(classes) < 2:
+        raise DataError(f"labels: need at least 2 classes, found {len(classes)} ({classes.tolist()})")
+    if len(X) < 2 * len(classes):
+        raise DataError(
+            f"X: {len(X)} samples for {len(classes)} classes; need at least 2 per class on average"
+        )
+    counts = np.bincount(y_idx)
+    if counts.min() < 2:
+        rare = classes[counts < 2].tolist()
+        raise DataError(f"labels: classes {rare} have fewer than 2 samples; NCA needs 2 per class")
+    if data.X_test is not None:
+        X_test, y_test_raw = validate_xy(data.X_test, data.y_test, what="X_test")
+        if X_test.shape[1] != X.shape[1]:
+            raise DataError(f"X_test has {X_test.shape[1]} features, X has {X.shape[1]}")
+        unknown = np.setdiff1d(np.unique(y_test_raw), classes)
+        if unknown.size:
+            raise DataError(f"y_test has labels not seen in y: {unknown.tolist()}")
+        y_test = np.searchsorted(classes, y_test_raw)
+        train_idx, val_idx = stratified_split(y_idx, (val_size,), seed)
+        return Split(
+            X[train_idx], y_idx[train_idx], X[val_idx], y_idx[val_idx], X_test, y_test, classes
+        )
+    train_idx, val_idx, test_idx = stratified_split(y_idx, (val_size, test_size), seed)
+    return Split(
+        X[train_idx],
+        y_idx[train_idx],
+        X[val_idx],
+        y_idx[val_idx],
+        X[test_idx],
+        y_idx[test_idx],
+        classes,
+    )
+
+
+# --------------------------------------------------------------------------- standardisation
+
+
+def fit_standardizer(X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """mean (D,) and scale (D,) with x_std = (x - mean) / scale; constant features get scale 1."""
+    mean = X.mean(axis=0)
+    scale = X.std(axis=0)
+    tiny = scale <= 10 * np.finfo(np.float64).eps * np.maximum(1.0, np.abs(mean))
+    scale = np.where(tiny, 1.0, scale)
+    return mean, scale

@@ -1,0 +1,374 @@
+"""``NCA``: a scikit-learn compatible transformer that learns A by NCA.
+
+    from sklearn.pipeline import make_pipeline
+    from sklearn.neighbors import KNeighborsClassifier
+    from training import NCA
+
+    model = make_pipeline(NCA(n_components=32), KNeighborsClassifier(5)).fit(X, y)
+
+The inputs are standardised inside (``standardize=True``): transform(x) = ((x - mean_) /
+scale_) @ components_.T = x @ projection_.T + offset_, computed by the same float32 function
+the service uses. Defaults pick the strategy that suits the data: exact full-batch L-BFGS up
+to ``AUTO_EXACT_MAX_SAMPLES`` points, candidate sets (O(N K) per pass) above.
+"""
+
+from __future__ import annotations
+
+import numbers
+import os
+import warnings
+
+import numpy as np
+import torch
+from sklearn.base import BaseEstimator, ClassNamePrefixFeaturesOutMixin, TransformerMixin
+from sklearn.exceptions import ConvergenceWarning
+from sklearn.utils.multiclass import check_classification_targets
+from sklearn.utils.validation import check_is_fitted, validate_data
+
+from service.knn import decide, exact_knn, project
+from training.data import fit_standardizer, stratified_split
+from training.initialization import INIT_NAMES, initial_components
+from training.objectives import OBJECTIVES, make_objective
+from training.optimize import Monitor, Problem, run_adam, run_lbfgs
+
+AUTO_EXACT_MAX_SAMPLES = 8192
+AUTO_N_CANDIDATES = 64
+SOLVERS = ("auto", "lbfgs", "adam")
+TRANSFORMS = ("linear", "diagonal")
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device={device!r} is not a valid torch device ({exc})") from exc
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} was requested but CUDA is not available here")
+    return resolved
+
+
+class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
+    """Neighbourhood Components Analysis (Goldberger et al. 2004), memory-bounded, in PyTorch.
+
+    Parameters
+    ----------
+    n_components : int or None
+        d, the embedding dimension; None means d = D (a full transform).
+    objective : {"nca", "nca-log"}
+        "nca" maximises f(A) = sum_i p_i (expected number correct, eq 3); "nca-log"
+        maximises g(A) = sum_i log p_i (eq 6).
+    k : int
+        The k of the kNN rule the objective trains for (1 for NCA).
+    transformation : {"linear", "diagonal"}
+        "linear": A is (d, D) (full when d = D, low-rank when d < D). "diagonal": A = diag(a),
+        an axis-aligned scaling (requires d = D).
+    init : {"auto", "pca", "lda", "identity", "random"}, ndarray (d, D) or artifact path
+    solver : {"auto", "lbfgs", "adam"}
+        "auto" is L-BFGS (full batch). "adam" runs mini-batches of ``batch_size`` query rows.
+    max_iter : int
+        L-BFGS iterations, or Adam epochs.
+    tol : float
+        Convergence tolerance (L-BFGS ftol/gtol; Adam: relative change of the epoch objective).
+    l2 : float
+        Penalty l2 * ||A||_F^2 added to the (per-point mean) loss.
+    n_candidates : "auto", int or None
+        None: exact objective (chunks against all points). int K: each point's K nearest
+        same-class and K nearest other-class points in the current projection, refreshed every
+        ``refresh_every`` iterations. "auto": None up to AUTO_EXACT_MAX_SAMPLES points, else 64.
+    refresh_every : int
+        Iterations between candidate refreshes.
+    chunk_size : int or None
+        Query rows per chunk (None: sized to a 256 MiB working set).
+    batch_size, learning_rate : Adam's mini-batch size and step size.
+    early_stopping : bool
+        Hold out ``validation_fraction`` of the data (stratified) unless ``fit`` gets
+        ``X_val``/``y_val``; stop after ``n_iter_no_change`` checks (one every
+        ``validation_interval`` iterations) without a better validation kNN accuracy, and
+        keep the best transformation.
+    standardize : bool
+        Standardise inputs with statistics of the training data (constant features kept).
+    device : "auto", "cpu", "cuda", ...
+    random_state : int, Generator or None
+    verbose : int
+        > 0 shows a progress bar with the objective and validation accuracy.
+    callback : callable(record: dict) or None
+        Called after every iteration with {"iteration", "objective", "seconds", ...}.
+
+    Attributes
+    ----------
+    components_ : (d, D) the learned A, acting on standardised inputs
+    projection_, offset_ : (d, D), (d,) the same map on raw inputs, z = x @ W.T + b
+    mean_, scale_ : (D,) the standardisation
+    classes_, n_features_in_, n_iter_, converged_, stop_reason_, objective_value_,
+    history_, init_used_, best_val_accuracy_, n_candidates_, solver_
+    """
+
+    _parameter_constraints: dict = {}
+
+    def __init__(
+        self,
+        n_components=None,
+        *,
+        objective="nca",
+        k=1,
+        transformation="linear",
+        init="auto",
+        solver="auto",
+        max_iter=100,
+        tol=1e-5,
+        l2=0.0,
+        n_candidates="auto",
+        refresh_every=10,
+        chunk_size=None,
+        batch_size=1024,
+        learning_rate=0.01,
+        early_stopping=False,
+        validation_fraction=0.1,
+        n_iter_no_change=5,
+        validation_interval=5,
+        standardize=True,
+        device="auto",
+        random_state=None,
+        verbose=0,
+        callback=None,
+    ):
+        self.n_components = n_components
+        self.objective = objective
+        self.k = k
+        self.transformation = transformation
+        self.init = init
+        self.solver = solver
+        self.max_iter = max_iter
+        self.tol = tol
+        self.l2 = l2
+        self.n_candidates = n_candidates
+        self.refresh_every = refresh_every
+        self.chunk_size = chunk_size
+        self.batch_size = batch_size
+        self.learning_rate = learning_rate
+        self.early_stopping = early_stopping
+        self.validation_fraction = validation_fraction
+        self.n_iter_no_change = n_iter_no_change
+        self.validation_interval = validation_interval
+        self.standardize = standardize
+        self.device = device
+        self.random_state = random_state
+        self.verbose = verbose
+        self.callback = callback
+
+    # ------------------------------------------------------------------ validation
+
+    def _validate_params_against(self, n_samples: int, n_features: int, n_classes: int) -> int:
+        def positive_int(name, value, minimum=1):
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
+                raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
+
+        def positive_real(name, value, allow_zero=False):
+            if not isinstance(value, numbers.Real) or isinstance(value, bool) or not (
+                value > 0 or (allow_zero and value == 0)
+            ):
+                limit = ">= 0" if allow_zero else "> 0"
+                raise ValueError(f"{name}={value!r} must be a real number {limit}")
+
+        d = n_features if self.n_components is None else self.n_components
+        positive_int("n_components", d)
+        if d > n_features:
+            raise ValueError(
+                f"n_components={d} must be <= n_features={n_features} (the input dimension)"
+            )
+        if self.transformation not in TRANSFORMS:
+            raise ValueError(f"transformation={self.transformation!r} must be one of {TRANSFORMS}")
+        if self.transformation == "diagonal" and d != n_features:
+            raise ValueError(
+                f"transformation='diagonal' needs n_components = n_features = {n_features}, got {d}"
+            )
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective={self.objective!r} must be one of {sorted(OBJECTIVES)}")
+        positive_int("k", self.k)
+        if self.solver not in SOLVERS:
+            raise ValueError(f"solver={self.solver!r} must be one of {SOLVERS}")
+        positive_int("max_iter", self.max_iter)
+        positive_real("tol", self.tol, allow_zero=True)
+        positive_real("l2", self.l2, allow_zero=True)
+        if not (self.n_candidates in ("auto", None) or (
+            isinstance(self.n_candidates, numbers.Integral) and self.n_candidates >= 1
+        )):
+            raise ValueError(
+                f"n_candidates={self.n_candidates!r} must be 'auto', None or an integer >= 1"
+            )
+        positive_int("refresh_every", self.refresh_every)
+        if self.chunk_size is not None:
+            positive_int("chunk_size", self.chunk_size)
+        positive_int("batch_size", self.batch_size)
+        positive_real("learning_rate", self.learning_rate)
+        if not 0 < self.validation_fraction < 1:
+            raise ValueError(
+                f"validation_fraction={self.validation_fraction!r} must lie in (0, 1)"
+            )
+        positive_int("n_iter_no_change", self.n_iter_no_change)
+        positive_int("validation_interval", self.validation_interval)
+        if isinstance(self.init, (str, os.PathLike)) and str(self.init) not in INIT_NAMES:
+            if not os.path.isdir(self.init):
+                raise ValueError(
+                    f"init={str(self.init)!r} must be one of {INIT_NAMES}, an array of shape "
+                    "(n_components, n_features) or an existing artifact directory"
+                )
+        if n_samples < 2:
+            raise ValueError(f"NCA needs at least 2 samples, got n_samples={n_samples}")
+        if n_classes < 2:
+            raise ValueError(f"NCA needs at least 2 classes in y, got {n_classes}")
+        return int(d)
+
+    # ------------------------------------------------------------------ fitting
+
+    def fit(self, X, y, X_val=None, y_val=None):
+        """Learn the transformation from X (N, D) and labels y (N,).
+
+        X_val, y_val: an explicit validation set for early stopping (optional).
+        """
+        X, y = validate_data(self, X, y, ensure_min_samples=2, dtype=np.float64)
+        check_classification_targets(y)
+        classes, y_idx = np.unique(y, return_inverse=True)
+        d = self._validate_params_against(X.shape[0], X.shape[1], len(classes))
+        rng = np.random.default_rng(
+            self.random_state if not isinstance(self.random_state, np.random.RandomState)
+            else self.random_state.randint(2**31 - 1)
+        )
+        torch.manual_seed(int(rng.integers(2**31 - 1)))
+        device = resolve_device(self.device)
+        objective = make_objective(self.objective, self.k)
+
+        if X_val is not None:
+            X_val = validate_data(self, X_val, reset=False, dtype=np.float64)
+            y_val = np.asarray(y_val)
+            unknown = np.setdiff1d(np.unique(y_val), classes)
+            if unknown.size:
+                raise ValueError(f"y_val has labels not present in y: {unknown.tolist()}")
+            yv_idx = np.searchsorted(classes, y_val)
+            X_tr, y_tr = X, y_idx
+        elif self.early_stopping:
+            tr, va = stratified_split(y_idx, (self.validation_fraction,), int(rng.integers(2**31)))
+            X_tr, y_tr, X_val, yv_idx = X[tr], y_idx[tr], X[va], y_idx[va]
+            if len(va) == 0:
+                X_val = None
+        else:
+            X_tr, y_tr, yv_idx = X, y_idx, None
+
+        if self.standardize:
+            mean, scale = fit_standardizer(X_tr)
+        else:
+            mean, scale = np.zeros(X.shape[1]), np.ones(X.shape[1])
+        Xs = (X_tr - mean) / scale
+        A0, init_used = initial_components(
+            self.init, Xs, y_tr, d, random_state=rng, scale=scale
+        )
+        theta0 = np.diag(A0).copy() if self.transformation == "diagonal" else A0
+
+        n = len(Xs)
+        n_candidates = self.n_candidates
+        if n_candidates == "auto":
+            n_candidates = None if n <= AUTO_EXACT_MAX_SAMPLES else AUTO_N_CANDIDATES
+        solver = "lbfgs" if self.solver == "auto" else self.solver
+
+        X_t = torch.as_tensor(Xs, dtype=torch.float32, device=device)
+        y_t = torch.as_tensor(y_tr, dtype=torch.long, device=device)
+        problem = Problem(
+            X_t,
+            y_t,
+            objective,
+            transform=self.transformation,
+            n_components=d,
+            l2=self.l2,
+            n_candidates=n_candidates,
+            chunk_size=self.chunk_size,
+        )
+
+        validate = None
+        if X_val is not None and len(X_val):
+            Xv_s = (X_val - mean) / scale
+            validate_k = min(self.k, n)
+
+            def validate(theta):
+                A = problem.components(theta)
+                z_tr = (Xs @ A.T).astype(np.float32)
+                z_va = (Xv_s @ A.T).astype(np.float32)
+                dist, idx = exact_knn(z_va, z_tr, validate_k)
+                pred, _ = decide(y_tr[idx], dist, len(classes))
+                return float(np.mean(pred == yv_idx))
+
+        monitor = Monitor(
+            max_iter=self.max_iter,
+            validate=validate,
+            early_stopping=self.early_stopping,
+            interval=self.validation_interval,
+            patience=self.n_iter_no_change,
+            verbose=bool(self.verbose),
+            callback=self.callback,
+        )
+        if solver == "lbfgs":
+            result = run_lbfgs(
+                problem,
+                theta0,
+                max_iter=self.max_iter,
+                tol=self.tol,
+                monitor=monitor,
+                refresh_every=self.refresh_every,
+            )
+        else:
+            result = run_adam(
+                problem,
+                theta0,
+                max_iter=self.max_iter,
+                tol=self.tol,
+                monitor=monitor,
+                learning_rate=self.learning_rate,
+                batch_size=self.batch_size,
+                rng=rng,
+                refresh_every=self.refresh_every,
+            )
+
+        A = problem.components(result.theta)
+        self.components_ = A
+        self.mean_ = mean
+        self.scale_ = scale
+        self.projection_ = (A / scale[None, :]).astype(np.float32)
+        self.offset_ = (-(mean / scale) @ A.T).astype(np.float32)
+        self.classes_ = classes
+        self.n_iter_ = result.n_iter
+        self.converged_ = result.converged
+        self.stop_reason_ = result.stop_reason
+        self.objective_value_ = result.objective
+        self.history_ = result.history
+        self.best_val_accuracy_ = result.best_val_accuracy
+        self.init_used_ = init_used
+        self.n_candidates_ = n_candidates
+        self.solver_ = solver
+        self.device_ = str(device)
+        self.fit_seconds_ = result.seconds
+        self.n_evaluations_ = result.n_evaluations
+        if not result.converged:
+            warnings.warn(
+                f"NCA did not converge in max_iter={self.max_iter} iterations "
+                f"(stop reason: {result.stop_reason}); increase max_iter or tol",
+                ConvergenceWarning,
+                stacklevel=2,
+            )
+        return self
+
+    def transform(self, X):
+        """z = x @ projection_.T + offset_ (float32), the same function the service uses."""
+        check_is_fitted(self)
+        X = validate_data(self, X, reset=False, dtype=[np.float64, np.float32])
+        return project(X, self.projection_, self.offset_)
+
+    def __sklearn_tags__(self):
+        tags = super().__sklearn_tags__()
+        tags.target_tags.required = True
+        tags.transformer_tags.preserves_dtype = ["float32"]
+        return tags
+
+    @property
+    def _n_features_out(self):
+        return self.components_.shape[0]

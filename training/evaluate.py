@@ -1,0 +1,59 @@
+"""Offline evaluation: kNN accuracy in an embedding, for several k, with the service's rule.
+
+Queries are classified against the reference set (the training split) with the exact kNN
+search and the decision rule of ``service.knn``: the same functions the service runs, so the
+accuracy reported here is the accuracy served.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from service.knn import decide, exact_knn
+
+K_VALUES = (1, 3, 5, 7, 9, 11, 13, 15)
+
+
+def knn_predictions(
+    z_ref: np.ndarray,
+    y_ref: np.ndarray,
+    z_query: np.ndarray,
+    n_classes: int,
+    ks: tuple[int, ...] = K_VALUES,
+    rule: str = "majority",
+) -> dict[int, np.ndarray]:
+    """Predicted class indices for each k: {k: (n_query,) int64}.
+
+    z_ref: (N, d) reference embeddings, y_ref: (N,) class indices, z_query: (n, d).
+    Values of k above N are dropped. One neighbour search serves every k.
+    """
+    ks = tuple(k for k in ks if k <= len(z_ref))
+    if len(z_query) == 0 or not ks:
+        return {k: np.empty(0, dtype=np.int64) for k in ks}
+    dist, idx = exact_knn(z_query, z_ref, max(ks))
+    labels = y_ref[idx]
+    return {k: decide(labels[:, :k], dist[:, :k], n_classes, rule)[0] for k in ks}
+
+
+def knn_accuracies(
+    z_ref: np.ndarray,
+    y_ref: np.ndarray,
+    z_query: np.ndarray,
+    y_query: np.ndarray,
+    n_classes: int,
+    ks: tuple[int, ...] = K_VALUES,
+    rule: str = "majority",
+) -> dict[int, float]:
+    """Accuracy for each k: {k: fraction of queries whose predicted class equals y_query}."""
+    if len(z_query) == 0:
+        return {}
+    preds = knn_predictions(z_ref, y_ref, z_query, n_classes, ks, rule)
+    return {k: float(np.mean(p == y_query)) for k, p in preds.items()}
+
+
+def choose_k(val_accuracies: dict[int, float], fallback: int) -> int:
+    """The k with the best validation accuracy (the smallest such k); fallback when empty."""
+    if not val_accuracies:
+        return fallback
+    best = max(val_accuracies.values())
+    return min(k for k, acc in val_accuracies.items() if acc == best)

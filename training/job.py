@@ -1,0 +1,206 @@
+"""The training job, top to bottom: data -> split -> fit -> evaluate -> artifact + report."""
+
+from __future__ import annotations
+
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from service.artifact import write_artifact
+from service.knn import project
+from training.baselines import BASELINES
+from training.config import TrainConfig
+from training.data import DataError, Dataset, fingerprint, load_dataset, make_split
+from training.estimator import NCA
+from training.evaluate import K_VALUES, choose_k, knn_accuracies, knn_predictions
+from training.report import json_bytes, plot_embedding, plot_objective
+
+
+class ConfigError(ValueError):
+    """An option has a value the job cannot use."""
+
+
+def _n_candidates(value: str):
+    if value in ("auto", None):
+        return "auto"
+    if value in ("exact", "none", "None"):
+        return None
+    try:
+        k = int(value)
+    except ValueError:
+        raise ConfigError(f"--n-candidates={value!r} must be 'auto', 'exact' or an integer >= 1") from None
+    if k < 1:
+        raise ConfigError(f"--n-candidates={value!r} must be 'auto', 'exact' or an integer >= 1")
+    return k
+
+
+def build_estimator(config: TrainConfig, n_features: int) -> NCA:
+    d = config.n_components if config.n_components is not None else min(32, n_features)
+    if config.decision_rule not in ("majority", "soft"):
+        raise ConfigError(f"--decision-rule={config.decision_rule!r} must be 'majority' or 'soft'")
+    return NCA(
+        n_components=d,
+        objective=config.objective,
+        k=config.k,
+        transformation=config.transformation,
+        init=config.init,
+        solver=config.solver,
+        max_iter=config.max_iter,
+        tol=config.tol,
+        l2=config.l2,
+        n_candidates=_n_candidates(config.n_candidates),
+        refresh_every=config.refresh_every,
+        chunk_size=config.chunk_size,
+        batch_size=config.batch_size,
+        learning_rate=config.learning_rate,
+        early_stopping=config.early_stopping,
+        n_iter_no_change=config.n_iter_no_change,
+        validation_interval=config.validation_interval,
+        standardize=True,
+        device=config.device,
+        random_state=config.seed,
+        verbose=0 if config.quiet else 1,
+    )
+
+
+def evaluate_baselines(split, mean, scale, d: int) -> dict:
+    """kNN accuracies of each baseline map on the same split (validation and test)."""
+    Xtr = (split.X_train - mean) / scale
+    Xva = (split.X_val - mean) / scale
+    Xte = (split.X_test - mean) / scale
+    n_classes = len(split.classes)
+    results = {}
+    for name, make in BASELINES.items():
+        try:
+            A = make(Xtr, split.y_train, d)
+        except (np.linalg.LinAlgError, ValueError) as exc:
+            results[name] = {"error": str(exc)}
+            continue
+        A32 = A.astype(np.float32)
+        z_tr = (Xtr @ A.T).astype(np.float32)
+        results[name] = {
+            "n_components": int(A32.shape[0]),
+            "val_accuracy": knn_accuracies(z_tr, split.y_train, (Xva @ A.T).astype(np.float32), split.y_val, n_classes),
+            "test_accuracy": knn_accuracies(z_tr, split.y_train, (Xte @ A.T).astype(np.float32), split.y_test, n_classes),
+        }
+    return results
+
+
+def run(config: TrainConfig, *, log=print) -> dict:
+    """Run the whole job; returns the report. Raises DataError / ConfigError / ValueError on bad input."""
+    started = time.perf_counter()
+    data: Dataset = load_dataset(config.data, labels=config.labels, label_column=config.label_column)
+    split = make_split(data, test_size=config.test_size, val_size=config.val_size, seed=config.seed)
+    n_train, n_features = split.X_train.shape
+    out = Path(config.out) if config.out else Path("models") / data.name
+    estimator = build_estimator(config, n_features)
+    log(
+        f"data {data.name}: {n_train} train / {len(split.X_val)} validation / {len(split.X_test)} test, "
+        f"D={n_features}, {len(split.classes)} classes; learning d={estimator.n_components} "
+        f"({config.objective})"
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        estimator.fit(
+            split.X_train,
+            split.y_train,
+            X_val=split.X_val if len(split.X_val) else None,
+            y_val=split.y_val if len(split.X_val) else None,
+        )
+    convergence_warnings = [str(w.message) for w in caught if "converge" in str(w.message)]
+    for message in convergence_warnings:
+        print(f"WARNING: {message}", file=sys.stderr)
+
+    W, b = estimator.projection_, estimator.offset_
+    z_train = project(split.X_train, W, b)
+    z_val = project(split.X_val, W, b)
+    z_test = project(split.X_test, W, b)
+    n_classes = len(split.classes)
+    rule = config.decision_rule
+    val_acc = knn_accuracies(z_train, split.y_train, z_val, split.y_val, n_classes, K_VALUES, rule)
+    test_acc = knn_accuracies(z_train, split.y_train, z_test, split.y_test, n_classes, K_VALUES, rule)
+    default_k = choose_k(val_acc, fallback=min(config.k, n_train))
+    test_pred = knn_predictions(z_train, split.y_train, z_test, n_classes, (default_k,), rule)[default_k]
+    baselines = evaluate_baselines(split, estimator.mean_, estimator.scale_, estimator.n_components)
+
+    training_record = {
+        "objective": config.objective,
+        "k": config.k,
+        "solver": estimator.solver_,
+        "n_candidates": estimator.n_candidates_,
+        "init": estimator.init_used_,
+        "seed": config.seed,
+        "device": estimator.device_,
+        "converged": bool(estimator.converged_),
+        "stop_reason": estimator.stop_reason_,
+        "n_iter": int(estimator.n_iter_),
+        "final_objective": float(estimator.objective_value_),
+        "best_val_accuracy": estimator.best_val_accuracy_,
+        "fit_seconds": float(estimator.fit_seconds_),
+        "warnings": convergence_warnings,
+        "config": config.to_dict(),
+    }
+    metrics = {
+        "val_accuracy": val_acc,
+        "test_accuracy": test_acc,
+        "default_k": default_k,
+        "val_accuracy_at_default_k": val_acc.get(default_k),
+        "test_accuracy_at_default_k": test_acc.get(default_k),
+        "baselines": baselines,
+    }
+    data_record = {
+        "name": data.name,
+        "source": config.data,
+        "fingerprint_sha256": fingerprint(split.X_train, split.classes[split.y_train]),
+        "n_train": int(n_train),
+        "n_val": len(split.X_val),
+        "n_test": len(split.X_test),
+        "n_features": int(n_features),
+    }
+    report = {
+        "artifact": str(out),
+        "data": data_record,
+        "training": {**training_record, "history": estimator.history_},
+        "metrics": metrics,
+        "test_predictions": {
+            "k": default_k,
+            "rule": rule,
+            "class_index": test_pred.tolist(),
+            "label": split.classes[test_pred].tolist(),
+            "true_class_index": split.y_test.tolist(),
+        },
+    }
+    extra_files = {"report.json": json_bytes(report)}
+    if config.plots:
+        extra_files["objective.png"] = plot_objective(estimator.history_, config.objective)
+        extra_files["embedding_test.png"] = plot_embedding(
+            z_test, split.y_test, split.classes.tolist(),
+            f"{data.name}: test embeddings (d={estimator.n_components})",
+        )
+    write_artifact(
+        out,
+        projection=W,
+        offset=b,
+        embeddings=z_train,
+        labels=split.y_train.astype(np.int32),
+        classes=split.classes.tolist(),
+        mean=estimator.mean_,
+        scale=estimator.scale_,
+        default_k=default_k,
+        decision_rule=rule,
+        extra_files=extra_files,
+        metadata={"training": training_record, "metrics": metrics, "data": data_record},
+    )
+    log(
+        f"wrote {out}: test accuracy {test_acc.get(default_k, float('nan')):.4f} at k={default_k} "
+        f"(Euclidean baseline {baselines['euclidean'].get('test_accuracy', {}).get(default_k, float('nan')):.4f}); "
+        f"{estimator.n_iter_} iterations, {estimator.stop_reason_}, "
+        f"{time.perf_counter() - started:.1f} s"
+    )
+    return report
+
+
+__all__ = ["ConfigError", "DataError", "run"]

@@ -1,0 +1,332 @@
+"""Optimisers for neighbourhood objectives: full-batch L-BFGS and mini-batch Adam.
+
+Both minimise the loss
+
+    L(A) = -(1 / |rows|) sum_{i in rows} score_i(A) + l2 * ||A||_F^2
+
+where score_i is the objective's per-point score (see ``training.objectives``) evaluated
+exactly (chunks against all points) or on candidate sets. With candidate sets the
+optimisation runs in rounds: candidates are recomputed in the current projection, then the
+optimiser runs for ``refresh_every`` iterations (L-BFGS restarts each round, since its
+curvature pairs belong to the previous objective).
+
+A :class:`Monitor` sees every iteration: it drives the progress bar, records the history,
+and implements early stopping on validation kNN accuracy (keeping the best parameters).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from scipy.optimize import minimize
+
+from training.neighbourhood import nearest_candidates, objective_sum
+from training.objectives import Objective
+
+
+class Problem:
+    """Data, objective and parametrisation: theta (flat float64) -> loss and gradient.
+
+    X: (N, D) standardised inputs on ``device``; labels: (N,) int64 class indices.
+    transform 'linear': theta holds A (d, D), Z = X A^T; 'diagonal': theta holds a (D,), Z = X * a.
+    """
+
+    def __init__(
+        self,
+        X: torch.Tensor,
+        labels: torch.Tensor,
+        objective: Objective,
+        *,
+        transform: str,
+        n_components: int,
+        l2: float = 0.0,
+        n_candidates: int | None = None,
+        chunk_size: int | None = None,
+    ):
+        self.X = X
+        self.labels = labels
+        self.objective = objective
+        self.transform = transform
+        self.n_components = n_components
+        self.l2 = float(l2)
+        self.n_candidates = n_candidates
+        self.chunk_size = chunk_size
+        self.candidates: torch.Tensor | None = None
+        n_features = X.shape[1]
+        self.shape = (n_features,) if transform == "diagonal" else (n_components, n_features)
+
+    @property
+    def n_samples(self) -> int:
+        return self.X.shape[0]
+
+    def to_tensor(self, theta: np.ndarray, requires_grad: bool = False) -> torch.Tensor:
+        t = torch.as_tensor(np.asarray(theta).reshape(self.shape), dtype=self.X.dtype)
+        return t.to(self.X.device).requires_grad_(requires_grad)
+
+    def embed(self, params: torch.Tensor) -> torch.Tensor:
+        """Z = X A^T (N, d), or X * a for the diagonal transform."""
+        if self.transform == "diagonal":
+            return self.X * params[None, :]
+        return self.X @ params.T
+
+    def components(self, theta: np.ndarray) -> np.ndarray:
+        """The (d, D) matrix A for parameters theta."""
+        theta = np.asarray(theta, dtype=np.float64).reshape(self.shape)
+        return np.diag(theta) if self.transform == "diagonal" else theta
+
+    def refresh_candidates(self, theta: np.ndarray) -> float:
+        """Recompute candidate sets in the current projection; return the fraction that changed."""
+        with torch.no_grad():
+            z = self.embed(self.to_tensor(theta))
+            new = nearest_candidates(z, self.labels, self.n_candidates)
+        old, self.candidates = self.candidates, new
+        if old is None:
+            return 1.0
+        return float((torch.sort(old, 1).values != torch.sort(new, 1).values).any(1).float().mean())
+
+    def mean_score(self, params: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        z = self.embed(params)
+        total = objective_sum(
+            z,
+            self.labels,
+            self.objective,
+            rows=rows,
+            candidates=self.candidates,
+            chunk_size=self.chunk_size,
+        )
+        return total / (self.n_samples if rows is None else rows.shape[0])
+
+    def loss(self, params: torch.Tensor, rows: torch.Tensor | None = None):
+        """(loss tensor, mean score as float)."""
+        score = self.mean_score(params, rows)
+        loss = -score
+        if self.l2:
+            loss = loss + self.l2 * (params * params).sum()
+        return loss, float(score.detach())
+
+    def loss_and_grad(self, theta: np.ndarray) -> tuple[float, np.ndarray, float]:
+        params = self.to_tensor(theta, requires_grad=True)
+        loss, score = self.loss(params)
+        loss.backward()
+        grad = params.grad.detach().cpu().numpy().astype(np.float64).ravel()
+        return float(loss.detach()), grad, score
+
+
+@dataclass
+class FitResult:
+    theta: np.ndarray
+    n_iter: int
+    converged: bool
+    stop_reason: str  # converged | precision | max_iter | early_stopping
+    objective: float  # mean score per point at the returned parameters' last evaluation
+    history: list[dict] = field(default_factory=list)
+    best_val_accuracy: float | None = None
+    n_evaluations: int = 0
+    seconds: float = 0.0
+
+
+class EarlyStop(Exception):
+    pass
+
+
+class Monitor:
+    """Per-iteration bookkeeping: history, progress bar, early stopping on validation accuracy.
+
+    validate: theta -> validation accuracy (or None when there is no validation set).
+    Early stopping checks every ``interval`` iterations and stops after ``patience``
+    checks without improvement, keeping the best parameters seen.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_iter: int,
+        validate: Callable[[np.ndarray], float] | None,
+        early_stopping: bool,
+        interval: int = 5,
+        patience: int = 5,
+        verbose: bool = False,
+        callback: Callable[[dict], None] | None = None,
+    ):
+        self.validate = validate
+        self.early_stopping = early_stopping and validate is not None
+        self.interval = max(1, interval)
+        self.patience = max(1, patience)
+        self.callback = callback
+        self.history: list[dict] = []
+        self.best_acc = -math.inf
+        self.best_theta: np.ndarray | None = None
+        self.bad_checks = 0
+        self.start = time.perf_counter()
+        self.bar = None
+        if verbose:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=max_iter, desc="training", unit="it", leave=True)
+
+    def __call__(self, iteration: int, theta: np.ndarray, objective: float) -> None:
+        record = {
+            "iteration": iteration,
+            "objective": objective,
+            "seconds": time.perf_counter() - self.start,
+        }
+        if self.validate is not None and (iteration % self.interval == 0 or iteration == 1):
+            acc = float(self.validate(theta))
+            record["val_accuracy"] = acc
+            if acc > self.best_acc:
+                self.best_acc, self.best_theta, self.bad_checks = acc, theta.copy(), 0
+            else:
+                self.bad_checks += 1
+        self.history.append(record)
+        if self.bar is not None:
+            postfix = {"objective": f"{objective:.4f}"}
+            if "val_accuracy" in record:
+                postfix["val_acc"] = f"{record['val_accuracy']:.4f}"
+            self.bar.set_postfix(postfix, refresh=False)
+            self.bar.update(1)
+        if self.callback is not None:
+            self.callback(record)
+        if self.early_stopping and self.bad_checks >= self.patience:
+            raise EarlyStop
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _finish(problem, monitor, theta, n_iter, stop_reason, objective, n_eval) -> FitResult:
+    monitor.close()
+    if monitor.early_stopping and monitor.best_theta is not None:
+        theta = monitor.best_theta
+    return FitResult(
+        theta=np.asarray(theta, dtype=np.float64),
+        n_iter=n_iter,
+        converged=stop_reason in ("converged", "precision", "early_stopping"),
+        stop_reason=stop_reason,
+        objective=objective,
+        history=monitor.history,
+        best_val_accuracy=None if monitor.best_theta is None else monitor.best_acc,
+        n_evaluations=n_eval,
+        seconds=time.perf_counter() - monitor.start,
+    )
+
+
+def run_lbfgs(
+    problem: Problem,
+    theta0: np.ndarray,
+    *,
+    max_iter: int,
+    tol: float,
+    monitor: Monitor,
+    refresh_every: int = 10,
+    candidate_change_tol: float = 0.01,
+) -> FitResult:
+    """Full-batch L-BFGS-B (scipy) on the problem's loss; rounds when using candidates."""
+    theta = np.asarray(theta0, dtype=np.float64).ravel().copy()
+    state = {"iter": 0, "score": math.nan, "n_eval": 0}
+
+    def fun(t):
+        loss, grad, score = problem.loss_and_grad(t)
+        state["score"] = score
+        state["n_eval"] += 1
+        return loss, grad
+
+    def on_iteration(intermediate_result):
+        state["iter"] += 1
+        try:
+            monitor(state["iter"], intermediate_result.x, state["score"])
+        except EarlyStop:
+            raise StopIteration from None
+
+    stop_reason = "max_iter"
+    while state["iter"] < max_iter:
+        budget = max_iter - state["iter"]
+        changed = 1.0
+        if problem.n_candidates is not None:
+            changed = problem.refresh_candidates(theta)
+            budget = min(budget, refresh_every)
+        iter_before = state["iter"]
+        result = minimize(
+            fun,
+            theta,
+            jac=True,
+            method="L-BFGS-B",
+            tol=tol,
+            callback=on_iteration,
+            options={"maxiter": budget},
+        )
+        theta = result.x
+        if result.status == 99 or "StopIteration" in str(result.message):
+            stop_reason = "early_stopping"
+            break
+        if result.status == 0:
+            round_converged = True
+            reason = "converged"
+        elif result.status == 2 or "ABNORMAL" in str(result.message):
+            round_converged = True  # the line search cannot improve at this precision
+            reason = "precision"
+        else:
+            round_converged = False
+            reason = "max_iter"
+        if problem.n_candidates is None:
+            stop_reason = reason
+            break
+        if round_converged and (changed < candidate_change_tol or state["iter"] == iter_before):
+            stop_reason = reason
+            break
+    return _finish(problem, monitor, theta, state["iter"], stop_reason, state["score"], state["n_eval"])
+
+
+def run_adam(
+    problem: Problem,
+    theta0: np.ndarray,
+    *,
+    max_iter: int,
+    tol: float,
+    monitor: Monitor,
+    learning_rate: float,
+    batch_size: int,
+    rng: np.random.Generator,
+    refresh_every: int = 10,
+) -> FitResult:
+    """Mini-batch Adam over query rows; one iteration is one epoch over the rows."""
+    params = problem.to_tensor(theta0, requires_grad=True)
+    optimiser = torch.optim.Adam([params], lr=learning_rate)
+    n = problem.n_samples
+    batch_size = max(1, min(batch_size, n))
+    previous = math.nan
+    stop_reason = "max_iter"
+    epoch = 0
+    n_eval = 0
+    score = math.nan
+    try:
+        for epoch in range(1, max_iter + 1):
+            if problem.n_candidates is not None and (epoch - 1) % refresh_every == 0:
+                problem.refresh_candidates(params.detach().cpu().numpy())
+            order = torch.as_tensor(rng.permutation(n), device=problem.X.device)
+            total, count = 0.0, 0
+            for start in range(0, n, batch_size):
+                rows = order[start : start + batch_size]
+                optimiser.zero_grad(set_to_none=True)
+                loss, batch_score = problem.loss(params, rows)
+                loss.backward()
+                optimiser.step()
+                n_eval += 1
+                total += batch_score * rows.shape[0]
+                count += rows.shape[0]
+            score = total / count
+            theta = params.detach().cpu().numpy().astype(np.float64)
+            monitor(epoch, theta, score)
+            if abs(score - previous) <= tol * max(1.0, abs(score)):
+                stop_reason = "converged"
+                break
+            previous = score
+    except EarlyStop:
+        stop_reason = "early_stopping"
+    theta = params.detach().cpu().numpy().astype(np.float64)
+    return _finish(problem, monitor, theta, epoch, stop_reason, score, n_eval)
