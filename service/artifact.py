@@ -195,7 +195,13 @@ def _exchange_paths(a: Path, b: Path) -> bool:
         renameat2 = libc.renameat2
     except (OSError, AttributeError):
         return False
-    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    renameat2.argtypes = [
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_uint,
+    ]
     result = renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
     if result == 0:
         return True
@@ -211,7 +217,9 @@ def _move_into_place(staging: Path, final: Path) -> None:
         os.rename(staging, final)
         return
     if final.is_symlink() or not final.is_dir():
-        raise ArtifactError(f"{final}: exists and is not an artifact directory; refusing to replace")
+        raise ArtifactError(
+            f"{final}: exists and is not an artifact directory; refusing to replace"
+        )
     if _exchange_paths(staging, final):
         shutil.rmtree(staging, ignore_errors=True)  # staging now holds the old artifact
         return
@@ -321,7 +329,9 @@ def write_artifact(
         reserved = {spec[0] for spec in ARRAY_SPECS.values()} | {MANIFEST_FILE, INDEX_FILE}
         for name, data in (extra_files or {}).items():
             if name in reserved or Path(name).name != name or name.startswith("."):
-                raise ArtifactError(f"extra file name {name!r} is reserved or not a plain file name")
+                raise ArtifactError(
+                    f"extra file name {name!r} is reserved or not a plain file name"
+                )
             _write_bytes_synced(staging / name, data)
             extras[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
         manifest.update(
@@ -385,7 +395,9 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ArtifactError(f"{manifest_path}: not valid JSON ({exc})") from exc
     if not isinstance(manifest, dict):
-        raise ArtifactError(f"{manifest_path}: expected a JSON object, got {type(manifest).__name__}")
+        raise ArtifactError(
+            f"{manifest_path}: expected a JSON object, got {type(manifest).__name__}"
+        )
     missing = [key for key in REQUIRED_MANIFEST_KEYS if key not in manifest]
     if missing:
         raise ArtifactError(f"{manifest_path}: missing keys {missing}")

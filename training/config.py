@@ -17,28 +17,43 @@ def _opt(default, help: str, **extra):
 
 @dataclass
 class TrainConfig:
-    data: str = _opt("digits", "built-in set (digits, iris, wine, breast_cancer) or a .npz / .npy / .csv path")
+    data: str = _opt(
+        "digits", "built-in set (digits, iris, wine, breast_cancer) or a .npz / .npy / .csv path"
+    )
     labels: str | None = _opt(None, "label file (.npy) when --data is a .npy feature file")
-    label_column: str | None = _opt(None, "CSV label column (default: 'label' if present, else the last)")
+    label_column: str | None = _opt(
+        None, "CSV label column (default: 'label' if present, else the last)"
+    )
     out: str | None = _opt(None, "artifact directory to write (default: models/<data name>)")
     n_components: int | None = _opt(None, "embedding dimension d (default: min(32, D))")
-    objective: str = _opt("nca", "objective: nca (expected accuracy f) or nca-log (log-likelihood g)")
+    objective: str = _opt(
+        "nca", "objective: nca (expected accuracy f) or nca-log (log-likelihood g)"
+    )
     k: int = _opt(1, "k of the kNN rule the objective trains for (1 for NCA)")
     transformation: str = _opt("linear", "linear (full or low-rank d x D) or diagonal")
-    init: str = _opt("auto", "auto, pca, lda, identity, random, or an artifact directory (warm start)")
+    init: str = _opt(
+        "auto", "auto, pca, lda, identity, random, or an artifact directory (warm start)"
+    )
     solver: str = _opt("auto", "auto (L-BFGS), lbfgs, or adam (mini-batches)")
     max_iter: int = _opt(200, "L-BFGS iterations or Adam epochs")
     tol: float = _opt(1e-5, "convergence tolerance")
     l2: float = _opt(0.0, "L2 penalty on A (added to the mean per-point loss)")
-    n_candidates: str = _opt("auto", "exact (all points), auto, or K: K nearest same- and other-class candidates per point")
+    n_candidates: str = _opt(
+        "auto",
+        "exact (all points), auto, or K: K nearest same- and other-class candidates per point",
+    )
     refresh_every: int = _opt(10, "iterations between candidate refreshes")
-    chunk_size: int | None = _opt(None, "query rows per chunk (default: sized to a 256 MiB working set)")
+    chunk_size: int | None = _opt(
+        None, "query rows per chunk (default: sized to a 256 MiB working set)"
+    )
     batch_size: int = _opt(1024, "Adam mini-batch size (query rows)")
     learning_rate: float = _opt(0.01, "Adam step size")
     early_stopping: bool = _opt(True, "stop when validation kNN accuracy stops improving")
     n_iter_no_change: int = _opt(5, "early stopping patience, in validation checks")
     validation_interval: int = _opt(5, "iterations between validation checks")
-    test_size: float = _opt(0.2, "fraction of each class held out for testing (ignored if the data has a test set)")
+    test_size: float = _opt(
+        0.2, "fraction of each class held out for testing (ignored if the data has a test set)"
+    )
     val_size: float = _opt(0.1, "fraction of each class held out for validation")
     seed: int = _opt(0, "random seed (split, init, mini-batches)")
     device: str = _opt("auto", "auto (CUDA when available), cpu, cuda, cuda:N")
@@ -64,7 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
         default = f.default if f.default is not MISSING else None
         if isinstance(default, bool):
             parser.add_argument(
-                flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
+                flag,
+                dest=f.name,
+                action=argparse.BooleanOptionalAction,
+                default=default,
                 help=f.metadata["help"],
             )
             continue

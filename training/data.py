@@ -49,7 +49,9 @@ class Split:
 # --------------------------------------------------------------------------- loading
 
 
-def load_dataset(spec: str, *, labels: str | None = None, label_column: str | None = None) -> Dataset:
+def load_dataset(
+    spec: str, *, labels: str | None = None, label_column: str | None = None
+) -> Dataset:
     """Load a data set from a built-in name or a file path (see module docstring)."""
     if spec in BUILTIN_DATASETS:
         return _load_builtin(spec)
@@ -150,7 +152,9 @@ def _load_csv(path: Path, label_column: str | None) -> Dataset:
     if widths != {len(header)}:
         raise DataError(f"{path}: every row must have {len(header)} fields, found {sorted(widths)}")
     try:
-        X = np.array([[float(v) for j, v in enumerate(r) if j != li] for r in body], dtype=np.float64)
+        X = np.array(
+            [[float(v) for j, v in enumerate(r) if j != li] for r in body], dtype=np.float64
+        )
     except ValueError as exc:
         raise DataError(f"{path}: non-numeric feature value ({exc})") from exc
     raw = [r[li] for r in body]
@@ -177,7 +181,9 @@ def validate_xy(X, y, *, what: str = "X") -> tuple[np.ndarray, np.ndarray]:
     if X.dtype.kind not in "biuf":
         raise DataError(f"{what}: features must be numeric, got dtype {X.dtype}")
     if X.ndim != 2:
-        raise DataError(f"{what}: expected a 2-D array (n_samples, n_features), got shape {X.shape}")
+        raise DataError(
+            f"{what}: expected a 2-D array (n_samples, n_features), got shape {X.shape}"
+        )
     if X.shape[1] == 0:
         raise DataError(f"{what}: has 0 features")
     if y.ndim != 1:
@@ -189,7 +195,9 @@ def validate_xy(X, y, *, what: str = "X") -> tuple[np.ndarray, np.ndarray]:
         raise DataError(f"{what}: contains NaN or Inf (first at row {bad[0]}, column {bad[1]})")
     if y.dtype.kind == "f":
         if not np.all(np.isfinite(y)) or not np.all(y == np.round(y)):
-            raise DataError(f"labels for {what}: must be integers or strings, got non-integer floats")
+            raise DataError(
+                f"labels for {what}: must be integers or strings, got non-integer floats"
+            )
         y = y.astype(np.int64)
     elif y.dtype.kind not in "biuUS":
         raise DataError(f"labels for {what}: must be integers or strings, got dtype {y.dtype}")
@@ -209,9 +217,7 @@ def fingerprint(X: np.ndarray, y: np.ndarray) -> str:
 # --------------------------------------------------------------------------- splitting
 
 
-def stratified_split(
-    y: np.ndarray, fractions: tuple[float, ...], seed: int
-) -> list[np.ndarray]:
+def stratified_split(y: np.ndarray, fractions: tuple[float, ...], seed: int) -> list[np.ndarray]:
     """Split indices of ``y`` into len(fractions) + 1 parts, class by class.
 
     Part p > 0 gets round(fraction_p * n_c) members of each class c (at least one when the
@@ -248,7 +254,9 @@ def make_split(data: Dataset, *, test_size: float, val_size: float, seed: int) -
     X, y = validate_xy(data.X, data.y, what="X")
     classes, y_idx = np.unique(y, return_inverse=True)
     if len(classes) < 2:
-        raise DataError(f"labels: need at least 2 classes, found {len(classes)} ({classes.tolist()})")
+        raise DataError(
+            f"labels: need at least 2 classes, found {len(classes)} ({classes.tolist()})"
+        )
     if len(X) < 2 * len(classes):
         raise DataError(
             f"X: {len(X)} samples for {len(classes)} classes; need at least 2 per class on average"

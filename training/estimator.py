@@ -105,8 +105,6 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
     history_, init_used_, best_val_accuracy_, n_candidates_, solver_
     """
 
-    _parameter_constraints: dict = {}
-
     def __init__(
         self,
         n_components=None,
@@ -162,12 +160,18 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
 
     def _validate_params_against(self, n_samples: int, n_features: int, n_classes: int) -> int:
         def positive_int(name, value, minimum=1):
-            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
+            if (
+                not isinstance(value, numbers.Integral)
+                or isinstance(value, bool)
+                or value < minimum
+            ):
                 raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
 
         def positive_real(name, value, allow_zero=False):
-            if not isinstance(value, numbers.Real) or isinstance(value, bool) or not (
-                value > 0 or (allow_zero and value == 0)
+            if (
+                not isinstance(value, numbers.Real)
+                or isinstance(value, bool)
+                or not (value > 0 or (allow_zero and value == 0))
             ):
                 limit = ">= 0" if allow_zero else "> 0"
                 raise ValueError(f"{name}={value!r} must be a real number {limit}")
@@ -192,9 +196,10 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         positive_int("max_iter", self.max_iter)
         positive_real("tol", self.tol, allow_zero=True)
         positive_real("l2", self.l2, allow_zero=True)
-        if not (self.n_candidates in ("auto", None) or (
-            isinstance(self.n_candidates, numbers.Integral) and self.n_candidates >= 1
-        )):
+        if not (
+            self.n_candidates in ("auto", None)
+            or (isinstance(self.n_candidates, numbers.Integral) and self.n_candidates >= 1)
+        ):
             raise ValueError(
                 f"n_candidates={self.n_candidates!r} must be 'auto', None or an integer >= 1"
             )
@@ -204,9 +209,7 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         positive_int("batch_size", self.batch_size)
         positive_real("learning_rate", self.learning_rate)
         if not 0 < self.validation_fraction < 1:
-            raise ValueError(
-                f"validation_fraction={self.validation_fraction!r} must lie in (0, 1)"
-            )
+            raise ValueError(f"validation_fraction={self.validation_fraction!r} must lie in (0, 1)")
         positive_int("n_iter_no_change", self.n_iter_no_change)
         positive_int("validation_interval", self.validation_interval)
         if isinstance(self.init, (str, os.PathLike)) and str(self.init) not in INIT_NAMES:
@@ -233,7 +236,8 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         classes, y_idx = np.unique(y, return_inverse=True)
         d = self._validate_params_against(X.shape[0], X.shape[1], len(classes))
         rng = np.random.default_rng(
-            self.random_state if not isinstance(self.random_state, np.random.RandomState)
+            self.random_state
+            if not isinstance(self.random_state, np.random.RandomState)
             else self.random_state.randint(2**31 - 1)
         )
         torch.manual_seed(int(rng.integers(2**31 - 1)))
@@ -261,9 +265,7 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         else:
             mean, scale = np.zeros(X.shape[1]), np.ones(X.shape[1])
         Xs = (X_tr - mean) / scale
-        A0, init_used = initial_components(
-            self.init, Xs, y_tr, d, random_state=rng, scale=scale
-        )
+        A0, init_used = initial_components(self.init, Xs, y_tr, d, random_state=rng, scale=scale)
         theta0 = np.diag(A0).copy() if self.transformation == "diagonal" else A0
 
         n = len(Xs)

@@ -31,7 +31,9 @@ def _n_candidates(value: str):
     try:
         k = int(value)
     except ValueError:
-        raise ConfigError(f"--n-candidates={value!r} must be 'auto', 'exact' or an integer >= 1") from None
+        raise ConfigError(
+            f"--n-candidates={value!r} must be 'auto', 'exact' or an integer >= 1"
+        ) from None
     if k < 1:
         raise ConfigError(f"--n-candidates={value!r} must be 'auto', 'exact' or an integer >= 1")
     return k
@@ -83,8 +85,12 @@ def evaluate_baselines(split, mean, scale, d: int) -> dict:
         z_tr = (Xtr @ A.T).astype(np.float32)
         results[name] = {
             "n_components": int(A32.shape[0]),
-            "val_accuracy": knn_accuracies(z_tr, split.y_train, (Xva @ A.T).astype(np.float32), split.y_val, n_classes),
-            "test_accuracy": knn_accuracies(z_tr, split.y_train, (Xte @ A.T).astype(np.float32), split.y_test, n_classes),
+            "val_accuracy": knn_accuracies(
+                z_tr, split.y_train, (Xva @ A.T).astype(np.float32), split.y_val, n_classes
+            ),
+            "test_accuracy": knn_accuracies(
+                z_tr, split.y_train, (Xte @ A.T).astype(np.float32), split.y_test, n_classes
+            ),
         }
     return results
 
@@ -92,7 +98,9 @@ def evaluate_baselines(split, mean, scale, d: int) -> dict:
 def run(config: TrainConfig, *, log=print) -> dict:
     """Run the whole job; returns the report. Raises DataError / ConfigError / ValueError on bad input."""
     started = time.perf_counter()
-    data: Dataset = load_dataset(config.data, labels=config.labels, label_column=config.label_column)
+    data: Dataset = load_dataset(
+        config.data, labels=config.labels, label_column=config.label_column
+    )
     split = make_split(data, test_size=config.test_size, val_size=config.val_size, seed=config.seed)
     n_train, n_features = split.X_train.shape
     out = Path(config.out) if config.out else Path("models") / data.name
@@ -121,9 +129,13 @@ def run(config: TrainConfig, *, log=print) -> dict:
     n_classes = len(split.classes)
     rule = config.decision_rule
     val_acc = knn_accuracies(z_train, split.y_train, z_val, split.y_val, n_classes, K_VALUES, rule)
-    test_acc = knn_accuracies(z_train, split.y_train, z_test, split.y_test, n_classes, K_VALUES, rule)
+    test_acc = knn_accuracies(
+        z_train, split.y_train, z_test, split.y_test, n_classes, K_VALUES, rule
+    )
     default_k = choose_k(val_acc, fallback=min(config.k, n_train))
-    test_pred = knn_predictions(z_train, split.y_train, z_test, n_classes, (default_k,), rule)[default_k]
+    test_pred = knn_predictions(z_train, split.y_train, z_test, n_classes, (default_k,), rule)[
+        default_k
+    ]
     baselines = evaluate_baselines(split, estimator.mean_, estimator.scale_, estimator.n_components)
 
     training_record = {
@@ -177,7 +189,9 @@ def run(config: TrainConfig, *, log=print) -> dict:
     if config.plots:
         extra_files["objective.png"] = plot_objective(estimator.history_, config.objective)
         extra_files["embedding_test.png"] = plot_embedding(
-            z_test, split.y_test, split.classes.tolist(),
+            z_test,
+            split.y_test,
+            split.classes.tolist(),
             f"{data.name}: test embeddings (d={estimator.n_components})",
         )
     write_artifact(

@@ -279,7 +279,9 @@ def run_lbfgs(
         if round_converged and (changed < candidate_change_tol or state["iter"] == iter_before):
             stop_reason = reason
             break
-    return _finish(problem, monitor, theta, state["iter"], stop_reason, state["score"], state["n_eval"])
+    return _finish(
+        problem, monitor, theta, state["iter"], stop_reason, state["score"], state["n_eval"]
+    )
 
 
 def run_adam(
