@@ -1,0 +1,85 @@
+"""The shared kNN core: projection, exact search, decision rule."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from service.knn import decide, exact_knn, project, squared_distances
+
+
+def test_project_is_affine_map_in_float32(rng):
+    x = rng.normal(size=(7, 5))
+    W = rng.normal(size=(3, 5)).astype(np.float32)
+    b = rng.normal(size=3).astype(np.float32)
+    z = project(x, W, b)
+    assert z.dtype == np.float32 and z.shape == (7, 3)
+    np.testing.assert_allclose(z, x @ W.T.astype(np.float64) + b, rtol=1e-5, atol=1e-5)
+
+
+def test_exact_knn_matches_naive_sort(rng):
+    q = rng.normal(size=(13, 4)).astype(np.float32)
+    r = rng.normal(size=(50, 4)).astype(np.float32)
+    dist, idx = exact_knn(q, r, 6, chunk_size=4)
+    naive = ((q[:, None, :].astype(np.float64) - r[None]) ** 2).sum(-1)
+    expect = np.argsort(naive, axis=1, kind="stable")[:, :6]
+    np.testing.assert_array_equal(idx, expect)
+    np.testing.assert_allclose(dist, np.take_along_axis(naive, expect, 1), rtol=1e-4, atol=1e-5)
+    assert np.all(np.diff(dist, axis=1) >= 0)
+
+
+def test_exact_knn_with_k_equal_to_n_and_ties_by_index():
+    r = np.zeros((4, 2), np.float32)
+    dist, idx = exact_knn(np.zeros((1, 2), np.float32), r, 4)
+    np.testing.assert_array_equal(idx, [[0, 1, 2, 3]])
+    with pytest.raises(ValueError, match=r"k must lie in \[1, 4\]"):
+        exact_knn(r, r, 5)
+
+
+def test_squared_distances_are_never_negative(rng):
+    x = rng.normal(size=(10, 3)).astype(np.float32) * 1e3
+    assert (squared_distances(x, x) >= 0).all()
+
+
+def test_majority_vote_and_vote_fractions():
+    labels = np.array([[0, 1, 1], [2, 2, 0]])
+    dists = np.array([[0.1, 0.2, 0.3], [0.1, 0.2, 0.3]])
+    pred, proba = decide(labels, dists, 3, "majority")
+    np.testing.assert_array_equal(pred, [1, 2])
+    np.testing.assert_allclose(proba, [[1 / 3, 2 / 3, 0], [1 / 3, 0, 2 / 3]])
+
+
+def test_majority_tie_goes_to_class_of_nearest_neighbour():
+    # classes 2 and 0 tie with 2 votes each; the nearest neighbour is of class 2.
+    labels = np.array([[2, 0, 0, 2, 1], [0, 2, 2, 0, 1]])
+    dists = np.arange(5.0)[None].repeat(2, 0)
+    pred, _ = decide(labels, dists, 3, "majority")
+    np.testing.assert_array_equal(pred, [2, 0])
+
+
+def test_k1_majority_is_nearest_label():
+    labels = np.array([[4], [1]])
+    pred, proba = decide(labels, np.zeros((2, 1)), 5)
+    np.testing.assert_array_equal(pred, [4, 1])
+    assert proba.sum(1).tolist() == [1.0, 1.0]
+
+
+def test_soft_rule_is_softmax_of_negative_squared_distances():
+    labels = np.array([[0, 1, 1]])
+    dists = np.array([[1.0, 1.5, 2.0]])
+    pred, proba = decide(labels, dists, 2, "soft")
+    w = np.exp(-dists[0])
+    np.testing.assert_allclose(proba[0], [w[0] / w.sum(), (w[1] + w[2]) / w.sum()])
+    assert pred[0] == int(np.argmax(proba[0]))
+
+
+def test_soft_rule_is_stable_for_large_distances():
+    pred, proba = decide(np.array([[0, 1]]), np.array([[1e4, 1e4 + 1]]), 2, "soft")
+    assert np.isfinite(proba).all() and pred[0] == 0
+
+
+def test_decide_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="rule must be one of"):
+        decide(np.zeros((1, 1), int), np.zeros((1, 1)), 2, "vote")
+    with pytest.raises(ValueError, match=r"must both be \(n, k\)"):
+        decide(np.zeros((1, 2), int), np.zeros((1, 3)), 2)
