@@ -37,7 +37,9 @@ def test_round_trip_keeps_every_array_and_key(tmp_path, rng):
     )
     art = read_artifact(path)
     for name in ("projection", "offset", "embeddings", "labels", "mean", "scale"):
-        np.testing.assert_array_equal(getattr(art, name), np.asarray(p[name]).astype(getattr(art, name).dtype))
+        np.testing.assert_array_equal(
+            getattr(art, name), np.asarray(p[name]).astype(getattr(art, name).dtype)
+        )
     np.testing.assert_array_equal(art.ids, ids)
     assert art.classes == ["a", "b"]
     assert (art.n_features_in, art.n_components, art.default_k) == (5, 3, 3)
@@ -103,7 +105,9 @@ def test_wrong_schema_version_is_refused(tmp_path, rng):
     manifest = json.loads((path / "manifest.json").read_text())
     manifest["schema_version"] = 99
     (path / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(ArtifactError, match=r"manifest\.json: schema_version is 99.*reads schema_version 1"):
+    with pytest.raises(
+        ArtifactError, match=r"manifest\.json: schema_version is 99.*reads schema_version 1"
+    ):
         read_artifact(path)
 
 

@@ -30,7 +30,7 @@ def test_exact_knn_matches_naive_sort(rng):
 
 def test_exact_knn_with_k_equal_to_n_and_ties_by_index():
     r = np.zeros((4, 2), np.float32)
-    dist, idx = exact_knn(np.zeros((1, 2), np.float32), r, 4)
+    _dist, idx = exact_knn(np.zeros((1, 2), np.float32), r, 4)
     np.testing.assert_array_equal(idx, [[0, 1, 2, 3]])
     with pytest.raises(ValueError, match=r"k must lie in \[1, 4\]"):
         exact_knn(r, r, 5)

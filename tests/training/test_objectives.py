@@ -49,7 +49,9 @@ def closed_form_gradient(X, y, A, log_form):
     for i in range(len(X)):
         x_ik = X[i] - X  # (N, D)
         all_term = (p_ij[i][:, None, None] * x_ik[:, :, None] * x_ik[:, None, :]).sum(0)
-        same_term = ((p_ij[i] * same[i])[:, None, None] * x_ik[:, :, None] * x_ik[:, None, :]).sum(0)
+        same_term = ((p_ij[i] * same[i])[:, None, None] * x_ik[:, :, None] * x_ik[:, None, :]).sum(
+            0
+        )
         if log_form:
             total += all_term - same_term / p_i[i]
         else:
@@ -157,7 +159,9 @@ def test_point_without_same_class_neighbour_scores_zero_and_stays_finite():
         value = objective_sum(z, y, NCAObjective(log_form))
         (grad,) = torch.autograd.grad(value, z)
         assert torch.isfinite(value) and torch.isfinite(grad).all()
-    assert float(objective_sum(z.detach(), y, NCAObjective(False))) == pytest.approx(2 * 1.0, abs=1e-6)
+    assert float(objective_sum(z.detach(), y, NCAObjective(False))) == pytest.approx(
+        2 * 1.0, abs=1e-6
+    )
 
 
 def test_far_apart_points_do_not_underflow_in_log_form():
@@ -170,7 +174,7 @@ def test_far_apart_points_do_not_underflow_in_log_form():
     # log p_0 = -203^2 - log(exp(-100^2) + exp(-203^2)) = -(203^2 - 100^2); likewise
     # log p_2 = -(203^2 - 103^2); point 1 has no same-class neighbour and is left out.
     expected = -(203.0**2 - 100.0**2) - (203.0**2 - 103.0**2)
-    assert float(value) == pytest.approx(expected, rel=1e-5)
+    assert float(value.detach()) == pytest.approx(expected, rel=1e-5)
 
 
 def test_make_objective_validates_names_and_k():

@@ -1,0 +1,212 @@
+"""The training CLI end to end, and its refusal of bad options and data."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from service.artifact import read_artifact
+from training.cli import main
+from training.config import TrainConfig, build_parser
+
+
+def test_end_to_end_on_digits(tmp_path, capsys):
+    out = tmp_path / "digits"
+    code = main(
+        [
+            "--data",
+            "digits",
+            "--n-components",
+            "8",
+            "--out",
+            str(out),
+            "--max-iter",
+            "30",
+            "--quiet",
+        ]
+    )
+    assert code == 0
+    art = read_artifact(out)
+    assert (art.n_features_in, art.n_components) == (64, 8)
+    assert art.classes == list(range(10))
+    manifest = art.manifest
+    assert manifest["training"]["objective"] == "nca"
+    assert manifest["training"]["config"]["n_components"] == 8
+    assert manifest["data"]["n_train"] == len(art.embeddings)
+    metrics = manifest["metrics"]
+    assert metrics["default_k"] == art.default_k
+    assert metrics["test_accuracy"][str(art.default_k)] > 0.9
+    assert set(metrics["baselines"]) == {"euclidean", "whitening", "pca", "lda", "rca"}
+    assert metrics["baselines"]["pca"]["n_components"] == 8
+    assert metrics["baselines"]["lda"]["n_components"] == 8
+    assert metrics["baselines"]["euclidean"]["n_components"] == 64
+    report = json.loads((out / "report.json").read_text())
+    assert report["training"]["history"]
+    preds = report["test_predictions"]
+    acc = np.mean(np.array(preds["class_index"]) == np.array(preds["true_class_index"]))
+    assert acc == pytest.approx(metrics["test_accuracy"][str(art.default_k)])
+    for png in ("objective.png", "embedding_test.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "wrote" in capsys.readouterr().err
+
+
+def test_every_config_field_is_an_option_with_help():
+    parser = build_parser()
+    options = {a.dest: a for a in parser._actions}
+    for name in TrainConfig.__dataclass_fields__:
+        assert name in options and options[name].help
+    for flag in ("--data", "--n-components", "--out"):
+        assert flag in parser._option_string_actions
+
+
+def test_help_runs_as_a_module():
+    result = subprocess.run(
+        [sys.executable, "-m", "training", "--help"], capture_output=True, text=True, check=True
+    )
+    assert "--n-components" in result.stdout and "--objective" in result.stdout
+
+
+def write_npz(path, **arrays):
+    np.savez(path, **arrays)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "make, extra, message",
+    [
+        (
+            lambda p, r: write_npz(p, X=r.normal(size=20), y=np.arange(20) % 2),
+            [],
+            "expected a 2-D array",
+        ),
+        (
+            lambda p, r: write_npz(
+                p, X=np.where(np.eye(20, 3) == 1, np.nan, 1.0), y=np.arange(20) % 2
+            ),
+            [],
+            "contains NaN or Inf",
+        ),
+        (
+            lambda p, r: write_npz(p, X=np.full((20, 3), np.inf), y=np.arange(20) % 2),
+            [],
+            "contains NaN or Inf",
+        ),
+        (
+            lambda p, r: write_npz(p, X=r.normal(size=(20, 3)), y=np.zeros(20)),
+            [],
+            "need at least 2 classes",
+        ),
+        (
+            lambda p, r: write_npz(p, X=r.normal(size=(5, 3)), y=np.arange(5)),
+            [],
+            "5 samples for 5 classes",
+        ),
+        (
+            lambda p, r: write_npz(p, X=r.normal(size=(20, 3)), y=np.arange(19) % 2),
+            [],
+            "has 20 rows but its labels have 19",
+        ),
+        (
+            lambda p, r: write_npz(p, X=r.normal(size=(20, 3)), y=np.arange(20) % 2),
+            ["--n-components", "4"],
+            "n_components=4 must be <= n_features=3",
+        ),
+        (
+            lambda p, r: write_npz(p, X=r.normal(size=(20, 3)), y=np.arange(20) % 2),
+            ["--objective", "lmnn"],
+            "objective='lmnn'",
+        ),
+        (
+            lambda p, r: write_npz(p, X=r.normal(size=(20, 3)), y=np.arange(20) % 2),
+            ["--n-candidates", "many"],
+            "--n-candidates='many'",
+        ),
+        (
+            lambda p, r: write_npz(p, X=r.normal(size=(20, 3)), y=np.arange(20) % 2),
+            ["--test-size", "1.5"],
+            "--test-size=1.5 must lie in",
+        ),
+        (lambda p, r: write_npz(p, Z=np.zeros(3)), [], r"missing arrays \['X', 'y'\]"),
+        (lambda p, r: str(p.with_suffix(".parquet")), [], "expected one of the built-in sets"),
+        (lambda p, r: str(p.with_name("absent.npz")), [], "no such file"),
+    ],
+)
+def test_bad_input_exits_nonzero_names_the_problem_and_writes_nothing(
+    tmp_path, capsys, make, extra, message
+):
+    rng = np.random.default_rng(0)
+    data = make(tmp_path / "data.npz", rng)
+    out = tmp_path / "out"
+    code = main(["--data", data, "--out", str(out), "--quiet", "--max-iter", "5", *extra])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and __import__("re").search(message, err), err
+    assert not out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == (
+        ["data.npz"] if (tmp_path / "data.npz").exists() else []
+    )
+
+
+def test_csv_with_string_labels_and_header(tmp_path):
+    rng = np.random.default_rng(0)
+    rows = ["f1,f2,species"]
+    for i in range(60):
+        cls = ["setosa", "virginica", "versicolor"][i % 3]
+        rows.append(f"{rng.normal() + i % 3},{rng.normal()},{cls}")
+    (tmp_path / "d.csv").write_text("\n".join(rows))
+    out = tmp_path / "m"
+    code = main(
+        [
+            "--data",
+            str(tmp_path / "d.csv"),
+            "--label-column",
+            "species",
+            "--out",
+            str(out),
+            "--quiet",
+            "--no-plots",
+        ]
+    )
+    assert code == 0
+    art = read_artifact(out)
+    assert art.classes == ["setosa", "versicolor", "virginica"]
+    assert art.n_features_in == 2 and art.n_components == 2
+
+
+def test_npy_pair_and_given_test_split(tmp_path):
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(80, 4)) + (np.arange(80) % 2)[:, None]
+    np.save(tmp_path / "X.npy", X)
+    np.save(tmp_path / "y.npy", np.arange(80) % 2)
+    out = tmp_path / "m"
+    assert (
+        main(
+            [
+                "--data",
+                str(tmp_path / "X.npy"),
+                "--labels",
+                str(tmp_path / "y.npy"),
+                "--out",
+                str(out),
+                "--quiet",
+                "--no-plots",
+            ]
+        )
+        == 0
+    )
+    assert read_artifact(out).n_features_in == 4
+    np.savez(tmp_path / "tt.npz", X=X, y=np.arange(80) % 2, X_test=X[:10], y_test=np.arange(10) % 2)
+    assert (
+        main(["--data", str(tmp_path / "tt.npz"), "--out", str(out), "--quiet", "--no-plots"]) == 0
+    )
+    assert read_artifact(out).manifest["data"]["n_test"] == 10
+
+
+def test_npy_without_labels_is_refused(tmp_path, capsys):
+    np.save(tmp_path / "X.npy", np.zeros((4, 2)))
+    assert main(["--data", str(tmp_path / "X.npy"), "--quiet"]) == 2
+    assert "needs --labels" in capsys.readouterr().err

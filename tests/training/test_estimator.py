@@ -1,0 +1,228 @@
+"""The scikit-learn estimator: conventions, validation, strategies, warm start."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+from sklearn.datasets import load_digits, load_iris
+from sklearn.exceptions import ConvergenceWarning
+from sklearn.neighbors import KNeighborsClassifier, NeighborhoodComponentsAnalysis
+from sklearn.pipeline import make_pipeline
+from sklearn.preprocessing import StandardScaler
+from sklearn.utils.estimator_checks import check_estimator
+
+from service.artifact import write_artifact
+from service.knn import project
+from training import NCA
+from training.initialization import initial_components
+
+
+def test_passes_scikit_learn_check_estimator():
+    check_estimator(
+        NCA(max_iter=20),
+        expected_failed_checks={
+            # transform is one float32 GEMM (the service's own projection, so offline and online
+            # numbers agree). BLAS blocks float32 rows differently at different positions, so
+            # permuting the samples changes results by ~1 ulp (seen: 2e-6 at magnitude 13),
+            # above this check's rtol of 1e-7. Results are equal to float32 precision.
+            "check_methods_sample_order_invariance": "float32 GEMM differs by 1 ulp across row orders",
+        },
+    )
+
+
+def test_pipeline_with_kneighbors_classifier():
+    X, y = load_iris(return_X_y=True)
+    model = make_pipeline(NCA(n_components=2, random_state=0), KNeighborsClassifier(3))
+    model.fit(X[::2], y[::2])
+    assert model.score(X[1::2], y[1::2]) > 0.9
+
+
+def test_fitted_attributes_and_transform_formula():
+    X, y = load_iris(return_X_y=True)
+    nca = NCA(n_components=3, random_state=0).fit(X, y)
+    assert nca.components_.shape == (3, 4)
+    assert nca.projection_.shape == (3, 4) and nca.offset_.shape == (3,)
+    np.testing.assert_allclose(nca.mean_, X.mean(0))
+    np.testing.assert_allclose(nca.scale_, X.std(0))
+    expected = ((X - nca.mean_) / nca.scale_) @ nca.components_.T
+    np.testing.assert_allclose(nca.transform(X), expected, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(nca.transform(X), project(X, nca.projection_, nca.offset_))
+    assert nca.get_feature_names_out().tolist() == ["nca0", "nca1", "nca2"]
+    assert nca.converged_ and nca.n_iter_ >= 1 and nca.history_
+
+
+def test_matches_scikit_learn_on_the_same_problem():
+    X, y = load_digits(return_X_y=True)
+    Xs = StandardScaler().fit_transform(X[:600])
+    ours = NCA(n_components=8, init="pca", standardize=False, random_state=0, max_iter=50).fit(
+        Xs, y[:600]
+    )
+    theirs = NeighborhoodComponentsAnalysis(n_components=8, init="pca", random_state=0, max_iter=50)
+    theirs.fit(Xs, y[:600])
+    # same init, same objective, same optimiser (scipy L-BFGS-B): same objective reached
+    import torch
+
+    from training.neighbourhood import objective_sum
+    from training.objectives import NCAObjective
+
+    def f(A):
+        Z = torch.tensor(Xs @ A.T)
+        return float(objective_sum(Z, torch.tensor(y[:600]), NCAObjective(False)))
+
+    assert f(ours.components_) == pytest.approx(f(theirs.components_), rel=2e-3)
+
+
+@pytest.mark.parametrize(
+    "params, pattern",
+    [
+        (dict(n_components=5), r"n_components=5 must be <= n_features=4"),
+        (dict(n_components=0), r"n_components=0 must be an integer >= 1"),
+        (dict(objective="lmnn"), r"objective='lmnn' must be one of"),
+        (dict(transformation="square"), r"transformation='square' must be one of"),
+        (dict(transformation="diagonal", n_components=2), r"needs n_components = n_features = 4"),
+        (dict(solver="sgd"), r"solver='sgd' must be one of"),
+        (dict(max_iter=0), r"max_iter=0 must be an integer >= 1"),
+        (dict(tol=-1.0), r"tol=-1.0 must be a real number >= 0"),
+        (dict(n_candidates=0), r"n_candidates=0 must be 'auto', None or an integer >= 1"),
+        (dict(init="nonsense"), r"init='nonsense' must be one of"),
+        (
+            dict(init=np.zeros((2, 3)), n_components=2),
+            r"init: expected an array of shape \(n_components, 4\)",
+        ),
+        (dict(device="tpu"), r"device='tpu'"),
+        (dict(objective="nca", k=3), r"k must be 1"),
+    ],
+)
+def test_bad_parameters_are_named_in_the_error(params, pattern):
+    X, y = load_iris(return_X_y=True)
+    with pytest.raises(ValueError, match=pattern):
+        NCA(**params).fit(X, y)
+
+
+def test_one_class_is_refused():
+    with pytest.raises(ValueError, match="at least 2 classes"):
+        NCA().fit(np.random.default_rng(0).normal(size=(10, 3)), np.zeros(10))
+
+
+def test_diagonal_transform_learns_to_ignore_a_noise_feature():
+    rng = np.random.default_rng(0)
+    y = np.repeat([0, 1, 2], 60)
+    signal = y + rng.normal(0, 0.2, 180)
+    X = np.column_stack([signal, rng.normal(0, 1.0, 180), rng.normal(0, 1.0, 180)])
+    nca = NCA(transformation="diagonal", init="identity", random_state=0).fit(X, y)
+    assert nca.components_.shape == (3, 3)
+    assert np.count_nonzero(nca.components_ - np.diag(np.diag(nca.components_))) == 0
+    weights = np.abs(np.diag(nca.components_))
+    assert weights[0] > 5 * weights[1:].max()
+
+
+def test_log_objective_trains_too():
+    X, y = load_iris(return_X_y=True)
+    nca = NCA(n_components=2, objective="nca-log", random_state=0).fit(X, y)
+    assert nca.objective_value_ < 0  # a mean log-probability
+    assert KNeighborsClassifier(1).fit(nca.transform(X), y).score(nca.transform(X), y) > 0.9
+
+
+def test_adam_and_candidates_paths_reach_a_good_solution():
+    X, y = load_digits(return_X_y=True)
+    kw = dict(n_components=8, random_state=0)
+    exact = NCA(**kw).fit(X[:800], y[:800])
+    adam = NCA(solver="adam", max_iter=30, batch_size=128, learning_rate=0.01, **kw).fit(
+        X[:800], y[:800]
+    )
+    cand = NCA(n_candidates=16, refresh_every=5, **kw).fit(X[:800], y[:800])
+    assert cand.n_candidates_ == 16 and adam.solver_ == "adam"
+    scores = {}
+    for name, m in (("exact", exact), ("adam", adam), ("cand", cand)):
+        clf = KNeighborsClassifier(1).fit(m.transform(X[:800]), y[:800])
+        scores[name] = clf.score(m.transform(X[800:]), y[800:])
+    assert scores["exact"] > 0.9
+    assert scores["adam"] > scores["exact"] - 0.03
+    assert scores["cand"] > scores["exact"] - 0.03
+
+
+def test_auto_picks_candidates_for_large_n(monkeypatch):
+    import training.estimator as est
+
+    monkeypatch.setattr(est, "AUTO_EXACT_MAX_SAMPLES", 100)
+    X, y = load_iris(return_X_y=True)
+    assert NCA(n_components=2, max_iter=5).fit(X, y).n_candidates_ == est.AUTO_N_CANDIDATES
+    assert NCA(n_components=2, max_iter=5).fit(X[:90], y[:90]).n_candidates_ is None
+
+
+def test_early_stopping_keeps_best_validation_model():
+    X, y = load_digits(return_X_y=True)
+    nca = NCA(
+        n_components=4,
+        early_stopping=True,
+        validation_interval=1,
+        n_iter_no_change=2,
+        max_iter=300,
+        tol=0,
+        random_state=0,
+    ).fit(X, y)
+    assert nca.stop_reason_ in ("early_stopping", "converged", "precision")
+    checked = [h["val_accuracy"] for h in nca.history_ if "val_accuracy" in h]
+    assert nca.best_val_accuracy_ == max(checked)
+
+
+def test_non_convergence_is_a_warning():
+    X, y = load_digits(return_X_y=True)
+    with pytest.warns(ConvergenceWarning, match="did not converge in max_iter=2"):
+        nca = NCA(n_components=4, max_iter=2, random_state=0).fit(X[:300], y[:300])
+    assert not nca.converged_ and nca.stop_reason_ == "max_iter"
+
+
+def test_deterministic_for_a_seed():
+    X, y = load_digits(return_X_y=True)
+    a = NCA(n_components=4, init="random", random_state=3, max_iter=10).fit(X[:300], y[:300])
+    b = NCA(n_components=4, init="random", random_state=3, max_iter=10).fit(X[:300], y[:300])
+    np.testing.assert_array_equal(a.components_, b.components_)
+
+
+def test_warm_start_from_an_artifact_continues_the_same_map(tmp_path):
+    X, y = load_iris(return_X_y=True)
+    first = NCA(n_components=2, random_state=0).fit(X, y)
+    path = write_artifact(
+        tmp_path / "m",
+        projection=first.projection_,
+        offset=first.offset_,
+        embeddings=first.transform(X),
+        labels=y.astype(np.int32),
+        classes=[0, 1, 2],
+        mean=first.mean_,
+        scale=first.scale_,
+        default_k=1,
+    )
+    # the artifact's map on raw inputs, carried to the current standardisation, is A itself
+    Xs = (X - first.mean_) / first.scale_
+    A0, name = initial_components(
+        str(path), Xs, y, 2, random_state=np.random.default_rng(0), scale=first.scale_
+    )
+    assert name == "artifact"
+    np.testing.assert_allclose(A0, first.components_, rtol=1e-5, atol=1e-6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        warm = NCA(n_components=2, init=str(path), max_iter=1, random_state=0).fit(X, y)
+    assert warm.init_used_ == "artifact"
+    assert warm.history_[0]["objective"] >= first.objective_value_ - 1e-3
+
+
+def test_warm_start_refuses_an_artifact_with_other_features(tmp_path):
+    X, y = load_iris(return_X_y=True)
+    rng = np.random.default_rng(0)
+    path = write_artifact(
+        tmp_path / "m",
+        projection=rng.normal(size=(2, 3)).astype(np.float32),
+        offset=np.zeros(2, np.float32),
+        embeddings=np.zeros((4, 2), np.float32),
+        labels=np.zeros(4, np.int32),
+        classes=[0],
+        mean=np.zeros(3),
+        scale=np.ones(3),
+        default_k=1,
+    )
+    with pytest.raises(ValueError, match="the artifact expects 3 features, the data has 4"):
+        NCA(n_components=2, init=str(path)).fit(X, y)
