@@ -90,17 +90,31 @@ def objective_sum(
     rows: torch.Tensor | None = None,
     candidates: torch.Tensor | None = None,
     chunk_size: int | None = None,
+    method: str = "auto",
 ) -> torch.Tensor:
     """sum_{i in rows} score_i for embeddings z (N, d) and labels (N,); differentiable in z.
 
     rows: (B,) query rows (default: all); candidates: (N, M) neighbour indices (-1 padding),
-    or None for exact evaluation against all points.
+    or None for exact evaluation against all points. method: "fused" uses the closed-form
+    NCA kernel (exact mode, NCA objectives only), "autograd" the generic chunked autograd
+    path, "auto" the fused kernel where it applies.
     """
+    from training.nca_kernel import FusedNCA
+    from training.objectives import NCAObjective
+
+    if method not in ("auto", "fused", "autograd"):
+        raise ValueError(f"method must be 'auto', 'fused' or 'autograd', got {method!r}")
+    fused_applies = candidates is None and isinstance(objective, NCAObjective)
+    if method == "fused" and not fused_applies:
+        raise ValueError("the fused kernel needs exact mode (candidates=None) and an NCA objective")
     n = z.shape[0]
+    if fused_applies and method != "autograd":
+        return FusedNCA.apply(z, labels, objective.log_form, rows, chunk_size)
     if rows is None:
         rows = torch.arange(n, device=z.device)
     if chunk_size is None:
-        chunk_size = auto_chunk_size(n if candidates is None else candidates.shape[1])
+        width = n if candidates is None else candidates.shape[1] * (z.shape[1] + 2)
+        chunk_size = auto_chunk_size(width)
     return ChunkedObjective.apply(z, labels, objective, rows, candidates, int(chunk_size))
 
 

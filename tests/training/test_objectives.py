@@ -59,29 +59,38 @@ def closed_form_gradient(X, y, A, log_form):
     return 2 * A @ total
 
 
+METHODS = ["fused", "autograd"]
+
+
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("log_form", [False, True])
-def test_gradcheck_float64(log_form):
+def test_gradcheck_float64(log_form, method):
     X, y, A = problem(n=12, D=4, d=2)
     Xt = torch.tensor(X)
     yt = torch.tensor(y)
     At = torch.tensor(A, requires_grad=True)
     objective = NCAObjective(log_form)
     assert torch.autograd.gradcheck(
-        lambda a: objective_sum(Xt @ a.T, yt, objective, chunk_size=5), (At,), eps=1e-6, atol=1e-6
+        lambda a: objective_sum(Xt @ a.T, yt, objective, chunk_size=5, method=method),
+        (At,),
+        eps=1e-6,
+        atol=1e-6,
     )
 
 
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("log_form", [False, True])
-def test_value_and_gradient_equal_the_papers_closed_forms(log_form):
+def test_value_and_gradient_equal_the_papers_closed_forms(log_form, method):
     X, y, A = problem(seed=1)
-    value, grad = value_and_grad(X, y, A, NCAObjective(log_form))
+    value, grad = value_and_grad(X, y, A, NCAObjective(log_form), method=method)
     _, p_i, _ = brute_force_p(X, y, A)
     expected_value = np.log(p_i).sum() if log_form else p_i.sum()
     assert value == pytest.approx(expected_value, rel=1e-12)
     np.testing.assert_allclose(grad, closed_form_gradient(X, y, A, log_form), rtol=1e-9, atol=1e-11)
 
 
-def test_objective_and_gradient_equal_scikit_learn():
+@pytest.mark.parametrize("method", METHODS)
+def test_objective_and_gradient_equal_scikit_learn(method):
     from sklearn.neighbors import NeighborhoodComponentsAnalysis
 
     X, y, A = problem(seed=2, n=30, D=6, d=4)
@@ -89,28 +98,58 @@ def test_objective_and_gradient_equal_scikit_learn():
     nca.n_iter_, nca.verbose = 1, 0
     same = y[:, None] == y[None, :]
     sk_loss, sk_grad = nca._loss_grad_lbfgs(A.ravel(), X, same, -1.0)
-    value, grad = value_and_grad(X, y, A, NCAObjective(False))
+    value, grad = value_and_grad(X, y, A, NCAObjective(False), method=method)
     assert value == pytest.approx(-sk_loss, rel=1e-12)
     np.testing.assert_allclose(grad.ravel(), -sk_grad, rtol=1e-9, atol=1e-11)
 
 
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("objective", ["nca", "nca-log"])
-def test_chunked_equals_unchunked(objective):
+def test_chunked_equals_unchunked(objective, method):
     X, y, A = problem(seed=3, n=37)
     obj = make_objective(objective)
-    full_v, full_g = value_and_grad(X, y, A, obj, chunk_size=37)
+    full_v, full_g = value_and_grad(X, y, A, obj, chunk_size=37, method=method)
     for chunk in (1, 5, 16):
-        v, g = value_and_grad(X, y, A, obj, chunk_size=chunk)
+        v, g = value_and_grad(X, y, A, obj, chunk_size=chunk, method=method)
         assert v == pytest.approx(full_v, rel=1e-12)
         np.testing.assert_allclose(g, full_g, rtol=1e-10, atol=1e-12)
 
 
-def test_subset_of_rows_sums_their_scores():
+@pytest.mark.parametrize("log_form", [False, True])
+def test_subset_of_rows_sums_their_scores_and_methods_agree(log_form):
     X, y, A = problem(seed=4)
+    y[3] = 9  # a class of one: no same-class neighbour, scores 0
     _, p_i, _ = brute_force_p(X, y, A)
-    rows = torch.tensor([0, 5, 7])
-    v, _ = value_and_grad(X, y, A, NCAObjective(False), rows=rows)
-    assert v == pytest.approx(p_i[[0, 5, 7]].sum(), rel=1e-12)
+    rows = torch.tensor([7, 0, 3, 5, 11])
+    v, g = value_and_grad(X, y, A, NCAObjective(log_form), rows=rows, method="fused", chunk_size=2)
+    v2, g2 = value_and_grad(X, y, A, NCAObjective(log_form), rows=rows, method="autograd")
+    keep = [7, 0, 5, 11]
+    expected = np.log(p_i[keep]).sum() if log_form else p_i[keep].sum()
+    assert v == pytest.approx(expected, rel=1e-12) and v2 == pytest.approx(expected, rel=1e-12)
+    np.testing.assert_allclose(g, g2, rtol=1e-10, atol=1e-12)
+
+
+def test_fused_kernel_is_finite_in_float32_for_far_apart_classes():
+    # every same-class point is ~1e4 further than the nearest other-class point
+    z = torch.tensor([[0.0], [100.0], [203.0], [300.0]], requires_grad=True)
+    y = torch.tensor([0, 1, 0, 1])
+    for log_form in (False, True):
+        value = objective_sum(z, y, NCAObjective(log_form), method="fused")
+        (grad,) = torch.autograd.grad(value, z)
+        assert torch.isfinite(value) and torch.isfinite(grad).all()
+
+
+def test_fused_method_refuses_candidates():
+    z = torch.zeros(4, 2)
+    y = torch.tensor([0, 0, 1, 1])
+    with pytest.raises(ValueError, match="fused kernel needs exact mode"):
+        objective_sum(
+            z,
+            y,
+            NCAObjective(False),
+            candidates=torch.zeros(4, 2, dtype=torch.long),
+            method="fused",
+        )
 
 
 def test_candidate_objective_approaches_exact_as_k_grows():
