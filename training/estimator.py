@@ -32,7 +32,7 @@ from training.objectives import OBJECTIVES, make_objective
 from training.optimize import Monitor, Problem, run_adam, run_lbfgs
 
 AUTO_EXACT_MAX_SAMPLES = 8192
-AUTO_N_CANDIDATES = 64
+AUTO_N_CANDIDATES = 32
 SOLVERS = ("auto", "lbfgs", "adam")
 TRANSFORMS = ("linear", "diagonal")
 
@@ -76,7 +76,7 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
     n_candidates : "auto", int or None
         None: exact objective (chunks against all points). int K: each point's K nearest
         same-class and K nearest other-class points in the current projection, refreshed every
-        ``refresh_every`` iterations. "auto": None up to AUTO_EXACT_MAX_SAMPLES points, else 64.
+        ``refresh_every`` iterations. "auto": None up to AUTO_EXACT_MAX_SAMPLES points, else AUTO_N_CANDIDATES (32).
     refresh_every : int
         Iterations between candidate refreshes.
     chunk_size : int or None

@@ -31,17 +31,46 @@ from __future__ import annotations
 
 import torch
 
-from training.neighbourhood import auto_chunk_size
+from training.neighbourhood import auto_chunk_size, class_runs
 
 EXP_FLOOR = -80.0
 
 
-def _class_runs(sorted_labels: torch.Tensor) -> list[tuple[int, int]]:
-    """[start, end) of each run of equal labels in a sorted label vector."""
-    n = sorted_labels.shape[0]
-    change = torch.nonzero(sorted_labels[1:] != sorted_labels[:-1]).flatten() + 1
-    bounds = [0, *change.tolist(), n]
-    return list(zip(bounds[:-1], bounds[1:], strict=True))
+def _block_weights(
+    logits: torch.Tensor, s: int, e: int, log_form: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores and W = d score_i / d L_ij for one block of rows, all of one class.
+
+    logits: (B, M) = L_ij + c_i (any per-row constant), -inf where j is not a neighbour;
+    columns [s, e) are the rows' same-class neighbours. Overwrites ``logits`` with W and
+    returns (sum of the rows' scores, W). Rows with no finite same-class logit score 0 and
+    get W = 0. Entries at -inf carry exp(EXP_FLOOR) ~ 2e-35 of weight in the sums; callers
+    zero their W.
+    """
+    same = logits[:, s:e]  # (B, n_c) view
+    m_same = same.amax(1, keepdim=True)  # (B, 1)
+    has_same = torch.isfinite(m_same)  # (B, 1)
+    m_same = torch.where(has_same, m_same, torch.zeros_like(m_same))
+    e_same = torch.exp((same - m_same).clamp_min_(EXP_FLOOR))  # (B, n_c), new buffer
+    e_same = torch.where(torch.isfinite(same), e_same, torch.zeros_like(e_same))
+    s_same = e_same.sum(1, keepdim=True).clamp_min_(torch.finfo(logits.dtype).tiny)
+    m_all = logits.amax(1, keepdim=True)  # >= m_same, finite when has_same
+    m_all = torch.where(torch.isfinite(m_all), m_all, torch.zeros_like(m_all))
+    e_all = logits.sub_(m_all).clamp_min_(EXP_FLOOR).exp_()  # (B, M) in place
+    s_all = e_all.sum(1, keepdim=True)
+    log_p = (m_same + torch.log(s_same)) - (m_all + torch.log(s_all))  # (B, 1)
+    shift = torch.exp(m_same - m_all) / s_all  # (B, 1): turns e_same into p_ij
+    if log_form:
+        value = torch.where(has_same, log_p, torch.zeros_like(log_p)).sum()
+        w_same = e_same / s_same - e_same * shift  # p_ij / p_i - p_ij
+        weights = e_all.mul_(-1.0 / s_all)  # -p_ij
+    else:
+        p = torch.exp(log_p)
+        value = torch.where(has_same, p, torch.zeros_like(p)).sum()
+        w_same = e_same * (shift * (1.0 - p))  # p_ij (1 - p_i)
+        weights = e_all.mul_(-p / s_all)  # -p_ij p_i
+    weights[:, s:e] = w_same
+    return value, weights.mul_(has_same)
 
 
 def nca_value_and_grad(
@@ -64,10 +93,11 @@ def nca_value_and_grad(
     inverse[order] = torch.arange(n, device=z.device)
     zs = z[order]  # (N, d) sorted by class
     ys = labels[order]
-    runs = _class_runs(ys)
+    runs = class_runs(ys)
     sq = (zs * zs).sum(1)  # (N,)
     neg_sq = -sq[None, :]  # (1, N)
     grad_s = torch.zeros_like(zs)  # (N, d)
+    col_total = torch.zeros(n, dtype=z.dtype, device=z.device)  # sum_i W_ij over all chunks
     total = torch.zeros((), dtype=z.dtype, device=z.device)
     if chunk_size is None:
         chunk_size = min(256, auto_chunk_size(n))  # small blocks stay in cache (measured)
@@ -93,45 +123,80 @@ def nca_value_and_grad(
             logits = torch.addmm(neg_sq, zq, zs.T, alpha=2.0)  # (B, N) = L_ij + ||z_i||^2
             local = torch.arange(b, device=z.device)
             logits[local, q] = float("-inf")
-            same = logits[:, s:e]  # (B, n_c) view
-            m_same = same.amax(1, keepdim=True)  # (B, 1), finite: class has >= 2 members
-            e_same = torch.exp((same - m_same).clamp_min_(EXP_FLOOR))  # (B, n_c), new buffer
-            s_same = e_same.sum(1, keepdim=True)
-            m_all = logits.amax(1, keepdim=True)
-            e_all = logits.sub_(m_all).clamp_min_(EXP_FLOOR).exp_()  # (B, N) in place
-            s_all = e_all.sum(1, keepdim=True)
-            log_p = (m_same + torch.log(s_same)) - (m_all + torch.log(s_all))  # (B, 1)
-            shift = torch.exp(m_same - m_all) / s_all  # (B, 1): turns e_same into p_ij
-            if log_form:
-                total += log_p.sum()
-                w_same = e_same / s_same - e_same * shift  # p_ij / p_i - p_ij
-                weights = e_all.mul_(-1.0 / s_all)  # -p_ij
-            else:
-                p = torch.exp(log_p)
-                total += p.sum()
-                w_same = e_same * (shift * (1.0 - p))  # p_ij (1 - p_i)
-                weights = e_all.mul_(-p / s_all)  # -p_ij p_i
-            weights[:, s:e] = w_same
+            value, weights = _block_weights(logits, s, e, log_form)
+            weights[local, q] = 0.0
+            total += value
             # d/dz_i: 2 W z ; d/dz_j: 2 (W^T z_q - colsum(W)_j z_j)
             grad_s[q] += 2.0 * (weights @ zs)
-            col = weights.sum(0)  # (N,)
             grad_s.addmm_(weights.T, zq, alpha=2.0)
-            grad_s.sub_(2.0 * col[:, None] * zs)
+            col_total += weights.sum(0)
+    grad_s.sub_(2.0 * col_total[:, None] * zs)
     return total, grad_s[inverse]
+
+
+def nca_value_and_grad_candidates(
+    z: torch.Tensor,
+    labels: torch.Tensor,
+    candidates: torch.Tensor,
+    *,
+    log_form: bool,
+    rows: torch.Tensor | None = None,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same value and gradient with each row's neighbours restricted to its candidates.
+
+    candidates: (N, 2K) from :func:`training.neighbourhood.nearest_candidates`: K same-class
+    indices then K other-class indices, -1 for padding. Per chunk of B rows the candidates'
+    embeddings are gathered once (B, 2K, d) and reused for the logits and both gradient
+    terms; the candidates' share of the gradient is scattered back with ``index_add_``.
+    """
+    n, d = z.shape
+    z = z.detach()
+    m = candidates.shape[1]
+    k_same = m // 2
+    sq = (z * z).sum(1)  # (N,)
+    grad = torch.zeros_like(z)
+    total = torch.zeros((), dtype=z.dtype, device=z.device)
+    if rows is None:
+        rows = torch.arange(n, device=z.device)
+    if chunk_size is None:
+        chunk_size = 1024
+    for start in range(0, rows.shape[0], chunk_size):
+        q = rows[start : start + chunk_size]  # (B,)
+        idx = candidates[q]  # (B, M)
+        invalid = idx < 0
+        safe = idx.clamp_min(0)
+        zc = z.index_select(0, safe.reshape(-1)).view(q.shape[0], m, d)  # (B, M, d)
+        zq = z[q]  # (B, d)
+        logits = torch.bmm(zc, zq.unsqueeze(2)).squeeze(2).mul_(2.0).sub_(sq[safe])  # (B, M)
+        logits.masked_fill_(invalid, float("-inf"))
+        value, weights = _block_weights(logits, 0, k_same, log_form)
+        weights.masked_fill_(invalid, 0.0)
+        total += value
+        # d/dz_i: 2 sum_c W_ic z_c ; d/dz_c: 2 W_ic (z_i - z_c)
+        grad.index_add_(0, q, 2.0 * torch.bmm(weights.unsqueeze(1), zc).squeeze(1))
+        to_candidates = (zq.unsqueeze(1) - zc).mul_(2.0 * weights.unsqueeze(2))  # (B, M, d)
+        grad.index_add_(0, safe.reshape(-1), to_candidates.view(-1, d))
+    return total, grad
 
 
 class FusedNCA(torch.autograd.Function):
     """Autograd wrapper: value = sum_i score_i(z); backward returns the fused gradient."""
 
     @staticmethod
-    def forward(ctx, z, labels, log_form, rows, chunk_size):
-        value, grad = nca_value_and_grad(
-            z, labels, log_form=log_form, rows=rows, chunk_size=chunk_size
-        )
+    def forward(ctx, z, labels, log_form, rows, candidates, chunk_size):
+        if candidates is None:
+            value, grad = nca_value_and_grad(
+                z, labels, log_form=log_form, rows=rows, chunk_size=chunk_size
+            )
+        else:
+            value, grad = nca_value_and_grad_candidates(
+                z, labels, candidates, log_form=log_form, rows=rows, chunk_size=chunk_size
+            )
         ctx.save_for_backward(grad)
         return value
 
     @staticmethod
     def backward(ctx, grad_output):
         (grad_z,) = ctx.saved_tensors
-        return grad_output * grad_z, None, None, None, None
+        return grad_output * grad_z, None, None, None, None, None

@@ -16,6 +16,8 @@ backward returns that buffer; autograd then carries it through Z = X A^T to A.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from training.objectives import Objective
@@ -96,20 +98,20 @@ def objective_sum(
 
     rows: (B,) query rows (default: all); candidates: (N, M) neighbour indices (-1 padding),
     or None for exact evaluation against all points. method: "fused" uses the closed-form
-    NCA kernel (exact mode, NCA objectives only), "autograd" the generic chunked autograd
-    path, "auto" the fused kernel where it applies.
+    NCA kernels (NCA objectives only), "autograd" the generic chunked autograd path, "auto"
+    the fused kernel where it applies.
     """
     from training.nca_kernel import FusedNCA
     from training.objectives import NCAObjective
 
     if method not in ("auto", "fused", "autograd"):
         raise ValueError(f"method must be 'auto', 'fused' or 'autograd', got {method!r}")
-    fused_applies = candidates is None and isinstance(objective, NCAObjective)
+    fused_applies = isinstance(objective, NCAObjective)
     if method == "fused" and not fused_applies:
-        raise ValueError("the fused kernel needs exact mode (candidates=None) and an NCA objective")
+        raise ValueError(f"the fused kernel computes NCA objectives only, not {objective!r}")
     n = z.shape[0]
     if fused_applies and method != "autograd":
-        return FusedNCA.apply(z, labels, objective.log_form, rows, chunk_size)
+        return FusedNCA.apply(z, labels, objective.log_form, rows, candidates, chunk_size)
     if rows is None:
         rows = torch.arange(n, device=z.device)
     if chunk_size is None:
@@ -118,37 +120,47 @@ def objective_sum(
     return ChunkedObjective.apply(z, labels, objective, rows, candidates, int(chunk_size))
 
 
+def class_runs(sorted_labels: torch.Tensor) -> list[tuple[int, int]]:
+    """[start, end) of each run of equal labels in a sorted label vector."""
+    n = sorted_labels.shape[0]
+    change = torch.nonzero(sorted_labels[1:] != sorted_labels[:-1]).flatten() + 1
+    return list(itertools.pairwise([0, *change.tolist(), n]))
+
+
 @torch.no_grad()
 def nearest_candidates(
     z: torch.Tensor,
     labels: torch.Tensor,
     n_candidates: int,
     *,
-    chunk_size: int | None = None,
+    chunk_size: int = 256,
 ) -> torch.Tensor:
     """For each point, its ``n_candidates`` nearest same-class and nearest other-class points.
 
-    z: (N, d), labels: (N,)  ->  (N, 2K) int64 indices, the same-class block first, padded
-    with -1 where a class has fewer than K other members (or there are fewer than K points of
-    other classes). The point itself is never its own candidate. Memory O(chunk * N).
+    z: (N, d), labels: (N,)  ->  (N, 2K) int64 indices: K same-class (nearest first), then K
+    other-class (nearest first), padded with -1 where there are fewer such points. The point
+    itself is never its own candidate. Points are sorted by class so that a chunk of rows of
+    one class finds its same-class neighbours in one contiguous slice. Memory O(chunk * N).
     """
     n = z.shape[0]
-    k_same = min(n_candidates, n - 1)
-    k_other = min(n_candidates, n - 1)
-    if chunk_size is None:
-        chunk_size = auto_chunk_size(n)
-    out = torch.full((n, k_same + k_other), -1, dtype=torch.long, device=z.device)
-    all_idx = torch.arange(n, device=z.device)
-    for start in range(0, n, chunk_size):
-        rows = all_idx[start : start + chunk_size]
-        d2 = pairwise_sq_dist(z[rows], z)  # (B, N)
-        d2[torch.arange(rows.shape[0], device=z.device), rows] = float("inf")
-        same = labels[rows][:, None] == labels[None, :]
-        for offset, mask, k in ((0, same, k_same), (k_same, ~same, k_other)):
-            if k == 0:
-                continue
-            masked = d2.masked_fill(~mask, float("inf"))
-            dist, idx = torch.topk(masked, k, dim=1, largest=False, sorted=True)
-            idx = idx.masked_fill(torch.isinf(dist), -1)
-            out[rows, offset : offset + k] = idx
+    k = min(n_candidates, n - 1)
+    order = torch.argsort(labels, stable=True)
+    zs = z[order]
+    neg_sq = -(zs * zs).sum(1)[None, :]  # (1, N)
+    out = torch.full((n, 2 * k), -1, dtype=torch.long, device=z.device)
+    for s, e in class_runs(labels[order]):
+        k_same = min(k, e - s - 1)
+        k_other = min(k, n - (e - s))
+        for start in range(s, e, chunk_size):
+            q = torch.arange(start, min(start + chunk_size, e), device=z.device)  # sorted rows
+            closeness = torch.addmm(neg_sq, zs[q], zs.T, alpha=2.0)  # (B, N): -d_ij + ||z_i||^2
+            closeness[torch.arange(q.shape[0], device=z.device), q] = float("-inf")
+            targets = order[q]
+            if k_same > 0:
+                idx = torch.topk(closeness[:, s:e], k_same, dim=1).indices + s
+                out[targets, :k_same] = order[idx]
+            if k_other > 0:
+                closeness[:, s:e] = float("-inf")
+                idx = torch.topk(closeness, k_other, dim=1).indices
+                out[targets, k : k + k_other] = order[idx]
     return out

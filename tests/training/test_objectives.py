@@ -139,17 +139,28 @@ def test_fused_kernel_is_finite_in_float32_for_far_apart_classes():
         assert torch.isfinite(value) and torch.isfinite(grad).all()
 
 
-def test_fused_method_refuses_candidates():
+@pytest.mark.parametrize("log_form", [False, True])
+def test_fused_candidate_kernel_equals_autograd(log_form):
+    X, y, A = problem(seed=8, n=40, scale=1.0)
+    y[5] = 7  # a class of one: its same-class block is all padding
+    z = torch.tensor(X @ A.T)
+    cand = nearest_candidates(z, torch.tensor(y), 4)
+    obj = NCAObjective(log_form)
+    for rows in (None, torch.tensor([5, 0, 9, 33, 12])):
+        kw = dict(candidates=cand, rows=rows)
+        v, g = value_and_grad(X, y, A, obj, method="fused", chunk_size=3, **kw)
+        v2, g2 = value_and_grad(X, y, A, obj, method="autograd", **kw)
+        assert v == pytest.approx(v2, rel=1e-12)
+        np.testing.assert_allclose(g, g2, rtol=1e-10, atol=1e-12)
+
+
+def test_fused_method_refuses_other_objectives():
+    from training.objectives import Objective
+
     z = torch.zeros(4, 2)
     y = torch.tensor([0, 0, 1, 1])
-    with pytest.raises(ValueError, match="fused kernel needs exact mode"):
-        objective_sum(
-            z,
-            y,
-            NCAObjective(False),
-            candidates=torch.zeros(4, 2, dtype=torch.long),
-            method="fused",
-        )
+    with pytest.raises(ValueError, match="fused kernel computes NCA objectives only"):
+        objective_sum(z, y, Objective(), method="fused")
 
 
 def test_candidate_objective_approaches_exact_as_k_grows():
