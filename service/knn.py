@@ -1,11 +1,18 @@
 """The numpy-only kNN core shared by offline evaluation and online serving.
 
-Three functions, used unchanged on both sides so that the accuracy the training report
-states is the accuracy the service delivers:
+Used unchanged on both sides so that the accuracy the training report states is the
+accuracy the service delivers:
 
-* :func:`project`     z = x @ W.T + b, in float32 (one GEMM).
-* :func:`exact_knn`   brute-force k nearest references by squared Euclidean distance.
+* :func:`project`     z = x @ W.T + b (one GEMM), returned as float32.
+* :func:`rerank`      exact distances of candidate neighbours, ordered by (distance, id).
+* :func:`exact_knn`   brute-force k nearest references (GEMM candidates, then ``rerank``).
 * :func:`decide`      neighbour labels and distances -> predicted class and probabilities.
+
+Batch invariance: a row's answer must not depend on which other rows share its batch (the
+service merges concurrent requests). float32 GEMMs and FAISS's distance kernels round
+differently for different batch shapes, so ``project`` accumulates in float64 before rounding
+to float32, and final neighbour distances are recomputed per pair in float64 by ``rerank``
+and ordered by (distance, id). Offline and online answers then agree to the bit.
 """
 
 from __future__ import annotations
@@ -15,15 +22,45 @@ import numpy as np
 RULES = ("majority", "soft")
 
 
+RERANK_MARGIN = 8  # extra candidates fetched before exact re-ranking
+
+
 def project(x: np.ndarray, projection: np.ndarray, offset: np.ndarray) -> np.ndarray:
     """Embed raw inputs: z = x @ W.T + b.
 
-    x: (n, D), projection W: (d, D), offset b: (d,)  ->  z: (n, d) float32.
+    x: (n, D), projection W: (d, D) float32, offset b: (d,) float32  ->  z: (n, d) float32.
+    Inputs are taken as float32 (the artifact's contract), the product is accumulated in
+    float64 and rounded once, so a row's embedding does not depend on its batch.
     """
-    x32 = np.asarray(x, dtype=np.float32)
-    z = x32 @ np.asarray(projection, dtype=np.float32).T
+    x64 = np.asarray(x, dtype=np.float32).astype(np.float64)
+    z = x64 @ np.asarray(projection, dtype=np.float32).astype(np.float64).T
     z += np.asarray(offset, dtype=np.float32)
-    return z
+    return z.astype(np.float32)
+
+
+def rerank(
+    queries: np.ndarray, references: np.ndarray, candidates: np.ndarray, k: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The k nearest of each query's candidates, by exact distance, ties by smaller id.
+
+    queries: (n, d), references: (N, d), candidates: (n, m) int64 reference indices (-1 =
+    none, as FAISS pads)  ->  (distances (n, k) float32, indices (n, k) int64). Squared
+    distances are computed pair by pair in float64, so the result depends only on the pair.
+    Rows with fewer than k valid candidates are padded with (inf, -1).
+    """
+    q = np.asarray(queries, dtype=np.float32).astype(np.float64)
+    cand = np.asarray(candidates, dtype=np.int64)
+    valid = cand >= 0
+    safe = np.where(valid, cand, 0)
+    diff = np.asarray(references, dtype=np.float32)[safe].astype(np.float64) - q[:, None, :]
+    d2 = np.einsum("nmd,nmd->nm", diff, diff)  # (n, m)
+    d2 = np.where(valid, d2, np.inf)
+    ids = np.where(valid, cand, np.iinfo(np.int64).max)
+    order = np.lexsort((ids, d2), axis=1)[:, :k]
+    out_d = np.take_along_axis(d2, order, axis=1).astype(np.float32)
+    out_i = np.take_along_axis(cand, order, axis=1)
+    out_i = np.where(np.isfinite(out_d), out_i, -1)
+    return out_d, out_i
 
 
 def squared_distances(queries: np.ndarray, references: np.ndarray) -> np.ndarray:
@@ -49,24 +86,26 @@ def exact_knn(
     """The k nearest references of each query by squared Euclidean distance.
 
     queries: (n, d), references: (N, d)  ->  (distances (n, k) float32, indices (n, k) int64),
-    each row sorted by increasing distance (ties by increasing index). Memory: O(chunk * N).
+    each row sorted by increasing distance, ties by increasing index. The k + RERANK_MARGIN
+    nearest by a float32 GEMM are re-ranked exactly by :func:`rerank`. Memory: O(chunk * N).
     """
     n_refs = len(references)
     if not 1 <= k <= n_refs:
         raise ValueError(f"k must lie in [1, {n_refs}] (the number of references), got {k}")
     n = len(queries)
+    m = min(n_refs, k + RERANK_MARGIN)
     out_d = np.empty((n, k), dtype=np.float32)
     out_i = np.empty((n, k), dtype=np.int64)
     for start in range(0, n, chunk_size):
-        d2 = squared_distances(queries[start : start + chunk_size], references)
-        if k < n_refs:
-            part = np.argpartition(d2, k - 1, axis=1)[:, :k]
+        block = queries[start : start + chunk_size]
+        d2 = squared_distances(block, references)
+        if m < n_refs:
+            part = np.argpartition(d2, m - 1, axis=1)[:, :m]
         else:
             part = np.broadcast_to(np.arange(n_refs), d2.shape)
-        part_d = np.take_along_axis(d2, part, axis=1)
-        order = np.lexsort((part, part_d), axis=1)
-        out_i[start : start + chunk_size] = np.take_along_axis(part, order, axis=1)
-        out_d[start : start + chunk_size] = np.take_along_axis(part_d, order, axis=1)
+        dist, idx = rerank(block, references, part, k)
+        out_d[start : start + chunk_size] = dist
+        out_i[start : start + chunk_size] = idx
     return out_d, out_i
 
 

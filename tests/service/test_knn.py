@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from service.knn import decide, exact_knn, project, squared_distances
+from service.knn import decide, exact_knn, project, rerank, squared_distances
 
 
 def test_project_is_affine_map_in_float32(rng):
@@ -83,3 +83,33 @@ def test_decide_rejects_bad_arguments():
         decide(np.zeros((1, 1), int), np.zeros((1, 1)), 2, "vote")
     with pytest.raises(ValueError, match=r"must both be \(n, k\)"):
         decide(np.zeros((1, 2), int), np.zeros((1, 3)), 2)
+
+
+def test_project_does_not_depend_on_the_batch(rng):
+    W = rng.normal(size=(32, 784)).astype(np.float32)
+    b = rng.normal(size=32).astype(np.float32)
+    X = rng.normal(size=(300, 784)).astype(np.float32)
+    full = project(X, W, b)
+    for i in range(0, 300, 37):
+        np.testing.assert_array_equal(project(X[i : i + 1], W, b)[0], full[i])
+        np.testing.assert_array_equal(project(X[i : i + 5], W, b), full[i : i + 5])
+
+
+def test_rerank_orders_by_exact_distance_then_id_and_pads():
+    refs = np.array([[0.0], [1.0], [1.0], [3.0]], np.float32)
+    q = np.array([[0.9], [0.0]], np.float32)
+    cand = np.array([[3, 2, 1, 0], [3, -1, -1, -1]])
+    dist, idx = rerank(q, refs, cand, 3)
+    np.testing.assert_array_equal(idx, [[1, 2, 0], [3, -1, -1]])
+    np.testing.assert_allclose(dist[0], [0.01, 0.01, 0.81], rtol=1e-6)
+    assert np.isinf(dist[1, 1:]).all()
+
+
+def test_exact_knn_is_batch_invariant(rng):
+    q = rng.normal(size=(50, 8)).astype(np.float32)
+    r = rng.normal(size=(500, 8)).astype(np.float32)
+    dist, idx = exact_knn(q, r, 5)
+    for i in (0, 17, 49):
+        d1, i1 = exact_knn(q[i : i + 1], r, 5)
+        np.testing.assert_array_equal(i1[0], idx[i])
+        np.testing.assert_array_equal(d1[0], dist[i])
