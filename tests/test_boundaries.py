@@ -61,3 +61,38 @@ def test_importing_the_service_core_leaves_torch_and_the_web_stack_unloaded():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
     )
     assert result.stdout.strip() == ""
+
+
+WEB = {"fastapi", "starlette", "uvicorn", "httpx", "prometheus_client"}
+HTTP_LAYER = {
+    "service.app",
+    "service.deps",
+    "service.schemas",
+    "service.metrics",
+    "service.payload",
+}
+
+
+def test_engine_layer_has_no_web_imports():
+    for name in (
+        "engine.py",
+        "index.py",
+        "batcher.py",
+        "knn.py",
+        "artifact.py",
+        "errors.py",
+        "config.py",
+    ):
+        for module in imported_modules(ROOT / "service" / name):
+            assert module.split(".")[0] not in WEB, f"service/{name} imports {module}"
+            assert module not in HTTP_LAYER and not module.startswith("service.routes"), (
+                f"service/{name} imports the HTTP layer ({module})"
+            )
+
+
+def test_importing_the_service_app_leaves_torch_out():
+    code = "import sys, service.app, service.__main__\nprint('torch' in sys.modules, 'training' in sys.modules)"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    assert result.stdout.split() == ["False", "False"]

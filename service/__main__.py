@@ -1,0 +1,65 @@
+"""``python -m service`` / ``nca-serve``: run the service under uvicorn.
+
+    python -m service --model models/digits --host 127.0.0.1 --port 8000
+
+Options override the NCAKNN_* environment (they are passed to uvicorn's workers through it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m service", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="artifact directory (NCAKNN_MODEL_PATH)")
+    parser.add_argument("--host", help="interface to bind (NCAKNN_HOST)")
+    parser.add_argument("--port", type=int, help="TCP port (NCAKNN_PORT)")
+    parser.add_argument("--workers", type=int, help="worker processes (NCAKNN_WORKERS)")
+    parser.add_argument(
+        "--index", choices=["flat", "ivf", "hnsw", "ivfpq"], help="index type (NCAKNN_INDEX_TYPE)"
+    )
+    args = parser.parse_args(argv)
+    for option, variable in (
+        ("model", "NCAKNN_MODEL_PATH"),
+        ("host", "NCAKNN_HOST"),
+        ("port", "NCAKNN_PORT"),
+        ("workers", "NCAKNN_WORKERS"),
+        ("index", "NCAKNN_INDEX_TYPE"),
+    ):
+        value = getattr(args, option)
+        if value is not None:
+            os.environ[variable] = str(value)
+
+    import uvicorn
+    from pydantic import ValidationError
+
+    from service.config import Settings
+
+    try:
+        settings = Settings()
+    except ValidationError as exc:
+        print(f"error: invalid settings: {exc}", file=sys.stderr)
+        return 2
+    has = importlib.util.find_spec
+    uvicorn.run(
+        "service.app:create_app_from_env",
+        factory=True,
+        host=settings.host,
+        port=settings.port,
+        workers=settings.workers,
+        loop="uvloop" if has("uvloop") else "asyncio",
+        http="httptools" if has("httptools") else "h11",
+        timeout_graceful_shutdown=settings.graceful_shutdown_seconds,
+        access_log=False,
+        log_level=settings.log_level,
+        lifespan="on",
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""Service configuration: one pydantic-settings class, read from ``NCAKNN_*`` variables.
+
+Every field is documented here and in the README; ``python -m service --model ... --host ...
+--port ...`` overrides the environment.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+IndexType = Literal["flat", "ivf", "hnsw", "ivfpq"]
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="NCAKNN_", extra="ignore", frozen=True)
+
+    # what to serve
+    model_path: Path = Field(Path("models/digits"), description="artifact directory to serve")
+    require_model_at_startup: bool = Field(
+        True,
+        description="fail fast when the model cannot be loaded at startup; if false, start "
+        "unready (503) and wait for a reload or the poller to bring a model",
+    )
+    reload_poll_seconds: float = Field(
+        0.0, ge=0, description="check the model path for a new artifact this often (0: never)"
+    )
+
+    # HTTP
+    host: str = Field("127.0.0.1", description="interface to bind")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port")
+    workers: int = Field(1, ge=1, description="uvicorn worker processes")
+    graceful_shutdown_seconds: int = Field(
+        30, ge=0, description="on SIGTERM, how long to let requests in flight finish"
+    )
+    api_key: SecretStr | None = Field(
+        None, description="if set, /v1 routes need 'Authorization: Bearer <key>'"
+    )
+    metrics_require_api_key: bool = Field(False, description="protect /metrics with the key too")
+    log_level: str = Field("info", description="debug, info, warning, error")
+    log_json: bool = Field(True, description="structured JSON log lines")
+
+    # limits and backpressure
+    max_batch_rows: int = Field(4096, ge=1, description="most instances in one request (413)")
+    max_body_bytes: int = Field(
+        64 * 2**20, ge=1024, description="largest request body in bytes (413)"
+    )
+    max_in_flight: int = Field(
+        512, ge=1, description="requests computing at once; more are refused with 429"
+    )
+    max_k: int = Field(256, ge=1, description="largest k a request may ask for (422)")
+
+    # dynamic batching
+    batching: bool = Field(True, description="merge concurrent requests into one search")
+    batch_max_rows: int = Field(512, ge=1, description="most rows in one merged search")
+    batch_max_wait_us: int = Field(
+        200, ge=0, description="how long a batch waits for more requests, microseconds"
+    )
+
+    # index
+    index_type: IndexType = Field("flat", description="flat (exact), ivf, hnsw or ivfpq")
+    ivf_nlist: int = Field(0, ge=0, description="IVF lists (0: about 4 sqrt(N))")
+    nprobe: int = Field(16, ge=1, description="IVF lists searched per query")
+    hnsw_m: int = Field(32, ge=2, description="HNSW graph degree")
+    ef_construction: int = Field(80, ge=1, description="HNSW build-time beam width")
+    ef_search: int = Field(64, ge=1, description="HNSW search beam width")
+    pq_m: int = Field(8, ge=1, description="IVF-PQ sub-quantisers (must divide d)")
+    search_threads: int = Field(
+        0, ge=0, description="FAISS threads for large batches (0: all cores); small batches use 1"
+    )
+
+    @field_validator("log_level")
+    @classmethod
+    def _known_level(cls, value: str) -> str:
+        value = value.lower()
+        if value not in {"debug", "info", "warning", "error", "critical"}:
+            raise ValueError(
+                f"log_level must be debug, info, warning, error or critical, not {value!r}"
+            )
+        return value

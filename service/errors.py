@@ -1,0 +1,88 @@
+"""The service's domain errors and the one table that maps them to HTTP statuses.
+
+Every error reaches the client as ``{"error": "<what was wrong and what was expected>",
+"error_type": "<name>"}`` with the status from :data:`STATUS`.
+"""
+
+from __future__ import annotations
+
+
+class ServiceError(Exception):
+    """Base of every error the service reports to a client."""
+
+    error_type = "internal_error"
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidInput(ServiceError):
+    error_type = "invalid_input"
+
+
+class EmptyBatch(ServiceError):
+    error_type = "empty_batch"
+
+
+class PayloadTooLarge(ServiceError):
+    error_type = "payload_too_large"
+
+
+class Overloaded(ServiceError):
+    error_type = "overloaded"
+
+
+class NotReady(ServiceError):
+    error_type = "not_ready"
+
+
+class Unauthorized(ServiceError):
+    error_type = "unauthorized"
+
+
+class UnsupportedMediaType(ServiceError):
+    error_type = "unsupported_media_type"
+
+
+class NotAcceptable(ServiceError):
+    error_type = "not_acceptable"
+
+
+class ReloadFailed(ServiceError):
+    error_type = "reload_failed"
+
+
+class NotFound(ServiceError):
+    error_type = "not_found"
+
+
+class MethodNotAllowed(ServiceError):
+    error_type = "method_not_allowed"
+
+
+STATUS: dict[type[ServiceError], int] = {
+    EmptyBatch: 400,
+    Unauthorized: 401,
+    NotFound: 404,
+    MethodNotAllowed: 405,
+    NotAcceptable: 406,
+    ReloadFailed: 409,
+    PayloadTooLarge: 413,
+    UnsupportedMediaType: 415,
+    InvalidInput: 422,
+    Overloaded: 429,
+    ServiceError: 500,
+    NotReady: 503,
+}
+
+
+def status_of(error: ServiceError) -> int:
+    for cls in type(error).__mro__:
+        if cls in STATUS:
+            return STATUS[cls]
+    return 500  # pragma: no cover
+
+
+def body_of(error: ServiceError) -> dict[str, str]:
+    return {"error": error.message, "error_type": error.error_type}

@@ -1,0 +1,133 @@
+"""POST /v1/classify, /v1/embed, /v1/neighbors."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import Response
+
+from service.deps import Body, Model, State, require_api_key
+from service.errors import NotAcceptable
+from service.payload import JSON, NPY, npy_bytes
+from service.routes.common import (
+    INFERENCE_ERRORS,
+    embed,
+    error_responses,
+    json_response,
+    neighbor_lists,
+    parse_instances,
+    request_body,
+    resolve_k,
+    search,
+)
+from service.schemas import (
+    ClassifyRequest,
+    ClassifyResponse,
+    EmbedRequest,
+    EmbedResponse,
+    NeighborsRequest,
+    NeighborsResponse,
+)
+
+router = APIRouter(prefix="/v1", tags=["inference"], dependencies=[Depends(require_api_key)])
+
+
+@router.post(
+    "/classify",
+    response_model=ClassifyResponse,
+    responses=INFERENCE_ERRORS,
+    openapi_extra=request_body(ClassifyRequest, npy=True),
+    summary="Classify instances by kNN in the learned space",
+)
+async def classify(
+    request: Request,
+    state: State,
+    model: Model,
+    body: Body,
+    k: int | None = Query(
+        None, ge=1, description="neighbours (npy bodies; JSON bodies may set it)"
+    ),
+    rule: Literal["majority", "soft"] | None = Query(None, description="decision rule"),
+    return_neighbors: bool = Query(False, description="include the k neighbours"),
+) -> Response:
+    parsed, rows = parse_instances(
+        body, request.headers.get("content-type"), ClassifyRequest, model, state, npy=True
+    )
+    if parsed is not None:
+        k = parsed.k if parsed.k is not None else k
+        rule = parsed.rule or rule
+        return_neighbors = parsed.return_neighbors or return_neighbors
+    k = resolve_k(k, model, state)
+    rule = rule or model.artifact.decision_rule
+    state.metrics.request_rows.labels("/v1/classify").observe(len(rows))
+    with state.admit():
+        distances, indices = await search(state, model, rows, k)
+    prediction = model.decide(distances, indices, rule)
+    names = [str(c) for c in model.classes]
+    proba = prediction.probabilities.tolist()
+    neighbors = neighbor_lists(model, distances, indices) if return_neighbors else None
+    predictions = []
+    for i, label in enumerate(prediction.labels):
+        item = {"label": label, "probabilities": dict(zip(names, proba[i], strict=True))}
+        if neighbors is not None:
+            item["neighbors"] = neighbors[i]
+        predictions.append(item)
+    return json_response({"predictions": predictions, "model_version": model.version})
+
+
+@router.post(
+    "/embed",
+    response_model=EmbedResponse,
+    responses={
+        **INFERENCE_ERRORS,
+        **error_responses(406),
+        200: {"content": {NPY: {"schema": {"type": "string", "format": "binary"}}}},
+    },
+    openapi_extra=request_body(EmbedRequest, npy=True),
+    summary="Project instances into the learned d-dimensional space (batch embedding)",
+)
+async def embed_route(request: Request, state: State, model: Model, body: Body) -> Response:
+    accept = request.headers.get("accept", JSON)
+    want_npy = NPY in accept
+    if not want_npy and not any(t in accept for t in (JSON, "*/*", "application/*")):
+        raise NotAcceptable(f"Accept {accept!r}: /v1/embed returns {JSON} or {NPY}")
+    _, rows = parse_instances(
+        body, request.headers.get("content-type"), EmbedRequest, model, state, npy=True
+    )
+    state.metrics.request_rows.labels("/v1/embed").observe(len(rows))
+    with state.admit():
+        z = await embed(model, rows)
+    if want_npy:
+        return Response(npy_bytes(z), media_type=NPY, headers={"x-model-version": model.version})
+    return json_response({"embeddings": z.tolist(), "model_version": model.version})
+
+
+@router.post(
+    "/neighbors",
+    response_model=NeighborsResponse,
+    responses=INFERENCE_ERRORS,
+    openapi_extra=request_body(NeighborsRequest, npy=True),
+    summary="The k nearest reference points of each instance",
+)
+async def neighbors(
+    request: Request,
+    state: State,
+    model: Model,
+    body: Body,
+    k: int | None = Query(
+        None, ge=1, description="neighbours (npy bodies; JSON bodies may set it)"
+    ),
+) -> Response:
+    parsed, rows = parse_instances(
+        body, request.headers.get("content-type"), NeighborsRequest, model, state, npy=True
+    )
+    if parsed is not None and parsed.k is not None:
+        k = parsed.k
+    k = resolve_k(k, model, state)
+    state.metrics.request_rows.labels("/v1/neighbors").observe(len(rows))
+    with state.admit():
+        distances, indices = await search(state, model, rows, k)
+    return json_response(
+        {"neighbors": neighbor_lists(model, distances, indices), "model_version": model.version}
+    )

@@ -1,0 +1,100 @@
+"""The engine: offline/online consistency, the projection, load failures and swaps."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from service.artifact import ArtifactError, read_artifact
+from service.engine import Engine, load_model
+from service.errors import InvalidInput, NotReady
+from tests.service.conftest import settings_for
+from training import NCA
+
+
+def test_service_predictions_equal_the_training_report(digits_artifact):
+    path, report, split = digits_artifact
+    model = load_model(path, settings_for(path))
+    k = report["test_predictions"]["k"]
+    prediction = model.classify(split.X_test, k, report["test_predictions"]["rule"])
+    assert prediction.labels == report["test_predictions"]["label"]
+    accuracy = float(np.mean(np.array(prediction.labels) == split.classes[split.y_test]))
+    assert accuracy == pytest.approx(report["metrics"]["test_accuracy"][k])
+
+
+def test_service_projection_equals_estimator_transform(tmp_path):
+    from sklearn.datasets import load_digits
+
+    from service.artifact import write_artifact
+
+    X, y = load_digits(return_X_y=True)
+    nca = NCA(n_components=8, max_iter=20, random_state=0).fit(X[:500], y[:500])
+    path = write_artifact(
+        tmp_path / "m",
+        projection=nca.projection_,
+        offset=nca.offset_,
+        embeddings=nca.transform(X[:500]),
+        labels=y[:500].astype(np.int32),
+        classes=list(range(10)),
+        mean=nca.mean_,
+        scale=nca.scale_,
+        default_k=1,
+    )
+    model = load_model(path, settings_for(path))
+    np.testing.assert_array_equal(model.embed(X[500:]), nca.transform(X[500:]))
+
+
+@pytest.mark.parametrize("kind", ["flat", "ivf", "hnsw", "ivfpq"])
+def test_every_index_type_loads_and_answers(model_dir, kind):
+    model = load_model(model_dir, settings_for(model_dir, index_type=kind, pq_m=4))
+    assert model.index_type == kind and model.index.ntotal == model.n_references
+    prediction = model.classify(np.zeros((3, model.n_features), np.float32), 5, "soft")
+    assert len(prediction.labels) == 3 and prediction.indices.shape == (3, 5)
+
+
+def test_checks_name_the_limit(model_dir):
+    model = load_model(model_dir, settings_for(model_dir))
+    with pytest.raises(InvalidInput, match=r"k=100000 must lie in \[1, \d+\]"):
+        model.check_k(100000)
+    with pytest.raises(InvalidInput, match="must have 64 features"):
+        model.check_rows(np.zeros((2, 3)))
+    with pytest.raises(InvalidInput, match="rule must be one of"):
+        model.decide(np.zeros((1, 1)), np.zeros((1, 1), np.int64), "vote")
+
+
+def test_failed_load_keeps_the_current_model(model_dir):
+    engine = Engine(settings_for(model_dir))
+    with pytest.raises(NotReady, match="no model is loaded yet"):
+        engine.current()
+    first = engine.load()
+    raw = bytearray((model_dir / "embeddings.npy").read_bytes())
+    raw[-3] ^= 0x55
+    (model_dir / "embeddings.npy").write_bytes(bytes(raw))
+    with pytest.raises(ArtifactError, match="checksum mismatch"):
+        engine.load()
+    assert engine.current() is first
+    assert "checksum mismatch" in engine.last_error and engine.load_failures == 1
+    assert not engine.changed_on_disk()  # the failed version is not retried by the poller
+
+
+def test_changed_on_disk_sees_a_new_artifact(model_dir, digits_artifact):
+    from service.artifact import write_artifact
+
+    engine = Engine(settings_for(model_dir))
+    engine.load()
+    assert not engine.changed_on_disk()
+    art = read_artifact(model_dir)
+    write_artifact(
+        model_dir,
+        projection=np.asarray(art.projection) * 2,
+        offset=art.offset,
+        embeddings=np.asarray(art.embeddings) * 2,
+        labels=art.labels,
+        classes=art.classes,
+        mean=art.mean,
+        scale=art.scale,
+        default_k=art.default_k,
+    )
+    assert engine.changed_on_disk()
+    new = engine.load()
+    assert new.version == read_artifact(model_dir).version and not engine.changed_on_disk()

@@ -1,0 +1,206 @@
+"""A real server: `python -m service` in a subprocess, graceful drain on SIGTERM, hot reload."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from service.app import create_app
+from service.artifact import read_artifact, write_artifact
+from tests.service.conftest import settings_for
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model: Path, port: int, **env) -> subprocess.Popen:
+    environment = {**os.environ, "NCAKNN_LOG_JSON": "true", **{k: str(v) for k, v in env.items()}}
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "service",
+            "--model",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        cwd=ROOT,
+        env=environment,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited early: {proc.stderr.read()}")
+        try:
+            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError("server did not become ready")
+
+
+def in_flight(url: str) -> float:
+    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+        if line.startswith("ncaknn_in_flight_requests "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def test_real_server_answers_and_drains_on_sigterm(digits_artifact):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    # a 2 s batching window keeps requests in flight when SIGTERM arrives
+    proc = start_server(digits_artifact[0], port, NCAKNN_BATCH_MAX_WAIT_US=2_000_000)
+    try:
+        wait_ready(url, proc)
+        body = {"instances": [[0.0] * 64]}
+        assert httpx.post(f"{url}/v1/classify", json=body, timeout=10).status_code == 200
+        results: list[int] = []
+
+        def call():
+            try:
+                results.append(httpx.post(f"{url}/v1/classify", json=body, timeout=30).status_code)
+            except httpx.HTTPError as exc:  # pragma: no cover - the failure we test against
+                results.append(repr(exc))
+
+        threads = [threading.Thread(target=call) for _ in range(12)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 10
+        while in_flight(url) < 12:  # every request admitted and waiting for its search
+            assert time.monotonic() < deadline, "requests did not all arrive"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(30)
+        assert results == [200] * 12
+        # uvicorn drains, then re-raises the signal: a clean stop exits by SIGTERM (or 0)
+        assert proc.wait(30) in (0, -signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_real_server_refuses_to_start_without_a_model(tmp_path):
+    proc = start_server(tmp_path / "missing", free_port())
+    assert proc.wait(60) != 0
+    assert "failed to load" in proc.stderr.read()
+
+
+def test_reload_under_a_request_loop_loses_no_request(model_dir):
+    app = create_app(settings_for(model_dir))
+    failures, versions = [], set()
+    stop = threading.Event()
+    rows = np.zeros((2, 64)).tolist()
+    with TestClient(app) as c:
+
+        def loop():
+            while not stop.is_set():
+                r = c.post("/v1/classify", json={"instances": rows, "k": 3})
+                if r.status_code != 200:
+                    failures.append(r.text)
+                else:
+                    versions.add(r.json()["model_version"])
+
+        workers = [threading.Thread(target=loop) for _ in range(3)]
+        for w in workers:
+            w.start()
+        art = read_artifact(model_dir)
+        seen = {art.version}
+        for step in range(1, 4):
+            write_artifact(
+                model_dir,
+                projection=np.asarray(art.projection) * (1 + step),
+                offset=art.offset,
+                embeddings=np.asarray(art.embeddings) * (1 + step),
+                labels=art.labels,
+                classes=art.classes,
+                mean=art.mean,
+                scale=art.scale,
+                default_k=art.default_k,
+            )
+            r = c.post("/v1/admin/reload")
+            assert r.status_code == 200 and r.json()["status"] == "reloaded"
+            seen.add(r.json()["model_version"])
+            time.sleep(0.2)
+        good = c.get("/v1/model").json()["model_version"]
+        (model_dir / "projection.npy").write_bytes(b"corrupt")
+        assert c.post("/v1/admin/reload").status_code == 409
+        time.sleep(0.2)
+        stop.set()
+        for w in workers:
+            w.join(30)
+        assert c.get("/v1/model").json()["model_version"] == good
+    assert failures == []
+    assert len(versions) >= 3 and versions <= seen
+
+
+def test_poller_picks_up_a_new_artifact(model_dir):
+    app = create_app(settings_for(model_dir, reload_poll_seconds=0.05))
+    with TestClient(app) as c:
+        before = c.get("/v1/model").json()["model_version"]
+        art = read_artifact(model_dir)
+        write_artifact(
+            model_dir,
+            projection=np.asarray(art.projection) * 3,
+            offset=art.offset,
+            embeddings=np.asarray(art.embeddings) * 3,
+            labels=art.labels,
+            classes=art.classes,
+            mean=art.mean,
+            scale=art.scale,
+            default_k=art.default_k,
+        )
+        deadline = time.monotonic() + 10
+        while c.get("/v1/model").json()["model_version"] == before:
+            assert time.monotonic() < deadline, "poller did not reload"
+            time.sleep(0.05)
+
+
+@pytest.mark.parametrize("workers", [2])
+def test_real_server_with_several_workers(digits_artifact, workers):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_server(digits_artifact[0], port, NCAKNN_WORKERS=workers)
+    try:
+        wait_ready(url, proc)
+        for _ in range(4):
+            assert (
+                httpx.post(
+                    f"{url}/v1/classify", json={"instances": [[0.0] * 64]}, timeout=10
+                ).status_code
+                == 200
+            )
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) in (0, -signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
