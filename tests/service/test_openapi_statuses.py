@@ -1,0 +1,133 @@
+"""Every status the OpenAPI document lists for a route is produced by a real request here."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from service.app import create_app
+from tests.service.conftest import npy, settings_for
+
+ROW = [[0.0] * 64]
+
+
+def listed_statuses(app) -> list[tuple[str, str, int]]:
+    spec = app.openapi()
+    return sorted(
+        (path, method, int(status))
+        for path, ops in spec["paths"].items()
+        for method, op in ops.items()
+        for status in op["responses"]
+        if status.isdigit()
+    )
+
+
+def body_for(path: str) -> dict | None:
+    return {"instances": ROW} if path in ("/v1/classify", "/v1/embed", "/v1/neighbors") else None
+
+
+def call(client, method, path, **kw):
+    return client.request(method.upper(), path, **kw)
+
+
+def produce(status: int, method: str, path: str, model_dir, tmp_path) -> httpx.Response:
+    """Make `path` answer `status` for real."""
+    body = body_for(path)
+    if status in (200,):
+        with TestClient(create_app(settings_for(model_dir))) as c:
+            return call(c, method, path, json=body)
+    if status == 400:
+        with TestClient(create_app(settings_for(model_dir))) as c:
+            return call(c, method, path, json={"instances": []})
+    if status == 401:
+        app = create_app(settings_for(model_dir, api_key="k", metrics_require_api_key=True))
+        with TestClient(app) as c:
+            return call(c, method, path, json=body)
+    if status == 406:
+        with TestClient(create_app(settings_for(model_dir))) as c:
+            return call(c, method, path, json=body, headers={"accept": "text/html"})
+    if status == 409:
+        with TestClient(create_app(settings_for(model_dir))) as c:
+            (model_dir / "offset.npy").write_bytes(b"broken")
+            return call(c, method, path)
+    if status == 413:
+        with TestClient(create_app(settings_for(model_dir, max_batch_rows=1))) as c:
+            return call(c, method, path, json={"instances": ROW * 2})
+    if status == 415:
+        with TestClient(create_app(settings_for(model_dir))) as c:
+            return call(c, method, path, content=b"x", headers={"content-type": "text/plain"})
+    if status == 422:
+        with TestClient(create_app(settings_for(model_dir))) as c:
+            return call(c, method, path, json={"instances": [[1.0]]})
+    if status == 429:
+        app = create_app(settings_for(model_dir, max_in_flight=1, batch_max_wait_us=20000))
+        body = {"instances": ROW * 200}  # large enough that embedding runs off the event loop
+
+        async def burst():
+            transport = httpx.ASGITransport(app=app)
+            async with app.router.lifespan_context(app):
+                async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+                    rs = await asyncio.gather(
+                        *(c.request(method.upper(), path, json=body) for _ in range(8))
+                    )
+            return next((r for r in rs if r.status_code == 429), rs[0])
+
+        return asyncio.run(burst())
+    if status == 503:
+        app = create_app(settings_for(tmp_path / "absent", require_model_at_startup=False))
+        with TestClient(app) as c:
+            return call(c, method, path, json=body)
+    raise AssertionError(f"no recipe for status {status}")
+
+
+def test_every_listed_status_is_produced(digits_artifact, tmp_path):
+    import shutil
+
+    app = create_app(settings_for(digits_artifact[0]))
+    triples = listed_statuses(app)
+    assert {s for _, _, s in triples} >= {200, 400, 401, 406, 409, 413, 415, 422, 429, 503}
+    for i, (path, method, status) in enumerate(triples):
+        if path in ("/docs", "/redoc", "/openapi.json"):
+            continue
+        model_dir = tmp_path / f"m{i}"
+        shutil.copytree(digits_artifact[0], model_dir)
+        response = produce(status, method, path, model_dir, tmp_path)
+        assert response.status_code == status, (
+            f"{method.upper()} {path}: {response.status_code} {response.text[:200]}"
+        )
+        if status >= 400:
+            assert set(response.json()) == {"error", "error_type"}
+
+
+@pytest.mark.parametrize("path", ["/v1/classify", "/v1/embed", "/v1/neighbors"])
+def test_no_request_body_shape_yields_a_500(client, path):
+    """A small fuzz over malformed bodies: always a 4xx with the error shape, never a 500."""
+    rng = np.random.default_rng(0)
+    bodies = [
+        b"",
+        b"null",
+        b"[]",
+        b"{}",
+        b'{"instances": null}',
+        b'{"instances": [null]}',
+        b'{"instances": [[]]}',
+        b'{"instances": [[1, 2], 3]}',
+        b'{"instances": [[true, false]]}',
+        b'{"instances": {"a": 1}}',
+        b'{"instances": [[1e400]]}',
+        b'{"instances": [' + b",".join([b"[" + b",".join([b"0"] * 64) + b"]"] * 3) + b'], "k": -1}',
+        b'{"instances": [' + b",".join([b"0"] * 64) + b"]}",
+        rng.bytes(100),
+        '{"instances": [["\u00e9"]]}'.encode(),
+    ]
+    for raw in bodies:
+        r = client.post(path, content=raw, headers={"content-type": "application/json"})
+        assert 400 <= r.status_code < 500, (raw, r.status_code, r.text)
+        assert set(r.json()) == {"error", "error_type"}
+    for array in (np.zeros((2, 3, 4), np.float32), np.zeros((1, 64), np.complex64), np.array(5.0)):
+        r = client.post(path, content=npy(array), headers={"content-type": "application/x-npy"})
+        assert r.status_code == 422, (array.shape, r.text)
