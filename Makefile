@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 MODEL ?= models/digits
 
-.PHONY: install run train test test-slow lint format bench clean
+.PHONY: install run train serve test test-slow lint format bench bench-serve clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -20,11 +20,21 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 
 install: $(VENV)/.installed
 
-## run: the main job: train NCA on digits and write the artifact to $(MODEL)
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+## run: the main job: train NCA on digits into $(MODEL) if it is missing, then serve it
 run: install
+	@test -f $(MODEL)/manifest.json || $(BIN)/python -m training --data digits --n-components 32 --out $(MODEL)
+	$(BIN)/python -m service --model $(MODEL) --host $(HOST) --port $(PORT)
+
+## train: (re)train the default model
+train: install
 	$(BIN)/python -m training --data digits --n-components 32 --out $(MODEL)
 
-train: run
+## serve: serve $(MODEL) (must exist)
+serve: install
+	$(BIN)/python -m service --model $(MODEL) --host $(HOST) --port $(PORT)
 
 ## test: lint and the fast test suite
 test: install
@@ -46,6 +56,11 @@ format: install
 ## bench: the training benchmark against scikit-learn (long: see benchmarks/README.md)
 bench: install
 	$(BIN)/python benchmarks/train_vs_sklearn.py
+
+## bench-serve: search and HTTP benchmarks (HTTP needs wrk: apt-get install wrk)
+bench-serve: install
+	$(BIN)/python benchmarks/search_raw_vs_projected.py
+	$(BIN)/python benchmarks/http_load.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info

@@ -338,3 +338,13 @@ def test_batched_answers_equal_single_request_answers(digits_artifact):
         single = [c.post("/v1/classify", json=b) for b in bodies]
     assert all(r.status_code == 200 for r in batched)
     assert [r.json() for r in batched] == [r.json() for r in single]
+
+
+def test_every_setting_is_documented_in_the_readme():
+    from pathlib import Path
+
+    from service.config import Settings
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    for name in Settings.model_fields:
+        assert f"`NCAKNN_{name.upper()}`" in readme, name
