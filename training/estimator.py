@@ -57,9 +57,11 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
     ----------
     n_components : int or None
         d, the embedding dimension; None means d = D (a full transform).
-    objective : {"nca", "nca-log"}
+    objective : {"nca", "nca-log", "knca-majority", "knca-majority-log", "knca-all", "knca-all-log"}
         "nca" maximises f(A) = sum_i p_i (expected number correct, eq 3); "nca-log"
-        maximises g(A) = sum_i log p_i (eq 6).
+        maximises g(A) = sum_i log p_i (eq 6). "knca-*" maximise the exact expected accuracy
+        of a kNN vote with k neighbours (Tarlow et al. 2013; see ``training.knca``):
+        "majority" (i's class wins the vote outright) or "all" (all k neighbours agree).
     k : int
         The k of the kNN rule the objective trains for (1 for NCA).
     transformation : {"linear", "diagonal"}
@@ -192,6 +194,17 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         if self.objective not in OBJECTIVES:
             raise ValueError(f"objective={self.objective!r} must be one of {sorted(OBJECTIVES)}")
         positive_int("k", self.k)
+        if self.k > n_samples - 1:
+            raise ValueError(f"k={self.k} must be <= n_samples - 1 = {n_samples - 1}")
+        if (
+            self.objective.startswith("knca")
+            and isinstance(self.n_candidates, numbers.Integral)
+            and self.n_candidates < self.k
+        ):
+            raise ValueError(
+                f"n_candidates={self.n_candidates} must be >= k={self.k}: each point needs k "
+                "same-class candidates"
+            )
         if self.solver not in SOLVERS:
             raise ValueError(f"solver={self.solver!r} must be one of {SOLVERS}")
         positive_int("max_iter", self.max_iter)
@@ -243,7 +256,7 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         )
         torch.manual_seed(int(rng.integers(2**31 - 1)))
         device = resolve_device(self.device)
-        objective = make_objective(self.objective, self.k)
+        objective = make_objective(self.objective, self.k, n_classes=len(classes))
 
         if X_val is not None:
             X_val = validate_data(self, X_val, reset=False, dtype=np.float64)

@@ -52,8 +52,11 @@ def knn_accuracies(
 
 
 def choose_k(val_accuracies: dict[int, float], fallback: int) -> int:
-    """The k with the best validation accuracy (the smallest such k); fallback when empty."""
+    """The k with the best validation accuracy: ``fallback`` (the training k) when it is among
+    the best, else the smallest best k; ``fallback`` when there is no validation set."""
     if not val_accuracies:
         return fallback
     best = max(val_accuracies.values())
+    if val_accuracies.get(fallback) == best:
+        return fallback
     return min(k for k, acc in val_accuracies.items() if acc == best)

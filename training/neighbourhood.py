@@ -27,7 +27,7 @@ DEFAULT_MEMORY_BUDGET = 256 * 2**20  # bytes for one chunk's (B, M) temporaries
 
 def auto_chunk_size(n_neighbours: int, budget_bytes: int = DEFAULT_MEMORY_BUDGET) -> int:
     """Rows per chunk so that ~10 float32 (B, M) temporaries stay within the budget."""
-    return int(max(16, min(8192, budget_bytes // (40 * max(1, n_neighbours)))))
+    return int(max(1, min(8192, budget_bytes // (40 * max(1, n_neighbours)))))
 
 
 def pairwise_sq_dist(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -50,15 +50,15 @@ def _chunk_scores(
         n = leaf.shape[0]
         neg = -pairwise_sq_dist(zq, leaf)  # (B, N)
         valid = torch.arange(n, device=leaf.device)[None, :] != chunk_rows[:, None]
-        same = yq[:, None] == labels[None, :]
+        neighbour_labels = labels[None, :].expand(chunk_rows.shape[0], n)
     else:
         idx = candidates[chunk_rows]  # (B, M), -1 marks padding
         valid = idx >= 0
         safe = idx.clamp_min(0)
         zc = leaf[safe]  # (B, M, d)
         neg = -((zq[:, None, :] - zc) ** 2).sum(-1)  # (B, M)
-        same = yq[:, None] == labels[safe]
-    return objective.point_scores(neg, same, valid).sum()
+        neighbour_labels = labels[safe]
+    return objective.point_scores(neg, neighbour_labels, yq, valid).sum()
 
 
 class ChunkedObjective(torch.autograd.Function):
@@ -115,8 +115,9 @@ def objective_sum(
     if rows is None:
         rows = torch.arange(n, device=z.device)
     if chunk_size is None:
-        width = n if candidates is None else candidates.shape[1] * (z.shape[1] + 2)
-        chunk_size = auto_chunk_size(width)
+        m = n if candidates is None else candidates.shape[1]
+        per_pair = objective.floats_per_pair() + (0 if candidates is None else z.shape[1])
+        chunk_size = auto_chunk_size(m * per_pair // 10)
     return ChunkedObjective.apply(z, labels, objective, rows, candidates, int(chunk_size))
 
 

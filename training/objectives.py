@@ -2,13 +2,14 @@
 
 Every objective implements one method,
 
-    point_scores(neg_sq_dist, same_class, valid) -> scores (B,)
+    point_scores(neg_sq_dist, neighbour_labels, own_labels, valid) -> scores (B,)
 
 where, for B query points i and M candidate neighbours j of each,
 
-    neg_sq_dist[i, j] = -||A x_i - A x_j||^2      (B, M) float
-    same_class[i, j]  = y_j == y_i                 (B, M) bool
-    valid[i, j]       = j is a real neighbour of i (B, M) bool (False for i itself and padding)
+    neg_sq_dist[i, j]      = -||A x_i - A x_j||^2      (B, M) float
+    neighbour_labels[i, j] = y_j                       (B, M) int (any value where not valid)
+    own_labels[i]          = y_i                       (B,) int
+    valid[i, j]            = j is a real neighbour of i (B, M) bool (False for i and padding)
 
 and the training objective (maximised) is the sum of the scores over all points.
 Masked entries are excluded with ``masked_fill(-inf)`` before any log-sum-exp, never by
@@ -42,9 +43,17 @@ class Objective:
     k: int = 1
 
     def point_scores(
-        self, neg_sq_dist: torch.Tensor, same_class: torch.Tensor, valid: torch.Tensor
+        self,
+        neg_sq_dist: torch.Tensor,
+        neighbour_labels: torch.Tensor,
+        own_labels: torch.Tensor,
+        valid: torch.Tensor,
     ) -> torch.Tensor:  # pragma: no cover - interface
         raise NotImplementedError
+
+    def floats_per_pair(self) -> int:
+        """Working floats per (point, neighbour) pair in point_scores: sizes the chunks."""
+        return 10
 
 
 def log_prob_correct(
@@ -75,7 +84,8 @@ class NCAObjective(Objective):
         self.name = "nca-log" if log_form else "nca"
         self.k = 1
 
-    def point_scores(self, neg_sq_dist, same_class, valid):
+    def point_scores(self, neg_sq_dist, neighbour_labels, own_labels, valid):
+        same_class = neighbour_labels == own_labels[:, None]
         log_p, has_same = log_prob_correct(neg_sq_dist, same_class, valid)
         if self.log_form:
             return torch.where(has_same, log_p, torch.zeros_like(log_p))
@@ -85,16 +95,29 @@ class NCAObjective(Objective):
         return f"NCAObjective(log_form={self.log_form})"
 
 
+def _knca(variant: str, log_form: bool):
+    def make(k: int, n_classes: int | None):
+        from training.knca import KNCAObjective
+
+        return KNCAObjective(variant, k, log_form, n_classes)
+
+    return make
+
+
 OBJECTIVES = {
-    "nca": lambda k: NCAObjective(log_form=False),
-    "nca-log": lambda k: NCAObjective(log_form=True),
+    "nca": lambda k, n_classes: NCAObjective(log_form=False),
+    "nca-log": lambda k, n_classes: NCAObjective(log_form=True),
+    "knca-majority": _knca("majority", False),
+    "knca-majority-log": _knca("majority", True),
+    "knca-all": _knca("all", False),
+    "knca-all-log": _knca("all", True),
 }
 
 
-def make_objective(name: str, k: int = 1) -> Objective:
-    """Build an objective by name (see ``OBJECTIVES``)."""
+def make_objective(name: str, k: int = 1, n_classes: int | None = None) -> Objective:
+    """Build an objective by name (see ``OBJECTIVES``); kNCA needs k and the number of classes."""
     if name not in OBJECTIVES:
         raise ValueError(f"objective must be one of {sorted(OBJECTIVES)}, got {name!r}")
     if name.startswith("nca") and k != 1:
         raise ValueError(f"objective={name!r} trains a 1-NN rule; k must be 1, got k={k}")
-    return OBJECTIVES[name](k)
+    return OBJECTIVES[name](k, n_classes)

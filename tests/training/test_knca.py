@@ -1,0 +1,167 @@
+"""kNCA: the dynamic programme against brute-force enumeration, gradients, stability."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from training.knca import KNCAObjective, elementary_symmetric_log, log_poly_mul
+from training.neighbourhood import nearest_candidates, objective_sum
+from training.objectives import NCAObjective
+
+
+def brute_force(dists, labels, own, k, variant):
+    """Enumerate every k-subset of neighbours: P(event) under p(s) ∝ prod_{j in s} exp(-d_j)."""
+    w = np.exp(-(dists - dists.min()))
+    total = good = 0.0
+    n_classes = int(max(labels.max(), own)) + 1
+    for subset in itertools.combinations(range(len(w)), k):
+        weight = float(np.prod(w[list(subset)]))
+        total += weight
+        votes = np.bincount(labels[list(subset)], minlength=n_classes)
+        if variant == "all":
+            good += weight * (votes[own] == k)
+        else:
+            others = np.delete(votes, own)
+            good += weight * (votes[own] > others.max())
+    return good / total
+
+
+def test_elementary_symmetric_polynomials_equal_expanded_products():
+    rng = np.random.default_rng(0)
+    w = rng.uniform(0.1, 2.0, size=(3, 7))
+    logs = elementary_symmetric_log(torch.tensor(np.log(w)), 4).exp().numpy()
+    for row, expected in zip(w, logs, strict=True):
+        coeffs = np.array([1.0])
+        for wj in row:
+            coeffs = np.convolve(coeffs, [1.0, wj])
+        np.testing.assert_allclose(expected, coeffs[:5], rtol=1e-12)
+
+
+def test_absent_weights_and_impossible_degrees():
+    log_w = torch.tensor([[0.0, float("-inf"), 0.0]], dtype=torch.float64)
+    e = elementary_symmetric_log(log_w, 3).exp()
+    np.testing.assert_allclose(e.numpy(), [[1.0, 2.0, 1.0, 0.0]])
+    a = torch.tensor([0.0, float("-inf")], dtype=torch.float64)
+    assert torch.equal(log_poly_mul(a, a), a)
+
+
+@pytest.mark.parametrize("variant", ["majority", "all"])
+@pytest.mark.parametrize("seed", range(6))
+def test_equals_enumeration_of_every_k_subset(variant, seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(5, 13))
+    k = int(rng.integers(1, min(5, n) + 1))
+    n_classes = int(rng.integers(2, 5))
+    dists = rng.uniform(0, 3, size=n)
+    labels = rng.integers(0, n_classes, size=n)
+    own = int(rng.integers(0, n_classes))
+    obj = KNCAObjective(variant, k, log_form=True, n_classes=n_classes)
+    log_p = obj.log_probabilities(
+        torch.tensor(-dists)[None],
+        torch.tensor(labels)[None],
+        torch.tensor([own]),
+        torch.ones(1, n, dtype=torch.bool),
+    )
+    expected = brute_force(dists, labels, own, k, variant)
+    if expected == 0:
+        assert torch.isneginf(log_p).all()
+    else:
+        assert float(log_p.exp()) == pytest.approx(expected, rel=1e-10, abs=1e-12)
+
+
+@pytest.mark.parametrize("variant", ["majority", "all"])
+def test_k1_equals_nca(variant):
+    rng = np.random.default_rng(1)
+    z = torch.tensor(rng.normal(size=(30, 3)))
+    y = torch.tensor(rng.integers(0, 3, 30))
+    for log_form in (False, True):
+        nca = objective_sum(z, y, NCAObjective(log_form), method="autograd")
+        knca = objective_sum(z, y, KNCAObjective(variant, 1, log_form, n_classes=3))
+        assert float(knca) == pytest.approx(float(nca), rel=1e-10)
+
+
+@pytest.mark.parametrize("name", ["knca-majority", "knca-all", "knca-majority-log", "knca-all-log"])
+def test_gradcheck_float64(name):
+    from training.objectives import make_objective
+
+    rng = np.random.default_rng(2)
+    X = torch.tensor(rng.normal(size=(12, 4)))
+    y = torch.tensor(np.arange(12) % 3)
+    A = torch.tensor(rng.normal(size=(2, 4)) * 0.7, requires_grad=True)
+    obj = make_objective(name, k=3, n_classes=3)
+    assert torch.autograd.gradcheck(
+        lambda a: objective_sum(X @ a.T, y, obj, chunk_size=5), (A,), eps=1e-6, atol=1e-6
+    )
+
+
+def test_adding_a_constant_to_all_distances_changes_nothing():
+    rng = np.random.default_rng(3)
+    d = torch.tensor(rng.uniform(0, 4, size=(4, 9)))
+    labels = torch.tensor(rng.integers(0, 3, size=(4, 9)))
+    own = torch.tensor([0, 1, 2, 0])
+    valid = torch.ones(4, 9, dtype=torch.bool)
+    for variant in ("majority", "all"):
+        obj = KNCAObjective(variant, 4, log_form=True, n_classes=3)
+        a = obj.log_probabilities(-d, labels, own, valid)
+        b = obj.log_probabilities(-(d + 123.456), labels, own, valid)
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_all_is_never_more_likely_than_majority():
+    rng = np.random.default_rng(4)
+    d = torch.tensor(rng.uniform(0, 2, size=(50, 15)))
+    labels = torch.tensor(rng.integers(0, 3, size=(50, 15)))
+    own = torch.tensor(rng.integers(0, 3, size=50))
+    valid = torch.ones(50, 15, dtype=torch.bool)
+    for k in (2, 3, 5):
+        p_all = KNCAObjective("all", k, True, 3).log_probabilities(-d, labels, own, valid)
+        p_maj = KNCAObjective("majority", k, True, 3).log_probabilities(-d, labels, own, valid)
+        assert (p_all <= p_maj + 1e-12).all()
+
+
+@pytest.mark.parametrize(
+    "variant, n",
+    [
+        ("majority", 10_000),
+        ("all", 10_000),
+        pytest.param("majority", 100_000, marks=pytest.mark.slow),
+        pytest.param("all", 100_000, marks=pytest.mark.slow),
+    ],
+)
+def test_float32_is_stable_over_wide_distance_ranges_and_many_candidates(variant, n):
+    rng = np.random.default_rng(5)
+    dists = np.exp(rng.uniform(np.log(1e-6), np.log(1e4), size=(2, n)))  # 1e-6 .. 1e4
+    labels = rng.integers(0, 3, size=(2, n))
+    own = np.array([0, 2])
+    results = {}
+    for dtype in (torch.float32, torch.float64):
+        neg = torch.tensor(-dists, dtype=dtype, requires_grad=True)
+        obj = KNCAObjective(variant, 10, log_form=True, n_classes=3)
+        log_p = obj.log_probabilities(
+            neg, torch.tensor(labels), torch.tensor(own), torch.ones(2, n, dtype=torch.bool)
+        )
+        (grad,) = torch.autograd.grad(log_p.sum(), neg)
+        assert torch.isfinite(log_p).all() and torch.isfinite(grad).all()
+        results[dtype] = (log_p.detach().double(), grad.double())
+    torch.testing.assert_close(
+        results[torch.float32][0], results[torch.float64][0], rtol=1e-4, atol=0
+    )
+    g32, g64 = results[torch.float32][1], results[torch.float64][1]
+    # gradients: relative to each row's gradient norm (single entries of 1e5 are float32 noise)
+    assert (torch.linalg.norm(g32 - g64, dim=1) <= 1e-4 * torch.linalg.norm(g64, dim=1)).all()
+
+
+def test_candidate_mode_matches_exact_when_candidates_cover_everything():
+    rng = np.random.default_rng(6)
+    z = torch.tensor(rng.normal(size=(24, 3)))
+    y = torch.tensor(np.arange(24) % 3)
+    obj = KNCAObjective("majority", 3, log_form=False, n_classes=3)
+    exact = objective_sum(z, y, obj)
+    cand = nearest_candidates(z, y, 23)
+    assert float(objective_sum(z, y, obj, candidates=cand)) == pytest.approx(
+        float(exact), rel=1e-10
+    )

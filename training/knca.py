@@ -1,0 +1,207 @@
+"""kNCA (Tarlow et al. 2013): the exact expected accuracy of a kNN classifier with k > 1.
+
+For a point i with candidate neighbours j (weights w_j = exp(-(d_ij - min_j d_ij))), a set s
+of k neighbours is drawn with probability prod_{j in s} w_j / Z, Z = e_k(w), where e_m(v) is
+the elementary symmetric polynomial of degree m: the coefficient of t^m in prod_j (1 + v_j t).
+With w_c the weights of the candidates of class c and y = y_i:
+
+    all:       P_i = e_k(w_y) / Z                        (every neighbour has i's class)
+    majority:  P_i = (1/Z) sum_{m=1..k} e_m(w_y) [t^(k-m)] prod_{c != y} (sum_{r<m} e_r(w_c) t^r)
+               (i's class gets strictly more votes than every other class)
+
+Objectives: sum_i P_i, or sum_i log P_i (the "-log" forms). With k = 1 both equal NCA's p_i.
+
+Computation, all in log space (every coefficient is a sum of positive terms, so there is no
+cancellation; nothing overflows or underflows in float32):
+
+* :func:`elementary_symmetric_log` multiplies the factors (1 + w_j t), truncated at degree k,
+  in a balanced tree of pairwise products: log2(n) sequential steps, O(n k^2) work, batched
+  over any leading dimensions (points, classes). Power sums with Newton's identities are not
+  used: they cancel catastrophically.
+* Per-class polynomials come from masking the candidates of other classes to the identity
+  factor (log w = -inf), batched over classes.
+* Gradients flow through by autograd; :func:`safe_logsumexp` keeps them finite where every
+  term is -inf (an impossible degree).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from training.objectives import Objective
+
+NEG_INF = float("-inf")
+
+
+def safe_logsumexp(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """log sum exp along ``dim``; -inf (with zero gradient) where every term is -inf."""
+    m = x.amax(dim=dim, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    s = torch.exp(x - m).sum(dim=dim, keepdim=True)
+    positive = s > 0
+    out = torch.where(
+        positive,
+        m + torch.log(torch.where(positive, s, torch.ones_like(s))),
+        torch.full_like(s, NEG_INF),
+    )
+    return out.squeeze(dim)
+
+
+_ANTI_DIAGONALS: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _anti_diagonal_index(k1: int, device) -> torch.Tensor:
+    """(k+1, k+1) indices into a flattened (k+1)^2 pair matrix plus one pad slot:
+    row m lists the pairs (r, m - r), r = 0..m, then the pad (index (k+1)^2) for r > m."""
+    key = (k1, str(device))
+    if key not in _ANTI_DIAGONALS:
+        m = torch.arange(k1)[:, None]
+        r = torch.arange(k1)[None, :]
+        flat = r * k1 + (m - r)
+        _ANTI_DIAGONALS[key] = torch.where(r <= m, flat, torch.full_like(flat, k1 * k1)).to(device)
+    return _ANTI_DIAGONALS[key]
+
+
+def log_poly_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Product of polynomials given by log coefficients, truncated at degree k.
+
+    a, b: (..., k+1) with a[..., r] = log [t^r] A(t)  ->  (..., k+1), log [t^m] (A B)(t).
+    [t^m] AB = sum_{r=0..m} a_r b_{m-r}: one gather lays each anti-diagonal of a_r + b_s out
+    as a row, then one log-sum-exp per row (each with its own maximum: no underflow).
+    """
+    k1 = a.shape[-1]
+    pair = (a.unsqueeze(-1) + b.unsqueeze(-2)).flatten(-2)  # (..., (k+1)^2)
+    pad = torch.full((*pair.shape[:-1], 1), NEG_INF, dtype=pair.dtype, device=pair.device)
+    pair = torch.cat([pair, pad], dim=-1)
+    index = _anti_diagonal_index(k1, pair.device)  # (k+1, k+1)
+    rows = pair[..., index]  # (..., k+1, k+1): rows[..., m, r] = a_r + b_{m-r}
+    return safe_logsumexp(rows, -1)
+
+
+def identity_poly(shape: tuple[int, ...], k: int, like: torch.Tensor) -> torch.Tensor:
+    """log coefficients of the polynomial 1: [0, -inf, ..., -inf], shape (*shape, k+1)."""
+    poly = torch.full((*shape, k + 1), NEG_INF, dtype=like.dtype, device=like.device)
+    poly[..., 0] = 0.0
+    return poly
+
+
+def elementary_symmetric_log(log_w: torch.Tensor, k: int) -> torch.Tensor:
+    """log e_0..e_k of the weights along the last dimension.
+
+    log_w: (..., n) log weights, -inf for absent entries  ->  (..., k+1) log e_m(w), m = 0..k
+    (e_0 = 1; e_m = 0, i.e. -inf, when fewer than m weights are present).
+    """
+    *lead, n = log_w.shape
+    # leaves: log coefficients of (1 + w_j t) = [0, log w_j, -inf, ...]
+    poly = torch.full((*lead, n, k + 1), NEG_INF, dtype=log_w.dtype, device=log_w.device)
+    poly[..., 0] = 0.0
+    if k >= 1:
+        poly[..., 1] = log_w
+    while poly.shape[-2] > 1:
+        if poly.shape[-2] % 2:
+            poly = torch.cat([poly, identity_poly((*lead, 1), k, log_w)], dim=-2)
+        poly = log_poly_mul(poly[..., 0::2, :], poly[..., 1::2, :])
+    if n == 0:
+        return identity_poly(tuple(lead), k, log_w)
+    return poly.squeeze(-2)
+
+
+def class_polynomials(
+    log_w: torch.Tensor, labels: torch.Tensor, n_classes: int, k: int
+) -> torch.Tensor:
+    """log e_r(w_c) for every class c: (B, M) log weights, (B, M) labels -> (B, C, k+1)."""
+    classes = torch.arange(n_classes, device=log_w.device)
+    mask = labels.unsqueeze(1) == classes[None, :, None]  # (B, C, M)
+    per_class = log_w.unsqueeze(1).masked_fill(~mask, NEG_INF)  # (B, C, M)
+    return elementary_symmetric_log(per_class, k)
+
+
+def log_prob_all(log_e: torch.Tensor, own: torch.Tensor, k: int) -> torch.Tensor:
+    """log P_i for the "all" variant. log_e: (B, C, k+1), own: (B,) class of i."""
+    log_z = _log_total(log_e, k)
+    own_e = log_e[torch.arange(log_e.shape[0], device=log_e.device), own]  # (B, k+1)
+    return own_e[:, k] - log_z
+
+
+def log_prob_majority(log_e: torch.Tensor, own: torch.Tensor, k: int) -> torch.Tensor:
+    """log P_i for the "majority" variant (strict plurality of i's class). Shapes as above."""
+    b, n_classes, _ = log_e.shape
+    rows = torch.arange(b, device=log_e.device)
+    own_e = log_e[rows, own]  # (B, k+1)
+    # For each m = 1..k: truncate every other class at degree m - 1 (r < m), then multiply
+    # over classes; the own class is replaced by the identity polynomial.
+    degrees = torch.arange(k + 1, device=log_e.device)
+    ms = torch.arange(1, k + 1, device=log_e.device)
+    keep = degrees[None, :] < ms[:, None]  # (k, k+1): r < m
+    truncated = log_e.unsqueeze(1).masked_fill(~keep[None, :, None, :], NEG_INF)  # (B, k, C, k+1)
+    is_own = torch.zeros(b, n_classes, dtype=torch.bool, device=log_e.device)
+    is_own[rows, own] = True
+    ident = identity_poly((), k, log_e)
+    truncated = torch.where(is_own[:, None, :, None], ident, truncated)
+    product = truncated[:, :, 0, :]
+    for c in range(1, n_classes):  # C - 1 products; classes are few
+        product = log_poly_mul(product, truncated[:, :, c, :])  # (B, k, k+1)
+    # term m: log e_m(w_y) + log [t^(k-m)] product_m
+    others = product.gather(-1, (k - ms).expand(b, k).unsqueeze(-1)).squeeze(-1)  # (B, k)
+    terms = own_e[:, 1:] + others
+    return safe_logsumexp(terms, -1) - _log_total(log_e, k)
+
+
+def _log_total(log_e: torch.Tensor, k: int) -> torch.Tensor:
+    """log Z = log e_k(w) = log [t^k] prod_c E_c(t), from the per-class polynomials."""
+    product = log_e[:, 0, :]
+    for c in range(1, log_e.shape[1]):
+        product = log_poly_mul(product, log_e[:, c, :])
+    return product[:, k]
+
+
+class KNCAObjective(Objective):
+    """Expected kNN accuracy, "majority" or "all" variant, optionally in log form.
+
+    ``n_classes`` (set by the estimator) sizes the batched per-class polynomials.
+    """
+
+    def __init__(self, variant: str, k: int, log_form: bool, n_classes: int | None = None):
+        if variant not in ("majority", "all"):
+            raise ValueError(f"variant must be 'majority' or 'all', got {variant!r}")
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        self.variant = variant
+        self.k = k
+        self.log_form = log_form
+        self.n_classes = n_classes
+        self.name = f"knca-{variant}" + ("-log" if log_form else "")
+
+    def log_probabilities(
+        self,
+        neg_sq_dist: torch.Tensor,
+        neighbour_labels: torch.Tensor,
+        own: torch.Tensor,
+        valid: torch.Tensor,
+    ) -> torch.Tensor:
+        """log P_i: neg_sq_dist (B, M), neighbour_labels (B, M), own (B,), valid (B, M)."""
+        logits = neg_sq_dist.masked_fill(~valid, NEG_INF)
+        shift = logits.amax(dim=1, keepdim=True)  # -min_j d_ij: w_j = exp(-(d_ij - min d))
+        shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
+        log_w = logits - shift
+        n_classes = self.n_classes or int(max(neighbour_labels.max(), own.max())) + 1
+        log_e = class_polynomials(log_w, neighbour_labels.clamp_min(0), n_classes, self.k)
+        if self.variant == "all":
+            return log_prob_all(log_e, own, self.k)
+        return log_prob_majority(log_e, own, self.k)
+
+    def floats_per_pair(self) -> int:
+        n_classes = self.n_classes or 10
+        return 2 * n_classes * (self.k + 1) ** 2
+
+    def point_scores(self, neg_sq_dist, neighbour_labels, own_labels, valid) -> torch.Tensor:
+        log_p = self.log_probabilities(neg_sq_dist, neighbour_labels, own_labels, valid)
+        # a point with fewer than k neighbours, or whose event is impossible, scores 0 / is left out
+        possible = torch.isfinite(log_p)
+        safe = torch.where(possible, log_p, torch.zeros_like(log_p))
+        if self.log_form:
+            return torch.where(possible, safe, torch.zeros_like(safe))
+        return torch.where(possible, torch.exp(safe), torch.zeros_like(safe))
+
+    def __repr__(self) -> str:
+        return f"KNCAObjective(variant={self.variant!r}, k={self.k}, log_form={self.log_form})"
