@@ -24,7 +24,14 @@ class TrainConfig:
     label_column: str | None = _opt(
         None, "CSV label column (default: 'label' if present, else the last)"
     )
-    out: str | None = _opt(None, "artifact directory to write (default: models/<data name>)")
+    out: str | None = _opt(
+        None,
+        "artifact directory to write (default: models/<data name>); '{timestamp}' in it becomes the UTC time",
+    )
+    publish: str | None = _opt(
+        None,
+        "after writing, atomically point this symlink at the new artifact (e.g. /models/current)",
+    )
     n_components: int | None = _opt(None, "embedding dimension d (default: min(32, D))")
     objective: str = _opt(
         "nca", "objective: nca (expected accuracy f) or nca-log (log-likelihood g)"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import warnings
@@ -95,15 +96,41 @@ def evaluate_baselines(split, mean, scale, d: int) -> dict:
     return results
 
 
+def resolve_out(out: str | None, data_name: str) -> Path:
+    """The artifact path: --out with '{timestamp}' replaced by the UTC time, or models/<data>."""
+    if not out:
+        return Path("models") / data_name
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    return Path(out.replace("{timestamp}", stamp))
+
+
+def check_publish_link(link: str | None) -> None:
+    if link and os.path.lexists(link) and not os.path.islink(link):
+        raise ConfigError(f"--publish {link!r} exists and is not a symlink; refusing to replace it")
+
+
+def publish(link: str, target: Path) -> None:
+    """Atomically (re)point the symlink ``link`` at ``target``, by a path relative to the link."""
+    link_path = Path(link).absolute()
+    link_path.parent.mkdir(parents=True, exist_ok=True)
+    destination = os.path.relpath(target.absolute(), link_path.parent)
+    temporary = link_path.with_name(f".{link_path.name}.tmp-{os.getpid()}")
+    if os.path.lexists(temporary):
+        os.unlink(temporary)
+    os.symlink(destination, temporary)
+    os.replace(temporary, link_path)
+
+
 def run(config: TrainConfig, *, log=print) -> dict:
     """Run the whole job; returns the report. Raises DataError / ConfigError / ValueError on bad input."""
     started = time.perf_counter()
+    check_publish_link(config.publish)
     data: Dataset = load_dataset(
         config.data, labels=config.labels, label_column=config.label_column
     )
     split = make_split(data, test_size=config.test_size, val_size=config.val_size, seed=config.seed)
     n_train, n_features = split.X_train.shape
-    out = Path(config.out) if config.out else Path("models") / data.name
+    out = resolve_out(config.out, data.name)
     estimator = build_estimator(config, n_features)
     log(
         f"data {data.name}: {n_train} train / {len(split.X_val)} validation / {len(split.X_test)} test, "
@@ -208,6 +235,9 @@ def run(config: TrainConfig, *, log=print) -> dict:
         extra_files=extra_files,
         metadata={"training": training_record, "metrics": metrics, "data": data_record},
     )
+    if config.publish:
+        publish(config.publish, out)
+        log(f"published {config.publish} -> {out}")
     log(
         f"wrote {out}: test accuracy {test_acc.get(default_k, float('nan')):.4f} at k={default_k} "
         f"(Euclidean baseline {baselines['euclidean'].get('test_accuracy', {}).get(default_k, float('nan')):.4f}); "

@@ -210,3 +210,47 @@ def test_npy_without_labels_is_refused(tmp_path, capsys):
     np.save(tmp_path / "X.npy", np.zeros((4, 2)))
     assert main(["--data", str(tmp_path / "X.npy"), "--quiet"]) == 2
     assert "needs --labels" in capsys.readouterr().err
+
+
+def test_timestamped_out_and_publish_symlink(tmp_path):
+    import os
+
+    link = tmp_path / "current"
+    args = [
+        "--data",
+        "iris",
+        "--out",
+        str(tmp_path / "versions" / "{timestamp}"),
+        "--publish",
+        str(link),
+        "--quiet",
+        "--no-plots",
+    ]
+    assert main(args) == 0
+    first = os.readlink(link)
+    assert first.startswith("versions/") and "{timestamp}" not in first
+    art = read_artifact(link)
+    assert art.n_features_in == 4
+    import time
+
+    time.sleep(1.1)
+    assert main([*args, "--seed", "1"]) == 0
+    assert os.readlink(link) != first and read_artifact(link).version != art.version
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["current", "versions"]
+
+
+def test_publish_refuses_to_replace_a_real_directory(tmp_path, capsys):
+    (tmp_path / "current").mkdir()
+    code = main(
+        [
+            "--data",
+            "iris",
+            "--out",
+            str(tmp_path / "v"),
+            "--publish",
+            str(tmp_path / "current"),
+            "--quiet",
+        ]
+    )
+    assert code == 2 and "is not a symlink" in capsys.readouterr().err
+    assert not (tmp_path / "v").exists()

