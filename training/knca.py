@@ -20,8 +20,9 @@ cancellation; nothing overflows or underflows in float32):
   used: they cancel catastrophically.
 * Per-class polynomials come from masking the candidates of other classes to the identity
   factor (log w = -inf), batched over classes.
-* Gradients flow through by autograd; :func:`safe_logsumexp` keeps them finite where every
-  term is -inf (an impossible degree).
+* Gradients flow through by autograd. Inside the programme "log 0" is the finite LOG_ZERO =
+  -1e30 rather than -inf, so torch's fused logsumexp needs no special cases and gradients stay
+  finite; results below LOG_ZERO / 10 are mapped back to -inf at the end.
 """
 
 from __future__ import annotations
@@ -31,20 +32,7 @@ import torch
 from training.objectives import Objective
 
 NEG_INF = float("-inf")
-
-
-def safe_logsumexp(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """log sum exp along ``dim``; -inf (with zero gradient) where every term is -inf."""
-    m = x.amax(dim=dim, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    s = torch.exp(x - m).sum(dim=dim, keepdim=True)
-    positive = s > 0
-    out = torch.where(
-        positive,
-        m + torch.log(torch.where(positive, s, torch.ones_like(s))),
-        torch.full_like(s, NEG_INF),
-    )
-    return out.squeeze(dim)
+LOG_ZERO = -1e30  # log 0 inside the programme: exp() of it is 0, sums of a few stay finite
 
 
 _ANTI_DIAGONALS: dict[tuple[int, str], torch.Tensor] = {}
@@ -71,16 +59,16 @@ def log_poly_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """
     k1 = a.shape[-1]
     pair = (a.unsqueeze(-1) + b.unsqueeze(-2)).flatten(-2)  # (..., (k+1)^2)
-    pad = torch.full((*pair.shape[:-1], 1), NEG_INF, dtype=pair.dtype, device=pair.device)
+    pad = torch.full((*pair.shape[:-1], 1), LOG_ZERO, dtype=pair.dtype, device=pair.device)
     pair = torch.cat([pair, pad], dim=-1)
     index = _anti_diagonal_index(k1, pair.device)  # (k+1, k+1)
     rows = pair[..., index]  # (..., k+1, k+1): rows[..., m, r] = a_r + b_{m-r}
-    return safe_logsumexp(rows, -1)
+    return torch.logsumexp(rows, -1).clamp_min(LOG_ZERO)
 
 
 def identity_poly(shape: tuple[int, ...], k: int, like: torch.Tensor) -> torch.Tensor:
-    """log coefficients of the polynomial 1: [0, -inf, ..., -inf], shape (*shape, k+1)."""
-    poly = torch.full((*shape, k + 1), NEG_INF, dtype=like.dtype, device=like.device)
+    """log coefficients of the polynomial 1: [0, log 0, ..., log 0], shape (*shape, k+1)."""
+    poly = torch.full((*shape, k + 1), LOG_ZERO, dtype=like.dtype, device=like.device)
     poly[..., 0] = 0.0
     return poly
 
@@ -92,18 +80,22 @@ def elementary_symmetric_log(log_w: torch.Tensor, k: int) -> torch.Tensor:
     (e_0 = 1; e_m = 0, i.e. -inf, when fewer than m weights are present).
     """
     *lead, n = log_w.shape
-    # leaves: log coefficients of (1 + w_j t) = [0, log w_j, -inf, ...]
-    poly = torch.full((*lead, n, k + 1), NEG_INF, dtype=log_w.dtype, device=log_w.device)
+    # leaves: log coefficients of (1 + w_j t) = [0, log w_j, log 0, ...]
+    poly = torch.full((*lead, n, k + 1), LOG_ZERO, dtype=log_w.dtype, device=log_w.device)
     poly[..., 0] = 0.0
     if k >= 1:
-        poly[..., 1] = log_w
+        poly[..., 1] = log_w.clamp_min(LOG_ZERO)
     while poly.shape[-2] > 1:
         if poly.shape[-2] % 2:
             poly = torch.cat([poly, identity_poly((*lead, 1), k, log_w)], dim=-2)
         poly = log_poly_mul(poly[..., 0::2, :], poly[..., 1::2, :])
     if n == 0:
-        return identity_poly(tuple(lead), k, log_w)
-    return poly.squeeze(-2)
+        poly = identity_poly((*lead, 1), k, log_w)
+    return _restore_neg_inf(poly.squeeze(-2))
+
+
+def _restore_neg_inf(log_values: torch.Tensor) -> torch.Tensor:
+    return log_values.masked_fill(log_values < LOG_ZERO / 10, NEG_INF)
 
 
 def class_polynomials(
@@ -118,14 +110,16 @@ def class_polynomials(
 
 def log_prob_all(log_e: torch.Tensor, own: torch.Tensor, k: int) -> torch.Tensor:
     """log P_i for the "all" variant. log_e: (B, C, k+1), own: (B,) class of i."""
+    log_e = log_e.clamp_min(LOG_ZERO)
     log_z = _log_total(log_e, k)
     own_e = log_e[torch.arange(log_e.shape[0], device=log_e.device), own]  # (B, k+1)
-    return own_e[:, k] - log_z
+    return _restore_neg_inf(own_e[:, k] - log_z)
 
 
 def log_prob_majority(log_e: torch.Tensor, own: torch.Tensor, k: int) -> torch.Tensor:
     """log P_i for the "majority" variant (strict plurality of i's class). Shapes as above."""
     b, n_classes, _ = log_e.shape
+    log_e = log_e.clamp_min(LOG_ZERO)
     rows = torch.arange(b, device=log_e.device)
     own_e = log_e[rows, own]  # (B, k+1)
     # For each m = 1..k: truncate every other class at degree m - 1 (r < m), then multiply
@@ -133,7 +127,7 @@ def log_prob_majority(log_e: torch.Tensor, own: torch.Tensor, k: int) -> torch.T
     degrees = torch.arange(k + 1, device=log_e.device)
     ms = torch.arange(1, k + 1, device=log_e.device)
     keep = degrees[None, :] < ms[:, None]  # (k, k+1): r < m
-    truncated = log_e.unsqueeze(1).masked_fill(~keep[None, :, None, :], NEG_INF)  # (B, k, C, k+1)
+    truncated = log_e.unsqueeze(1).masked_fill(~keep[None, :, None, :], LOG_ZERO)  # (B, k, C, k+1)
     is_own = torch.zeros(b, n_classes, dtype=torch.bool, device=log_e.device)
     is_own[rows, own] = True
     ident = identity_poly((), k, log_e)
@@ -144,11 +138,11 @@ def log_prob_majority(log_e: torch.Tensor, own: torch.Tensor, k: int) -> torch.T
     # term m: log e_m(w_y) + log [t^(k-m)] product_m
     others = product.gather(-1, (k - ms).expand(b, k).unsqueeze(-1)).squeeze(-1)  # (B, k)
     terms = own_e[:, 1:] + others
-    return safe_logsumexp(terms, -1) - _log_total(log_e, k)
+    return _restore_neg_inf(torch.logsumexp(terms, -1).clamp_min(LOG_ZERO) - _log_total(log_e, k))
 
 
 def _log_total(log_e: torch.Tensor, k: int) -> torch.Tensor:
-    """log Z = log e_k(w) = log [t^k] prod_c E_c(t), from the per-class polynomials."""
+    """log Z = log e_k(w) = log [t^k] prod_c E_c(t), from per-class polynomials (log 0 = LOG_ZERO)."""
     product = log_e[:, 0, :]
     for c in range(1, log_e.shape[1]):
         product = log_poly_mul(product, log_e[:, c, :])
@@ -181,7 +175,9 @@ class KNCAObjective(Objective):
     ) -> torch.Tensor:
         """log P_i: neg_sq_dist (B, M), neighbour_labels (B, M), own (B,), valid (B, M)."""
         logits = neg_sq_dist.masked_fill(~valid, NEG_INF)
-        shift = logits.amax(dim=1, keepdim=True)  # -min_j d_ij: w_j = exp(-(d_ij - min d))
+        # -min_j d_ij, so w_j = exp(-(d_ij - min d)) <= 1. P_i does not depend on the shift, so
+        # it is detached: its exact-zero gradient would otherwise arrive as float32 rounding noise
+        shift = logits.detach().amax(dim=1, keepdim=True)
         shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
         log_w = logits - shift
         n_classes = self.n_classes or int(max(neighbour_labels.max(), own.max())) + 1
