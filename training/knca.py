@@ -15,8 +15,9 @@ Computation, all in log space (every coefficient is a sum of positive terms, so 
 cancellation; nothing overflows or underflows in float32):
 
 * :func:`elementary_symmetric_log` multiplies the factors (1 + w_j t), truncated at degree k,
-  in a balanced tree of pairwise products: log2(n) sequential steps, O(n k^2) work, batched
-  over any leading dimensions (points, classes). Power sums with Newton's identities are not
+  in a balanced tree of pairwise products: log2(n) sequential steps, at most O(n k^2) work
+  (O(n k) in fact: low levels hold short polynomials), batched over any leading dimensions
+  (points, classes). Power sums with Newton's identities are not
   used: they cancel catastrophically.
 * Per-class polynomials come from masking the candidates of other classes to the identity
   factor (log w = -inf), batched over classes.
@@ -33,37 +34,54 @@ from training.objectives import Objective
 
 NEG_INF = float("-inf")
 LOG_ZERO = -1e30  # log 0 inside the programme: exp() of it is 0, sums of a few stay finite
+EXP_FLOOR = -80.0  # exponents below the row maximum are floored here before exp()
 
 
-_ANTI_DIAGONALS: dict[tuple[int, str], torch.Tensor] = {}
+_ANTI_DIAGONALS: dict[tuple[int, int, int, str], torch.Tensor] = {}
 
 
-def _anti_diagonal_index(k1: int, device) -> torch.Tensor:
-    """(k+1, k+1) indices into a flattened (k+1)^2 pair matrix plus one pad slot:
-    row m lists the pairs (r, m - r), r = 0..m, then the pad (index (k+1)^2) for r > m."""
-    key = (k1, str(device))
+def _anti_diagonal_index(la: int, lb: int, lout: int, device) -> torch.Tensor:
+    """(lout, min(la, lout)) indices into a flattened (la x lb) pair matrix plus one pad slot:
+    row m lists the pairs (r, m - r) for r = 0.., with the pad index (la * lb) where r > m or
+    m - r >= lb."""
+    key = (la, lb, lout, str(device))
     if key not in _ANTI_DIAGONALS:
-        m = torch.arange(k1)[:, None]
-        r = torch.arange(k1)[None, :]
-        flat = r * k1 + (m - r)
-        _ANTI_DIAGONALS[key] = torch.where(r <= m, flat, torch.full_like(flat, k1 * k1)).to(device)
+        m = torch.arange(lout)[:, None]
+        r = torch.arange(min(la, lout))[None, :]
+        s = m - r
+        ok = (s >= 0) & (s < lb)
+        _ANTI_DIAGONALS[key] = torch.where(ok, r * lb + s.clamp(0, lb - 1), la * lb).to(device)
     return _ANTI_DIAGONALS[key]
 
 
-def log_poly_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Product of polynomials given by log coefficients, truncated at degree k.
+def log_poly_mul(a: torch.Tensor, b: torch.Tensor, max_degree: int | None = None) -> torch.Tensor:
+    """Product of polynomials given by log coefficients, truncated at ``max_degree``.
 
-    a, b: (..., k+1) with a[..., r] = log [t^r] A(t)  ->  (..., k+1), log [t^m] (A B)(t).
-    [t^m] AB = sum_{r=0..m} a_r b_{m-r}: one gather lays each anti-diagonal of a_r + b_s out
-    as a row, then one log-sum-exp per row (each with its own maximum: no underflow).
+    a: (..., la), b: (..., lb) with a[..., r] = log [t^r] A(t)  ->  (..., lout), log [t^m] (AB)(t)
+    for m < lout = min(la + lb - 1, max_degree + 1) (default: max_degree = la - 1).
+    [t^m] AB = sum_r a_r b_{m-r}: one gather lays each anti-diagonal of a_r + b_s out as a row,
+    then one log-sum-exp per row (each with its own maximum: no underflow).
     """
-    k1 = a.shape[-1]
-    pair = (a.unsqueeze(-1) + b.unsqueeze(-2)).flatten(-2)  # (..., (k+1)^2)
+    la, lb = a.shape[-1], b.shape[-1]
+    max_degree = la - 1 if max_degree is None else max_degree
+    lout = min(la + lb - 1, max_degree + 1)
+    pair = (a.unsqueeze(-1) + b.unsqueeze(-2)).flatten(-2)  # (..., la * lb)
     pad = torch.full((*pair.shape[:-1], 1), LOG_ZERO, dtype=pair.dtype, device=pair.device)
     pair = torch.cat([pair, pad], dim=-1)
-    index = _anti_diagonal_index(k1, pair.device)  # (k+1, k+1)
-    rows = pair[..., index]  # (..., k+1, k+1): rows[..., m, r] = a_r + b_{m-r}
-    return torch.logsumexp(rows, -1).clamp_min(LOG_ZERO)
+    rows = pair[..., _anti_diagonal_index(la, lb, lout, pair.device)]  # (..., lout, terms)
+    return floored_logsumexp(rows, -1).clamp_min(LOG_ZERO)
+
+
+def floored_logsumexp(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """log sum exp with each term's exponent floored at EXP_FLOOR below the maximum.
+
+    exp(-80) ~ 2e-35 is below float32 resolution of any sum that contains the maximum (1), so
+    the value is unchanged, while exp never takes its slow underflow path (most terms here are
+    log 0). The maximum is detached: the gradient exp(x - m) / sum is exact without it.
+    """
+    m = x.detach().amax(dim=dim, keepdim=True).clamp_min(LOG_ZERO)  # finite even if all -inf
+    total = torch.exp((x - m).clamp_min(EXP_FLOOR)).sum(dim=dim, keepdim=True)
+    return (m + torch.log(total)).squeeze(dim)
 
 
 def identity_poly(shape: tuple[int, ...], k: int, like: torch.Tensor) -> torch.Tensor:
@@ -78,20 +96,27 @@ def elementary_symmetric_log(log_w: torch.Tensor, k: int) -> torch.Tensor:
 
     log_w: (..., n) log weights, -inf for absent entries  ->  (..., k+1) log e_m(w), m = 0..k
     (e_0 = 1; e_m = 0, i.e. -inf, when fewer than m weights are present).
+
+    Level l of the tree holds products of 2^l factors, of degree at most min(2^l, k), so the
+    low levels (where most of the products are) carry short polynomials: the work is
+    O(n k) pair terms rather than O(n k^2).
     """
     *lead, n = log_w.shape
-    # leaves: log coefficients of (1 + w_j t) = [0, log w_j, log 0, ...]
-    poly = torch.full((*lead, n, k + 1), LOG_ZERO, dtype=log_w.dtype, device=log_w.device)
-    poly[..., 0] = 0.0
-    if k >= 1:
-        poly[..., 1] = log_w.clamp_min(LOG_ZERO)
+    if n == 0 or k == 0:
+        return _restore_neg_inf(identity_poly(tuple(lead), k, log_w))
+    # leaves: log coefficients of (1 + w_j t) = [0, log w_j]
+    poly = torch.stack([torch.zeros_like(log_w), log_w.clamp_min(LOG_ZERO)], dim=-1)  # (..., n, 2)
     while poly.shape[-2] > 1:
         if poly.shape[-2] % 2:
-            poly = torch.cat([poly, identity_poly((*lead, 1), k, log_w)], dim=-2)
-        poly = log_poly_mul(poly[..., 0::2, :], poly[..., 1::2, :])
-    if n == 0:
-        poly = identity_poly((*lead, 1), k, log_w)
-    return _restore_neg_inf(poly.squeeze(-2))
+            poly = torch.cat([poly, identity_poly((*lead, 1), poly.shape[-1] - 1, log_w)], dim=-2)
+        poly = log_poly_mul(poly[..., 0::2, :], poly[..., 1::2, :], max_degree=k)
+    poly = poly.squeeze(-2)
+    if poly.shape[-1] < k + 1:  # fewer than k weights: the higher e_m are 0
+        pad = torch.full(
+            (*lead, k + 1 - poly.shape[-1]), LOG_ZERO, dtype=poly.dtype, device=poly.device
+        )
+        poly = torch.cat([poly, pad], dim=-1)
+    return _restore_neg_inf(poly)
 
 
 def _restore_neg_inf(log_values: torch.Tensor) -> torch.Tensor:
@@ -106,14 +131,6 @@ def class_polynomials(
     mask = labels.unsqueeze(1) == classes[None, :, None]  # (B, C, M)
     per_class = log_w.unsqueeze(1).masked_fill(~mask, NEG_INF)  # (B, C, M)
     return elementary_symmetric_log(per_class, k)
-
-
-def log_prob_all(log_e: torch.Tensor, own: torch.Tensor, k: int) -> torch.Tensor:
-    """log P_i for the "all" variant. log_e: (B, C, k+1), own: (B,) class of i."""
-    log_e = log_e.clamp_min(LOG_ZERO)
-    log_z = _log_total(log_e, k)
-    own_e = log_e[torch.arange(log_e.shape[0], device=log_e.device), own]  # (B, k+1)
-    return _restore_neg_inf(own_e[:, k] - log_z)
 
 
 def log_prob_majority(log_e: torch.Tensor, own: torch.Tensor, k: int) -> torch.Tensor:
@@ -138,7 +155,7 @@ def log_prob_majority(log_e: torch.Tensor, own: torch.Tensor, k: int) -> torch.T
     # term m: log e_m(w_y) + log [t^(k-m)] product_m
     others = product.gather(-1, (k - ms).expand(b, k).unsqueeze(-1)).squeeze(-1)  # (B, k)
     terms = own_e[:, 1:] + others
-    return _restore_neg_inf(torch.logsumexp(terms, -1).clamp_min(LOG_ZERO) - _log_total(log_e, k))
+    return _restore_neg_inf(floored_logsumexp(terms, -1).clamp_min(LOG_ZERO) - _log_total(log_e, k))
 
 
 def _log_total(log_e: torch.Tensor, k: int) -> torch.Tensor:
@@ -180,10 +197,15 @@ class KNCAObjective(Objective):
         shift = logits.detach().amax(dim=1, keepdim=True)
         shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
         log_w = logits - shift
+        if self.variant == "all":
+            # only two polynomials are needed: e(w_y) and e(w) (no per-class batch)
+            own_w = log_w.masked_fill(neighbour_labels != own[:, None], NEG_INF)
+            both = elementary_symmetric_log(
+                torch.stack([own_w, log_w], dim=1), self.k
+            )  # (B, 2, k+1)
+            return both[:, 0, self.k] - both[:, 1, self.k]
         n_classes = self.n_classes or int(max(neighbour_labels.max(), own.max())) + 1
         log_e = class_polynomials(log_w, neighbour_labels.clamp_min(0), n_classes, self.k)
-        if self.variant == "all":
-            return log_prob_all(log_e, own, self.k)
         return log_prob_majority(log_e, own, self.k)
 
     def floats_per_pair(self) -> int:

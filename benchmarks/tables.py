@@ -1,0 +1,171 @@
+"""Markdown tables from benchmarks/results/*.json (pasted into benchmarks/README.md).
+
+Usage: python benchmarks/tables.py
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def load(name):
+    path = RESULTS / name
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def fmt(v, digits=3):
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{digits}g}" if abs(v) < 1000 else f"{v:,.0f}"
+    return str(v)
+
+
+def md(rows, headers):
+    out = ["| " + " | ".join(h for h, _ in headers) + " |", "|" + "---|" * len(headers)]
+    for r in rows:
+        out.append("| " + " | ".join(fn(r) for _, fn in headers) + " |")
+    return "\n".join(out)
+
+
+def train_tables(r):
+    parts = []
+    if r.get("small"):
+        parts.append(
+            "Small sets (70/30 stratified splits, seeds 0-4; medians of time and memory, means of the rest):\n"
+        )
+        parts.append(
+            md(
+                r["small"],
+                [
+                    ("data", lambda x: x["data"]),
+                    ("d", lambda x: str(x["d"])),
+                    ("method", lambda x: x["method"]),
+                    ("fit s", lambda x: fmt(x["seconds_median"])),
+                    ("peak RSS MiB", lambda x: fmt(x["peak_rss_mib_median"])),
+                    ("f(A) = sum p_i", lambda x: f"{x['objective_mean']:.2f}"),
+                    ("1-NN test", lambda x: f"{x['test_acc_1nn_mean']:.4f}"),
+                    ("5-NN test", lambda x: f"{x['test_acc_5nn_mean']:.4f}"),
+                ],
+            )
+        )
+    for part, title in (
+        ("usps", "USPS, standard split, d = 32, 50 iterations"),
+        ("scale", "Synthetic D = 784, 10 classes, d = 32"),
+        ("large", "N = 60k x 784 -> d = 32, ours alone"),
+    ):
+        if r.get(part):
+            parts.append(f"\n{title}:\n")
+            parts.append(
+                md(
+                    r[part],
+                    [
+                        ("N", lambda x: fmt(x.get("n", 7291))),
+                        ("method", lambda x: x.get("label", x["method"])),
+                        ("fit s", lambda x: fmt(x["seconds"])),
+                        ("s to sklearn's f", lambda x: fmt(x.get("seconds_to_target"))),
+                        ("speed-up to same f", lambda x: fmt(x.get("speedup_to_target"))),
+                        ("peak RSS MiB", lambda x: fmt(x["peak_rss_mib"])),
+                        (
+                            "fit MiB (peak - before fit)",
+                            lambda x: fmt(x["peak_rss_mib"] - x["rss_before_fit_mib"]),
+                        ),
+                        ("f(A)", lambda x: f"{x['objective']:.1f}"),
+                        ("iters", lambda x: str(x["n_iter"])),
+                        ("1-NN test", lambda x: f"{x['test_acc_1nn']:.4f}"),
+                        ("5-NN test", lambda x: f"{x['test_acc_5nn']:.4f}"),
+                    ],
+                )
+            )
+    if r.get("kernel"):
+        parts.append(
+            "\nOne objective + gradient evaluation (exact, fused kernel, d = 32, D = 784):\n"
+        )
+        parts.append(
+            md(
+                r["kernel"],
+                [
+                    ("N", lambda x: fmt(x["n"])),
+                    ("s / evaluation", lambda x: fmt(x["seconds_per_evaluation"])),
+                    ("GFLOP/s (GEMM-equivalent)", lambda x: fmt(x["gflops"])),
+                    ("float32 GEMM ceiling GFLOP/s", lambda x: fmt(x["gemm_ceiling_gflops"])),
+                ],
+            )
+        )
+    return "\n".join(parts)
+
+
+def main():
+    r = load("train_vs_sklearn.json")
+    if r:
+        print("## Training: ours vs scikit-learn\n")
+        print(train_tables(r))
+    s = load("search_raw_vs_projected.json")
+    if s:
+        print("\n## Search: raw D against projected d\n")
+        print(
+            md(
+                s["rows"],
+                [
+                    ("index", lambda x: x["index"]),
+                    ("space / setting", lambda x: x["space"]),
+                    ("s for 10k queries", lambda x: fmt(x["seconds"])),
+                    ("speed-up vs raw Flat", lambda x: fmt(x["speedup_vs_raw_flat"])),
+                    (
+                        "recall@5 vs projected Flat",
+                        lambda x: fmt(x.get("recall_at_5_vs_projected_flat")),
+                    ),
+                    ("index bytes", lambda x: f"{x['index_bytes']:,}"),
+                    ("smaller than raw", lambda x: fmt(x["bytes_ratio_vs_raw"])),
+                ],
+            )
+        )
+    h = load("http_load.json")
+    if h:
+        print("\n## HTTP (wrk, loopback, 1 instance of 64 numbers per request)\n")
+        print(
+            md(
+                h["rows"],
+                [
+                    ("workers", lambda x: str(x["workers"])),
+                    ("batching", lambda x: str(x["batching"])),
+                    ("connections", lambda x: str(x["connections"])),
+                    ("route", lambda x: x["route"]),
+                    ("req/s", lambda x: fmt(x["requests_per_second"])),
+                    ("p50 ms", lambda x: fmt(x["p50_ms"])),
+                    ("p99 ms", lambda x: fmt(x["p99_ms"])),
+                    ("errors", lambda x: str(x["errors"])),
+                    ("share of no-op", lambda x: fmt(x.get("fraction_of_noop"))),
+                    ("batched / unbatched", lambda x: fmt(x.get("batched_over_unbatched"))),
+                ],
+            )
+        )
+        if h.get("embed"):
+            e = h["embed"]
+            print(
+                f"\nBatch embedding, 10k x 64 per request: JSON {e['json_rows_per_second']:,.0f} rows/s, "
+                f"npy {e['npy_rows_per_second']:,.0f} rows/s: npy is {e['npy_over_json']:.1f}x JSON."
+            )
+    k = load("knca_cost.json")
+    if k:
+        print(
+            f"\n## kNCA cost ({k['data']}, N = {k['n']}, {k['candidates']} candidates per point)\n"
+        )
+        print(
+            md(
+                k["rows"],
+                [
+                    ("objective", lambda x: x["objective"]),
+                    ("k", lambda x: str(x["k"])),
+                    ("s / epoch", lambda x: fmt(x["seconds_per_epoch"])),
+                    ("ratio vs NCA", lambda x: fmt(x["ratio_vs_nca"])),
+                ],
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()
