@@ -73,7 +73,7 @@ def start(model: Path, port: int, workers: int, batching: bool) -> subprocess.Po
         "NCAKNN_MODEL_PATH": str(model),
         "NCAKNN_BATCHING": str(batching).lower(),
         "NCAKNN_LOG_LEVEL": "warning",
-        "NCAKNN_SEARCH_THREADS": "1" if workers > 1 else "0",
+        "NCAKNN_MAX_BATCH_ROWS": "10000",
         "PYTHONPATH": str(ROOT),
     }
     cmd = [

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 import time
 from contextlib import asynccontextmanager
 
@@ -35,6 +36,7 @@ from service.payload import describe_validation_error
 from service.routes import health, inference, model
 
 log = logging.getLogger("service.app")
+GIL_SWITCH_INTERVAL = 0.0002  # seconds
 
 
 class MetricsMiddleware:
@@ -87,6 +89,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        # The search thread needs the GIL for short stretches between FAISS/numpy calls; with
+        # the default 5 ms switch interval it waits behind the event loop's request parsing
+        # for most of a batch's life (measured: 25-row batches taking 34 ms instead of ~6 ms).
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL)
         try:
             loaded = await run_in_threadpool(state.engine.load)
             state.metrics.set_model(loaded)

@@ -69,7 +69,10 @@ class Settings(BaseSettings):
     ef_search: int = Field(64, ge=1, description="HNSW search beam width")
     pq_m: int = Field(8, ge=1, description="IVF-PQ sub-quantisers (must divide d)")
     search_threads: int = Field(
-        0, ge=0, description="FAISS threads for large batches (0: all cores); small batches use 1"
+        1,
+        ge=0,
+        description="FAISS threads per search (0: all cores); one is fastest when requests "
+        "already keep the cores busy",
     )
 
     @field_validator("log_level")

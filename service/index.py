@@ -19,6 +19,11 @@ from service.knn import RERANK_MARGIN, rerank
 
 SMALL_BATCH_ROWS = 16  # below this a search runs on one thread (OpenMP start-up costs more)
 
+# FAISS Flat: batches of >= 16 queries use the BLAS path (one GEMM + selection); smaller ones
+# the per-query SIMD path. The wheel's default threshold (128000 here) sends every batch down
+# the per-query path: measured 0.5 ms/query against 0.14 ms/query with BLAS at 64-256 rows.
+faiss.cvar.distance_compute_blas_threshold = SMALL_BATCH_ROWS
+
 
 @dataclass
 class IndexParams:

@@ -254,3 +254,34 @@ def test_publish_refuses_to_replace_a_real_directory(tmp_path, capsys):
     )
     assert code == 2 and "is not a symlink" in capsys.readouterr().err
     assert not (tmp_path / "v").exists()
+
+
+@pytest.mark.parametrize("objective", ["knca-majority", "knca-all-log"])
+def test_knca_end_to_end_records_objective_and_k(tmp_path, objective):
+    out = tmp_path / "m"
+    args = [
+        "--data",
+        "iris",
+        "--objective",
+        objective,
+        "--k",
+        "3",
+        "--n-candidates",
+        "8",
+        "--max-iter",
+        "15",
+    ]
+    assert main([*args, "--out", str(out), "--quiet", "--no-plots"]) == 0
+    manifest = read_artifact(out).manifest
+    assert manifest["training"]["objective"] == objective and manifest["training"]["k"] == 3
+    val = manifest["metrics"]["val_accuracy"]
+    best = max(val.values())
+    assert (
+        manifest["default_k"] == 3 if val["3"] == best else val[str(manifest["default_k"])] == best
+    )
+
+
+def test_knca_needs_enough_candidates(tmp_path, capsys):
+    args = ["--data", "iris", "--objective", "knca-majority", "--k", "5", "--n-candidates", "3"]
+    assert main([*args, "--out", str(tmp_path / "m"), "--quiet"]) == 2
+    assert "n_candidates=3 must be >= k=5" in capsys.readouterr().err

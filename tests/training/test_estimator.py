@@ -218,3 +218,13 @@ def test_warm_start_refuses_an_artifact_with_other_features(tmp_path):
     )
     with pytest.raises(ValueError, match="the artifact expects 3 features, the data has 4"):
         NCA(n_components=2, init=str(path)).fit(X, y)
+
+
+def test_knca_estimator_in_a_pipeline():
+    X, y = load_iris(return_X_y=True)
+    model = make_pipeline(
+        NCA(n_components=2, objective="knca-majority", k=5, random_state=0, max_iter=30),
+        KNeighborsClassifier(5),
+    )
+    model.fit(X[::2], y[::2])
+    assert model.score(X[1::2], y[1::2]) > 0.9
