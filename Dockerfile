@@ -30,7 +30,7 @@ RUN pip install --no-cache-dir --no-deps . \
 USER 10001
 EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=3s --start-period=30s --retries=3 \
-    CMD ["python", "-c", "import sys, urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/readyz', timeout=2).status != 200)"]
+    CMD ["python", "-c", "import os, sys, urllib.request; port = os.environ.get('NCAKNN_PORT', '8000'); sys.exit(urllib.request.urlopen('http://127.0.0.1:' + port + '/readyz', timeout=2).status != 200)"]
 ENTRYPOINT ["python", "-m", "service"]
 
 # ----------------------------------------------------------------------------- train

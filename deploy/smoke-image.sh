@@ -75,7 +75,10 @@ req = urllib.request.Request(f"http://127.0.0.1:{sys.argv[1]}/v1/classify", data
 answer = json.load(urllib.request.urlopen(req))
 print("classify:", [p["label"] for p in answer["predictions"]], "true:", y[:3].tolist(), "model", answer["model_version"])
 PY
-sleep 12  # let one HEALTHCHECK run
+for _ in $(seq 1 30); do  # until a HEALTHCHECK (every 10 s) has passed
+  [ "$(docker inspect ncaknn-smoke --format '{{.State.Health.Status}}')" = healthy ] && break
+  sleep 2
+done
 docker inspect ncaknn-smoke --format 'health: {{.State.Health.Status}}'
 
 log "docker stop (SIGTERM, drain)"
