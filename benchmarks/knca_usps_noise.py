@@ -66,8 +66,35 @@ def fit_ours(objective, k, X, y, max_iter, n_candidates, seed):
     return model.transform, model.n_iter_
 
 
+def _patch_metric_learn() -> None:
+    """metric-learn 0.7.0 passes scikit-learn's removed `force_all_finite` keyword; rename it."""
+    import metric_learn._util as util
+
+    original = util.check_X_y
+    if getattr(original, "_ncaknn_patched", False):
+        return
+
+    def check_X_y(*args, **kwargs):
+        if "force_all_finite" in kwargs:
+            kwargs["ensure_all_finite"] = kwargs.pop("force_all_finite")
+        return original(*args, **kwargs)
+
+    check_X_y._ncaknn_patched = True
+    util.check_X_y = check_X_y
+    original_array = util.check_array
+
+    def check_array(*args, **kwargs):
+        if "force_all_finite" in kwargs:
+            kwargs["ensure_all_finite"] = kwargs.pop("force_all_finite")
+        return original_array(*args, **kwargs)
+
+    util.check_array = check_array
+
+
 def fit_lmnn(X, y, max_iter, seed):
     from metric_learn import LMNN
+
+    _patch_metric_learn()
 
     model = LMNN(
         n_neighbors=5, n_components=32, max_iter=max_iter, random_state=seed, learn_rate=1e-6
@@ -87,6 +114,9 @@ def main() -> None:
     parser.add_argument("--n-candidates", type=int, default=32)
     parser.add_argument("--lmnn-max-iter", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--methods", default="", help="comma-separated method name prefixes to run (default: all)"
+    )
     args = parser.parse_args()
     if not USPS_PATH.is_file():
         print(f"skipped: {USPS_PATH} not found")
@@ -112,6 +142,8 @@ def main() -> None:
     for noise in map(float, args.noise.split(",")):
         y_noisy = corrupt(y, noise, 10, args.seed)
         for name, objective, k in methods:
+            if args.methods and not any(name.startswith(m) for m in args.methods.split(",")):
+                continue
             t = time.perf_counter()
             try:
                 if objective is None:
@@ -124,6 +156,9 @@ def main() -> None:
                     )
             except ImportError as exc:
                 print(f"{name}: skipped ({exc})")
+                continue
+            except Exception as exc:  # an external baseline failing must not stop the others
+                print(f"{name}: failed ({type(exc).__name__}: {exc})")
                 continue
             seconds = time.perf_counter() - t
             curve = accuracy_curve(transform(X), y_noisy, transform(X_test), y_test, 10)
