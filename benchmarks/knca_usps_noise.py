@@ -184,22 +184,9 @@ def main() -> None:
             )
             save_json("knca_usps_noise.json", results)
     plot(results)
-    print(table(results))
+    from tables import knca_noise_table
 
-
-def table(results) -> str:
-    lines = [
-        "noise | method | k=1 | k=5 | k=10 | k=15 | best (k) | seconds",
-        "---|---|---|---|---|---|---|---",
-    ]
-    for run in results["runs"].values():
-        acc = {int(k): v for k, v in run["accuracy"].items()}
-        best_k = max(acc, key=acc.get)
-        lines.append(
-            f"{run['noise']:.2f} | {run['method']} | {acc[1]:.4f} | {acc[5]:.4f} | {acc[10]:.4f} | {acc[15]:.4f} | "
-            f"{acc[best_k]:.4f} ({best_k}) | {run['seconds']:.0f}"
-        )
-    return "\n".join(lines)
+    print(knca_noise_table(results))
 
 
 def plot(results) -> None:
@@ -209,29 +196,31 @@ def plot(results) -> None:
     import matplotlib.pyplot as plt
 
     noises = sorted({run["noise"] for run in results["runs"].values()})
+    methods = sorted({run["method"] for run in results["runs"].values()})
+    colours = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(methods)}
     fig, axes = plt.subplots(
         1, len(noises), figsize=(5 * len(noises), 4), sharey=False, squeeze=False
     )
     for ax, noise in zip(axes[0], noises, strict=True):
-        for run in results["runs"].values():
-            if run["noise"] != noise:
+        for method in methods:
+            run = results["runs"].get(f"{noise}|{method}")
+            if run is None:
                 continue
             ks = sorted(int(k) for k in run["accuracy"])
             ax.plot(
                 ks,
-                [
-                    run["accuracy"][str(k)] if str(k) in run["accuracy"] else run["accuracy"][k]
-                    for k in ks
-                ],
+                [run["accuracy"][str(k)] for k in ks],
                 marker="o",
                 markersize=3,
-                label=run["method"],
+                color=colours[method],
+                label=method,
             )
         ax.set_title(f"USPS, {int(noise * 100)}% training labels resampled")
         ax.set_xlabel("test-time k")
         ax.set_ylabel("test accuracy (true labels)")
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
+    for ax in axes[0]:
+        ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(HERE / "results" / "knca_usps_noise.png", dpi=100)
     plt.close(fig)

@@ -168,9 +168,23 @@ def main():
 
 
 def knca_noise_table(r) -> str:
-    lines = ["| noise | method | k=1 | k=5 | k=10 | k=15 | best (test k) | fit s |", "|---|---|---|---|---|---|---|---|"]
-    order = ["Euclidean", "NCA", "kNCA-majority k=5", "kNCA-majority k=10", "kNCA-all k=5", "kNCA-all k=10", "LMNN (metric-learn)"]
-    runs = sorted(r["runs"].values(), key=lambda x: (x["noise"], order.index(x["method"]) if x["method"] in order else 99))
+    lines = [
+        "| noise | method | k=1 | k=5 | k=10 | k=15 | best (test k) | fit s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    order = [
+        "Euclidean",
+        "NCA",
+        "kNCA-majority k=5",
+        "kNCA-majority k=10",
+        "kNCA-all k=5",
+        "kNCA-all k=10",
+        "LMNN (metric-learn)",
+    ]
+    runs = sorted(
+        r["runs"].values(),
+        key=lambda x: (x["noise"], order.index(x["method"]) if x["method"] in order else 99),
+    )
     for run in runs:
         acc = {int(k): v for k, v in run["accuracy"].items()}
         best = max(acc, key=acc.get)
@@ -185,8 +199,10 @@ def knca_main():
     r = load("knca_usps_noise.json")
     if r:
         print("\n## kNCA on USPS under label noise (the kNCA paper's Fig. 4)\n")
-        print("Votes from the corrupted training labels, accuracy on the true test labels; d = 32. "
-              "Plot: `results/knca_usps_noise.png`.\n")
+        print(
+            "Votes from the corrupted training labels, accuracy on the true test labels; d = 32. "
+            "Plot: `results/knca_usps_noise.png`.\n"
+        )
         print(knca_noise_table(r))
 
 

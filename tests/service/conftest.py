@@ -51,6 +51,26 @@ def client(digits_artifact):
         yield c
 
 
+def republish_scaled(path, factor: float) -> str:
+    """Rewrite the artifact at ``path`` with its projection and references scaled by
+    ``factor`` (a different, valid model); returns the new model version."""
+    from service.artifact import read_artifact, write_artifact
+
+    art = read_artifact(path, mmap=False)
+    write_artifact(
+        path,
+        projection=np.asarray(art.projection) * factor,
+        offset=art.offset,
+        embeddings=np.asarray(art.embeddings) * factor,
+        labels=art.labels,
+        classes=art.classes,
+        mean=art.mean,
+        scale=art.scale,
+        default_k=art.default_k,
+    )
+    return read_artifact(path).version
+
+
 def manifest(path) -> dict:
     return json.loads((path / "manifest.json").read_text())
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from service.artifact import ArtifactError, read_artifact
+from service.artifact import ArtifactError
 from service.engine import Engine, load_model
 from service.errors import InvalidInput, NotReady
-from tests.service.conftest import settings_for
+from tests.service.conftest import republish_scaled, settings_for
 from training import NCA
 
 
@@ -77,24 +77,11 @@ def test_failed_load_keeps_the_current_model(model_dir):
     assert not engine.changed_on_disk()  # the failed version is not retried by the poller
 
 
-def test_changed_on_disk_sees_a_new_artifact(model_dir, digits_artifact):
-    from service.artifact import write_artifact
-
+def test_changed_on_disk_sees_a_new_artifact(model_dir):
     engine = Engine(settings_for(model_dir))
     engine.load()
     assert not engine.changed_on_disk()
-    art = read_artifact(model_dir)
-    write_artifact(
-        model_dir,
-        projection=np.asarray(art.projection) * 2,
-        offset=art.offset,
-        embeddings=np.asarray(art.embeddings) * 2,
-        labels=art.labels,
-        classes=art.classes,
-        mean=art.mean,
-        scale=art.scale,
-        default_k=art.default_k,
-    )
+    version = republish_scaled(model_dir, 2.0)
     assert engine.changed_on_disk()
     new = engine.load()
-    assert new.version == read_artifact(model_dir).version and not engine.changed_on_disk()
+    assert new.version == version and not engine.changed_on_disk()

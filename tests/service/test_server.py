@@ -17,8 +17,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.app import create_app
-from service.artifact import read_artifact, write_artifact
-from tests.service.conftest import settings_for
+from service.artifact import read_artifact
+from tests.service.conftest import republish_scaled, settings_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -132,20 +132,9 @@ def test_reload_under_a_request_loop_loses_no_request(model_dir):
         workers = [threading.Thread(target=loop) for _ in range(3)]
         for w in workers:
             w.start()
-        art = read_artifact(model_dir)
-        seen = {art.version}
+        seen = {read_artifact(model_dir).version}
         for step in range(1, 4):
-            write_artifact(
-                model_dir,
-                projection=np.asarray(art.projection) * (1 + step),
-                offset=art.offset,
-                embeddings=np.asarray(art.embeddings) * (1 + step),
-                labels=art.labels,
-                classes=art.classes,
-                mean=art.mean,
-                scale=art.scale,
-                default_k=art.default_k,
-            )
+            republish_scaled(model_dir, 1.0 + step / 10)
             r = c.post("/v1/admin/reload")
             assert r.status_code == 200 and r.json()["status"] == "reloaded"
             seen.add(r.json()["model_version"])
@@ -166,18 +155,7 @@ def test_poller_picks_up_a_new_artifact(model_dir):
     app = create_app(settings_for(model_dir, reload_poll_seconds=0.05))
     with TestClient(app) as c:
         before = c.get("/v1/model").json()["model_version"]
-        art = read_artifact(model_dir)
-        write_artifact(
-            model_dir,
-            projection=np.asarray(art.projection) * 3,
-            offset=art.offset,
-            embeddings=np.asarray(art.embeddings) * 3,
-            labels=art.labels,
-            classes=art.classes,
-            mean=art.mean,
-            scale=art.scale,
-            default_k=art.default_k,
-        )
+        republish_scaled(model_dir, 3.0)
         deadline = time.monotonic() + 10
         while c.get("/v1/model").json()["model_version"] == before:
             assert time.monotonic() < deadline, "poller did not reload"
