@@ -40,14 +40,18 @@ class AppState:
             self.metrics.in_flight.dec()
 
 
-def get_state(request: Request) -> AppState:
+# Dependencies are `async def` on purpose: FastAPI runs plain `def` dependencies in its thread
+# pool, one thread hop each per request (py-spy showed it dominating the classify path).
+
+
+async def get_state(request: Request) -> AppState:
     return request.app.state.ncaknn
 
 
 State = Annotated[AppState, Depends(get_state)]
 
 
-def current_model(state: State) -> LoadedModel:
+async def current_model(state: State) -> LoadedModel:
     return state.engine.current()
 
 
@@ -65,7 +69,7 @@ def check_api_key(request: Request, key) -> None:
         raise Unauthorized("the API key is not valid")
 
 
-def require_api_key(request: Request, state: State) -> None:
+async def require_api_key(request: Request, state: State) -> None:
     check_api_key(request, state.settings.api_key)
 
 
