@@ -32,7 +32,6 @@ from service.errors import (
     status_of,
 )
 from service.metrics import Metrics
-from service.payload import describe_validation_error
 from service.routes import health, inference, model
 
 log = logging.getLogger("service.app")
@@ -186,4 +185,4 @@ def create_app_from_env() -> FastAPI:
     return create_app(settings)
 
 
-__all__ = ["create_app", "create_app_from_env", "describe_validation_error"]
+__all__ = ["create_app", "create_app_from_env"]

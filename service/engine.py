@@ -76,13 +76,6 @@ class LoadedModel:
                 f"k={k} must lie in [1, {self.n_references}] (the number of reference points)"
             )
 
-    def check_rows(self, x: np.ndarray) -> None:
-        if x.ndim != 2 or x.shape[1] != self.n_features:
-            got = x.shape[1] if x.ndim == 2 else f"shape {x.shape}"
-            raise InvalidInput(
-                f"each instance must have {self.n_features} features (the model's D), got {got}"
-            )
-
     def embed(self, x: np.ndarray) -> np.ndarray:
         """x (n, D) -> z (n, d) float32."""
         return project(x, self.projection, self.offset)

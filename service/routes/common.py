@@ -5,12 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from service.deps import AppState
 from service.engine import LoadedModel
-from service.errors import STATUS, InvalidInput, ServiceError
+from service.errors import STATUS, InvalidInput
 from service.payload import JSON, NPY, check_media, parse_json, parse_npy, to_rows
 from service.schemas import ErrorBody
 
@@ -104,10 +103,3 @@ def neighbor_lists(
         ]
         for id_row, label_row, dist_row in zip(ids, labels, dists, strict=True)
     ]
-
-
-def json_response(payload: dict) -> JSONResponse:
-    return JSONResponse(payload)
-
-
-__all__ = ["ServiceError"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 from fastapi import APIRouter, Depends, Query, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from service.deps import Body, Model, State, require_api_key
 from service.errors import NotAcceptable
@@ -14,7 +14,6 @@ from service.routes.common import (
     INFERENCE_ERRORS,
     embed,
     error_responses,
-    json_response,
     neighbor_lists,
     parse_instances,
     request_body,
@@ -73,7 +72,7 @@ async def classify(
         if neighbors is not None:
             item["neighbors"] = neighbors[i]
         predictions.append(item)
-    return json_response({"predictions": predictions, "model_version": model.version})
+    return JSONResponse({"predictions": predictions, "model_version": model.version})
 
 
 @router.post(
@@ -100,7 +99,7 @@ async def embed_route(request: Request, state: State, model: Model, body: Body) 
         z = await embed(model, rows)
     if want_npy:
         return Response(npy_bytes(z), media_type=NPY, headers={"x-model-version": model.version})
-    return json_response({"embeddings": z.tolist(), "model_version": model.version})
+    return JSONResponse({"embeddings": z.tolist(), "model_version": model.version})
 
 
 @router.post(
@@ -128,6 +127,6 @@ async def neighbors(
     state.metrics.request_rows.labels("/v1/neighbors").observe(len(rows))
     with state.admit():
         distances, indices = await search(state, model, rows, k)
-    return json_response(
+    return JSONResponse(
         {"neighbors": neighbor_lists(model, distances, indices), "model_version": model.version}
     )

@@ -56,8 +56,6 @@ def test_checks_name_the_limit(model_dir):
     model = load_model(model_dir, settings_for(model_dir))
     with pytest.raises(InvalidInput, match=r"k=100000 must lie in \[1, \d+\]"):
         model.check_k(100000)
-    with pytest.raises(InvalidInput, match="must have 64 features"):
-        model.check_rows(np.zeros((2, 3)))
     with pytest.raises(InvalidInput, match="rule must be one of"):
         model.decide(np.zeros((1, 1)), np.zeros((1, 1), np.int64), "vote")
 
