@@ -31,6 +31,25 @@ from service.schemas import (
 
 router = APIRouter(prefix="/v1", tags=["inference"], dependencies=[Depends(require_api_key)])
 
+K_QUERY = Query(None, ge=1, description="neighbours (npy bodies; JSON bodies may set it)")
+
+
+async def search_request(request, state, model, body, schema, k, route):
+    """Parse the instances, settle k (a JSON body's k wins over the query's), search.
+
+    Returns (parsed JSON request or None for npy, k, distances (n, k), indices (n, k)).
+    """
+    parsed, rows = parse_instances(
+        body, request.headers.get("content-type"), schema, model, state, npy=True
+    )
+    if parsed is not None and parsed.k is not None:
+        k = parsed.k
+    k = resolve_k(k, model, state)
+    state.metrics.request_rows.labels(route).observe(len(rows))
+    with state.admit():
+        distances, indices = await search(state, model, rows, k)
+    return parsed, k, distances, indices
+
 
 @router.post(
     "/classify",
@@ -44,24 +63,17 @@ async def classify(
     state: State,
     model: Model,
     body: Body,
-    k: int | None = Query(
-        None, ge=1, description="neighbours (npy bodies; JSON bodies may set it)"
-    ),
+    k: int | None = K_QUERY,
     rule: Literal["majority", "soft"] | None = Query(None, description="decision rule"),
     return_neighbors: bool = Query(False, description="include the k neighbours"),
 ) -> Response:
-    parsed, rows = parse_instances(
-        body, request.headers.get("content-type"), ClassifyRequest, model, state, npy=True
+    parsed, k, distances, indices = await search_request(
+        request, state, model, body, ClassifyRequest, k, "/v1/classify"
     )
     if parsed is not None:
-        k = parsed.k if parsed.k is not None else k
         rule = parsed.rule or rule
         return_neighbors = parsed.return_neighbors or return_neighbors
-    k = resolve_k(k, model, state)
     rule = rule or model.artifact.decision_rule
-    state.metrics.request_rows.labels("/v1/classify").observe(len(rows))
-    with state.admit():
-        distances, indices = await search(state, model, rows, k)
     prediction = model.decide(distances, indices, rule)
     names = [str(c) for c in model.classes]
     proba = prediction.probabilities.tolist()
@@ -114,19 +126,11 @@ async def neighbors(
     state: State,
     model: Model,
     body: Body,
-    k: int | None = Query(
-        None, ge=1, description="neighbours (npy bodies; JSON bodies may set it)"
-    ),
+    k: int | None = K_QUERY,
 ) -> Response:
-    parsed, rows = parse_instances(
-        body, request.headers.get("content-type"), NeighborsRequest, model, state, npy=True
+    _, k, distances, indices = await search_request(
+        request, state, model, body, NeighborsRequest, k, "/v1/neighbors"
     )
-    if parsed is not None and parsed.k is not None:
-        k = parsed.k
-    k = resolve_k(k, model, state)
-    state.metrics.request_rows.labels("/v1/neighbors").observe(len(rows))
-    with state.admit():
-        distances, indices = await search(state, model, rows, k)
     return JSONResponse(
         {"neighbors": neighbor_lists(model, distances, indices), "model_version": model.version}
     )

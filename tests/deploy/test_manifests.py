@@ -27,14 +27,17 @@ def tool(name: str) -> str:
     return found
 
 
-def render(overlay: str) -> list[dict]:
-    out = subprocess.run(
+def kustomize(overlay: str) -> str:
+    return subprocess.run(
         [tool("kubectl"), "kustomize", str(ROOT / "deploy" / "overlays" / overlay)],
         capture_output=True,
         text=True,
         check=True,
     ).stdout
-    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+def render(overlay: str) -> list[dict]:
+    return [doc for doc in yaml.safe_load_all(kustomize(overlay)) if doc]
 
 
 def of_kind(docs: list[dict], kind: str) -> list[dict]:
@@ -43,14 +46,8 @@ def of_kind(docs: list[dict], kind: str) -> list[dict]:
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_overlay_renders_and_validates_strictly(overlay, tmp_path):
-    rendered = subprocess.run(
-        [tool("kubectl"), "kustomize", str(ROOT / "deploy" / "overlays" / overlay)],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
     path = tmp_path / f"{overlay}.yaml"
-    path.write_text(rendered)
+    path.write_text(kustomize(overlay))
     result = subprocess.run(
         [tool("kubernetes-validate"), "--strict", "--quiet", str(path)],
         capture_output=True,
