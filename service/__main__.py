@@ -10,7 +10,12 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import shutil
 import sys
+import tempfile
+from pathlib import Path
+
+from service.workers import METRICS_DIR
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,7 +39,6 @@ def main(argv: list[str] | None = None) -> int:
         if value is not None:
             os.environ[variable] = str(value)
 
-    import uvicorn
     from pydantic import ValidationError
 
     from service.config import Settings
@@ -45,6 +49,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: invalid settings: {exc}", file=sys.stderr)
         return 2
     has = importlib.util.find_spec
+    runtime_dir = None
+    if settings.workers > 1 and settings.runtime_dir is None:
+        # shared by the workers: the reload generation and Prometheus's multiprocess files
+        runtime_dir = Path(tempfile.mkdtemp(prefix="ncaknn-runtime-"))
+        (runtime_dir / METRICS_DIR).mkdir()
+        os.environ["NCAKNN_RUNTIME_DIR"] = str(runtime_dir)
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(runtime_dir / METRICS_DIR)
+    try:
+        _run(settings, has)
+    finally:
+        if runtime_dir is not None:
+            shutil.rmtree(runtime_dir, ignore_errors=True)
+    return 0
+
+
+def _run(settings, has) -> None:
+    import uvicorn
+
     uvicorn.run(
         "service.app:create_app_from_env",
         factory=True,
@@ -58,7 +80,6 @@ def main(argv: list[str] | None = None) -> int:
         log_level=settings.log_level,
         lifespan="on",
     )
-    return 0
 
 
 if __name__ == "__main__":

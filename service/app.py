@@ -1,6 +1,14 @@
-"""The FastAPI application: lifespan (load, warm up, batcher, poller, drain), errors, metrics.
+"""The FastAPI application: lifespan (load, warm up, batcher, model sync, drain), errors,
+metrics, OpenAPI and docs.
 
 ``create_app(settings)`` builds an app; ``python -m service`` runs it under uvicorn.
+
+Shutting down (SIGTERM, as Kubernetes sends it): /readyz answers 503 at once, every answer
+carries ``Connection: close``, and the server keeps accepting and serving for
+``drain_delay_seconds`` while load balancers stop sending; then uvicorn stops accepting,
+finishes what was accepted (up to ``graceful_shutdown_seconds``) and the batcher drains its
+queue. A request still unfinished when the grace period ends gets the one error body (503).
+A second SIGTERM skips what is left of the delay.
 """
 
 from __future__ import annotations
@@ -8,42 +16,58 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import sys
+import threading
 import time
 from contextlib import asynccontextmanager
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service import __version__
 from service.batcher import Batcher
 from service.config import Settings
-from service.deps import AppState
+from service.deps import AppState, check_api_key
 from service.engine import Engine
 from service.errors import (
     InvalidInput,
     MethodNotAllowed,
     NotFound,
+    NotReady,
     ServiceError,
     body_of,
     status_of,
 )
 from service.metrics import Metrics
+from service.openapi import build_openapi
 from service.routes import health, inference, model
+from service.workers import ReloadGeneration
 
 log = logging.getLogger("service.app")
 GIL_SWITCH_INTERVAL = 0.0002  # seconds
+SHUTDOWN_BODY = msgspec.json.encode(
+    {
+        "error": "the server is shutting down and could not finish this request within its "
+        "grace period; retry on another replica",
+        "error_type": NotReady.error_type,
+    }
+)
 
 
-class MetricsMiddleware:
-    """Pure ASGI middleware: requests by route and status, latency by route."""
+class ServiceMiddleware:
+    """Pure ASGI middleware: requests by route and status, latency by route;
+    ``Connection: close`` while draining; the error body for a request cancelled at the end
+    of the shutdown grace period."""
 
-    def __init__(self, app, metrics: Metrics, routes: set[str]):
+    def __init__(self, app, state: AppState, routes: set[str]):
         self.app = app
-        self.metrics = metrics
+        self.state = state
         self.routes = routes
 
     async def __call__(self, scope, receive, send):
@@ -52,39 +76,113 @@ class MetricsMiddleware:
             return
         started = time.perf_counter()
         status = 500
+        response_started = False
 
-        async def send_with_status(message):
-            nonlocal status
+        async def send_wrapped(message):
+            nonlocal status, response_started
             if message["type"] == "http.response.start":
                 status = message["status"]
+                response_started = True
+                if self.state.engine.draining:
+                    message = {
+                        **message,
+                        "headers": [*message.get("headers", []), (b"connection", b"close")],
+                    }
             await send(message)
 
         try:
-            await self.app(scope, receive, send_with_status)
+            await self.app(scope, receive, send_wrapped)
+        except asyncio.CancelledError:
+            if response_started:
+                raise
+            status = 503
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 503,
+                    "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"content-length", str(len(SHUTDOWN_BODY)).encode()),
+                        (b"connection", b"close"),
+                    ],
+                }
+            )
+            await send({"type": "http.response.body", "body": SHUTDOWN_BODY})
         finally:
             path = scope.get("path", "")
             route = path if path in self.routes else "unmatched"
-            self.metrics.requests.labels(route, str(status)).inc()
-            self.metrics.latency.labels(route).observe(time.perf_counter() - started)
+            self.state.metrics.requests.labels(route, str(status)).inc()
+            self.state.metrics.latency.labels(route).observe(time.perf_counter() - started)
 
 
-async def _poll_for_new_models(state: AppState) -> None:
-    interval = state.settings.reload_poll_seconds
+async def _reload_in_background(state: AppState, reason: str) -> None:
+    try:
+        loaded = await run_in_threadpool(state.engine.load)
+    except Exception:
+        state.metrics.model_load_failures.inc()
+        return
+    state.metrics.set_model(loaded)
+    log.info("model synchronised", extra={"reason": reason, "model_version": loaded.version})
+
+
+async def _keep_model_in_sync(state: AppState) -> None:
+    """Reload when another worker did (its reload generation changed) or, with the poller
+    on, when the artifact on disk changed (or a failed one healed)."""
+    settings = state.settings
+    poll = settings.reload_poll_seconds
+    interval = min(
+        poll if poll > 0 else float("inf"),
+        settings.worker_sync_seconds if state.generation is not None else float("inf"),
+    )
+    last_poll = time.monotonic()
     while True:
         await asyncio.sleep(interval)
-        if not await run_in_threadpool(state.engine.changed_on_disk):
+        if state.generation is not None and state.generation.changed():
+            await _reload_in_background(state, "another worker reloaded")
             continue
-        try:
-            loaded = await run_in_threadpool(state.engine.load)
-        except Exception:
-            state.metrics.model_load_failures.inc()
-            continue
-        state.metrics.set_model(loaded)
+        if poll > 0 and time.monotonic() - last_poll >= poll - 1e-3:
+            last_poll = time.monotonic()
+            if await run_in_threadpool(state.engine.changed_on_disk):
+                await _reload_in_background(state, "the artifact on disk changed")
+
+
+def _install_drain_on_sigterm(state: AppState) -> None:
+    """Put our SIGTERM handler in front of uvicorn's: draining at once, uvicorn's shutdown
+    after the drain delay. Only in the main thread (uvicorn's, not a TestClient's)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    loop = asyncio.get_running_loop()
+    uvicorn_handler = signal.getsignal(signal.SIGTERM)
+    if not callable(uvicorn_handler):
+        return
+    pending: list[asyncio.TimerHandle] = []
+
+    def stop_serving() -> None:
+        for handle in pending:
+            handle.cancel()
+        pending.clear()
+        uvicorn_handler(signal.SIGTERM, None)
+
+    def on_sigterm(signum, frame) -> None:
+        if state.engine.draining:  # a second SIGTERM: stop waiting
+            loop.call_soon_threadsafe(stop_serving)
+            return
+        state.engine.draining = True
+        delay = state.settings.drain_delay_seconds
+        log.info("SIGTERM: draining", extra={"drain_delay_seconds": delay})
+        loop.call_soon_threadsafe(lambda: pending.append(loop.call_later(delay, stop_serving)))
+
+    signal.signal(signal.SIGTERM, on_sigterm)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
-    state = AppState(settings=settings, engine=Engine(settings), metrics=Metrics())
+    metrics = Metrics()
+    state = AppState(
+        settings=settings,
+        engine=Engine(settings, on_fallback=metrics.count_fallback),
+        metrics=metrics,
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -92,6 +190,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # the default 5 ms switch interval it waits behind the event loop's request parsing
         # for most of a batch's life (measured: 25-row batches taking 34 ms instead of ~6 ms).
         sys.setswitchinterval(GIL_SWITCH_INTERVAL)
+        if settings.runtime_dir is not None:
+            state.generation = ReloadGeneration(settings.runtime_dir)
         try:
             loaded = await run_in_threadpool(state.engine.load)
             state.metrics.set_model(loaded)
@@ -114,9 +214,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 ),
             )
             state.batcher.start()
-        poller = None
-        if settings.reload_poll_seconds > 0:
-            poller = asyncio.get_running_loop().create_task(_poll_for_new_models(state))
+        sync = None
+        if settings.reload_poll_seconds > 0 or state.generation is not None:
+            sync = asyncio.get_running_loop().create_task(_keep_model_in_sync(state))
+        _install_drain_on_sigterm(state)
         log.info(
             "serving", extra={"model_path": str(settings.model_path), "ready": state.engine.ready}
         )
@@ -124,10 +225,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             yield
         finally:
             state.engine.draining = True
-            if poller is not None:
-                poller.cancel()
+            if sync is not None:
+                sync.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
-                    await poller
+                    await sync
             if state.batcher is not None:
                 await state.batcher.stop()
             log.info("stopped")
@@ -140,40 +241,125 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             "by the learned map and searched in a FAISS index over the projected training set."
         ),
         lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
     )
     app.state.ncaknn = state
+    _install_error_handlers(app, state)
+    app.include_router(inference.router)
+    app.include_router(model.router)
+    app.include_router(health.router)
+    _install_openapi(app, state)
+    routes = set(build_openapi(app, _limits(state), secured=False)["paths"])
+    routes |= {"/openapi.json", "/docs", "/redoc"}
+    app.add_middleware(ServiceMiddleware, state=state, routes=routes)
+    return app
+
+
+def _install_error_handlers(app: FastAPI, state: AppState) -> None:
+    def respond(error: ServiceError, headers: dict | None = None) -> JSONResponse:
+        state.metrics.errors.labels(error.error_type).inc()
+        status = status_of(error)
+        if status == 401:
+            headers = {**(headers or {}), "WWW-Authenticate": "Bearer"}
+        return JSONResponse(body_of(error), status_code=status, headers=headers)
 
     @app.exception_handler(ServiceError)
     async def on_service_error(request: Request, exc: ServiceError) -> JSONResponse:
-        state.metrics.errors.labels(exc.error_type).inc()
-        headers = {"WWW-Authenticate": "Bearer"} if status_of(exc) == 401 else None
-        return JSONResponse(body_of(exc), status_code=status_of(exc), headers=headers)
+        return respond(exc)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         parts = [
             f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in exc.errors()[:3]
         ]
-        return await on_service_error(request, InvalidInput("; ".join(parts) or "invalid request"))
+        return respond(InvalidInput("; ".join(parts) or "invalid request"))
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 404:
-            error: ServiceError = NotFound(f"no route {request.method} {request.url.path}")
-        elif exc.status_code == 405:
-            error = MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}")
-        else:
-            error = ServiceError(str(exc.detail))
-            state.metrics.errors.labels(error.error_type).inc()
-            return JSONResponse(body_of(error), status_code=exc.status_code)
-        return await on_service_error(request, error)
+            return respond(NotFound(f"no route {request.method} {request.url.path}"))
+        if exc.status_code == 405:
+            allowed = (exc.headers or {}).get("Allow", "")
+            return respond(
+                MethodNotAllowed(
+                    f"{request.method} is not allowed on {request.url.path}; allowed: {allowed}"
+                ),
+                headers=exc.headers,
+            )
+        error = ServiceError(str(exc.detail))
+        error.error_type = "http_error"
+        state.metrics.errors.labels(error.error_type).inc()
+        return JSONResponse(body_of(error), status_code=exc.status_code, headers=exc.headers)
 
-    app.include_router(inference.router)
-    app.include_router(model.router)
-    app.include_router(health.router)
-    routes = set(app.openapi()["paths"])
-    app.add_middleware(MetricsMiddleware, metrics=state.metrics, routes=routes)
-    return app
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error", extra={"path": request.url.path})
+        state.metrics.errors.labels("internal_error").inc()
+        return JSONResponse(
+            {
+                "error": f"internal error ({type(exc).__name__}); it was logged",
+                "error_type": "internal_error",
+            },
+            status_code=500,
+        )
+
+
+def _limits(state: AppState) -> dict:
+    """The limits the OpenAPI document states: the settings', and the loaded model's."""
+    settings = state.settings
+    limits = {
+        "max_batch_rows": settings.max_batch_rows,
+        "max_k": settings.max_k,
+        "n_features": None,
+        "input_abs_max": None,
+    }
+    loaded = state.engine.peek()
+    if loaded is not None:
+        limits.update(
+            max_k=min(settings.max_k, loaded.n_references),
+            n_features=loaded.n_features,
+            input_abs_max=loaded.input_abs_max,
+        )
+    return limits
+
+
+def _install_openapi(app: FastAPI, state: AppState) -> None:
+    """/openapi.json, /docs and /redoc per the ``docs`` setting, with the live limits."""
+    settings = state.settings
+    cache: dict[str, dict] = {}
+
+    def openapi() -> dict:
+        limits = _limits(state)
+        key = repr(sorted(limits.items()))
+        if key not in cache:
+            cache.clear()
+            cache[key] = build_openapi(app, limits, secured=settings.api_key is not None)
+        return cache[key]
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    if settings.docs == "off":
+        return
+
+    def guard(request: Request) -> None:
+        if settings.docs == "protected":
+            check_api_key(request, settings.api_key)
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi_json(request: Request) -> JSONResponse:
+        guard(request)
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs(request: Request) -> HTMLResponse:
+        guard(request)
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="nca-knn")
+
+    @app.get("/redoc", include_in_schema=False)
+    async def redoc(request: Request) -> HTMLResponse:
+        guard(request)
+        return get_redoc_html(openapi_url="/openapi.json", title="nca-knn")
 
 
 def create_app_from_env() -> FastAPI:

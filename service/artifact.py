@@ -18,8 +18,18 @@ directory are fsynced, then the directory is renamed into place (an existing art
 that path is exchanged in one step where the OS allows it). A reader never sees half an
 artifact and a crash leaves the previous one intact.
 
-Reading checks everything and raises :class:`ArtifactError` naming the file, the
-expected and the actual value. This module imports numpy and the standard library only.
+Reading pins the directory (one directory file descriptor; every file is opened relative to
+it), reads each file exactly once into memory, verifies its sha256 on those bytes and parses
+the same bytes: what was verified is what is served, even if the path is repointed or the
+directory exchanged while it is read. It checks everything else too (the model version
+against the files, shapes, dtypes, label range) and raises :class:`ArtifactError` naming the
+file, the expected and the actual value.
+
+A writer killed between creating its staging directory and renaming it leaves a
+``.NAME.tmp-HOST-PID-*`` sibling behind; the next write to the same path removes those whose
+writer is gone (same host, dead process) or that are older than a day.
+
+This module imports numpy and the standard library only.
 """
 
 from __future__ import annotations
@@ -33,6 +43,8 @@ import io
 import json
 import os
 import shutil
+import socket
+import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -92,7 +104,7 @@ class Artifact:
     mean: np.ndarray  # (D,) float64
     scale: np.ndarray  # (D,) float64
     ids: np.ndarray  # (N,) int64
-    index_path: Path | None = field(default=None)
+    index_bytes: bytes | None = field(default=None, repr=False)  # verified index.faiss
 
     @property
     def classes(self) -> list:
@@ -125,14 +137,6 @@ class Artifact:
 
 
 # --------------------------------------------------------------------------- writing
-
-
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _write_bytes_synced(path: Path, data: bytes) -> None:
@@ -224,7 +228,7 @@ def _move_into_place(staging: Path, final: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)  # staging now holds the old artifact
         return
     # Portable fallback: move the old one aside, move the new one in, restore on failure.
-    backup = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
+    backup = final.with_name(f".{final.name}.old-{_writer_tag()}-{uuid.uuid4().hex[:8]}")
     os.rename(final, backup)
     try:
         os.rename(staging, final)
@@ -232,6 +236,55 @@ def _move_into_place(staging: Path, final: Path) -> None:
         os.rename(backup, final)
         raise
     shutil.rmtree(backup, ignore_errors=True)
+
+
+STALE_STAGING_SECONDS = 24 * 3600  # a staging directory this old is abandoned on any host
+
+
+def _writer_tag() -> str:
+    """HOST-PID of this writer, so that a later writer can tell whether it is still alive."""
+    host = "".join(c if c.isalnum() else "_" for c in socket.gethostname()) or "host"
+    return f"{host}-{os.getpid()}"
+
+
+def _writer_alive(tag: str) -> bool:
+    """False when ``tag`` names a process on this host that no longer exists."""
+    host, _, pid = tag.rpartition("-")
+    if host != _writer_tag().rpartition("-")[0] or not pid.isdigit():
+        return True  # another host (a shared volume): only its age can tell
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_staging(path: str | os.PathLike, *, now: float | None = None) -> list[Path]:
+    """Remove ``.NAME.tmp-*`` / ``.NAME.old-*`` siblings of ``path`` left by dead writers.
+
+    A sibling is stale when its writer was on this host and is gone, or when it is older
+    than :data:`STALE_STAGING_SECONDS`. Returns the removed paths.
+    """
+    final = Path(path).absolute()
+    now = time.time() if now is None else now
+    removed = []
+    for prefix in (f".{final.name}.tmp-", f".{final.name}.old-"):
+        for sibling in final.parent.glob(glob_escape(prefix) + "*"):
+            tag = sibling.name[len(prefix) :].rpartition("-")[0]
+            try:
+                age = now - sibling.lstat().st_mtime
+            except FileNotFoundError:
+                continue
+            if age > STALE_STAGING_SECONDS or not _writer_alive(tag):
+                shutil.rmtree(sibling, ignore_errors=True)
+                removed.append(sibling)
+    return removed
+
+
+def glob_escape(text: str) -> str:
+    return "".join(f"[{c}]" if c in "*?[" else c for c in text)
 
 
 def write_artifact(
@@ -301,17 +354,16 @@ def write_artifact(
         raise ArtifactError(f"metadata may not set the manifest keys {sorted(clash)}")
 
     final.parent.mkdir(parents=True, exist_ok=True)
-    staging = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:12]}")
+    remove_stale_staging(final)
+    staging = final.with_name(f".{final.name}.tmp-{_writer_tag()}-{uuid.uuid4().hex[:12]}")
     staging.mkdir()
     try:
         files: dict[str, dict[str, Any]] = {}
-        model_hash = hashlib.sha256()
         for name, array in arrays.items():
             file_name = ARRAY_SPECS[name][0]
             data = _npy_bytes(array)
             _write_bytes_synced(staging / file_name, data)
             digest = hashlib.sha256(data).hexdigest()
-            model_hash.update(digest.encode())
             files[name] = {
                 "path": file_name,
                 "dtype": array.dtype.str,
@@ -350,7 +402,7 @@ def write_artifact(
                     "mean_file": ARRAY_SPECS["mean"][0],
                     "scale_file": ARRAY_SPECS["scale"][0],
                 },
-                "model_version": model_hash.hexdigest()[:16],
+                "model_version": model_version_of(files),
                 "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                 "package_version": __version__,
                 "files": files,
@@ -382,16 +434,45 @@ def _check_shapes(shapes: Mapping[str, tuple[int, ...]], dims: Mapping[str, int]
 # --------------------------------------------------------------------------- reading
 
 
-def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
-    """Read and check manifest.json of the artifact at ``path`` (no array is opened)."""
-    root = Path(path)
+class _PinnedDirectory:
+    """An artifact directory held open by one file descriptor; files are opened relative to
+    it, so repointing a symlink or exchanging the directory cannot mix two artifacts."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        try:
+            self.fd = os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        except (FileNotFoundError, NotADirectoryError):
+            raise ArtifactError(f"{root}: no artifact directory there") from None
+        except OSError as exc:
+            raise ArtifactError(f"{root}: cannot be opened ({exc.strerror})") from None
+
+    def __enter__(self) -> _PinnedDirectory:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        os.close(self.fd)
+
+    def read(self, name: str, what: str) -> bytes:
+        """The whole file ``name`` inside the directory, read once."""
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            raise ArtifactError(
+                f"{self.root / MANIFEST_FILE}: {what} path {name!r} is not a plain file name"
+            )
+        try:
+            fd = os.open(name, os.O_RDONLY, dir_fd=self.fd)
+        except FileNotFoundError:
+            raise ArtifactError(f"{self.root / name}: missing ({what})") from None
+        except OSError as exc:
+            raise ArtifactError(f"{self.root / name}: cannot be opened ({exc.strerror})") from None
+        with os.fdopen(fd, "rb") as fh:
+            return fh.read()
+
+
+def _parse_manifest(root: Path, data: bytes) -> dict[str, Any]:
     manifest_path = root / MANIFEST_FILE
-    if not root.is_dir():
-        raise ArtifactError(f"{root}: no artifact directory there")
-    if not manifest_path.is_file():
-        raise ArtifactError(f"{manifest_path}: missing; is {root} an nca-knn artifact?")
     try:
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        manifest = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ArtifactError(f"{manifest_path}: not valid JSON ({exc})") from exc
     if not isinstance(manifest, dict):
@@ -415,65 +496,130 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
             f"{manifest_path}: decision_rule is {manifest['decision_rule']!r}, "
             f"expected one of {DECISION_RULES}"
         )
+    if not isinstance(manifest["files"], dict):
+        raise ArtifactError(f"{manifest_path}: 'files' must be an object")
     return manifest
 
 
-def read_artifact(path: str | os.PathLike, *, mmap: bool = True) -> Artifact:
-    """Load the artifact at ``path``, verifying checksums, dtypes, shapes and consistency."""
+def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
+    """Read and check manifest.json of the artifact at ``path`` (no array is opened)."""
     root = Path(path)
-    manifest = read_manifest(root)
-    files = manifest["files"]
-    dims = {
-        "d": int(manifest["n_components"]),
-        "D": int(manifest["n_features_in"]),
-        "N": int(manifest["n_references"]),
-    }
-    arrays: dict[str, np.ndarray] = {}
-    for name, (file_name, dtype, symbols) in ARRAY_SPECS.items():
-        entry = files.get(name)
-        if entry is None:
-            if name in OPTIONAL_ARRAYS:
-                continue
-            raise ArtifactError(f"{root / MANIFEST_FILE}: no entry for required file {file_name}")
-        file_path = root / entry["path"]
-        if not file_path.is_file():
-            raise ArtifactError(f"{file_path}: missing (listed in the manifest)")
-        actual_sha = _sha256_file(file_path)
-        if actual_sha != entry["sha256"]:
-            raise ArtifactError(
-                f"{file_path}: checksum mismatch, expected sha256 {entry['sha256']}, "
-                f"got {actual_sha} (the file is corrupted or was changed after writing)"
-            )
-        try:
-            array = np.load(file_path, allow_pickle=False, mmap_mode="r" if mmap else None)
-        except (ValueError, OSError, EOFError) as exc:
-            raise ArtifactError(f"{file_path}: cannot be read as .npy ({exc})") from exc
-        if array.dtype != dtype:
-            raise ArtifactError(f"{file_path}: expected dtype {dtype}, got {array.dtype}")
-        expected = tuple(dims[s] for s in symbols)
-        if array.shape != expected or list(array.shape) != list(entry["shape"]):
-            raise ArtifactError(
-                f"{file_path}: expected shape {expected}, got {array.shape} "
-                f"(manifest says {tuple(entry['shape'])})"
-            )
-        arrays[name] = array
+    with _PinnedDirectory(root) as directory:
+        return _parse_manifest(root, directory.read(MANIFEST_FILE, "the manifest"))
+
+
+def model_version_of(files: Mapping[str, Mapping[str, Any]]) -> str:
+    """The model version: a hash of the array files' sha256s, in :data:`ARRAY_SPECS` order."""
+    digest = hashlib.sha256()
+    for name in ARRAY_SPECS:
+        if name in files:
+            digest.update(str(files[name]["sha256"]).encode())
+    return digest.hexdigest()[:16]
+
+
+def _parse_npy(file_path: Path, data: bytes) -> np.ndarray:
+    try:
+        return np.load(io.BytesIO(data), allow_pickle=False)
+    except (ValueError, OSError, EOFError) as exc:
+        raise ArtifactError(f"{file_path}: cannot be read as .npy ({exc})") from exc
+
+
+def read_artifact(path: str | os.PathLike) -> Artifact:
+    """Load the artifact at ``path``, verifying checksums, dtypes, shapes and consistency.
+
+    Each file is read once, through a descriptor of the directory opened first; the bytes
+    whose sha256 is checked are the bytes that are parsed.
+    """
+    root = Path(path)
+    with _PinnedDirectory(root) as directory:
+        manifest = _parse_manifest(root, directory.read(MANIFEST_FILE, "the manifest"))
+        files = manifest["files"]
+        dims = {
+            "d": int(manifest["n_components"]),
+            "D": int(manifest["n_features_in"]),
+            "N": int(manifest["n_references"]),
+        }
+        arrays: dict[str, np.ndarray] = {}
+        for name, (file_name, dtype, symbols) in ARRAY_SPECS.items():
+            entry = files.get(name)
+            if entry is None:
+                if name in OPTIONAL_ARRAYS:
+                    continue
+                raise ArtifactError(
+                    f"{root / MANIFEST_FILE}: no entry for required file {file_name}"
+                )
+            data = directory.read(entry.get("path"), f"listed in the manifest as {name}")
+            file_path = root / entry["path"]
+            _check_sha256(file_path, data, entry.get("sha256"))
+            array = _parse_npy(file_path, data)
+            if array.dtype != dtype:
+                raise ArtifactError(f"{file_path}: expected dtype {dtype}, got {array.dtype}")
+            expected = tuple(dims[s] for s in symbols)
+            if array.shape != expected or list(array.shape) != list(entry.get("shape", [])):
+                raise ArtifactError(
+                    f"{file_path}: expected shape {expected}, got {array.shape} "
+                    f"(manifest says {tuple(entry.get('shape', ()))})"
+                )
+            arrays[name] = array
+        index_bytes = None
+        if "index" in files:
+            entry = files["index"]
+            index_bytes = directory.read(entry.get("path"), "listed in the manifest as index")
+            _check_sha256(root / entry["path"], index_bytes, entry.get("sha256"))
+    expected_version = model_version_of(files)
+    if manifest.get("model_version", expected_version) != expected_version:
+        raise ArtifactError(
+            f"{root / MANIFEST_FILE}: model_version is {manifest['model_version']!r} but the "
+            f"files it lists hash to {expected_version!r} (a manifest from another artifact?)"
+        )
     classes = manifest["classes"]
     labels = arrays["labels"]
     if labels.size and (labels.min() < 0 or labels.max() >= len(classes)):
         raise ArtifactError(
             f"{root / ARRAY_SPECS['labels'][0]}: label indices must lie in [0, {len(classes)})"
         )
-    index_path = None
-    if "index" in files:
-        index_path = root / files["index"]["path"]
-        if not index_path.is_file():
-            raise ArtifactError(f"{index_path}: missing (listed in the manifest)")
-        actual_sha = _sha256_file(index_path)
-        if actual_sha != files["index"]["sha256"]:
-            raise ArtifactError(
-                f"{index_path}: checksum mismatch, expected sha256 {files['index']['sha256']}, "
-                f"got {actual_sha}"
-            )
     if "ids" not in arrays:
         arrays["ids"] = np.arange(dims["N"], dtype=np.int64)
-    return Artifact(path=root, manifest=manifest, index_path=index_path, **arrays)
+    return Artifact(path=root, manifest=manifest, index_bytes=index_bytes, **arrays)
+
+
+def _check_sha256(file_path: Path, data: bytes, expected: Any) -> None:
+    actual = hashlib.sha256(data).hexdigest()
+    if actual != expected:
+        raise ArtifactError(
+            f"{file_path}: checksum mismatch, expected sha256 {expected}, got {actual} "
+            "(the file is corrupted or was changed after writing)"
+        )
+
+
+def artifact_fingerprint(path: str | os.PathLike) -> tuple | None:
+    """What identifies the bytes at ``path`` without reading the arrays, or None if there is
+    no readable manifest: the directory's identity, the manifest's sha256 and (size,
+    mtime, inode) of every file it lists. It changes when the artifact is replaced, repointed,
+    rewritten or healed, so a poller can retry a failed version once it changes."""
+    root = Path(path)
+    try:
+        with _PinnedDirectory(root) as directory:
+            manifest_bytes = directory.read(MANIFEST_FILE, "the manifest")
+            identity = os.fstat(directory.fd)
+            stats = []
+            try:
+                files = json.loads(manifest_bytes.decode("utf-8")).get("files", {})
+            except (UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+                files = {}
+            for name in sorted(files) if isinstance(files, dict) else ():
+                entry = files[name]
+                file_name = entry.get("path") if isinstance(entry, dict) else None
+                try:
+                    st = os.stat(str(file_name), dir_fd=directory.fd)
+                    stats.append((name, st.st_size, st.st_mtime_ns, st.st_ino))
+                except (OSError, TypeError, ValueError):
+                    stats.append((name, None, None, None))
+    except ArtifactError:
+        return None
+    return (
+        identity.st_dev,
+        identity.st_ino,
+        hashlib.sha256(manifest_bytes).hexdigest(),
+        tuple(stats),
+    )

@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from service.engine import embedding_overflow, non_finite_rows
+from service.knn import project
+
 
 @dataclass
 class Job:
@@ -94,7 +97,11 @@ class Batcher:
                             job.future.set_exception(exc)
                     continue
                 for job, result in zip(group, results, strict=True):
-                    if not job.future.done():
+                    if job.future.done():
+                        continue
+                    if isinstance(result, Exception):
+                        job.future.set_exception(result)
+                    else:
                         job.future.set_result(result)
                 if self.on_batch is not None:
                     self.on_batch(sum(len(j.rows) for j in group), waited)
@@ -107,13 +114,39 @@ def _groups(jobs: list[Job]) -> list[list[Job]]:
     return list(groups.values())
 
 
-def _run_group(group: list[Job]) -> list[tuple[np.ndarray, np.ndarray]]:
+def _run_group(group: list[Job]) -> list[tuple[np.ndarray, np.ndarray] | Exception]:
+    """One projection and one search for a group of jobs on the same (model, k).
+
+    A job whose rows cannot be embedded (an embedding beyond float32) gets its own error;
+    the other jobs of the group are searched without it.
+    """
     model, k = group[0].model, group[0].k
     rows = group[0].rows if len(group) == 1 else np.concatenate([j.rows for j in group])
-    dist, idx = model.search_embedded(model.embed(rows), k)
-    out, start = [], 0
+    with np.errstate(over="ignore", invalid="ignore"):
+        z = project(rows, model.projection, model.offset)
+    bad = non_finite_rows(z)
+    out: list = []
+    keep = np.ones(len(z), dtype=bool)
+    start = 0
     for job in group:
         n = len(job.rows)
-        out.append((dist[start : start + n], idx[start : start + n]))
+        bad_here = bad[(bad >= start) & (bad < start + n)]
+        if len(bad_here):
+            out.append(embedding_overflow(int(bad_here[0]), start))
+            keep[start : start + n] = False
+        else:
+            out.append(None)
         start += n
+    if keep.all():
+        dist, idx = model.search_embedded(z, k)
+    elif keep.any():
+        dist, idx = model.search_embedded(z[keep], k)
+    else:
+        return out
+    start = 0
+    for i, job in enumerate(group):
+        if out[i] is None:
+            n = len(job.rows)
+            out[i] = (dist[start : start + n], idx[start : start + n])
+            start += n
     return out

@@ -33,13 +33,42 @@ class Settings(BaseSettings):
     host: str = Field("127.0.0.1", description="interface to bind")
     port: int = Field(8000, ge=0, le=65535, description="TCP port")
     workers: int = Field(1, ge=1, description="uvicorn worker processes")
+    worker_sync_seconds: float = Field(
+        1.0,
+        gt=0,
+        description="with several workers: how often each checks whether another reloaded "
+        "the model (every worker converges within this)",
+    )
+    runtime_dir: Path | None = Field(
+        None,
+        description="set by `python -m service` for several workers: where they share the "
+        "reload generation and the Prometheus multiprocess files",
+    )
     graceful_shutdown_seconds: int = Field(
         30, ge=0, description="on SIGTERM, how long to let requests in flight finish"
     )
+    drain_delay_seconds: float = Field(
+        5.0,
+        ge=0,
+        description="on SIGTERM, answer /readyz 503 at once but keep accepting and serving "
+        "requests this long (while load balancers remove the pod), then stop accepting and "
+        "finish what was accepted",
+    )
     api_key: SecretStr | None = Field(
-        None, description="if set, /v1 routes need 'Authorization: Bearer <key>'"
+        None,
+        description="if set, /v1 routes need 'Authorization: Bearer <key>' (surrounding "
+        "whitespace is stripped; an empty key is an error)",
+    )
+    admin_api_key: SecretStr | None = Field(
+        None,
+        description="if set, POST /v1/admin/reload needs this key instead of api_key",
     )
     metrics_require_api_key: bool = Field(False, description="protect /metrics with the key too")
+    docs: Literal["public", "protected", "off"] = Field(
+        "protected",
+        description="/docs, /redoc and /openapi.json: public, protected (need api_key when one "
+        "is set) or off",
+    )
     log_level: str = Field("info", description="debug, info, warning, error")
     log_json: bool = Field(True, description="structured JSON log lines")
 
@@ -52,6 +81,12 @@ class Settings(BaseSettings):
         512, ge=1, description="requests computing at once; more are refused with 429"
     )
     max_k: int = Field(256, ge=1, description="largest k a request may ask for (422)")
+    max_response_values: int = Field(
+        1_048_576,
+        ge=1,
+        description="most numbers in one JSON answer: rows x (classes + 3 k with neighbours) "
+        "for classify, rows x 3 k for neighbors, rows x d for embed (413 before any search)",
+    )
 
     # dynamic batching
     batching: bool = Field(True, description="merge concurrent requests into one search")
@@ -75,6 +110,21 @@ class Settings(BaseSettings):
         "already keep the cores busy",
     )
 
+    @field_validator("api_key", "admin_api_key")
+    @classmethod
+    def _usable_key(cls, value: SecretStr | None, info) -> SecretStr | None:
+        if value is None:
+            return None
+        key = value.get_secret_value().strip()
+        if not key:
+            raise ValueError(
+                f"{info.field_name} is empty: an empty key would let 'Bearer ' through; "
+                f"unset NCAKNN_{info.field_name.upper()} to turn authentication off"
+            )
+        if any(c.isspace() or not c.isprintable() for c in key):
+            raise ValueError(f"{info.field_name} contains whitespace or control characters")
+        return SecretStr(key)
+
     @field_validator("log_level")
     @classmethod
     def _known_level(cls, value: str) -> str:
@@ -84,3 +134,17 @@ class Settings(BaseSettings):
                 f"log_level must be debug, info, warning, error or critical, not {value!r}"
             )
         return value
+
+
+def settings_table() -> str:
+    """The README's settings table, generated from the fields above."""
+    lines = ["| variable | default | meaning |", "| --- | --- | --- |"]
+    for name, field in Settings.model_fields.items():
+        default = field.default
+        shown = "(unset)" if default is None else getattr(default, "value", default)
+        lines.append(f"| `NCAKNN_{name.upper()}` | `{shown}` | {field.description} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":  # python -m service.config --markdown
+    print(settings_table(), end="")

@@ -1,4 +1,4 @@
-"""Typed dependencies for the routes: the app's state, the current model, auth, the gate."""
+"""Typed dependencies and the checks every route shares: the app's state, auth, the gate."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ from fastapi import Depends, Request
 
 from service.batcher import Batcher
 from service.config import Settings
-from service.engine import Engine, LoadedModel
-from service.errors import Overloaded, PayloadTooLarge, Unauthorized
+from service.engine import Engine
+from service.errors import Overloaded, Unauthorized
 from service.metrics import Metrics
+from service.workers import ReloadGeneration
 
 
 @dataclass
@@ -22,6 +23,7 @@ class AppState:
     engine: Engine
     metrics: Metrics
     batcher: Batcher | None = None
+    generation: ReloadGeneration | None = None  # shared with the other workers, if any
     in_flight: int = 0
 
     @contextmanager
@@ -29,7 +31,8 @@ class AppState:
         """The in-flight gate: fail fast with 429 rather than queue without bound."""
         if self.in_flight >= self.settings.max_in_flight:
             raise Overloaded(
-                f"{self.in_flight} requests in flight, the limit is {self.settings.max_in_flight}; retry later"
+                f"{self.in_flight} requests in flight, the limit is "
+                f"{self.settings.max_in_flight}; retry later"
             )
         self.in_flight += 1
         self.metrics.in_flight.inc()
@@ -41,7 +44,7 @@ class AppState:
 
 
 # Dependencies are `async def` on purpose: FastAPI runs plain `def` dependencies in its thread
-# pool, one thread hop each per request (py-spy showed it dominating the classify path).
+# pool, one thread hop each per request.
 
 
 async def get_state(request: Request) -> AppState:
@@ -51,41 +54,31 @@ async def get_state(request: Request) -> AppState:
 State = Annotated[AppState, Depends(get_state)]
 
 
-async def current_model(state: State) -> LoadedModel:
-    return state.engine.current()
-
-
-Model = Annotated[LoadedModel, Depends(current_model)]
-
-
 def check_api_key(request: Request, key) -> None:
+    """401 unless ``Authorization: Bearer <key>`` carries ``key`` (no check when None).
+
+    Keys are validated at startup (non-empty, no whitespace), the header's token is taken
+    exactly after 'Bearer ' and compared in constant time.
+    """
     if key is None:
         return
     header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
+    scheme, _, token = header.strip().partition(" ")
+    token = token.strip()
     if scheme.lower() != "bearer" or not token:
         raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
-    if not hmac.compare_digest(token.strip().encode(), key.get_secret_value().encode()):
+    if not hmac.compare_digest(token.encode(), key.get_secret_value().encode()):
         raise Unauthorized("the API key is not valid")
+
+
+def check_admin_key(request: Request, settings: Settings) -> None:
+    """Admin routes take the admin key when one is set, else the API key."""
+    check_api_key(request, settings.admin_api_key or settings.api_key)
 
 
 async def require_api_key(request: Request, state: State) -> None:
     check_api_key(request, state.settings.api_key)
 
 
-async def read_body(request: Request, state: State) -> bytes:
-    """The request body, refused with 413 as soon as it passes the size limit."""
-    limit = state.settings.max_body_bytes
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"request body of {declared} bytes; the limit is {limit}")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"request body over {limit} bytes; the limit is {limit}")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-Body = Annotated[bytes, Depends(read_body)]
+async def require_admin_key(request: Request, state: State) -> None:
+    check_admin_key(request, state.settings)

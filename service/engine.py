@@ -13,19 +13,34 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import faiss
 import numpy as np
 
-from service.artifact import Artifact, read_artifact, read_manifest
+from service.artifact import (
+    INDEX_FILE,
+    Artifact,
+    ArtifactError,
+    artifact_fingerprint,
+    read_artifact,
+)
 from service.config import Settings
 from service.errors import InvalidInput, NotReady
-from service.index import IndexParams, build_index, configure, index_kind, search
+from service.index import (
+    IndexParams,
+    build_index,
+    configure,
+    index_kind,
+    reference_norm_limit,
+    search_references,
+)
 from service.knn import RULES, decide, project
 
 log = logging.getLogger("service.engine")
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclass(frozen=True)
@@ -34,8 +49,21 @@ class Prediction:
 
     labels: list  # (n,) original class labels
     probabilities: np.ndarray  # (n, C)
-    distances: np.ndarray  # (n, k) squared distances
+    distances: np.ndarray  # (n, k) squared distances, float64
     indices: np.ndarray  # (n, k) reference row indices
+
+
+def non_finite_rows(z: np.ndarray) -> np.ndarray:
+    """Indices of the rows of z (n, d) with a value that is not a finite float32."""
+    return np.flatnonzero(~np.isfinite(z).all(axis=1))
+
+
+def embedding_overflow(row: int, first_row: int = 0) -> InvalidInput:
+    return InvalidInput(
+        f"instances[{row - first_row}] projects to an embedding beyond float32 range "
+        f"(|z| > {FLOAT32_MAX:.4g}): its values are too large for this model's map; "
+        "rows must have finite values whose embedding is finite"
+    )
 
 
 @dataclass(frozen=True)
@@ -51,8 +79,12 @@ class LoadedModel:
     index_type: str
     loaded_at: float
     load_seconds: float
+    norm_limit: float  # queries with a larger norm are searched exactly (see service.index)
+    input_abs_max: float  # inputs within [-input_abs_max, input_abs_max] embed finitely
     search_threads: int = 0
     index_params: dict = field(default_factory=dict)
+    # called with (far rows, under-filled rows) after a search that used the exact fallback
+    on_fallback: Callable[[int, int], None] | None = None
 
     @property
     def version(self) -> str:
@@ -77,12 +109,30 @@ class LoadedModel:
             )
 
     def embed(self, x: np.ndarray) -> np.ndarray:
-        """x (n, D) -> z (n, d) float32."""
-        return project(x, self.projection, self.offset)
+        """x (n, D) -> z (n, d) float32; InvalidInput naming the first row whose embedding
+        is not finite in float32."""
+        with np.errstate(over="ignore", invalid="ignore"):
+            z = project(x, self.projection, self.offset)
+        bad = non_finite_rows(z)
+        if len(bad):
+            raise embedding_overflow(int(bad[0]))
+        return z
 
     def search_embedded(self, z: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """z (n, d) -> (squared distances (n, k), reference row indices (n, k))."""
-        return search(self.index, self.embeddings, z, k, threads=self.search_threads)
+        """z (n, d) finite -> (squared distances (n, k) float64, reference rows (n, k)).
+
+        Always k real references per row (see ``service.index.search_references``)."""
+        result = search_references(
+            self.index,
+            self.embeddings,
+            z,
+            k,
+            threads=self.search_threads,
+            norm_limit=self.norm_limit,
+        )
+        if self.on_fallback is not None and (result.far_rows or result.underfilled_rows):
+            self.on_fallback(result.far_rows, result.underfilled_rows)
+        return result.distances, result.indices
 
     def decide(self, distances: np.ndarray, indices: np.ndarray, rule: str) -> Prediction:
         if rule not in RULES:
@@ -101,12 +151,30 @@ class LoadedModel:
         return self.decide(dist, idx, rule)
 
 
-def load_model(path: str | Path, settings: Settings) -> LoadedModel:
+def input_abs_max(projection: np.ndarray, offset: np.ndarray) -> float:
+    """The largest X such that every input with |x_i| <= X has a finite float32 embedding.
+
+    |z_j| <= sum_i |W_ji| |x_i| + |b_j| <= X * ||W_j||_1 + |b_j|, kept below 0.999 of the
+    float32 maximum (the float64 projection then rounds to a finite float32). Rounded down
+    to three significant digits so that it can be stated.
+    """
+    row_l1 = np.abs(np.asarray(projection, dtype=np.float64)).sum(axis=1)  # (d,)
+    room = 0.999 * FLOAT32_MAX - np.abs(np.asarray(offset, dtype=np.float64))  # (d,)
+    with np.errstate(divide="ignore"):
+        bounds = np.where(row_l1 > 0, room / row_l1, np.inf)
+    limit = min(float(bounds.min(initial=np.inf)), 0.999 * FLOAT32_MAX)
+    exponent = np.floor(np.log10(limit))
+    return float(np.floor(limit / 10 ** (exponent - 2)) * 10 ** (exponent - 2))
+
+
+def load_model(
+    path: str | Path, settings: Settings, on_fallback: Callable[[int, int], None] | None = None
+) -> LoadedModel:
     """Read and check the artifact, build (or read) its index, and warm it up."""
     started = time.perf_counter()
-    # Read into memory, not memory-mapped: a file changed in place under a mapping would
-    # crash the process (SIGBUS) instead of failing one reload.
-    artifact = read_artifact(path, mmap=False)
+    # Every file is read once into memory and verified there (service.artifact): a file
+    # changed under a memory map would crash the process (SIGBUS) instead of failing a load.
+    artifact = read_artifact(path)
     embeddings = np.ascontiguousarray(artifact.embeddings, dtype=np.float32)
     params = IndexParams(
         kind=settings.index_type,
@@ -119,8 +187,11 @@ def load_model(path: str | Path, settings: Settings) -> LoadedModel:
         search_threads=settings.search_threads,
     )
     index = None
-    if artifact.index_path is not None:
-        prebuilt = faiss.read_index(str(artifact.index_path))
+    if artifact.index_bytes is not None:
+        try:
+            prebuilt = faiss.deserialize_index(np.frombuffer(artifact.index_bytes, np.uint8))
+        except RuntimeError as exc:
+            raise ArtifactError(f"{path}/{INDEX_FILE}: not a readable FAISS index ({exc})") from exc
         if index_kind(prebuilt) == params.kind and prebuilt.ntotal == len(embeddings):
             configure(prebuilt, params)
             index = prebuilt
@@ -138,6 +209,8 @@ def load_model(path: str | Path, settings: Settings) -> LoadedModel:
         index_type=params.kind,
         loaded_at=time.time(),
         load_seconds=0.0,
+        norm_limit=reference_norm_limit(embeddings),
+        input_abs_max=input_abs_max(artifact.projection, artifact.offset),
         search_threads=settings.search_threads,
         index_params={
             k: v
@@ -147,6 +220,7 @@ def load_model(path: str | Path, settings: Settings) -> LoadedModel:
             or (params.kind == "hnsw" and k in ("hnsw_m", "ef_search", "ef_construction"))
             or (params.kind == "ivfpq" and k == "pq_m")
         },
+        on_fallback=on_fallback,
     )
     # warm-up: one query through the whole path (page in the arrays, start FAISS)
     model.classify(
@@ -157,10 +231,25 @@ def load_model(path: str | Path, settings: Settings) -> LoadedModel:
 
 
 class Engine:
-    """Holds the current model; loads a new one off to the side and swaps it in."""
+    """Holds the current model; loads a new one off to the side and swaps it in.
 
-    def __init__(self, settings: Settings):
+    Failed loads are remembered by the artifact's fingerprint (directory identity, manifest
+    hash, file sizes and times: ``artifact_fingerprint``), not by its version: a version that
+    failed while it was being written is retried as soon as its files change, and any failed
+    artifact again after ``retry_failed_seconds``.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        on_fallback: Callable[[int, int], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        retry_failed_seconds: float = 60.0,
+    ):
         self.settings = settings
+        self.on_fallback = on_fallback
+        self.clock = clock
+        self.retry_failed_seconds = retry_failed_seconds
         self._model: LoadedModel | None = None
         self._load_lock = threading.Lock()
         self.last_error: str | None = None
@@ -168,7 +257,9 @@ class Engine:
         self.loads = 0
         self.load_failures = 0
         self.draining = False
-        self._failed_version: str | None = None
+        self._loaded_fingerprint: tuple | None = None
+        self._failed_fingerprint: tuple | None = None
+        self._failed_at = 0.0
 
     @property
     def ready(self) -> bool:
@@ -182,8 +273,8 @@ class Engine:
         model = self._model
         if model is None:
             raise NotReady(
-                f"no model is loaded yet (model path {self.settings.model_path}); "
-                + (f"last load failed: {self.last_error}" if self.last_error else "loading")
+                "no model is loaded yet; "
+                + (f"the last load failed: {self.last_error}" if self.last_error else "loading")
             )
         return model
 
@@ -194,16 +285,20 @@ class Engine:
         """
         path = Path(path or self.settings.model_path)
         with self._load_lock:
+            fingerprint = artifact_fingerprint(path)
             try:
-                model = load_model(path, self.settings)
+                model = load_model(path, self.settings, on_fallback=self.on_fallback)
             except Exception as exc:
-                self._failed_version = _version_on_disk(path)
+                self._failed_fingerprint = fingerprint
+                self._failed_at = self.clock()
                 self.load_failures += 1
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 self.last_error_at = time.time()
                 log.error("model load failed", extra={"path": str(path), "error": self.last_error})
                 raise
             self._model = model  # one reference assignment: the swap
+            self._loaded_fingerprint = fingerprint
+            self._failed_fingerprint = None
             self.loads += 1
             self.last_error = None
             log.info(
@@ -217,17 +312,11 @@ class Engine:
             return model
 
     def changed_on_disk(self) -> bool:
-        """True when the model path holds an artifact other than the loaded one and other
-        than the last one that failed to load."""
-        version = _version_on_disk(self.settings.model_path)
-        if version is None or version == self._failed_version:
+        """True when the model path holds an artifact other than the one loaded, and not one
+        that already failed unchanged (unless ``retry_failed_seconds`` have passed)."""
+        fingerprint = artifact_fingerprint(self.settings.model_path)
+        if fingerprint is None or fingerprint == self._loaded_fingerprint:
             return False
-        model = self._model
-        return model is None or version != model.version
-
-
-def _version_on_disk(path: str | Path) -> str | None:
-    try:
-        return str(read_manifest(path).get("model_version"))
-    except Exception:
-        return None
+        if fingerprint == self._failed_fingerprint:
+            return self.clock() - self._failed_at >= self.retry_failed_seconds
+        return True

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import faiss
 import numpy as np
 
-from service.knn import RERANK_MARGIN, rerank
+from service.knn import RERANK_MARGIN, exact_knn_centered, rerank
 
 SMALL_BATCH_ROWS = 16  # below this a search runs on one thread (OpenMP start-up costs more)
 
@@ -83,22 +83,65 @@ def index_kind(index: faiss.Index) -> str:
     return "flat"
 
 
-def search(
+# A query whose norm exceeds FAR_FACTOR x the largest reference norm is searched exactly in
+# float64 (``exact_knn_centered``): FAISS ranks by the float32 sum ||q||^2 + ||r||^2 - 2 q.r,
+# whose rounding error (~2^-24 ||q||^2) outgrows the gaps between references as q moves away
+# (at 1e25 it overflows). Within 4x the data's own scale the error stays within 16x what
+# in-distribution queries see, which the re-rank margin absorbs.
+FAR_FACTOR = 4.0
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """k nearest references of n queries, with how many rows needed the exact fallback."""
+
+    distances: np.ndarray  # (n, k) float64 squared distances, ascending
+    indices: np.ndarray  # (n, k) int64 reference rows, all valid (>= 0)
+    far_rows: int = 0  # searched exactly: too far from the data for float32 FAISS
+    underfilled_rows: int = 0  # searched exactly: the index proposed fewer than k references
+
+
+def reference_norm_limit(references: np.ndarray) -> float:
+    """Queries with a larger norm than this are too far away for float32 FAISS."""
+    norms = np.linalg.norm(np.asarray(references, dtype=np.float64), axis=1)
+    return FAR_FACTOR * float(norms.max(initial=0.0)) + 1e-6
+
+
+def search_references(
     index: faiss.Index,
     references: np.ndarray,
     queries: np.ndarray,
     k: int,
     *,
     threads: int = 0,
-) -> tuple[np.ndarray, np.ndarray]:
-    """k nearest references of each query: (distances (n, k) float32, indices (n, k) int64).
+    norm_limit: float = np.inf,
+) -> SearchResult:
+    """k nearest references of each query, never fewer than k real ones.
 
-    FAISS proposes k + RERANK_MARGIN candidates, ``rerank`` orders them exactly. Small
-    batches search on one thread; larger ones on ``threads`` (0: all cores).
+    queries: (n, d) finite float32, references: (N, d), 1 <= k <= N. FAISS proposes
+    k + RERANK_MARGIN candidates and ``rerank`` orders them exactly. Rows FAISS cannot serve
+    are searched exactly instead (``exact_knn_centered``): rows whose norm exceeds
+    ``norm_limit`` and rows for which the index returned fewer than k candidates (an IVF
+    probing too few lists pads with -1). Small batches search on one thread; larger ones on
+    ``threads`` (0: all cores).
     """
     q = np.ascontiguousarray(queries, dtype=np.float32)
-    m = min(index.ntotal, k + RERANK_MARGIN)  # HNSW widens its beam to m itself
-    n_threads = 1 if len(q) < SMALL_BATCH_ROWS else (threads or os.cpu_count() or 1)
-    faiss.omp_set_num_threads(n_threads)
-    _, candidates = index.search(q, m)
-    return rerank(q, references, candidates, k)
+    n = len(q)
+    distances = np.empty((n, k), dtype=np.float64)
+    indices = np.empty((n, k), dtype=np.int64)
+    far = np.linalg.norm(q.astype(np.float64), axis=1) > norm_limit  # (n,)
+    near = np.flatnonzero(~far)
+    underfilled = np.zeros(n, dtype=bool)
+    if len(near):
+        m = min(index.ntotal, k + RERANK_MARGIN)  # HNSW widens its beam to m itself
+        n_threads = 1 if len(near) < SMALL_BATCH_ROWS else (threads or os.cpu_count() or 1)
+        faiss.omp_set_num_threads(n_threads)
+        q_near = q if len(near) == n else q[near]
+        _, candidates = index.search(q_near, m)
+        d_near, i_near = rerank(q_near, references, candidates, k)
+        distances[near], indices[near] = d_near, i_near
+        underfilled[near[(i_near < 0).any(axis=1)]] = True
+    exact = np.flatnonzero(far | underfilled)
+    if len(exact):
+        distances[exact], indices[exact] = exact_knn_centered(q[exact], references, k)
+    return SearchResult(distances, indices, int(far.sum()), int(underfilled.sum()))

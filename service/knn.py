@@ -44,8 +44,9 @@ def rerank(
     """The k nearest of each query's candidates, by exact distance, ties by smaller id.
 
     queries: (n, d), references: (N, d), candidates: (n, m) int64 reference indices (-1 =
-    none, as FAISS pads)  ->  (distances (n, k) float32, indices (n, k) int64). Squared
-    distances are computed pair by pair in float64, so the result depends only on the pair.
+    none, as FAISS pads)  ->  (distances (n, k) float64, indices (n, k) int64). Squared
+    distances are computed pair by pair in float64 and returned as such (a float32 cast
+    would overflow for far-away queries), so the result depends only on the pair.
     Rows with fewer than k valid candidates are padded with (inf, -1).
     """
     q = np.asarray(queries, dtype=np.float32).astype(np.float64)
@@ -57,7 +58,7 @@ def rerank(
     d2 = np.where(valid, d2, np.inf)
     ids = np.where(valid, cand, np.iinfo(np.int64).max)
     order = np.lexsort((ids, d2), axis=1)[:, :k]
-    out_d = np.take_along_axis(d2, order, axis=1).astype(np.float32)
+    out_d = np.take_along_axis(d2, order, axis=1)
     out_i = np.take_along_axis(cand, order, axis=1)
     out_i = np.where(np.isfinite(out_d), out_i, -1)
     return out_d, out_i
@@ -85,7 +86,7 @@ def exact_knn(
 ) -> tuple[np.ndarray, np.ndarray]:
     """The k nearest references of each query by squared Euclidean distance.
 
-    queries: (n, d), references: (N, d)  ->  (distances (n, k) float32, indices (n, k) int64),
+    queries: (n, d), references: (N, d)  ->  (distances (n, k) float64, indices (n, k) int64),
     each row sorted by increasing distance, ties by increasing index. The k + RERANK_MARGIN
     nearest by a float32 GEMM are re-ranked exactly by :func:`rerank`. Memory: O(chunk * N).
     """
@@ -94,7 +95,7 @@ def exact_knn(
         raise ValueError(f"k must lie in [1, {n_refs}] (the number of references), got {k}")
     n = len(queries)
     m = min(n_refs, k + RERANK_MARGIN)
-    out_d = np.empty((n, k), dtype=np.float32)
+    out_d = np.empty((n, k), dtype=np.float64)
     out_i = np.empty((n, k), dtype=np.int64)
     for start in range(0, n, chunk_size):
         block = queries[start : start + chunk_size]
@@ -107,6 +108,60 @@ def exact_knn(
         out_d[start : start + chunk_size] = dist
         out_i[start : start + chunk_size] = idx
     return out_d, out_i
+
+
+def exact_knn_centered(
+    queries: np.ndarray,
+    references: np.ndarray,
+    k: int,
+    *,
+    max_block: int = 1 << 22,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Exact k nearest references in float64, well conditioned for queries of any magnitude.
+
+    With c the references' mean, ||q - r||^2 = ||q - c||^2 + s(r) where
+    s(r) = ||r - c||^2 - 2 (q - c).(r - c). The first term is the same for every reference,
+    so candidates are ranked by s alone: no ||q||^2 term whose rounding would swamp the
+    differences between references when q is far away (the failure of the float32
+    ||q||^2 + ||r||^2 - 2 q.r form; in float64 too, ||q - r||^2 of a query at 1e25 is the
+    same number for every reference). The k + RERANK_MARGIN best by a GEMM of s are then
+    ordered by s recomputed pair by pair (batch-invariant), ties by smaller index; the
+    distances returned are the per-pair float64 ||q - r||^2. Blocks of at most
+    ``max_block`` scores bound the memory.
+    queries: (n, d) finite, references: (N, d) -> ((n, k) float64, (n, k) int64).
+    """
+    n_refs = len(references)
+    if not 1 <= k <= n_refs:
+        raise ValueError(f"k must lie in [1, {n_refs}] (the number of references), got {k}")
+    refs = np.asarray(references, dtype=np.float32)
+    centre = refs.mean(axis=0, dtype=np.float64)
+    q = np.asarray(queries, dtype=np.float32).astype(np.float64) - centre
+    m = min(n_refs, k + RERANK_MARGIN)
+    ref_rows = max(1, min(n_refs, max_block // max(1, min(len(q), 1024))))
+    best_s = np.full((len(q), 0), np.inf)
+    best_i = np.empty((len(q), 0), dtype=np.int64)
+    for start in range(0, n_refs, ref_rows):
+        block = refs[start : start + ref_rows].astype(np.float64) - centre  # (b, d)
+        s = (block * block).sum(axis=1)[None, :] - 2.0 * (q @ block.T)  # (n, b)
+        cand_s = np.concatenate([best_s, s], axis=1)
+        cand_i = np.concatenate(
+            [best_i, np.broadcast_to(np.arange(start, start + len(block)), s.shape)], axis=1
+        )
+        if cand_s.shape[1] > m:
+            keep = np.argpartition(cand_s, m - 1, axis=1)[:, :m]
+            cand_s = np.take_along_axis(cand_s, keep, axis=1)
+            cand_i = np.take_along_axis(cand_i, keep, axis=1)
+        best_s, best_i = cand_s, cand_i
+    # per pair, in float64: s (the order) and ||q - r||^2 (the distance reported)
+    r_c = refs[best_i].astype(np.float64) - centre  # (n, m, d)
+    s_pair = np.einsum("nmd,nmd->nm", r_c, r_c) - 2.0 * np.einsum("nd,nmd->nm", q, r_c)
+    order = np.lexsort((best_i, s_pair), axis=1)[:, :k]
+    out_i = np.take_along_axis(best_i, order, axis=1)
+    diff = (
+        refs[out_i].astype(np.float64)
+        - np.asarray(queries, np.float32).astype(np.float64)[:, None, :]
+    )
+    return np.einsum("nkd,nkd->nk", diff, diff), out_i
 
 
 def decide(

@@ -1,17 +1,38 @@
-"""Prometheus metrics, all named ``ncaknn_*``, in a registry per app."""
+"""Prometheus metrics, all named ``ncaknn_*``, in a registry per app.
+
+With several workers (``PROMETHEUS_MULTIPROC_DIR`` set by ``python -m service``), values live
+in prometheus-client's per-process files and /metrics aggregates every worker: counters and
+histograms are summed, ``in_flight`` is summed over live workers, and the model gauges carry
+a ``pid`` label per worker, so a roll-out shows each worker's version.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import os
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    multiprocess,
+)
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def multiprocess_mode() -> bool:
+    return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
 
 
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        self._model_labels: tuple[str, str] | None = None
         self.requests = Counter(
             "ncaknn_requests", "HTTP requests by route and status", ["route", "status"], registry=r
         )
@@ -44,19 +65,36 @@ class Metrics:
         self.errors = Counter(
             "ncaknn_errors", "errors reported to clients by type", ["error_type"], registry=r
         )
-        self.in_flight = Gauge("ncaknn_in_flight_requests", "requests computing now", registry=r)
+        self.in_flight = Gauge(
+            "ncaknn_in_flight_requests",
+            "requests computing now",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
         self.model_info = Gauge(
             "ncaknn_model_info",
-            "the loaded model (value 1)",
+            "the loaded model (value 1; 0 for a version this worker no longer serves)",
             ["model_version", "index_type"],
             registry=r,
+            multiprocess_mode="liveall",
         )
         self.model_loaded_at = Gauge(
-            "ncaknn_model_loaded_timestamp_seconds", "when the loaded model was loaded", registry=r
+            "ncaknn_model_loaded_timestamp_seconds",
+            "when the loaded model was loaded",
+            registry=r,
+            multiprocess_mode="liveall",
         )
         self.model_load_seconds = Gauge(
             "ncaknn_model_load_duration_seconds",
             "how long the last successful load took",
+            registry=r,
+            multiprocess_mode="liveall",
+        )
+        self.search_fallback_rows = Counter(
+            "ncaknn_search_fallback_rows",
+            "query rows searched exactly instead of through the index, by reason (far: too "
+            "far from the data for float32; underfilled: the index found fewer than k)",
+            ["reason"],
             registry=r,
         )
         self.model_loads = Counter("ncaknn_model_loads", "successful model loads", registry=r)
@@ -66,9 +104,28 @@ class Metrics:
             registry=r,
         )
 
+    def exposition(self) -> tuple[bytes, str]:
+        """(the text exposition, its content type), of every worker in multiprocess mode."""
+        if multiprocess_mode():
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+            return generate_latest(registry), CONTENT_TYPE_LATEST
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def count_fallback(self, far_rows: int, underfilled_rows: int) -> None:
+        if far_rows:
+            self.search_fallback_rows.labels("far").inc(far_rows)
+        if underfilled_rows:
+            self.search_fallback_rows.labels("underfilled").inc(underfilled_rows)
+
     def set_model(self, model) -> None:
-        self.model_info.clear()
-        self.model_info.labels(model_version=model.version, index_type=model.index_type).set(1)
+        labels = (model.version, model.index_type)
+        if self._model_labels is not None and self._model_labels != labels:
+            # set to 0 rather than removed: in multiprocess mode a removed child stays in
+            # the worker's file with its last value
+            self.model_info.labels(*self._model_labels).set(0)
+        self._model_labels = labels
+        self.model_info.labels(*labels).set(1)
         self.model_loaded_at.set(model.loaded_at)
         self.model_load_seconds.set(model.load_seconds)
         self.model_loads.inc()

@@ -1,96 +1,75 @@
-"""Request bodies to arrays: JSON or raw ``application/x-npy``, with every check named.
+"""Request bodies to arrays, strictly: JSON (msgspec) or raw ``application/x-npy``.
 
-Numbers end up as a C-contiguous float32 (n, D) array. Refused: bodies over the size limit
-(413), unknown content types (415), malformed JSON or npy, non-numeric or ragged rows, NaN or
-Inf (also values that overflow float32), the wrong number of features (422), an empty batch
-(400), more rows than the batch limit (413).
+Every limit is checked before the work it limits, and every refusal names what was wrong and
+what was expected:
+
+* the body size, while it streams in (413); the limit for a model is the smaller of the
+  configured ``max_body_bytes`` and what ``max_batch_rows`` rows of D values can take
+  (:func:`body_limit`), so an oversized body is refused before it is parsed;
+* JSON: a count of commas bounds the number of values before anything is decoded (413);
+  then one strict decode (msgspec): numbers must be JSON numbers (``"1.5"`` and ``true`` are
+  refused), ``k`` an integer (``5.0`` and ``"5"`` are refused), ``return_neighbors`` a
+  boolean, unknown fields are refused (422);
+* npy: the header is read and checked (dtype: integer or float of at most 8 bytes; 2-D;
+  rows within the limit; D columns) before any data is touched, and the data must have
+  exactly the declared size (no truncation, nothing after it);
+* values: finite and within the model's input range ``[-abs_max, abs_max]`` (beyond it
+  the embedding would overflow float32; see ``LoadedModel.input_abs_max``) (422);
+* an empty batch (400), more rows than the limit (413), the wrong number of features (422).
+
+Numbers end up as a C-contiguous float32 (n, D) array.
 """
 
 from __future__ import annotations
 
+import ast
 import io
+from typing import Annotated, Literal
 
+import msgspec
 import numpy as np
-from pydantic import BaseModel, ValidationError
 
-from service.errors import EmptyBatch, InvalidInput, PayloadTooLarge, UnsupportedMediaType
+from service.errors import (
+    EmptyBatch,
+    InvalidInput,
+    NotAcceptable,
+    PayloadTooLarge,
+    UnsupportedMediaType,
+)
 
 JSON = "application/json"
 NPY = "application/x-npy"
+NPY_MAGIC = b"\x93NUMPY"
+JSON_BYTES_PER_VALUE = 48  # generous: "-1.1754943508222875e-38," plus pretty-printing
+JSON_BYTES_PER_ROW = 64
+JSON_BYTES_EXTRA = 64 * 1024  # the other fields, whitespace
+NPY_HEADER_MAX = 65536 + 16  # npy format 2.0 headers are at most 4 GiB in theory; numpy
+# itself refuses headers over 10,000 bytes unless told otherwise (max_header_size)
+
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+Rule = Literal["majority", "soft"]
+
+
+class InstancesBody(msgspec.Struct, forbid_unknown_fields=True):
+    instances: list[list[float]]
+
+
+class EmbedBody(InstancesBody, forbid_unknown_fields=True):
+    pass
+
+
+class NeighborsBody(InstancesBody, forbid_unknown_fields=True):
+    k: PositiveInt | None = None
+
+
+class ClassifyBody(InstancesBody, forbid_unknown_fields=True):
+    k: PositiveInt | None = None
+    rule: Rule | None = None
+    return_neighbors: bool = False
 
 
 def media_type(content_type: str | None) -> str:
     return (content_type or JSON).split(";")[0].strip().lower()
-
-
-def parse_json(body: bytes, model: type[BaseModel]) -> BaseModel:
-    try:
-        return model.model_validate_json(body)
-    except ValidationError as exc:
-        raise InvalidInput(describe_validation_error(exc)) from None
-
-
-def describe_validation_error(exc: ValidationError) -> str:
-    parts = []
-    for err in exc.errors()[:3]:
-        where = ".".join(str(p) for p in err.get("loc", ())) or "body"
-        parts.append(f"{where}: {err.get('msg')}")
-    more = len(exc.errors()) - 3
-    return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")
-
-
-def parse_npy(body: bytes) -> np.ndarray:
-    try:
-        array = np.load(io.BytesIO(body), allow_pickle=False)
-    except (ValueError, OSError, EOFError) as exc:
-        raise InvalidInput(f"body is not a readable .npy array without pickle ({exc})") from None
-    if not isinstance(array, np.ndarray):
-        raise InvalidInput("body must hold one .npy array")
-    if array.dtype.kind not in "biuf":
-        raise InvalidInput(f"instances must be numbers, the .npy array has dtype {array.dtype}")
-    if array.ndim != 2:
-        raise InvalidInput(
-            f"instances must be a 2-D array (n, D), the .npy array has shape {array.shape}"
-        )
-    return array
-
-
-def to_rows(instances, *, n_features: int, max_rows: int) -> np.ndarray:
-    """Validate a list of rows (or an array) and return float32 (n, D)."""
-    if isinstance(instances, np.ndarray):
-        n = instances.shape[0]
-    else:
-        n = len(instances)
-    if n == 0:
-        raise EmptyBatch("instances is empty; send at least one row")
-    if n > max_rows:
-        raise PayloadTooLarge(f"{n} instances in one request; the limit is {max_rows}")
-    if not isinstance(instances, np.ndarray):
-        widths = {len(row) for row in instances}
-        if len(widths) != 1:
-            raise InvalidInput(
-                f"instances are ragged: rows have {sorted(widths)} values; all need {n_features}"
-            )
-        with np.errstate(over="ignore"):
-            instances = np.asarray(instances, dtype=np.float64)
-    if instances.shape[1] != n_features:
-        raise InvalidInput(
-            f"each instance must have {n_features} features (the model's D), got {instances.shape[1]}"
-        )
-    with np.errstate(over="ignore", invalid="ignore"):
-        rows = np.ascontiguousarray(instances, dtype=np.float32)
-    if not np.isfinite(rows).all():
-        r, c = np.argwhere(~np.isfinite(rows))[0]
-        raise InvalidInput(
-            f"instances[{r}][{c}] is NaN, Inf or beyond float32 range; all values must be finite"
-        )
-    return rows
-
-
-def npy_bytes(array: np.ndarray) -> bytes:
-    buffer = io.BytesIO()
-    np.save(buffer, np.ascontiguousarray(array), allow_pickle=False)
-    return buffer.getvalue()
 
 
 def check_media(content_type: str | None, allowed: tuple[str, ...]) -> str:
@@ -100,3 +79,185 @@ def check_media(content_type: str | None, allowed: tuple[str, ...]) -> str:
             f"Content-Type {kind!r} is not accepted here; use one of {list(allowed)}"
         )
     return kind
+
+
+def negotiate(accept: str | None, offered: tuple[str, ...]) -> str:
+    """The offered media type the Accept header prefers (RFC 9110 section 12.5.1).
+
+    Each offered type takes the quality of the most specific range that matches it
+    (``type/subtype`` over ``type/*`` over ``*/*``); ``q=0`` excludes it. The highest
+    quality wins, ties go to the earlier offered type. No Accept header: the first offered.
+    Raises NotAcceptable when nothing offered is acceptable.
+    """
+    if accept is None or not accept.strip():
+        return offered[0]
+    ranges = []
+    for part in accept.split(","):
+        fields = [f.strip() for f in part.split(";")]
+        media = fields[0].lower()
+        if not media:
+            continue
+        quality = 1.0
+        for param in fields[1:]:
+            name, _, value = param.partition("=")
+            if name.strip().lower() == "q":
+                try:
+                    quality = min(1.0, max(0.0, float(value)))
+                except ValueError:
+                    quality = 0.0
+        ranges.append((media, quality))
+    best, best_q = None, 0.0
+    for kind in offered:
+        main = kind.split("/")[0]
+        specificity, quality = -1, 0.0
+        for media, q in ranges:
+            level = (
+                2 if media == kind else 1 if media == f"{main}/*" else 0 if media == "*/*" else -1
+            )
+            if level > specificity:
+                specificity, quality = level, q
+        if specificity >= 0 and quality > best_q:
+            best, best_q = kind, quality
+    if best is None:
+        raise NotAcceptable(f"Accept {accept!r}: this route returns one of {list(offered)}")
+    return best
+
+
+def body_limit(kind: str, *, n_features: int, max_rows: int, max_body_bytes: int) -> int:
+    """The largest body accepted for a model with D = n_features: what max_rows rows can take
+    in that encoding, and never more than max_body_bytes."""
+    if kind == NPY:
+        needed = NPY_HEADER_MAX + max_rows * n_features * 8
+    else:
+        needed = JSON_BYTES_EXTRA + max_rows * (
+            n_features * JSON_BYTES_PER_VALUE + JSON_BYTES_PER_ROW
+        )
+    return min(max_body_bytes, needed)
+
+
+def describe_decode_error(exc: msgspec.MsgspecError) -> str:
+    text = str(exc)
+    if isinstance(exc, msgspec.DecodeError) and not isinstance(exc, msgspec.ValidationError):
+        return f"body is not valid JSON ({text})"
+    return text.replace("`$.", "`").replace("`$`", "`body`")
+
+
+def parse_json(body: bytes, schema: type[InstancesBody], *, n_features: int, max_rows: int):
+    """One strict decode of a JSON body into ``schema``; the instances are not yet checked."""
+    if body.count(b",") > max_rows * (n_features + 1) + 64:
+        raise PayloadTooLarge(
+            f"the body holds more values than {max_rows} instances of {n_features} "
+            f"(max_batch_rows x D); send fewer rows per request"
+        )
+    try:
+        return msgspec.json.decode(body, type=schema)
+    except msgspec.MsgspecError as exc:
+        raise InvalidInput(describe_decode_error(exc)) from None
+
+
+def parse_npy(body: bytes, *, n_features: int, max_rows: int) -> np.ndarray:
+    """A 2-D numeric .npy body -> an array (n, D) of its dtype, header checked first."""
+    if len(body) < 10 or body[:6] != NPY_MAGIC:
+        raise InvalidInput("body is not an .npy array (it does not start with the .npy magic)")
+    major = body[6]
+    if major == 1:
+        header_len, start = int.from_bytes(body[8:10], "little"), 10
+    elif major in (2, 3):
+        if len(body) < 12:
+            raise InvalidInput("the .npy header is truncated")
+        header_len, start = int.from_bytes(body[8:12], "little"), 12
+    else:
+        raise InvalidInput(f".npy format version {major} is not supported (1, 2 or 3)")
+    if start + header_len > len(body) or header_len > NPY_HEADER_MAX:
+        raise InvalidInput(f"the .npy header declares {header_len} bytes; the body is shorter")
+    shape, fortran, dtype = _npy_header(body[start : start + header_len])
+    if len(shape) != 2:
+        raise InvalidInput(
+            f"instances must be a 2-D array (n, D), the .npy array has shape {shape}"
+        )
+    n, width = shape
+    if n == 0:
+        raise EmptyBatch("instances is empty; send at least one row")
+    if n > max_rows:
+        raise PayloadTooLarge(f"{n} instances in one request; the limit is {max_rows}")
+    if width != n_features:
+        raise InvalidInput(
+            f"each instance must have {n_features} features (the model's D), got {width}"
+        )
+    data_start = start + header_len
+    expected = n * width * dtype.itemsize
+    actual = len(body) - data_start
+    if actual != expected:
+        raise InvalidInput(
+            f"the .npy header declares {shape} {dtype} ({expected} bytes of data), the body "
+            f"holds {actual} bytes after the header"
+            + (" (truncated)" if actual < expected else " (extra bytes after the array)")
+        )
+    array = np.frombuffer(body, dtype=dtype, count=n * width, offset=data_start)
+    return array.reshape(shape, order="F" if fortran else "C")
+
+
+def _npy_header(text: bytes) -> tuple[tuple[int, ...], bool, np.dtype]:
+    try:
+        header = ast.literal_eval(text.decode("latin1"))
+    except (ValueError, SyntaxError, MemoryError, RecursionError, UnicodeDecodeError):
+        raise InvalidInput("the .npy header is not a readable dictionary") from None
+    if not isinstance(header, dict) or set(header) != {"descr", "fortran_order", "shape"}:
+        raise InvalidInput("the .npy header must hold exactly descr, fortran_order and shape")
+    shape, fortran, descr = header["shape"], header["fortran_order"], header["descr"]
+    if not (isinstance(shape, tuple) and all(type(s) is int and s >= 0 for s in shape)):
+        raise InvalidInput(f"the .npy shape {shape!r} is not a tuple of sizes")
+    if not isinstance(fortran, bool):
+        raise InvalidInput("the .npy fortran_order must be True or False")
+    try:
+        dtype = np.dtype(descr) if isinstance(descr, str) else None
+    except (TypeError, ValueError):
+        dtype = None
+    if dtype is None or dtype.kind not in "iuf" or dtype.itemsize > 8 or dtype.shape != ():
+        raise InvalidInput(
+            f"instances must be integers or floats of at most 8 bytes, the .npy dtype is {descr!r}"
+        )
+    return shape, fortran, dtype
+
+
+def to_rows(instances, *, n_features: int, max_rows: int, abs_max: float) -> np.ndarray:
+    """Validate a list of rows (or an (n, D) array) and return float32 (n, D)."""
+    n = instances.shape[0] if isinstance(instances, np.ndarray) else len(instances)
+    if n == 0:
+        raise EmptyBatch("instances is empty; send at least one row")
+    if n > max_rows:
+        raise PayloadTooLarge(f"{n} instances in one request; the limit is {max_rows}")
+    if not isinstance(instances, np.ndarray):
+        widths = {len(row) for row in instances}
+        if len(widths) != 1:
+            raise InvalidInput(
+                f"instances are ragged: rows have {sorted(widths)[:5]} values; all need "
+                f"{n_features}"
+            )
+        instances = np.array(instances, dtype=np.float64)
+    if instances.shape[1] != n_features:
+        raise InvalidInput(
+            f"each instance must have {n_features} features (the model's D), got "
+            f"{instances.shape[1]}"
+        )
+    values = np.asarray(instances)
+    if values.dtype.kind == "f":
+        bad = ~np.isfinite(values)
+        if bad.any():
+            r, c = np.argwhere(bad)[0]
+            raise InvalidInput(f"instances[{r}][{c}] is NaN or Inf; all values must be finite")
+    with np.errstate(over="ignore", invalid="ignore"):
+        outside = np.abs(values) > abs_max
+    if outside.any():
+        r, c = np.argwhere(outside)[0]
+        raise InvalidInput(
+            f"instances[{r}][{c}] = {float(values[r, c]):.6g} is outside this model's input "
+            f"range [-{abs_max:.6g}, {abs_max:.6g}] (beyond it the embedding overflows float32)"
+        )
+    return np.ascontiguousarray(values, dtype=np.float32)
+
+
+def npy_bytes(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, np.ascontiguousarray(array), allow_pickle=False)
+    return buffer.getvalue()

@@ -80,9 +80,14 @@ class ModelInfo(BaseModel):
     loaded_at: float
     load_seconds: float
     last_reload_error: str | None
+    workers: int
     limits: dict
 
 
 class ReloadResponse(BaseModel):
     status: Literal["reloaded", "unchanged"]
     model_version: str
+    workers: int = Field(description="worker processes of this server")
+    other_workers_within_seconds: float = Field(
+        description="the other workers load the same artifact within this many seconds"
+    )

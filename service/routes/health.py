@@ -1,14 +1,16 @@
-"""GET /healthz (liveness), /readyz (readiness), /metrics (Prometheus)."""
+"""GET /healthz (liveness), /readyz (readiness), /metrics (Prometheus).
+
+The probes need no key and say nothing about the model's path or errors: those are in
+GET /v1/model, behind the API key.
+"""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from service.deps import State, check_api_key
 from service.errors import NotReady
-from service.routes.common import error_responses
 
 router = APIRouter(tags=["health"])
 
@@ -18,18 +20,23 @@ async def healthz() -> dict:
     return {"status": "ok"}
 
 
-@router.get(
-    "/readyz", responses=error_responses(503), summary="Readiness: a model is loaded and warmed up"
-)
+@router.get("/readyz", summary="Readiness: a model is loaded and warmed up, not draining")
 async def readyz(state: State) -> JSONResponse:
     if state.engine.draining:
         raise NotReady("shutting down: draining requests in flight")
-    model = state.engine.current()
+    model = state.engine.peek()
+    if model is None:
+        raise NotReady("no model is loaded yet")
     return JSONResponse({"status": "ready", "model_version": model.version})
 
 
-@router.get("/metrics", responses=error_responses(401), summary="Prometheus metrics")
+@router.get(
+    "/metrics",
+    summary="Prometheus metrics (text exposition format)",
+    response_class=Response,
+)
 async def metrics(request: Request, state: State) -> Response:
     if state.settings.metrics_require_api_key:
         check_api_key(request, state.settings.api_key)
-    return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    content, media_type = state.metrics.exposition()
+    return Response(content, media_type=media_type)

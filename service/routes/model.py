@@ -5,21 +5,21 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends
 from starlette.concurrency import run_in_threadpool
 
-from service.deps import Model, State, require_api_key
+from service.deps import State, require_admin_key, require_api_key
 from service.errors import ReloadFailed
-from service.routes.common import error_responses
 from service.schemas import ModelInfo, ReloadResponse
 
-router = APIRouter(prefix="/v1", tags=["model"], dependencies=[Depends(require_api_key)])
+router = APIRouter(prefix="/v1", tags=["model"])
 
 
 @router.get(
     "/model",
     response_model=ModelInfo,
-    responses=error_responses(401, 503),
     summary="What is loaded",
+    dependencies=[Depends(require_api_key)],
 )
-async def model_info(state: State, model: Model) -> ModelInfo:
+async def model_info(state: State) -> ModelInfo:
+    model = state.engine.current()
     manifest = model.artifact.manifest
     settings = state.settings
     return ModelInfo(
@@ -37,11 +37,14 @@ async def model_info(state: State, model: Model) -> ModelInfo:
         loaded_at=model.loaded_at,
         load_seconds=model.load_seconds,
         last_reload_error=state.engine.last_error,
+        workers=settings.workers,
         limits={
             "max_batch_rows": settings.max_batch_rows,
             "max_body_bytes": settings.max_body_bytes,
             "max_in_flight": settings.max_in_flight,
-            "max_k": settings.max_k,
+            "max_k": min(settings.max_k, model.n_references),
+            "max_response_values": settings.max_response_values,
+            "input_abs_max": model.input_abs_max,
             "batching": settings.batching,
             "batch_max_rows": settings.batch_max_rows,
             "batch_max_wait_us": settings.batch_max_wait_us,
@@ -52,8 +55,10 @@ async def model_info(state: State, model: Model) -> ModelInfo:
 @router.post(
     "/admin/reload",
     response_model=ReloadResponse,
-    responses=error_responses(401, 409),
     summary="Load the artifact at the model path again and swap it in atomically",
+    description="Loads in the worker that answers; with several workers the others follow "
+    "within worker_sync_seconds (the answer says how many workers there are and that bound).",
+    dependencies=[Depends(require_admin_key)],
 )
 async def reload(state: State) -> ReloadResponse:
     loaded = state.engine.peek()
@@ -67,6 +72,13 @@ async def reload(state: State) -> ReloadResponse:
             + ("the previous model keeps serving" if before else "no model is serving")
         ) from None
     state.metrics.set_model(model)
+    if state.generation is not None:
+        state.generation.bump()
     return ReloadResponse(
-        status="unchanged" if model.version == before else "reloaded", model_version=model.version
+        status="unchanged" if model.version == before else "reloaded",
+        model_version=model.version,
+        workers=state.settings.workers,
+        other_workers_within_seconds=(
+            state.settings.worker_sync_seconds if state.settings.workers > 1 else 0.0
+        ),
     )

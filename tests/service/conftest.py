@@ -56,7 +56,7 @@ def republish_scaled(path, factor: float) -> str:
     ``factor`` (a different, valid model); returns the new model version."""
     from service.artifact import read_artifact, write_artifact
 
-    art = read_artifact(path, mmap=False)
+    art = read_artifact(path)
     write_artifact(
         path,
         projection=np.asarray(art.projection) * factor,

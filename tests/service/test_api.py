@@ -136,12 +136,12 @@ def assert_error(response, status, error_type, fragment=""):
     [
         ({"instances": [[1.0, 2.0]]}, "must have 64 features"),
         ({"instances": [[0.0] * 64, [0.0] * 63]}, "ragged"),
-        ({"instances": [["x"] * 64]}, "valid number"),
-        ({"instances": [[1e39] * 64]}, "beyond float32 range"),
+        ({"instances": [["x"] * 64]}, "Expected `float`, got `str`"),
+        ({"instances": [[1e39] * 64]}, "outside this model's input range"),
         ({"instances": [[0.0] * 64], "k": 0}, "k"),
         ({"instances": [[0.0] * 64], "k": 100000}, "k=100000"),
         ({"instances": [[0.0] * 64], "rule": "vote"}, "rule"),
-        ({"rows": [[0.0] * 64]}, "instances"),
+        ({"rows": [[0.0] * 64]}, "unknown field `rows`"),
         ({"instances": "not a list"}, "instances"),
     ],
 )
@@ -196,7 +196,7 @@ def test_malformed_bodies_are_422(client):
         client.post("/v1/classify", content=pickled.getvalue(), headers=NPY),
         422,
         "invalid_input",
-        "pickle",
+        "dtype is '|O'",
     )
 
 
@@ -343,8 +343,9 @@ def test_batched_answers_equal_single_request_answers(digits_artifact):
 def test_every_setting_is_documented_in_the_readme():
     from pathlib import Path
 
-    from service.config import Settings
+    from service.config import Settings, settings_table
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     for name in Settings.model_fields:
         assert f"`NCAKNN_{name.upper()}`" in readme, name
+    assert settings_table() in readme, "regenerate with: python -m service.config --markdown"

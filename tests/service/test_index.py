@@ -6,8 +6,18 @@ import numpy as np
 import pytest
 
 from service.artifact import read_artifact
-from service.index import IndexParams, build_index, search
-from service.knn import exact_knn, project
+from service.index import (
+    IndexParams,
+    build_index,
+    reference_norm_limit,
+    search_references,
+)
+from service.knn import exact_knn, exact_knn_centered, project
+
+
+def search(index, refs, queries, k, **kw):
+    result = search_references(index, refs, queries, k, **kw)
+    return result.distances, result.indices
 
 
 def brute_force(queries, references, k):
@@ -78,3 +88,68 @@ def test_ivfpq_rejects_pq_m_not_dividing_d(rng):
         build_index(
             rng.normal(size=(500, 16)).astype(np.float32), IndexParams(kind="ivfpq", pq_m=5)
         )
+
+
+def brute_force_exact(queries, refs, k):
+    """float64 per-pair distances, ties by index: the ground truth."""
+    d2 = brute_force(queries, refs, k)
+    order = np.lexsort((np.broadcast_to(np.arange(len(refs)), d2.shape), d2), axis=1)[:, :k]
+    return np.take_along_axis(d2, order, 1), order
+
+
+def test_ivf_probing_too_few_lists_is_filled_from_exact_search(rng):
+    """An IVF with nprobe=1 over many small lists returns -1 for missing neighbours; the
+    search must still give k real neighbours (the exact ones) and say so."""
+    refs = rng.normal(size=(400, 8)).astype(np.float32)
+    queries = rng.normal(size=(50, 8)).astype(np.float32)
+    index = build_index(refs, IndexParams(kind="ivf", ivf_nlist=100, nprobe=1))
+    k = 30
+    _, raw = index.search(queries, k + 8)
+    assert (raw < 0).any(), "the setting must make FAISS pad with -1 for this test to mean much"
+    result = search_references(index, refs, queries, k)
+    assert (result.indices >= 0).all() and result.underfilled_rows > 0
+    underfilled = (raw[:, :k] < 0).any(axis=1)
+    _, exact = brute_force_exact(queries[underfilled], refs, k)
+    np.testing.assert_array_equal(result.indices[underfilled], exact)
+
+
+@pytest.mark.parametrize("scale", [1e3, 1e10, 1e25, 3e38])
+def test_far_queries_are_searched_exactly_in_float64(rng, scale):
+    """Queries far beyond the data (where float32 FAISS distances lose every digit or
+    overflow, and float64 ||q - r||^2 ties for every reference) get the exact neighbours,
+    ranked by ||r||^2 - 2 q.r computed per pair (the well-conditioned form of the same
+    order), and finite float64 distances."""
+    refs = rng.normal(size=(3000, 16)).astype(np.float32)
+    direction = rng.normal(size=(20, 16))
+    direction /= np.linalg.norm(direction, axis=1, keepdims=True)
+    queries = (direction * scale).astype(np.float32)
+    index = build_index(refs, IndexParams(kind="flat"))
+    result = search_references(index, refs, queries, 5, norm_limit=reference_norm_limit(refs))
+    assert result.far_rows == 20
+    q64, r64 = queries.astype(np.float64), refs.astype(np.float64)
+    centre = r64.mean(axis=0)
+    rc, qc = r64 - centre, q64 - centre
+    s = (rc * rc).sum(1)[None, :] - 2 * np.einsum("nd,md->nm", qc, rc)
+    expected_i = np.lexsort((np.broadcast_to(np.arange(len(refs)), s.shape), s), axis=1)[:, :5]
+    np.testing.assert_array_equal(result.indices, expected_i)
+    expected_d = brute_force(queries, refs, 5)
+    assert np.isfinite(result.distances).all()
+    np.testing.assert_allclose(
+        result.distances, np.take_along_axis(expected_d, expected_i, 1), rtol=1e-12
+    )
+
+
+def test_exact_knn_centered_equals_brute_force_in_distribution(rng):
+    refs = rng.normal(size=(1500, 8)).astype(np.float32) + 100.0  # data far from the origin
+    queries = rng.normal(size=(40, 8)).astype(np.float32) + 100.0
+    dist, idx = exact_knn_centered(queries, refs, 7, max_block=5000)  # several blocks
+    expected_d, expected_i = brute_force_exact(queries, refs, 7)
+    np.testing.assert_array_equal(idx, expected_i)
+    np.testing.assert_allclose(dist, expected_d, rtol=1e-12)
+
+
+def test_near_queries_do_not_take_the_fallback(rng):
+    refs = rng.normal(size=(1000, 8)).astype(np.float32)
+    index = build_index(refs, IndexParams(kind="flat"))
+    result = search_references(index, refs, refs[:100], 3, norm_limit=reference_norm_limit(refs))
+    assert result.far_rows == 0 and result.underfilled_rows == 0

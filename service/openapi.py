@@ -1,0 +1,167 @@
+"""The OpenAPI document, stating the real limits of the loaded model.
+
+FastAPI generates the paths from the routes; this module adds what the raw-request inference
+routes parse themselves: the JSON and .npy request bodies, the query options, every error
+status with the one error body, and request schemas whose bounds are the live ones: D values
+per row, ``max_batch_rows`` rows, k up to min(max_k, N), values within the model's
+``input_abs_max``. The document is rebuilt when the model version changes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from service.payload import JSON, NPY
+
+ERROR_DESCRIPTIONS = {
+    400: "empty batch",
+    401: "missing or wrong API key (when a key is configured)",
+    406: "the Accept header asks for a type this route cannot return",
+    409: "the artifact could not be loaded; the previous model keeps serving",
+    413: "too many instances, body too large, or the answer would be too large",
+    415: "unsupported Content-Type",
+    422: "invalid input: wrong dimensionality, NaN/Inf, out-of-range or non-numeric values, "
+    "ragged rows, unknown fields or query parameters, bad k or rule",
+    429: "overloaded: too many requests in flight",
+    503: "no model loaded yet, or shutting down",
+}
+INFERENCE_ERRORS = (400, 401, 406, 413, 415, 422, 429, 503)
+ROUTE_ERRORS = {
+    "/v1/classify": INFERENCE_ERRORS,
+    "/v1/embed": INFERENCE_ERRORS,
+    "/v1/neighbors": INFERENCE_ERRORS,
+    "/v1/model": (401, 503),
+    "/v1/admin/reload": (401, 409),
+    "/readyz": (503,),
+    "/metrics": (401,),
+}
+ERROR_BODY = {
+    "type": "object",
+    "required": ["error", "error_type"],
+    "properties": {
+        "error": {"type": "string", "description": "what was wrong and what was expected"},
+        "error_type": {"type": "string"},
+    },
+}
+
+
+def request_schemas(limits: dict[str, Any]) -> dict[str, dict]:
+    """JSON schemas of the three request bodies under ``limits`` (see ``live_limits``)."""
+    value: dict[str, Any] = {"type": "number"}
+    row: dict[str, Any] = {"type": "array", "items": value, "minItems": 1}
+    if limits.get("n_features"):
+        value.update(minimum=-limits["input_abs_max"], maximum=limits["input_abs_max"])
+        row.update(minItems=limits["n_features"], maxItems=limits["n_features"])
+    instances = {
+        "type": "array",
+        "items": row,
+        "minItems": 1,
+        "maxItems": limits["max_batch_rows"],
+        "description": f"1 to {limits['max_batch_rows']} rows of "
+        f"{limits.get('n_features') or 'D'} finite numbers each",
+    }
+    k = {"type": "integer", "minimum": 1, "maximum": limits["max_k"]}
+    k_or_null = {"anyOf": [k, {"type": "null"}], "description": "neighbours (default: the model's)"}
+
+    def body(**extra) -> dict:
+        return {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["instances"],
+            "properties": {"instances": instances, **extra},
+        }
+
+    return {
+        "EmbedRequest": body(),
+        "NeighborsRequest": body(k=k_or_null),
+        "ClassifyRequest": body(
+            k=k_or_null,
+            rule={
+                "anyOf": [{"enum": ["majority", "soft"]}, {"type": "null"}],
+                "description": "decision rule (default: the model's)",
+            },
+            return_neighbors={"type": "boolean", "description": "include the k neighbours"},
+        ),
+    }
+
+
+def query_parameters(names: list[str], limits: dict[str, Any]) -> list[dict]:
+    schemas = {
+        "k": {"type": "integer", "minimum": 1, "maximum": limits["max_k"]},
+        "rule": {"type": "string", "enum": ["majority", "soft"]},
+        "return_neighbors": {"type": "boolean"},
+    }
+    descriptions = {
+        "k": "neighbours (for .npy bodies; a JSON body's k wins)",
+        "rule": "decision rule (for .npy bodies; a JSON body's rule wins)",
+        "return_neighbors": "include the k neighbours (for .npy bodies)",
+    }
+    return [
+        {
+            "name": name,
+            "in": "query",
+            "required": False,
+            "schema": schemas[name],
+            "description": descriptions[name],
+        }
+        for name in names
+    ]
+
+
+def build_openapi(app: FastAPI, limits: dict[str, Any], secured: bool) -> dict:
+    spec = get_openapi(
+        title=app.title,
+        version=app.version,
+        description=app.description,
+        routes=app.routes,
+    )
+    components = spec.setdefault("components", {})
+    schemas = components.setdefault("schemas", {})
+    for unused in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(unused, None)
+    schemas.update(request_schemas(limits))
+    schemas["ErrorBody"] = ERROR_BODY
+    if secured:
+        components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    for path, operations in spec["paths"].items():
+        for operation in operations.values():
+            responses = operation.setdefault("responses", {})
+            for status in ("422",):  # FastAPI's own validation answer: not ours
+                if "HTTPValidationError" in str(responses.get(status, "")):
+                    del responses[status]
+            body_schema = operation.pop("x-ncaknn-body", None)
+            query = operation.pop("x-ncaknn-query", None)
+            npy_out = operation.pop("x-ncaknn-npy-out", False)
+            if body_schema is not None:
+                operation["requestBody"] = {
+                    "required": True,
+                    "content": {
+                        JSON: {"schema": {"$ref": f"#/components/schemas/{body_schema}"}},
+                        NPY: {
+                            "schema": {"type": "string", "format": "binary"},
+                            "description": "a 2-D .npy array (n, D) of integers or floats; "
+                            "options go in the query string",
+                        },
+                    },
+                }
+                operation["parameters"] = query_parameters(query or [], limits)
+            if npy_out:
+                responses["200"]["content"][NPY] = {
+                    "schema": {"type": "string", "format": "binary"}
+                }
+            if path == "/metrics":
+                responses["200"] = {
+                    "description": "Prometheus text exposition format",
+                    "content": {"text/plain": {"schema": {"type": "string"}}},
+                }
+            for status in ROUTE_ERRORS.get(path, ()):
+                responses[str(status)] = {
+                    "description": ERROR_DESCRIPTIONS[status],
+                    "content": {JSON: {"schema": {"$ref": "#/components/schemas/ErrorBody"}}},
+                }
+            if secured and path.startswith("/v1/"):
+                operation["security"] = [{"bearer": []}]
+    return spec

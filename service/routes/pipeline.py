@@ -1,0 +1,218 @@
+"""The inference request pipeline shared by /v1/classify, /v1/embed and /v1/neighbors.
+
+In order, each step refusing before the work the next one does:
+API key (401) -> a loaded model (503) -> Accept (406) -> Content-Type (415) -> body size,
+while it streams (413) -> one strict parse (400/413/422) -> query options (422) -> k (422)
+-> answer size (413) -> the in-flight gate (429) -> search. Large bodies are parsed and
+large answers encoded in a worker thread, so the event loop keeps answering health probes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import Response
+
+from service import memory
+from service.deps import AppState, check_api_key
+from service.engine import LoadedModel
+from service.errors import InvalidInput, PayloadTooLarge
+from service.payload import (
+    JSON,
+    NPY,
+    InstancesBody,
+    body_limit,
+    check_media,
+    negotiate,
+    parse_json,
+    parse_npy,
+    to_rows,
+)
+
+INLINE_ROWS = 64  # below this, projection runs on the event loop (a thread hop costs more)
+THREAD_PARSE_BYTES = 256 * 1024  # bodies larger than this are parsed in a worker thread
+THREAD_ENCODE_VALUES = 32 * 1024  # answers with more numbers are encoded in a worker thread
+RULE_VALUES = ("majority", "soft")
+BOOL_VALUES = {"true": True, "false": False}
+
+json_encoder = msgspec.json.Encoder()
+
+
+@dataclass
+class InferenceRequest:
+    """A request that passed every check up to the search."""
+
+    state: AppState
+    model: LoadedModel
+    rows: np.ndarray  # (n, D) float32
+    body: InstancesBody | None  # the decoded JSON body; None for npy
+    options: dict[str, Any]  # strict query options
+    response_type: str  # negotiated media type of the answer
+    body_bytes: int
+
+
+def app_state(request: Request) -> AppState:
+    return request.app.state.ncaknn
+
+
+async def read_body(request: Request, limit: int, what: str) -> bytes:
+    """The request body, refused with 413 as soon as it passes ``limit``."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"request body of {int(declared)} bytes; the limit is {limit} {what}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body over {limit} bytes; the limit is {limit} {what}")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def query_options(request: Request, allowed: tuple[str, ...]) -> dict[str, Any]:
+    """Strictly parsed query parameters: k (integer >= 1), rule, return_neighbors (true or
+    false). Unknown or repeated parameters are refused."""
+    options: dict[str, Any] = {}
+    for name, value in request.query_params.multi_items():
+        if name not in allowed:
+            raise InvalidInput(
+                f"unknown query parameter {name!r}; this route takes {list(allowed) or 'none'}"
+            )
+        if name in options:
+            raise InvalidInput(f"query parameter {name!r} is given more than once")
+        if name == "k":
+            if not value.isascii() or not value.isdigit() or int(value) < 1:
+                raise InvalidInput(f"query parameter k must be an integer >= 1, got {value!r}")
+            options[name] = int(value)
+        elif name == "rule":
+            if value not in RULE_VALUES:
+                raise InvalidInput(
+                    f"query parameter rule must be one of {list(RULE_VALUES)}, got {value!r}"
+                )
+            options[name] = value
+        elif name == "return_neighbors":
+            if value not in BOOL_VALUES:
+                raise InvalidInput(
+                    f"query parameter return_neighbors must be true or false, got {value!r}"
+                )
+            options[name] = BOOL_VALUES[value]
+    return options
+
+
+def _parse(body: bytes, kind: str, schema: type[InstancesBody], model: LoadedModel, max_rows: int):
+    d = model.n_features
+    if kind == NPY:
+        parsed, instances = None, parse_npy(body, n_features=d, max_rows=max_rows)
+    else:
+        parsed = parse_json(body, schema, n_features=d, max_rows=max_rows)
+        instances = parsed.instances
+    rows = to_rows(instances, n_features=d, max_rows=max_rows, abs_max=model.input_abs_max)
+    return parsed, rows
+
+
+async def receive(
+    request: Request,
+    schema: type[InstancesBody],
+    *,
+    query: tuple[str, ...],
+    offered: tuple[str, ...] = (JSON,),
+) -> InferenceRequest:
+    state = app_state(request)
+    check_api_key(request, state.settings.api_key)
+    model = state.engine.current()
+    response_type = negotiate(request.headers.get("accept"), offered)
+    kind = check_media(request.headers.get("content-type"), (JSON, NPY))
+    settings = state.settings
+    limit = body_limit(
+        kind,
+        n_features=model.n_features,
+        max_rows=settings.max_batch_rows,
+        max_body_bytes=settings.max_body_bytes,
+    )
+    body = await read_body(
+        request,
+        limit,
+        f"for {kind} bodies (max_body_bytes, or {settings.max_batch_rows} rows of "
+        f"{model.n_features} features)",
+    )
+    options = query_options(request, query)
+    if len(body) > THREAD_PARSE_BYTES:
+        parsed, rows = await run_in_threadpool(
+            _parse, body, kind, schema, model, settings.max_batch_rows
+        )
+    else:
+        parsed, rows = _parse(body, kind, schema, model, settings.max_batch_rows)
+    return InferenceRequest(state, model, rows, parsed, options, response_type, len(body))
+
+
+def resolve_k(request: InferenceRequest) -> int:
+    """k from the JSON body, else the query, else the model's default; within the limits."""
+    body_k = getattr(request.body, "k", None)
+    k = body_k if body_k is not None else request.options.get("k")
+    model, max_k = request.model, request.state.settings.max_k
+    k = model.artifact.default_k if k is None else k
+    if k > max_k:
+        raise InvalidInput(f"k={k} is over the limit max_k={max_k}")
+    model.check_k(k)
+    return k
+
+
+def check_answer_size(request: InferenceRequest, values_per_row: int) -> None:
+    limit = request.state.settings.max_response_values
+    total = len(request.rows) * values_per_row
+    if total > limit:
+        raise PayloadTooLarge(
+            f"the answer would hold {total} numbers ({len(request.rows)} rows x "
+            f"{values_per_row}); the limit max_response_values is {limit}: send fewer rows, "
+            "a smaller k, or leave out the neighbours"
+        )
+
+
+async def search(request: InferenceRequest, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(distances (n, k) float64, row indices (n, k)): merged with other requests when
+    batching, run in a worker thread either way."""
+    state, model, rows = request.state, request.model, request.rows
+    if state.batcher is not None:
+        return await state.batcher.search(model, rows, k)
+    return await run_in_threadpool(lambda: model.search_embedded(model.embed(rows), k))
+
+
+async def embed(request: InferenceRequest) -> np.ndarray:
+    model, rows = request.model, request.rows
+    if len(rows) <= INLINE_ROWS:
+        return model.embed(rows)
+    return await run_in_threadpool(model.embed, rows)
+
+
+def neighbor_lists(
+    model: LoadedModel, distances: np.ndarray, indices: np.ndarray
+) -> list[list[dict]]:
+    ids = model.ids[indices].tolist()
+    labels = model.labels[indices].tolist()
+    dists = distances.tolist()
+    classes = model.classes
+    return [
+        [
+            {"id": i, "label": classes[c], "distance": d}
+            for i, c, d in zip(id_row, label_row, dist_row, strict=True)
+        ]
+        for id_row, label_row, dist_row in zip(ids, labels, dists, strict=True)
+    ]
+
+
+async def json_response(request: InferenceRequest, n_values: int, build) -> Response:
+    """Encode ``build()`` as JSON, in a worker thread when the answer is large; give memory
+    back after large requests."""
+    large = n_values > THREAD_ENCODE_VALUES
+    if large:
+        content = await run_in_threadpool(lambda: json_encoder.encode(build()))
+    else:
+        content = json_encoder.encode(build())
+    if large or request.body_bytes > memory.LARGE_REQUEST_BYTES:
+        await run_in_threadpool(memory.trim)
+    return Response(content, media_type=JSON, headers={"x-model-version": request.model.version})
