@@ -64,7 +64,10 @@ def request_schemas(limits: dict[str, Any]) -> dict[str, dict]:
         f"{limits.get('n_features') or 'D'} finite numbers each",
     }
     k = {"type": "integer", "minimum": 1, "maximum": limits["max_k"]}
-    k_or_null = {"anyOf": [k, {"type": "null"}], "description": "neighbours (default: the model's)"}
+    k_or_null = {
+        "anyOf": [k, {"type": "null"}],
+        "description": "neighbours (default: the model's); an integer literal (5.0 is refused)",
+    }
 
     def body(**extra) -> dict:
         return {
