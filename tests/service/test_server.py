@@ -30,7 +30,12 @@ def free_port() -> int:
 
 
 def start_server(model: Path, port: int, **env) -> subprocess.Popen:
-    environment = {**os.environ, "NCAKNN_LOG_JSON": "true", **{k: str(v) for k, v in env.items()}}
+    environment = {
+        **os.environ,
+        "NCAKNN_LOG_JSON": "true",
+        "NCAKNN_DRAIN_DELAY_SECONDS": "0.5",
+        **{k: str(v) for k, v in env.items()},
+    }
     return subprocess.Popen(
         [
             sys.executable,

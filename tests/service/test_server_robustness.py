@@ -1,0 +1,309 @@
+"""A real server under hostile conditions: artifacts replaced continuously while requests
+run (1 and 2 workers), SIGTERM with requests in flight and in the socket buffers, memory
+and probe latency under maximum-size requests."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from service.artifact import read_artifact, write_artifact
+from service.config import Settings
+from service.engine import load_model
+from tests.service.conftest import republish_scaled
+from tests.service.test_server import free_port, start_server, wait_ready
+
+D = 64
+CONVERGENCE_BOUND_SECONDS = 5.0  # poll/sync interval (0.1-1 s) + a load of the digits model
+
+
+def expected_answers(versions: dict[str, Path], x: np.ndarray) -> dict[str, list]:
+    """version -> the labels and probabilities a whole artifact gives for x."""
+    out = {}
+    for version, path in versions.items():
+        model = load_model(path, Settings(model_path=path))
+        prediction = model.classify(x, 5, "majority")
+        out[version] = [
+            (label, [float(p) for p in row])
+            for label, row in zip(prediction.labels, prediction.probabilities, strict=True)
+        ]
+    return out
+
+
+def publish_copy(source: Path, target: Path) -> None:
+    """Write the artifact at ``source`` again at ``target`` (an atomic directory exchange)."""
+    art = read_artifact(source)
+    write_artifact(
+        target,
+        projection=art.projection,
+        offset=art.offset,
+        embeddings=art.embeddings,
+        labels=art.labels,
+        classes=art.classes,
+        mean=art.mean,
+        scale=art.scale,
+        default_k=art.default_k,
+    )
+
+
+def answer_of(body: dict) -> list:
+    return [(p["label"], list(p["probabilities"].values())) for p in body["predictions"]]
+
+
+def stop_server(proc) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except Exception:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("replace", ["symlink", "exchange"])
+def test_artifacts_replaced_continuously_under_load(digits_artifact, tmp_path, workers, replace):
+    """Every answer equals one whole artifact's answer, no request fails, and every worker
+    is on the final version within CONVERGENCE_BOUND_SECONDS."""
+    _, _, split = digits_artifact
+    x = np.ascontiguousarray(split.X_test[:8], dtype=np.float32)
+    v1, v2 = tmp_path / "v1", tmp_path / "v2"
+    shutil.copytree(digits_artifact[0], v1)
+    shutil.copytree(digits_artifact[0], v2)
+    republish_scaled(v2, 1.7)
+    publish_copy(v1, v1)  # both written by the same writer: the same manifest keys
+    versions = {read_artifact(v1).version: v1, read_artifact(v2).version: v2}
+    expected = expected_answers(versions, x)
+    if replace == "symlink":
+        served = tmp_path / "current"
+        served.symlink_to(v1)
+    else:
+        served = tmp_path / "served"
+        shutil.copytree(v1, served)
+
+    def publish(i: int) -> None:
+        source = (v1, v2)[i % 2]
+        if replace == "symlink":
+            tmp = tmp_path / f".link-{i}"
+            tmp.symlink_to(source)
+            os.replace(tmp, served)
+        else:  # write_artifact exchanges the directory in one renameat2
+            publish_copy(source, served)
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_server(
+        served,
+        port,
+        NCAKNN_WORKERS=workers,
+        NCAKNN_RELOAD_POLL_SECONDS=0.1,
+        NCAKNN_WORKER_SYNC_SECONDS=0.2,
+    )
+    failures: list[str] = []
+    sent = [0]
+    seen: set[str] = set()
+    stop = threading.Event()
+    try:
+        wait_ready(url, proc)
+
+        def client_loop():
+            with httpx.Client(timeout=30) as client:
+                while not stop.is_set():
+                    sent[0] += 1
+                    try:
+                        r = client.post(
+                            f"{url}/v1/classify", json={"instances": x.tolist(), "k": 5}
+                        )
+                    except httpx.HTTPError as exc:
+                        failures.append(repr(exc))
+                        continue
+                    if r.status_code != 200:
+                        failures.append(f"{r.status_code} {r.text}")
+                        continue
+                    body = r.json()
+                    version = body["model_version"]
+                    seen.add(version)
+                    if version not in expected or answer_of(body) != expected[version]:
+                        failures.append(f"answer of {version} matches no whole artifact")
+
+        threads = [threading.Thread(target=client_loop) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for i in range(1, 13):
+            publish(i)
+            time.sleep(0.25)
+        final = read_artifact(served).version
+        if workers > 1:  # and the reload route reaches every worker
+            r = httpx.post(f"{url}/v1/admin/reload", timeout=30)
+            assert r.status_code == 200 and r.json()["workers"] == workers
+        deadline = time.monotonic() + CONVERGENCE_BOUND_SECONDS
+        while True:  # many probes: every worker answers some of them
+            answers = {
+                httpx.get(f"{url}/readyz", timeout=5).json()["model_version"] for _ in range(20)
+            }
+            if answers == {final}:
+                break
+            assert time.monotonic() < deadline, f"workers still on {answers}, expected {final}"
+            time.sleep(0.1)
+        stop.set()
+        for t in threads:
+            t.join(30)
+    finally:
+        stop.set()
+        stop_server(proc)
+    print(f"reload race ({replace}, {workers} workers): {sent[0]} requests, {len(failures)} failed")
+    assert failures == []
+    assert sent[0] > 20 and len(seen) == 2
+
+
+def test_two_workers_report_whole_metrics(digits_artifact):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_server(digits_artifact[0], port, NCAKNN_WORKERS=2)
+    try:
+        wait_ready(url, proc)
+        with httpx.Client(timeout=10) as client:
+            for _ in range(40):  # new connections: spread over both workers
+                client.headers["connection"] = "close"
+                assert (
+                    client.post(f"{url}/v1/classify", json={"instances": [[0.0] * D]}).status_code
+                    == 200
+                )
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        total = sum(
+            float(line.split()[-1])
+            for line in text.splitlines()
+            if line.startswith('ncaknn_requests_total{route="/v1/classify",status="200"}')
+        )
+        pids = {
+            line.split('pid="')[1].split('"')[0]
+            for line in text.splitlines()
+            if line.startswith("ncaknn_model_info{")
+        }
+    finally:
+        stop_server(proc)
+    assert total == 40, text
+    assert len(pids) == 2
+
+
+def raw_request(port: int, body: bytes) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+    head = (
+        f"POST /v1/classify HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    sock.sendall(head + body)
+    return sock
+
+
+def read_status(sock: socket.socket) -> int:
+    data = b""
+    while b"\r\n" not in data:
+        chunk = sock.recv(4096)
+        if not chunk:
+            return -1
+        data += chunk
+    sock.close()
+    return int(data.split(b" ")[1])
+
+
+def test_sigterm_readiness_first_then_nothing_lost(digits_artifact):
+    """SIGTERM while requests are being computed and others sit unread in socket buffers:
+    /readyz is 503 at once, every request sent gets its 200, connections opened during the
+    drain delay are served, and the process exits."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_server(
+        digits_artifact[0],
+        port,
+        NCAKNN_DRAIN_DELAY_SECONDS=1.5,
+        NCAKNN_BATCH_MAX_WAIT_US=300_000,  # keeps requests in flight when SIGTERM arrives
+    )
+    try:
+        wait_ready(url, proc)
+        body = b'{"instances": [[' + b", ".join([b"0.5"] * D) + b"]]}"
+        sockets = [raw_request(port, body) for _ in range(60)]  # in flight and unread
+        proc.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        ready = httpx.get(f"{url}/readyz", timeout=5)
+        readiness_latency = time.monotonic() - started
+        late = [raw_request(port, body) for _ in range(5)]  # during the drain delay
+        statuses = [read_status(s) for s in sockets + late]
+        code = proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    print(f"SIGTERM: {len(statuses)} requests, {sum(s != 200 for s in statuses)} lost")
+    assert ready.status_code == 503 and ready.json()["error_type"] == "not_ready"
+    assert ready.headers["connection"] == "close"
+    assert readiness_latency < 1.0
+    assert statuses == [200] * 65
+    assert code in (0, -signal.SIGTERM)
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_memory_comes_back_and_probes_stay_fast(digits_artifact):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_server(digits_artifact[0], port)
+    rng = np.random.default_rng(0)
+    rows = rng.uniform(0, 16, size=(4096, D)).round(6).tolist()  # the maximum row count
+    big = {"instances": rows, "k": 64}
+    try:
+        wait_ready(url, proc)
+        with httpx.Client(timeout=60) as client:
+            client.post(f"{url}/v1/neighbors", json=big)  # warm-up: allocator pools, threads
+            before = rss_mib(proc.pid)
+            probe_latencies: list[float] = []
+            for i in range(20):
+                route = ("/v1/neighbors", "/v1/classify", "/v1/embed")[i % 3]
+                payload = big if route != "/v1/embed" else {"instances": rows}
+                done = threading.Event()
+
+                def send(route=route, payload=payload, done=done):
+                    r = httpx.post(f"{url}{route}", json=payload, timeout=60)
+                    assert r.status_code == 200, r.text
+                    done.set()
+
+                t = threading.Thread(target=send)
+                t.start()
+                time.sleep(0.02)
+                while not done.is_set():
+                    started = time.perf_counter()
+                    assert httpx.get(f"{url}/healthz", timeout=5).status_code == 200
+                    probe_latencies.append(time.perf_counter() - started)
+                    time.sleep(0.01)
+                t.join(60)
+            time.sleep(1.2)  # the trim runs at most once a second
+            client.post(f"{url}/v1/classify", json={"instances": rows[:1]})
+            after = rss_mib(proc.pid)
+    finally:
+        stop_server(proc)
+    p90 = statistics.quantiles(probe_latencies, n=10)[-1] if len(probe_latencies) > 1 else 0
+    print(
+        f"memory: RSS {before:.0f} MiB -> {after:.0f} MiB after 20 maximum-size requests; "
+        f"{len(probe_latencies)} probes during them, median "
+        f"{statistics.median(probe_latencies) * 1e3:.1f} ms, p90 {p90 * 1e3:.1f} ms, max "
+        f"{max(probe_latencies) * 1e3:.1f} ms"
+    )
+    assert after - before < 64, (before, after)
+    # a typical probe answers within 100 ms while maximum-size requests are parsed, searched
+    # and encoded (the median: the machine is shared, single probes can wait for a core)
+    assert statistics.median(probe_latencies) < 0.1
