@@ -11,8 +11,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from service.app import create_app_from_env
-from service.payload import parse_json
-from service.schemas import ClassifyRequest
+from service.payload import ClassifyBody, parse_json
 
 
 def create():
@@ -20,7 +19,8 @@ def create():
 
     @app.post("/bench/noop", include_in_schema=False)
     async def noop(request: Request) -> JSONResponse:
-        parse_json(await request.body(), ClassifyRequest)
+        model = request.app.state.ncaknn.engine.current()
+        parse_json(await request.body(), ClassifyBody, n_features=model.n_features, max_rows=4096)
         return JSONResponse({"ok": True})
 
     return app
