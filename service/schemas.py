@@ -1,36 +1,16 @@
-"""Request and response bodies (pydantic), with the examples shown at /docs."""
+"""Response bodies (pydantic), for the OpenAPI document and /v1/model.
+
+Request bodies are the msgspec structs of ``service.payload`` (one strict decode); their
+JSON schemas, with the live limits, are written by ``service.openapi``.
+"""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 Label = int | str
-EXAMPLE_ROW = [0.0, 0.5, 1.0, 0.25]
-
-
-class InstancesRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    instances: list[list[float]] = Field(
-        ..., description="rows of D numbers each", examples=[[EXAMPLE_ROW]]
-    )
-
-
-class ClassifyRequest(InstancesRequest):
-    k: int | None = Field(None, ge=1, description="neighbours to consult (default: the model's)")
-    rule: Literal["majority", "soft"] | None = Field(
-        None, description="decision rule (default: the model's)"
-    )
-    return_neighbors: bool = Field(False, description="include the k neighbours in the answer")
-
-
-class NeighborsRequest(InstancesRequest):
-    k: int | None = Field(None, ge=1, description="neighbours to return (default: the model's k)")
-
-
-class EmbedRequest(InstancesRequest):
-    pass
 
 
 class Neighbor(BaseModel):
@@ -58,11 +38,6 @@ class EmbedResponse(BaseModel):
 class NeighborsResponse(BaseModel):
     neighbors: list[list[Neighbor]]
     model_version: str
-
-
-class ErrorBody(BaseModel):
-    error: str = Field(description="what was wrong and what was expected")
-    error_type: str
 
 
 class ModelInfo(BaseModel):
