@@ -1,26 +1,30 @@
-"""Benchmark-only app: the real service plus POST /bench/noop, which parses the same body as
-/v1/classify and answers a constant. It measures the ceiling of the HTTP stack on the same
-server settings; it is not part of the public API.
+"""Benchmark-only app: the real service plus POST /bench/noop, the ceiling of our own HTTP
+path. The route is served by the same direct lane as /v1/classify and runs the same
+``pipeline.receive`` (key, media type, streamed body limit, strict parse to a float32 array,
+query options), then answers a constant: classify minus the search, the decision and the
+answer. It is not part of the public API.
 
     NCAKNN_MODEL_PATH=... python -m uvicorn benchmarks.http_app:create --factory ...
 """
 
 from __future__ import annotations
 
-from fastapi import Request
-from fastapi.responses import JSONResponse
+from starlette.requests import Request
+from starlette.responses import Response
 
 from service.app import create_app_from_env
-from service.payload import ClassifyBody, parse_json
+from service.payload import ClassifyBody
+from service.routes import pipeline
+
+OK = b'{"ok":true}'
+
+
+async def noop(request: Request) -> Response:
+    await pipeline.receive(request, ClassifyBody, query=("k", "rule", "return_neighbors"))
+    return Response(OK, media_type="application/json")
 
 
 def create():
     app = create_app_from_env()
-
-    @app.post("/bench/noop", include_in_schema=False)
-    async def noop(request: Request) -> JSONResponse:
-        model = request.app.state.ncaknn.engine.current()
-        parse_json(await request.body(), ClassifyBody, n_features=model.n_features, max_rows=4096)
-        return JSONResponse({"ok": True})
-
+    app.direct_routes = {**app.direct_routes, "/bench/noop": noop}
     return app

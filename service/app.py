@@ -15,18 +15,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -44,13 +46,16 @@ from service.errors import (
     body_of,
     status_of,
 )
+from service.index import available_cores
 from service.metrics import Metrics
 from service.openapi import build_openapi
+from service.payload import JSON as JSON_TYPE
 from service.routes import health, inference, model
 from service.workers import ReloadGeneration
 
 log = logging.getLogger("service.app")
 GIL_SWITCH_INTERVAL = 0.0002  # seconds
+INLINE_SEARCH_ROWS = 256  # merged searches this small may run on the event loop (see Batcher)
 SHUTDOWN_BODY = msgspec.json.encode(
     {
         "error": "the server is shutting down and could not finish this request within its "
@@ -111,8 +116,73 @@ class ServiceMiddleware:
         finally:
             path = scope.get("path", "")
             route = path if path in self.routes else "unmatched"
-            self.state.metrics.requests.labels(route, str(status)).inc()
-            self.state.metrics.latency.labels(route).observe(time.perf_counter() - started)
+            self.state.metrics.request_done(route, status, time.perf_counter() - started)
+
+
+class ServiceApp(FastAPI):
+    """FastAPI with a direct lane for the inference routes.
+
+    POST /v1/classify, /v1/embed and /v1/neighbors are declared as FastAPI routes (that gives
+    their OpenAPI and the 405 for other methods) but a POST to them calls the route's
+    endpoint directly, past FastAPI's middleware stack, routing and dependency resolution:
+    those cost about 140 us a request on one core of this machine, where a raw ASGI app
+    answers in about 30 us, and more than a batched search. The endpoints take the raw
+    Request and do every check themselves (``service.routes.pipeline``); their errors go
+    through the one error table (``error_response``). Everything else takes FastAPI's path.
+    ``ServiceMiddleware`` (metrics, draining) wraps both lanes.
+    """
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.direct_routes: dict[str, Callable] = {}  # path -> endpoint(Request) -> Response
+        self.service_middleware: Callable | None = None  # set by create_app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if self.service_middleware is None:
+            await self.dispatch(scope, receive, send)
+        else:
+            await self.service_middleware(scope, receive, send)
+
+    async def dispatch(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            endpoint = self.direct_routes.get(scope["path"])
+            if endpoint is not None:
+                scope["app"] = self
+                await self.call_direct(endpoint, scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
+
+    async def call_direct(self, endpoint, scope, receive, send) -> None:
+        state: AppState = self.state.ncaknn
+        request = Request(scope, receive)
+        try:
+            response = await endpoint(request)
+        except ServiceError as exc:
+            response = error_response(state, exc)
+        except Exception as exc:
+            response = unexpected_error_response(state, exc, scope["path"])
+        await response(scope, receive, send)
+
+
+def error_response(state: AppState, error: ServiceError, headers: dict | None = None) -> Response:
+    """The one error body, with the status from the error table."""
+    state.metrics.errors.labels(error.error_type).inc()
+    status = status_of(error)
+    if status == 401:
+        headers = {**(headers or {}), "WWW-Authenticate": "Bearer"}
+    return Response(
+        msgspec.json.encode(body_of(error)), status, headers=headers, media_type=JSON_TYPE
+    )
+
+
+def unexpected_error_response(state: AppState, exc: Exception, path: str) -> Response:
+    log.error("unexpected error", extra={"path": path}, exc_info=exc)
+    state.metrics.errors.labels("internal_error").inc()
+    body = {
+        "error": f"internal error ({type(exc).__name__}); it was logged",
+        "error_type": "internal_error",
+    }
+    return Response(msgspec.json.encode(body), 500, media_type=JSON_TYPE)
 
 
 async def _reload_in_background(state: AppState, reason: str) -> None:
@@ -205,9 +275,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 ) from exc
             log.warning("starting without a model", extra={"error": str(exc)})
         if settings.batching:
+            on_loop = settings.search_on_event_loop
             state.batcher = Batcher(
                 max_rows=settings.batch_max_rows,
                 max_wait_us=settings.batch_max_wait_us,
+                inline_rows=INLINE_SEARCH_ROWS
+                if on_loop == "always" or (on_loop == "auto" and available_cores() == 1)
+                else 0,
                 on_batch=lambda rows, waited: (
                     state.metrics.batch_rows.observe(rows),
                     state.metrics.queue_wait.observe(waited),
@@ -218,6 +292,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if settings.reload_poll_seconds > 0 or state.generation is not None:
             sync = asyncio.get_running_loop().create_task(_keep_model_in_sync(state))
         _install_drain_on_sigterm(state)
+        # Objects alive now (modules, route tables, the model's metadata) leave the garbage
+        # collector's view: a full collection then scans only what requests allocate.
+        # Measured at c64: p99 53 ms -> 20 ms (full collections walked ~10^6 objects).
+        gc.collect()
+        gc.freeze()
         log.info(
             "serving", extra={"model_path": str(settings.model_path), "ready": state.engine.ready}
         )
@@ -231,9 +310,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                     await sync
             if state.batcher is not None:
                 await state.batcher.stop()
+            gc.unfreeze()
             log.info("stopped")
 
-    app = FastAPI(
+    app = ServiceApp(
         title="nca-knn",
         version=__version__,
         description=(
@@ -253,17 +333,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     _install_openapi(app, state)
     routes = set(build_openapi(app, _limits(state), secured=False)["paths"])
     routes |= {"/openapi.json", "/docs", "/redoc"}
-    app.add_middleware(ServiceMiddleware, state=state, routes=routes)
+    app.direct_routes = {route.path: route.endpoint for route in inference.router.routes}
+    app.service_middleware = ServiceMiddleware(app.dispatch, state=state, routes=routes)
     return app
 
 
 def _install_error_handlers(app: FastAPI, state: AppState) -> None:
-    def respond(error: ServiceError, headers: dict | None = None) -> JSONResponse:
-        state.metrics.errors.labels(error.error_type).inc()
-        status = status_of(error)
-        if status == 401:
-            headers = {**(headers or {}), "WWW-Authenticate": "Bearer"}
-        return JSONResponse(body_of(error), status_code=status, headers=headers)
+    def respond(error: ServiceError, headers: dict | None = None) -> Response:
+        return error_response(state, error, headers)
 
     @app.exception_handler(ServiceError)
     async def on_service_error(request: Request, exc: ServiceError) -> JSONResponse:
@@ -294,16 +371,8 @@ def _install_error_handlers(app: FastAPI, state: AppState) -> None:
         return JSONResponse(body_of(error), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
-    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unexpected error", extra={"path": request.url.path})
-        state.metrics.errors.labels("internal_error").inc()
-        return JSONResponse(
-            {
-                "error": f"internal error ({type(exc).__name__}); it was logged",
-                "error_type": "internal_error",
-            },
-            status_code=500,
-        )
+    async def on_unexpected(request: Request, exc: Exception) -> Response:
+        return unexpected_error_response(state, exc, request.url.path)
 
 
 def _limits(state: AppState) -> dict:

@@ -1,11 +1,16 @@
-"""Dynamic batching: concurrent requests merged into one projection and one FAISS search.
+"""Dynamic batching: concurrent requests merged into one projection, one FAISS search and
+one decision per rule.
 
-Requests put a job (model, rows, k) on a queue and await its future. One worker task takes
-the first waiting job, keeps collecting until ``max_rows`` rows or ``max_wait_us`` have
-passed, groups the jobs by (model, k), and runs each group as one ``embed`` + one
-``search_embedded`` in a worker thread, off the event loop. Each job gets its own slice of
-the answer. Because the projection and the final distances are batch-invariant (see
-``service.knn``), a batched answer equals the answer the request would get alone.
+Requests put a job (model, rows, k, rule) on a queue and await its future. One worker task
+takes the first waiting job, keeps collecting until ``max_rows`` rows or ``max_wait_us``
+have passed, groups the jobs by (model, k), and runs each group in a worker thread, off the
+event loop (or, for groups of at most ``inline_rows`` rows, on the event loop itself: on one
+core that saves two thread hand-offs a batch and nothing runs in parallel anyway): one
+``project``, one ``search_embedded``, and one ``decide`` for each decision
+rule the group's jobs asked for. Each job gets its own slice of the answer
+(:class:`service.engine.Answer`). The projection, the final distances and the decision are
+all computed row by row (see ``service.knn``), so a batched answer equals the answer the
+request would get alone.
 """
 
 from __future__ import annotations
@@ -18,8 +23,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from service.engine import embedding_overflow, non_finite_rows
-from service.knn import project
+from service.engine import Answer, embedding_overflow, non_finite_rows
+from service.knn import decide, project
 
 
 @dataclass
@@ -27,6 +32,7 @@ class Job:
     model: object  # LoadedModel (kept generic: no engine import needed)
     rows: np.ndarray  # (n, D) float32
     k: int
+    rule: str | None  # the decision rule, or None for neighbours only
     future: asyncio.Future
     enqueued: float = field(default_factory=time.perf_counter)
 
@@ -38,9 +44,12 @@ class Batcher:
         max_rows: int,
         max_wait_us: int,
         on_batch: Callable[[int, float], None] | None = None,
+        inline_rows: int = 0,
     ):
         self.max_rows = max_rows
         self.max_wait = max_wait_us / 1e6
+        # groups of at most this many rows run on the event loop, larger ones in the thread
+        self.inline_rows = inline_rows
         self.on_batch = on_batch  # (rows in merged search, seconds the oldest job waited)
         self._queue: asyncio.Queue[Job | None] = asyncio.Queue()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="search")
@@ -57,10 +66,10 @@ class Batcher:
             self._task = None
         self._executor.shutdown(wait=True)
 
-    async def search(self, model, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """(distances (n, k), reference row indices (n, k)) for raw rows (n, D)."""
+    async def search(self, model, rows: np.ndarray, k: int, rule: str | None = None) -> Answer:
+        """The k neighbours of raw rows (n, D), and the decision by ``rule`` when given."""
         future = asyncio.get_running_loop().create_future()
-        await self._queue.put(Job(model, rows, k, future))
+        self._queue.put_nowait(Job(model, rows, k, rule, future))
         return await future
 
     async def _run(self) -> None:
@@ -90,7 +99,10 @@ class Batcher:
             waited = time.perf_counter() - first.enqueued
             for group in _groups(jobs):
                 try:
-                    results = await loop.run_in_executor(self._executor, _run_group, group)
+                    if sum(len(j.rows) for j in group) <= self.inline_rows:
+                        results = _run_group(group)
+                    else:
+                        results = await loop.run_in_executor(self._executor, _run_group, group)
                 except Exception as exc:  # reported to every request of the group
                     for job in group:
                         if not job.future.done():
@@ -114,39 +126,57 @@ def _groups(jobs: list[Job]) -> list[list[Job]]:
     return list(groups.values())
 
 
-def _run_group(group: list[Job]) -> list[tuple[np.ndarray, np.ndarray] | Exception]:
-    """One projection and one search for a group of jobs on the same (model, k).
+def _run_group(group: list[Job]) -> list[Answer | Exception]:
+    """One projection, one search and one decision per rule for jobs on the same (model, k).
 
     A job whose rows cannot be embedded (an embedding beyond float32) gets its own error;
-    the other jobs of the group are searched without it.
+    the other jobs of the group are answered without it.
     """
     model, k = group[0].model, group[0].k
     rows = group[0].rows if len(group) == 1 else np.concatenate([j.rows for j in group])
     with np.errstate(over="ignore", invalid="ignore"):
         z = project(rows, model.projection, model.offset)
     bad = non_finite_rows(z)
-    out: list = []
-    keep = np.ones(len(z), dtype=bool)
-    start = 0
-    for job in group:
-        n = len(job.rows)
-        bad_here = bad[(bad >= start) & (bad < start + n)]
-        if len(bad_here):
-            out.append(embedding_overflow(int(bad_here[0]), start))
-            keep[start : start + n] = False
-        else:
-            out.append(None)
-        start += n
-    if keep.all():
-        dist, idx = model.search_embedded(z, k)
-    elif keep.any():
-        dist, idx = model.search_embedded(z[keep], k)
-    else:
-        return out
-    start = 0
-    for i, job in enumerate(group):
-        if out[i] is None:
+    out: list = [None] * len(group)
+    if len(bad):
+        keep = np.ones(len(z), dtype=bool)
+        start = 0
+        for i, job in enumerate(group):
             n = len(job.rows)
-            out[i] = (dist[start : start + n], idx[start : start + n])
+            bad_here = bad[(bad >= start) & (bad < start + n)]
+            if len(bad_here):
+                out[i] = embedding_overflow(int(bad_here[0]), start)
+                keep[start : start + n] = False
             start += n
+        z = z[keep]
+    served = [i for i in range(len(group)) if out[i] is None]
+    if not served:
+        return out
+    distances, indices = model.search_embedded(z, k)
+    # row spans of the served jobs in the searched rows
+    spans, start = [], 0
+    for i in served:
+        n = len(group[i].rows)
+        spans.append((i, start, start + n))
+        start += n
+    rules = {group[i].rule for i in served} - {None}
+    predicted = probabilities = None
+    if rules:
+        predicted = np.zeros(len(distances), dtype=np.int64)
+        probabilities = np.zeros((len(distances), len(model.classes)), dtype=np.float64)
+        for rule in rules:
+            if len(rules) == 1 and all(group[i].rule == rule for i in served):
+                selected = slice(None)
+            else:
+                selected = np.concatenate(
+                    [np.arange(a, b) for i, a, b in spans if group[i].rule == rule]
+                )
+            p, proba = decide(
+                model.labels[indices[selected]], distances[selected], len(model.classes), rule
+            )
+            predicted[selected], probabilities[selected] = p, proba
+    answer = Answer(distances, indices, predicted, probabilities)
+    for i, a, b in spans:
+        part = answer.rows(a, b)
+        out[i] = part if group[i].rule is not None else Answer(part.distances, part.indices)
     return out

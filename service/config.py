@@ -94,6 +94,12 @@ class Settings(BaseSettings):
     batch_max_wait_us: int = Field(
         200, ge=0, description="how long a batch waits for more requests, microseconds"
     )
+    search_on_event_loop: Literal["auto", "always", "never"] = Field(
+        "auto",
+        description="run merged searches of at most 256 rows on the event loop instead of a "
+        "worker thread (larger ones always use the thread); auto: when the process has one "
+        "core (CPU affinity, cgroup quota), where thread hand-offs cost more than they overlap",
+    )
 
     # index
     index_type: IndexType = Field("flat", description="flat (exact), ivf, hnsw or ivfpq")

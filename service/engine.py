@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import faiss
@@ -41,6 +42,26 @@ from service.knn import RULES, decide, project
 
 log = logging.getLogger("service.engine")
 FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What a search gives n queries: their k neighbours and, when a decision rule was asked
+    for, the decision."""
+
+    distances: np.ndarray  # (n, k) squared distances, float64, ascending
+    indices: np.ndarray  # (n, k) reference row indices
+    predicted: np.ndarray | None = None  # (n,) class indices
+    probabilities: np.ndarray | None = None  # (n, C)
+
+    def rows(self, start: int, stop: int) -> Answer:
+        """The answer of rows [start, stop) (views, no copies)."""
+        return Answer(
+            self.distances[start:stop],
+            self.indices[start:stop],
+            None if self.predicted is None else self.predicted[start:stop],
+            None if self.probabilities is None else self.probabilities[start:stop],
+        )
 
 
 @dataclass(frozen=True)
@@ -89,6 +110,11 @@ class LoadedModel:
     @property
     def version(self) -> str:
         return self.artifact.version
+
+    @cached_property
+    def class_names(self) -> list[str]:
+        """The classes as the keys of a classify answer's probabilities."""
+        return [str(c) for c in self.classes]
 
     @property
     def n_features(self) -> int:
@@ -144,6 +170,14 @@ class LoadedModel:
             distances=distances,
             indices=indices,
         )
+
+    def answer(self, z: np.ndarray, k: int, rule: str | None) -> Answer:
+        """z (n, d) finite -> the k neighbours and, when ``rule`` is given, the decision."""
+        distances, indices = self.search_embedded(z, k)
+        if rule is None:
+            return Answer(distances, indices)
+        predicted, proba = decide(self.labels[indices], distances, len(self.classes), rule)
+        return Answer(distances, indices, predicted, proba)
 
     def classify(self, x: np.ndarray, k: int, rule: str) -> Prediction:
         """The whole path for one batch, without the batcher: embed, search, decide."""

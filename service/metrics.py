@@ -33,6 +33,7 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self._model_labels: tuple[str, str] | None = None
+        self._request_children: dict[tuple[str, int], tuple] = {}
         self.requests = Counter(
             "ncaknn_requests", "HTTP requests by route and status", ["route", "status"], registry=r
         )
@@ -103,6 +104,17 @@ class Metrics:
             "failed model loads (the previous model kept serving)",
             registry=r,
         )
+
+    def request_done(self, route: str, status: int, seconds: float) -> None:
+        """Count a finished request and observe its latency (label children cached: this
+        runs on every request)."""
+        key = (route, status)
+        children = self._request_children.get(key)
+        if children is None:
+            children = (self.requests.labels(route, str(status)), self.latency.labels(route))
+            self._request_children[key] = children
+        children[0].inc()
+        children[1].observe(seconds)
 
     def exposition(self) -> tuple[bytes, str]:
         """(the text exposition, its content type), of every worker in multiprocess mode."""

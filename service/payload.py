@@ -241,15 +241,11 @@ def to_rows(instances, *, n_features: int, max_rows: int, abs_max: float) -> np.
             f"{instances.shape[1]}"
         )
     values = np.asarray(instances)
-    if values.dtype.kind == "f":
-        bad = ~np.isfinite(values)
-        if bad.any():
-            r, c = np.argwhere(bad)[0]
+    inside = np.abs(values) <= abs_max  # False for NaN and Inf: one pass checks all three
+    if not inside.all():
+        r, c = np.argwhere(~inside)[0]
+        if values.dtype.kind == "f" and not np.isfinite(values[r, c]):
             raise InvalidInput(f"instances[{r}][{c}] is NaN or Inf; all values must be finite")
-    with np.errstate(over="ignore", invalid="ignore"):
-        outside = np.abs(values) > abs_max
-    if outside.any():
-        r, c = np.argwhere(outside)[0]
         raise InvalidInput(
             f"instances[{r}][{c}] = {float(values[r, c]):.6g} is outside this model's input "
             f"range [-{abs_max:.6g}, {abs_max:.6g}] (beyond it the embedding overflows float32)"

@@ -39,17 +39,21 @@ async def classify(request: Request) -> Response:
     pipeline.check_answer_size(req, values_per_row)
     with req.state.admit():
         req.state.metrics.request_rows.labels("/v1/classify").observe(len(req.rows))
-        distances, indices = await pipeline.search(req, k)
+        answer = await pipeline.search(req, k, rule)
     model = req.model
-    prediction = model.decide(distances, indices, rule)
 
     def build() -> dict:
-        names = [str(c) for c in model.classes]
-        proba = prediction.probabilities.tolist()
-        neighbors = pipeline.neighbor_lists(model, distances, indices) if with_neighbors else None
+        names = model.class_names
+        classes = model.classes
+        proba = answer.probabilities.tolist()
+        neighbors = (
+            pipeline.neighbor_lists(model, answer.distances, answer.indices)
+            if with_neighbors
+            else None
+        )
         predictions = []
-        for i, label in enumerate(prediction.labels):
-            item = {"label": label, "probabilities": dict(zip(names, proba[i], strict=True))}
+        for i, c in enumerate(answer.predicted.tolist()):
+            item = {"label": classes[c], "probabilities": dict(zip(names, proba[i], strict=True))}
             if neighbors is not None:
                 item["neighbors"] = neighbors[i]
             predictions.append(item)
@@ -91,13 +95,13 @@ async def neighbors(request: Request) -> Response:
     pipeline.check_answer_size(req, 3 * k)
     with req.state.admit():
         req.state.metrics.request_rows.labels("/v1/neighbors").observe(len(req.rows))
-        distances, indices = await pipeline.search(req, k)
+        answer = await pipeline.search(req, k)
     model = req.model
     return await pipeline.json_response(
         req,
         len(req.rows) * 3 * k,
         lambda: {
-            "neighbors": pipeline.neighbor_lists(model, distances, indices),
+            "neighbors": pipeline.neighbor_lists(model, answer.distances, answer.indices),
             "model_version": model.version,
         },
     )

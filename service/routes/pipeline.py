@@ -20,7 +20,7 @@ from starlette.responses import Response
 
 from service import memory
 from service.deps import AppState, check_api_key
-from service.engine import LoadedModel
+from service.engine import Answer, LoadedModel
 from service.errors import InvalidInput, PayloadTooLarge
 from service.payload import (
     JSON,
@@ -173,13 +173,13 @@ def check_answer_size(request: InferenceRequest, values_per_row: int) -> None:
         )
 
 
-async def search(request: InferenceRequest, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """(distances (n, k) float64, row indices (n, k)): merged with other requests when
-    batching, run in a worker thread either way."""
+async def search(request: InferenceRequest, k: int, rule: str | None = None) -> Answer:
+    """The k neighbours of the request's rows and, when ``rule`` is given, the decision:
+    merged with other requests when batching, run in a worker thread either way."""
     state, model, rows = request.state, request.model, request.rows
     if state.batcher is not None:
-        return await state.batcher.search(model, rows, k)
-    return await run_in_threadpool(lambda: model.search_embedded(model.embed(rows), k))
+        return await state.batcher.search(model, rows, k, rule)
+    return await run_in_threadpool(lambda: model.answer(model.embed(rows), k, rule))
 
 
 async def embed(request: InferenceRequest) -> np.ndarray:

@@ -323,13 +323,24 @@ def test_overload_is_429(digits_artifact):
     assert_error(rejected, 429, "overloaded", "limit is 1")
 
 
-def test_batched_answers_equal_single_request_answers(digits_artifact):
+@pytest.mark.parametrize("on_loop", ["always", "never"])
+def test_batched_answers_equal_single_request_answers(digits_artifact, on_loop):
+    """Merged requests (mixed k, mixed rules: one decision per rule in a merged search),
+    searched on the event loop or in the search thread, answer exactly as alone."""
     X = digits_artifact[2].X_test[:64]
+    rules = ["majority", "soft", None, "soft"]
     bodies = [
-        {"instances": X[i : i + 1 + i % 3].tolist(), "k": 1 + 2 * (i % 3), "return_neighbors": True}
+        {
+            "instances": X[i : i + 1 + i % 3].tolist(),
+            "k": 1 + 2 * (i % 3),
+            "return_neighbors": True,
+            **({"rule": rules[i % 4]} if rules[i % 4] else {}),
+        }
         for i in range(48)
     ]
-    app = create_app(settings_for(digits_artifact[0], batch_max_wait_us=5000))
+    app = create_app(
+        settings_for(digits_artifact[0], batch_max_wait_us=5000, search_on_event_loop=on_loop)
+    )
     batched = asyncio.run(_gather(app, bodies))
     registry = app.state.ncaknn.metrics.registry
     merged_searches = registry.get_sample_value("ncaknn_batch_rows_count")

@@ -153,3 +153,26 @@ def test_near_queries_do_not_take_the_fallback(rng):
     index = build_index(refs, IndexParams(kind="flat"))
     result = search_references(index, refs, refs[:100], 3, norm_limit=reference_norm_limit(refs))
     assert result.far_rows == 0 and result.underfilled_rows == 0
+
+
+@pytest.mark.parametrize(
+    ("affinity", "cpu_max", "expected"),
+    [
+        ({0, 1, 2, 3}, "max 100000\n", 4),
+        ({0, 1, 2, 3}, "150000 100000\n", 2),  # a 1.5-CPU limit: 2 cores to schedule on
+        ({0, 1, 2, 3}, "50000 100000\n", 1),
+        ({3}, "400000 100000\n", 1),  # taskset wins over a larger quota
+        ({0, 1}, None, 2),  # no cgroup v2 file
+    ],
+)
+def test_available_cores_follows_affinity_and_cgroup_quota(
+    monkeypatch, tmp_path, affinity, cpu_max, expected
+):
+    import service.index as index_module
+
+    path = tmp_path / "cpu.max"
+    if cpu_max is not None:
+        path.write_text(cpu_max)
+    monkeypatch.setattr(index_module.os, "sched_getaffinity", lambda pid: affinity)
+    monkeypatch.setattr(index_module, "CGROUP_CPU_MAX", str(path))
+    assert index_module.available_cores() == expected

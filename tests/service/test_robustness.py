@@ -143,7 +143,7 @@ def test_an_internal_error_has_the_error_body(digits_artifact, monkeypatch):
         def broken(*args, **kwargs):
             raise RuntimeError("boom")
 
-        monkeypatch.setattr(type(model), "decide", broken)
+        monkeypatch.setattr(type(model), "search_embedded", broken)
         r = c.post("/v1/classify", json={"instances": [[0.0] * D]})
     assert r.status_code == 500
     assert r.json() == {
