@@ -11,6 +11,8 @@ An artifact is a directory::
     mean.npy           float64 (D,)        the input standardisation, x_std = (x - mean) / scale,
     scale.npy          float64 (D,)        kept so a later job can warm-start from A = W * scale
     ids.npy            int64 (N,)          optional reference ids (default: 0..N-1)
+    validation_embeddings.npy  float32 (V, d)  optional: the training job's held-out validation
+    validation_labels.npy      int32 (V,)      split, projected; tunes approximate indexes
     index.faiss        optional prebuilt FAISS index (bytes; checksummed, not interpreted here)
 
 Writing is atomic: everything goes to a temporary sibling directory, each file and the
@@ -70,8 +72,11 @@ ARRAY_SPECS: dict[str, tuple[str, np.dtype, tuple[str, ...]]] = {
     "mean": ("mean.npy", np.dtype(np.float64), ("D",)),
     "scale": ("scale.npy", np.dtype(np.float64), ("D",)),
     "ids": ("ids.npy", np.dtype(np.int64), ("N",)),
+    "validation_embeddings": ("validation_embeddings.npy", np.dtype(np.float32), ("V", "d")),
+    "validation_labels": ("validation_labels.npy", np.dtype(np.int32), ("V",)),
 }
-OPTIONAL_ARRAYS = frozenset({"ids"})
+OPTIONAL_ARRAYS = frozenset({"ids", "validation_embeddings", "validation_labels"})
+VALIDATION_ARRAYS = ("validation_embeddings", "validation_labels")  # both or neither
 REQUIRED_MANIFEST_KEYS = (
     "format",
     "schema_version",
@@ -85,6 +90,13 @@ REQUIRED_MANIFEST_KEYS = (
     "created_at",
     "package_version",
 )
+# written by write_artifact itself; metadata may not set them
+OWNED_MANIFEST_KEYS = frozenset(REQUIRED_MANIFEST_KEYS) | {
+    "model_version",
+    "standardization",
+    "extras",
+    "n_validation",
+}
 
 
 class ArtifactError(ValueError):
@@ -105,6 +117,8 @@ class Artifact:
     scale: np.ndarray  # (D,) float64
     ids: np.ndarray  # (N,) int64
     index_bytes: bytes | None = field(default=None, repr=False)  # verified index.faiss
+    validation_embeddings: np.ndarray | None = None  # (V, d) float32, held out in training
+    validation_labels: np.ndarray | None = None  # (V,) int32
 
     @property
     def classes(self) -> list:
@@ -300,6 +314,8 @@ def write_artifact(
     default_k: int,
     decision_rule: str = "majority",
     ids: np.ndarray | None = None,
+    validation_embeddings: np.ndarray | None = None,
+    validation_labels: np.ndarray | None = None,
     index_bytes: bytes | None = None,
     extra_files: Mapping[str, bytes] | None = None,
     metadata: Mapping[str, Any] | None = None,
@@ -322,6 +338,11 @@ def write_artifact(
     }
     if ids is not None:
         arrays["ids"] = _coerce("ids", ids)
+    if (validation_embeddings is None) != (validation_labels is None):
+        raise ArtifactError("validation_embeddings and validation_labels go together")
+    if validation_embeddings is not None:
+        arrays["validation_embeddings"] = _coerce("validation_embeddings", validation_embeddings)
+        arrays["validation_labels"] = _coerce("validation_labels", validation_labels)
     classes_json = [_to_json_label(c) for c in classes]
     if len(set(classes_json)) != len(classes_json):
         raise ArtifactError(f"classes must be distinct, got {classes_json!r}")
@@ -333,23 +354,29 @@ def write_artifact(
         )
     d, n_features = arrays["projection"].shape
     n_refs = arrays["embeddings"].shape[0] if arrays["embeddings"].ndim == 2 else -1
-    dims = {"d": d, "D": n_features, "N": n_refs}
+    n_validation = len(arrays["validation_labels"]) if "validation_labels" in arrays else 0
+    dims = {"d": d, "D": n_features, "N": n_refs, "V": n_validation}
     _check_shapes({name: a.shape for name, a in arrays.items()}, dims)
     if n_refs < 1:
         raise ArtifactError("embeddings.npy: an artifact needs at least one reference point")
     if np.any(arrays["scale"] <= 0):
         raise ArtifactError("scale.npy: every standardisation scale must be > 0")
-    if arrays["labels"].min() < 0 or arrays["labels"].max() >= len(classes_json):
-        raise ArtifactError(
-            f"labels.npy: label indices must lie in [0, {len(classes_json)}), got range "
-            f"[{arrays['labels'].min()}, {arrays['labels'].max()}]"
-        )
+    for name in ("labels", "validation_labels"):
+        found = arrays.get(name)
+        if (
+            found is not None
+            and found.size
+            and (found.min() < 0 or found.max() >= len(classes_json))
+        ):
+            raise ArtifactError(
+                f"{name}.npy: label indices must lie in [0, {len(classes_json)}), got range "
+                f"[{found.min()}, {found.max()}]"
+            )
     if not (isinstance(default_k, (int, np.integer)) and 1 <= int(default_k) <= n_refs):
         raise ArtifactError(f"default_k must be an integer in [1, {n_refs}], got {default_k!r}")
 
     manifest: dict[str, Any] = dict(metadata or {})
-    owned = set(REQUIRED_MANIFEST_KEYS) | {"model_version", "standardization", "extras"}
-    clash = owned & set(manifest)
+    clash = OWNED_MANIFEST_KEYS & set(manifest)
     if clash:
         raise ArtifactError(f"metadata may not set the manifest keys {sorted(clash)}")
 
@@ -393,6 +420,7 @@ def write_artifact(
                 "n_features_in": int(n_features),
                 "n_components": int(d),
                 "n_references": int(n_refs),
+                "n_validation": int(n_validation),
                 "classes": classes_json,
                 "default_k": int(default_k),
                 "decision_rule": decision_rule,
@@ -509,9 +537,11 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def model_version_of(files: Mapping[str, Mapping[str, Any]]) -> str:
-    """The model version: a hash of the array files' sha256s, in :data:`ARRAY_SPECS` order."""
+    """The model version: a hash of the array files' sha256s, in :data:`ARRAY_SPECS` order,
+    then the prebuilt index's (an approximate index changes answers, so it is part of what
+    a version names)."""
     digest = hashlib.sha256()
-    for name in ARRAY_SPECS:
+    for name in (*ARRAY_SPECS, "index"):
         if name in files:
             digest.update(str(files[name]["sha256"]).encode())
     return digest.hexdigest()[:16]
@@ -538,6 +568,7 @@ def read_artifact(path: str | os.PathLike) -> Artifact:
             "d": int(manifest["n_components"]),
             "D": int(manifest["n_features_in"]),
             "N": int(manifest["n_references"]),
+            "V": int(manifest.get("n_validation", 0)),
         }
         arrays: dict[str, np.ndarray] = {}
         for name, (file_name, dtype, symbols) in ARRAY_SPECS.items():
@@ -573,10 +604,19 @@ def read_artifact(path: str | os.PathLike) -> Artifact:
             f"files it lists hash to {expected_version!r} (a manifest from another artifact?)"
         )
     classes = manifest["classes"]
-    labels = arrays["labels"]
-    if labels.size and (labels.min() < 0 or labels.max() >= len(classes)):
+    for name in ("labels", "validation_labels"):
+        labels = arrays.get(name)
+        if (
+            labels is not None
+            and labels.size
+            and (labels.min() < 0 or labels.max() >= len(classes))
+        ):
+            raise ArtifactError(
+                f"{root / ARRAY_SPECS[name][0]}: label indices must lie in [0, {len(classes)})"
+            )
+    if ("validation_embeddings" in arrays) != ("validation_labels" in arrays):
         raise ArtifactError(
-            f"{root / ARRAY_SPECS['labels'][0]}: label indices must lie in [0, {len(classes)})"
+            f"{root / MANIFEST_FILE}: validation_embeddings and validation_labels go together"
         )
     if "ids" not in arrays:
         arrays["ids"] = np.arange(dims["N"], dtype=np.int64)
@@ -622,4 +662,46 @@ def artifact_fingerprint(path: str | os.PathLike) -> tuple | None:
         identity.st_ino,
         hashlib.sha256(manifest_bytes).hexdigest(),
         tuple(stats),
+    )
+
+
+def read_extras(artifact: Artifact) -> dict[str, bytes]:
+    """The extra files (report, plots) an artifact lists, each verified against its sha256."""
+    out: dict[str, bytes] = {}
+    with _PinnedDirectory(artifact.path) as directory:
+        for name, entry in artifact.manifest.get("extras", {}).items():
+            data = directory.read(name, "listed in the manifest as an extra file")
+            _check_sha256(artifact.path / name, data, entry.get("sha256"))
+            out[name] = data
+    return out
+
+
+def rewrite_artifact(
+    artifact: Artifact,
+    path: str | os.PathLike,
+    *,
+    index_bytes: bytes | None,
+    metadata: Mapping[str, Any],
+) -> Path:
+    """Write ``artifact`` again at ``path`` (atomically, as ``write_artifact`` does) with
+    another prebuilt index and ``metadata`` merged over its manifest's own."""
+    kept = {k: v for k, v in artifact.manifest.items() if k not in OWNED_MANIFEST_KEYS}
+    explicit_ids = "ids" in artifact.manifest["files"]
+    return write_artifact(
+        path,
+        projection=artifact.projection,
+        offset=artifact.offset,
+        embeddings=artifact.embeddings,
+        labels=artifact.labels,
+        classes=artifact.classes,
+        mean=artifact.mean,
+        scale=artifact.scale,
+        default_k=artifact.default_k,
+        decision_rule=artifact.decision_rule,
+        ids=artifact.ids if explicit_ids else None,
+        validation_embeddings=artifact.validation_embeddings,
+        validation_labels=artifact.validation_labels,
+        index_bytes=index_bytes,
+        extra_files=read_extras(artifact),
+        metadata={**kept, **metadata},
     )

@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-IndexType = Literal["flat", "ivf", "hnsw", "ivfpq"]
+IndexType = Literal["auto", "flat", "ivf", "hnsw", "ivfpq"]
 
 
 class Settings(BaseSettings):
@@ -102,12 +102,20 @@ class Settings(BaseSettings):
     )
 
     # index
-    index_type: IndexType = Field("flat", description="flat (exact), ivf, hnsw or ivfpq")
+    index_type: IndexType = Field(
+        "auto",
+        description="auto (the artifact's prebuilt index with its tuned parameter, else flat), "
+        "flat (exact), ivf, hnsw or ivfpq (built at load unless the artifact has one)",
+    )
     ivf_nlist: int = Field(0, ge=0, description="IVF lists (0: about 4 sqrt(N))")
-    nprobe: int = Field(16, ge=1, description="IVF lists searched per query")
+    nprobe: int | None = Field(
+        None, ge=1, description="IVF lists searched per query (unset: the tuned value, else 16)"
+    )
     hnsw_m: int = Field(32, ge=2, description="HNSW graph degree")
     ef_construction: int = Field(80, ge=1, description="HNSW build-time beam width")
-    ef_search: int = Field(64, ge=1, description="HNSW search beam width")
+    ef_search: int | None = Field(
+        None, ge=1, description="HNSW search beam width (unset: the tuned value, else 64)"
+    )
     pq_m: int = Field(8, ge=1, description="IVF-PQ sub-quantisers (must divide d)")
     search_threads: int = Field(
         1,

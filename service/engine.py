@@ -201,6 +201,27 @@ def input_abs_max(projection: np.ndarray, offset: np.ndarray) -> float:
     return float(np.floor(limit / 10 ** (exponent - 2)) * 10 ** (exponent - 2))
 
 
+def index_params(settings: Settings, artifact: Artifact, prebuilt: faiss.Index | None):
+    """The index to serve: ``index_type`` auto means the artifact's prebuilt index, else
+    flat. Search parameters left unset take the values the indexing command tuned for
+    that kind (``manifest["index"]``), else FAISS-typical defaults."""
+    kind = settings.index_type
+    if kind == "auto":
+        kind = index_kind(prebuilt) if prebuilt is not None else "flat"
+    record = artifact.manifest.get("index") or {}
+    tuned = record.get("params", {}) if record.get("kind") == kind else {}
+    return IndexParams(
+        kind=kind,
+        ivf_nlist=settings.ivf_nlist,
+        nprobe=settings.nprobe or int(tuned.get("nprobe", 16)),
+        hnsw_m=settings.hnsw_m,
+        ef_construction=settings.ef_construction,
+        ef_search=settings.ef_search or int(tuned.get("ef_search", 64)),
+        pq_m=settings.pq_m,
+        search_threads=settings.search_threads,
+    )
+
+
 def load_model(
     path: str | Path, settings: Settings, on_fallback: Callable[[int, int], None] | None = None
 ) -> LoadedModel:
@@ -210,26 +231,22 @@ def load_model(
     # changed under a memory map would crash the process (SIGBUS) instead of failing a load.
     artifact = read_artifact(path)
     embeddings = np.ascontiguousarray(artifact.embeddings, dtype=np.float32)
-    params = IndexParams(
-        kind=settings.index_type,
-        ivf_nlist=settings.ivf_nlist,
-        nprobe=settings.nprobe,
-        hnsw_m=settings.hnsw_m,
-        ef_construction=settings.ef_construction,
-        ef_search=settings.ef_search,
-        pq_m=settings.pq_m,
-        search_threads=settings.search_threads,
-    )
-    index = None
+    prebuilt = None
     if artifact.index_bytes is not None:
         try:
             prebuilt = faiss.deserialize_index(np.frombuffer(artifact.index_bytes, np.uint8))
         except RuntimeError as exc:
             raise ArtifactError(f"{path}/{INDEX_FILE}: not a readable FAISS index ({exc})") from exc
-        if index_kind(prebuilt) == params.kind and prebuilt.ntotal == len(embeddings):
-            configure(prebuilt, params)
-            index = prebuilt
-    if index is None:
+        if prebuilt.ntotal != len(embeddings) or prebuilt.d != embeddings.shape[1]:
+            raise ArtifactError(
+                f"{path}/{INDEX_FILE}: the index holds {prebuilt.ntotal} vectors of dimension "
+                f"{prebuilt.d}, the references are {embeddings.shape}"
+            )
+    params = index_params(settings, artifact, prebuilt)
+    if prebuilt is not None and index_kind(prebuilt) == params.kind:
+        configure(prebuilt, params)
+        index = prebuilt
+    else:
         index = build_index(embeddings, params)
     model = LoadedModel(
         artifact=artifact,

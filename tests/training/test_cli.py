@@ -54,6 +54,19 @@ def test_end_to_end_on_digits(tmp_path, capsys):
     assert "wrote" in capsys.readouterr().err
 
 
+def test_the_job_writes_a_tuned_index(tmp_path, capsys):
+    out = tmp_path / "digits"
+    args = ["--data", "digits", "--n-components", "8", "--out", str(out), "--max-iter", "20"]
+    code = main([*args, "--quiet", "--no-plots", "--index", "hnsw", "--index-agreement", "0.99"])
+    assert code == 0
+    art = read_artifact(out)
+    record = art.manifest["index"]
+    assert record["kind"] == "hnsw" and art.index_bytes is not None
+    assert record["tuning"]["chosen"]["label_agreement"] >= 0.99
+    assert record["tuning"]["queries"] == f"validation split ({len(art.validation_labels)} rows)"
+    assert "chose ef_search=" in capsys.readouterr().err
+
+
 def test_every_config_field_is_an_option_with_help():
     parser = build_parser()
     options = {a.dest: a for a in parser._actions}
@@ -124,6 +137,11 @@ def write_npz(path, **arrays):
             lambda p, r: write_npz(p, X=r.normal(size=(20, 3)), y=np.arange(20) % 2),
             ["--n-candidates", "many"],
             "--n-candidates='many'",
+        ),
+        (
+            lambda p, r: write_npz(p, X=r.normal(size=(20, 3)), y=np.arange(20) % 2),
+            ["--index", "annoy"],
+            "--index='annoy' must be one of",
         ),
         (
             lambda p, r: write_npz(p, X=r.normal(size=(20, 3)), y=np.arange(20) % 2),

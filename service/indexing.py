@@ -1,0 +1,289 @@
+"""Prebuilt approximate indexes, tuned on the artifact's validation split.
+
+    python -m service.indexing ARTIFACT --index ivf [--agreement 0.998]
+
+builds an IVF, HNSW or IVF-PQ index over the artifact's references, chooses its search
+parameter (IVF/IVF-PQ ``nprobe``, HNSW ``efSearch``) and writes the index into the artifact
+as ``index.faiss`` (the whole artifact is rewritten atomically, so it gets a new model
+version; a service polling the path picks it up). The service then loads the index instead
+of building it, with the chosen parameter.
+
+An approximate index is judged by what users see, not by recall: the **label agreement** of
+a setting is the fraction of validation queries whose predicted label (the artifact's
+decision rule and default k) equals exact search's, and its **accuracy delta** the change in
+validation accuracy. Candidates are tried from the cheapest up; the first whose agreement
+reaches the target is chosen. Every search goes through the service's own path
+(``service.index.search_references``: k + margin candidates, exact re-rank), in batches of
+64 on one thread, as the service runs it. Recall@k against exact search is reported too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import faiss
+import numpy as np
+
+from service.artifact import Artifact, ArtifactError, read_artifact, rewrite_artifact
+from service.index import IndexParams, build_index, configure, search_references
+from service.knn import decide
+
+# candidate values of each kind's search parameter, cheapest first
+SEARCH_PARAMETER: dict[str, tuple[str, tuple[int, ...]]] = {
+    "ivf": ("nprobe", (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)),
+    "ivfpq": ("nprobe", (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)),
+    "hnsw": ("ef_search", (8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)),
+}
+DEFAULT_AGREEMENT = 0.998
+BATCH_ROWS = 64  # queries per search while tuning, as a busy service batches them
+
+
+class TuningError(ValueError):
+    """The index cannot be tuned as asked (no validation split, target not reachable...)."""
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One setting measured on the validation queries."""
+
+    value: int  # nprobe or efSearch (0 for exact search)
+    label_agreement: float  # fraction of queries predicted as exact search predicts them
+    accuracy: float  # validation accuracy with this setting
+    recall_at_k: float  # mean |approximate k-NN & exact k-NN| / k
+    microseconds_per_query: float  # search_references, batches of 64, one thread
+
+
+@dataclass(frozen=True)
+class Answers:
+    predicted: np.ndarray  # (V,) class indices
+    indices: np.ndarray  # (V, k) reference rows
+    microseconds_per_query: float
+
+
+def answer_queries(
+    index: faiss.Index,
+    references: np.ndarray,
+    labels: np.ndarray,
+    n_classes: int,
+    queries: np.ndarray,
+    k: int,
+    rule: str,
+) -> Answers:
+    """Predictions for queries (V, d) through ``search_references``, timed."""
+    predicted, indices = [], []
+    started = time.perf_counter()
+    for start in range(0, len(queries), BATCH_ROWS):
+        batch = queries[start : start + BATCH_ROWS]
+        result = search_references(index, references, batch, k, threads=1)
+        indices.append(result.indices)
+        predicted.append(decide(labels[result.indices], result.distances, n_classes, rule)[0])
+    seconds = time.perf_counter() - started
+    return Answers(
+        np.concatenate(predicted), np.concatenate(indices), 1e6 * seconds / max(1, len(queries))
+    )
+
+
+def recall_at_k(approximate: np.ndarray, exact: np.ndarray) -> float:
+    """Mean over rows of |approximate row & exact row| / k; both (V, k) reference rows."""
+    k = exact.shape[1]
+    hits = (approximate[:, :, None] == exact[:, None, :]).any(axis=2).sum(axis=1)
+    return float(hits.mean() / k)
+
+
+def tune(
+    index: faiss.Index,
+    kind: str,
+    references: np.ndarray,
+    labels: np.ndarray,
+    n_classes: int,
+    queries: np.ndarray,
+    query_labels: np.ndarray,
+    *,
+    k: int,
+    rule: str,
+    target: float,
+) -> tuple[Trial | None, list[Trial], Trial]:
+    """(the cheapest setting reaching ``target`` agreement or None, every trial, exact).
+
+    references (N, d), labels (N,) class indices, queries (V, d), query_labels (V,).
+    """
+    if not 0 < target <= 1:
+        raise TuningError(f"the agreement target must lie in (0, 1], got {target}")
+    exact_index = build_index(references, IndexParams(kind="flat"))
+    exact = answer_queries(exact_index, references, labels, n_classes, queries, k, rule)
+    exact_trial = Trial(
+        0,
+        1.0,
+        float(np.mean(exact.predicted == query_labels)),
+        1.0,
+        exact.microseconds_per_query,
+    )
+    name, values = SEARCH_PARAMETER[kind]
+    trials: list[Trial] = []
+    for value in values:
+        if kind in ("ivf", "ivfpq") and value > index.nlist:
+            break
+        configure(index, IndexParams(kind=kind, **{name: value}))
+        found = answer_queries(index, references, labels, n_classes, queries, k, rule)
+        trial = Trial(
+            value,
+            float(np.mean(found.predicted == exact.predicted)),
+            float(np.mean(found.predicted == query_labels)),
+            recall_at_k(found.indices, exact.indices),
+            found.microseconds_per_query,
+        )
+        trials.append(trial)
+        if trial.label_agreement >= target:
+            return trial, trials, exact_trial
+    return None, trials, exact_trial
+
+
+def validation_split(artifact: Artifact) -> tuple[np.ndarray, np.ndarray]:
+    if artifact.validation_embeddings is None or len(artifact.validation_embeddings) == 0:
+        raise TuningError(
+            f"{artifact.path}: the artifact has no validation split to tune on (it was written "
+            "before validation splits were stored, or with val_size=0); retrain it with "
+            "`python -m training`, or serve it with the exact flat index"
+        )
+    return (
+        np.ascontiguousarray(artifact.validation_embeddings, dtype=np.float32),
+        np.asarray(artifact.validation_labels, dtype=np.int64),
+    )
+
+
+def index_artifact(
+    path: str | Path,
+    kind: str,
+    *,
+    target: float = DEFAULT_AGREEMENT,
+    nlist: int = 0,
+    hnsw_m: int = 32,
+    ef_construction: int = 80,
+    pq_m: int = 8,
+    out: str | Path | None = None,
+    log=print,
+) -> dict:
+    """Build a ``kind`` index for the artifact at ``path``, tune it, and write the artifact
+    with it to ``out`` (default: in place). Returns the manifest's ``index`` record."""
+    if kind not in SEARCH_PARAMETER:
+        raise TuningError(f"--index must be one of {sorted(SEARCH_PARAMETER)}, got {kind!r}")
+    artifact = read_artifact(path)
+    queries, query_labels = validation_split(artifact)
+    references = np.ascontiguousarray(artifact.embeddings, dtype=np.float32)
+    labels = np.asarray(artifact.labels, dtype=np.int64)
+    k, rule = artifact.default_k, artifact.decision_rule
+    params = IndexParams(
+        kind=kind, ivf_nlist=nlist, hnsw_m=hnsw_m, ef_construction=ef_construction, pq_m=pq_m
+    )
+    started = time.perf_counter()
+    index = build_index(references, params)
+    build_seconds = time.perf_counter() - started
+    chosen, trials, exact = tune(
+        index,
+        kind,
+        references,
+        labels,
+        len(artifact.classes),
+        queries,
+        query_labels,
+        k=k,
+        rule=rule,
+        target=target,
+    )
+    name = SEARCH_PARAMETER[kind][0]
+    log(
+        f"{kind} over {len(references)} references, {len(queries)} validation queries, "
+        f"k={k}, rule={rule}; built in {build_seconds:.2f} s"
+    )
+    log(f"{name:>10} {'agreement':>10} {'accuracy':>9} {'recall@k':>9} {'us/query':>9}")
+    log(
+        f"{'exact':>10} {1.0:10.4f} {exact.accuracy:9.4f} {1.0:9.4f} "
+        f"{exact.microseconds_per_query:9.1f}"
+    )
+    for t in trials:
+        log(
+            f"{t.value:10d} {t.label_agreement:10.4f} {t.accuracy:9.4f} {t.recall_at_k:9.4f} "
+            f"{t.microseconds_per_query:9.1f}"
+        )
+    if chosen is None:
+        best = max(trials, key=lambda t: t.label_agreement)
+        raise TuningError(
+            f"no {name} reaches label agreement {target} with this {kind} index (best "
+            f"{best.label_agreement:.4f} at {name}={best.value}); use more lists or a larger "
+            "HNSW degree, a lower target, or the exact flat index"
+        )
+    configure(index, IndexParams(kind=kind, **{name: chosen.value}))
+    record = {
+        "kind": kind,
+        "params": {
+            **({"nlist": int(index.nlist)} if kind in ("ivf", "ivfpq") else {}),
+            **({"hnsw_m": hnsw_m, "ef_construction": ef_construction} if kind == "hnsw" else {}),
+            **({"pq_m": pq_m} if kind == "ivfpq" else {}),
+            name: chosen.value,
+        },
+        "tuning": {
+            "target_label_agreement": target,
+            "queries": f"validation split ({len(queries)} rows)",
+            "k": k,
+            "rule": rule,
+            "chosen": asdict(chosen),
+            "exact": asdict(exact),
+            "accuracy_delta": chosen.accuracy - exact.accuracy,
+            "trials": [asdict(t) for t in trials],
+        },
+        "build_seconds": build_seconds,
+    }
+    index_bytes = faiss.serialize_index(index).tobytes()
+    target_path = Path(out) if out is not None else Path(path)
+    rewrite_artifact(artifact, target_path, index_bytes=index_bytes, metadata={"index": record})
+    log(
+        f"chose {name}={chosen.value}: agreement {chosen.label_agreement:.4f}, accuracy "
+        f"{chosen.accuracy:.4f} ({chosen.accuracy - exact.accuracy:+.4f}); wrote "
+        f"{target_path}/index.faiss ({len(index_bytes)} bytes)"
+    )
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m service.indexing",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("artifact", help="artifact directory")
+    parser.add_argument("--index", required=True, choices=sorted(SEARCH_PARAMETER))
+    parser.add_argument(
+        "--agreement",
+        type=float,
+        default=DEFAULT_AGREEMENT,
+        help="label agreement with exact search to reach (default %(default)s)",
+    )
+    parser.add_argument("--nlist", type=int, default=0, help="IVF lists (0: about 4 sqrt(N))")
+    parser.add_argument("--hnsw-m", type=int, default=32, help="HNSW graph degree")
+    parser.add_argument("--ef-construction", type=int, default=80, help="HNSW build beam")
+    parser.add_argument("--pq-m", type=int, default=8, help="IVF-PQ sub-quantisers")
+    parser.add_argument("--out", help="write the indexed artifact here (default: in place)")
+    args = parser.parse_args(argv)
+    try:
+        index_artifact(
+            args.artifact,
+            args.index,
+            target=args.agreement,
+            nlist=args.nlist,
+            hnsw_m=args.hnsw_m,
+            ef_construction=args.ef_construction,
+            pq_m=args.pq_m,
+            out=args.out,
+        )
+    except (TuningError, ArtifactError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

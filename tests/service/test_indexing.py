@@ -1,0 +1,206 @@
+"""Prebuilt, tuned indexes: the indexing command writes index.faiss into the artifact, the
+service serves that very index with the tuned parameter, and the answers keep the agreement
+the command measured."""
+
+from __future__ import annotations
+
+import json
+
+import faiss
+import numpy as np
+import pytest
+
+import service.engine as engine_module
+import service.indexing as indexing
+from service.artifact import ArtifactError, read_artifact, write_artifact
+from service.engine import load_model
+from service.index import IndexParams, build_index
+from service.knn import decide
+
+from .conftest import manifest, settings_for
+
+
+def served_predictions(model, queries: np.ndarray) -> np.ndarray:
+    art = model.artifact
+    dist, idx = model.search_embedded(queries, art.default_k)
+    return decide(model.labels[idx], dist, len(model.classes), art.decision_rule)[0]
+
+
+@pytest.mark.parametrize("kind", ["ivf", "hnsw"])
+def test_indexed_artifact_round_trip(model_dir, tmp_path, kind, monkeypatch):
+    before = read_artifact(model_dir)
+    assert before.validation_embeddings is not None  # the training job stores the split
+    out = tmp_path / "indexed"
+    record = indexing.index_artifact(model_dir, kind, target=0.995, out=out, log=lambda m: None)
+
+    after = read_artifact(out)
+    assert after.index_bytes is not None
+    assert after.version != before.version  # a new artifact: pollers pick it up
+    assert after.manifest["index"] == json.loads(json.dumps(record))
+    for name in ("projection", "offset", "embeddings", "labels", "mean", "scale", "ids"):
+        np.testing.assert_array_equal(getattr(after, name), getattr(before, name))
+    np.testing.assert_array_equal(after.validation_embeddings, before.validation_embeddings)
+    np.testing.assert_array_equal(after.validation_labels, before.validation_labels)
+    assert after.manifest["extras"] == before.manifest["extras"]  # report and plots kept
+    assert after.manifest["training"] == before.manifest["training"]
+
+    # the service deserialises the prebuilt index: building one would fail here
+    def no_build(embeddings, params):
+        if params.kind != "flat":
+            raise AssertionError("the service built an index the artifact carries")
+        return build_index(embeddings, params)
+
+    monkeypatch.setattr(engine_module, "build_index", no_build)
+    model = load_model(out, settings_for(out))
+    name = indexing.SEARCH_PARAMETER[kind][0]
+    chosen = record["params"][name]
+    assert model.index_type == kind
+    assert model.index_params[name] == chosen
+    if kind == "ivf":
+        assert model.index.nprobe == chosen
+    else:
+        assert model.index.hnsw.efSearch == chosen
+
+    # the served answers agree with exact search as the command measured
+    exact = load_model(out, settings_for(out, index_type="flat"))
+    queries = after.validation_embeddings
+    agreement = np.mean(served_predictions(model, queries) == served_predictions(exact, queries))
+    assert agreement == pytest.approx(record["tuning"]["chosen"]["label_agreement"])
+    assert agreement >= 0.995
+
+
+def test_explicit_settings_override_the_tuned_parameter(model_dir, tmp_path):
+    out = tmp_path / "indexed"
+    indexing.index_artifact(model_dir, "ivf", target=0.99, out=out, log=lambda m: None)
+    assert load_model(out, settings_for(out, nprobe=3)).index.nprobe == 3
+    flat = load_model(out, settings_for(out, index_type="flat"))
+    assert flat.index_type == "flat" and isinstance(flat.index, faiss.IndexFlatL2)
+
+
+def test_tuning_stops_at_the_cheapest_setting_reaching_the_target(digits_artifact):
+    art = read_artifact(digits_artifact[0])
+    refs = np.ascontiguousarray(art.embeddings)
+    labels = np.asarray(art.labels, np.int64)
+    index = build_index(refs, IndexParams(kind="ivf"))
+    chosen, trials, exact = indexing.tune(
+        index,
+        "ivf",
+        refs,
+        labels,
+        len(art.classes),
+        art.validation_embeddings,
+        art.validation_labels,
+        k=5,
+        rule="majority",
+        target=0.99,
+    )
+    assert chosen is trials[-1]
+    assert all(t.label_agreement < 0.99 for t in trials[:-1])
+    assert chosen.label_agreement >= 0.99
+    assert [t.value for t in trials] == list(indexing.SEARCH_PARAMETER["ivf"][1][: len(trials)])
+    # at nprobe = nlist an IVF is exhaustive: full agreement and recall
+    index.nprobe = index.nlist
+    full = indexing.answer_queries(
+        index, refs, labels, len(art.classes), art.validation_embeddings, 5, "majority"
+    )
+    flat = indexing.answer_queries(
+        build_index(refs, IndexParams(kind="flat")),
+        refs,
+        labels,
+        len(art.classes),
+        art.validation_embeddings,
+        5,
+        "majority",
+    )
+    np.testing.assert_array_equal(full.indices, flat.indices)
+    assert exact.accuracy == pytest.approx(np.mean(flat.predicted == art.validation_labels), abs=0)
+
+
+def test_recall_at_k_counts_shared_neighbours():
+    exact = np.array([[1, 2, 3, 4], [5, 6, 7, 8]])
+    approximate = np.array([[4, 3, 2, 1], [5, 6, 9, 10]])
+    assert indexing.recall_at_k(approximate, exact) == pytest.approx((4 + 2) / 8)
+
+
+def test_an_unreachable_target_leaves_the_artifact_alone(model_dir, monkeypatch, capsys):
+    monkeypatch.setitem(indexing.SEARCH_PARAMETER, "ivf", ("nprobe", (1,)))
+    before = manifest(model_dir)
+    code = indexing.main([str(model_dir), "--index", "ivf", "--agreement", "1.0", "--nlist", "30"])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "no nprobe reaches label agreement 1.0" in err and "nprobe=1" in err
+    assert manifest(model_dir) == before
+
+
+def test_an_artifact_without_a_validation_split_is_refused(digits_artifact, tmp_path, capsys):
+    art = read_artifact(digits_artifact[0])
+    bare = write_artifact(
+        tmp_path / "bare",
+        projection=art.projection,
+        offset=art.offset,
+        embeddings=art.embeddings,
+        labels=art.labels,
+        classes=art.classes,
+        mean=art.mean,
+        scale=art.scale,
+        default_k=art.default_k,
+    )
+    assert indexing.main([str(bare), "--index", "hnsw"]) == 1
+    assert "no validation split to tune on" in capsys.readouterr().err
+
+
+def test_the_command_indexes_in_place(model_dir, capsys):
+    assert indexing.main([str(model_dir), "--index", "ivf", "--agreement", "0.99"]) == 0
+    printed = capsys.readouterr().out
+    assert "chose nprobe=" in printed and "agreement" in printed
+    assert read_artifact(model_dir).manifest["index"]["kind"] == "ivf"
+    assert load_model(model_dir, settings_for(model_dir)).index_type == "ivf"
+
+
+def test_validation_arrays_go_together_and_are_checked(digits_artifact, tmp_path):
+    art = read_artifact(digits_artifact[0])
+    common = dict(
+        projection=art.projection,
+        offset=art.offset,
+        embeddings=art.embeddings,
+        labels=art.labels,
+        classes=art.classes,
+        mean=art.mean,
+        scale=art.scale,
+        default_k=art.default_k,
+    )
+    with pytest.raises(ArtifactError, match="go together"):
+        write_artifact(tmp_path / "a", validation_embeddings=art.validation_embeddings, **common)
+    with pytest.raises(ArtifactError, match=r"validation_embeddings\.npy: expected shape"):
+        write_artifact(
+            tmp_path / "b",
+            validation_embeddings=art.validation_embeddings[:, :3],
+            validation_labels=art.validation_labels,
+            **common,
+        )
+    with pytest.raises(ArtifactError, match=r"validation_labels\.npy: label indices"):
+        write_artifact(
+            tmp_path / "c",
+            validation_embeddings=art.validation_embeddings,
+            validation_labels=np.full(len(art.validation_labels), 99, np.int32),
+            **common,
+        )
+
+
+def test_a_prebuilt_index_of_other_references_is_refused(digits_artifact, tmp_path):
+    art = read_artifact(digits_artifact[0])
+    other = build_index(np.asarray(art.embeddings)[:100], IndexParams(kind="hnsw"))
+    path = write_artifact(
+        tmp_path / "m",
+        projection=art.projection,
+        offset=art.offset,
+        embeddings=art.embeddings,
+        labels=art.labels,
+        classes=art.classes,
+        mean=art.mean,
+        scale=art.scale,
+        default_k=art.default_k,
+        index_bytes=faiss.serialize_index(other).tobytes(),
+    )
+    with pytest.raises(ArtifactError, match="the index holds 100 vectors"):
+        load_model(path, settings_for(path))
