@@ -65,14 +65,6 @@ class TrainConfig:
     seed: int = _opt(0, "random seed (split, init, mini-batches)")
     device: str = _opt("auto", "auto (CUDA when available), cpu, cuda, cuda:N")
     decision_rule: str = _opt("majority", "default decision rule in the artifact: majority or soft")
-    index: str = _opt(
-        "flat",
-        "prebuilt index written into the artifact: flat (none: the service searches exactly), "
-        "ivf, hnsw or ivfpq, its search parameter tuned on the validation split",
-    )
-    index_agreement: float = _opt(
-        0.998, "label agreement with exact search the tuned index must reach"
-    )
     plots: bool = _opt(True, "write PNG plots beside the artifact")
     quiet: bool = _opt(False, "no progress bar")
 

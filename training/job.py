@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 
 from service.artifact import write_artifact
-from service.indexing import SEARCH_PARAMETER, index_artifact
 from service.knn import project
 from training.baselines import BASELINES
 from training.config import TrainConfig
@@ -19,8 +18,6 @@ from training.data import DataError, Dataset, fingerprint, load_dataset, make_sp
 from training.estimator import NCA
 from training.evaluate import K_VALUES, choose_k, knn_accuracies, knn_predictions
 from training.report import json_bytes, plot_embedding, plot_objective
-
-INDEX_CHOICES = ("flat", *SEARCH_PARAMETER)
 
 
 class ConfigError(ValueError):
@@ -128,8 +125,6 @@ def run(config: TrainConfig, *, log=print) -> dict:
     """Run the whole job; returns the report. Raises DataError / ConfigError / ValueError on bad input."""
     started = time.perf_counter()
     check_publish_link(config.publish)
-    if config.index not in INDEX_CHOICES:
-        raise ConfigError(f"--index={config.index!r} must be one of {list(INDEX_CHOICES)}")
     data: Dataset = load_dataset(
         config.data, labels=config.labels, label_column=config.label_column
     )
@@ -242,8 +237,6 @@ def run(config: TrainConfig, *, log=print) -> dict:
         extra_files=extra_files,
         metadata={"training": training_record, "metrics": metrics, "data": data_record},
     )
-    if config.index != "flat":
-        index_artifact(out, config.index, target=config.index_agreement, log=log)
     if config.publish:
         publish(config.publish, out)
         log(f"published {config.publish} -> {out}")

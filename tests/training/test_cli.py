@@ -54,17 +54,30 @@ def test_end_to_end_on_digits(tmp_path, capsys):
     assert "wrote" in capsys.readouterr().err
 
 
-def test_the_job_writes_a_tuned_index(tmp_path, capsys):
+def test_the_artifact_keeps_the_projected_validation_split(tmp_path):
     out = tmp_path / "digits"
-    args = ["--data", "digits", "--n-components", "8", "--out", str(out), "--max-iter", "20"]
-    code = main([*args, "--quiet", "--no-plots", "--index", "hnsw", "--index-agreement", "0.99"])
-    assert code == 0
+    args = ["--data", "digits", "--n-components", "8", "--out", str(out), "--max-iter", "10"]
+    assert main([*args, "--quiet", "--no-plots"]) == 0
     art = read_artifact(out)
-    record = art.manifest["index"]
-    assert record["kind"] == "hnsw" and art.index_bytes is not None
-    assert record["tuning"]["chosen"]["label_agreement"] >= 0.99
-    assert record["tuning"]["queries"] == f"validation split ({len(art.validation_labels)} rows)"
-    assert "chose ef_search=" in capsys.readouterr().err
+    n_val = art.manifest["data"]["n_val"]
+    assert art.validation_embeddings.shape == (n_val, 8)
+    assert art.validation_labels.shape == (n_val,)
+    # the stored embeddings are the validation rows projected by the artifact's own map
+    from training.data import load_dataset, make_split
+
+    config = art.manifest["training"]["config"]
+    split = make_split(
+        load_dataset("digits"),
+        test_size=config["test_size"],
+        val_size=config["val_size"],
+        seed=config["seed"],
+    )
+    from service.knn import project
+
+    np.testing.assert_array_equal(
+        art.validation_embeddings, project(split.X_val, art.projection, art.offset)
+    )
+    np.testing.assert_array_equal(art.validation_labels, split.y_val)
 
 
 def test_every_config_field_is_an_option_with_help():
@@ -137,11 +150,6 @@ def write_npz(path, **arrays):
             lambda p, r: write_npz(p, X=r.normal(size=(20, 3)), y=np.arange(20) % 2),
             ["--n-candidates", "many"],
             "--n-candidates='many'",
-        ),
-        (
-            lambda p, r: write_npz(p, X=r.normal(size=(20, 3)), y=np.arange(20) % 2),
-            ["--index", "annoy"],
-            "--index='annoy' must be one of",
         ),
         (
             lambda p, r: write_npz(p, X=r.normal(size=(20, 3)), y=np.arange(20) % 2),
