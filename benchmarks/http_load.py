@@ -1,13 +1,26 @@
-"""HTTP throughput and latency on loopback with wrk: classify against a no-op endpoint.
+"""HTTP throughput and latency on loopback with wrk: our /v1/classify against a naive
+FastAPI + FAISS app, side by side, and against parse-only routes.
 
-Serves a model with D = 64 inputs and N = 60k references projected to d = 32 (synthetic data,
-NCA map learned on 5k of it) from `benchmarks/http_app.py` (the service plus a no-op route
-that parses the same body). For each server setting (workers; dynamic batching on or off),
-wrk drives 20 s runs at concurrency 16 and 64 with one 64-dim instance per request against
-POST /bench/noop and POST /v1/classify, side by side. Also measures batch embedding:
-rows/s for 10k-row batches, JSON against npy.
+Model: D = 64 inputs, N = 60k references projected to d = 32 (synthetic data, NCA map
+learned on 5k of it), plus a 5k validation split; a second artifact carries the IVF index
+``python -m service.indexing`` tunes on that split (label agreement >= 0.998).
 
-Usage: python benchmarks/http_load.py [--seconds 20]   (needs `wrk`: apt-get install wrk)
+Servers (1 uvicorn worker each, uvloop + httptools, pinned with ``taskset`` to core 1; wrk
+pinned to core 0, 1 thread; one 64-dim instance per request):
+
+* naive: ``benchmarks/naive_app.py`` (pydantic body, A x, FAISS Flat per request, majority
+  vote); /v1/classify (``async def``) and /v1/classify-sync (``def``); /noop parses the body
+  with the same pydantic model and answers a constant (a FastAPI endpoint's ceiling);
+* ours (exact Flat): ``benchmarks/http_app.py`` = the service plus /bench/noop, which runs
+  our whole request pipeline (key, media type, limits, strict parse) and answers a constant;
+* ours (tuned IVF): the same service on the indexed artifact.
+
+Each (server, route, concurrency) cell runs ``--seconds`` per round, rounds interleaved,
+medians over ``--rounds``. Then large requests (1,024-row classify, JSON against npy, rows/s,
+median of 5) and ``python -m service --workers 2``: pinned to core 1 (both workers share it)
+and unpinned (both cores, shared with wrk).
+
+Usage: python benchmarks/http_load.py [--seconds 10] [--rounds 3]   (needs `wrk`)
 Writes benchmarks/results/http_load.json.
 """
 
@@ -33,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, median, print_table, save_json, synthetic
 
 ROOT = Path(__file__).resolve().parents[1]
+SERVER_CORE, LOAD_CORE = "1", "0"
 LUA = """
 wrk.method = "POST"
 wrk.body = '{"instances": [[%s]]}'
@@ -40,25 +54,32 @@ wrk.headers["Content-Type"] = "application/json"
 """
 
 
-def build_model(directory: Path) -> Path:
+def build_models(directory: Path) -> tuple[Path, Path]:
+    """(the plain artifact, the same with a tuned IVF index)."""
     from service.artifact import write_artifact
+    from service.indexing import index_artifact
     from training import NCA
 
-    X, y = synthetic(60000, n_features=64, seed=2)
+    X, y = synthetic(65000, n_features=64, seed=2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         nca = NCA(n_components=32, max_iter=30, random_state=0).fit(X[:5000], y[:5000])
-    return write_artifact(
+    plain = write_artifact(
         directory / "model",
         projection=nca.projection_,
         offset=nca.offset_,
-        embeddings=nca.transform(X),
-        labels=y.astype(np.int32),
+        embeddings=nca.transform(X[:60000]),
+        labels=y[:60000].astype(np.int32),
         classes=list(range(10)),
         mean=nca.mean_,
         scale=nca.scale_,
         default_k=5,
+        validation_embeddings=nca.transform(X[60000:]),
+        validation_labels=y[60000:].astype(np.int32),
     )
+    indexed = directory / "model-ivf"
+    index_artifact(plain, "ivf", out=indexed)
+    return plain, indexed
 
 
 def free_port() -> int:
@@ -67,27 +88,42 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(model: Path, port: int, workers: int, batching: bool) -> subprocess.Popen:
+def wait_ready(proc: subprocess.Popen, port: int, path: str = "/readyz") -> None:
+    import httpx
+
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}{path}", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"server did not start: {proc.stderr.read().decode()[-2000:]}")
+
+
+def start_uvicorn(app: str, model: Path, cores: str | None = SERVER_CORE) -> tuple:
+    port = free_port()
     env = {
         **os.environ,
         "NCAKNN_MODEL_PATH": str(model),
-        "NCAKNN_BATCHING": str(batching).lower(),
         "NCAKNN_LOG_LEVEL": "warning",
-        "NCAKNN_MAX_BATCH_ROWS": "10000",
+        "NCAKNN_MAX_BATCH_ROWS": "4096",
+        "NCAKNN_DRAIN_DELAY_SECONDS": "0",
         "PYTHONPATH": str(ROOT),
     }
     cmd = [
         sys.executable,
         "-m",
         "uvicorn",
-        "benchmarks.http_app:create",
+        app,
         "--factory",
         "--host",
         "127.0.0.1",
         "--port",
         str(port),
         "--workers",
-        str(workers),
+        "1",
         "--loop",
         "uvloop",
         "--http",
@@ -96,20 +132,33 @@ def start(model: Path, port: int, workers: int, batching: bool) -> subprocess.Po
         "--log-level",
         "warning",
     ]
+    if cores is not None:
+        cmd = ["taskset", "-c", cores, *cmd]
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )
-    import httpx
+    wait_ready(proc, port)
+    return proc, port
 
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"server did not start: {proc.stderr.read().decode()[-2000:]}")
+
+def start_service(model: Path, workers: int, cores: str | None) -> tuple:
+    port = free_port()
+    env = {
+        **os.environ,
+        "NCAKNN_LOG_LEVEL": "warning",
+        "NCAKNN_DRAIN_DELAY_SECONDS": "0",
+        "PYTHONPATH": str(ROOT),
+    }
+    cmd = [sys.executable, "-m", "service", "--model", str(model), "--port", str(port)]
+    cmd += ["--workers", str(workers)]
+    if cores is not None:
+        cmd = ["taskset", "-c", cores, *cmd]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    wait_ready(proc, port)
+    time.sleep(2)  # every worker up
+    return proc, port
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -128,8 +177,6 @@ def parse_wrk(text: str) -> dict:
     for pct in ("50", "99"):
         m = re.search(rf"\s{pct}%\s+([\d.]+)(us|ms|s|m)\b", text)
         out[f"p{pct}_ms"] = seconds(*m.groups()) * 1e3 if m else None
-    m = re.search(r"(\d+) requests in", text)
-    out["requests"] = int(m.group(1)) if m else None
     errors = 0
     m = re.search(r"Non-2xx or 3xx responses: (\d+)", text)
     errors += int(m.group(1)) if m else 0
@@ -140,46 +187,32 @@ def parse_wrk(text: str) -> dict:
 
 
 def wrk(url: str, script: Path, connections: int, seconds: int) -> dict:
-    cmd = [
-        "wrk",
-        "-t",
-        "1",
-        "-c",
-        str(connections),
-        "-d",
-        f"{seconds}s",
-        "--latency",
-        "-s",
-        str(script),
-        url,
-    ]
+    cmd = ["taskset", "-c", LOAD_CORE, "wrk", "-t", "1", "-c", str(connections)]
+    cmd += ["-d", f"{seconds}s", "--latency", "-s", str(script), url]
     result = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return parse_wrk(result.stdout)
 
 
-def embed_rates(port: int, rows: np.ndarray, repeats: int = 5) -> dict:
+def large_request_rates(port: int, rows: np.ndarray, repeats: int = 5) -> dict:
+    """rows/s of 1,024-row /v1/classify requests, JSON against npy (answers are JSON)."""
     import httpx
 
-    url = f"http://127.0.0.1:{port}/v1/embed"
+    url = f"http://127.0.0.1:{port}/v1/classify"
     buffer = io.BytesIO()
     np.save(buffer, rows.astype(np.float32))
-    npy_body = buffer.getvalue()
-    json_body = json.dumps({"instances": rows.tolist()}).encode()
-    out = {}
+    bodies = {
+        "json": (json.dumps({"instances": rows.tolist()}).encode(), "application/json"),
+        "npy": (buffer.getvalue(), "application/x-npy"),
+    }
+    out = {"rows_per_request": len(rows)}
     with httpx.Client(timeout=120) as client:
-        for name, body, headers in (
-            ("json", json_body, {"content-type": "application/json"}),
-            ("npy", npy_body, {"content-type": "application/x-npy", "accept": "application/x-npy"}),
-        ):
+        for name, (body, media) in bodies.items():
             times = []
             for _ in range(repeats):
                 t = time.perf_counter()
-                r = client.post(url, content=body, headers=headers)
+                r = client.post(url, content=body, headers={"content-type": media})
                 r.raise_for_status()
-                if name == "json":
-                    np.asarray(r.json()["embeddings"], np.float32)
-                else:
-                    np.load(io.BytesIO(r.content), allow_pickle=False)
+                assert len(r.json()["predictions"]) == len(rows)
                 times.append(time.perf_counter() - t)
             out[f"{name}_rows_per_second"] = len(rows) / median(times)
             out[f"{name}_request_bytes"] = len(body)
@@ -187,98 +220,127 @@ def embed_rates(port: int, rows: np.ndarray, repeats: int = 5) -> dict:
     return out
 
 
+def cell_medians(runs: list[dict]) -> dict:
+    keys = ("requests_per_second", "p50_ms", "p99_ms")
+    out = {k: median([r[k] for r in runs]) for k in keys}
+    out["errors"] = sum(r["errors"] for r in runs)
+    out["p99_over_p50"] = out["p99_ms"] / out["p50_ms"]
+    out["rounds"] = len(runs)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--seconds", type=int, default=20)
-    parser.add_argument("--workers", default="1,2")
+    parser.add_argument("--seconds", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    if shutil.which("wrk") is None:
-        sys.exit("wrk not found: apt-get install wrk")
+    if shutil.which("wrk") is None or shutil.which("taskset") is None:
+        sys.exit("wrk and taskset are needed: apt-get install wrk util-linux")
     work = Path(tempfile.mkdtemp(prefix="ncaknn-bench-"))
-    model = build_model(work)
+    plain, indexed = build_models(work)
     rng = np.random.default_rng(0)
-    row = ",".join(f"{v:.4f}" for v in rng.normal(size=64))
     script = work / "post.lua"
-    script.write_text(LUA % row)
+    script.write_text(LUA % ",".join(f"{v:.4f}" for v in rng.normal(size=64)))
+
+    servers = {
+        "naive": start_uvicorn("benchmarks.naive_app:create", plain),
+        "ours_flat": start_uvicorn("benchmarks.http_app:create", plain),
+        "ours_ivf": start_uvicorn("benchmarks.http_app:create", indexed),
+    }
+    cells = [
+        ("naive", "/v1/classify", "naive FastAPI+FAISS, async def"),
+        ("naive", "/v1/classify-sync", "naive FastAPI+FAISS, def"),
+        ("naive", "/noop", "FastAPI pydantic parse-only"),
+        ("ours_flat", "/bench/noop", "our pipeline parse-only"),
+        ("ours_flat", "/v1/classify", "ours, exact Flat"),
+        ("ours_ivf", "/v1/classify", "ours, tuned IVF"),
+    ]
+    runs: dict[tuple, list[dict]] = {}
+    large = {}
+    try:
+        for name in ("ours_flat", "ours_ivf"):
+            large[name] = large_request_rates(servers[name][1], rng.normal(size=(1024, 64)))
+            print(name, json.dumps(large[name]), flush=True)
+        for round_ in range(args.rounds):
+            for connections in (16, 64):
+                for server, route, _ in cells:
+                    url = f"http://127.0.0.1:{servers[server][1]}{route}"
+                    result = wrk(url, script, connections, args.seconds)
+                    runs.setdefault((server, route, connections), []).append(result)
+                    print(round_, server, route, connections, json.dumps(result), flush=True)
+    finally:
+        for proc, _ in servers.values():
+            stop(proc)
+
     rows = []
-    embed = None
-    for workers in map(int, args.workers.split(",")):
-        for batching in (True, False):
-            port = free_port()
-            proc = start(model, port, workers, batching)
+    for connections in (16, 64):
+        for server, route, label in cells:
+            rows.append(
+                {
+                    "connections": connections,
+                    "server": label,
+                    "route": route,
+                    **cell_medians(runs[(server, route, connections)]),
+                }
+            )
+    for connections in (16, 64):
+        at = {r["server"]: r for r in rows if r["connections"] == connections}
+        naive_best = max(
+            at["naive FastAPI+FAISS, async def"]["requests_per_second"],
+            at["naive FastAPI+FAISS, def"]["requests_per_second"],
+        )
+        for r in at.values():
+            r["over_naive_best"] = r["requests_per_second"] / naive_best
+            r["over_fastapi_noop"] = (
+                r["requests_per_second"] / at["FastAPI pydantic parse-only"]["requests_per_second"]
+            )
+            r["over_our_noop"] = (
+                r["requests_per_second"] / at["our pipeline parse-only"]["requests_per_second"]
+            )
+
+    workers = []
+    for label, cores in (("2 workers, core 1", SERVER_CORE), ("2 workers, cores 0-1", None)):
+        for count in (1, 2) if cores == SERVER_CORE else (2,):
+            proc, port = start_service(plain, count, cores)
             try:
-                if embed is None and workers == 1 and batching:
-                    embed = embed_rates(port, rng.normal(size=(10000, 64)))
-                    print(json.dumps(embed), flush=True)
                 for connections in (16, 64):
-                    for route in ("/bench/noop", "/v1/classify"):
-                        if route == "/bench/noop" and not batching:
-                            continue  # the no-op route does not search: batching does not apply
-                        result = wrk(
-                            f"http://127.0.0.1:{port}{route}", script, connections, args.seconds
+                    results = [
+                        wrk(
+                            f"http://127.0.0.1:{port}/v1/classify",
+                            script,
+                            connections,
+                            args.seconds,
                         )
-                        rows.append(
-                            {
-                                "workers": workers,
-                                "batching": batching,
-                                "connections": connections,
-                                "route": route,
-                                **result,
-                            }
-                        )
-                        print(json.dumps(rows[-1]), flush=True)
+                        for _ in range(args.rounds)
+                    ]
+                    name = label if count == 2 else "1 worker, core 1"
+                    workers.append(
+                        {"setting": name, "connections": connections, **cell_medians(results)}
+                    )
+                    print(json.dumps(workers[-1]), flush=True)
             finally:
                 stop(proc)
-    for r in rows:
-        noop = next(
-            (
-                x
-                for x in rows
-                if x["route"] == "/bench/noop"
-                and x["workers"] == r["workers"]
-                and x["connections"] == r["connections"]
-            ),
-            None,
-        )
-        if noop and r["route"] == "/v1/classify":
-            r["fraction_of_noop"] = r["requests_per_second"] / noop["requests_per_second"]
-        if r["route"] == "/v1/classify" and r["batching"]:
-            unbatched = next(
-                (
-                    x
-                    for x in rows
-                    if x["route"] == "/v1/classify"
-                    and not x["batching"]
-                    and x["workers"] == r["workers"]
-                    and x["connections"] == r["connections"]
-                ),
-                None,
-            )
-            if unbatched:
-                r["batched_over_unbatched"] = (
-                    r["requests_per_second"] / unbatched["requests_per_second"]
-                )
+
+    columns = ["connections", "server", "requests_per_second", "p50_ms", "p99_ms", "p99_over_p50"]
+    columns += ["errors", "over_naive_best", "over_fastapi_noop", "over_our_noop"]
+    print_table(rows, columns)
     print_table(
-        rows,
-        [
-            "workers",
-            "batching",
-            "connections",
-            "route",
-            "requests_per_second",
-            "p50_ms",
-            "p99_ms",
-            "errors",
-            "fraction_of_noop",
-            "batched_over_unbatched",
-        ],
+        workers, ["setting", "connections", "requests_per_second", "p50_ms", "p99_ms", "errors"]
     )
-    print(json.dumps(embed, indent=1))
+    print(json.dumps(large, indent=1))
     out = save_json(
         "http_load.json",
-        {"machine": machine(), "seconds": args.seconds, "rows": rows, "embed": embed},
+        {
+            "machine": machine(),
+            "seconds": args.seconds,
+            "rounds": args.rounds,
+            "pinning": f"servers on core {SERVER_CORE}, wrk (1 thread) on core {LOAD_CORE}",
+            "rows": rows,
+            "workers": workers,
+            "large_requests": large,
+        },
     )
     print(f"wrote {out}")
     shutil.rmtree(work, ignore_errors=True)
