@@ -105,49 +105,96 @@ def main():
         print(train_tables(r))
     s = load("search_raw_vs_projected.json")
     if s:
-        print("\n## Search: raw D against projected d\n")
+        print("\n## Search: raw D against projected d, through service/index.py\n")
+        print(
+            f"{s['n']:,} references, {s['queries']:,} test queries, k = {s['k']}, "
+            f"{s['rule']} rule, batches of {s['batch']}, {s['threads']} thread; approximate "
+            f"indexes tuned on {s['validation']:,} validation queries to label agreement >= "
+            f"{s['target_label_agreement']}, then judged on the test queries.\n"
+        )
         print(
             md(
                 s["rows"],
                 [
                     ("index", lambda x: x["index"]),
                     ("space / setting", lambda x: x["space"]),
-                    ("s for 10k queries", lambda x: fmt(x["seconds"])),
+                    ("s for the queries", lambda x: fmt(x["seconds"])),
                     ("speed-up vs raw Flat", lambda x: fmt(x["speedup_vs_raw_flat"])),
-                    (
-                        "recall@5 vs projected Flat",
-                        lambda x: fmt(x.get("recall_at_5_vs_projected_flat")),
-                    ),
+                    ("label agreement (test)", lambda x: fmt(x.get("label_agreement"), 4)),
+                    ("accuracy delta, points", lambda x: fmt(x.get("accuracy_delta_points"))),
+                    ("recall@5", lambda x: fmt(x.get("recall_at_5"), 4)),
+                    ("test accuracy", lambda x: fmt(x.get("test_accuracy"), 4)),
                     ("index bytes", lambda x: f"{x['index_bytes']:,}"),
-                    ("smaller than raw", lambda x: fmt(x["bytes_ratio_vs_raw"])),
                 ],
             )
         )
+    c = load("index_cost.json")
+    if c:
+        print("\n## Cost as N grows (d = 32, through service/index.py, one thread)\n")
+        print(
+            md(
+                c["rows"],
+                [
+                    ("N", lambda x: f"{x['n']:,}"),
+                    ("index", lambda x: x["index"]),
+                    ("setting (agreement >= target)", lambda x: x["setting"] or "exact"),
+                    ("build s", lambda x: fmt(x["build_seconds"])),
+                    ("load s", lambda x: fmt(x["load_seconds"])),
+                    ("index MiB", lambda x: fmt(x["index_mib"])),
+                    ("1 query us", lambda x: fmt(x["single_query_us"])),
+                    ("batched q/s", lambda x: fmt(x["batched_queries_per_second"])),
+                    ("label agreement", lambda x: fmt(x["label_agreement"], 4)),
+                ],
+            )
+        )
+        if c.get("ready"):
+            r = c["ready"]
+            print(
+                f"\nSeconds from `python -m service` to /readyz 200 at N = {r['n']:,} (median of "
+                f"3): Flat {fmt(r['flat_seconds_to_ready'])}, IVF built at start "
+                f"{fmt(r['ivf_built_at_start_seconds_to_ready'])}, IVF prebuilt in the artifact "
+                f"{fmt(r['ivf_prebuilt_seconds_to_ready'])}. Plot: `results/index_cost.png`."
+            )
     h = load("http_load.json")
     if h:
         print("\n## HTTP (wrk, loopback, 1 instance of 64 numbers per request)\n")
+        print(f"{h['pinning']}; {h['seconds']} s per cell, medians of {h['rounds']} rounds.\n")
         print(
             md(
                 h["rows"],
                 [
-                    ("workers", lambda x: str(x["workers"])),
-                    ("batching", lambda x: str(x["batching"])),
-                    ("connections", lambda x: str(x["connections"])),
-                    ("route", lambda x: x["route"]),
+                    ("conns", lambda x: str(x["connections"])),
+                    ("server", lambda x: x["server"]),
+                    ("req/s", lambda x: fmt(x["requests_per_second"])),
+                    ("p50 ms", lambda x: fmt(x["p50_ms"])),
+                    ("p99 ms", lambda x: fmt(x["p99_ms"])),
+                    ("p99/p50", lambda x: fmt(x["p99_over_p50"])),
+                    ("errors", lambda x: str(x["errors"])),
+                    ("x naive (best)", lambda x: fmt(x["over_naive_best"])),
+                    ("x FastAPI parse-only", lambda x: fmt(x["over_fastapi_noop"])),
+                    ("x our parse-only", lambda x: fmt(x["over_our_noop"])),
+                ],
+            )
+        )
+        print("\nWorkers (our /v1/classify, exact Flat):\n")
+        print(
+            md(
+                h["workers"],
+                [
+                    ("setting", lambda x: x["setting"]),
+                    ("conns", lambda x: str(x["connections"])),
                     ("req/s", lambda x: fmt(x["requests_per_second"])),
                     ("p50 ms", lambda x: fmt(x["p50_ms"])),
                     ("p99 ms", lambda x: fmt(x["p99_ms"])),
                     ("errors", lambda x: str(x["errors"])),
-                    ("share of no-op", lambda x: fmt(x.get("fraction_of_noop"))),
-                    ("batched / unbatched", lambda x: fmt(x.get("batched_over_unbatched"))),
                 ],
             )
         )
-        if h.get("embed"):
-            e = h["embed"]
+        for name, e in h["large_requests"].items():
             print(
-                f"\nBatch embedding, 10k x 64 per request: JSON {e['json_rows_per_second']:,.0f} rows/s, "
-                f"npy {e['npy_rows_per_second']:,.0f} rows/s: npy is {e['npy_over_json']:.1f}x JSON."
+                f"\n1,024-row /v1/classify ({name}): JSON body {e['json_rows_per_second']:,.0f} "
+                f"rows/s, npy body {e['npy_rows_per_second']:,.0f} rows/s "
+                f"({e['npy_over_json']:.2f}x); answers are JSON."
             )
     k = load("knca_cost.json")
     if k:
