@@ -20,6 +20,20 @@ from service.knn import decide
 from .conftest import manifest, settings_for
 
 
+def model_arrays(art) -> dict:
+    """The pieces of an artifact that write_artifact needs, without validation or index."""
+    return dict(
+        projection=art.projection,
+        offset=art.offset,
+        embeddings=art.embeddings,
+        labels=art.labels,
+        classes=art.classes,
+        mean=art.mean,
+        scale=art.scale,
+        default_k=art.default_k,
+    )
+
+
 def served_predictions(model, queries: np.ndarray) -> np.ndarray:
     art = model.artifact
     dist, idx = model.search_embedded(queries, art.default_k)
@@ -134,17 +148,7 @@ def test_an_unreachable_target_leaves_the_artifact_alone(model_dir, monkeypatch,
 
 def test_an_artifact_without_a_validation_split_is_refused(digits_artifact, tmp_path, capsys):
     art = read_artifact(digits_artifact[0])
-    bare = write_artifact(
-        tmp_path / "bare",
-        projection=art.projection,
-        offset=art.offset,
-        embeddings=art.embeddings,
-        labels=art.labels,
-        classes=art.classes,
-        mean=art.mean,
-        scale=art.scale,
-        default_k=art.default_k,
-    )
+    bare = write_artifact(tmp_path / "bare", **model_arrays(art))
     assert indexing.main([str(bare), "--index", "hnsw"]) == 1
     assert "no validation split to tune on" in capsys.readouterr().err
 
@@ -159,16 +163,7 @@ def test_the_command_indexes_in_place(model_dir, capsys):
 
 def test_validation_arrays_go_together_and_are_checked(digits_artifact, tmp_path):
     art = read_artifact(digits_artifact[0])
-    common = dict(
-        projection=art.projection,
-        offset=art.offset,
-        embeddings=art.embeddings,
-        labels=art.labels,
-        classes=art.classes,
-        mean=art.mean,
-        scale=art.scale,
-        default_k=art.default_k,
-    )
+    common = model_arrays(art)
     with pytest.raises(ArtifactError, match="go together"):
         write_artifact(tmp_path / "a", validation_embeddings=art.validation_embeddings, **common)
     with pytest.raises(ArtifactError, match=r"validation_embeddings\.npy: expected shape"):
@@ -192,14 +187,7 @@ def test_a_prebuilt_index_of_other_references_is_refused(digits_artifact, tmp_pa
     other = build_index(np.asarray(art.embeddings)[:100], IndexParams(kind="hnsw"))
     path = write_artifact(
         tmp_path / "m",
-        projection=art.projection,
-        offset=art.offset,
-        embeddings=art.embeddings,
-        labels=art.labels,
-        classes=art.classes,
-        mean=art.mean,
-        scale=art.scale,
-        default_k=art.default_k,
+        **model_arrays(art),
         index_bytes=faiss.serialize_index(other).tobytes(),
     )
     with pytest.raises(ArtifactError, match="the index holds 100 vectors"):
