@@ -41,6 +41,20 @@ def model_dir(digits_artifact, tmp_path):
     return target
 
 
+def model_arrays(art) -> dict:
+    """The pieces of an artifact that write_artifact needs, without validation or index."""
+    return dict(
+        projection=art.projection,
+        offset=art.offset,
+        embeddings=art.embeddings,
+        labels=art.labels,
+        classes=art.classes,
+        mean=art.mean,
+        scale=art.scale,
+        default_k=art.default_k,
+    )
+
+
 def settings_for(path, **overrides) -> Settings:
     return Settings(model_path=path, log_json=False, **overrides)
 

@@ -17,21 +17,7 @@ from service.engine import load_model
 from service.index import IndexParams, build_index
 from service.knn import decide
 
-from .conftest import manifest, settings_for
-
-
-def model_arrays(art) -> dict:
-    """The pieces of an artifact that write_artifact needs, without validation or index."""
-    return dict(
-        projection=art.projection,
-        offset=art.offset,
-        embeddings=art.embeddings,
-        labels=art.labels,
-        classes=art.classes,
-        mean=art.mean,
-        scale=art.scale,
-        default_k=art.default_k,
-    )
+from .conftest import manifest, model_arrays, settings_for
 
 
 def served_predictions(model, queries: np.ndarray) -> np.ndarray:

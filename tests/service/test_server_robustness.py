@@ -17,7 +17,7 @@ import httpx
 import numpy as np
 import pytest
 
-from service.artifact import read_artifact, write_artifact
+from service.artifact import read_artifact, rewrite_artifact
 from service.config import Settings
 from service.engine import load_model
 from tests.service.conftest import republish_scaled
@@ -43,17 +43,7 @@ def expected_answers(versions: dict[str, Path], x: np.ndarray) -> dict[str, list
 def publish_copy(source: Path, target: Path) -> None:
     """Write the artifact at ``source`` again at ``target`` (an atomic directory exchange)."""
     art = read_artifact(source)
-    write_artifact(
-        target,
-        projection=art.projection,
-        offset=art.offset,
-        embeddings=art.embeddings,
-        labels=art.labels,
-        classes=art.classes,
-        mean=art.mean,
-        scale=art.scale,
-        default_k=art.default_k,
-    )
+    rewrite_artifact(art, target, index_bytes=art.index_bytes, metadata={})
 
 
 def answer_of(body: dict) -> list:
