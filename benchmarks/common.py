@@ -36,6 +36,56 @@ def synthetic(n: int, n_features: int = 784, n_classes: int = 10, seed: int = 0,
     return X.astype(np.float32), y
 
 
+def usps_784(n: int, n_validation: int, n_test: int, seed: int = 0):
+    """Real digits at MNIST's size: USPS resampled to 28 x 28 and augmented to `n` references.
+
+    Each 16 x 16 USPS image is zoomed to 20 x 20 and centred on a 28 x 28 canvas (MNIST's
+    format, D = 784), then moved by a random small affine map (rotation within +-12 degrees,
+    scale 0.9-1.1, shift within +-2 px; bilinear). References come from 6,291 USPS training
+    images, validation queries from the other 1,000 training images, test queries from the
+    2,007 USPS test images, so no query is an augmented copy of a reference's source image.
+    Returns (X_ref, y_ref, X_val, y_val, X_test, y_test), X float32 in [0, 1], y int64, or
+    None when ../shared/data/usps.npz is absent.
+    """
+    if not USPS_PATH.exists():
+        return None
+    from scipy import ndimage
+
+    data = np.load(USPS_PATH)
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(data["y"]))
+    train_images, train_labels = data["X"][order], data["y"][order]
+
+    def canvas(images: np.ndarray) -> np.ndarray:  # (m, 256) -> (m, 28, 28)
+        small = images.reshape(-1, 16, 16)
+        big = ndimage.zoom(small, (1, 20 / 16, 20 / 16), order=1)
+        out = np.zeros((len(images), 28, 28), dtype=np.float32)
+        out[:, 4:24, 4:24] = np.clip(big, 0, 1)
+        return out
+
+    def augment(images: np.ndarray, labels: np.ndarray, count: int):
+        base = canvas(images)
+        pick = rng.integers(0, len(images), count)
+        out = np.empty((count, 784), dtype=np.float32)
+        centre = np.array([13.5, 13.5])
+        for row, source in enumerate(pick):
+            angle = np.deg2rad(rng.uniform(-12, 12))
+            scale = rng.uniform(0.9, 1.1)
+            rotation = (
+                np.array([[np.cos(angle), -np.sin(angle)], [np.sin(angle), np.cos(angle)]]) / scale
+            )
+            shift = rng.uniform(-2, 2, size=2)
+            offset = centre - rotation @ (centre + shift)
+            moved = ndimage.affine_transform(base[source], rotation, offset=offset, order=1)
+            out[row] = moved.reshape(784)
+        return out, labels[pick].astype(np.int64)
+
+    X_ref, y_ref = augment(train_images[1000:], train_labels[1000:], n)
+    X_val, y_val = augment(train_images[:1000], train_labels[:1000], n_validation)
+    X_test, y_test = augment(data["X_test"], data["y_test"], n_test)
+    return X_ref, y_ref, X_val, y_val, X_test, y_test
+
+
 def peak_rss_mib() -> float:
     """Peak resident set size of this process so far (MiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -36,7 +36,7 @@ from service.index import (
     configure,
     index_kind,
     reference_norm_limit,
-    search_references,
+    search_with_recheck,
 )
 from service.knn import RULES, decide, project
 
@@ -104,6 +104,7 @@ class LoadedModel:
     input_abs_max: float  # inputs within [-input_abs_max, input_abs_max] embed finitely
     search_threads: int = 0
     index_params: dict = field(default_factory=dict)
+    search_plan: IndexParams = field(default_factory=IndexParams)  # incl. the recheck stage
     # called with (far rows, under-filled rows) after a search that used the exact fallback
     on_fallback: Callable[[int, int], None] | None = None
 
@@ -147,12 +148,16 @@ class LoadedModel:
     def search_embedded(self, z: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """z (n, d) finite -> (squared distances (n, k) float64, reference rows (n, k)).
 
-        Always k real references per row (see ``service.index.search_references``)."""
-        result = search_references(
+        Always k real references per row (see ``service.index.search_references``); rows
+        with a close vote searched again, wider, when the plan has a recheck stage."""
+        result = search_with_recheck(
             self.index,
             self.embeddings,
+            self.labels,
+            len(self.classes),
             z,
             k,
+            self.search_plan,
             threads=self.search_threads,
             norm_limit=self.norm_limit,
         )
@@ -204,12 +209,15 @@ def input_abs_max(projection: np.ndarray, offset: np.ndarray) -> float:
 def index_params(settings: Settings, artifact: Artifact, prebuilt: faiss.Index | None):
     """The index to serve: ``index_type`` auto means the artifact's prebuilt index, else
     flat. Search parameters left unset take the values the indexing command tuned for
-    that kind (``manifest["index"]``), else FAISS-typical defaults."""
+    that kind (``manifest["index"]``), else FAISS-typical defaults. The tuned recheck stage
+    belongs to the tuned first stage: setting nprobe / ef_search explicitly turns it off."""
     kind = settings.index_type
     if kind == "auto":
         kind = index_kind(prebuilt) if prebuilt is not None else "flat"
     record = artifact.manifest.get("index") or {}
     tuned = record.get("params", {}) if record.get("kind") == kind else {}
+    overridden = settings.nprobe if kind in ("ivf", "ivfpq") else settings.ef_search
+    recheck = {} if overridden else tuned
     return IndexParams(
         kind=kind,
         ivf_nlist=settings.ivf_nlist,
@@ -219,6 +227,9 @@ def index_params(settings: Settings, artifact: Artifact, prebuilt: faiss.Index |
         ef_search=settings.ef_search or int(tuned.get("ef_search", 64)),
         pq_m=settings.pq_m,
         search_threads=settings.search_threads,
+        recheck_margin=int(recheck.get("recheck_margin", 0)),
+        recheck_nprobe=int(recheck.get("recheck_nprobe", 0)),
+        recheck_ef_search=int(recheck.get("recheck_ef_search", 0)),
     )
 
 
@@ -270,7 +281,9 @@ def load_model(
             or (params.kind in ("ivf", "ivfpq") and k in ("ivf_nlist", "nprobe"))
             or (params.kind == "hnsw" and k in ("hnsw_m", "ef_search", "ef_construction"))
             or (params.kind == "ivfpq" and k == "pq_m")
+            or (params.recheck_parameters() is not None and k.startswith("recheck_") and v)
         },
+        search_plan=params,
         on_fallback=on_fallback,
     )
     # warm-up: one query through the whole path (page in the arrays, start FAISS)

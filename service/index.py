@@ -4,6 +4,12 @@
 their search parameter (nprobe / efSearch) settable. Every search fetches k + RERANK_MARGIN
 candidates and re-ranks them exactly with :func:`service.knn.rerank`, so answers are ordered
 by exact distance with ties broken by id, and do not depend on how requests were batched.
+
+An approximate index can search in two stages (:func:`search_with_recheck`): every row with
+the cheap setting, then again with a wider one (``recheck_nprobe`` / ``recheck_ef_search``)
+only the rows whose k neighbours' vote is close (margin between the two most frequent
+labels below ``recheck_margin``). A unanimous vote almost never changes when a missed
+neighbour is found, a split one often does, so effort goes where the answer is uncertain.
 """
 
 from __future__ import annotations
@@ -59,6 +65,21 @@ class IndexParams:
     ef_search: int = 64
     pq_m: int = 8
     search_threads: int = 0
+    # second stage (0 = off): rows whose vote margin is below recheck_margin are searched
+    # again with nprobe = recheck_nprobe (IVF) or efSearch = recheck_ef_search (HNSW)
+    recheck_margin: int = 0
+    recheck_nprobe: int = 0
+    recheck_ef_search: int = 0
+
+    def recheck_parameters(self) -> faiss.SearchParameters | None:
+        """FAISS per-call parameters of the second stage, None when it is off."""
+        if self.recheck_margin <= 0:
+            return None
+        if self.kind in ("ivf", "ivfpq") and self.recheck_nprobe > 0:
+            return faiss.SearchParametersIVF(nprobe=self.recheck_nprobe)
+        if self.kind == "hnsw" and self.recheck_ef_search > 0:
+            return faiss.SearchParametersHNSW(efSearch=self.recheck_ef_search)
+        return None
 
 
 def build_index(embeddings: np.ndarray, params: IndexParams) -> faiss.Index:
@@ -123,6 +144,8 @@ class SearchResult:
     indices: np.ndarray  # (n, k) int64 reference rows, all valid (>= 0)
     far_rows: int = 0  # searched exactly: too far from the data for float32 FAISS
     underfilled_rows: int = 0  # searched exactly: the index proposed fewer than k references
+    rechecked_rows: int = 0  # searched a second time, wider (see search_with_recheck)
+    exact: np.ndarray | None = None  # (n,) bool, rows answered by the exact fallback
 
 
 def reference_norm_limit(references: np.ndarray) -> float:
@@ -139,6 +162,7 @@ def search_references(
     *,
     threads: int = 0,
     norm_limit: float = np.inf,
+    search_parameters: faiss.SearchParameters | None = None,
 ) -> SearchResult:
     """k nearest references of each query, never fewer than k real ones.
 
@@ -147,7 +171,8 @@ def search_references(
     are searched exactly instead (``exact_knn_centered``): rows whose norm exceeds
     ``norm_limit`` and rows for which the index returned fewer than k candidates (an IVF
     probing too few lists pads with -1). Small batches search on one thread; larger ones on
-    ``threads`` (0: all cores).
+    ``threads`` (0: all cores). ``search_parameters`` override the index's own nprobe /
+    efSearch for this call only (the index object is never changed while it serves).
     """
     q = np.ascontiguousarray(queries, dtype=np.float32)
     n = len(q)
@@ -164,11 +189,79 @@ def search_references(
             BLAS_ALWAYS if len(near) >= BLAS_MIN_ROWS else BLAS_NEVER
         )
         q_near = q if len(near) == n else q[near]
-        _, candidates = index.search(q_near, m)
+        _, candidates = index.search(q_near, m, params=search_parameters)
         d_near, i_near = rerank(q_near, references, candidates, k)
         distances[near], indices[near] = d_near, i_near
         underfilled[near[(i_near < 0).any(axis=1)]] = True
     exact = np.flatnonzero(far | underfilled)
     if len(exact):
         distances[exact], indices[exact] = exact_knn_centered(q[exact], references, k)
-    return SearchResult(distances, indices, int(far.sum()), int(underfilled.sum()))
+    return SearchResult(
+        distances, indices, int(far.sum()), int(underfilled.sum()), exact=far | underfilled
+    )
+
+
+def vote_margin(neighbour_labels: np.ndarray, n_classes: int) -> np.ndarray:
+    """How decided each row's vote is: count of the most frequent label among its k
+    neighbours minus the count of the second (k for a unanimous vote, 0 for a tie).
+
+    neighbour_labels: (n, k) class indices in [0, n_classes)  ->  (n,) int64.
+    """
+    n, k = neighbour_labels.shape
+    counts = np.zeros((n, n_classes), dtype=np.int64)
+    np.add.at(counts, (np.repeat(np.arange(n), k), neighbour_labels.reshape(-1)), 1)
+    if n_classes == 1:
+        return counts[:, 0]
+    top_two = np.partition(counts, n_classes - 2, axis=1)[:, -2:]  # (n, 2)
+    return top_two.max(axis=1) - top_two.min(axis=1)
+
+
+def search_with_recheck(
+    index: faiss.Index,
+    references: np.ndarray,
+    labels: np.ndarray,
+    n_classes: int,
+    queries: np.ndarray,
+    k: int,
+    params: IndexParams,
+    *,
+    threads: int = 0,
+    norm_limit: float = np.inf,
+) -> SearchResult:
+    """``search_references``, then the rows with a close vote searched again, wider.
+
+    labels: (N,) class indices of the references. A row whose ``vote_margin`` is below
+    ``params.recheck_margin`` is searched again with ``params.recheck_parameters()`` and
+    takes that answer. Each row's answer depends on that row alone (both stages and the
+    margin are per row), so batching still cannot change an answer.
+    """
+    first = search_references(index, references, queries, k, threads=threads, norm_limit=norm_limit)
+    wider = params.recheck_parameters()
+    if wider is None:
+        return first
+    close = vote_margin(labels[first.indices], n_classes) < params.recheck_margin  # (n,)
+    unsure = np.flatnonzero(close & ~first.exact)  # exact rows cannot improve
+    if not len(unsure):
+        return first
+    q = np.ascontiguousarray(queries, dtype=np.float32)
+    second = search_references(
+        index,
+        references,
+        q[unsure],
+        k,
+        threads=threads,
+        norm_limit=norm_limit,
+        search_parameters=wider,
+    )
+    distances, indices = first.distances.copy(), first.indices.copy()
+    distances[unsure], indices[unsure] = second.distances, second.indices
+    exact = first.exact.copy()
+    exact[unsure] = second.exact
+    return SearchResult(
+        distances,
+        indices,
+        first.far_rows,
+        first.underfilled_rows + second.underfilled_rows,
+        len(unsure),
+        exact,
+    )

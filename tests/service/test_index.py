@@ -11,6 +11,8 @@ from service.index import (
     build_index,
     reference_norm_limit,
     search_references,
+    search_with_recheck,
+    vote_margin,
 )
 from service.knn import exact_knn, exact_knn_centered, project
 
@@ -176,3 +178,84 @@ def test_available_cores_follows_affinity_and_cgroup_quota(
     monkeypatch.setattr(index_module.os, "sched_getaffinity", lambda pid: affinity)
     monkeypatch.setattr(index_module, "CGROUP_CPU_MAX", str(path))
     assert index_module.available_cores() == expected
+
+
+@pytest.mark.parametrize(
+    ("neighbour_labels", "n_classes", "expected"),
+    [
+        ([[0, 0, 0, 0, 0]], 3, [5]),  # unanimous
+        ([[2, 2, 2, 1, 1]], 3, [1]),
+        ([[0, 1, 2, 3, 4]], 5, [0]),  # all different
+        ([[0, 0, 1, 1, 2]], 3, [0]),  # tie for first
+        ([[1, 1, 1, 1, 0], [2, 0, 2, 0, 2]], 3, [3, 1]),
+        ([[0, 0, 0]], 1, [3]),  # one class
+    ],
+)
+def test_vote_margin_is_top_count_minus_runner_up(neighbour_labels, n_classes, expected):
+    labels = np.asarray(neighbour_labels, dtype=np.int64)
+    np.testing.assert_array_equal(vote_margin(labels, n_classes), expected)
+
+
+def recheck_setup(rng):
+    """An IVF probing 1 of 64 lists over two overlapping classes: many split votes."""
+    refs = rng.normal(size=(3000, 8)).astype(np.float32)
+    labels = (refs[:, 0] + 0.7 * rng.normal(size=3000) > 0).astype(np.int64)
+    queries = rng.normal(size=(300, 8)).astype(np.float32)
+    index = build_index(refs, IndexParams(kind="ivf", ivf_nlist=64, nprobe=1))
+    return refs, labels, queries, index
+
+
+def test_recheck_searches_exactly_the_close_votes_again_wider(rng):
+    refs, labels, queries, index = recheck_setup(rng)
+    k, margin = 5, 3
+    plan = IndexParams(kind="ivf", nprobe=1, recheck_margin=margin, recheck_nprobe=64)
+    first = search_references(index, refs, queries, k)
+    close = vote_margin(labels[first.indices], 2) < margin
+    assert 0 < close.sum() < len(queries), "the toy must have both kinds of rows"
+    result = search_with_recheck(index, refs, labels, 2, queries, k, plan)
+    assert result.rechecked_rows == int((close & ~first.exact).sum())
+    # decided rows keep the cheap answer; close ones get exhaustive probing = exact search
+    np.testing.assert_array_equal(result.indices[~close], first.indices[~close])
+    _, exact = brute_force_exact(queries[close], refs, k)
+    np.testing.assert_array_equal(result.indices[close], exact)
+    assert index.nprobe == 1  # the second stage never changes the shared index
+    # rechecking every row (margin above k) is exact search
+    everything = IndexParams(kind="ivf", nprobe=1, recheck_margin=k + 1, recheck_nprobe=64)
+    full = search_with_recheck(index, refs, labels, 2, queries, k, everything)
+    np.testing.assert_array_equal(full.indices, brute_force_exact(queries, refs, k)[1])
+
+
+@pytest.mark.parametrize("kind", ["ivf", "hnsw"])
+def test_a_rows_two_stage_answer_does_not_depend_on_its_batch(rng, kind):
+    refs, labels, queries, _ = recheck_setup(rng)
+    plan = IndexParams(
+        kind=kind,
+        ivf_nlist=64,
+        nprobe=1,
+        ef_search=8,
+        recheck_margin=5,
+        recheck_nprobe=8,
+        recheck_ef_search=64,
+    )
+    index = build_index(refs, plan)
+    together = search_with_recheck(index, refs, labels, 2, queries, 5, plan)
+    assert together.rechecked_rows > 0
+    for row in range(0, len(queries), 37):
+        alone = search_with_recheck(index, refs, labels, 2, queries[row : row + 1], 5, plan)
+        np.testing.assert_array_equal(alone.indices[0], together.indices[row])
+        np.testing.assert_array_equal(alone.distances[0], together.distances[row])
+
+
+def test_a_plan_without_a_second_stage_is_one_search(rng):
+    refs, labels, queries, index = recheck_setup(rng)
+    for plan in (
+        IndexParams(kind="ivf", nprobe=1),  # no margin
+        IndexParams(kind="ivf", nprobe=1, recheck_margin=3),  # no wider setting
+        IndexParams(kind="flat", recheck_margin=3, recheck_nprobe=8),  # not an IVF
+    ):
+        assert plan.recheck_parameters() is None
+        result = search_with_recheck(index, refs, labels, 2, queries, 5, plan)
+        assert result.rechecked_rows == 0
+        np.testing.assert_array_equal(
+            result.indices, search_references(index, refs, queries, 5).indices
+        )

@@ -12,7 +12,7 @@ import pytest
 
 import service.engine as engine_module
 import service.indexing as indexing
-from service.artifact import ArtifactError, read_artifact, write_artifact
+from service.artifact import ArtifactError, read_artifact, rewrite_artifact, write_artifact
 from service.engine import load_model
 from service.index import IndexParams, build_index
 from service.knn import decide
@@ -77,7 +77,9 @@ def test_explicit_settings_override_the_tuned_parameter(model_dir, tmp_path):
     assert flat.index_type == "flat" and isinstance(flat.index, faiss.IndexFlatL2)
 
 
-def test_tuning_stops_at_the_cheapest_setting_reaching_the_target(digits_artifact):
+def test_tuning_measures_settings_from_the_cheapest_and_picks_the_fastest_reaching_it(
+    digits_artifact,
+):
     art = read_artifact(digits_artifact[0])
     refs = np.ascontiguousarray(art.embeddings)
     labels = np.asarray(art.labels, np.int64)
@@ -94,10 +96,20 @@ def test_tuning_stops_at_the_cheapest_setting_reaching_the_target(digits_artifac
         rule="majority",
         target=0.99,
     )
-    assert chosen is trials[-1]
-    assert all(t.label_agreement < 0.99 for t in trials[:-1])
-    assert chosen.label_agreement >= 0.99
-    assert [t.value for t in trials] == list(indexing.SEARCH_PARAMETER["ivf"][1][: len(trials)])
+    one_stage = [t for t in trials if not t.recheck_margin]
+    two_stage = [t for t in trials if t.recheck_margin]
+    grid = list(indexing.SEARCH_PARAMETER["ivf"][1])
+    assert [t.value for t in one_stage] == grid[: len(one_stage)]  # cheapest first
+    first_reaching = next(i for i, t in enumerate(one_stage) if t.label_agreement >= 0.99)
+    assert all(t.label_agreement < 0.99 for t in one_stage[:first_reaching])
+    assert len(one_stage) <= first_reaching + 1 + indexing.SETTINGS_PAST_TARGET
+    # two-stage plans are scored from the one-stage runs; running them gives the same answers
+    assert len(two_stage) <= indexing.PLANS_MEASURED
+    for t in two_stage:
+        assert t.label_agreement >= 0.99
+        assert t.recheck_value > t.value and 1 <= t.recheck_margin <= 5
+    reaching = [t for t in trials if t.label_agreement >= 0.99]
+    assert chosen.microseconds_per_query == min(t.microseconds_per_query for t in reaching)
     # at nprobe = nlist an IVF is exhaustive: full agreement and recall
     index.nprobe = index.nlist
     full = indexing.answer_queries(
@@ -128,7 +140,7 @@ def test_an_unreachable_target_leaves_the_artifact_alone(model_dir, monkeypatch,
     code = indexing.main([str(model_dir), "--index", "ivf", "--agreement", "1.0", "--nlist", "30"])
     assert code == 1
     err = capsys.readouterr().err
-    assert "no nprobe reaches label agreement 1.0" in err and "nprobe=1" in err
+    assert "no nprobe (one or two stages) reaches label agreement 1.0" in err and "nprobe=1" in err
     assert manifest(model_dir) == before
 
 
@@ -178,3 +190,30 @@ def test_a_prebuilt_index_of_other_references_is_refused(digits_artifact, tmp_pa
     )
     with pytest.raises(ArtifactError, match="the index holds 100 vectors"):
         load_model(path, settings_for(path))
+
+
+def test_the_service_serves_the_tuned_recheck_stage_unless_nprobe_is_set(model_dir, tmp_path):
+    out = tmp_path / "indexed"
+    record = indexing.index_artifact(model_dir, "ivf", target=0.99, out=out, log=lambda m: None)
+    plan = {"nprobe": 1, "recheck_nprobe": record["params"]["nlist"], "recheck_margin": 9}
+    record["params"].update(plan)
+    art = read_artifact(out)
+    rewrite_artifact(art, out, index_bytes=art.index_bytes, metadata={"index": record})
+
+    model = load_model(out, settings_for(out))
+    assert model.index.nprobe == 1
+    assert (model.search_plan.recheck_nprobe, model.search_plan.recheck_margin) == (
+        plan["recheck_nprobe"],
+        9,
+    )
+    assert model.index_params["recheck_margin"] == 9
+    # a margin above k rechecks every row with every list probed: exact answers
+    exact = load_model(out, settings_for(out, index_type="flat"))
+    queries = art.validation_embeddings
+    np.testing.assert_array_equal(
+        model.search_embedded(queries, 5)[1], exact.search_embedded(queries, 5)[1]
+    )
+    # an explicit nprobe replaces the tuned plan, second stage included
+    pinned = load_model(out, settings_for(out, nprobe=1))
+    assert pinned.search_plan.recheck_parameters() is None
+    assert "recheck_margin" not in pinned.index_params
