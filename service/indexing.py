@@ -11,7 +11,12 @@ of building it, with the chosen parameter.
 An approximate index is judged by what users see, not by recall: the **label agreement** of
 a setting is the fraction of validation queries whose predicted label (the artifact's
 decision rule and default k) equals exact search's, and its **accuracy delta** the change in
-validation accuracy. Settings are tried from the cheapest up until one reaches the target.
+validation accuracy. A setting *reaches* the target when the one-sided Wilson lower bound of
+its agreement (``--confidence``, default 95 %) does: with 5,000 validation queries and a
+0.998 target that means at most 4 disagreements, so that the agreement holds on
+queries the tuner has not seen, not only on the ones it chose by (choosing the best of many
+settings on the same queries overstates agreement otherwise).
+Settings are tried from the cheapest up until one reaches the target.
 Then two-stage plans (``service.index.search_with_recheck``) are scored from the same runs: a
 cheap setting for every row and a wider one for the rows whose vote margin is below m. The
 few plans estimated cheapest that reach the target are measured as the service runs them,
@@ -23,10 +28,12 @@ of 64 on one thread, as the service runs it. Recall@k against exact search is re
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from statistics import NormalDist
 
 import faiss
 import numpy as np
@@ -42,6 +49,7 @@ SEARCH_PARAMETER: dict[str, tuple[str, tuple[int, ...]]] = {
     "hnsw": ("ef_search", (8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)),
 }
 DEFAULT_AGREEMENT = 0.998
+DEFAULT_CONFIDENCE = 0.95
 BATCH_ROWS = 64  # queries per search while tuning, as a busy service batches them
 SETTINGS_PAST_TARGET = 3  # single-stage settings measured past the first reaching the target
 PLANS_MEASURED = 3  # two-stage plans (cheapest by estimate) measured for real
@@ -60,6 +68,7 @@ class Trial:
     accuracy: float  # validation accuracy with this setting
     recall_at_k: float  # mean |approximate k-NN & exact k-NN| / k
     microseconds_per_query: float  # search_with_recheck, batches of 64, one thread
+    agreement_bound: float = 0.0  # lower confidence bound of label_agreement
     recheck_value: int = 0  # second-stage nprobe / efSearch (0: one stage)
     recheck_margin: int = 0  # rows with a vote margin below this take the second stage
     rechecked_fraction: float = 0.0  # fraction of queries that took the second stage
@@ -123,6 +132,24 @@ def answer_queries(
     )
 
 
+def agreement_lower_bound(agreeing: int, n: int, confidence: float) -> float:
+    """One-sided Wilson score lower bound of a proportion agreeing / n at ``confidence``.
+
+    With p = agreeing / n and z the standard normal quantile of ``confidence``:
+    (p + z^2 / 2n - z sqrt(p (1 - p) / n + z^2 / 4n^2)) / (1 + z^2 / n). Unlike the normal
+    approximation it stays informative at p = 1 (n / (n + z^2)). confidence 0: p itself.
+    """
+    if n <= 0:
+        return 0.0
+    p = agreeing / n
+    if confidence <= 0:
+        return p
+    z = NormalDist().inv_cdf(confidence)
+    centre = p + z * z / (2 * n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return max(0.0, (centre - half) / (1 + z * z / n))
+
+
 def recall_at_k(approximate: np.ndarray, exact: np.ndarray) -> float:
     """Mean over rows of |approximate row & exact row| / k; both (V, k) reference rows."""
     k = exact.shape[1]
@@ -142,10 +169,12 @@ def tune(
     k: int,
     rule: str,
     target: float,
+    confidence: float = DEFAULT_CONFIDENCE,
 ) -> tuple[Trial | None, list[Trial], Trial]:
     """(the fastest setting or plan reaching ``target`` agreement or None, every trial, exact).
 
-    references (N, d), labels (N,) class indices, queries (V, d), query_labels (V,).
+    references (N, d), labels (N,) class indices, queries (V, d), query_labels (V,). A trial
+    reaches the target when ``agreement_lower_bound`` at ``confidence`` does.
 
     1. One-stage settings from the cheapest up, until SETTINGS_PAST_TARGET past the first
        that reaches the target (wider ones serve as second stages).
@@ -157,6 +186,16 @@ def tune(
     """
     if not 0 < target <= 1:
         raise TuningError(f"the agreement target must lie in (0, 1], got {target}")
+    if not 0 <= confidence < 1:
+        raise TuningError(f"the confidence must lie in [0, 1), got {confidence}")
+    n = len(queries)
+    best_possible = agreement_lower_bound(n, n, confidence)
+    if best_possible < target:
+        raise TuningError(
+            f"{n} validation queries cannot show label agreement {target} at confidence "
+            f"{confidence}: even full agreement bounds it at {best_possible:.4f}; use a larger "
+            "validation split, a lower target or a lower confidence"
+        )
     exact_index = build_index(references, IndexParams(kind="flat"))
     exact = answer_queries(exact_index, references, labels, n_classes, queries, k, rule)
     exact_trial = Trial(
@@ -165,11 +204,14 @@ def tune(
         float(np.mean(exact.predicted == query_labels)),
         1.0,
         exact.microseconds_per_query,
+        agreement_bound=best_possible,
     )
 
     def judged(found: Answers, **plan) -> Trial:
+        agreeing = int(np.sum(found.predicted == exact.predicted))
         return Trial(
-            label_agreement=float(np.mean(found.predicted == exact.predicted)),
+            label_agreement=agreeing / n,
+            agreement_bound=agreement_lower_bound(agreeing, n, confidence),
             accuracy=float(np.mean(found.predicted == query_labels)),
             recall_at_k=recall_at_k(found.indices, exact.indices),
             microseconds_per_query=found.microseconds_per_query,
@@ -188,7 +230,7 @@ def tune(
         found = answer_queries(index, references, labels, n_classes, queries, k, rule, plan)
         trials.append(judged(found, value=value))
         runs.append(found)
-        if trials[-1].label_agreement >= target:
+        if trials[-1].agreement_bound >= target:
             past_target += 1
         if past_target > SETTINGS_PAST_TARGET or trials[-1].label_agreement == 1.0:
             break
@@ -201,7 +243,8 @@ def tune(
             for m in range(1, k + 1):
                 close = margins < m
                 predicted = np.where(close, second.predicted, first.predicted)
-                if np.mean(predicted == exact.predicted) < target:
+                agreeing = int(np.sum(predicted == exact.predicted))
+                if agreement_lower_bound(agreeing, n, confidence) < target:
                     continue
                 cost = first.microseconds_per_query + close.mean() * second.microseconds_per_query
                 estimates.append((cost, trials[i].value, trials[j].value, m))
@@ -210,7 +253,7 @@ def tune(
         found = answer_queries(index, references, labels, n_classes, queries, k, rule, plan)
         trials.append(judged(found, value=v1, recheck_value=v2, recheck_margin=m))
 
-    reaching = [t for t in trials if t.label_agreement >= target]
+    reaching = [t for t in trials if t.agreement_bound >= target]
     chosen = min(reaching, key=lambda t: t.microseconds_per_query) if reaching else None
     return chosen, trials, exact_trial
 
@@ -233,6 +276,7 @@ def index_artifact(
     kind: str,
     *,
     target: float = DEFAULT_AGREEMENT,
+    confidence: float = DEFAULT_CONFIDENCE,
     nlist: int = 0,
     hnsw_m: int = 32,
     ef_construction: int = 80,
@@ -266,6 +310,7 @@ def index_artifact(
         k=k,
         rule=rule,
         target=target,
+        confidence=confidence,
     )
     name = SEARCH_PARAMETER[kind][0]
     log(
@@ -273,12 +318,12 @@ def index_artifact(
         f"k={k}, rule={rule}; built in {build_seconds:.2f} s"
     )
     log(
-        f"{name:>10} {'recheck':>16} {'agreement':>10} {'accuracy':>9} {'recall@k':>9} "
-        f"{'us/query':>9}"
+        f"{name:>10} {'recheck':>16} {'agreement':>10} {'bound':>7} {'accuracy':>9} "
+        f"{'recall@k':>9} {'us/query':>9}"
     )
     log(
-        f"{'exact':>10} {'':>16} {1.0:10.4f} {exact.accuracy:9.4f} {1.0:9.4f} "
-        f"{exact.microseconds_per_query:9.1f}"
+        f"{'exact':>10} {'':>16} {1.0:10.4f} {exact.agreement_bound:7.4f} {exact.accuracy:9.4f} "
+        f"{1.0:9.4f} {exact.microseconds_per_query:9.1f}"
     )
     for t in trials:
         recheck = (
@@ -287,14 +332,14 @@ def index_artifact(
             else ""
         )
         log(
-            f"{t.value:10d} {recheck:>16} {t.label_agreement:10.4f} {t.accuracy:9.4f} "
-            f"{t.recall_at_k:9.4f} {t.microseconds_per_query:9.1f}"
+            f"{t.value:10d} {recheck:>16} {t.label_agreement:10.4f} {t.agreement_bound:7.4f} "
+            f"{t.accuracy:9.4f} {t.recall_at_k:9.4f} {t.microseconds_per_query:9.1f}"
         )
     if chosen is None:
         best = max(trials, key=lambda t: t.label_agreement)
         raise TuningError(
-            f"no {name} (one or two stages) reaches label agreement {target} with this {kind} "
-            f"index (best "
+            f"no {name} (one or two stages) reaches label agreement {target} (lower bound at "
+            f"confidence {confidence}) with this {kind} index (best "
             f"{best.label_agreement:.4f} at {name}={best.value}); use more lists or a larger "
             "HNSW degree, a lower target, or the exact flat index"
         )
@@ -314,6 +359,7 @@ def index_artifact(
         },
         "tuning": {
             "target_label_agreement": target,
+            "confidence": confidence,
             "queries": f"validation split ({len(queries)} rows)",
             "k": k,
             "rule": rule,
@@ -355,6 +401,13 @@ def main(argv: list[str] | None = None) -> int:
         default=DEFAULT_AGREEMENT,
         help="label agreement with exact search to reach (default %(default)s)",
     )
+    parser.add_argument(
+        "--confidence",
+        type=float,
+        default=DEFAULT_CONFIDENCE,
+        help="the agreement's lower confidence bound must reach the target (0: the observed "
+        "agreement must; default %(default)s)",
+    )
     parser.add_argument("--nlist", type=int, default=0, help="IVF lists (0: about 4 sqrt(N))")
     parser.add_argument("--hnsw-m", type=int, default=32, help="HNSW graph degree")
     parser.add_argument("--ef-construction", type=int, default=80, help="HNSW build beam")
@@ -366,6 +419,7 @@ def main(argv: list[str] | None = None) -> int:
             args.artifact,
             args.index,
             target=args.agreement,
+            confidence=args.confidence,
             nlist=args.nlist,
             hnsw_m=args.hnsw_m,
             ef_construction=args.ef_construction,

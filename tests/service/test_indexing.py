@@ -5,6 +5,7 @@ the command measured."""
 from __future__ import annotations
 
 import json
+from statistics import NormalDist
 
 import faiss
 import numpy as np
@@ -31,7 +32,9 @@ def test_indexed_artifact_round_trip(model_dir, tmp_path, kind, monkeypatch):
     before = read_artifact(model_dir)
     assert before.validation_embeddings is not None  # the training job stores the split
     out = tmp_path / "indexed"
-    record = indexing.index_artifact(model_dir, kind, target=0.995, out=out, log=lambda m: None)
+    record = indexing.index_artifact(
+        model_dir, kind, target=0.995, confidence=0, out=out, log=lambda m: None
+    )
 
     after = read_artifact(out)
     assert after.index_bytes is not None
@@ -71,7 +74,9 @@ def test_indexed_artifact_round_trip(model_dir, tmp_path, kind, monkeypatch):
 
 def test_explicit_settings_override_the_tuned_parameter(model_dir, tmp_path):
     out = tmp_path / "indexed"
-    indexing.index_artifact(model_dir, "ivf", target=0.99, out=out, log=lambda m: None)
+    indexing.index_artifact(
+        model_dir, "ivf", target=0.99, confidence=0, out=out, log=lambda m: None
+    )
     assert load_model(out, settings_for(out, nprobe=3)).index.nprobe == 3
     flat = load_model(out, settings_for(out, index_type="flat"))
     assert flat.index_type == "flat" and isinstance(flat.index, faiss.IndexFlatL2)
@@ -95,6 +100,7 @@ def test_tuning_measures_settings_from_the_cheapest_and_picks_the_fastest_reachi
         k=5,
         rule="majority",
         target=0.99,
+        confidence=0,
     )
     one_stage = [t for t in trials if not t.recheck_margin]
     two_stage = [t for t in trials if t.recheck_margin]
@@ -137,10 +143,25 @@ def test_recall_at_k_counts_shared_neighbours():
 def test_an_unreachable_target_leaves_the_artifact_alone(model_dir, monkeypatch, capsys):
     monkeypatch.setitem(indexing.SEARCH_PARAMETER, "ivf", ("nprobe", (1,)))
     before = manifest(model_dir)
-    code = indexing.main([str(model_dir), "--index", "ivf", "--agreement", "1.0", "--nlist", "30"])
+    code = indexing.main(
+        [
+            str(model_dir),
+            "--index",
+            "ivf",
+            "--agreement",
+            "1.0",
+            "--nlist",
+            "30",
+            "--confidence",
+            "0",
+        ]
+    )
     assert code == 1
     err = capsys.readouterr().err
-    assert "no nprobe (one or two stages) reaches label agreement 1.0" in err and "nprobe=1" in err
+    assert (
+        "no nprobe (one or two stages) reaches label agreement 1.0 (lower" in err
+        and "nprobe=1" in err
+    )
     assert manifest(model_dir) == before
 
 
@@ -152,7 +173,12 @@ def test_an_artifact_without_a_validation_split_is_refused(digits_artifact, tmp_
 
 
 def test_the_command_indexes_in_place(model_dir, capsys):
-    assert indexing.main([str(model_dir), "--index", "ivf", "--agreement", "0.99"]) == 0
+    assert (
+        indexing.main(
+            [str(model_dir), "--index", "ivf", "--agreement", "0.99", "--confidence", "0"]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "chose nprobe=" in printed and "agreement" in printed
     assert read_artifact(model_dir).manifest["index"]["kind"] == "ivf"
@@ -194,7 +220,9 @@ def test_a_prebuilt_index_of_other_references_is_refused(digits_artifact, tmp_pa
 
 def test_the_service_serves_the_tuned_recheck_stage_unless_nprobe_is_set(model_dir, tmp_path):
     out = tmp_path / "indexed"
-    record = indexing.index_artifact(model_dir, "ivf", target=0.99, out=out, log=lambda m: None)
+    record = indexing.index_artifact(
+        model_dir, "ivf", target=0.99, confidence=0, out=out, log=lambda m: None
+    )
     plan = {"nprobe": 1, "recheck_nprobe": record["params"]["nlist"], "recheck_margin": 9}
     record["params"].update(plan)
     art = read_artifact(out)
@@ -217,3 +245,69 @@ def test_the_service_serves_the_tuned_recheck_stage_unless_nprobe_is_set(model_d
     pinned = load_model(out, settings_for(out, nprobe=1))
     assert pinned.search_plan.recheck_parameters() is None
     assert "recheck_margin" not in pinned.index_params
+
+
+def wilson_by_bisection(agreeing: int, n: int, z: float) -> float:
+    """The p0 below p = agreeing / n at which the score statistic (p - p0) / sqrt(p0 (1 - p0)
+    / n) equals z: Wilson's bound by its definition, found numerically."""
+    p, lo, hi = agreeing / n, 0.0, agreeing / n
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if (p - mid) / np.sqrt(mid * (1 - mid) / n) > z:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+@pytest.mark.parametrize(("agreeing", "n"), [(5000, 5000), (4996, 5000), (4990, 5000), (93, 100)])
+@pytest.mark.parametrize("confidence", [0.9, 0.95, 0.99])
+def test_agreement_lower_bound_is_wilsons(agreeing, n, confidence):
+    z = NormalDist().inv_cdf(confidence)
+    assert indexing.agreement_lower_bound(agreeing, n, confidence) == pytest.approx(
+        wilson_by_bisection(agreeing, n, z), abs=1e-9
+    )
+
+
+def test_agreement_lower_bound_edges():
+    bound = indexing.agreement_lower_bound
+    assert bound(4990, 5000, 0) == 0.998  # confidence 0: the observed proportion
+    assert bound(5000, 5000, 0.95) == pytest.approx(5000 / (5000 + NormalDist().inv_cdf(0.95) ** 2))
+    assert bound(0, 10, 0.95) == 0.0
+    # 0.998 from 5,000 queries at 95 %: 4 disagreements show it, 5 do not
+    assert bound(4996, 5000, 0.95) >= 0.998 > bound(4995, 5000, 0.95)
+
+
+def test_the_bound_falls_with_fewer_queries_and_more_confidence():
+    bound = indexing.agreement_lower_bound
+    assert bound(999, 1000, 0.95) < bound(9990, 10000, 0.95) < 0.999
+    assert bound(9990, 10000, 0.99) < bound(9990, 10000, 0.95)
+
+
+def test_a_validation_split_too_small_for_the_target_is_named(model_dir, capsys):
+    before = manifest(model_dir)
+    assert indexing.main([str(model_dir), "--index", "ivf", "--agreement", "0.998"]) == 1
+    err = capsys.readouterr().err
+    assert "validation queries cannot show label agreement 0.998 at confidence 0.95" in err
+    assert "even full agreement bounds it at" in err
+    assert manifest(model_dir) == before
+
+
+def test_tuning_with_confidence_demands_more_than_the_observed_agreement(digits_artifact):
+    art = read_artifact(digits_artifact[0])
+    refs = np.ascontiguousarray(art.embeddings)
+    labels = np.asarray(art.labels, np.int64)
+    index = build_index(refs, IndexParams(kind="ivf"))
+    common = dict(k=5, rule="majority", target=0.95)
+    args = (index, "ivf", refs, labels, len(art.classes))
+    val = (art.validation_embeddings, art.validation_labels)
+    observed, _, _ = indexing.tune(*args, *val, confidence=0, **common)
+    bounded, trials, _ = indexing.tune(*args, *val, confidence=0.95, **common)
+    n = len(art.validation_labels)
+    assert bounded.agreement_bound >= 0.95
+    for t in trials:
+        agreeing = round(t.label_agreement * n)
+        assert t.agreement_bound == pytest.approx(indexing.agreement_lower_bound(agreeing, n, 0.95))
+        assert t.agreement_bound < t.label_agreement
+    # the bounded choice searches at least as wide as the observed one
+    assert bounded.value >= observed.value or bounded.recheck_value >= observed.value
