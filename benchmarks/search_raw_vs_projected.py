@@ -176,7 +176,7 @@ def main() -> None:
             )
             continue
         # the tuner's choice, and the best one-stage setting for comparison
-        one_stage = [t for t in trials if not t.recheck_margin and t.label_agreement >= TARGET]
+        one_stage = [t for t in trials if not t.recheck_margin and t.agreement_bound >= TARGET]
         shown = [chosen]
         if one_stage and chosen.recheck_margin:
             shown.append(min(one_stage, key=lambda t: t.microseconds_per_query))

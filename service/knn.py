@@ -51,16 +51,22 @@ def rerank(
     """
     q = np.asarray(queries, dtype=np.float32).astype(np.float64)
     cand = np.asarray(candidates, dtype=np.int64)
+    refs = np.asarray(references, dtype=np.float32)
+    rows = np.arange(len(cand))[:, None]  # (n, 1)
+    if cand.size == 0 or cand.min() >= 0:  # every candidate real: the common, fast case
+        diff = refs[cand].astype(np.float64) - q[:, None, :]
+        d2 = np.einsum("nmd,nmd->nm", diff, diff)  # (n, m)
+        order = np.lexsort((cand, d2), axis=1)[:, :k]
+        return d2[rows, order], cand[rows, order]
     valid = cand >= 0
     safe = np.where(valid, cand, 0)
-    diff = np.asarray(references, dtype=np.float32)[safe].astype(np.float64) - q[:, None, :]
+    diff = refs[safe].astype(np.float64) - q[:, None, :]
     d2 = np.einsum("nmd,nmd->nm", diff, diff)  # (n, m)
     d2 = np.where(valid, d2, np.inf)
     ids = np.where(valid, cand, np.iinfo(np.int64).max)
     order = np.lexsort((ids, d2), axis=1)[:, :k]
-    out_d = np.take_along_axis(d2, order, axis=1)
-    out_i = np.take_along_axis(cand, order, axis=1)
-    out_i = np.where(np.isfinite(out_d), out_i, -1)
+    out_d = d2[rows, order]
+    out_i = np.where(np.isfinite(out_d), cand[rows, order], -1)
     return out_d, out_i
 
 
