@@ -2,13 +2,15 @@
 approximate index at the setting that meets the label-agreement target; and the time to a
 ready server with and without the prebuilt index in the artifact.
 
-Synthetic references (a 10-class mixture in 32 dimensions; the search cost does not depend
-on where the points came from). For each N and index: build time (FAISS train + add), load
-time of the serialised index, index bytes and the process RSS growth while building,
-single-query latency (median of 300 queries, one thread) and batched throughput (batches of
-64, one thread), all through ``service.index.search_references``; label agreement with
-exact search on 2k test queries (k = 5, majority), the setting tuned on 5k validation
-queries as ``python -m service.indexing`` tunes it.
+Synthetic references (a 10-class mixture in a 16-dim subspace of 32 dimensions). Flat's cost
+does not depend on where the points came from; an IVF's or HNSW's does (clustered real data
+needs fewer probes: ``search_raw_vs_projected.py`` on real digits). For each N and index:
+build time (FAISS train + add), load time of the serialised index, index bytes and the
+process RSS growth while building, single-query latency (median of 300 queries, one thread)
+and batched throughput (batches of 64, one thread), all through
+``service.index.search_with_recheck``; label agreement with exact search on 2k test queries
+(k = 5, majority), the setting (or two-stage plan) tuned on 5k validation queries as
+``python -m service.indexing`` tunes it (Wilson lower bound at 95 %).
 
 Then, at the largest N: ``python -m service`` started on an artifact without and with
 ``index.faiss`` (IVF, tuned), seconds until /readyz answers 200 (median of 3).
@@ -35,7 +37,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, median, print_table, save_json, synthetic
 
-from service.index import IndexParams, build_index, configure, search_references
+from service.index import IndexParams, build_index, configure, search_with_recheck
 from service.indexing import answer_queries, tune
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,19 +50,20 @@ def rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def single_query_us(index, refs, queries) -> float:
+def single_query_us(index, refs, labels, queries, plan) -> float:
     times = []
     for row in queries[:300]:
         t = time.perf_counter()
-        search_references(index, refs, row[None, :], K, threads=1)
+        search_with_recheck(index, refs, labels, 10, row[None, :], K, plan, threads=1)
         times.append(time.perf_counter() - t)
     return 1e6 * median(times)
 
 
-def batched_qps(index, refs, queries) -> float:
+def batched_qps(index, refs, labels, queries, plan) -> float:
     t = time.perf_counter()
     for start in range(0, len(queries), BATCH):
-        search_references(index, refs, queries[start : start + BATCH], K, threads=1)
+        batch = queries[start : start + BATCH]
+        search_with_recheck(index, refs, labels, 10, batch, K, plan, threads=1)
     return len(queries) / (time.perf_counter() - t)
 
 
@@ -79,7 +82,7 @@ def measure(n: int) -> list[dict]:
         index = build_index(refs, params)
         build_seconds = time.perf_counter() - t
         grown = rss_mib() - before
-        setting = ""
+        setting, plan = "", params
         if kind != "flat":
             chosen, _trials, _ = tune(
                 index, kind, refs, labels, n_classes, val, y_val, k=K, rule=RULE, target=TARGET
@@ -88,15 +91,17 @@ def measure(n: int) -> list[dict]:
                 print(f"N={n} {kind}: no setting reaches {TARGET}", flush=True)
                 continue
             name = "nprobe" if kind == "ivf" else "ef_search"
-            setattr(params, name, chosen.value)
-            configure(index, params)
+            plan = chosen.plan(kind)
+            configure(index, plan)
             setting = f"{name}={chosen.value}"
+            if chosen.recheck_margin:
+                setting += f", margin<{chosen.recheck_margin}: {chosen.recheck_value}"
         data = faiss.serialize_index(index)
         t = time.perf_counter()
         loaded = faiss.deserialize_index(data)
         load_seconds = time.perf_counter() - t
         del loaded
-        answers = answer_queries(index, refs, labels, n_classes, test, K, RULE)
+        answers = answer_queries(index, refs, labels, n_classes, test, K, RULE, plan)
         if kind == "flat":
             exact = answers
         row = {
@@ -107,8 +112,8 @@ def measure(n: int) -> list[dict]:
             "load_seconds": load_seconds,
             "index_mib": len(data) / 2**20,
             "rss_growth_mib": grown,
-            "single_query_us": single_query_us(index, refs, test),
-            "batched_queries_per_second": batched_qps(index, refs, test),
+            "single_query_us": single_query_us(index, refs, labels, test, plan),
+            "batched_queries_per_second": batched_qps(index, refs, labels, test, plan),
             "label_agreement": float(np.mean(answers.predicted == exact.predicted)),
             "accuracy_delta_points": 100
             * float(np.mean(answers.predicted == y_test) - np.mean(exact.predicted == y_test)),
