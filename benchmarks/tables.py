@@ -106,11 +106,19 @@ def main():
     s = load("search_raw_vs_projected.json")
     if s:
         print("\n## Search: raw D against projected d, through service/index.py\n")
+        data = {
+            "usps": "real digits at MNIST size (USPS resampled to 28 x 28, augmented; queries "
+            "from held-out source images)",
+            "synthetic": "the synthetic 784-dim set",
+        }[s.get("data", "synthetic")]
         print(
-            f"{s['n']:,} references, {s['queries']:,} test queries, k = {s['k']}, "
-            f"{s['rule']} rule, batches of {s['batch']}, {s['threads']} thread; approximate "
-            f"indexes tuned on {s['validation']:,} validation queries to label agreement >= "
-            f"{s['target_label_agreement']}, then judged on the test queries.\n"
+            f"Data: {data}. {s['n']:,} references, {s['queries']:,} test queries, k = "
+            f"{s['k']}, {s['rule']} rule, batches of {s['batch']}, {s['threads']} thread. "
+            f"Approximate indexes tuned by `service.indexing.tune` on {s['validation']:,} "
+            f"validation queries (95 % Wilson lower bound of label agreement >= "
+            f"{s['target_label_agreement']}), then judged on the test queries. 'tuner choice' "
+            "marks the plan the command picks; the row after a two-stage choice is the best "
+            "one-stage setting, for comparison.\n"
         )
         print(
             md(
@@ -118,6 +126,7 @@ def main():
                 [
                     ("index", lambda x: x["index"]),
                     ("space / setting", lambda x: x["space"]),
+                    ("tuner choice", lambda x: "yes" if x.get("tuner_choice") else ""),
                     ("s for the queries", lambda x: fmt(x["seconds"])),
                     ("speed-up vs raw Flat", lambda x: fmt(x["speedup_vs_raw_flat"])),
                     ("label agreement (test)", lambda x: fmt(x.get("label_agreement"), 4)),
