@@ -26,11 +26,12 @@ from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import check_is_fitted, validate_data
 from threadpoolctl import threadpool_limits
 
-from service.knn import decide, exact_knn, project
+from service.knn import RULES, project
 from training.data import fit_standardizer, stratified_split
+from training.evaluate import knn_accuracies
 from training.initialization import INIT_NAMES, initial_components
 from training.objectives import OBJECTIVES, make_objective
-from training.optimize import Monitor, Problem, run_adam, run_lbfgs
+from training.optimize import Monitor, Problem, run_adam, run_lbfgs, single_class_result
 
 AUTO_EXACT_MAX_SAMPLES = 8192
 AUTO_N_CANDIDATES = 32
@@ -90,14 +91,25 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         ``X_val``/``y_val``; stop after ``n_iter_no_change`` checks (one every
         ``validation_interval`` iterations) without a better validation kNN accuracy, and
         keep the best transformation.
+    validation_k : int, tuple of int or None
+        The k of the kNN rule that scores validation: None means ``k``; a tuple scores the
+        best accuracy over those k (the training job passes the k values it chooses the
+        served k from, so validation scores what will be served).
+    validation_rule : {"majority", "soft"}
+        The decision rule that scores validation (the rule that will be served).
     standardize : bool
         Standardise inputs with statistics of the training data (constant features kept).
+    warm_start : bool
+        If fitted before, start from the previous ``components_`` instead of ``init``
+        (the inputs' dimension must match; ``components_`` act on standardised inputs).
     device : "auto", "cpu", "cuda", ...
     random_state : int, Generator or None
     verbose : int
         > 0 shows a progress bar with the objective and validation accuracy.
-    callback : callable(record: dict) or None
-        Called after every iteration with {"iteration", "objective", "seconds", ...}.
+    callback : callable(transformation, n_iter) or None
+        Called after every iteration with the current A raveled, shape (d * D,), and the
+        iteration number (scikit-learn's form). ``history_`` keeps the objective, time and
+        validation accuracy of every iteration.
 
     Attributes
     ----------
@@ -127,9 +139,12 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         learning_rate=0.01,
         early_stopping=False,
         validation_fraction=0.1,
+        validation_k=None,
+        validation_rule="majority",
         n_iter_no_change=5,
         validation_interval=5,
         standardize=True,
+        warm_start=False,
         device="auto",
         random_state=None,
         verbose=0,
@@ -151,9 +166,12 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         self.learning_rate = learning_rate
         self.early_stopping = early_stopping
         self.validation_fraction = validation_fraction
+        self.validation_k = validation_k
+        self.validation_rule = validation_rule
         self.n_iter_no_change = n_iter_no_change
         self.validation_interval = validation_interval
         self.standardize = standardize
+        self.warm_start = warm_start
         self.device = device
         self.random_state = random_state
         self.verbose = verbose
@@ -225,6 +243,10 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         if not 0 < self.validation_fraction < 1:
             raise ValueError(f"validation_fraction={self.validation_fraction!r} must lie in (0, 1)")
         positive_int("n_iter_no_change", self.n_iter_no_change)
+        for vk in self._validation_ks(n_samples):
+            positive_int("validation_k", vk)
+        if self.validation_rule not in RULES:
+            raise ValueError(f"validation_rule={self.validation_rule!r} must be one of {RULES}")
         positive_int("validation_interval", self.validation_interval)
         if isinstance(self.init, (str, os.PathLike)) and str(self.init) not in INIT_NAMES:
             if not os.path.isdir(self.init):
@@ -234,9 +256,18 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
                 )
         if n_samples < 2:
             raise ValueError(f"NCA needs at least 2 samples, got n_samples={n_samples}")
-        if n_classes < 2:
-            raise ValueError(f"NCA needs at least 2 classes in y, got {n_classes}")
         return int(d)
+
+    def _validation_ks(self, n_references: int) -> tuple:
+        """The k values validation scores (at most the number of references)."""
+        if self.validation_k is None:
+            ks = (self.k,)
+        elif isinstance(self.validation_k, (tuple, list)):
+            ks = tuple(self.validation_k)
+        else:
+            ks = (self.validation_k,)
+        kept = tuple(k for k in ks if not isinstance(k, numbers.Integral) or k <= n_references)
+        return kept or (min(self.k, n_references),)
 
     # ------------------------------------------------------------------ fitting
 
@@ -279,7 +310,16 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         else:
             mean, scale = np.zeros(X.shape[1]), np.ones(X.shape[1])
         Xs = (X_tr - mean) / scale
-        A0, init_used = initial_components(self.init, Xs, y_tr, d, random_state=rng, scale=scale)
+        init = self.init
+        if self.warm_start and hasattr(self, "components_"):
+            if self.components_.shape[1] != X.shape[1]:
+                raise ValueError(
+                    f"The new inputs dimensionality ({X.shape[1]}) does not match the input "
+                    "dimensionality of the previously learned transformation "
+                    f"({self.components_.shape[1]})."
+                )
+            init = self.components_
+        A0, init_used = initial_components(init, Xs, y_tr, d, random_state=rng, scale=scale)
         theta0 = np.diag(A0).copy() if self.transformation == "diagonal" else A0
 
         n = len(Xs)
@@ -304,15 +344,17 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         validate = None
         if X_val is not None and len(X_val):
             Xv_s = (X_val - mean) / scale
-            validate_k = min(self.k, n)
+            validate_ks = self._validation_ks(n)
 
             def validate(theta):
+                """Validation kNN accuracy with the rule and (best of the) k to be served."""
                 A = problem.components(theta)
                 z_tr = (Xs @ A.T).astype(np.float32)
                 z_va = (Xv_s @ A.T).astype(np.float32)
-                dist, idx = exact_knn(z_va, z_tr, validate_k)
-                pred, _ = decide(y_tr[idx], dist, len(classes))
-                return float(np.mean(pred == yv_idx))
+                accuracies = knn_accuracies(
+                    z_tr, y_tr, z_va, yv_idx, len(classes), validate_ks, self.validation_rule
+                )
+                return max(accuracies.values())
 
         monitor = Monitor(
             max_iter=self.max_iter,
@@ -322,11 +364,15 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
             patience=self.n_iter_no_change,
             verbose=bool(self.verbose),
             callback=self.callback,
+            components=problem.components,
         )
         # numpy/scipy's BLAS threads (OpenBLAS) spin after each small call of the optimiser and
         # steal the cores from torch's kernels: measured 3x slower fits. One BLAS thread here.
         with threadpool_limits(1, user_api="blas"):
-            result = self._optimise(problem, theta0, monitor, solver, rng)
+            if len(classes) == 1:  # every neighbour is of the same class: nothing to learn
+                result = single_class_result(problem, theta0, monitor)
+            else:
+                result = self._optimise(problem, theta0, monitor, solver, rng)
 
         A = problem.components(result.theta)
         self.components_ = A

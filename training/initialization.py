@@ -4,6 +4,11 @@
 d < min(D, N), else the identity. ``pca`` takes the top-d principal axes, ``lda`` the
 first d LDA scalings, ``identity`` the first d rows of I, ``random`` a standard normal
 matrix; an explicit (d, D) array or an artifact directory (warm start) is used as given.
+
+PCA and LDA can find fewer directions than d when the data has low rank (7 points in 3
+dimensions with 5 classes; 200 points on a plane): the missing rows are completed by
+:func:`complete_rows` (principal axes of what the found rows leave unexplained, then any
+orthonormal directions), so every ordering of N, D, C and d gets a (d, D) map.
 """
 
 from __future__ import annotations
@@ -16,11 +21,43 @@ INIT_NAMES = ("auto", "pca", "lda", "identity", "random")
 
 
 def resolve_auto(n_components: int, n_features: int, n_samples: int, n_classes: int) -> str:
-    if n_components <= min(n_features, n_classes - 1):
+    """scikit-learn's rule, except that LDA also needs more samples than classes."""
+    if n_components <= min(n_features, n_classes - 1) and n_samples > n_classes:
         return "lda"
     if n_components < min(n_features, n_samples):
         return "pca"
     return "identity"
+
+
+def complete_rows(
+    found: np.ndarray, X: np.ndarray, n_components: int, rng: np.random.Generator
+) -> np.ndarray:
+    """found (r, D) rows extended to (n_components, D).
+
+    Extra rows: the principal axes of the residual X - X Q Q^T (Q an orthonormal basis of
+    the found rows' span), largest variance first; if the residual has too few directions,
+    orthonormal directions completing the basis (QR of a random matrix projected off it).
+    """
+    found = np.asarray(found, dtype=np.float64).reshape(-1, X.shape[1])
+    missing = n_components - len(found)
+    if missing <= 0:
+        return found[:n_components]
+    n_features = X.shape[1]
+    basis = np.linalg.qr(found.T)[0] if len(found) else np.zeros((n_features, 0))  # (D, r)
+    residual = X - (X @ basis) @ basis.T
+    residual = residual - residual.mean(axis=0)
+    _, singular, vt = np.linalg.svd(residual, full_matrices=False)
+    tol = max(residual.shape) * np.finfo(np.float64).eps * (singular[0] if len(singular) else 0)
+    extra = vt[singular > tol][:missing]  # (<= missing, D)
+    rows = np.vstack([found, extra])
+    while len(rows) < n_components:
+        span = np.linalg.qr(rows.T)[0] if len(rows) else np.zeros((n_features, 0))
+        v = rng.standard_normal(n_features)
+        v -= span @ (span.T @ v)
+        norm = np.linalg.norm(v)
+        if norm > 1e-8:
+            rows = np.vstack([rows, v / norm])
+    return rows
 
 
 def initial_components(
@@ -79,8 +116,9 @@ def initial_components(
         from sklearn.decomposition import PCA
 
         seed = int(random_state.integers(2**31 - 1))
-        pca = PCA(n_components=n_components, random_state=seed).fit(X)
-        return np.asarray(pca.components_, dtype=np.float64), name
+        pca = PCA(n_components=min(n_components, n_samples, n_features), random_state=seed)
+        found = pca.fit(X).components_
+        return complete_rows(found, X, n_components, random_state), name
     if name == "lda":
         from sklearn.discriminant_analysis import LinearDiscriminantAnalysis
 
@@ -90,8 +128,14 @@ def initial_components(
                 f"init='lda' gives at most min(n_features, n_classes - 1) = "
                 f"{min(n_features, n_classes - 1)} components, n_components={n_components}"
             )
+        if n_samples <= n_classes:
+            raise ValueError(
+                f"init='lda' needs more samples than classes, got n_samples={n_samples} and "
+                f"{n_classes} classes; use init='pca'"
+            )
         lda = LinearDiscriminantAnalysis(n_components=n_components).fit(X, y)
-        return np.asarray(lda.scalings_.T[:n_components], dtype=np.float64), name
+        found = np.asarray(lda.scalings_.T[:n_components], dtype=np.float64)  # may be < d rows
+        return complete_rows(found, X, n_components, random_state), name
     raise ValueError(
         f"init must be one of {INIT_NAMES}, an array of shape (n_components, n_features) "
         f"or an artifact directory, got {init!r}"

@@ -122,7 +122,7 @@ class FitResult:
     theta: np.ndarray
     n_iter: int
     converged: bool
-    stop_reason: str  # converged | precision | max_iter | early_stopping
+    stop_reason: str  # converged | precision | max_iter | early_stopping | single_class
     objective: float  # mean score per point at the returned parameters' last evaluation
     history: list[dict] = field(default_factory=list)
     best_val_accuracy: float | None = None
@@ -151,13 +151,15 @@ class Monitor:
         interval: int = 5,
         patience: int = 5,
         verbose: bool = False,
-        callback: Callable[[dict], None] | None = None,
+        callback: Callable[[np.ndarray, int], None] | None = None,
+        components: Callable[[np.ndarray], np.ndarray] | None = None,
     ):
         self.validate = validate
         self.early_stopping = early_stopping and validate is not None
         self.interval = max(1, interval)
         self.patience = max(1, patience)
         self.callback = callback
+        self.components = components or (lambda theta: np.asarray(theta))
         self.history: list[dict] = []
         self.best_acc = -math.inf
         self.best_theta: np.ndarray | None = None
@@ -189,8 +191,8 @@ class Monitor:
                 postfix["val_acc"] = f"{record['val_accuracy']:.4f}"
             self.bar.set_postfix(postfix, refresh=False)
             self.bar.update(1)
-        if self.callback is not None:
-            self.callback(record)
+        if self.callback is not None:  # scikit-learn's form: (A raveled (d * D,), iteration)
+            self.callback(self.components(theta).ravel(), iteration)
         if self.early_stopping and self.bad_checks >= self.patience:
             raise EarlyStop
 
@@ -200,13 +202,21 @@ class Monitor:
 
 
 def _finish(problem, monitor, theta, n_iter, stop_reason, objective, n_eval) -> FitResult:
+    """The result at the parameters returned: early stopping returns the best validated
+    ones, whose objective is then computed afresh (``objective`` is the last iterate's)."""
     monitor.close()
     if monitor.early_stopping and monitor.best_theta is not None:
-        theta = monitor.best_theta
+        if not np.array_equal(monitor.best_theta, theta):
+            theta = monitor.best_theta
+            if problem.n_candidates is not None:  # the candidates of these parameters
+                problem.refresh_candidates(theta)
+            with torch.no_grad():
+                objective = float(problem.mean_score(problem.to_tensor(theta)))
+            n_eval += 1
     return FitResult(
         theta=np.asarray(theta, dtype=np.float64),
         n_iter=n_iter,
-        converged=stop_reason in ("converged", "precision", "early_stopping"),
+        converged=stop_reason in ("converged", "precision", "early_stopping", "single_class"),
         stop_reason=stop_reason,
         objective=objective,
         history=monitor.history,
@@ -214,6 +224,15 @@ def _finish(problem, monitor, theta, n_iter, stop_reason, objective, n_eval) -> 
         n_evaluations=n_eval,
         seconds=time.perf_counter() - monitor.start,
     )
+
+
+def single_class_result(problem: Problem, theta: np.ndarray, monitor: Monitor) -> FitResult:
+    """One class: every point's neighbours share its label, so the objective is constant
+    (p_i = 1) and its gradient zero; the initial parameters are the answer (as in
+    scikit-learn, which fits a single class without changing the initial transformation)."""
+    with torch.no_grad():
+        objective = float(problem.mean_score(problem.to_tensor(theta)))
+    return _finish(problem, monitor, theta, 0, "single_class", objective, 1)
 
 
 def run_lbfgs(

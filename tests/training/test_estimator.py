@@ -93,11 +93,6 @@ def test_bad_parameters_are_named_in_the_error(params, pattern):
         NCA(**params).fit(X, y)
 
 
-def test_one_class_is_refused():
-    with pytest.raises(ValueError, match="at least 2 classes"):
-        NCA().fit(np.random.default_rng(0).normal(size=(10, 3)), np.zeros(10))
-
-
 def test_diagonal_transform_learns_to_ignore_a_noise_feature():
     rng = np.random.default_rng(0)
     y = np.repeat([0, 1, 2], 60)
@@ -228,3 +223,101 @@ def test_knca_estimator_in_a_pipeline():
     )
     model.fit(X[::2], y[::2])
     assert model.score(X[1::2], y[1::2]) > 0.9
+
+
+def test_early_stopping_returns_the_best_components_and_their_objective():
+    X, y = load_digits(return_X_y=True)
+    seen = {}
+    nca = NCA(
+        n_components=4,
+        early_stopping=True,
+        validation_interval=1,
+        n_iter_no_change=3,
+        max_iter=300,
+        tol=0,
+        random_state=0,
+        callback=lambda transformation, n_iter: seen.__setitem__(n_iter, transformation.copy()),
+    ).fit(X[:600], y[:600])
+    assert nca.stop_reason_ == "early_stopping"
+    checks = [h for h in nca.history_ if "val_accuracy" in h]
+    best = max(checks, key=lambda h: h["val_accuracy"])  # the first of equals is kept
+    best = next(h for h in checks if h["val_accuracy"] == best["val_accuracy"])
+    last = nca.history_[-1]["iteration"]
+    assert best["iteration"] < last, "the test needs a best iterate before the last"
+    np.testing.assert_array_equal(nca.components_.ravel(), seen[best["iteration"]])
+    assert not np.array_equal(nca.components_.ravel(), seen[last])
+    # the recorded objective is the returned map's, not the last iterate's
+    assert nca.objective_value_ == pytest.approx(best["objective"], rel=1e-5)
+    assert nca.objective_value_ != pytest.approx(nca.history_[-1]["objective"], rel=1e-9)
+
+
+def test_callback_gets_the_raveled_transformation_and_the_iteration():
+    X, y = load_iris(return_X_y=True)
+    calls = []
+    NCA(
+        n_components=2,
+        max_iter=5,
+        tol=0,
+        random_state=0,
+        callback=lambda t, i: calls.append((t.shape, i)),
+    ).fit(X, y)
+    assert calls and all(shape == (2 * 4,) for shape, _ in calls)
+    assert [i for _, i in calls] == list(range(1, len(calls) + 1))
+
+
+def test_a_single_class_leaves_the_initial_transformation():
+    # scikit-learn's test_one_class
+    X, y = load_iris(return_X_y=True)
+    X, y = X[y == 0], y[y == 0]
+    nca = NCA(n_components=X.shape[1], init="identity", standardize=False, max_iter=30).fit(X, y)
+    np.testing.assert_allclose(nca.transform(X), X, rtol=1e-6)
+    assert nca.n_iter_ == 0 and nca.converged_ and nca.stop_reason_ == "single_class"
+    assert nca.objective_value_ == pytest.approx(1.0)  # p_i = 1 for every point
+
+
+def test_warm_start_continues_from_the_previous_components():
+    X, y = load_iris(return_X_y=True)
+    nca = NCA(n_components=2, warm_start=True, max_iter=3, tol=0, random_state=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        nca.fit(X, y)
+        first = nca.components_.copy()
+        nca.set_params(max_iter=1).fit(X, y)
+    assert nca.init_used_ == "array"
+    cold = NCA(n_components=2, init=first, max_iter=1, tol=0, random_state=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        cold.fit(X, y)
+    np.testing.assert_allclose(nca.components_, cold.components_)
+    with pytest.raises(ValueError, match=r"The new inputs dimensionality \(3\) does not match"):
+        nca.fit(X[:, :3], y)
+
+
+@pytest.mark.parametrize("init", ["auto", "lda", "pca"])
+@pytest.mark.parametrize(
+    ("n_samples", "n_features", "n_classes", "rank"),
+    [(7, 5, 5, None), (200, 5, 5, 2), (5, 10, 5, None), (30, 6, 3, 1), (12, 3, 6, None)],
+)
+def test_initialisation_gives_d_rows_for_every_shape(init, n_samples, n_features, n_classes, rank):
+    """scikit-learn's test_auto_init orderings of N, D, C and d, plus rank-deficient data:
+    LDA and PCA can find fewer directions than d; the rest are completed."""
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(n_samples, rank or n_features)) @ (
+        rng.normal(size=(rank, n_features)) if rank else np.eye(n_features)
+    )
+    y = np.arange(n_samples) % n_classes
+    for d in range(1, n_features + 1):
+        nca = NCA(n_components=d, init=init, max_iter=2, random_state=0)
+        if init == "lda" and d > min(n_features, n_classes - 1):
+            with pytest.raises(ValueError, match="init='lda' gives at most"):
+                nca.fit(X, y)
+            continue
+        if init == "lda" and n_samples <= n_classes:
+            with pytest.raises(ValueError, match="init='lda' needs more samples than classes"):
+                nca.fit(X, y)
+            continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            nca.fit(X, y)
+        assert nca.components_.shape == (d, n_features)
+        assert np.all(np.isfinite(nca.components_))
