@@ -3,16 +3,43 @@
 Every field of :class:`TrainConfig` is a command-line option (``n_components`` ->
 ``--n-components``) whose help text is the field's ``help`` metadata, so the CLI, the
 manifest's record of the run and the defaults cannot drift apart.
+
+A setting the estimator also has takes its default from ``training.NCA``'s signature (the
+one definition), except where the job deliberately differs; ``JOB_DEFAULTS`` lists those
+differences with their reasons, and a test holds every other default equal to the estimator's.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 from dataclasses import MISSING, asdict, dataclass, field, fields
+
+from training.estimator import NCA
+
+ESTIMATOR_DEFAULTS = {
+    name: parameter.default
+    for name, parameter in inspect.signature(NCA.__init__).parameters.items()
+    if name != "self"
+}
+
+# Where the job's default deliberately differs from the estimator's, and why.
+JOB_DEFAULTS = {
+    # None means min(32, D) here (a servable artifact wants d << D), D in the estimator
+    "n_components": None,
+    # the job holds out a validation split anyway; keeping the best map costs nothing
+    "early_stopping": True,
+}
 
 
 def _opt(default, help: str, **extra):
     return field(default=default, metadata={"help": help, **extra})
+
+
+def _shared(name: str, help: str):
+    """A setting the estimator has too: its default comes from the estimator."""
+    default = JOB_DEFAULTS.get(name, ESTIMATOR_DEFAULTS[name])
+    return field(default=default, metadata={"help": help, "estimator": name})
 
 
 @dataclass
@@ -32,38 +59,46 @@ class TrainConfig:
         None,
         "after writing, atomically point this symlink at the new artifact (e.g. /models/current)",
     )
-    n_components: int | None = _opt(None, "embedding dimension d (default: min(32, D))")
-    objective: str = _opt(
-        "nca", "objective: nca (expected accuracy f) or nca-log (log-likelihood g)"
+    n_components: int | None = _shared(
+        "n_components", "embedding dimension d (default: min(32, D))"
     )
-    k: int = _opt(1, "k of the kNN rule the objective trains for (1 for NCA)")
-    transformation: str = _opt("linear", "linear (full or low-rank d x D) or diagonal")
-    init: str = _opt(
-        "auto", "auto, pca, lda, identity, random, or an artifact directory (warm start)"
+    objective: str = _shared(
+        "objective", "objective: nca (expected accuracy f) or nca-log (log-likelihood g)"
     )
-    solver: str = _opt("auto", "auto (L-BFGS), lbfgs, or adam (mini-batches)")
-    max_iter: int = _opt(200, "L-BFGS iterations or Adam epochs")
-    tol: float = _opt(1e-5, "convergence tolerance")
-    l2: float = _opt(0.0, "L2 penalty on A (added to the mean per-point loss)")
+    k: int = _shared("k", "k of the kNN rule the objective trains for (1 for NCA)")
+    transformation: str = _shared("transformation", "linear (full or low-rank d x D) or diagonal")
+    init: str = _shared(
+        "init", "auto, pca, lda, identity, random, or an artifact directory (warm start)"
+    )
+    solver: str = _shared("solver", "auto (L-BFGS), lbfgs, or adam (mini-batches)")
+    max_iter: int = _shared("max_iter", "L-BFGS iterations or Adam epochs")
+    tol: float = _shared("tol", "convergence tolerance")
+    l2: float = _shared("l2", "L2 penalty on A (added to the mean per-point loss)")
     n_candidates: str = _opt(
         "auto",
         "exact (all points), auto, or K: K nearest same- and other-class candidates per point",
     )
-    refresh_every: int = _opt(10, "iterations between candidate refreshes")
-    chunk_size: int | None = _opt(
-        None, "query rows per chunk (default: sized to a 256 MiB working set)"
+    refresh_every: int = _shared("refresh_every", "iterations between candidate refreshes")
+    chunk_size: int | None = _shared(
+        "chunk_size", "query rows per chunk (default: sized to a 256 MiB working set)"
     )
-    batch_size: int = _opt(1024, "Adam mini-batch size (query rows)")
-    learning_rate: float = _opt(0.01, "Adam step size")
-    early_stopping: bool = _opt(True, "stop when validation kNN accuracy stops improving")
-    n_iter_no_change: int = _opt(5, "early stopping patience, in validation checks")
-    validation_interval: int = _opt(5, "iterations between validation checks")
+    batch_size: int = _shared("batch_size", "Adam mini-batch size (query rows)")
+    learning_rate: float = _shared("learning_rate", "Adam step size")
+    early_stopping: bool = _shared(
+        "early_stopping", "stop when validation kNN accuracy stops improving"
+    )
+    n_iter_no_change: int = _shared(
+        "n_iter_no_change", "early stopping patience, in validation checks"
+    )
+    validation_interval: int = _shared(
+        "validation_interval", "iterations between validation checks"
+    )
     test_size: float = _opt(
         0.2, "fraction of each class held out for testing (ignored if the data has a test set)"
     )
     val_size: float = _opt(0.1, "fraction of each class held out for validation")
     seed: int = _opt(0, "random seed (split, init, mini-batches)")
-    device: str = _opt("auto", "auto (CUDA when available), cpu, cuda, cuda:N")
+    device: str = _shared("device", "auto (CUDA when available), cpu, cuda, cuda:N")
     decision_rule: str = _opt("majority", "default decision rule in the artifact: majority or soft")
     plots: bool = _opt(True, "write PNG plots beside the artifact")
     quiet: bool = _opt(False, "no progress bar")

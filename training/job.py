@@ -60,6 +60,8 @@ def build_estimator(config: TrainConfig, n_features: int) -> NCA:
         batch_size=config.batch_size,
         learning_rate=config.learning_rate,
         early_stopping=config.early_stopping,
+        validation_k=K_VALUES,  # the served k is chosen from these on validation (choose_k)
+        validation_rule=config.decision_rule,
         n_iter_no_change=config.n_iter_no_change,
         validation_interval=config.validation_interval,
         standardize=True,
@@ -69,8 +71,9 @@ def build_estimator(config: TrainConfig, n_features: int) -> NCA:
     )
 
 
-def evaluate_baselines(split, mean, scale, d: int) -> dict:
-    """kNN accuracies of each baseline map on the same split (validation and test)."""
+def evaluate_baselines(split, mean, scale, d: int, rule: str) -> dict:
+    """kNN accuracies of each baseline map on the same split (validation and test), with the
+    decision rule the artifact serves."""
     Xtr = (split.X_train - mean) / scale
     Xva = (split.X_val - mean) / scale
     Xte = (split.X_test - mean) / scale
@@ -87,10 +90,22 @@ def evaluate_baselines(split, mean, scale, d: int) -> dict:
         results[name] = {
             "n_components": int(A32.shape[0]),
             "val_accuracy": knn_accuracies(
-                z_tr, split.y_train, (Xva @ A.T).astype(np.float32), split.y_val, n_classes
+                z_tr,
+                split.y_train,
+                (Xva @ A.T).astype(np.float32),
+                split.y_val,
+                n_classes,
+                K_VALUES,
+                rule,
             ),
             "test_accuracy": knn_accuracies(
-                z_tr, split.y_train, (Xte @ A.T).astype(np.float32), split.y_test, n_classes
+                z_tr,
+                split.y_train,
+                (Xte @ A.T).astype(np.float32),
+                split.y_test,
+                n_classes,
+                K_VALUES,
+                rule,
             ),
         }
     return results
@@ -163,7 +178,9 @@ def run(config: TrainConfig, *, log=print) -> dict:
     test_pred = knn_predictions(z_train, split.y_train, z_test, n_classes, (default_k,), rule)[
         default_k
     ]
-    baselines = evaluate_baselines(split, estimator.mean_, estimator.scale_, estimator.n_components)
+    baselines = evaluate_baselines(
+        split, estimator.mean_, estimator.scale_, estimator.n_components, rule
+    )
 
     training_record = {
         "objective": config.objective,

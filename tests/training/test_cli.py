@@ -311,3 +311,27 @@ def test_knca_needs_enough_candidates(tmp_path, capsys):
     args = ["--data", "iris", "--objective", "knca-majority", "--k", "5", "--n-candidates", "3"]
     assert main([*args, "--out", str(tmp_path / "m"), "--quiet"]) == 2
     assert "n_candidates=3 must be >= k=5" in capsys.readouterr().err
+
+
+def test_every_shared_setting_defaults_to_the_estimators_except_the_stated_ones():
+    import dataclasses
+
+    from training.config import ESTIMATOR_DEFAULTS, JOB_DEFAULTS, TrainConfig
+
+    shared = {f.name: f for f in dataclasses.fields(TrainConfig) if "estimator" in f.metadata}
+    assert {"max_iter", "tol", "early_stopping", "n_components", "k", "solver"} <= set(shared)
+    for name, f in shared.items():
+        expected = JOB_DEFAULTS.get(name, ESTIMATOR_DEFAULTS[name])
+        assert f.default == expected, name
+    # the deliberate differences, and only those
+    differing = {n for n, f in shared.items() if f.default != ESTIMATOR_DEFAULTS[n]}
+    assert differing == {"early_stopping"}  # n_components: None in both, read differently
+    assert set(JOB_DEFAULTS) == {"n_components", "early_stopping"}
+    assert TrainConfig().max_iter == ESTIMATOR_DEFAULTS["max_iter"]
+
+
+def test_the_cli_help_shows_the_shared_defaults():
+    from training.config import ESTIMATOR_DEFAULTS, build_parser
+
+    text = build_parser().format_help()
+    assert f"(default: {ESTIMATOR_DEFAULTS['max_iter']})" in " ".join(text.split())
