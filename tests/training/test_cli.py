@@ -335,3 +335,15 @@ def test_the_cli_help_shows_the_shared_defaults():
 
     text = build_parser().format_help()
     assert f"(default: {ESTIMATOR_DEFAULTS['max_iter']})" in " ".join(text.split())
+
+
+@pytest.mark.parametrize("rule", ["majority", "soft"])
+def test_the_job_validates_with_the_rule_and_ks_it_serves(rule):
+    from training.config import TrainConfig
+    from training.evaluate import K_VALUES
+    from training.job import build_estimator
+
+    estimator = build_estimator(TrainConfig(decision_rule=rule), n_features=64)
+    assert estimator.validation_rule == rule
+    assert tuple(estimator.validation_k) == K_VALUES  # the served k is chosen among these
+    assert estimator.early_stopping and estimator.n_components == 32
