@@ -139,17 +139,23 @@ def test_auto_picks_candidates_for_large_n(monkeypatch):
     assert NCA(n_components=2, max_iter=5).fit(X[:90], y[:90]).n_candidates_ is None
 
 
-def test_early_stopping_keeps_best_validation_model():
-    X, y = load_digits(return_X_y=True)
-    nca = NCA(
+def early_stopping_nca(n_iter_no_change: int, **params) -> NCA:
+    """d = 4 with a validation check every iteration, stopped only by early stopping."""
+    return NCA(
         n_components=4,
         early_stopping=True,
         validation_interval=1,
-        n_iter_no_change=2,
+        n_iter_no_change=n_iter_no_change,
         max_iter=300,
         tol=0,
         random_state=0,
-    ).fit(X, y)
+        **params,
+    )
+
+
+def test_early_stopping_keeps_best_validation_model():
+    X, y = load_digits(return_X_y=True)
+    nca = early_stopping_nca(2).fit(X, y)
     assert nca.stop_reason_ in ("early_stopping", "converged", "precision")
     checked = [h["val_accuracy"] for h in nca.history_ if "val_accuracy" in h]
     assert nca.best_val_accuracy_ == max(checked)
@@ -228,20 +234,12 @@ def test_knca_estimator_in_a_pipeline():
 def test_early_stopping_returns_the_best_components_and_their_objective():
     X, y = load_digits(return_X_y=True)
     seen = {}
-    nca = NCA(
-        n_components=4,
-        early_stopping=True,
-        validation_interval=1,
-        n_iter_no_change=3,
-        max_iter=300,
-        tol=0,
-        random_state=0,
-        callback=lambda transformation, n_iter: seen.__setitem__(n_iter, transformation.copy()),
+    nca = early_stopping_nca(
+        3, callback=lambda transformation, n_iter: seen.__setitem__(n_iter, transformation.copy())
     ).fit(X[:600], y[:600])
     assert nca.stop_reason_ == "early_stopping"
     checks = [h for h in nca.history_ if "val_accuracy" in h]
-    best = max(checks, key=lambda h: h["val_accuracy"])  # the first of equals is kept
-    best = next(h for h in checks if h["val_accuracy"] == best["val_accuracy"])
+    best = max(checks, key=lambda h: h["val_accuracy"])  # max keeps the first of equals
     last = nca.history_[-1]["iteration"]
     assert best["iteration"] < last, "the test needs a best iterate before the last"
     np.testing.assert_array_equal(nca.components_.ravel(), seen[best["iteration"]])
