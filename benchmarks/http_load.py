@@ -16,8 +16,8 @@ pinned to core 0, 1 thread; one 64-dim instance per request):
 * ours (tuned IVF): the same service on the indexed artifact.
 
 Each (server, route, concurrency) cell runs ``--seconds`` per round, rounds interleaved,
-medians over ``--rounds``. Then large requests (1,024-row classify, JSON against npy, rows/s,
-median of 5) and ``python -m service --workers 2``: pinned to core 1 (both workers share it)
+medians over ``--rounds``. Then large requests (1,024-row classify: JSON, npy body with a
+JSON answer, npy in and out; rows/s, median of 5) and ``python -m service --workers 2``: pinned to core 1 (both workers share it)
 and unpinned (both cores, shared with wrk).
 
 Usage: python benchmarks/http_load.py [--seconds 10] [--rounds 3]   (needs `wrk`)
@@ -194,28 +194,38 @@ def wrk(url: str, script: Path, connections: int, seconds: int) -> dict:
 
 
 def large_request_rates(port: int, rows: np.ndarray, repeats: int = 5) -> dict:
-    """rows/s of 1,024-row /v1/classify requests, JSON against npy (answers are JSON)."""
+    """rows/s of 1,024-row /v1/classify requests: JSON in and out, npy in with a JSON
+    answer, npy in and out (the answer a structured .npy array)."""
     import httpx
 
     url = f"http://127.0.0.1:{port}/v1/classify"
     buffer = io.BytesIO()
     np.save(buffer, rows.astype(np.float32))
-    bodies = {
-        "json": (json.dumps({"instances": rows.tolist()}).encode(), "application/json"),
-        "npy": (buffer.getvalue(), "application/x-npy"),
+    as_json = json.dumps({"instances": rows.tolist()}).encode()
+    variants = {
+        "json": (as_json, "application/json", "application/json"),
+        "npy_body": (buffer.getvalue(), "application/x-npy", "application/json"),
+        "npy": (buffer.getvalue(), "application/x-npy", "application/x-npy"),
     }
     out = {"rows_per_request": len(rows)}
     with httpx.Client(timeout=120) as client:
-        for name, (body, media) in bodies.items():
+        for name, (body, media, accept) in variants.items():
             times = []
             for _ in range(repeats):
                 t = time.perf_counter()
-                r = client.post(url, content=body, headers={"content-type": media})
+                r = client.post(
+                    url, content=body, headers={"content-type": media, "accept": accept}
+                )
                 r.raise_for_status()
-                assert len(r.json()["predictions"]) == len(rows)
+                if accept == "application/json":
+                    answered = len(r.json()["predictions"])
+                else:
+                    answered = len(np.load(io.BytesIO(r.content), allow_pickle=False))
                 times.append(time.perf_counter() - t)
+                assert answered == len(rows)
             out[f"{name}_rows_per_second"] = len(rows) / median(times)
             out[f"{name}_request_bytes"] = len(body)
+            out[f"{name}_answer_bytes"] = len(r.content)
     out["npy_over_json"] = out["npy_rows_per_second"] / out["json_rows_per_second"]
     return out
 

@@ -201,9 +201,10 @@ def main():
         )
         for name, e in h["large_requests"].items():
             print(
-                f"\n1,024-row /v1/classify ({name}): JSON body {e['json_rows_per_second']:,.0f} "
-                f"rows/s, npy body {e['npy_rows_per_second']:,.0f} rows/s "
-                f"({e['npy_over_json']:.2f}x); answers are JSON."
+                f"\n1,024-row /v1/classify ({name}): JSON {e['json_rows_per_second']:,.0f} "
+                f"rows/s, npy body + JSON answer {e['npy_body_rows_per_second']:,.0f} rows/s, "
+                f"npy in and out {e['npy_rows_per_second']:,.0f} rows/s "
+                f"({e['npy_over_json']:.2f}x JSON)."
             )
     k = load("knca_cost.json")
     if k:

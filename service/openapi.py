@@ -29,6 +29,13 @@ ERROR_DESCRIPTIONS = {
     503: "no model loaded yet, or shutting down",
 }
 INFERENCE_ERRORS = (400, 401, 406, 413, 415, 422, 429, 503)
+NPY_ANSWERS = {  # the 200 answer with Accept: application/x-npy (see service.npy_answers)
+    "embed": "float32 array (n, d)",
+    "classify": "structured array (n,): label (int64, or a string when a class is not an "
+    "integer), probabilities (C,) float64 in GET /v1/model's class order; with neighbours "
+    "also neighbor_ids (k,) int64, neighbor_labels (k,), neighbor_distances (k,) float64",
+    "neighbors": "structured array (n,): ids (k,) int64, labels (k,), distances (k,) float64",
+}
 ROUTE_ERRORS = {
     "/v1/classify": INFERENCE_ERRORS,
     "/v1/embed": INFERENCE_ERRORS,
@@ -153,7 +160,8 @@ def build_openapi(app: FastAPI, limits: dict[str, Any], secured: bool) -> dict:
                 operation["parameters"] = query_parameters(query or [], limits)
             if npy_out:
                 responses["200"]["content"][NPY] = {
-                    "schema": {"type": "string", "format": "binary"}
+                    "schema": {"type": "string", "format": "binary"},
+                    "description": NPY_ANSWERS[npy_out],
                 }
             if path == "/metrics":
                 responses["200"] = {

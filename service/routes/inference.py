@@ -10,6 +10,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from service.npy_answers import classify_npy, neighbors_npy
 from service.payload import JSON, NPY, ClassifyBody, EmbedBody, NeighborsBody, npy_bytes
 from service.routes import pipeline
 from service.schemas import ClassifyResponse, EmbedResponse, NeighborsResponse
@@ -24,10 +25,13 @@ router = APIRouter(prefix="/v1", tags=["inference"])
     openapi_extra={
         "x-ncaknn-body": "ClassifyRequest",
         "x-ncaknn-query": ["k", "rule", "return_neighbors"],
+        "x-ncaknn-npy-out": "classify",
     },
 )
 async def classify(request: Request) -> Response:
-    req = await pipeline.receive(request, ClassifyBody, query=("k", "rule", "return_neighbors"))
+    req = await pipeline.receive(
+        request, ClassifyBody, query=("k", "rule", "return_neighbors"), offered=(JSON, NPY)
+    )
     k = pipeline.resolve_k(req)
     body = req.body
     rule = (body.rule if body is not None else None) or req.options.get("rule")
@@ -36,11 +40,17 @@ async def classify(request: Request) -> Response:
         "return_neighbors", False
     )
     values_per_row = len(req.model.classes) + (3 * k if with_neighbors else 0)
-    pipeline.check_answer_size(req, values_per_row)
+    if req.response_type == JSON:
+        pipeline.check_answer_size(req, values_per_row)
     with req.state.admit():
         req.state.metrics.request_rows.labels("/v1/classify").observe(len(req.rows))
         answer = await pipeline.search(req, k, rule)
     model = req.model
+    n_values = len(req.rows) * values_per_row
+    if req.response_type == NPY:
+        return await pipeline.encoded_response(
+            req, n_values, lambda: classify_npy(model, answer, with_neighbors), NPY
+        )
 
     def build() -> dict:
         names = model.class_names
@@ -59,14 +69,18 @@ async def classify(request: Request) -> Response:
             predictions.append(item)
         return {"predictions": predictions, "model_version": model.version}
 
-    return await pipeline.json_response(req, len(req.rows) * values_per_row, build)
+    return await pipeline.json_response(req, n_values, build)
 
 
 @router.post(
     "/embed",
     response_model=EmbedResponse,
     summary="Project instances into the learned d-dimensional space (batch embedding)",
-    openapi_extra={"x-ncaknn-body": "EmbedRequest", "x-ncaknn-query": [], "x-ncaknn-npy-out": True},
+    openapi_extra={
+        "x-ncaknn-body": "EmbedRequest",
+        "x-ncaknn-query": [],
+        "x-ncaknn-npy-out": "embed",
+    },
 )
 async def embed_route(request: Request) -> Response:
     req = await pipeline.receive(request, EmbedBody, query=(), offered=(JSON, NPY))
@@ -87,19 +101,29 @@ async def embed_route(request: Request) -> Response:
     "/neighbors",
     response_model=NeighborsResponse,
     summary="The k nearest reference points of each instance",
-    openapi_extra={"x-ncaknn-body": "NeighborsRequest", "x-ncaknn-query": ["k"]},
+    openapi_extra={
+        "x-ncaknn-body": "NeighborsRequest",
+        "x-ncaknn-query": ["k"],
+        "x-ncaknn-npy-out": "neighbors",
+    },
 )
 async def neighbors(request: Request) -> Response:
-    req = await pipeline.receive(request, NeighborsBody, query=("k",))
+    req = await pipeline.receive(request, NeighborsBody, query=("k",), offered=(JSON, NPY))
     k = pipeline.resolve_k(req)
-    pipeline.check_answer_size(req, 3 * k)
+    if req.response_type == JSON:
+        pipeline.check_answer_size(req, 3 * k)
     with req.state.admit():
         req.state.metrics.request_rows.labels("/v1/neighbors").observe(len(req.rows))
         answer = await pipeline.search(req, k)
     model = req.model
+    n_values = len(req.rows) * 3 * k
+    if req.response_type == NPY:
+        return await pipeline.encoded_response(
+            req, n_values, lambda: neighbors_npy(model, answer), NPY
+        )
     return await pipeline.json_response(
         req,
-        len(req.rows) * 3 * k,
+        n_values,
         lambda: {
             "neighbors": pipeline.neighbor_lists(model, answer.distances, answer.indices),
             "model_version": model.version,

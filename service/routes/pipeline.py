@@ -208,11 +208,20 @@ def neighbor_lists(
 async def json_response(request: InferenceRequest, n_values: int, build) -> Response:
     """Encode ``build()`` as JSON, in a worker thread when the answer is large; give memory
     back after large requests."""
+    return await encoded_response(
+        request, n_values, lambda: json_encoder.encode(build()), media_type=JSON
+    )
+
+
+async def encoded_response(
+    request: InferenceRequest, n_values: int, encode, media_type: str
+) -> Response:
+    """The bytes ``encode()`` returns, computed in a worker thread when the answer holds
+    more than THREAD_ENCODE_VALUES numbers; memory given back after large requests."""
     large = n_values > THREAD_ENCODE_VALUES
-    if large:
-        content = await run_in_threadpool(lambda: json_encoder.encode(build()))
-    else:
-        content = json_encoder.encode(build())
+    content = await run_in_threadpool(encode) if large else encode()
     if large or request.body_bytes > memory.LARGE_REQUEST_BYTES:
         await run_in_threadpool(memory.trim)
-    return Response(content, media_type=JSON, headers={"x-model-version": request.model.version})
+    return Response(
+        content, media_type=media_type, headers={"x-model-version": request.model.version}
+    )

@@ -1,0 +1,68 @@
+"""Answers as structured ``.npy`` arrays (``Accept: application/x-npy``).
+
+A JSON answer costs a dictionary per row and a decimal rendering of every number; for
+batch clients the same numbers go out as one structured array, one record per instance,
+readable with ``numpy.load(io.BytesIO(body), allow_pickle=False)``:
+
+* ``/v1/classify``: ``label`` (the class, int64 when every class is an integer, else a
+  unicode string), ``probabilities`` (C,) float64 in the order of ``GET /v1/model``'s
+  ``classes``; with neighbours also ``neighbor_ids`` (k,) int64, ``neighbor_labels`` (k,)
+  and ``neighbor_distances`` (k,) float64 (squared Euclidean, ascending).
+* ``/v1/neighbors``: ``ids`` (k,), ``labels`` (k,) and ``distances`` (k,).
+
+The numbers are the ones the JSON answer holds (float64 throughout), so both encodings of
+one request decode to equal values.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from service.engine import Answer, LoadedModel
+from service.payload import npy_bytes
+
+INT64 = np.iinfo(np.int64)
+
+
+def class_array(classes: list) -> np.ndarray:
+    """The classes as one numpy array: int64 when all are integers that fit, else their
+    string forms (the keys of a JSON answer's probabilities)."""
+    if all(isinstance(c, int) and INT64.min <= c <= INT64.max for c in classes):
+        return np.asarray(classes, dtype=np.int64)
+    return np.asarray([str(c) for c in classes], dtype=np.str_)
+
+
+def _records(fields: list[tuple[str, np.ndarray]]) -> np.ndarray:
+    """Columns (n, ...) -> one structured (n,) array with a field per column."""
+    n = len(fields[0][1])
+    dtype = np.dtype([(name, column.dtype, column.shape[1:]) for name, column in fields])
+    out = np.empty(n, dtype=dtype)
+    for name, column in fields:
+        out[name] = column
+    return out
+
+
+def _neighbour_columns(
+    model: LoadedModel, answer: Answer, prefix: str, plural: bool
+) -> list[tuple[str, np.ndarray]]:
+    classes = class_array(model.classes)
+    s = "s" if plural else ""
+    return [
+        (f"{prefix}id{s}", model.ids[answer.indices]),  # (n, k) int64
+        (f"{prefix}label{s}", classes[model.labels[answer.indices]]),  # (n, k)
+        (f"{prefix}distance{s}", np.asarray(answer.distances, dtype=np.float64)),  # (n, k)
+    ]
+
+
+def classify_npy(model: LoadedModel, answer: Answer, with_neighbors: bool) -> bytes:
+    fields = [
+        ("label", class_array(model.classes)[answer.predicted]),  # (n,)
+        ("probabilities", np.asarray(answer.probabilities, dtype=np.float64)),  # (n, C)
+    ]
+    if with_neighbors:
+        fields += _neighbour_columns(model, answer, "neighbor_", plural=True)
+    return npy_bytes(_records(fields))
+
+
+def neighbors_npy(model: LoadedModel, answer: Answer) -> bytes:
+    return npy_bytes(_records(_neighbour_columns(model, answer, "", plural=True)))
