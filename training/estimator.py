@@ -30,7 +30,7 @@ from service.knn import RULES, project
 from training.data import fit_standardizer, stratified_split
 from training.evaluate import knn_accuracies
 from training.initialization import INIT_NAMES, initial_components
-from training.objectives import OBJECTIVES, make_objective
+from training.objective_registry import OBJECTIVES, make_objective
 from training.optimize import Monitor, Problem, run_adam, run_lbfgs, single_class_result
 
 AUTO_EXACT_MAX_SAMPLES = 8192

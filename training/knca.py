@@ -30,12 +30,8 @@ from __future__ import annotations
 
 import torch
 
+from training.numerics import LOG_ZERO, NEG_INF, floored_logsumexp
 from training.objectives import Objective
-
-NEG_INF = float("-inf")
-LOG_ZERO = -1e30  # log 0 inside the programme: exp() of it is 0, sums of a few stay finite
-EXP_FLOOR = -80.0  # exponents below the row maximum are floored here before exp()
-
 
 _ANTI_DIAGONALS: dict[tuple[int, int, int, str], torch.Tensor] = {}
 
@@ -70,18 +66,6 @@ def log_poly_mul(a: torch.Tensor, b: torch.Tensor, max_degree: int | None = None
     pair = torch.cat([pair, pad], dim=-1)
     rows = pair[..., _anti_diagonal_index(la, lb, lout, pair.device)]  # (..., lout, terms)
     return floored_logsumexp(rows, -1).clamp_min(LOG_ZERO)
-
-
-def floored_logsumexp(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """log sum exp with each term's exponent floored at EXP_FLOOR below the maximum.
-
-    exp(-80) ~ 2e-35 is below float32 resolution of any sum that contains the maximum (1), so
-    the value is unchanged, while exp never takes its slow underflow path (most terms here are
-    log 0). The maximum is detached: the gradient exp(x - m) / sum is exact without it.
-    """
-    m = x.detach().amax(dim=dim, keepdim=True).clamp_min(LOG_ZERO)  # finite even if all -inf
-    total = torch.exp((x - m).clamp_min(EXP_FLOOR)).sum(dim=dim, keepdim=True)
-    return (m + torch.log(total)).squeeze(dim)
 
 
 def identity_poly(shape: tuple[int, ...], k: int, like: torch.Tensor) -> torch.Tensor:

@@ -31,9 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from training.neighbourhood import auto_chunk_size, class_runs
-
-EXP_FLOOR = -80.0
+from training.numerics import EXP_FLOOR, PrecomputedGradient, chunk_rows, class_runs
 
 
 def _block_weights(
@@ -100,7 +98,7 @@ def nca_value_and_grad(
     col_total = torch.zeros(n, dtype=z.dtype, device=z.device)  # sum_i W_ij over all chunks
     total = torch.zeros((), dtype=z.dtype, device=z.device)
     if chunk_size is None:
-        chunk_size = min(256, auto_chunk_size(n))  # small blocks stay in cache (measured)
+        chunk_size = min(256, chunk_rows(n))  # small blocks stay in cache (measured)
 
     if rows is None:
         query_sorted = torch.arange(n, device=z.device)
@@ -180,7 +178,7 @@ def nca_value_and_grad_candidates(
     return total, grad
 
 
-class FusedNCA(torch.autograd.Function):
+class FusedNCA(PrecomputedGradient):
     """Autograd wrapper: value = sum_i score_i(z); backward returns the fused gradient."""
 
     @staticmethod
@@ -195,8 +193,3 @@ class FusedNCA(torch.autograd.Function):
             )
         ctx.save_for_backward(grad)
         return value
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        (grad_z,) = ctx.saved_tensors
-        return grad_output * grad_z, None, None, None, None, None

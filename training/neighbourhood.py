@@ -1,4 +1,12 @@
-"""Memory-bounded evaluation of a neighbourhood objective and its gradient.
+"""Memory-bounded evaluation of a neighbourhood objective and its gradient: the dispatcher
+above the two evaluation paths.
+
+``objective_sum(z, labels, objective)`` picks the path:
+
+* NCA's objectives (``nca``, ``nca-log``) take the fused closed-form kernel by default
+  (``training.nca_kernel.FusedNCA``: value and gradient in one pass, no autograd graph);
+  ``method="autograd"`` forces the generic path, which the tests use to check the kernel.
+* every other objective (kNCA) takes the generic chunked autograd path below.
 
 Given embeddings Z = X A^T (N, d), the objective is sum_i score_i over query rows i, where
 score_i depends on the squared distances from z_i to its neighbours. Two neighbour modes:
@@ -16,18 +24,11 @@ backward returns that buffer; autograd then carries it through Z = X A^T to A.
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 
-from training.objectives import Objective
-
-DEFAULT_MEMORY_BUDGET = 256 * 2**20  # bytes for one chunk's (B, M) temporaries
-
-
-def auto_chunk_size(n_neighbours: int, budget_bytes: int = DEFAULT_MEMORY_BUDGET) -> int:
-    """Rows per chunk so that ~10 float32 (B, M) temporaries stay within the budget."""
-    return int(max(1, min(8192, budget_bytes // (40 * max(1, n_neighbours)))))
+from training.nca_kernel import FusedNCA
+from training.numerics import PrecomputedGradient, chunk_rows, class_runs
+from training.objectives import NCAObjective, Objective
 
 
 def pairwise_sq_dist(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -61,7 +62,7 @@ def _chunk_scores(
     return objective.point_scores(neg, neighbour_labels, yq, valid).sum()
 
 
-class ChunkedObjective(torch.autograd.Function):
+class ChunkedObjective(PrecomputedGradient):
     """value = sum_{i in rows} score_i(Z); backward gives d value / d Z (N, d)."""
 
     @staticmethod
@@ -70,18 +71,13 @@ class ChunkedObjective(torch.autograd.Function):
         total = torch.zeros((), dtype=z.dtype, device=z.device)
         with torch.enable_grad():
             for start in range(0, rows.shape[0], chunk_size):
-                chunk_rows = rows[start : start + chunk_size]
-                value = _chunk_scores(leaf, labels, chunk_rows, objective, candidates)
+                chunk = rows[start : start + chunk_size]
+                value = _chunk_scores(leaf, labels, chunk, objective, candidates)
                 value.backward()
                 total += value.detach()
         grad = leaf.grad if leaf.grad is not None else torch.zeros_like(z)
         ctx.save_for_backward(grad)
         return total
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        (grad_z,) = ctx.saved_tensors
-        return grad_output * grad_z, None, None, None, None, None
 
 
 def objective_sum(
@@ -101,9 +97,6 @@ def objective_sum(
     NCA kernels (NCA objectives only), "autograd" the generic chunked autograd path, "auto"
     the fused kernel where it applies.
     """
-    from training.nca_kernel import FusedNCA
-    from training.objectives import NCAObjective
-
     if method not in ("auto", "fused", "autograd"):
         raise ValueError(f"method must be 'auto', 'fused' or 'autograd', got {method!r}")
     fused_applies = isinstance(objective, NCAObjective)
@@ -116,16 +109,10 @@ def objective_sum(
         rows = torch.arange(n, device=z.device)
     if chunk_size is None:
         m = n if candidates is None else candidates.shape[1]
+        # gathered candidates add their d coordinates to every pair's working set
         per_pair = objective.floats_per_pair() + (0 if candidates is None else z.shape[1])
-        chunk_size = auto_chunk_size(m * per_pair // 10)
+        chunk_size = chunk_rows(m, per_pair)
     return ChunkedObjective.apply(z, labels, objective, rows, candidates, int(chunk_size))
-
-
-def class_runs(sorted_labels: torch.Tensor) -> list[tuple[int, int]]:
-    """[start, end) of each run of equal labels in a sorted label vector."""
-    n = sorted_labels.shape[0]
-    change = torch.nonzero(sorted_labels[1:] != sorted_labels[:-1]).flatten() + 1
-    return list(itertools.pairwise([0, *change.tolist(), n]))
 
 
 @torch.no_grad()

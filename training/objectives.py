@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-NEG_INF = float("-inf")
+from training.numerics import NEG_INF
 
 
 class Objective:
@@ -52,7 +52,9 @@ class Objective:
         raise NotImplementedError
 
     def floats_per_pair(self) -> int:
-        """Working floats per (point, neighbour) pair in point_scores: sizes the chunks."""
+        """Working float32 values per (point, neighbour) pair in point_scores: sizes the
+        chunks (``training.numerics.chunk_rows``). NCA's log-sum-exps hold about 10 (B, M)
+        temporaries."""
         return 10
 
 
@@ -93,31 +95,3 @@ class NCAObjective(Objective):
 
     def __repr__(self) -> str:
         return f"NCAObjective(log_form={self.log_form})"
-
-
-def _knca(variant: str, log_form: bool):
-    def make(k: int, n_classes: int | None):
-        from training.knca import KNCAObjective
-
-        return KNCAObjective(variant, k, log_form, n_classes)
-
-    return make
-
-
-OBJECTIVES = {
-    "nca": lambda k, n_classes: NCAObjective(log_form=False),
-    "nca-log": lambda k, n_classes: NCAObjective(log_form=True),
-    "knca-majority": _knca("majority", False),
-    "knca-majority-log": _knca("majority", True),
-    "knca-all": _knca("all", False),
-    "knca-all-log": _knca("all", True),
-}
-
-
-def make_objective(name: str, k: int = 1, n_classes: int | None = None) -> Objective:
-    """Build an objective by name (see ``OBJECTIVES``); kNCA needs k and the number of classes."""
-    if name not in OBJECTIVES:
-        raise ValueError(f"objective must be one of {sorted(OBJECTIVES)}, got {name!r}")
-    if name.startswith("nca") and k != 1:
-        raise ValueError(f"objective={name!r} trains a 1-NN rule; k must be 1, got k={k}")
-    return OBJECTIVES[name](k, n_classes)

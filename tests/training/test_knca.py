@@ -86,7 +86,7 @@ def test_k1_equals_nca(variant):
 
 @pytest.mark.parametrize("name", ["knca-majority", "knca-all", "knca-majority-log", "knca-all-log"])
 def test_gradcheck_float64(name):
-    from training.objectives import make_objective
+    from training.objective_registry import make_objective
 
     rng = np.random.default_rng(2)
     X = torch.tensor(rng.normal(size=(12, 4)))

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from training.neighbourhood import nearest_candidates, objective_sum
-from training.objectives import NCAObjective, make_objective
+from training.objective_registry import make_objective
+from training.objectives import NCAObjective
 
 
 def problem(seed=0, n=24, D=5, d=3, n_classes=3, scale=0.5):

@@ -1,0 +1,74 @@
+"""Numerics shared by the objectives and the kernels that evaluate them.
+
+Nothing here knows about a particular objective; every training module may import it, and
+it imports none of them (the import graph of ``training`` has no cycles):
+
+    numerics  <-  objectives  <-  knca  <-  objective_registry  <-  estimator
+        ^             ^
+        +---------  nca_kernel  <-  neighbourhood (dispatcher)  <-  optimize
+
+* the floors that keep exp() and log 0 finite (``EXP_FLOOR``, ``LOG_ZERO``),
+* ``floored_logsumexp``,
+* ``class_runs`` (points sorted by class, one contiguous run per class),
+* ``chunk_rows`` (rows per chunk from a memory budget),
+* ``PrecomputedGradient``, the autograd backward both evaluation paths share: the forward
+  pass computes the objective and its gradient with respect to Z together, and backward
+  only scales that gradient.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+NEG_INF = float("-inf")
+# log 0 inside the kNCA programme: exp() of it is 0 and sums of a few stay finite, so torch's
+# fused logsumexp needs no special case for -inf and gradients stay finite
+LOG_ZERO = -1e30
+# exponents more than 80 below a row's maximum are floored here before exp(): exp(-80) ~ 2e-35
+# is below float32 resolution of any sum that holds the maximum (1), so no value changes,
+# while exp never takes its slow subnormal path (~4x slower on CPU)
+EXP_FLOOR = -80.0
+
+DEFAULT_MEMORY_BUDGET = 256 * 2**20  # bytes for one chunk's (B, M) temporaries
+MAX_CHUNK_ROWS = 8192
+FLOAT32_BYTES = 4
+
+
+def floored_logsumexp(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """log sum_j exp(x_j) along ``dim``, each exponent x_j - max floored at EXP_FLOOR.
+
+    The maximum is detached: the gradient exp(x_j - m) / sum is exact without it, and it is
+    clamped at LOG_ZERO so that a row of log 0 gives LOG_ZERO + log n, finite.
+    """
+    m = x.detach().amax(dim=dim, keepdim=True).clamp_min(LOG_ZERO)
+    total = torch.exp((x - m).clamp_min(EXP_FLOOR)).sum(dim=dim, keepdim=True)
+    return (m + torch.log(total)).squeeze(dim)
+
+
+def class_runs(sorted_labels: torch.Tensor) -> list[tuple[int, int]]:
+    """[start, end) of each run of equal labels in a sorted label vector (N,)."""
+    n = sorted_labels.shape[0]
+    change = torch.nonzero(sorted_labels[1:] != sorted_labels[:-1]).flatten() + 1
+    return list(itertools.pairwise([0, *change.tolist(), n]))
+
+
+def chunk_rows(
+    n_neighbours: int, floats_per_pair: int = 10, budget_bytes: int = DEFAULT_MEMORY_BUDGET
+) -> int:
+    """Rows B per chunk so that a chunk's working memory, B x n_neighbours pairs of
+    ``floats_per_pair`` float32 values each, stays within ``budget_bytes``; 1 <= B <= 8192."""
+    per_row = FLOAT32_BYTES * max(1, floats_per_pair) * max(1, n_neighbours)
+    return int(max(1, min(MAX_CHUNK_ROWS, budget_bytes // per_row)))
+
+
+class PrecomputedGradient(torch.autograd.Function):
+    """Base of autograd functions whose forward(ctx, z, *five non-tensor arguments) returns a
+    scalar value and saves its gradient d value / dz (N, d) with ``ctx.save_for_backward``;
+    backward scales the saved gradient by the incoming one. Z = X A^T then carries it to A."""
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (grad_z,) = ctx.saved_tensors
+        return grad_output * grad_z, None, None, None, None, None
