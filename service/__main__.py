@@ -15,6 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from service.vocabulary import INDEX_KINDS
 from service.workers import METRICS_DIR
 
 
@@ -24,9 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", help="interface to bind (NCAKNN_HOST)")
     parser.add_argument("--port", type=int, help="TCP port (NCAKNN_PORT)")
     parser.add_argument("--workers", type=int, help="worker processes (NCAKNN_WORKERS)")
-    parser.add_argument(
-        "--index", choices=["flat", "ivf", "hnsw", "ivfpq"], help="index type (NCAKNN_INDEX_TYPE)"
-    )
+    parser.add_argument("--index", choices=list(INDEX_KINDS), help="index type (NCAKNN_INDEX_TYPE)")
     args = parser.parse_args(argv)
     for option, variable in (
         ("model", "NCAKNN_MODEL_PATH"),

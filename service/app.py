@@ -189,9 +189,7 @@ async def _reload_in_background(state: AppState, reason: str) -> None:
     try:
         loaded = await run_in_threadpool(state.engine.load)
     except Exception:
-        state.metrics.model_load_failures.inc()
-        return
-    state.metrics.set_model(loaded)
+        return  # recorded by the engine (last_error, metrics) and logged
     log.info("model synchronised", extra={"reason": reason, "model_version": loaded.version})
 
 
@@ -246,73 +244,20 @@ def _install_drain_on_sigterm(state: AppState) -> None:
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
+    """The service: state (engine, metrics), lifespan, error table, routes, OpenAPI, and the
+    direct lane for the inference routes."""
     settings = settings or Settings()
     metrics = Metrics()
     state = AppState(
         settings=settings,
-        engine=Engine(settings, on_fallback=metrics.count_fallback),
+        engine=Engine(
+            settings,
+            on_fallback=metrics.count_fallback,
+            on_load=metrics.set_model,
+            on_load_failure=lambda exc: metrics.model_load_failures.inc(),
+        ),
         metrics=metrics,
     )
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        # The search thread needs the GIL for short stretches between FAISS/numpy calls; with
-        # the default 5 ms switch interval it waits behind the event loop's request parsing
-        # for most of a batch's life (measured: 25-row batches taking 34 ms instead of ~6 ms).
-        sys.setswitchinterval(GIL_SWITCH_INTERVAL)
-        if settings.runtime_dir is not None:
-            state.generation = ReloadGeneration(settings.runtime_dir)
-        try:
-            loaded = await run_in_threadpool(state.engine.load)
-            state.metrics.set_model(loaded)
-        except Exception as exc:
-            state.metrics.model_load_failures.inc()
-            if settings.require_model_at_startup:
-                raise RuntimeError(
-                    f"cannot serve: the model at {settings.model_path} failed to load ({exc}). "
-                    "Train one with `python -m training --out <path>` or set "
-                    "NCAKNN_REQUIRE_MODEL_AT_STARTUP=false to start unready and wait for it."
-                ) from exc
-            log.warning("starting without a model", extra={"error": str(exc)})
-        if settings.batching:
-            on_loop = settings.search_on_event_loop
-            state.batcher = Batcher(
-                max_rows=settings.batch_max_rows,
-                max_wait_us=settings.batch_max_wait_us,
-                inline_rows=INLINE_SEARCH_ROWS
-                if on_loop == "always" or (on_loop == "auto" and available_cores() == 1)
-                else 0,
-                on_batch=lambda rows, waited: (
-                    state.metrics.batch_rows.observe(rows),
-                    state.metrics.queue_wait.observe(waited),
-                ),
-            )
-            state.batcher.start()
-        sync = None
-        if settings.reload_poll_seconds > 0 or state.generation is not None:
-            sync = asyncio.get_running_loop().create_task(_keep_model_in_sync(state))
-        _install_drain_on_sigterm(state)
-        # Objects alive now (modules, route tables, the model's metadata) leave the garbage
-        # collector's view: a full collection then scans only what requests allocate.
-        # Measured at c64: p99 53 ms -> 20 ms (full collections walked ~10^6 objects).
-        gc.collect()
-        gc.freeze()
-        log.info(
-            "serving", extra={"model_path": str(settings.model_path), "ready": state.engine.ready}
-        )
-        try:
-            yield
-        finally:
-            state.engine.draining = True
-            if sync is not None:
-                sync.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await sync
-            if state.batcher is not None:
-                await state.batcher.stop()
-            gc.unfreeze()
-            log.info("stopped")
-
     app = ServiceApp(
         title="nca-knn",
         version=__version__,
@@ -320,7 +265,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             "k-nearest-neighbour classification in a metric learned by NCA. Inputs are projected "
             "by the learned map and searched in a FAISS index over the projected training set."
         ),
-        lifespan=lifespan,
+        lifespan=_lifespan(state),
         docs_url=None,
         redoc_url=None,
         openapi_url=None,
@@ -336,6 +281,86 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.direct_routes = {route.path: route.endpoint for route in inference.router.routes}
     app.service_middleware = ServiceMiddleware(app.dispatch, state=state, routes=routes)
     return app
+
+
+def _lifespan(state: AppState):
+    """Start: load the model (fail fast unless told to wait), start the batcher and the model
+    sync, arm the SIGTERM drain. Stop: drain, stop the sync, finish the batcher's queue."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        # The search thread needs the GIL for short stretches between FAISS/numpy calls; with
+        # the default 5 ms switch interval it waits behind the event loop's request parsing
+        # for most of a batch's life (measured: 25-row batches taking 34 ms instead of ~6 ms).
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL)
+        if state.settings.runtime_dir is not None:
+            state.generation = ReloadGeneration(state.settings.runtime_dir)
+        await _load_at_startup(state)
+        state.batcher = _start_batcher(state)
+        sync = None
+        if state.settings.reload_poll_seconds > 0 or state.generation is not None:
+            sync = asyncio.get_running_loop().create_task(_keep_model_in_sync(state))
+        _install_drain_on_sigterm(state)
+        # Objects alive now (modules, route tables, the model's metadata) leave the garbage
+        # collector's view: a full collection then scans only what requests allocate.
+        # Measured at c64: p99 53 ms -> 20 ms (full collections walked ~10^6 objects).
+        gc.collect()
+        gc.freeze()
+        log.info(
+            "serving",
+            extra={"model_path": str(state.settings.model_path), "ready": state.engine.ready},
+        )
+        try:
+            yield
+        finally:
+            state.engine.draining = True
+            if sync is not None:
+                sync.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await sync
+            if state.batcher is not None:
+                await state.batcher.stop()
+            gc.unfreeze()
+            log.info("stopped")
+
+    return lifespan
+
+
+async def _load_at_startup(state: AppState) -> None:
+    """Load the model; a failure stops the start (fail fast) unless
+    require_model_at_startup is off, in which case the service starts unready."""
+    settings = state.settings
+    try:
+        await run_in_threadpool(state.engine.load)
+    except Exception as exc:
+        if settings.require_model_at_startup:
+            raise RuntimeError(
+                f"cannot serve: the model at {settings.model_path} failed to load ({exc}). "
+                "Train one with `python -m training --out <path>` or set "
+                "NCAKNN_REQUIRE_MODEL_AT_STARTUP=false to start unready and wait for it."
+            ) from exc
+        log.warning("starting without a model", extra={"error": str(exc)})
+
+
+def _start_batcher(state: AppState) -> Batcher | None:
+    """The dynamic batcher (None when batching is off); small merged searches run on the
+    event loop when search_on_event_loop says so (auto: with one core)."""
+    settings = state.settings
+    if not settings.batching:
+        return None
+    on_loop = settings.search_on_event_loop
+    inline = on_loop == "always" or (on_loop == "auto" and available_cores() == 1)
+    batcher = Batcher(
+        max_rows=settings.batch_max_rows,
+        max_wait_us=settings.batch_max_wait_us,
+        inline_rows=INLINE_SEARCH_ROWS if inline else 0,
+        on_batch=lambda rows, waited: (
+            state.metrics.batch_rows.observe(rows),
+            state.metrics.queue_wait.observe(waited),
+        ),
+    )
+    batcher.start()
+    return batcher
 
 
 def _install_error_handlers(app: FastAPI, state: AppState) -> None:

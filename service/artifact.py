@@ -56,12 +56,13 @@ from typing import Any
 import numpy as np
 
 from service import __version__
+from service.vocabulary import RULES
 
 SCHEMA_VERSION = 1
 FORMAT_NAME = "nca-knn-artifact"
 MANIFEST_FILE = "manifest.json"
 INDEX_FILE = "index.faiss"
-DECISION_RULES = ("majority", "soft")
+DECISION_RULES = RULES
 
 # name -> (file name, dtype, symbolic shape). Symbols: d components, D features, N references.
 ARRAY_SPECS: dict[str, tuple[str, np.dtype, tuple[str, ...]]] = {
@@ -328,53 +329,24 @@ def write_artifact(
     with their sha256 under ``extras``. Returns the artifact path.
     """
     final = Path(path).absolute()
-    arrays = {
-        "projection": _coerce("projection", projection),
-        "offset": _coerce("offset", offset),
-        "embeddings": _coerce("embeddings", embeddings),
-        "labels": _coerce("labels", labels),
-        "mean": _coerce("mean", mean),
-        "scale": _coerce("scale", scale),
-    }
-    if ids is not None:
-        arrays["ids"] = _coerce("ids", ids)
-    if (validation_embeddings is None) != (validation_labels is None):
-        raise ArtifactError("validation_embeddings and validation_labels go together")
-    if validation_embeddings is not None:
-        arrays["validation_embeddings"] = _coerce("validation_embeddings", validation_embeddings)
-        arrays["validation_labels"] = _coerce("validation_labels", validation_labels)
-    classes_json = [_to_json_label(c) for c in classes]
-    if len(set(classes_json)) != len(classes_json):
-        raise ArtifactError(f"classes must be distinct, got {classes_json!r}")
+    arrays = _validated_arrays(
+        projection=projection,
+        offset=offset,
+        embeddings=embeddings,
+        labels=labels,
+        mean=mean,
+        scale=scale,
+        ids=ids,
+        validation_embeddings=validation_embeddings,
+        validation_labels=validation_labels,
+    )
+    classes_json = _validated_classes(classes, arrays)
     if decision_rule not in DECISION_RULES:
         raise ArtifactError(f"decision_rule must be one of {DECISION_RULES}, got {decision_rule!r}")
-    if arrays["projection"].ndim != 2:
-        raise ArtifactError(
-            f"projection.npy: expected 2 dimensions (d, D), got shape {arrays['projection'].shape}"
-        )
     d, n_features = arrays["projection"].shape
-    n_refs = arrays["embeddings"].shape[0] if arrays["embeddings"].ndim == 2 else -1
-    n_validation = len(arrays["validation_labels"]) if "validation_labels" in arrays else 0
-    dims = {"d": d, "D": n_features, "N": n_refs, "V": n_validation}
-    _check_shapes({name: a.shape for name, a in arrays.items()}, dims)
-    if n_refs < 1:
-        raise ArtifactError("embeddings.npy: an artifact needs at least one reference point")
-    if np.any(arrays["scale"] <= 0):
-        raise ArtifactError("scale.npy: every standardisation scale must be > 0")
-    for name in ("labels", "validation_labels"):
-        found = arrays.get(name)
-        if (
-            found is not None
-            and found.size
-            and (found.min() < 0 or found.max() >= len(classes_json))
-        ):
-            raise ArtifactError(
-                f"{name}.npy: label indices must lie in [0, {len(classes_json)}), got range "
-                f"[{found.min()}, {found.max()}]"
-            )
+    n_refs = arrays["embeddings"].shape[0]
     if not (isinstance(default_k, (int, np.integer)) and 1 <= int(default_k) <= n_refs):
         raise ArtifactError(f"default_k must be an integer in [1, {n_refs}], got {default_k!r}")
-
     manifest: dict[str, Any] = dict(metadata or {})
     clash = OWNED_MANIFEST_KEYS & set(manifest)
     if clash:
@@ -385,34 +357,8 @@ def write_artifact(
     staging = final.with_name(f".{final.name}.tmp-{_writer_tag()}-{uuid.uuid4().hex[:12]}")
     staging.mkdir()
     try:
-        files: dict[str, dict[str, Any]] = {}
-        for name, array in arrays.items():
-            file_name = ARRAY_SPECS[name][0]
-            data = _npy_bytes(array)
-            _write_bytes_synced(staging / file_name, data)
-            digest = hashlib.sha256(data).hexdigest()
-            files[name] = {
-                "path": file_name,
-                "dtype": array.dtype.str,
-                "shape": list(array.shape),
-                "sha256": digest,
-            }
-        if index_bytes is not None:
-            _write_bytes_synced(staging / INDEX_FILE, index_bytes)
-            files["index"] = {
-                "path": INDEX_FILE,
-                "bytes": len(index_bytes),
-                "sha256": hashlib.sha256(index_bytes).hexdigest(),
-            }
-        extras: dict[str, dict[str, Any]] = {}
-        reserved = {spec[0] for spec in ARRAY_SPECS.values()} | {MANIFEST_FILE, INDEX_FILE}
-        for name, data in (extra_files or {}).items():
-            if name in reserved or Path(name).name != name or name.startswith("."):
-                raise ArtifactError(
-                    f"extra file name {name!r} is reserved or not a plain file name"
-                )
-            _write_bytes_synced(staging / name, data)
-            extras[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        files = _write_model_files(staging, arrays, index_bytes)
+        extras = _write_extra_files(staging, extra_files or {})
         manifest.update(
             {
                 "format": FORMAT_NAME,
@@ -420,16 +366,11 @@ def write_artifact(
                 "n_features_in": int(n_features),
                 "n_components": int(d),
                 "n_references": int(n_refs),
-                "n_validation": int(n_validation),
+                "n_validation": len(arrays.get("validation_labels", ())),
                 "classes": classes_json,
                 "default_k": int(default_k),
                 "decision_rule": decision_rule,
-                "standardization": {
-                    "method": "standard",
-                    "formula": "z = x @ projection.T + offset = ((x - mean) / scale) @ A.T",
-                    "mean_file": ARRAY_SPECS["mean"][0],
-                    "scale_file": ARRAY_SPECS["scale"][0],
-                },
+                "standardization": STANDARDIZATION_RECORD,
                 "model_version": model_version_of(files),
                 "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                 "package_version": __version__,
@@ -446,6 +387,104 @@ def write_artifact(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return final
+
+
+STANDARDIZATION_RECORD = {
+    "method": "standard",
+    "formula": "z = x @ projection.T + offset = ((x - mean) / scale) @ A.T",
+    "mean_file": ARRAY_SPECS["mean"][0],
+    "scale_file": ARRAY_SPECS["scale"][0],
+}
+
+
+def _validated_arrays(
+    *, ids, validation_embeddings, validation_labels, **required
+) -> dict[str, np.ndarray]:
+    """The arrays of an artifact in their file dtypes, with consistent shapes (d, D, N, V),
+    at least one reference, and positive scales. Raises ArtifactError naming the file."""
+    arrays = {name: _coerce(name, value) for name, value in required.items()}
+    if ids is not None:
+        arrays["ids"] = _coerce("ids", ids)
+    if (validation_embeddings is None) != (validation_labels is None):
+        raise ArtifactError("validation_embeddings and validation_labels go together")
+    if validation_embeddings is not None:
+        arrays["validation_embeddings"] = _coerce("validation_embeddings", validation_embeddings)
+        arrays["validation_labels"] = _coerce("validation_labels", validation_labels)
+    if arrays["projection"].ndim != 2:
+        raise ArtifactError(
+            f"projection.npy: expected 2 dimensions (d, D), got shape {arrays['projection'].shape}"
+        )
+    d, n_features = arrays["projection"].shape
+    n_refs = arrays["embeddings"].shape[0] if arrays["embeddings"].ndim == 2 else -1
+    n_validation = len(arrays["validation_labels"]) if "validation_labels" in arrays else 0
+    dims = {"d": d, "D": n_features, "N": n_refs, "V": n_validation}
+    _check_shapes({name: a.shape for name, a in arrays.items()}, dims)
+    if n_refs < 1:
+        raise ArtifactError("embeddings.npy: an artifact needs at least one reference point")
+    if np.any(arrays["scale"] <= 0):
+        raise ArtifactError("scale.npy: every standardisation scale must be > 0")
+    return arrays
+
+
+def _validated_classes(classes: list, arrays: Mapping[str, np.ndarray]) -> list:
+    """The classes as JSON values (distinct integers or strings); every label index in
+    ``arrays`` must point into them."""
+    classes_json = [_to_json_label(c) for c in classes]
+    if len(set(classes_json)) != len(classes_json):
+        raise ArtifactError(f"classes must be distinct, got {classes_json!r}")
+    for name in ("labels", "validation_labels"):
+        found = arrays.get(name)
+        if (
+            found is not None
+            and found.size
+            and (found.min() < 0 or found.max() >= len(classes_json))
+        ):
+            raise ArtifactError(
+                f"{name}.npy: label indices must lie in [0, {len(classes_json)}), got range "
+                f"[{found.min()}, {found.max()}]"
+            )
+    return classes_json
+
+
+def _write_model_files(
+    staging: Path, arrays: Mapping[str, np.ndarray], index_bytes: bytes | None
+) -> dict[str, dict[str, Any]]:
+    """Each array as its .npy file (and the index), synced; their manifest ``files`` records
+    (path, dtype, shape, sha256; bytes and sha256 for the index)."""
+    files: dict[str, dict[str, Any]] = {}
+    for name, array in arrays.items():
+        file_name = ARRAY_SPECS[name][0]
+        data = _npy_bytes(array)
+        _write_bytes_synced(staging / file_name, data)
+        files[name] = {
+            "path": file_name,
+            "dtype": array.dtype.str,
+            "shape": list(array.shape),
+            "sha256": hashlib.sha256(data).hexdigest(),
+        }
+    if index_bytes is not None:
+        _write_bytes_synced(staging / INDEX_FILE, index_bytes)
+        files["index"] = {
+            "path": INDEX_FILE,
+            "bytes": len(index_bytes),
+            "sha256": hashlib.sha256(index_bytes).hexdigest(),
+        }
+    return files
+
+
+def _write_extra_files(
+    staging: Path, extra_files: Mapping[str, bytes]
+) -> dict[str, dict[str, Any]]:
+    """Extra files (report, plots) under plain names that no model file uses; their
+    manifest ``extras`` records (bytes, sha256)."""
+    extras: dict[str, dict[str, Any]] = {}
+    reserved = {spec[0] for spec in ARRAY_SPECS.values()} | {MANIFEST_FILE, INDEX_FILE}
+    for name, data in extra_files.items():
+        if name in reserved or Path(name).name != name or name.startswith("."):
+            raise ArtifactError(f"extra file name {name!r} is reserved or not a plain file name")
+        _write_bytes_synced(staging / name, data)
+        extras[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    return extras
 
 
 def _check_shapes(shapes: Mapping[str, tuple[int, ...]], dims: Mapping[str, int]) -> None:

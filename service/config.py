@@ -12,7 +12,9 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-IndexType = Literal["auto", "flat", "ivf", "hnsw", "ivfpq"]
+from service.vocabulary import INDEX_KINDS
+
+IndexType = Literal[("auto", *INDEX_KINDS)]  # type: ignore[valid-type]
 
 
 class Settings(BaseSettings):

@@ -39,6 +39,7 @@ from service.index import (
     search_with_recheck,
 )
 from service.knn import RULES, decide, project
+from service.vocabulary import IVF_KINDS
 
 log = logging.getLogger("service.engine")
 FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -216,7 +217,7 @@ def index_params(settings: Settings, artifact: Artifact, prebuilt: faiss.Index |
         kind = index_kind(prebuilt) if prebuilt is not None else "flat"
     record = artifact.manifest.get("index") or {}
     tuned = record.get("params", {}) if record.get("kind") == kind else {}
-    overridden = settings.nprobe if kind in ("ivf", "ivfpq") else settings.ef_search
+    overridden = settings.nprobe if kind in IVF_KINDS else settings.ef_search
     recheck = {} if overridden else tuned
     return IndexParams(
         kind=kind,
@@ -274,15 +275,7 @@ def load_model(
         norm_limit=reference_norm_limit(embeddings),
         input_abs_max=input_abs_max(artifact.projection, artifact.offset),
         search_threads=settings.search_threads,
-        index_params={
-            k: v
-            for k, v in vars(params).items()
-            if k == "kind"
-            or (params.kind in ("ivf", "ivfpq") and k in ("ivf_nlist", "nprobe"))
-            or (params.kind == "hnsw" and k in ("hnsw_m", "ef_search", "ef_construction"))
-            or (params.kind == "ivfpq" and k == "pq_m")
-            or (params.recheck_parameters() is not None and k.startswith("recheck_") and v)
-        },
+        index_params=params.describe(),
         search_plan=params,
         on_fallback=on_fallback,
     )
@@ -309,9 +302,15 @@ class Engine:
         on_fallback: Callable[[int, int], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         retry_failed_seconds: float = 60.0,
+        on_load: Callable[[LoadedModel], None] | None = None,
+        on_load_failure: Callable[[Exception], None] | None = None,
     ):
         self.settings = settings
         self.on_fallback = on_fallback
+        # called after every load that swapped a model in / after every failed load, whoever
+        # asked for it (startup, the reload route, the poller): the one place metrics learn it
+        self.on_load = on_load
+        self.on_load_failure = on_load_failure
         self.clock = clock
         self.retry_failed_seconds = retry_failed_seconds
         self._model: LoadedModel | None = None
@@ -359,6 +358,8 @@ class Engine:
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 self.last_error_at = time.time()
                 log.error("model load failed", extra={"path": str(path), "error": self.last_error})
+                if self.on_load_failure is not None:
+                    self.on_load_failure(exc)
                 raise
             self._model = model  # one reference assignment: the swap
             self._loaded_fingerprint = fingerprint
@@ -373,6 +374,8 @@ class Engine:
                     "seconds": model.load_seconds,
                 },
             )
+            if self.on_load is not None:
+                self.on_load(model)
             return model
 
     def changed_on_disk(self) -> bool:

@@ -22,6 +22,7 @@ import faiss
 import numpy as np
 
 from service.knn import RERANK_MARGIN, exact_knn_centered, rerank
+from service.vocabulary import IVF_KINDS
 
 SMALL_BATCH_ROWS = 16  # below this a search runs on one thread (OpenMP start-up costs more)
 
@@ -34,6 +35,13 @@ SMALL_BATCH_ROWS = 16  # below this a search runs on one thread (OpenMP start-up
 BLAS_MIN_ROWS = 8
 BLAS_ALWAYS, BLAS_NEVER = 0, 1 << 30
 
+
+# FAISS's k-means wants at least 39 training points per centroid (it warns below that):
+# an IVF gets at most N / 39 lists, and PQ codes 8 bits (256 centroids per sub-space) only
+# from 256 x 39 points on, fewer bits below.
+MIN_POINTS_PER_CENTROID = 39
+IVF_LISTS_PER_SQRT_N = 4  # nlist = 4 sqrt(N), FAISS's rule of thumb for IVF at this scale
+PQ_MAX_BITS = 8
 
 CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"  # "<quota> <period>" or "max <period>"
 
@@ -75,11 +83,24 @@ class IndexParams:
         """FAISS per-call parameters of the second stage, None when it is off."""
         if self.recheck_margin <= 0:
             return None
-        if self.kind in ("ivf", "ivfpq") and self.recheck_nprobe > 0:
+        if self.kind in IVF_KINDS and self.recheck_nprobe > 0:
             return faiss.SearchParametersIVF(nprobe=self.recheck_nprobe)
         if self.kind == "hnsw" and self.recheck_ef_search > 0:
             return faiss.SearchParametersHNSW(efSearch=self.recheck_ef_search)
         return None
+
+    def describe(self) -> dict:
+        """The parameters that apply to this kind of index (GET /v1/model's ``index``)."""
+        applies = {
+            "flat": (),
+            "ivf": ("ivf_nlist", "nprobe"),
+            "ivfpq": ("ivf_nlist", "nprobe", "pq_m"),
+            "hnsw": ("hnsw_m", "ef_search", "ef_construction"),
+        }[self.kind]
+        out = {"kind": self.kind, **{name: getattr(self, name) for name in applies}}
+        if self.recheck_parameters() is not None:
+            out.update({k: v for k, v in vars(self).items() if k.startswith("recheck_") and v})
+        return out
 
 
 def build_index(embeddings: np.ndarray, params: IndexParams) -> faiss.Index:
@@ -92,15 +113,18 @@ def build_index(embeddings: np.ndarray, params: IndexParams) -> faiss.Index:
     elif kind == "hnsw":
         index = faiss.IndexHNSWFlat(d, params.hnsw_m)
         index.hnsw.efConstruction = params.ef_construction
-    elif kind in ("ivf", "ivfpq"):
-        nlist = params.ivf_nlist or max(1, min(n // 39, int(4 * math.sqrt(n))))
+    elif kind in IVF_KINDS:
+        nlist = params.ivf_nlist or max(
+            1, min(n // MIN_POINTS_PER_CENTROID, int(IVF_LISTS_PER_SQRT_N * math.sqrt(n)))
+        )
         quantizer = faiss.IndexFlatL2(d)
         if kind == "ivf":
             index = faiss.IndexIVFFlat(quantizer, d, nlist)
         else:
             if d % params.pq_m:
                 raise ValueError(f"pq_m={params.pq_m} must divide the embedding dimension d={d}")
-            nbits = 8 if n >= 256 * 39 else max(1, int(math.log2(max(2, n // 39))))
+            trainable = n // MIN_POINTS_PER_CENTROID  # most centroids k-means can fit
+            nbits = min(PQ_MAX_BITS, max(1, int(math.log2(max(2, trainable)))))
             index = faiss.IndexIVFPQ(quantizer, d, nlist, params.pq_m, nbits)
         index.train(x)  # the Python wrapper keeps `quantizer` alive with the index
     else:

@@ -41,6 +41,7 @@ import numpy as np
 from service.artifact import Artifact, ArtifactError, read_artifact, rewrite_artifact
 from service.index import IndexParams, build_index, configure, search_with_recheck, vote_margin
 from service.knn import decide
+from service.vocabulary import IVF_KINDS
 
 # candidate values of each kind's search parameter, cheapest first
 SEARCH_PARAMETER: dict[str, tuple[str, tuple[int, ...]]] = {
@@ -224,7 +225,7 @@ def tune(
     runs: list[Answers] = []
     past_target = 0
     for value in values:
-        if kind in ("ivf", "ivfpq") and value > index.nlist:
+        if kind in IVF_KINDS and value > index.nlist:
             break
         plan = search_plan(kind, value)
         found = answer_queries(index, references, labels, n_classes, queries, k, rule, plan)
@@ -269,6 +270,65 @@ def validation_split(artifact: Artifact) -> tuple[np.ndarray, np.ndarray]:
         np.ascontiguousarray(artifact.validation_embeddings, dtype=np.float32),
         np.asarray(artifact.validation_labels, dtype=np.int64),
     )
+
+
+def trials_table(name: str, exact: Trial, trials: list[Trial]) -> list[str]:
+    """The tuning table, one line per setting tried (exact search first)."""
+    lines = [
+        f"{name:>10} {'recheck':>16} {'agreement':>10} {'bound':>7} {'accuracy':>9} "
+        f"{'recall@k':>9} {'us/query':>9}",
+        f"{'exact':>10} {'':>16} {1.0:10.4f} {exact.agreement_bound:7.4f} {exact.accuracy:9.4f} "
+        f"{1.0:9.4f} {exact.microseconds_per_query:9.1f}",
+    ]
+    for t in trials:
+        recheck = (
+            f"{t.recheck_value} if m<{t.recheck_margin} ({t.rechecked_fraction:.0%})"
+            if t.recheck_margin
+            else ""
+        )
+        lines.append(
+            f"{t.value:10d} {recheck:>16} {t.label_agreement:10.4f} {t.agreement_bound:7.4f} "
+            f"{t.accuracy:9.4f} {t.recall_at_k:9.4f} {t.microseconds_per_query:9.1f}"
+        )
+    return lines
+
+
+def index_record(
+    index: faiss.Index,
+    params: IndexParams,
+    chosen: Trial,
+    exact: Trial,
+    trials: list[Trial],
+    *,
+    tuning: dict,
+    build_seconds: float,
+) -> dict:
+    """The manifest's ``index`` record: kind, build and search parameters (what the service
+    reads back, see ``service.engine.index_params``), and how they were chosen."""
+    kind = params.kind
+    name = SEARCH_PARAMETER[kind][0]
+    build = {
+        "ivf": {"nlist": int(getattr(index, "nlist", 0))},
+        "ivfpq": {"nlist": int(getattr(index, "nlist", 0)), "pq_m": params.pq_m},
+        "hnsw": {"hnsw_m": params.hnsw_m, "ef_construction": params.ef_construction},
+    }[kind]
+    recheck = (
+        {f"recheck_{name}": chosen.recheck_value, "recheck_margin": chosen.recheck_margin}
+        if chosen.recheck_margin
+        else {}
+    )
+    return {
+        "kind": kind,
+        "params": {**build, name: chosen.value, **recheck},
+        "tuning": {
+            **tuning,
+            "chosen": asdict(chosen),
+            "exact": asdict(exact),
+            "accuracy_delta": chosen.accuracy - exact.accuracy,
+            "trials": [asdict(t) for t in trials],
+        },
+        "build_seconds": build_seconds,
+    }
 
 
 def index_artifact(
@@ -317,24 +377,8 @@ def index_artifact(
         f"{kind} over {len(references)} references, {len(queries)} validation queries, "
         f"k={k}, rule={rule}; built in {build_seconds:.2f} s"
     )
-    log(
-        f"{name:>10} {'recheck':>16} {'agreement':>10} {'bound':>7} {'accuracy':>9} "
-        f"{'recall@k':>9} {'us/query':>9}"
-    )
-    log(
-        f"{'exact':>10} {'':>16} {1.0:10.4f} {exact.agreement_bound:7.4f} {exact.accuracy:9.4f} "
-        f"{1.0:9.4f} {exact.microseconds_per_query:9.1f}"
-    )
-    for t in trials:
-        recheck = (
-            f"{t.recheck_value} if m<{t.recheck_margin} ({t.rechecked_fraction:.0%})"
-            if t.recheck_margin
-            else ""
-        )
-        log(
-            f"{t.value:10d} {recheck:>16} {t.label_agreement:10.4f} {t.agreement_bound:7.4f} "
-            f"{t.accuracy:9.4f} {t.recall_at_k:9.4f} {t.microseconds_per_query:9.1f}"
-        )
+    for line in trials_table(name, exact, trials):
+        log(line)
     if chosen is None:
         best = max(trials, key=lambda t: t.label_agreement)
         raise TuningError(
@@ -344,32 +388,21 @@ def index_artifact(
             "HNSW degree, a lower target, or the exact flat index"
         )
     configure(index, chosen.plan(kind))
-    record = {
-        "kind": kind,
-        "params": {
-            **({"nlist": int(index.nlist)} if kind in ("ivf", "ivfpq") else {}),
-            **({"hnsw_m": hnsw_m, "ef_construction": ef_construction} if kind == "hnsw" else {}),
-            **({"pq_m": pq_m} if kind == "ivfpq" else {}),
-            name: chosen.value,
-            **(
-                {f"recheck_{name}": chosen.recheck_value, "recheck_margin": chosen.recheck_margin}
-                if chosen.recheck_margin
-                else {}
-            ),
-        },
-        "tuning": {
+    record = index_record(
+        index,
+        params,
+        chosen,
+        exact,
+        trials,
+        tuning={
             "target_label_agreement": target,
             "confidence": confidence,
             "queries": f"validation split ({len(queries)} rows)",
             "k": k,
             "rule": rule,
-            "chosen": asdict(chosen),
-            "exact": asdict(exact),
-            "accuracy_delta": chosen.accuracy - exact.accuracy,
-            "trials": [asdict(t) for t in trials],
         },
-        "build_seconds": build_seconds,
-    }
+        build_seconds=build_seconds,
+    )
     index_bytes = faiss.serialize_index(index).tobytes()
     target_path = Path(out) if out is not None else Path(path)
     rewrite_artifact(artifact, target_path, index_bytes=index_bytes, metadata={"index": record})

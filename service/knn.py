@@ -19,10 +19,15 @@ from __future__ import annotations
 
 import numpy as np
 
-RULES = ("majority", "soft")
+from service.vocabulary import RULES
 
-
-RERANK_MARGIN = 8  # extra candidates fetched before exact re-ranking
+# Extra candidates fetched (by float32 FAISS / GEMM distances) before the exact float64
+# re-rank. float32 ranks two references wrongly only when their distances differ by less
+# than its rounding error, so the true k nearest are among the first k + 8 unless more than
+# 8 references sit within that error of the k-th: then both the offline evaluation
+# (exact_knn) and the service (service.index) re-rank the same exact float64 distances with
+# ties by id, and answer bit for bit the same however the queries were batched.
+RERANK_MARGIN = 8
 
 
 def project(x: np.ndarray, projection: np.ndarray, offset: np.ndarray) -> np.ndarray:

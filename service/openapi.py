@@ -15,6 +15,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from service.payload import JSON, NPY
+from service.vocabulary import RULES
 
 ERROR_DESCRIPTIONS = {
     400: "empty batch",
@@ -90,7 +91,7 @@ def request_schemas(limits: dict[str, Any]) -> dict[str, dict]:
         "ClassifyRequest": body(
             k=k_or_null,
             rule={
-                "anyOf": [{"enum": ["majority", "soft"]}, {"type": "null"}],
+                "anyOf": [{"enum": list(RULES)}, {"type": "null"}],
                 "description": "decision rule (default: the model's)",
             },
             return_neighbors={"type": "boolean", "description": "include the k neighbours"},
@@ -101,7 +102,7 @@ def request_schemas(limits: dict[str, Any]) -> dict[str, dict]:
 def query_parameters(names: list[str], limits: dict[str, Any]) -> list[dict]:
     schemas = {
         "k": {"type": "integer", "minimum": 1, "maximum": limits["max_k"]},
-        "rule": {"type": "string", "enum": ["majority", "soft"]},
+        "rule": {"type": "string", "enum": list(RULES)},
         "return_neighbors": {"type": "boolean"},
     }
     descriptions = {

@@ -36,6 +36,7 @@ from service.errors import (
     PayloadTooLarge,
     UnsupportedMediaType,
 )
+from service.vocabulary import RULES
 
 JSON = "application/json"
 NPY = "application/x-npy"
@@ -47,7 +48,7 @@ NPY_HEADER_MAX = 65536 + 16  # npy format 2.0 headers are at most 4 GiB in theor
 # itself refuses headers over 10,000 bytes unless told otherwise (max_header_size)
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
-Rule = Literal["majority", "soft"]
+Rule = Literal[RULES]  # type: ignore[valid-type]  (the values of DecisionRule)
 
 
 class InstancesBody(msgspec.Struct, forbid_unknown_fields=True):

@@ -26,19 +26,24 @@ def package_files(package: str) -> list[Path]:
     return sorted((ROOT / package).rglob("*.py"))
 
 
+def test_the_shared_vocabulary_uses_the_standard_library_only():
+    for name in imported_modules(ROOT / "service" / "vocabulary.py"):
+        assert name.split(".")[0] in STDLIB, name
+
+
 def test_artifact_module_uses_numpy_and_the_standard_library_only():
     for name in imported_modules(ROOT / "service" / "artifact.py"):
         top = name.split(".")[0]
-        assert top in STDLIB or top == "numpy" or name == "service", name
+        assert top in STDLIB or top == "numpy" or name in {"service", "service.vocabulary"}, name
 
 
 def test_knn_core_uses_numpy_only():
     for name in imported_modules(ROOT / "service" / "knn.py"):
-        assert name.split(".")[0] in STDLIB | {"numpy"}, name
+        assert name.split(".")[0] in STDLIB | {"numpy"} or name == "service.vocabulary", name
 
 
 def test_training_imports_only_the_numpy_core_of_service():
-    allowed = {"service.artifact", "service.knn"}
+    allowed = {"service.artifact", "service.knn", "service.vocabulary"}
     for path in package_files("training"):
         for name in imported_modules(path):
             if name.split(".")[0] == "service":
@@ -158,3 +163,21 @@ def test_no_import_cycles_in_service_or_training():
 def test_the_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [["a", "b", "c", "a"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_rule_and_index_names_are_listed_only_in_the_vocabulary():
+    """No tuple, list or set of string constants that spells out the decision rules or two
+    or more index kinds anywhere but service/vocabulary.py (they derive from its enums)."""
+    from service.vocabulary import INDEX_KINDS, RULES
+
+    offenders = []
+    for package in ("service", "training"):
+        for path in package_files(package):
+            if path.name == "vocabulary.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+                    values = {e.value for e in node.elts if isinstance(e, ast.Constant)}
+                    if set(RULES) <= values or len(values & set(INDEX_KINDS)) >= 2:
+                        offenders.append(f"{path.name}:{node.lineno}")
+    assert offenders == []

@@ -15,6 +15,7 @@ import argparse
 import inspect
 from dataclasses import MISSING, asdict, dataclass, field, fields
 
+from service.vocabulary import RULES, DecisionRule
 from training.estimator import NCA
 
 ESTIMATOR_DEFAULTS = {
@@ -99,7 +100,10 @@ class TrainConfig:
     val_size: float = _opt(0.1, "fraction of each class held out for validation")
     seed: int = _opt(0, "random seed (split, init, mini-batches)")
     device: str = _shared("device", "auto (CUDA when available), cpu, cuda, cuda:N")
-    decision_rule: str = _opt("majority", "default decision rule in the artifact: majority or soft")
+    decision_rule: str = _opt(
+        DecisionRule.MAJORITY.value,
+        f"default decision rule in the artifact: {' or '.join(RULES)}",
+    )
     plots: bool = _opt(True, "write PNG plots beside the artifact")
     quiet: bool = _opt(False, "no progress bar")
 

@@ -275,90 +275,45 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         """Learn the transformation from X (N, D) and labels y (N,).
 
         X_val, y_val: an explicit validation set for early stopping (optional).
+
+        Steps: validate the data and parameters; seed; split off the validation set;
+        standardise; initialise A; build the problem (objective over the training points);
+        optimise under the monitor (validation, early stopping, callback); store the result.
         """
         X, y = validate_data(self, X, y, ensure_min_samples=2, dtype=np.float64)
         check_classification_targets(y)
         classes, y_idx = np.unique(y, return_inverse=True)
         d = self._validate_params_against(X.shape[0], X.shape[1], len(classes))
-        rng = np.random.default_rng(
-            self.random_state
-            if not isinstance(self.random_state, np.random.RandomState)
-            else self.random_state.randint(2**31 - 1)
-        )
-        torch.manual_seed(int(rng.integers(2**31 - 1)))
+        rng = self._seeded_rng()
         device = resolve_device(self.device)
-        objective = make_objective(self.objective, self.k, n_classes=len(classes))
 
-        if X_val is not None:
-            X_val = validate_data(self, X_val, reset=False, dtype=np.float64)
-            y_val = np.asarray(y_val)
-            unknown = np.setdiff1d(np.unique(y_val), classes)
-            if unknown.size:
-                raise ValueError(f"y_val has labels not present in y: {unknown.tolist()}")
-            yv_idx = np.searchsorted(classes, y_val)
-            X_tr, y_tr = X, y_idx
-        elif self.early_stopping:
-            tr, va = stratified_split(y_idx, (self.validation_fraction,), int(rng.integers(2**31)))
-            X_tr, y_tr, X_val, yv_idx = X[tr], y_idx[tr], X[va], y_idx[va]
-            if len(va) == 0:
-                X_val = None
-        else:
-            X_tr, y_tr, yv_idx = X, y_idx, None
-
+        X_tr, y_tr, X_val, y_val_idx = self._split_validation(X, y_idx, classes, X_val, y_val, rng)
         if self.standardize:
             mean, scale = fit_standardizer(X_tr)
         else:
             mean, scale = np.zeros(X.shape[1]), np.ones(X.shape[1])
-        Xs = (X_tr - mean) / scale
-        init = self.init
-        if self.warm_start and hasattr(self, "components_"):
-            if self.components_.shape[1] != X.shape[1]:
-                raise ValueError(
-                    f"The new inputs dimensionality ({X.shape[1]}) does not match the input "
-                    "dimensionality of the previously learned transformation "
-                    f"({self.components_.shape[1]})."
-                )
-            init = self.components_
-        A0, init_used = initial_components(init, Xs, y_tr, d, random_state=rng, scale=scale)
-        theta0 = np.diag(A0).copy() if self.transformation == "diagonal" else A0
+        Xs = (X_tr - mean) / scale  # (n, D) standardised training inputs
+        theta0, init_used = self._initialize(Xs, y_tr, d, scale, rng)
 
-        n = len(Xs)
         n_candidates = self.n_candidates
         if n_candidates == "auto":
-            n_candidates = None if n <= AUTO_EXACT_MAX_SAMPLES else AUTO_N_CANDIDATES
+            n_candidates = None if len(Xs) <= AUTO_EXACT_MAX_SAMPLES else AUTO_N_CANDIDATES
         solver = "lbfgs" if self.solver == "auto" else self.solver
-
-        X_t = torch.as_tensor(Xs, dtype=torch.float32, device=device)
-        y_t = torch.as_tensor(y_tr, dtype=torch.long, device=device)
         problem = Problem(
-            X_t,
-            y_t,
-            objective,
+            torch.as_tensor(Xs, dtype=torch.float32, device=device),
+            torch.as_tensor(y_tr, dtype=torch.long, device=device),
+            make_objective(self.objective, self.k, n_classes=len(classes)),
             transform=self.transformation,
             n_components=d,
             l2=self.l2,
             n_candidates=n_candidates,
             chunk_size=self.chunk_size,
         )
-
-        validate = None
-        if X_val is not None and len(X_val):
-            Xv_s = (X_val - mean) / scale
-            validate_ks = self._validation_ks(n)
-
-            def validate(theta):
-                """Validation kNN accuracy with the rule and (best of the) k to be served."""
-                A = problem.components(theta)
-                z_tr = (Xs @ A.T).astype(np.float32)
-                z_va = (Xv_s @ A.T).astype(np.float32)
-                accuracies = knn_accuracies(
-                    z_tr, y_tr, z_va, yv_idx, len(classes), validate_ks, self.validation_rule
-                )
-                return max(accuracies.values())
-
         monitor = Monitor(
             max_iter=self.max_iter,
-            validate=validate,
+            validate=self._validation_score(
+                problem, Xs, y_tr, X_val, y_val_idx, mean, scale, len(classes)
+            ),
             early_stopping=self.early_stopping,
             interval=self.validation_interval,
             patience=self.n_iter_no_change,
@@ -374,7 +329,7 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
             else:
                 result = self._optimise(problem, theta0, monitor, solver, rng)
 
-        A = problem.components(result.theta)
+        A = problem.components(result.theta)  # (d, D)
         self.components_ = A
         self.mean_ = mean
         self.scale_ = scale
@@ -401,6 +356,70 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
                 stacklevel=2,
             )
         return self
+
+    def _seeded_rng(self) -> np.random.Generator:
+        """numpy's generator from random_state; torch seeded from it (candidate ties, SGD)."""
+        seed = self.random_state
+        if isinstance(seed, np.random.RandomState):
+            seed = seed.randint(2**31 - 1)
+        rng = np.random.default_rng(seed)
+        torch.manual_seed(int(rng.integers(2**31 - 1)))
+        return rng
+
+    def _split_validation(self, X, y_idx, classes, X_val, y_val, rng):
+        """(X_train, y_train, X_val or None, y_val class indices or None).
+
+        An explicit validation set is used as given (its labels must occur in y); otherwise,
+        with early stopping, a stratified ``validation_fraction`` of X is held out.
+        """
+        if X_val is not None:
+            X_val = validate_data(self, X_val, reset=False, dtype=np.float64)
+            y_val = np.asarray(y_val)
+            unknown = np.setdiff1d(np.unique(y_val), classes)
+            if unknown.size:
+                raise ValueError(f"y_val has labels not present in y: {unknown.tolist()}")
+            return X, y_idx, X_val, np.searchsorted(classes, y_val)
+        if self.early_stopping:
+            tr, va = stratified_split(y_idx, (self.validation_fraction,), int(rng.integers(2**31)))
+            if len(va) == 0:
+                return X[tr], y_idx[tr], None, None
+            return X[tr], y_idx[tr], X[va], y_idx[va]
+        return X, y_idx, None, None
+
+    def _initialize(self, Xs, y, d, scale, rng):
+        """(theta0, the init used): the initial A (d, D) from ``init``, or the previous
+        components with ``warm_start``; its diagonal when the transformation is diagonal."""
+        init = self.init
+        if self.warm_start and hasattr(self, "components_"):
+            if self.components_.shape[1] != Xs.shape[1]:
+                raise ValueError(
+                    f"The new inputs dimensionality ({Xs.shape[1]}) does not match the input "
+                    "dimensionality of the previously learned transformation "
+                    f"({self.components_.shape[1]})."
+                )
+            init = self.components_
+        A0, init_used = initial_components(init, Xs, y, d, random_state=rng, scale=scale)
+        theta0 = np.diag(A0).copy() if self.transformation == "diagonal" else A0
+        return theta0, init_used
+
+    def _validation_score(self, problem, Xs, y_tr, X_val, y_val_idx, mean, scale, n_classes):
+        """theta -> validation kNN accuracy with the rule and (best of the) k to be served,
+        the training points as references; None without a validation set."""
+        if X_val is None or not len(X_val):
+            return None
+        Xv_s = (X_val - mean) / scale
+        ks = self._validation_ks(len(Xs))
+
+        def validate(theta):
+            A = problem.components(theta)  # (d, D)
+            z_tr = (Xs @ A.T).astype(np.float32)
+            z_va = (Xv_s @ A.T).astype(np.float32)
+            accuracies = knn_accuracies(
+                z_tr, y_tr, z_va, y_val_idx, n_classes, ks, self.validation_rule
+            )
+            return max(accuracies.values())
+
+        return validate
 
     def _optimise(self, problem, theta0, monitor, solver, rng):
         if solver == "lbfgs":

@@ -6,12 +6,14 @@ import os
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from service.artifact import write_artifact
 from service.knn import project
+from service.vocabulary import RULES
 from training.baselines import BASELINES
 from training.config import TrainConfig
 from training.data import DataError, Dataset, fingerprint, load_dataset, make_split
@@ -42,8 +44,8 @@ def _n_candidates(value: str):
 
 def build_estimator(config: TrainConfig, n_features: int) -> NCA:
     d = config.n_components if config.n_components is not None else min(32, n_features)
-    if config.decision_rule not in ("majority", "soft"):
-        raise ConfigError(f"--decision-rule={config.decision_rule!r} must be 'majority' or 'soft'")
+    if config.decision_rule not in RULES:
+        raise ConfigError(f"--decision-rule={config.decision_rule!r} must be one of {list(RULES)}")
     return NCA(
         n_components=d,
         objective=config.objective,
@@ -144,44 +146,90 @@ def run(config: TrainConfig, *, log=print) -> dict:
         config.data, labels=config.labels, label_column=config.label_column
     )
     split = make_split(data, test_size=config.test_size, val_size=config.val_size, seed=config.seed)
-    n_train, n_features = split.X_train.shape
     out = resolve_out(config.out, data.name)
-    estimator = build_estimator(config, n_features)
+    estimator = build_estimator(config, split.X_train.shape[1])
     log(
-        f"data {data.name}: {n_train} train / {len(split.X_val)} validation / {len(split.X_test)} test, "
-        f"D={n_features}, {len(split.classes)} classes; learning d={estimator.n_components} "
-        f"({config.objective})"
+        f"data {data.name}: {len(split.X_train)} train / {len(split.X_val)} validation / "
+        f"{len(split.X_test)} test, D={split.X_train.shape[1]}, {len(split.classes)} classes; "
+        f"learning d={estimator.n_components} ({config.objective})"
     )
+    convergence_warnings = fit_estimator(estimator, split)
+    evaluation = evaluate(estimator, split, config)
+    report = {
+        "artifact": str(out),
+        **build_report(config, data.name, split, estimator, evaluation, convergence_warnings),
+    }
+    save_artifact(out, config, data.name, split, estimator, evaluation, report)
+    if config.publish:
+        publish(config.publish, out)
+        log(f"published {config.publish} -> {out}")
+    euclidean = evaluation.baselines["euclidean"].get("test_accuracy", {})
+    k = evaluation.default_k
+    log(
+        f"wrote {out}: test accuracy {evaluation.test_accuracy.get(k, float('nan')):.4f} at "
+        f"k={k} (Euclidean baseline {euclidean.get(k, float('nan')):.4f}); "
+        f"{estimator.n_iter_} iterations, {estimator.stop_reason_}, "
+        f"{time.perf_counter() - started:.1f} s"
+    )
+    return report
+
+
+def fit_estimator(estimator: NCA, split) -> list[str]:
+    """Fit on the training split, validating on the validation split; returns the
+    convergence warnings (also printed to stderr, and recorded in the artifact)."""
+    has_val = len(split.X_val) > 0
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         estimator.fit(
             split.X_train,
             split.y_train,
-            X_val=split.X_val if len(split.X_val) else None,
-            y_val=split.y_val if len(split.X_val) else None,
+            X_val=split.X_val if has_val else None,
+            y_val=split.y_val if has_val else None,
         )
-    convergence_warnings = [str(w.message) for w in caught if "converge" in str(w.message)]
-    for message in convergence_warnings:
+    messages = [str(w.message) for w in caught if "converge" in str(w.message)]
+    for message in messages:
         print(f"WARNING: {message}", file=sys.stderr)
+    return messages
 
+
+@dataclass
+class Evaluation:
+    """The learned space scored with the rule the artifact will serve."""
+
+    z_train: np.ndarray  # (n_train, d) float32: the reference set
+    z_val: np.ndarray  # (n_val, d) float32
+    z_test: np.ndarray  # (n_test, d) float32
+    val_accuracy: dict  # k -> accuracy
+    test_accuracy: dict  # k -> accuracy
+    default_k: int  # the k with the best validation accuracy: the artifact's default
+    test_predictions: np.ndarray  # (n_test,) class indices at default_k
+    baselines: dict  # name -> accuracies (training.baselines)
+
+
+def evaluate(estimator: NCA, split, config: TrainConfig) -> Evaluation:
+    """Project every split, score kNN for each k in K_VALUES with the served decision rule,
+    choose the default k on validation, score the baselines with the same rule."""
     W, b = estimator.projection_, estimator.offset_
-    z_train = project(split.X_train, W, b)
-    z_val = project(split.X_val, W, b)
-    z_test = project(split.X_test, W, b)
-    n_classes = len(split.classes)
-    rule = config.decision_rule
+    z_train, z_val, z_test = (project(x, W, b) for x in (split.X_train, split.X_val, split.X_test))
+    n_classes, rule = len(split.classes), config.decision_rule
     val_acc = knn_accuracies(z_train, split.y_train, z_val, split.y_val, n_classes, K_VALUES, rule)
     test_acc = knn_accuracies(
         z_train, split.y_train, z_test, split.y_test, n_classes, K_VALUES, rule
     )
-    default_k = choose_k(val_acc, fallback=min(config.k, n_train))
-    test_pred = knn_predictions(z_train, split.y_train, z_test, n_classes, (default_k,), rule)[
-        default_k
-    ]
+    default_k = choose_k(val_acc, fallback=min(config.k, len(split.X_train)))
+    predictions = knn_predictions(z_train, split.y_train, z_test, n_classes, (default_k,), rule)
     baselines = evaluate_baselines(
         split, estimator.mean_, estimator.scale_, estimator.n_components, rule
     )
+    return Evaluation(
+        z_train, z_val, z_test, val_acc, test_acc, default_k, predictions[default_k], baselines
+    )
 
+
+def build_report(
+    config: TrainConfig, data_name: str, split, estimator: NCA, ev: Evaluation, warns: list[str]
+) -> dict:
+    """report.json: data, training record (with the history), metrics, test predictions."""
     training_record = {
         "objective": config.objective,
         "k": config.k,
@@ -196,74 +244,75 @@ def run(config: TrainConfig, *, log=print) -> dict:
         "final_objective": float(estimator.objective_value_),
         "best_val_accuracy": estimator.best_val_accuracy_,
         "fit_seconds": float(estimator.fit_seconds_),
-        "warnings": convergence_warnings,
+        "warnings": warns,
         "config": config.to_dict(),
     }
     metrics = {
-        "val_accuracy": val_acc,
-        "test_accuracy": test_acc,
-        "default_k": default_k,
-        "val_accuracy_at_default_k": val_acc.get(default_k),
-        "test_accuracy_at_default_k": test_acc.get(default_k),
-        "baselines": baselines,
+        "val_accuracy": ev.val_accuracy,
+        "test_accuracy": ev.test_accuracy,
+        "default_k": ev.default_k,
+        "val_accuracy_at_default_k": ev.val_accuracy.get(ev.default_k),
+        "test_accuracy_at_default_k": ev.test_accuracy.get(ev.default_k),
+        "baselines": ev.baselines,
     }
     data_record = {
-        "name": data.name,
+        "name": data_name,
         "source": config.data,
         "fingerprint_sha256": fingerprint(split.X_train, split.classes[split.y_train]),
-        "n_train": int(n_train),
+        "n_train": len(split.X_train),
         "n_val": len(split.X_val),
         "n_test": len(split.X_test),
-        "n_features": int(n_features),
+        "n_features": int(split.X_train.shape[1]),
     }
-    report = {
-        "artifact": str(out),
+    return {
         "data": data_record,
         "training": {**training_record, "history": estimator.history_},
         "metrics": metrics,
         "test_predictions": {
-            "k": default_k,
-            "rule": rule,
-            "class_index": test_pred.tolist(),
-            "label": split.classes[test_pred].tolist(),
+            "k": ev.default_k,
+            "rule": config.decision_rule,
+            "class_index": ev.test_predictions.tolist(),
+            "label": split.classes[ev.test_predictions].tolist(),
             "true_class_index": split.y_test.tolist(),
         },
     }
+
+
+def save_artifact(
+    out: Path, config: TrainConfig, data_name: str, split, estimator: NCA, ev: Evaluation, report
+) -> None:
+    """The artifact (service.artifact), with report.json and the plots as extra files; the
+    manifest carries the report without its per-iteration history and test predictions."""
     extra_files = {"report.json": json_bytes(report)}
     if config.plots:
         extra_files["objective.png"] = plot_objective(estimator.history_, config.objective)
         extra_files["embedding_test.png"] = plot_embedding(
-            z_test,
+            ev.z_test,
             split.y_test,
             split.classes.tolist(),
-            f"{data.name}: test embeddings (d={estimator.n_components})",
+            f"{data_name}: test embeddings (d={estimator.n_components})",
         )
+    training_record = {k: v for k, v in report["training"].items() if k != "history"}
     write_artifact(
         out,
-        projection=W,
-        offset=b,
-        embeddings=z_train,
+        projection=estimator.projection_,
+        offset=estimator.offset_,
+        embeddings=ev.z_train,
         labels=split.y_train.astype(np.int32),
         classes=split.classes.tolist(),
         mean=estimator.mean_,
         scale=estimator.scale_,
-        default_k=default_k,
-        decision_rule=rule,
-        validation_embeddings=z_val,
+        default_k=ev.default_k,
+        decision_rule=config.decision_rule,
+        validation_embeddings=ev.z_val,
         validation_labels=split.y_val.astype(np.int32),
         extra_files=extra_files,
-        metadata={"training": training_record, "metrics": metrics, "data": data_record},
+        metadata={
+            "training": training_record,
+            "metrics": report["metrics"],
+            "data": report["data"],
+        },
     )
-    if config.publish:
-        publish(config.publish, out)
-        log(f"published {config.publish} -> {out}")
-    log(
-        f"wrote {out}: test accuracy {test_acc.get(default_k, float('nan')):.4f} at k={default_k} "
-        f"(Euclidean baseline {baselines['euclidean'].get('test_accuracy', {}).get(default_k, float('nan')):.4f}); "
-        f"{estimator.n_iter_} iterations, {estimator.stop_reason_}, "
-        f"{time.perf_counter() - started:.1f} s"
-    )
-    return report
 
 
 __all__ = ["ConfigError", "DataError", "run"]

@@ -66,12 +66,10 @@ async def reload(state: State) -> ReloadResponse:
     try:
         model = await run_in_threadpool(state.engine.load)
     except Exception as exc:
-        state.metrics.model_load_failures.inc()
         raise ReloadFailed(
             f"cannot load the artifact at {state.settings.model_path}: {exc}; "
             + ("the previous model keeps serving" if before else "no model is serving")
         ) from None
-    state.metrics.set_model(model)
     if state.generation is not None:
         state.generation.bump()
     return ReloadResponse(

@@ -33,11 +33,11 @@ from service.payload import (
     parse_npy,
     to_rows,
 )
+from service.vocabulary import RULES
 
 INLINE_ROWS = 64  # below this, projection runs on the event loop (a thread hop costs more)
 THREAD_PARSE_BYTES = 256 * 1024  # bodies larger than this are parsed in a worker thread
 THREAD_ENCODE_VALUES = 32 * 1024  # answers with more numbers are encoded in a worker thread
-RULE_VALUES = ("majority", "soft")
 BOOL_VALUES = {"true": True, "false": False}
 
 json_encoder = msgspec.json.Encoder()
@@ -90,9 +90,9 @@ def query_options(request: Request, allowed: tuple[str, ...]) -> dict[str, Any]:
                 raise InvalidInput(f"query parameter k must be an integer >= 1, got {value!r}")
             options[name] = int(value)
         elif name == "rule":
-            if value not in RULE_VALUES:
+            if value not in RULES:
                 raise InvalidInput(
-                    f"query parameter rule must be one of {list(RULE_VALUES)}, got {value!r}"
+                    f"query parameter rule must be one of {list(RULES)}, got {value!r}"
                 )
             options[name] = value
         elif name == "return_neighbors":

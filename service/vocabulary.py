@@ -1,0 +1,31 @@
+"""The names the service, the artifact and the training job share: decision rules and index
+kinds, each defined once here (standard library only, so every layer may import it).
+
+Everything else derives from these enums: the artifact's checks, the request types and the
+OpenAPI enumerations, the CLI choices, the settings' types.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class DecisionRule(str, enum.Enum):
+    """How k neighbours' labels become a prediction (``service.knn.decide``)."""
+
+    MAJORITY = "majority"  # the most frequent label; ties go to the nearest tied neighbour
+    SOFT = "soft"  # NCA's softmax of minus squared distances over the k neighbours
+
+
+class IndexKind(str, enum.Enum):
+    """The FAISS index over the references (``service.index.build_index``)."""
+
+    FLAT = "flat"  # exact
+    IVF = "ivf"  # inverted lists of full vectors; search parameter nprobe
+    HNSW = "hnsw"  # graph; search parameter efSearch
+    IVFPQ = "ivfpq"  # inverted lists of product-quantised codes; nprobe
+
+
+RULES: tuple[str, ...] = tuple(rule.value for rule in DecisionRule)
+INDEX_KINDS: tuple[str, ...] = tuple(kind.value for kind in IndexKind)
+IVF_KINDS: tuple[str, ...] = (IndexKind.IVF.value, IndexKind.IVFPQ.value)  # probe with nprobe
