@@ -153,7 +153,9 @@ class Monitor:
         verbose: bool = False,
         callback: Callable[[np.ndarray, int], None] | None = None,
         components: Callable[[np.ndarray], np.ndarray] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ):
+        self.clock = clock  # seconds, for the history (injectable for tests)
         self.validate = validate
         self.early_stopping = early_stopping and validate is not None
         self.interval = max(1, interval)
@@ -164,7 +166,7 @@ class Monitor:
         self.best_acc = -math.inf
         self.best_theta: np.ndarray | None = None
         self.bad_checks = 0
-        self.start = time.perf_counter()
+        self.start = clock()
         self.bar = None
         if verbose:
             from tqdm.auto import tqdm
@@ -175,7 +177,7 @@ class Monitor:
         record = {
             "iteration": iteration,
             "objective": objective,
-            "seconds": time.perf_counter() - self.start,
+            "seconds": self.clock() - self.start,
         }
         if self.validate is not None and (iteration % self.interval == 0 or iteration == 1):
             acc = float(self.validate(theta))
@@ -222,7 +224,7 @@ def _finish(problem, monitor, theta, n_iter, stop_reason, objective, n_eval) -> 
         history=monitor.history,
         best_val_accuracy=None if monitor.best_theta is None else monitor.best_acc,
         n_evaluations=n_eval,
-        seconds=time.perf_counter() - monitor.start,
+        seconds=monitor.clock() - monitor.start,
     )
 
 

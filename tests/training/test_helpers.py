@@ -1,0 +1,170 @@
+"""Unit tests of the training helpers: the init rule, the stratified split, the
+standardiser, the choice of k and the optimiser's monitor."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from training.data import fit_standardizer, stratified_split
+from training.evaluate import choose_k
+from training.initialization import initial_components, resolve_auto
+from training.optimize import EarlyStop, Monitor
+
+# ------------------------------------------------------------------ resolve_auto
+
+
+@pytest.mark.parametrize(
+    "d, D, N, C, expected",
+    [
+        (2, 10, 100, 5, "lda"),  # d <= C - 1 and N > C
+        (4, 10, 100, 5, "lda"),  # d = C - 1 exactly
+        (5, 10, 100, 5, "pca"),  # d > C - 1, d < min(D, N)
+        (3, 10, 5, 5, "pca"),  # LDA needs N > C
+        (10, 10, 100, 5, "identity"),  # d = D: nothing to reduce
+        (8, 20, 8, 3, "identity"),  # d = N
+        (1, 1, 50, 2, "lda"),  # d = D = C - 1
+        (1, 1, 2, 2, "identity"),  # N = C: no LDA; d = D: no PCA
+    ],
+)
+def test_resolve_auto_follows_scikit_learns_rule(d, D, N, C, expected):
+    assert resolve_auto(d, D, N, C) == expected
+
+
+def test_auto_init_gives_a_full_rank_map_for_every_ordering_of_small_sizes():
+    """Like scikit-learn's test_auto_init: every (N, D, C, d) with d <= D, including data of
+    lower rank than d and LDA with fewer directions than d."""
+    rng = np.random.default_rng(0)
+    for N, D, C, d in itertools.product((3, 5, 7), (2, 4, 6), (2, 3, 5), (1, 2, 3, 4)):
+        if d > D or C > N:
+            continue
+        X = rng.normal(size=(N, D))
+        y = np.arange(N) % C
+        A, used = initial_components("auto", X, y, d, random_state=rng, scale=np.ones(D))
+        assert used == resolve_auto(d, D, N, C), (N, D, C, d)
+        assert A.shape == (d, D) and np.all(np.isfinite(A)), (N, D, C, d)
+        assert np.linalg.matrix_rank(A) == d, (N, D, C, d, used)
+
+
+# ------------------------------------------------------------------ stratified_split
+
+
+def test_stratified_split_is_a_partition_with_per_class_proportions():
+    y = np.repeat(np.arange(4), [50, 20, 9, 3])
+    train, val, test = stratified_split(y, (0.2, 0.1), seed=0)
+    joined = np.concatenate([train, val, test])
+    assert np.array_equal(np.sort(joined), np.arange(len(y)))  # disjoint, complete
+    for part in (train, val, test):
+        assert np.array_equal(part, np.sort(part))
+    assert np.bincount(y[val], minlength=4).tolist() == [10, 4, 2, 1]
+    assert np.bincount(y[test], minlength=4).tolist() == [5, 2, 1, 0]
+    assert np.bincount(y[train], minlength=4).tolist() == [35, 14, 6, 2]  # >= 2 each
+
+
+def test_stratified_split_gives_a_small_class_one_member_but_keeps_two_in_train():
+    y = np.array([0] * 40 + [1] * 3 + [2] * 2)
+    train, val = stratified_split(y, (0.1,), seed=1)
+    assert np.bincount(y[val], minlength=3).tolist() == [4, 1, 0]
+    assert np.bincount(y[train], minlength=3).tolist() == [36, 2, 2]
+
+
+def test_stratified_split_is_deterministic_per_seed():
+    y = np.repeat(np.arange(3), 30)
+    a = stratified_split(y, (0.3,), seed=7)
+    b = stratified_split(y, (0.3,), seed=7)
+    c = stratified_split(y, (0.3,), seed=8)
+    assert all(np.array_equal(p, q) for p, q in zip(a, b, strict=True))
+    assert not np.array_equal(a[1], c[1])
+
+
+# ------------------------------------------------------------------ fit_standardizer
+
+
+def test_fit_standardizer_gives_zero_mean_unit_variance_and_leaves_constants_alone():
+    rng = np.random.default_rng(0)
+    X = np.column_stack([rng.normal(3.0, 2.0, 500), np.full(500, 7.0), rng.uniform(0, 1, 500)])
+    mean, scale = fit_standardizer(X)
+    np.testing.assert_allclose(mean, X.mean(axis=0))
+    assert scale[1] == 1.0  # a constant feature is centred, not divided by ~0
+    np.testing.assert_allclose(scale[[0, 2]], X[:, [0, 2]].std(axis=0))
+    Z = (X - mean) / scale
+    np.testing.assert_allclose(Z.mean(axis=0), 0.0, atol=1e-12)
+    np.testing.assert_allclose(Z[:, [0, 2]].std(axis=0), 1.0)
+    assert np.all(Z[:, 1] == 0.0)
+
+
+def test_fit_standardizer_treats_rounding_noise_as_constant():
+    X = np.full((100, 1), 1e6) + np.tile([0.0, 1e-10], 50)[:, None]  # spread ~1e-16 relative
+    assert fit_standardizer(X)[1][0] == 1.0
+
+
+# ------------------------------------------------------------------ choose_k
+
+
+@pytest.mark.parametrize(
+    "accuracies, fallback, expected",
+    [
+        ({1: 0.90, 3: 0.95, 5: 0.95}, 5, 5),  # the training k when it is among the best
+        ({1: 0.90, 3: 0.95, 5: 0.95}, 1, 3),  # else the smallest best
+        ({1: 0.97, 3: 0.95}, 3, 1),
+        ({}, 4, 4),  # no validation set
+    ],
+)
+def test_choose_k(accuracies, fallback, expected):
+    assert choose_k(accuracies, fallback=fallback) == expected
+
+
+# ------------------------------------------------------------------ Monitor
+
+
+class Ticks:
+    """A clock that advances one second per reading."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+def test_monitor_records_history_validates_on_schedule_and_stops_at_patience():
+    scores = iter([0.5, 0.7, 0.6, 0.65, 0.69])  # best at the second check, then 3 worse
+    calls = []
+    monitor = Monitor(
+        max_iter=100,
+        validate=lambda theta: next(scores),
+        early_stopping=True,
+        interval=2,
+        patience=3,
+        callback=lambda A, it: calls.append((A.shape, it)),
+        components=lambda theta: np.asarray(theta).reshape(2, 3),
+        clock=Ticks(),
+    )
+    with pytest.raises(EarlyStop):
+        for iteration in range(1, 100):
+            monitor(iteration, np.full(6, float(iteration)), objective=-float(iteration))
+    # checks at iterations 1, 2, 4, 6, 8: the third worse check (8) stops
+    checked = [r["iteration"] for r in monitor.history if "val_accuracy" in r]
+    assert checked == [1, 2, 4, 6, 8] and len(monitor.history) == 8
+    assert monitor.best_acc == 0.7 and np.array_equal(monitor.best_theta, np.full(6, 2.0))
+    assert [r["seconds"] for r in monitor.history] == [float(i) for i in range(1, 9)]
+    assert calls == [((6,), i) for i in range(1, 9)]  # A raveled (d * D,), iteration
+
+
+def test_monitor_without_validation_never_stops_early():
+    monitor = Monitor(max_iter=10, validate=None, early_stopping=True, clock=Ticks())
+    for iteration in range(1, 11):
+        monitor(iteration, np.zeros(2), objective=0.0)
+    assert not monitor.early_stopping and monitor.best_theta is None
+    assert all("val_accuracy" not in r for r in monitor.history)
+
+
+def test_monitor_keeps_a_copy_of_the_best_parameters():
+    monitor = Monitor(max_iter=10, validate=lambda t: 1.0, early_stopping=True, clock=Ticks())
+    theta = np.zeros(3)
+    monitor(1, theta, objective=0.0)
+    theta[:] = 5.0  # the optimiser reuses its buffer
+    assert np.array_equal(monitor.best_theta, np.zeros(3))
