@@ -1,43 +1,112 @@
-"""Service fixtures: a digits artifact trained once per session, apps and clients on it."""
+"""Service fixtures: one artifact per session, built with ``service.artifact`` alone (no
+torch, no scikit-learn: the service's tests run with only the ``serve`` extra installed), and
+apps and clients on it. The training job's own artifacts are tested against the service in
+tests/integration."""
 
 from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
 from service.app import create_app
+from service.artifact import write_artifact
 from service.config import Settings
-from training.config import TrainConfig
-from training.data import load_dataset, make_split
-from training.job import run
+from service.knn import decide, exact_knn, project
 
-DIGITS_CONFIG = dict(data="digits", n_components=16, max_iter=40, quiet=True, plots=False, seed=0)
+N_FEATURES, N_COMPONENTS, N_CLASSES = 64, 16, 10
+PER_CLASS = {"train": 125, "val": 15, "test": 40}
+
+
+@dataclass
+class Split:
+    """Inputs (n, 64) float64 in [0, 16] and class indices (n,), like scikit-learn's digits."""
+
+    X_train: np.ndarray
+    y_train: np.ndarray
+    X_val: np.ndarray
+    y_val: np.ndarray
+    X_test: np.ndarray
+    y_test: np.ndarray
+    classes: np.ndarray
+
+
+def digits_like_split(seed: int = 0) -> Split:
+    """10 classes of 64 'pixels' in [0, 16] around random class templates, with noise wide
+    enough that neighbouring classes overlap a little (kNN accuracy ~0.95, not 1)."""
+    rng = np.random.default_rng(seed)
+    templates = rng.uniform(0, 16, size=(N_CLASSES, N_FEATURES))
+    parts = {}
+    for name, n in PER_CLASS.items():
+        y = np.repeat(np.arange(N_CLASSES), n)
+        X = np.clip(templates[y] + rng.normal(0, 8.0, size=(len(y), N_FEATURES)), 0, 16)
+        order = rng.permutation(len(y))
+        parts[f"X_{name}"], parts[f"y_{name}"] = X[order], y[order]
+    return Split(**parts, classes=np.arange(N_CLASSES))
+
+
+def pca_map(X: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(projection W (d, D) float32, offset b (d,) float32, mean, scale): standardise, then
+    the top d principal axes A, so that z = x W^T + b = ((x - mean) / scale) A^T."""
+    mean, scale = X.mean(axis=0), X.std(axis=0)
+    _, _, vt = np.linalg.svd((X - mean) / scale, full_matrices=False)
+    A = vt[:d]  # (d, D)
+    W = (A / scale[None, :]).astype(np.float32)
+    b = (-(mean / scale) @ A.T).astype(np.float32)
+    return W, b, mean, scale
+
+
+def build_model_artifact(out, split: Split, default_k: int = 5) -> dict:
+    """Write an artifact for ``split`` (PCA map, training points as references, validation
+    split) and return its report: test accuracy per k, by the service's own kNN."""
+    W, b, mean, scale = pca_map(split.X_train, N_COMPONENTS)
+    z_train, z_val, z_test = (project(x, W, b) for x in (split.X_train, split.X_val, split.X_test))
+    accuracy = {}
+    for k in (1, 3, 5, 7):
+        distances, indices = exact_knn(z_test, z_train, k)
+        predicted, _ = decide(split.y_train[indices], distances, N_CLASSES, "majority")
+        accuracy[k] = float(np.mean(predicted == split.y_test))
+    metrics = {"test_accuracy": accuracy, "default_k": default_k}
+    write_artifact(
+        out,
+        projection=W,
+        offset=b,
+        embeddings=z_train,
+        labels=split.y_train.astype(np.int32),
+        classes=split.classes.tolist(),
+        mean=mean,
+        scale=scale,
+        default_k=default_k,
+        validation_embeddings=z_val,
+        validation_labels=split.y_val.astype(np.int32),
+        extra_files={"report.json": json.dumps({"metrics": metrics}).encode()},
+        metadata={
+            "metrics": metrics,
+            "data": {"name": "digits-like (generated)"},
+            "training": {"map": "PCA of the standardised training inputs (tests/service)"},
+        },
+    )
+    return {"metrics": metrics}
 
 
 @pytest.fixture(scope="session")
-def digits_artifact(tmp_path_factory):
-    """(artifact path, report dict, split) for digits, trained by the real job."""
-    out = tmp_path_factory.mktemp("models") / "digits"
-    config = TrainConfig(out=str(out), **DIGITS_CONFIG)
-    report = run(config, log=lambda message: None)
-    split = make_split(
-        load_dataset("digits"),
-        test_size=config.test_size,
-        val_size=config.val_size,
-        seed=config.seed,
-    )
+def model_artifact(tmp_path_factory):
+    """(artifact path, report dict, split) of the session's model."""
+    out = tmp_path_factory.mktemp("models") / "digits-like"
+    split = digits_like_split()
+    report = build_model_artifact(out, split)
     return out, report, split
 
 
 @pytest.fixture
-def model_dir(digits_artifact, tmp_path):
-    """A private copy of the digits artifact (tests may replace or damage it)."""
+def model_dir(model_artifact, tmp_path):
+    """A private copy of the session artifact (tests may replace or damage it)."""
     target = tmp_path / "model"
-    shutil.copytree(digits_artifact[0], target)
+    shutil.copytree(model_artifact[0], target)
     return target
 
 
@@ -60,8 +129,8 @@ def settings_for(path, **overrides) -> Settings:
 
 
 @pytest.fixture
-def client(digits_artifact):
-    with TestClient(create_app(settings_for(digits_artifact[0]))) as c:
+def client(model_artifact):
+    with TestClient(create_app(settings_for(model_artifact[0]))) as c:
         yield c
 
 

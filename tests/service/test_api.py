@@ -17,14 +17,14 @@ NPY = {"content-type": "application/x-npy"}
 
 
 @pytest.fixture(scope="module")
-def rows(digits_artifact):
-    return digits_artifact[2].X_test[:20]
+def rows(model_artifact):
+    return model_artifact[2].X_test[:20]
 
 
 # ------------------------------------------------------------------ happy paths
 
 
-def test_classify_json(client, rows, digits_artifact):
+def test_classify_json(client, rows, model_artifact):
     r = client.post("/v1/classify", json={"instances": rows[:3].tolist()})
     assert r.status_code == 200
     body = r.json()
@@ -209,8 +209,8 @@ def test_empty_batch_is_400(client):
     )
 
 
-def test_too_many_rows_and_too_large_body_are_413(digits_artifact):
-    app = create_app(settings_for(digits_artifact[0], max_batch_rows=4, max_body_bytes=4096))
+def test_too_many_rows_and_too_large_body_are_413(model_artifact):
+    app = create_app(settings_for(model_artifact[0], max_batch_rows=4, max_body_bytes=4096))
     with TestClient(app) as c:
         assert_error(
             c.post("/v1/classify", json={"instances": [[0.0] * 64] * 5}),
@@ -241,9 +241,9 @@ def test_unknown_route_404_and_wrong_method_405(client):
     assert_error(client.get("/v1/classify"), 405, "method_not_allowed")
 
 
-def test_api_key(digits_artifact):
+def test_api_key(model_artifact):
     app = create_app(
-        settings_for(digits_artifact[0], api_key="s3cret", metrics_require_api_key=True)
+        settings_for(model_artifact[0], api_key="s3cret", metrics_require_api_key=True)
     )
     body = {"instances": [[0.0] * 64]}
     with TestClient(app) as c:
@@ -265,7 +265,7 @@ def test_api_key(digits_artifact):
         assert c.get("/healthz").status_code == 200 and c.get("/readyz").status_code == 200
 
 
-def test_not_ready_is_503_until_a_model_arrives(tmp_path, digits_artifact):
+def test_not_ready_is_503_until_a_model_arrives(tmp_path, model_artifact):
     import shutil
 
     path = tmp_path / "later"
@@ -275,7 +275,7 @@ def test_not_ready_is_503_until_a_model_arrives(tmp_path, digits_artifact):
         assert_error(c.post("/v1/classify", json={"instances": [[0.0] * 64]}), 503, "not_ready")
         assert c.get("/healthz").status_code == 200
         assert_error(c.post("/v1/admin/reload"), 409, "reload_failed", "no model is serving")
-        shutil.copytree(digits_artifact[0], path)
+        shutil.copytree(model_artifact[0], path)
         assert c.post("/v1/admin/reload").json()["status"] == "reloaded"
         assert c.get("/readyz").status_code == 200
 
@@ -313,8 +313,8 @@ async def _gather(app, bodies, path="/v1/classify"):
             return await asyncio.gather(*(c.post(path, json=b) for b in bodies))
 
 
-def test_overload_is_429(digits_artifact):
-    app = create_app(settings_for(digits_artifact[0], max_in_flight=1, batch_max_wait_us=20000))
+def test_overload_is_429(model_artifact):
+    app = create_app(settings_for(model_artifact[0], max_in_flight=1, batch_max_wait_us=20000))
     bodies = [{"instances": [[0.0] * 64]}] * 8
     responses = asyncio.run(_gather(app, bodies))
     statuses = sorted(r.status_code for r in responses)
@@ -324,10 +324,10 @@ def test_overload_is_429(digits_artifact):
 
 
 @pytest.mark.parametrize("on_loop", ["always", "never"])
-def test_batched_answers_equal_single_request_answers(digits_artifact, on_loop):
+def test_batched_answers_equal_single_request_answers(model_artifact, on_loop):
     """Merged requests (mixed k, mixed rules: one decision per rule in a merged search),
     searched on the event loop or in the search thread, answer exactly as alone."""
-    X = digits_artifact[2].X_test[:64]
+    X = model_artifact[2].X_test[:64]
     rules = ["majority", "soft", None, "soft"]
     bodies = [
         {
@@ -339,13 +339,13 @@ def test_batched_answers_equal_single_request_answers(digits_artifact, on_loop):
         for i in range(48)
     ]
     app = create_app(
-        settings_for(digits_artifact[0], batch_max_wait_us=5000, search_on_event_loop=on_loop)
+        settings_for(model_artifact[0], batch_max_wait_us=5000, search_on_event_loop=on_loop)
     )
     batched = asyncio.run(_gather(app, bodies))
     registry = app.state.ncaknn.metrics.registry
     merged_searches = registry.get_sample_value("ncaknn_batch_rows_count")
     assert 0 < merged_searches < len(bodies)  # requests were merged
-    with TestClient(create_app(settings_for(digits_artifact[0], batching=False))) as c:
+    with TestClient(create_app(settings_for(model_artifact[0], batching=False))) as c:
         single = [c.post("/v1/classify", json=b) for b in bodies]
     assert all(r.status_code == 200 for r in batched)
     assert [r.json() for r in batched] == [r.json() for r in single]

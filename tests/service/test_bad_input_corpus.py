@@ -770,9 +770,9 @@ PARAMS = [
 
 
 @pytest.fixture(scope="module")
-def corpus_client(digits_artifact):
+def corpus_client(model_artifact):
     with TestClient(
-        create_app(settings_for(digits_artifact[0])), raise_server_exceptions=False
+        create_app(settings_for(model_artifact[0])), raise_server_exceptions=False
     ) as c:
         yield c
 

@@ -16,8 +16,8 @@ from .conftest import settings_for
 
 
 @pytest.fixture(scope="module")
-def model(digits_artifact):
-    return load_model(digits_artifact[0], settings_for(digits_artifact[0]))
+def model(model_artifact):
+    return load_model(model_artifact[0], settings_for(model_artifact[0]))
 
 
 async def _run_jobs(batcher: Batcher, jobs):
@@ -32,9 +32,11 @@ async def _run_jobs(batcher: Batcher, jobs):
 
 
 @pytest.mark.parametrize("inline_rows", [0, 256])
-def test_merged_jobs_answer_as_alone(model, digits_artifact, inline_rows):
-    X = digits_artifact[2].X_test[:40].astype(np.float32)
-    huge = np.full((1, model.n_features), 3e38, np.float32)  # embeds beyond float32
+def test_merged_jobs_answer_as_alone(model, model_artifact, inline_rows):
+    X = model_artifact[2].X_test[:40].astype(np.float32)
+    # every term of z_0 = x . W_0 has the same sign: |z_0| = 3e38 ||W_0||_1 > float32's max
+    huge = (3e38 * np.sign(model.projection[:1])).astype(np.float32)  # (1, D)
+    assert 3e38 * np.abs(model.projection[0]).astype(np.float64).sum() > np.finfo(np.float32).max
     jobs = [
         (model, X[0:3], 5, "majority"),
         (model, X[3:4], 5, "soft"),

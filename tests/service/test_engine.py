@@ -9,39 +9,6 @@ from service.artifact import ArtifactError
 from service.engine import Engine, load_model
 from service.errors import InvalidInput, NotReady
 from tests.service.conftest import republish_scaled, settings_for
-from training import NCA
-
-
-def test_service_predictions_equal_the_training_report(digits_artifact):
-    path, report, split = digits_artifact
-    model = load_model(path, settings_for(path))
-    k = report["test_predictions"]["k"]
-    prediction = model.classify(split.X_test, k, report["test_predictions"]["rule"])
-    assert prediction.labels == report["test_predictions"]["label"]
-    accuracy = float(np.mean(np.array(prediction.labels) == split.classes[split.y_test]))
-    assert accuracy == pytest.approx(report["metrics"]["test_accuracy"][k])
-
-
-def test_service_projection_equals_estimator_transform(tmp_path):
-    from sklearn.datasets import load_digits
-
-    from service.artifact import write_artifact
-
-    X, y = load_digits(return_X_y=True)
-    nca = NCA(n_components=8, max_iter=20, random_state=0).fit(X[:500], y[:500])
-    path = write_artifact(
-        tmp_path / "m",
-        projection=nca.projection_,
-        offset=nca.offset_,
-        embeddings=nca.transform(X[:500]),
-        labels=y[:500].astype(np.int32),
-        classes=list(range(10)),
-        mean=nca.mean_,
-        scale=nca.scale_,
-        default_k=1,
-    )
-    model = load_model(path, settings_for(path))
-    np.testing.assert_array_equal(model.embed(X[500:]), nca.transform(X[500:]))
 
 
 @pytest.mark.parametrize("kind", ["flat", "ivf", "hnsw", "ivfpq"])

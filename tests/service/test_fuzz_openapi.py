@@ -25,8 +25,8 @@ FUZZ_EXAMPLES = int(os.environ.get("NCAKNN_FUZZ_EXAMPLES", "25"))
 
 
 @pytest.fixture(scope="module")
-def live_app(digits_artifact):
-    app = create_app(settings_for(digits_artifact[0], max_batch_rows=8, max_k=16))
+def live_app(model_artifact):
+    app = create_app(settings_for(model_artifact[0], max_batch_rows=8, max_k=16))
     with TestClient(app):  # runs the lifespan: the model is loaded, the limits are live
         yield app
 

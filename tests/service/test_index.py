@@ -74,8 +74,8 @@ def recall_at(k, approx_idx, exact_idx):
         (IndexParams(kind="ivfpq", nprobe=8, pq_m=8), 0.5),
     ],
 )
-def test_approximate_index_recall_on_real_projected_data(digits_artifact, params, floor):
-    path, _, split = digits_artifact
+def test_approximate_index_recall_on_real_projected_data(model_artifact, params, floor):
+    path, _, split = model_artifact
     art = read_artifact(path)
     refs = np.ascontiguousarray(art.embeddings)
     queries = project(split.X_test, art.projection, art.offset)

@@ -83,9 +83,9 @@ def test_explicit_settings_override_the_tuned_parameter(model_dir, tmp_path):
 
 
 def test_tuning_measures_settings_from_the_cheapest_and_picks_the_fastest_reaching_it(
-    digits_artifact,
+    model_artifact,
 ):
-    art = read_artifact(digits_artifact[0])
+    art = read_artifact(model_artifact[0])
     refs = np.ascontiguousarray(art.embeddings)
     labels = np.asarray(art.labels, np.int64)
     index = build_index(refs, IndexParams(kind="ivf"))
@@ -106,9 +106,17 @@ def test_tuning_measures_settings_from_the_cheapest_and_picks_the_fastest_reachi
     two_stage = [t for t in trials if t.recheck_margin]
     grid = list(indexing.SEARCH_PARAMETER["ivf"][1])
     assert [t.value for t in one_stage] == grid[: len(one_stage)]  # cheapest first
-    first_reaching = next(i for i, t in enumerate(one_stage) if t.label_agreement >= 0.99)
-    assert all(t.label_agreement < 0.99 for t in one_stage[:first_reaching])
-    assert len(one_stage) <= first_reaching + 1 + indexing.SETTINGS_PAST_TARGET
+    reaching = [i for i, t in enumerate(one_stage) if t.agreement_bound >= 0.99]
+    # it stops at the (SETTINGS_PAST_TARGET + 1)-th setting reaching the target, at full
+    # agreement, or at the end of the grid; never later
+    assert len(reaching) <= indexing.SETTINGS_PAST_TARGET + 1
+    last = one_stage[-1]
+    assert (
+        (reaching[-1] == len(one_stage) - 1 and len(reaching) == indexing.SETTINGS_PAST_TARGET + 1)
+        or last.label_agreement == 1.0
+        or last.value == grid[-1]
+        or grid[len(one_stage)] > index.nlist
+    )
     # two-stage plans are scored from the one-stage runs; running them gives the same answers
     assert len(two_stage) <= indexing.PLANS_MEASURED
     for t in two_stage:
@@ -165,8 +173,8 @@ def test_an_unreachable_target_leaves_the_artifact_alone(model_dir, monkeypatch,
     assert manifest(model_dir) == before
 
 
-def test_an_artifact_without_a_validation_split_is_refused(digits_artifact, tmp_path, capsys):
-    art = read_artifact(digits_artifact[0])
+def test_an_artifact_without_a_validation_split_is_refused(model_artifact, tmp_path, capsys):
+    art = read_artifact(model_artifact[0])
     bare = write_artifact(tmp_path / "bare", **model_arrays(art))
     assert indexing.main([str(bare), "--index", "hnsw"]) == 1
     assert "no validation split to tune on" in capsys.readouterr().err
@@ -185,8 +193,8 @@ def test_the_command_indexes_in_place(model_dir, capsys):
     assert load_model(model_dir, settings_for(model_dir)).index_type == "ivf"
 
 
-def test_validation_arrays_go_together_and_are_checked(digits_artifact, tmp_path):
-    art = read_artifact(digits_artifact[0])
+def test_validation_arrays_go_together_and_are_checked(model_artifact, tmp_path):
+    art = read_artifact(model_artifact[0])
     common = model_arrays(art)
     with pytest.raises(ArtifactError, match="go together"):
         write_artifact(tmp_path / "a", validation_embeddings=art.validation_embeddings, **common)
@@ -206,8 +214,8 @@ def test_validation_arrays_go_together_and_are_checked(digits_artifact, tmp_path
         )
 
 
-def test_a_prebuilt_index_of_other_references_is_refused(digits_artifact, tmp_path):
-    art = read_artifact(digits_artifact[0])
+def test_a_prebuilt_index_of_other_references_is_refused(model_artifact, tmp_path):
+    art = read_artifact(model_artifact[0])
     other = build_index(np.asarray(art.embeddings)[:100], IndexParams(kind="hnsw"))
     path = write_artifact(
         tmp_path / "m",
@@ -293,8 +301,8 @@ def test_a_validation_split_too_small_for_the_target_is_named(model_dir, capsys)
     assert manifest(model_dir) == before
 
 
-def test_tuning_with_confidence_demands_more_than_the_observed_agreement(digits_artifact):
-    art = read_artifact(digits_artifact[0])
+def test_tuning_with_confidence_demands_more_than_the_observed_agreement(model_artifact):
+    art = read_artifact(model_artifact[0])
     refs = np.ascontiguousarray(art.embeddings)
     labels = np.asarray(art.labels, np.int64)
     index = build_index(refs, IndexParams(kind="ivf"))

@@ -18,8 +18,8 @@ ANSWER_NPY = {"content-type": "application/x-npy", "accept": "application/x-npy"
 
 
 @pytest.fixture(scope="module")
-def rows(digits_artifact):
-    return digits_artifact[2].X_test[:25].astype(np.float32)
+def rows(model_artifact):
+    return model_artifact[2].X_test[:25].astype(np.float32)
 
 
 def load(response) -> np.ndarray:
@@ -79,8 +79,8 @@ def test_json_stays_the_default_and_q_values_choose(client, rows):
     assert chosen.headers["content-type"] == "application/x-npy"
 
 
-def test_string_classes_come_back_as_strings(digits_artifact, tmp_path, rows):
-    art = read_artifact(digits_artifact[0])
+def test_string_classes_come_back_as_strings(model_artifact, tmp_path, rows):
+    art = read_artifact(model_artifact[0])
     arrays = model_arrays(art)
     arrays["classes"] = [f"digit-{c}" for c in art.classes]
     write_artifact(tmp_path / "named", **arrays)
@@ -96,8 +96,8 @@ def test_string_classes_come_back_as_strings(digits_artifact, tmp_path, rows):
     ]
 
 
-def test_the_json_answer_size_limit_does_not_bind_npy_answers(digits_artifact, rows):
-    settings = settings_for(digits_artifact[0], max_response_values=50)
+def test_the_json_answer_size_limit_does_not_bind_npy_answers(model_artifact, rows):
+    settings = settings_for(model_artifact[0], max_response_values=50)
     with TestClient(create_app(settings)) as c:
         too_big = c.post(
             "/v1/classify", content=npy(rows), headers={"content-type": "application/x-npy"}
@@ -106,8 +106,8 @@ def test_the_json_answer_size_limit_does_not_bind_npy_answers(digits_artifact, r
         assert len(load(c.post("/v1/classify", content=npy(rows), headers=ANSWER_NPY))) == 25
 
 
-def test_large_npy_answers_are_the_same_encoded_off_the_event_loop(client, digits_artifact):
-    many = np.repeat(digits_artifact[2].X_test[:40], 100, axis=0).astype(np.float32)  # 4,000
+def test_large_npy_answers_are_the_same_encoded_off_the_event_loop(client, model_artifact):
+    many = np.repeat(model_artifact[2].X_test[:40], 100, axis=0).astype(np.float32)  # 4,000
     query = "/v1/classify?k=5&return_neighbors=true"  # 4,000 x (10 + 15) > THREAD_ENCODE_VALUES
     records = load(client.post(query, content=npy(many), headers=ANSWER_NPY))
     small = load(client.post(query, content=npy(many[:40]), headers=ANSWER_NPY))

@@ -84,17 +84,17 @@ def produce(status: int, method: str, path: str, model_dir, tmp_path) -> httpx.R
     raise AssertionError(f"no recipe for status {status}")
 
 
-def test_every_listed_status_is_produced(digits_artifact, tmp_path):
+def test_every_listed_status_is_produced(model_artifact, tmp_path):
     import shutil
 
-    app = create_app(settings_for(digits_artifact[0]))
+    app = create_app(settings_for(model_artifact[0]))
     triples = listed_statuses(app)
     assert {s for _, _, s in triples} >= {200, 400, 401, 406, 409, 413, 415, 422, 429, 503}
     for i, (path, method, status) in enumerate(triples):
         if path in ("/docs", "/redoc", "/openapi.json"):
             continue
         model_dir = tmp_path / f"m{i}"
-        shutil.copytree(digits_artifact[0], model_dir)
+        shutil.copytree(model_artifact[0], model_dir)
         response = produce(status, method, path, model_dir, tmp_path)
         assert response.status_code == status, (
             f"{method.upper()} {path}: {response.status_code} {response.text[:200]}"

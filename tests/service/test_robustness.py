@@ -57,8 +57,8 @@ def test_values_at_the_input_bound_are_answered_on_every_route(client, rule):
     assert r.status_code == 200
 
 
-def test_far_queries_get_the_exact_neighbours(client, digits_artifact):
-    model_path = digits_artifact[0]
+def test_far_queries_get_the_exact_neighbours(client, model_artifact):
+    model_path = model_artifact[0]
     art = read_artifact(model_path)
     x = np.zeros((3, D), np.float32)
     x[0, 10], x[1, 20], x[2, 30] = 1e25, -1e20, 1e6
@@ -76,9 +76,9 @@ def test_far_queries_get_the_exact_neighbours(client, digits_artifact):
     assert 'ncaknn_search_fallback_rows_total{reason="far"}' in metrics
 
 
-def test_ivf_with_too_few_probes_never_adds_phantom_votes(digits_artifact):
+def test_ivf_with_too_few_probes_never_adds_phantom_votes(model_artifact):
     """nprobe=1 over many lists: FAISS pads with -1; the answers must equal exact search."""
-    path, _, split = digits_artifact
+    path, _, split = model_artifact
     x = split.X_test[:200].tolist()
     with TestClient(create_app(settings_for(path))) as exact:
         want = exact.post("/v1/classify", json={"instances": x, "k": 15}).json()["predictions"]
@@ -134,9 +134,9 @@ def test_405_has_an_allow_header_and_the_error_body(client):
     assert r.json()["error_type"] == "method_not_allowed"
 
 
-def test_an_internal_error_has_the_error_body(digits_artifact, monkeypatch):
+def test_an_internal_error_has_the_error_body(model_artifact, monkeypatch):
     with TestClient(
-        create_app(settings_for(digits_artifact[0])), raise_server_exceptions=False
+        create_app(settings_for(model_artifact[0])), raise_server_exceptions=False
     ) as c:
         model = c.app.state.ncaknn.engine.peek()
 

@@ -77,11 +77,11 @@ def in_flight(url: str) -> float:
     return 0.0
 
 
-def test_real_server_answers_and_drains_on_sigterm(digits_artifact):
+def test_real_server_answers_and_drains_on_sigterm(model_artifact):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     # a 2 s batching window keeps requests in flight when SIGTERM arrives
-    proc = start_server(digits_artifact[0], port, NCAKNN_BATCH_MAX_WAIT_US=2_000_000)
+    proc = start_server(model_artifact[0], port, NCAKNN_BATCH_MAX_WAIT_US=2_000_000)
     try:
         wait_ready(url, proc)
         body = {"instances": [[0.0] * 64]}
@@ -168,10 +168,10 @@ def test_poller_picks_up_a_new_artifact(model_dir):
 
 
 @pytest.mark.parametrize("workers", [2])
-def test_real_server_with_several_workers(digits_artifact, workers):
+def test_real_server_with_several_workers(model_artifact, workers):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = start_server(digits_artifact[0], port, NCAKNN_WORKERS=workers)
+    proc = start_server(model_artifact[0], port, NCAKNN_WORKERS=workers)
     try:
         wait_ready(url, proc)
         for _ in range(4):

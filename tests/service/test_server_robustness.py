@@ -62,14 +62,14 @@ def stop_server(proc) -> None:
 
 @pytest.mark.parametrize("workers", [1, 2])
 @pytest.mark.parametrize("replace", ["symlink", "exchange"])
-def test_artifacts_replaced_continuously_under_load(digits_artifact, tmp_path, workers, replace):
+def test_artifacts_replaced_continuously_under_load(model_artifact, tmp_path, workers, replace):
     """Every answer equals one whole artifact's answer, no request fails, and every worker
     is on the final version within CONVERGENCE_BOUND_SECONDS."""
-    _, _, split = digits_artifact
+    _, _, split = model_artifact
     x = np.ascontiguousarray(split.X_test[:8], dtype=np.float32)
     v1, v2 = tmp_path / "v1", tmp_path / "v2"
-    shutil.copytree(digits_artifact[0], v1)
-    shutil.copytree(digits_artifact[0], v2)
+    shutil.copytree(model_artifact[0], v1)
+    shutil.copytree(model_artifact[0], v2)
     republish_scaled(v2, 1.7)
     publish_copy(v1, v1)  # both written by the same writer: the same manifest keys
     versions = {read_artifact(v1).version: v1, read_artifact(v2).version: v2}
@@ -156,10 +156,10 @@ def test_artifacts_replaced_continuously_under_load(digits_artifact, tmp_path, w
     assert sent[0] > 20 and len(seen) == 2
 
 
-def test_two_workers_report_whole_metrics(digits_artifact):
+def test_two_workers_report_whole_metrics(model_artifact):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = start_server(digits_artifact[0], port, NCAKNN_WORKERS=2)
+    proc = start_server(model_artifact[0], port, NCAKNN_WORKERS=2)
     try:
         wait_ready(url, proc)
         with httpx.Client(timeout=10) as client:
@@ -207,14 +207,14 @@ def read_status(sock: socket.socket) -> int:
     return int(data.split(b" ")[1])
 
 
-def test_sigterm_readiness_first_then_nothing_lost(digits_artifact):
+def test_sigterm_readiness_first_then_nothing_lost(model_artifact):
     """SIGTERM while requests are being computed and others sit unread in socket buffers:
     /readyz is 503 at once, every request sent gets its 200, connections opened during the
     drain delay are served, and the process exits."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = start_server(
-        digits_artifact[0],
+        model_artifact[0],
         port,
         NCAKNN_DRAIN_DELAY_SECONDS=1.5,
         NCAKNN_BATCH_MAX_WAIT_US=300_000,  # keeps requests in flight when SIGTERM arrives
@@ -249,10 +249,10 @@ def rss_mib(pid: int) -> float:
     raise AssertionError("no VmRSS")
 
 
-def test_memory_comes_back_and_probes_stay_fast(digits_artifact):
+def test_memory_comes_back_and_probes_stay_fast(model_artifact):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = start_server(digits_artifact[0], port)
+    proc = start_server(model_artifact[0], port)
     rng = np.random.default_rng(0)
     rows = rng.uniform(0, 16, size=(4096, D)).round(6).tolist()  # the maximum row count
     big = {"instances": rows, "k": 64}

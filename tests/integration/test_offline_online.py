@@ -1,0 +1,67 @@
+"""The training job's artifacts served: what the job reports offline is what the service
+answers online, and the service's projection is the estimator's transform. Needs torch and
+scikit-learn (the ``train`` extra); the service's own tests do not."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from service.engine import load_model
+from tests.service.conftest import settings_for
+
+pytest.importorskip("torch")
+
+from training import NCA
+from training.config import TrainConfig
+from training.data import load_dataset, make_split
+from training.job import run
+
+DIGITS_CONFIG = dict(data="digits", n_components=16, max_iter=40, quiet=True, plots=False, seed=0)
+
+
+@pytest.fixture(scope="module")
+def trained_digits(tmp_path_factory):
+    """(artifact path, report dict, split) for digits, trained by the real job."""
+    out = tmp_path_factory.mktemp("models") / "digits"
+    config = TrainConfig(out=str(out), **DIGITS_CONFIG)
+    report = run(config, log=lambda message: None)
+    split = make_split(
+        load_dataset("digits"),
+        test_size=config.test_size,
+        val_size=config.val_size,
+        seed=config.seed,
+    )
+    return out, report, split
+
+
+def test_service_predictions_equal_the_training_report(trained_digits):
+    path, report, split = trained_digits
+    model = load_model(path, settings_for(path))
+    k = report["test_predictions"]["k"]
+    prediction = model.classify(split.X_test, k, report["test_predictions"]["rule"])
+    assert prediction.labels == report["test_predictions"]["label"]
+    accuracy = float(np.mean(np.array(prediction.labels) == split.classes[split.y_test]))
+    assert accuracy == pytest.approx(report["metrics"]["test_accuracy"][k])
+
+
+def test_service_projection_equals_estimator_transform(tmp_path):
+    from sklearn.datasets import load_digits
+
+    from service.artifact import write_artifact
+
+    X, y = load_digits(return_X_y=True)
+    nca = NCA(n_components=8, max_iter=20, random_state=0).fit(X[:500], y[:500])
+    path = write_artifact(
+        tmp_path / "m",
+        projection=nca.projection_,
+        offset=nca.offset_,
+        embeddings=nca.transform(X[:500]),
+        labels=y[:500].astype(np.int32),
+        classes=list(range(10)),
+        mean=nca.mean_,
+        scale=nca.scale_,
+        default_k=1,
+    )
+    model = load_model(path, settings_for(path))
+    np.testing.assert_array_equal(model.embed(X[500:]), nca.transform(X[500:]))
