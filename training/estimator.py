@@ -197,11 +197,16 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
                 limit = ">= 0" if allow_zero else "> 0"
                 raise ValueError(f"{name}={value!r} must be a real number {limit}")
 
-        d = n_features if self.n_components is None else self.n_components
+        d = self.n_components
+        if d is None:  # as scikit-learn: the rows of an array init, else the input dimension
+            # (an init with more rows than X has columns is then refused by initial_components)
+            rows = self.init.shape[0] if isinstance(self.init, np.ndarray) else n_features
+            d = min(rows, n_features)
         positive_int("n_components", d)
         if d > n_features:
             raise ValueError(
-                f"n_components={d} must be <= n_features={n_features} (the input dimension)"
+                f"The preferred dimensionality of the projected space `n_components` ({d}) "
+                f"cannot be greater than the given data dimensionality ({n_features})!"
             )
         if self.transformation not in TRANSFORMS:
             raise ValueError(f"transformation={self.transformation!r} must be one of {TRANSFORMS}")
@@ -350,7 +355,8 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         self.n_evaluations_ = result.n_evaluations
         if not result.converged:
             warnings.warn(
-                f"NCA did not converge in max_iter={self.max_iter} iterations "
+                f"[{type(self).__name__}] NCA did not converge in max_iter={self.max_iter} "
+                "iterations "
                 f"(stop reason: {result.stop_reason}); increase max_iter or tol",
                 ConvergenceWarning,
                 stacklevel=2,

@@ -94,13 +94,23 @@ def initial_components(
         name = str(init)
     if isinstance(init, np.ndarray):
         A = np.asarray(init, dtype=np.float64)
-        if A.ndim != 2 or A.shape[1] != n_features:
+        if A.ndim != 2:
+            raise ValueError(f"init must be a 2-D array (n_components, n_features), got {A.shape}")
+        if A.shape[1] != n_features:
             raise ValueError(
-                f"init: expected an array of shape (n_components, {n_features}), got {A.shape}"
+                f"The input dimensionality ({A.shape[1]}) of the given linear transformation "
+                f"`init` must match the dimensionality of the given inputs `X` ({n_features})."
+            )
+        if A.shape[0] > A.shape[1]:
+            raise ValueError(
+                f"The output dimensionality ({A.shape[0]}) of the given linear transformation "
+                f"`init` cannot be greater than its input dimensionality ({A.shape[1]})."
             )
         if A.shape[0] != n_components:
             raise ValueError(
-                f"init has {A.shape[0]} rows but n_components={n_components}; they must match"
+                "The preferred dimensionality of the projected space `n_components` "
+                f"({n_components}) does not match the output dimensionality of the given linear "
+                f"transformation `init` ({A.shape[0]})!"
             )
         if not np.all(np.isfinite(A)):
             raise ValueError("init: contains NaN or Inf")

@@ -139,7 +139,7 @@ def write_npz(path, **arrays):
         (
             lambda p, r: write_npz(p, X=r.normal(size=(20, 3)), y=np.arange(20) % 2),
             ["--n-components", "4"],
-            "n_components=4 must be <= n_features=3",
+            r"`n_components` \(4\) cannot be greater than the given data dimensionality \(3\)",
         ),
         (
             lambda p, r: write_npz(p, X=r.normal(size=(20, 3)), y=np.arange(20) % 2),

@@ -69,7 +69,7 @@ def test_matches_scikit_learn_on_the_same_problem():
 @pytest.mark.parametrize(
     "params, pattern",
     [
-        (dict(n_components=5), r"n_components=5 must be <= n_features=4"),
+        (dict(n_components=5), r"`n_components` \(5\) cannot be greater than the given data "),
         (dict(n_components=0), r"n_components=0 must be an integer >= 1"),
         (dict(objective="lmnn"), r"objective='lmnn' must be one of"),
         (dict(transformation="square"), r"transformation='square' must be one of"),
@@ -81,7 +81,13 @@ def test_matches_scikit_learn_on_the_same_problem():
         (dict(init="nonsense"), r"init='nonsense' must be one of"),
         (
             dict(init=np.zeros((2, 3)), n_components=2),
-            r"init: expected an array of shape \(n_components, 4\)",
+            r"input dimensionality \(3\) of the given linear transformation `init` must match "
+            r"the dimensionality of the given inputs `X` \(4\)",
+        ),
+        (
+            dict(init=np.eye(4)[:3], n_components=2),
+            r"`n_components` \(2\) does not match the output dimensionality of the given "
+            r"linear transformation `init` \(3\)",
         ),
         (dict(device="tpu"), r"device='tpu'"),
         (dict(objective="nca", k=3), r"k must be 1"),
@@ -163,7 +169,7 @@ def test_early_stopping_keeps_best_validation_model():
 
 def test_non_convergence_is_a_warning():
     X, y = load_digits(return_X_y=True)
-    with pytest.warns(ConvergenceWarning, match="did not converge in max_iter=2"):
+    with pytest.warns(ConvergenceWarning, match=r"\[NCA\] NCA did not converge in max_iter=2"):
         nca = NCA(n_components=4, max_iter=2, random_state=0).fit(X[:300], y[:300])
     assert not nca.converged_ and nca.stop_reason_ == "max_iter"
 
