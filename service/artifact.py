@@ -77,7 +77,6 @@ ARRAY_SPECS: dict[str, tuple[str, np.dtype, tuple[str, ...]]] = {
     "validation_labels": ("validation_labels.npy", np.dtype(np.int32), ("V",)),
 }
 OPTIONAL_ARRAYS = frozenset({"ids", "validation_embeddings", "validation_labels"})
-VALIDATION_ARRAYS = ("validation_embeddings", "validation_labels")  # both or neither
 REQUIRED_MANIFEST_KEYS = (
     "format",
     "schema_version",

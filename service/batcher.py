@@ -66,7 +66,7 @@ class Batcher:
             self._task = None
         self._executor.shutdown(wait=True)
 
-    async def search(self, model, rows: np.ndarray, k: int, rule: str | None = None) -> Answer:
+    async def answer(self, model, rows: np.ndarray, k: int, rule: str | None = None) -> Answer:
         """The k neighbours of raw rows (n, D), and the decision by ``rule`` when given."""
         future = asyncio.get_running_loop().create_future()
         self._queue.put_nowait(Job(model, rows, k, rule, future))

@@ -103,7 +103,6 @@ class LoadedModel:
     load_seconds: float
     norm_limit: float  # queries with a larger norm are searched exactly (see service.index)
     input_abs_max: float  # inputs within [-input_abs_max, input_abs_max] embed finitely
-    search_threads: int = 0
     index_params: dict = field(default_factory=dict)
     search_plan: IndexParams = field(default_factory=IndexParams)  # incl. the recheck stage
     # called with (far rows, under-filled rows) after a search that used the exact fallback
@@ -159,7 +158,7 @@ class LoadedModel:
             z,
             k,
             self.search_plan,
-            threads=self.search_threads,
+            threads=self.search_plan.search_threads,
             norm_limit=self.norm_limit,
         )
         if self.on_fallback is not None and (result.far_rows or result.underfilled_rows):
@@ -274,7 +273,6 @@ def load_model(
         load_seconds=0.0,
         norm_limit=reference_norm_limit(embeddings),
         input_abs_max=input_abs_max(artifact.projection, artifact.offset),
-        search_threads=settings.search_threads,
         index_params=params.describe(),
         search_plan=params,
         on_fallback=on_fallback,
@@ -316,9 +314,6 @@ class Engine:
         self._model: LoadedModel | None = None
         self._load_lock = threading.Lock()
         self.last_error: str | None = None
-        self.last_error_at: float | None = None
-        self.loads = 0
-        self.load_failures = 0
         self.draining = False
         self._loaded_fingerprint: tuple | None = None
         self._failed_fingerprint: tuple | None = None
@@ -354,9 +349,7 @@ class Engine:
             except Exception as exc:
                 self._failed_fingerprint = fingerprint
                 self._failed_at = self.clock()
-                self.load_failures += 1
                 self.last_error = f"{type(exc).__name__}: {exc}"
-                self.last_error_at = time.time()
                 log.error("model load failed", extra={"path": str(path), "error": self.last_error})
                 if self.on_load_failure is not None:
                     self.on_load_failure(exc)
@@ -364,7 +357,6 @@ class Engine:
             self._model = model  # one reference assignment: the swap
             self._loaded_fingerprint = fingerprint
             self._failed_fingerprint = None
-            self.loads += 1
             self.last_error = None
             log.info(
                 "model loaded",

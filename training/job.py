@@ -113,11 +113,12 @@ def evaluate_baselines(split, mean, scale, d: int, rule: str) -> dict:
     return results
 
 
-def resolve_out(out: str | None, data_name: str) -> Path:
-    """The artifact path: --out with '{timestamp}' replaced by the UTC time, or models/<data>."""
+def resolve_out(out: str | None, data_name: str, now: float | None = None) -> Path:
+    """The artifact path: --out with '{timestamp}' replaced by the UTC time ``now`` (seconds
+    since the epoch; default: the clock), or models/<data>."""
     if not out:
         return Path("models") / data_name
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(time.time() if now is None else now))
     return Path(out.replace("{timestamp}", stamp))
 
 

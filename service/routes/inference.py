@@ -44,7 +44,7 @@ async def classify(request: Request) -> Response:
         pipeline.check_answer_size(req, values_per_row)
     with req.state.admit():
         req.state.metrics.request_rows.labels("/v1/classify").observe(len(req.rows))
-        answer = await pipeline.search(req, k, rule)
+        answer = await pipeline.answer(req, k, rule)
     model = req.model
     n_values = len(req.rows) * values_per_row
     if req.response_type == NPY:
@@ -114,7 +114,7 @@ async def neighbors(request: Request) -> Response:
         pipeline.check_answer_size(req, 3 * k)
     with req.state.admit():
         req.state.metrics.request_rows.labels("/v1/neighbors").observe(len(req.rows))
-        answer = await pipeline.search(req, k)
+        answer = await pipeline.answer(req, k)
     model = req.model
     n_values = len(req.rows) * 3 * k
     if req.response_type == NPY:

@@ -173,12 +173,12 @@ def check_answer_size(request: InferenceRequest, values_per_row: int) -> None:
         )
 
 
-async def search(request: InferenceRequest, k: int, rule: str | None = None) -> Answer:
+async def answer(request: InferenceRequest, k: int, rule: str | None = None) -> Answer:
     """The k neighbours of the request's rows and, when ``rule`` is given, the decision:
     merged with other requests when batching, run in a worker thread either way."""
     state, model, rows = request.state, request.model, request.rows
     if state.batcher is not None:
-        return await state.batcher.search(model, rows, k, rule)
+        return await state.batcher.answer(model, rows, k, rule)
     return await run_in_threadpool(lambda: model.answer(model.embed(rows), k, rule))
 
 

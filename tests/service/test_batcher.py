@@ -24,7 +24,7 @@ async def _run_jobs(batcher: Batcher, jobs):
     batcher.start()
     try:
         return await asyncio.gather(
-            *(batcher.search(m, rows, k, rule) for m, rows, k, rule in jobs),
+            *(batcher.answer(m, rows, k, rule) for m, rows, k, rule in jobs),
             return_exceptions=True,
         )
     finally:

@@ -28,7 +28,8 @@ def test_checks_name_the_limit(model_dir):
 
 
 def test_failed_load_keeps_the_current_model(model_dir):
-    engine = Engine(settings_for(model_dir))
+    loaded, failed = [], []
+    engine = Engine(settings_for(model_dir), on_load=loaded.append, on_load_failure=failed.append)
     with pytest.raises(NotReady, match="no model is loaded yet"):
         engine.current()
     first = engine.load()
@@ -38,7 +39,8 @@ def test_failed_load_keeps_the_current_model(model_dir):
     with pytest.raises(ArtifactError, match="checksum mismatch"):
         engine.load()
     assert engine.current() is first
-    assert "checksum mismatch" in engine.last_error and engine.load_failures == 1
+    assert "checksum mismatch" in engine.last_error
+    assert loaded == [first] and len(failed) == 1 and "checksum mismatch" in str(failed[0])
     assert not engine.changed_on_disk()  # the failed version is not retried by the poller
 
 

@@ -5,13 +5,16 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 
 from service.artifact import read_artifact
+from training import job
 from training.cli import main
 from training.config import TrainConfig, build_parser
+from training.job import resolve_out
 
 
 def test_end_to_end_on_digits(tmp_path, capsys):
@@ -238,7 +241,7 @@ def test_npy_without_labels_is_refused(tmp_path, capsys):
     assert "needs --labels" in capsys.readouterr().err
 
 
-def test_timestamped_out_and_publish_symlink(tmp_path):
+def test_timestamped_out_and_publish_symlink(tmp_path, monkeypatch):
     import os
 
     link = tmp_path / "current"
@@ -257,9 +260,8 @@ def test_timestamped_out_and_publish_symlink(tmp_path):
     assert first.startswith("versions/") and "{timestamp}" not in first
     art = read_artifact(link)
     assert art.n_features_in == 4
-    import time
-
-    time.sleep(1.1)
+    later = time.time() + 60  # a minute on: a new {timestamp}, without waiting for it
+    monkeypatch.setattr(job, "resolve_out", lambda out, name: resolve_out(out, name, now=later))
     assert main([*args, "--seed", "1"]) == 0
     assert os.readlink(link) != first and read_artifact(link).version != art.version
     assert sorted(p.name for p in tmp_path.iterdir()) == ["current", "versions"]
