@@ -236,7 +236,35 @@ def tune(
         if past_target > SETTINGS_PAST_TARGET or trials[-1].label_agreement == 1.0:
             break
 
-    estimates = []  # (estimated us/query, first, second, margin)
+    estimates = estimate_two_stage_plans(
+        runs, [t.value for t in trials], exact, labels, n_classes, k, target, confidence
+    )
+    for _, v1, v2, m in sorted(estimates)[:PLANS_MEASURED]:
+        plan = search_plan(kind, v1, v2, m)
+        found = answer_queries(index, references, labels, n_classes, queries, k, rule, plan)
+        trials.append(judged(found, value=v1, recheck_value=v2, recheck_margin=m))
+
+    reaching = [t for t in trials if t.agreement_bound >= target]
+    chosen = min(reaching, key=lambda t: t.microseconds_per_query) if reaching else None
+    return chosen, trials, exact_trial
+
+
+def estimate_two_stage_plans(
+    runs: list[Answers],
+    values: list[int],
+    exact: Answers,
+    labels: np.ndarray,
+    n_classes: int,
+    k: int,
+    target: float,
+    confidence: float,
+) -> list[tuple[float, int, int, int]]:
+    """(estimated us/query, v1, v2, m) of every plan (v1 < v2 from the one-stage runs, margin
+    1 <= m <= k) whose agreement, computed from those runs, reaches the target: a row whose
+    vote margin at v1 is below m takes its v2 answer. Cost: us(v1) + (share rechecked) us(v2).
+    """
+    n = len(exact.predicted)
+    estimates = []
     for i, first in enumerate(runs):
         margins = vote_margin(labels[first.indices], n_classes)  # (V,)
         for j in range(i + 1, len(runs)):
@@ -248,15 +276,8 @@ def tune(
                 if agreement_lower_bound(agreeing, n, confidence) < target:
                     continue
                 cost = first.microseconds_per_query + close.mean() * second.microseconds_per_query
-                estimates.append((cost, trials[i].value, trials[j].value, m))
-    for _, v1, v2, m in sorted(estimates)[:PLANS_MEASURED]:
-        plan = search_plan(kind, v1, v2, m)
-        found = answer_queries(index, references, labels, n_classes, queries, k, rule, plan)
-        trials.append(judged(found, value=v1, recheck_value=v2, recheck_margin=m))
-
-    reaching = [t for t in trials if t.agreement_bound >= target]
-    chosen = min(reaching, key=lambda t: t.microseconds_per_query) if reaching else None
-    return chosen, trials, exact_trial
+                estimates.append((cost, values[i], values[j], m))
+    return estimates
 
 
 def validation_split(artifact: Artifact) -> tuple[np.ndarray, np.ndarray]:

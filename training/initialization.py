@@ -60,6 +60,56 @@ def complete_rows(
     return rows
 
 
+def checked_array_init(init: np.ndarray, n_features: int, n_components: int) -> np.ndarray:
+    """A copy of an array init A (d, D) as float64, checked as scikit-learn checks it."""
+    A = np.asarray(init, dtype=np.float64)
+    if A.ndim != 2:
+        raise ValueError(f"init must be a 2-D array (n_components, n_features), got {A.shape}")
+    if A.shape[1] != n_features:
+        raise ValueError(
+            f"The input dimensionality ({A.shape[1]}) of the given linear transformation "
+            f"`init` must match the dimensionality of the given inputs `X` ({n_features})."
+        )
+    if A.shape[0] > A.shape[1]:
+        raise ValueError(
+            f"The output dimensionality ({A.shape[0]}) of the given linear transformation "
+            f"`init` cannot be greater than its input dimensionality ({A.shape[1]})."
+        )
+    if A.shape[0] != n_components:
+        raise ValueError(
+            "The preferred dimensionality of the projected space `n_components` "
+            f"({n_components}) does not match the output dimensionality of the given linear "
+            f"transformation `init` ({A.shape[0]})!"
+        )
+    if not np.all(np.isfinite(A)):
+        raise ValueError("init: contains NaN or Inf")
+    return A.copy()
+
+
+def lda_components(
+    X: np.ndarray, y: np.ndarray, n_components: int, rng: np.random.Generator
+) -> np.ndarray:
+    """LDA's most discriminative directions (d, D), completed by ``complete_rows`` when LDA
+    finds fewer than d (rank-deficient data). Needs d <= min(D, C - 1) and N > C."""
+    from sklearn.discriminant_analysis import LinearDiscriminantAnalysis
+
+    n_samples, n_features = X.shape
+    n_classes = len(np.unique(y))
+    if n_components > min(n_features, n_classes - 1):
+        raise ValueError(
+            f"init='lda' gives at most min(n_features, n_classes - 1) = "
+            f"{min(n_features, n_classes - 1)} components, n_components={n_components}"
+        )
+    if n_samples <= n_classes:
+        raise ValueError(
+            f"init='lda' needs more samples than classes, got n_samples={n_samples} and "
+            f"{n_classes} classes; use init='pca'"
+        )
+    lda = LinearDiscriminantAnalysis(n_components=n_components).fit(X, y)
+    found = np.asarray(lda.scalings_.T[:n_components], dtype=np.float64)  # may be < d rows
+    return complete_rows(found, X, n_components, rng)
+
+
 def initial_components(
     init,
     X: np.ndarray,
@@ -93,28 +143,7 @@ def initial_components(
     else:
         name = str(init)
     if isinstance(init, np.ndarray):
-        A = np.asarray(init, dtype=np.float64)
-        if A.ndim != 2:
-            raise ValueError(f"init must be a 2-D array (n_components, n_features), got {A.shape}")
-        if A.shape[1] != n_features:
-            raise ValueError(
-                f"The input dimensionality ({A.shape[1]}) of the given linear transformation "
-                f"`init` must match the dimensionality of the given inputs `X` ({n_features})."
-            )
-        if A.shape[0] > A.shape[1]:
-            raise ValueError(
-                f"The output dimensionality ({A.shape[0]}) of the given linear transformation "
-                f"`init` cannot be greater than its input dimensionality ({A.shape[1]})."
-            )
-        if A.shape[0] != n_components:
-            raise ValueError(
-                "The preferred dimensionality of the projected space `n_components` "
-                f"({n_components}) does not match the output dimensionality of the given linear "
-                f"transformation `init` ({A.shape[0]})!"
-            )
-        if not np.all(np.isfinite(A)):
-            raise ValueError("init: contains NaN or Inf")
-        return A.copy(), name
+        return checked_array_init(init, n_features, n_components), name
 
     if name == "auto":
         name = resolve_auto(n_components, n_features, n_samples, len(np.unique(y)))
@@ -130,22 +159,7 @@ def initial_components(
         found = pca.fit(X).components_
         return complete_rows(found, X, n_components, random_state), name
     if name == "lda":
-        from sklearn.discriminant_analysis import LinearDiscriminantAnalysis
-
-        n_classes = len(np.unique(y))
-        if n_components > min(n_features, n_classes - 1):
-            raise ValueError(
-                f"init='lda' gives at most min(n_features, n_classes - 1) = "
-                f"{min(n_features, n_classes - 1)} components, n_components={n_components}"
-            )
-        if n_samples <= n_classes:
-            raise ValueError(
-                f"init='lda' needs more samples than classes, got n_samples={n_samples} and "
-                f"{n_classes} classes; use init='pca'"
-            )
-        lda = LinearDiscriminantAnalysis(n_components=n_components).fit(X, y)
-        found = np.asarray(lda.scalings_.T[:n_components], dtype=np.float64)  # may be < d rows
-        return complete_rows(found, X, n_components, random_state), name
+        return lda_components(X, y, n_components, random_state), name
     raise ValueError(
         f"init must be one of {INIT_NAMES}, an array of shape (n_components, n_features) "
         f"or an artifact directory, got {init!r}"
