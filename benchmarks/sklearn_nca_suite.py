@@ -7,7 +7,7 @@ with its import of NeighborhoodComponentsAnalysis replaced by a subclass of trai
 pytest. ``--sklearn-space`` also sets ``standardize=False``: scikit-learn learns in the raw
 input space, our default standardises first.
 
-Usage: python benchmarks/sklearn_nca_suite.py [--sklearn-space]
+Usage: python benchmarks/sklearn_nca_suite.py [--sklearn-space] [-v]
 """
 
 from __future__ import annotations

@@ -186,7 +186,7 @@ def test_rule_and_index_names_are_listed_only_in_the_vocabulary():
 def test_the_service_tests_need_only_the_serve_and_dev_extras():
     """tests/service imports neither training nor torch, scikit-learn or scipy, at any depth
     (tests of trained artifacts against the service live in tests/integration)."""
-    train_only = {"training", "torch", "sklearn", "scipy", "matplotlib", "tqdm"}
+    train_only = {"training", "torch", "sklearn", "scipy", "matplotlib"}
     for path in sorted((ROOT / "tests" / "service").rglob("*.py")):
         for name in imported_modules(path):
             assert name.split(".")[0] not in train_only, f"{path.name} imports {name}"

@@ -105,7 +105,7 @@ class TrainConfig:
         f"default decision rule in the artifact: {' or '.join(RULES)}",
     )
     plots: bool = _opt(True, "write PNG plots beside the artifact")
-    quiet: bool = _opt(False, "no progress bar")
+    quiet: bool = _opt(False, "no per-iteration table")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numbers
 import os
+import time
 import warnings
 
 import numpy as np
@@ -37,6 +38,10 @@ AUTO_EXACT_MAX_SAMPLES = 8192
 AUTO_N_CANDIDATES = 32
 SOLVERS = ("auto", "lbfgs", "adam")
 TRANSFORMS = ("linear", "diagonal")
+INIT_MESSAGES = {
+    "pca": "Finding principal components",
+    "lda": "Finding most discriminative components",
+}
 
 
 def resolve_device(device: str) -> torch.device:
@@ -105,7 +110,9 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
     device : "auto", "cpu", "cuda", ...
     random_state : int, Generator or None
     verbose : int
-        > 0 shows a progress bar with the objective and validation accuracy.
+        > 0 prints scikit-learn's verbose table: a line per iteration with the objective
+        and the seconds it took (and the validation accuracy when it was measured), then the
+        total training time; PCA and LDA initialisations say how long they took.
     callback : callable(transformation, n_iter) or None
         Called after every iteration with the current A raveled, shape (d * D,), and the
         iteration number (scikit-learn's form). ``history_`` keeps the objective, time and
@@ -323,6 +330,7 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
             interval=self.validation_interval,
             patience=self.n_iter_no_change,
             verbose=bool(self.verbose),
+            name=type(self).__name__,
             callback=self.callback,
             components=problem.components,
         )
@@ -404,7 +412,10 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
                     f"({self.components_.shape[1]})."
                 )
             init = self.components_
+        started = time.perf_counter()
         A0, init_used = initial_components(init, Xs, y, d, random_state=rng, scale=scale)
+        if self.verbose and init_used in INIT_MESSAGES:  # scikit-learn's line, after the fact
+            print(f"{INIT_MESSAGES[init_used]}... done in {time.perf_counter() - started:5.2f}s")
         theta0 = np.diag(A0).copy() if self.transformation == "diagonal" else A0
         return theta0, init_used
 

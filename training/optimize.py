@@ -10,7 +10,7 @@ optimisation runs in rounds: candidates are recomputed in the current projection
 optimiser runs for ``refresh_every`` iterations (L-BFGS restarts each round, since its
 curvature pairs belong to the previous objective).
 
-A :class:`Monitor` sees every iteration: it drives the progress bar, records the history,
+A :class:`Monitor` sees every iteration: it prints the verbose table, records the history,
 and implements early stopping on validation kNN accuracy (keeping the best parameters).
 """
 
@@ -135,7 +135,7 @@ class EarlyStop(Exception):
 
 
 class Monitor:
-    """Per-iteration bookkeeping: history, progress bar, early stopping on validation accuracy.
+    """Per-iteration bookkeeping: history, verbose table, early stopping on validation accuracy.
 
     validate: theta -> validation accuracy (or None when there is no validation set).
     Early stopping checks every ``interval`` iterations and stops after ``patience``
@@ -151,6 +151,7 @@ class Monitor:
         interval: int = 5,
         patience: int = 5,
         verbose: bool = False,
+        name: str = "NCA",
         callback: Callable[[np.ndarray, int], None] | None = None,
         components: Callable[[np.ndarray], np.ndarray] | None = None,
         clock: Callable[[], float] = time.perf_counter,
@@ -167,11 +168,10 @@ class Monitor:
         self.best_theta: np.ndarray | None = None
         self.bad_checks = 0
         self.start = clock()
-        self.bar = None
-        if verbose:
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=max_iter, desc="training", unit="it", leave=True)
+        self.verbose = verbose
+        self.name = name  # prefixes the verbose lines, as scikit-learn's "[ClassName]"
+        self.last_call = self.start
+        self.header_printed = False
 
     def __call__(self, iteration: int, theta: np.ndarray, objective: float) -> None:
         record = {
@@ -187,20 +187,34 @@ class Monitor:
             else:
                 self.bad_checks += 1
         self.history.append(record)
-        if self.bar is not None:
-            postfix = {"objective": f"{objective:.4f}"}
-            if "val_accuracy" in record:
-                postfix["val_acc"] = f"{record['val_accuracy']:.4f}"
-            self.bar.set_postfix(postfix, refresh=False)
-            self.bar.update(1)
+        if self.verbose:
+            self._print_iteration(iteration, objective, record.get("val_accuracy"))
         if self.callback is not None:  # scikit-learn's form: (A raveled (d * D,), iteration)
             self.callback(self.components(theta).ravel(), iteration)
         if self.early_stopping and self.bad_checks >= self.patience:
             raise EarlyStop
 
+    def _print_iteration(self, iteration: int, objective: float, val_accuracy) -> None:
+        """One line per iteration in scikit-learn's verbose table (its header before the
+        first), plus the validation accuracy when it was measured."""
+        now = self.clock()
+        self._print_header()
+        line = f"[{self.name}] {iteration:>10} {objective:>20.6e} {now - self.last_call:>10.2f}"
+        if val_accuracy is not None:
+            line += f"  val_accuracy {val_accuracy:.4f}"
+        print(line, flush=True)
+        self.last_call = now
+
+    def _print_header(self) -> None:
+        if not self.header_printed:
+            header = "{:>10} {:>20} {:>10}".format("Iteration", "Objective Value", "Time(s)")
+            print(f"[{self.name}]\n[{self.name}] {header}\n[{self.name}] {'-' * len(header)}")
+            self.header_printed = True
+
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+        if self.verbose:
+            self._print_header()  # also when the optimiser stopped before one iteration
+            print(f"[{self.name}] Training took {self.clock() - self.start:8.2f}s.", flush=True)
 
 
 def _finish(problem, monitor, theta, n_iter, stop_reason, objective, n_eval) -> FitResult:

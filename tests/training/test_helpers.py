@@ -168,3 +168,18 @@ def test_monitor_keeps_a_copy_of_the_best_parameters():
     monitor(1, theta, objective=0.0)
     theta[:] = 5.0  # the optimiser reuses its buffer
     assert np.array_equal(monitor.best_theta, np.zeros(3))
+
+
+def test_monitor_verbose_prints_scikit_learns_table(capsys):
+    monitor = Monitor(
+        max_iter=5, validate=lambda t: 0.5, early_stopping=False, verbose=True, clock=Ticks()
+    )
+    monitor(1, np.zeros(2), objective=12.5)
+    monitor(2, np.zeros(2), objective=13.0)
+    monitor.close()
+    lines = capsys.readouterr().out.splitlines()
+    header = "{:>10} {:>20} {:>10}".format("Iteration", "Objective Value", "Time(s)")
+    assert lines[:3] == ["[NCA]", f"[NCA] {header}", f"[NCA] {'-' * len(header)}"]
+    assert lines[3] == "[NCA]          1         1.250000e+01       2.00  val_accuracy 0.5000"
+    assert lines[4] == "[NCA]          2         1.300000e+01       2.00"
+    assert lines[5] == "[NCA] Training took     5.00s."  # the clock advances 1 s a reading
