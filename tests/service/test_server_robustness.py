@@ -60,8 +60,16 @@ def stop_server(proc) -> None:
             proc.wait()
 
 
-@pytest.mark.parametrize("workers", [1, 2])
-@pytest.mark.parametrize("replace", ["symlink", "exchange"])
+# both ways of replacing and both worker counts by default; the other two pairings are slow
+@pytest.mark.parametrize(
+    "replace, workers",
+    [
+        ("symlink", 1),
+        ("exchange", 2),
+        pytest.param("symlink", 2, marks=pytest.mark.slow),
+        pytest.param("exchange", 1, marks=pytest.mark.slow),
+    ],
+)
 def test_artifacts_replaced_continuously_under_load(model_artifact, tmp_path, workers, replace):
     """Every answer equals one whole artifact's answer, no request fails, and every worker
     is on the final version within CONVERGENCE_BOUND_SECONDS."""
@@ -249,6 +257,7 @@ def rss_mib(pid: int) -> float:
     raise AssertionError("no VmRSS")
 
 
+@pytest.mark.slow  # 12 s: a real server taking several 100 MB requests
 def test_memory_comes_back_and_probes_stay_fast(model_artifact):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
