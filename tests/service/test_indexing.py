@@ -317,5 +317,11 @@ def test_tuning_with_confidence_demands_more_than_the_observed_agreement(model_a
         agreeing = round(t.label_agreement * n)
         assert t.agreement_bound == pytest.approx(indexing.agreement_lower_bound(agreeing, n, 0.95))
         assert t.agreement_bound < t.label_agreement
-    # the bounded choice searches at least as wide as the observed one
-    assert bounded.value >= observed.value or bounded.recheck_value >= observed.value
+    # the bound only ever removes settings: whatever reaches the target by its bound reaches
+    # it as observed, so the bounded choice is one the observed rule would accept too (which
+    # of the accepted ones is fastest is a timing, not a property)
+    plan = lambda t: (t.value, t.recheck_value, t.recheck_margin)  # noqa: E731
+    by_bound = {plan(t) for t in trials if t.agreement_bound >= 0.95}
+    by_observation = {plan(t) for t in trials if t.label_agreement >= 0.95}
+    assert plan(bounded) in by_bound <= by_observation
+    assert observed.label_agreement >= 0.95
