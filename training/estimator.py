@@ -32,7 +32,15 @@ from training.data import fit_standardizer, stratified_split
 from training.evaluate import knn_accuracies
 from training.initialization import INIT_NAMES, initial_components
 from training.objective_registry import OBJECTIVES, make_objective
-from training.optimize import Monitor, Problem, run_adam, run_lbfgs, single_class_result
+from training.optimize import (
+    Monitor,
+    Problem,
+    audit_disagreement,
+    audit_rows,
+    run_adam,
+    run_lbfgs,
+    single_class_result,
+)
 
 AUTO_EXACT_MAX_SAMPLES = 8192
 AUTO_N_CANDIDATES = 32
@@ -125,6 +133,11 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
     mean_, scale_ : (D,) the standardisation
     classes_, n_features_in_, n_iter_, converged_, stop_reason_, objective_value_,
     history_, init_used_, best_val_accuracy_, n_candidates_, solver_
+    candidate_warning_ : str or None
+        On candidate sets, every ``validation_interval`` iterations ``history_`` also records
+        the objective on a fixed sample of 512 training rows exactly and on the candidates,
+        and their leave-one-out k-NN accuracy. When the candidate objective rose while the
+        exact measure fell from its best, this says so (and a UserWarning is raised).
     """
 
     def __init__(
@@ -333,6 +346,7 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
             name=type(self).__name__,
             callback=self.callback,
             components=problem.components,
+            audit=self._candidate_audit(problem),
         )
         # numpy/scipy's BLAS threads (OpenBLAS) spin after each small call of the optimiser and
         # steal the cores from torch's kernels: measured 3x slower fits. One BLAS thread here.
@@ -361,6 +375,11 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         self.device_ = str(device)
         self.fit_seconds_ = result.seconds
         self.n_evaluations_ = result.n_evaluations
+        self.candidate_warning_ = None
+        if n_candidates is not None:
+            self.candidate_warning_ = audit_disagreement(result.history, len(audit_rows(len(Xs))))
+            if self.candidate_warning_:
+                warnings.warn(self.candidate_warning_, UserWarning, stacklevel=2)
         if not result.converged:
             warnings.warn(
                 f"[{type(self).__name__}] NCA did not converge in max_iter={self.max_iter} "
@@ -370,6 +389,15 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
                 stacklevel=2,
             )
         return self
+
+    @staticmethod
+    def _candidate_audit(problem):
+        """theta -> the audit figures (``Problem.audit``) on a fixed sample of training rows,
+        when the objective is evaluated on candidate sets; None in exact mode."""
+        if problem.n_candidates is None:
+            return None
+        rows = torch.as_tensor(audit_rows(problem.n_samples), device=problem.X.device)
+        return lambda theta: problem.audit(theta, rows)
 
     def _seeded_rng(self) -> np.random.Generator:
         """numpy's generator from random_state; torch seeded from it (candidate ties, SGD)."""

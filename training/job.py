@@ -246,6 +246,8 @@ def build_report(
         "best_val_accuracy": estimator.best_val_accuracy_,
         "fit_seconds": float(estimator.fit_seconds_),
         "warnings": warns,
+        # candidate mode: the exact objective on a sample disagreed with the candidate one
+        "candidate_warning": getattr(estimator, "candidate_warning_", None),
         "config": config.to_dict(),
     }
     metrics = {

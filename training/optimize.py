@@ -25,8 +25,9 @@ import numpy as np
 import torch
 from scipy.optimize import minimize
 
+from service.knn import decide
 from training.neighbourhood import nearest_candidates, objective_sum
-from training.objectives import Objective
+from training.objectives import NCAObjective, Objective
 
 
 class Problem:
@@ -89,6 +90,38 @@ class Problem:
             return 1.0
         return float((torch.sort(old, 1).values != torch.sort(new, 1).values).any(1).float().mean())
 
+    def audit(self, theta: np.ndarray, rows: torch.Tensor) -> dict[str, float]:
+        """What the optimiser improves against what it stands for, on a fixed sample of
+        query rows (B,): the objective on the current candidate sets, the exact objective
+        (every point a neighbour; NCA objectives, whose fused kernel makes it O(B N d)), and
+        the leave-one-out k-NN accuracy of the rows among all training points (majority
+        vote, the objective's k). Mean scores per row."""
+        n, k = rows.shape[0], self.objective.k
+        with torch.no_grad():
+            z = self.embed(self.to_tensor(theta))
+            out = {
+                "sample_candidate_objective": float(
+                    objective_sum(
+                        z, self.labels, self.objective, rows=rows, candidates=self.candidates
+                    )
+                )
+                / n
+            }
+            if isinstance(self.objective, NCAObjective):
+                exact = objective_sum(z, self.labels, self.objective, rows=rows)
+                out["sample_exact_objective"] = float(exact) / n
+            zq = z[rows]  # (B, d)
+            d2 = (zq * zq).sum(1)[:, None] + (z * z).sum(1)[None, :] - 2.0 * zq @ z.T  # (B, N)
+            d2[torch.arange(n, device=z.device), rows] = float("inf")  # leave the row out
+            dist, idx = torch.topk(d2, k, dim=1, largest=False)  # (B, k)
+        labels = self.labels.cpu().numpy()
+        n_classes = int(labels.max()) + 1
+        predicted, _ = decide(
+            labels[idx.cpu().numpy()], dist.double().cpu().numpy(), n_classes, "majority"
+        )
+        out["sample_loo_accuracy"] = float(np.mean(predicted == labels[rows.cpu().numpy()]))
+        return out
+
     def mean_score(self, params: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         z = self.embed(params)
         total = objective_sum(
@@ -134,6 +167,46 @@ class EarlyStop(Exception):
     pass
 
 
+AUDIT_ROWS = 512  # query rows whose exact objective is tracked when training on candidates
+# the exact sample objective may fall this far below its best (absolute, and relative to its
+# range over the fit) before the candidate objective is called misleading
+AUDIT_DROP_ABS, AUDIT_DROP_REL = 0.01, 0.10
+
+
+def audit_rows(n_samples: int) -> np.ndarray:
+    """AUDIT_ROWS evenly spaced training rows (all when fewer): deterministic, and spread
+    over the classes however the rows are ordered by class."""
+    return np.unique(np.linspace(0, n_samples - 1, min(AUDIT_ROWS, n_samples)).astype(np.int64))
+
+
+def audit_disagreement(history: list[dict], n_rows: int = AUDIT_ROWS) -> str | None:
+    """A warning when, over a candidate-mode fit, the candidate objective went up while the
+    exact measure on the audit sample (the exact objective where it is computed, else the
+    leave-one-out k-NN accuracy) came down from its best by more than AUDIT_DROP_*: the map
+    pulled points that are not anyone's candidates into their neighbourhoods. None when
+    they agree."""
+    audited = [r for r in history if "sample_candidate_objective" in r]
+    if len(audited) < 2:
+        return None
+    key = "sample_exact_objective" if "sample_exact_objective" in audited[0] else None
+    key = key or "sample_loo_accuracy"
+    exact = [r[key] for r in audited]
+    candidate = [r["sample_candidate_objective"] for r in audited]
+    best, last = max(exact), exact[-1]
+    spread = best - min(exact)
+    if candidate[-1] <= candidate[0] or best - last <= max(AUDIT_DROP_ABS, AUDIT_DROP_REL * spread):
+        return None
+    what = "exact objective" if key == "sample_exact_objective" else "leave-one-out k-NN accuracy"
+    at = audited[exact.index(best)]["iteration"]
+    return (
+        f"the candidate-set objective rose from {candidate[0]:.4f} to {candidate[-1]:.4f} while "
+        f"the {what} of {n_rows} sampled training points fell from {best:.4f} "
+        f"(iteration {at}) to {last:.4f}: the map is optimising the candidate sets, not the "
+        "neighbourhoods; use more candidates (n_candidates) or exact evaluation "
+        "(n_candidates=None)"
+    )
+
+
 class Monitor:
     """Per-iteration bookkeeping: history, verbose table, early stopping on validation accuracy.
 
@@ -155,8 +228,11 @@ class Monitor:
         callback: Callable[[np.ndarray, int], None] | None = None,
         components: Callable[[np.ndarray], np.ndarray] | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        audit: Callable[[np.ndarray], dict[str, float]] | None = None,
     ):
         self.clock = clock  # seconds, for the history (injectable for tests)
+        # theta -> extra figures recorded on the validation schedule (candidate-mode audit)
+        self.audit = audit
         self.validate = validate
         self.early_stopping = early_stopping and validate is not None
         self.interval = max(1, interval)
@@ -179,7 +255,10 @@ class Monitor:
             "objective": objective,
             "seconds": self.clock() - self.start,
         }
-        if self.validate is not None and (iteration % self.interval == 0 or iteration == 1):
+        scheduled = iteration % self.interval == 0 or iteration == 1
+        if self.audit is not None and scheduled:
+            record.update(self.audit(theta))
+        if self.validate is not None and scheduled:
             acc = float(self.validate(theta))
             record["val_accuracy"] = acc
             if acc > self.best_acc:

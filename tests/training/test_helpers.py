@@ -11,7 +11,7 @@ import pytest
 from training.data import fit_standardizer, stratified_split
 from training.evaluate import choose_k
 from training.initialization import initial_components, resolve_auto
-from training.optimize import EarlyStop, Monitor
+from training.optimize import EarlyStop, Monitor, audit_disagreement, audit_rows
 
 # ------------------------------------------------------------------ resolve_auto
 
@@ -183,3 +183,51 @@ def test_monitor_verbose_prints_scikit_learns_table(capsys):
     assert lines[3] == "[NCA]          1         1.250000e+01       2.00  val_accuracy 0.5000"
     assert lines[4] == "[NCA]          2         1.300000e+01       2.00"
     assert lines[5] == "[NCA] Training took     5.00s."  # the clock advances 1 s a reading
+
+
+# ------------------------------------------------------------------ candidate-mode audit
+
+
+def audited(iteration, candidate, exact):
+    return {
+        "iteration": iteration,
+        "sample_candidate_objective": candidate,
+        "sample_exact_objective": exact,
+    }
+
+
+def test_audit_disagreement_names_a_candidate_objective_that_rises_while_the_exact_falls():
+    history = [audited(1, 0.50, 0.50), audited(5, 0.66, 0.60), audited(10, 0.71, 0.55)]
+    message = audit_disagreement(history, n_rows=512)
+    assert message is not None
+    assert "rose from 0.5000 to 0.7100" in message and "fell from 0.6000 (iteration 5)" in message
+    assert "512 sampled training points" in message and "n_candidates" in message
+
+
+@pytest.mark.parametrize(
+    "history",
+    [
+        [audited(1, 0.5, 0.5), audited(5, 0.6, 0.58), audited(10, 0.7, 0.69)],  # both rise
+        [audited(1, 0.5, 0.5), audited(5, 0.6, 0.60), audited(10, 0.7, 0.595)],  # within 0.01
+        [audited(1, 0.7, 0.7), audited(5, 0.6, 0.60), audited(10, 0.5, 0.5)],  # both fall
+        [audited(1, 0.5, 0.5)],  # one audit: nothing to compare
+        [{"iteration": 1, "objective": 0.5}],  # exact mode: no audit at all
+    ],
+)
+def test_audit_disagreement_is_quiet_when_the_measures_agree(history):
+    assert audit_disagreement(history) is None
+
+
+def test_audit_disagreement_falls_back_to_the_leave_one_out_accuracy():
+    history = [
+        {"iteration": i, "sample_candidate_objective": c, "sample_loo_accuracy": a}
+        for i, c, a in ((1, 0.2, 0.50), (5, 0.3, 0.60), (10, 0.4, 0.45))
+    ]
+    assert "leave-one-out k-NN accuracy" in audit_disagreement(history)
+
+
+def test_audit_rows_are_spread_and_distinct():
+    assert audit_rows(10).tolist() == list(range(10))
+    rows = audit_rows(100_000)
+    assert len(rows) == 512 and rows[0] == 0 and rows[-1] == 99_999
+    assert np.all(np.diff(rows) > 0)
