@@ -22,9 +22,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import median, print_table
 
+from service.answers import classify_json, classify_npy
 from service.config import Settings
 from service.engine import Engine
-from service.npy_answers import classify_npy
 from service.payload import ClassifyBody, parse_json, parse_npy, to_rows
 from service.routes.pipeline import json_encoder
 
@@ -37,17 +37,6 @@ def timed(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - started)
     return median(times) * 1e3
-
-
-def json_answer(model, answer) -> bytes:
-    """The classify route's JSON answer (service/routes/inference.py), without neighbours."""
-    names, classes = model.class_names, model.classes
-    proba = answer.probabilities.tolist()
-    predictions = [
-        {"label": classes[c], "probabilities": dict(zip(names, proba[i], strict=True))}
-        for i, c in enumerate(answer.predicted.tolist())
-    ]
-    return json_encoder.encode({"predictions": predictions, "model_version": model.version})
 
 
 def main() -> None:
@@ -83,7 +72,7 @@ def main() -> None:
         ("parse npy body", lambda: parse_npy_body()),
         ("project", lambda: model.embed(rows)),
         ("exact search + decision", lambda: model.answer(z, 5, "majority")),
-        ("encode JSON answer", lambda: json_answer(model, answer)),
+        ("encode JSON answer", lambda: json_encoder.encode(classify_json(model, answer, False))),
         ("encode npy answer", lambda: classify_npy(model, answer, False)),
     ]
     out = [{"step": name, "ms": timed(fn, args.repeats)} for name, fn in steps]

@@ -30,7 +30,7 @@ ERROR_DESCRIPTIONS = {
     503: "no model loaded yet, or shutting down",
 }
 INFERENCE_ERRORS = (400, 401, 406, 413, 415, 422, 429, 503)
-NPY_ANSWERS = {  # the 200 answer with Accept: application/x-npy (see service.npy_answers)
+NPY_ANSWERS = {  # the 200 answer with Accept: application/x-npy (see service.answers)
     "embed": "float32 array (n, d)",
     "classify": "structured array (n,): label (int64, or a string when a class is not an "
     "integer), probabilities (C,) float64 in GET /v1/model's class order; with neighbours "

@@ -26,7 +26,7 @@ import torch
 from scipy.optimize import minimize
 
 from service.knn import decide
-from training.neighbourhood import nearest_candidates, objective_sum
+from training.neighbourhood import nearest_candidates, objective_sum, pairwise_sq_dist
 from training.objectives import NCAObjective, Objective
 
 
@@ -111,7 +111,7 @@ class Problem:
                 exact = objective_sum(z, self.labels, self.objective, rows=rows)
                 out["sample_exact_objective"] = float(exact) / n
             zq = z[rows]  # (B, d)
-            d2 = (zq * zq).sum(1)[:, None] + (z * z).sum(1)[None, :] - 2.0 * zq @ z.T  # (B, N)
+            d2 = pairwise_sq_dist(zq, z)  # (B, N)
             d2[torch.arange(n, device=z.device), rows] = float("inf")  # leave the row out
             dist, idx = torch.topk(d2, k, dim=1, largest=False)  # (B, k)
         labels = self.labels.cpu().numpy()

@@ -10,7 +10,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from service.npy_answers import classify_npy, neighbors_npy
+from service.answers import classify_json, classify_npy, neighbors_json, neighbors_npy
 from service.payload import JSON, NPY, ClassifyBody, EmbedBody, NeighborsBody, npy_bytes
 from service.routes import pipeline
 from service.schemas import ClassifyResponse, EmbedResponse, NeighborsResponse
@@ -52,24 +52,9 @@ async def classify(request: Request) -> Response:
             req, n_values, lambda: classify_npy(model, answer, with_neighbors), NPY
         )
 
-    def build() -> dict:
-        names = model.class_names
-        classes = model.classes
-        proba = answer.probabilities.tolist()
-        neighbors = (
-            pipeline.neighbor_lists(model, answer.distances, answer.indices)
-            if with_neighbors
-            else None
-        )
-        predictions = []
-        for i, c in enumerate(answer.predicted.tolist()):
-            item = {"label": classes[c], "probabilities": dict(zip(names, proba[i], strict=True))}
-            if neighbors is not None:
-                item["neighbors"] = neighbors[i]
-            predictions.append(item)
-        return {"predictions": predictions, "model_version": model.version}
-
-    return await pipeline.json_response(req, n_values, build)
+    return await pipeline.json_response(
+        req, n_values, lambda: classify_json(model, answer, with_neighbors)
+    )
 
 
 @router.post(
@@ -121,11 +106,4 @@ async def neighbors(request: Request) -> Response:
         return await pipeline.encoded_response(
             req, n_values, lambda: neighbors_npy(model, answer), NPY
         )
-    return await pipeline.json_response(
-        req,
-        n_values,
-        lambda: {
-            "neighbors": pipeline.neighbor_lists(model, answer.distances, answer.indices),
-            "model_version": model.version,
-        },
-    )
+    return await pipeline.json_response(req, n_values, lambda: neighbors_json(model, answer))

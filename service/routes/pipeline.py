@@ -189,22 +189,6 @@ async def embed(request: InferenceRequest) -> np.ndarray:
     return await run_in_threadpool(model.embed, rows)
 
 
-def neighbor_lists(
-    model: LoadedModel, distances: np.ndarray, indices: np.ndarray
-) -> list[list[dict]]:
-    ids = model.ids[indices].tolist()
-    labels = model.labels[indices].tolist()
-    dists = distances.tolist()
-    classes = model.classes
-    return [
-        [
-            {"id": i, "label": classes[c], "distance": d}
-            for i, c, d in zip(id_row, label_row, dist_row, strict=True)
-        ]
-        for id_row, label_row, dist_row in zip(ids, labels, dists, strict=True)
-    ]
-
-
 async def json_response(request: InferenceRequest, n_values: int, build) -> Response:
     """Encode ``build()`` as JSON, in a worker thread when the answer is large; give memory
     back after large requests."""

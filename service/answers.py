@@ -1,4 +1,5 @@
-"""Answers as structured ``.npy`` arrays (``Accept: application/x-npy``).
+"""The answers of /v1/classify and /v1/neighbors: JSON bodies (as dicts and lists, encoded
+by the route) and structured ``.npy`` arrays (``Accept: application/x-npy``).
 
 A JSON answer costs a dictionary per row and a decimal rendering of every number; for
 batch clients the same numbers go out as one structured array, one record per instance,
@@ -22,6 +23,46 @@ from service.engine import Answer, LoadedModel
 from service.payload import npy_bytes
 
 INT64 = np.iinfo(np.int64)
+
+
+def neighbor_lists(
+    model: LoadedModel, distances: np.ndarray, indices: np.ndarray
+) -> list[list[dict]]:
+    """Each row's k neighbours as [{"id", "label", "distance"}] (JSON answers)."""
+    ids = model.ids[indices].tolist()
+    labels = model.labels[indices].tolist()
+    dists = distances.tolist()
+    classes = model.classes
+    return [
+        [
+            {"id": i, "label": classes[c], "distance": d}
+            for i, c, d in zip(id_row, label_row, dist_row, strict=True)
+        ]
+        for id_row, label_row, dist_row in zip(ids, labels, dists, strict=True)
+    ]
+
+
+def classify_json(model: LoadedModel, answer: Answer, with_neighbors: bool) -> dict:
+    """The JSON answer of /v1/classify: a label and a {class: probability} per instance,
+    and the neighbours when asked."""
+    names, classes = model.class_names, model.classes
+    proba = answer.probabilities.tolist()
+    neighbors = neighbor_lists(model, answer.distances, answer.indices) if with_neighbors else None
+    predictions = []
+    for i, c in enumerate(answer.predicted.tolist()):
+        item = {"label": classes[c], "probabilities": dict(zip(names, proba[i], strict=True))}
+        if neighbors is not None:
+            item["neighbors"] = neighbors[i]
+        predictions.append(item)
+    return {"predictions": predictions, "model_version": model.version}
+
+
+def neighbors_json(model: LoadedModel, answer: Answer) -> dict:
+    """The JSON answer of /v1/neighbors."""
+    return {
+        "neighbors": neighbor_lists(model, answer.distances, answer.indices),
+        "model_version": model.version,
+    }
 
 
 def class_array(classes: list) -> np.ndarray:
