@@ -263,6 +263,37 @@ def knca_main():
         print(knca_noise_table(r))
 
 
+def candidate_quality_table(r) -> str:
+    """One line per (data, noise, method): test accuracy at k = 1 and 5, seconds, audit."""
+    lines = [
+        "| data | label noise | method | 1-NN | 5-NN | fit s | audit: largest gap | warned |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    merged: dict[tuple, dict] = {}
+    for row in r["rows"]:
+        key = (row["data"], row["noise"], row["method"])
+        merged.setdefault(key, dict(row))[f"k{row['k']}"] = row["accuracy"]
+    for (data, noise, method), row in merged.items():
+        gap = row.get("largest_gap")
+        lines.append(
+            f"| {data} | {noise:.0%} | {method} | {row['k1']:.4f} | {row['k5']:.4f} | "
+            f"{fmt(row.get('seconds', '')) if 'seconds' in row else ''} | "
+            f"{'' if gap is None else f'{gap:.3f}'} | "
+            f"{'' if row.get('warned') is None else row['warned']} |"
+        )
+    return "\n".join(lines)
+
+
+def candidate_main():
+    r = load("candidate_quality.json")
+    if r:
+        print(
+            f"\n## Candidate sets against exact training (d = {r['d']}, {r['max_iter']} iterations)\n"
+        )
+        print(candidate_quality_table(r))
+
+
 if __name__ == "__main__":
     main()
     knca_main()
+    candidate_main()
