@@ -79,7 +79,17 @@ class TrainConfig:
         "auto",
         "exact (all points), auto, or K: K nearest same- and other-class candidates per point",
     )
-    refresh_every: int = _shared("refresh_every", "iterations between candidate refreshes")
+    refresh_every: int = _shared(
+        "refresh_every", "at most this many iterations between candidate refreshes"
+    )
+    refresh_tol: float | None = _shared(
+        "refresh_tol",
+        "refresh candidates when the neighbour mass inside them falls by this fraction",
+    )
+    candidate_mass: float | None = _shared(
+        "candidate_mass",
+        "grow K (up to 8x) until fresh candidates hold this fraction of the neighbour mass",
+    )
     chunk_size: int | None = _shared(
         "chunk_size", "query rows per chunk (default: sized to a 256 MiB working set)"
     )
@@ -133,8 +143,20 @@ def build_parser() -> argparse.ArgumentParser:
             )
             continue
         kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0].replace("'", ""), str)
+        if kind is not str and "None" in str(f.type):
+            kind = _or_none(kind)
         parser.add_argument(flag, dest=f.name, type=kind, default=default, help=f.metadata["help"])
     return parser
+
+
+def _or_none(kind):
+    """An argparse type for an optional number: the number, or 'none' for None."""
+
+    def parse(text: str):
+        return None if text.strip().lower() == "none" else kind(text)
+
+    parse.__name__ = kind.__name__  # argparse names the type in its error messages
+    return parse
 
 
 def parse_config(argv: list[str] | None = None) -> TrainConfig:

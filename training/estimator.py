@@ -92,10 +92,25 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         Penalty l2 * ||A||_F^2 added to the (per-point mean) loss.
     n_candidates : "auto", int or None
         None: exact objective (chunks against all points). int K: each point's K nearest
-        same-class and K nearest other-class points in the current projection, refreshed every
-        ``refresh_every`` iterations. "auto": None up to AUTO_EXACT_MAX_SAMPLES points, else AUTO_N_CANDIDATES (32).
+        same-class and K nearest other-class points in the current projection, recomputed
+        when they go stale (see ``refresh_tol``). "auto": None up to AUTO_EXACT_MAX_SAMPLES
+        points, else AUTO_N_CANDIDATES (32).
     refresh_every : int
-        Iterations between candidate refreshes.
+        At most this many iterations between candidate refreshes.
+    refresh_tol : float or None
+        Refresh the candidates sooner, after any iteration in which the neighbour mass
+        inside them, sum_{j in C_i} p_ij averaged over a fixed sample of 512 training rows,
+        has fallen by more than this fraction of its value at the last refresh: the map has
+        moved points that are nobody's candidates into neighbourhoods, where the candidate
+        objective cannot see them. None refreshes on the count only. ``history_`` records
+        the mass outside (``candidate_outside_mass``).
+    candidate_mass : float or None
+        Choose K from the data: at each refresh, K per kind is the smallest of
+        n_candidates x 1, 2, 4, 8 whose fresh candidate sets hold at least this fraction of
+        the neighbour mass on the sample rows (the largest when none does). Overlapping
+        classes and label noise keep neighbourhoods wide; a K that leaves most of a point's
+        neighbours out optimises something else. None keeps K = n_candidates. ``history_``
+        records K (``n_candidates``); ``n_candidates_`` is the K at the end.
     chunk_size : int or None
         Query rows per chunk (None: sized to a 256 MiB working set).
     batch_size, learning_rate : Adam's mini-batch size and step size.
@@ -154,6 +169,8 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         l2=0.0,
         n_candidates="auto",
         refresh_every=10,
+        refresh_tol=0.05,
+        candidate_mass=0.9,
         chunk_size=None,
         batch_size=1024,
         learning_rate=0.01,
@@ -181,6 +198,8 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         self.l2 = l2
         self.n_candidates = n_candidates
         self.refresh_every = refresh_every
+        self.refresh_tol = refresh_tol
+        self.candidate_mass = candidate_mass
         self.chunk_size = chunk_size
         self.batch_size = batch_size
         self.learning_rate = learning_rate
@@ -261,6 +280,20 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
                 f"n_candidates={self.n_candidates!r} must be 'auto', None or an integer >= 1"
             )
         positive_int("refresh_every", self.refresh_every)
+        if self.refresh_tol is not None:
+            positive_real("refresh_tol", self.refresh_tol)
+            if self.refresh_tol >= 1:
+                raise ValueError(
+                    f"refresh_tol={self.refresh_tol!r} must be below 1 (a fraction of the "
+                    "neighbour mass) or None"
+                )
+        if self.candidate_mass is not None:
+            positive_real("candidate_mass", self.candidate_mass)
+            if self.candidate_mass > 1:
+                raise ValueError(
+                    f"candidate_mass={self.candidate_mass!r} must be at most 1 (a fraction of "
+                    "the neighbour mass) or None"
+                )
         if self.chunk_size is not None:
             positive_int("chunk_size", self.chunk_size)
         positive_int("batch_size", self.batch_size)
@@ -370,7 +403,7 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         self.history_ = result.history
         self.best_val_accuracy_ = result.best_val_accuracy
         self.init_used_ = init_used
-        self.n_candidates_ = n_candidates
+        self.n_candidates_ = problem.n_candidates  # K at the end (the watch may change it)
         self.solver_ = solver
         self.device_ = str(device)
         self.fit_seconds_ = result.seconds
@@ -475,6 +508,8 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
                 tol=self.tol,
                 monitor=monitor,
                 refresh_every=self.refresh_every,
+                refresh_tol=self.refresh_tol,
+                target_mass=self.candidate_mass,
             )
         return run_adam(
             problem,
@@ -486,6 +521,8 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
             batch_size=self.batch_size,
             rng=rng,
             refresh_every=self.refresh_every,
+            refresh_tol=self.refresh_tol,
+            target_mass=self.candidate_mass,
         )
 
     def transform(self, X):

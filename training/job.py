@@ -58,6 +58,8 @@ def build_estimator(config: TrainConfig, n_features: int) -> NCA:
         l2=config.l2,
         n_candidates=_n_candidates(config.n_candidates),
         refresh_every=config.refresh_every,
+        refresh_tol=config.refresh_tol,
+        candidate_mass=config.candidate_mass,
         chunk_size=config.chunk_size,
         batch_size=config.batch_size,
         learning_rate=config.learning_rate,

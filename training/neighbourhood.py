@@ -121,26 +121,31 @@ def nearest_candidates(
     labels: torch.Tensor,
     n_candidates: int,
     *,
+    rows: torch.Tensor | None = None,
     chunk_size: int = 256,
 ) -> torch.Tensor:
     """For each point, its ``n_candidates`` nearest same-class and nearest other-class points.
 
     z: (N, d), labels: (N,)  ->  (N, 2K) int64 indices: K same-class (nearest first), then K
     other-class (nearest first), padded with -1 where there are fewer such points. The point
-    itself is never its own candidate. Points are sorted by class so that a chunk of rows of
-    one class finds its same-class neighbours in one contiguous slice. Memory O(chunk * N).
+    itself is never its own candidate. With ``rows`` (B,), the candidates of those rows only,
+    (B, 2K) in the order given. Points are sorted by class so that a chunk of rows of one
+    class finds its same-class neighbours in one contiguous slice. Memory O(chunk * N).
     """
     n = z.shape[0]
     k = min(n_candidates, n - 1)
     order = torch.argsort(labels, stable=True)
     zs = z[order]
     neg_sq = -(zs * zs).sum(1)[None, :]  # (1, N)
+    wanted = torch.zeros(n, dtype=torch.bool, device=z.device)  # by sorted position
+    wanted[torch.argsort(order)[rows] if rows is not None else slice(None)] = True
     out = torch.full((n, 2 * k), -1, dtype=torch.long, device=z.device)
     for s, e in class_runs(labels[order]):
         k_same = min(k, e - s - 1)
         k_other = min(k, n - (e - s))
-        for start in range(s, e, chunk_size):
-            q = torch.arange(start, min(start + chunk_size, e), device=z.device)  # sorted rows
+        positions = torch.nonzero(wanted[s:e]).squeeze(1) + s  # sorted positions in this class
+        for start in range(0, positions.shape[0], chunk_size):
+            q = positions[start : start + chunk_size]
             closeness = torch.addmm(neg_sq, zs[q], zs.T, alpha=2.0)  # (B, N): -d_ij + ||z_i||^2
             closeness[torch.arange(q.shape[0], device=z.device), q] = float("-inf")
             targets = order[q]
@@ -151,4 +156,4 @@ def nearest_candidates(
                 closeness[:, s:e] = float("-inf")
                 idx = torch.topk(closeness, k_other, dim=1).indices
                 out[targets, k : k + k_other] = order[idx]
-    return out
+    return out if rows is None else out[rows]

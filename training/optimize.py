@@ -30,6 +30,13 @@ from training.neighbourhood import nearest_candidates, objective_sum, pairwise_s
 from training.objectives import NCAObjective, Objective
 
 
+def _logsumexp_at(log_p: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """log sum_{j in index_i} exp(log_p[i, j]): log_p (B, N), index (B, M) with -1 padding
+    -> (B,)."""
+    picked = log_p.gather(1, index.clamp_min(0)).masked_fill(index < 0, float("-inf"))
+    return torch.logsumexp(picked, dim=1)
+
+
 class Problem:
     """Data, objective and parametrisation: theta (flat float64) -> loss and gradient.
 
@@ -86,9 +93,47 @@ class Problem:
             z = self.embed(self.to_tensor(theta))
             new = nearest_candidates(z, self.labels, self.n_candidates)
         old, self.candidates = self.candidates, new
-        if old is None:
+        if old is None or old.shape != new.shape:
             return 1.0
         return float((torch.sort(old, 1).values != torch.sort(new, 1).values).any(1).float().mean())
+
+    def outside_mass(self, theta: np.ndarray, rows: torch.Tensor) -> float:
+        """What the candidate objective cannot see, on sample rows (B,): the mean over the
+        rows of the neighbour-probability mass that falls outside their candidates,
+
+            1 - sum_{j in C_i} p_ij,   p_ij = softmax_{j != i}(-||z_i - z_j||^2)  (all N points),
+
+        the same weights NCA and kNCA draw neighbours with. Small right after a refresh (the
+        candidates are the nearest points); it grows when the map moves points that are
+        nobody's candidates into neighbourhoods. O(B N d)."""
+        with torch.no_grad():
+            log_p = self._log_neighbour_probabilities(theta, rows)  # (B, N)
+            inside = torch.exp(_logsumexp_at(log_p, self.candidates[rows]))  # (B,)
+        return float((1.0 - inside).clamp_min(0.0).mean())
+
+    def fresh_inside_mass(self, theta: np.ndarray, rows: torch.Tensor, ks: list[int]):
+        """For each K in ``ks`` (ascending), the mean over sample rows (B,) of the neighbour
+        mass held by their K nearest same-class and K nearest other-class points in the
+        current projection: what fresh candidate sets of that size would hold."""
+        with torch.no_grad():
+            log_p = self._log_neighbour_probabilities(theta, rows)  # (B, N)
+            z = self.embed(self.to_tensor(theta))
+            k_max = ks[-1]
+            fresh = nearest_candidates(z, self.labels, k_max, rows=rows)  # (B, 2 K_max)
+            k_max = fresh.shape[1] // 2  # fewer when N is small
+            masses = []
+            for k in ks:
+                k = min(k, k_max)
+                prefix = torch.cat([fresh[:, :k], fresh[:, k_max : k_max + k]], dim=1)
+                masses.append(float(torch.exp(_logsumexp_at(log_p, prefix)).mean()))
+        return masses
+
+    def _log_neighbour_probabilities(self, theta: np.ndarray, rows: torch.Tensor):
+        """log p_ij (B, N) for sample rows (B,): log softmax over j != i of -d_ij."""
+        z = self.embed(self.to_tensor(theta))
+        logits = -pairwise_sq_dist(z[rows], z)  # (B, N)
+        logits[torch.arange(rows.shape[0], device=z.device), rows] = float("-inf")
+        return logits - torch.logsumexp(logits, dim=1, keepdim=True)
 
     def audit(self, theta: np.ndarray, rows: torch.Tensor) -> dict[str, float]:
         """What the optimiser improves against what it stands for, on a fixed sample of
@@ -161,6 +206,7 @@ class FitResult:
     best_val_accuracy: float | None = None
     n_evaluations: int = 0
     seconds: float = 0.0
+    n_refreshes: int = 0  # candidate-set computations (0 for exact evaluation)
 
 
 class EarlyStop(Exception):
@@ -249,11 +295,15 @@ class Monitor:
         self.last_call = self.start
         self.header_printed = False
 
-    def __call__(self, iteration: int, theta: np.ndarray, objective: float) -> None:
+    def __call__(
+        self, iteration: int, theta: np.ndarray, objective: float, figures: dict | None = None
+    ) -> None:
+        """figures: extra per-iteration values for the history (the candidate watch's)."""
         record = {
             "iteration": iteration,
             "objective": objective,
             "seconds": self.clock() - self.start,
+            **(figures or {}),
         }
         scheduled = iteration % self.interval == 0 or iteration == 1
         if self.audit is not None and scheduled:
@@ -330,6 +380,82 @@ def single_class_result(problem: Problem, theta: np.ndarray, monitor: Monitor) -
     return _finish(problem, monitor, theta, 0, "single_class", objective, 1)
 
 
+MAX_CANDIDATES_GROWTH = 8  # candidates per kind grow to at most 8x the requested K
+
+
+class CandidateWatch:
+    """Keeps candidate sets honest: when to recompute them, and how many to keep.
+
+    When: after any iteration in which the neighbour mass inside the candidates
+    (1 - ``Problem.outside_mass`` on fixed sample rows) has fallen by more than the
+    fraction ``refresh_tol`` of its value right after the last refresh, or after
+    ``refresh_every`` iterations, whichever comes first. The fall, not the level, is the
+    signal, and it is relative, so that it also acts early in a fit, when the projection is
+    still small and the neighbour distribution flat.
+
+    How many: at each refresh, K (per kind) is the smallest of n_candidates x 1, 2, 4, ...
+    MAX_CANDIDATES_GROWTH whose fresh sets hold at least ``target_mass`` of the neighbour
+    mass on the sample rows (the largest when none does): overlapping classes and label
+    noise keep neighbourhoods wide, and a K that ignores most of a point's neighbours
+    optimises something else. K comes back down when the map sharpens. None keeps K fixed.
+    """
+
+    def __init__(
+        self,
+        problem: Problem,
+        rows: torch.Tensor,
+        refresh_every: int,
+        refresh_tol: float | None,
+        target_mass: float | None = None,
+    ):
+        self.problem = problem
+        self.rows = rows  # (B,) sample rows
+        self.refresh_every = refresh_every
+        self.refresh_tol = refresh_tol  # None: refresh on the count only
+        self.target_mass = target_mass
+        base = problem.n_candidates
+        self.ladder = [base * 2**i for i in range(MAX_CANDIDATES_GROWTH.bit_length())]
+        self.baseline = 1.0  # mass inside the candidates right after the last refresh
+        self.since = 0  # iterations since the last refresh
+        self.n_refreshes = 0
+        self.sizes: list[int] = []  # K chosen at each refresh
+
+    def refresh(self, theta: np.ndarray) -> float:
+        """Recompute the candidates at theta (choosing K first when adaptive); return the
+        fraction of points whose set changed."""
+        if self.target_mass is not None:
+            masses = self.problem.fresh_inside_mass(theta, self.rows, self.ladder)
+            enough = [k for k, m in zip(self.ladder, masses, strict=True) if m >= self.target_mass]
+            self.problem.n_candidates = enough[0] if enough else self.ladder[-1]
+        changed = self.problem.refresh_candidates(theta)
+        self.sizes.append(self.problem.n_candidates)
+        self.since = 0
+        self.n_refreshes += 1
+        if self.refresh_tol is not None:
+            self.baseline = 1.0 - self.problem.outside_mass(theta, self.rows)
+        return changed
+
+    def after_iteration(self, theta: np.ndarray) -> tuple[bool, dict]:
+        """(whether to refresh now, figures for the history)."""
+        self.since += 1
+        figures: dict = {"n_candidates": self.problem.n_candidates}
+        due = self.since >= self.refresh_every
+        if self.refresh_tol is not None:
+            mass = self.problem.outside_mass(theta, self.rows)
+            figures["candidate_outside_mass"] = mass
+            due = due or (1.0 - mass) < self.baseline * (1.0 - self.refresh_tol)
+        return due, figures
+
+
+def candidate_watch(
+    problem, refresh_every: int, refresh_tol, target_mass=None
+) -> CandidateWatch | None:
+    if problem.n_candidates is None:
+        return None
+    rows = torch.as_tensor(audit_rows(problem.n_samples), device=problem.X.device)
+    return CandidateWatch(problem, rows, refresh_every, refresh_tol, target_mass)
+
+
 def run_lbfgs(
     problem: Problem,
     theta0: np.ndarray,
@@ -338,11 +464,18 @@ def run_lbfgs(
     tol: float,
     monitor: Monitor,
     refresh_every: int = 10,
+    refresh_tol: float | None = 0.05,
+    target_mass: float | None = None,
     candidate_change_tol: float = 0.01,
 ) -> FitResult:
-    """Full-batch L-BFGS-B (scipy) on the problem's loss; rounds when using candidates."""
+    """Full-batch L-BFGS-B (scipy) on the problem's loss; rounds when using candidates.
+
+    With candidates, a round ends (and L-BFGS restarts on fresh candidates) when the
+    :class:`CandidateWatch` says so; the fit ends when a round converges with candidates
+    that hardly changed at its start (fewer than ``candidate_change_tol`` of the points)."""
     theta = np.asarray(theta0, dtype=np.float64).ravel().copy()
-    state = {"iter": 0, "score": math.nan, "n_eval": 0}
+    state = {"iter": 0, "score": math.nan, "n_eval": 0, "refresh": False}
+    watch = candidate_watch(problem, refresh_every, refresh_tol, target_mass)
 
     def fun(t):
         loss, grad, score = problem.loss_and_grad(t)
@@ -352,18 +485,24 @@ def run_lbfgs(
 
     def on_iteration(intermediate_result):
         state["iter"] += 1
+        theta_now = intermediate_result.x
+        figures = {}
+        if watch is not None:
+            state["refresh"], figures = watch.after_iteration(theta_now)
         try:
-            monitor(state["iter"], intermediate_result.x, state["score"])
+            monitor(state["iter"], theta_now, state["score"], figures)
         except EarlyStop:
+            state["refresh"] = False
             raise StopIteration from None
+        if state["refresh"] and state["iter"] < max_iter:
+            raise StopIteration  # end the round: the candidates are stale
 
     stop_reason = "max_iter"
     while state["iter"] < max_iter:
-        budget = max_iter - state["iter"]
         changed = 1.0
-        if problem.n_candidates is not None:
-            changed = problem.refresh_candidates(theta)
-            budget = min(budget, refresh_every)
+        if watch is not None:
+            changed = watch.refresh(theta)
+        state["refresh"] = False
         iter_before = state["iter"]
         result = minimize(
             fun,
@@ -372,9 +511,11 @@ def run_lbfgs(
             method="L-BFGS-B",
             tol=tol,
             callback=on_iteration,
-            options={"maxiter": budget},
+            options={"maxiter": max_iter - state["iter"]},
         )
         theta = result.x
+        if state["refresh"]:
+            continue
         if result.status == 99 or "StopIteration" in str(result.message):
             stop_reason = "early_stopping"
             break
@@ -387,15 +528,17 @@ def run_lbfgs(
         else:
             round_converged = False
             reason = "max_iter"
-        if problem.n_candidates is None:
+        if watch is None:
             stop_reason = reason
             break
         if round_converged and (changed < candidate_change_tol or state["iter"] == iter_before):
             stop_reason = reason
             break
-    return _finish(
+    result = _finish(
         problem, monitor, theta, state["iter"], stop_reason, state["score"], state["n_eval"]
     )
+    result.n_refreshes = 0 if watch is None else watch.n_refreshes
+    return result
 
 
 def run_adam(
@@ -409,8 +552,11 @@ def run_adam(
     batch_size: int,
     rng: np.random.Generator,
     refresh_every: int = 10,
+    refresh_tol: float | None = 0.05,
+    target_mass: float | None = None,
 ) -> FitResult:
-    """Mini-batch Adam over query rows; one iteration is one epoch over the rows."""
+    """Mini-batch Adam over query rows; one iteration is one epoch over the rows. With
+    candidates, the :class:`CandidateWatch` is asked after every epoch."""
     params = problem.to_tensor(theta0, requires_grad=True)
     optimiser = torch.optim.Adam([params], lr=learning_rate)
     n = problem.n_samples
@@ -420,10 +566,12 @@ def run_adam(
     epoch = 0
     n_eval = 0
     score = math.nan
+    watch = candidate_watch(problem, refresh_every, refresh_tol, target_mass)
+    due = watch is not None
     try:
         for epoch in range(1, max_iter + 1):
-            if problem.n_candidates is not None and (epoch - 1) % refresh_every == 0:
-                problem.refresh_candidates(params.detach().cpu().numpy())
+            if due:
+                watch.refresh(params.detach().cpu().numpy().astype(np.float64))
             order = torch.as_tensor(rng.permutation(n), device=problem.X.device)
             total, count = 0.0, 0
             for start in range(0, n, batch_size):
@@ -437,7 +585,8 @@ def run_adam(
                 count += rows.shape[0]
             score = total / count
             theta = params.detach().cpu().numpy().astype(np.float64)
-            monitor(epoch, theta, score)
+            due, figures = (False, {}) if watch is None else watch.after_iteration(theta)
+            monitor(epoch, theta, score, figures)
             if abs(score - previous) <= tol * max(1.0, abs(score)):
                 stop_reason = "converged"
                 break
@@ -445,4 +594,6 @@ def run_adam(
     except EarlyStop:
         stop_reason = "early_stopping"
     theta = params.detach().cpu().numpy().astype(np.float64)
-    return _finish(problem, monitor, theta, epoch, stop_reason, score, n_eval)
+    result = _finish(problem, monitor, theta, epoch, stop_reason, score, n_eval)
+    result.n_refreshes = 0 if watch is None else watch.n_refreshes
+    return result

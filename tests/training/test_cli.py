@@ -349,3 +349,15 @@ def test_the_job_validates_with_the_rule_and_ks_it_serves(rule):
     assert estimator.validation_rule == rule
     assert tuple(estimator.validation_k) == K_VALUES  # the served k is chosen among these
     assert estimator.early_stopping and estimator.n_components == 32
+
+
+def test_optional_numbers_take_none_on_the_command_line():
+    from training.config import parse_config
+
+    config = parse_config(
+        ["--refresh-tol", "none", "--candidate-mass", "0.8", "--chunk-size", "None"]
+    )
+    assert (config.refresh_tol, config.candidate_mass, config.chunk_size) == (None, 0.8, None)
+    assert parse_config(["--refresh-tol", "0.1"]).refresh_tol == 0.1
+    with pytest.raises(SystemExit):
+        parse_config(["--candidate-mass", "most"])

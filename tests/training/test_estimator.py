@@ -78,6 +78,10 @@ def test_matches_scikit_learn_on_the_same_problem():
         (dict(max_iter=0), r"max_iter=0 must be an integer >= 1"),
         (dict(tol=-1.0), r"tol=-1.0 must be a real number >= 0"),
         (dict(n_candidates=0), r"n_candidates=0 must be 'auto', None or an integer >= 1"),
+        (dict(refresh_tol=0.0), r"refresh_tol=0.0 must be a real number > 0"),
+        (dict(refresh_tol=1.5), r"refresh_tol=1.5 must be below 1"),
+        (dict(candidate_mass="most"), r"candidate_mass='most' must be a real number > 0"),
+        (dict(candidate_mass=1.2), r"candidate_mass=1.2 must be at most 1"),
         (dict(init="nonsense"), r"init='nonsense' must be one of"),
         (
             dict(init=np.zeros((2, 3)), n_components=2),

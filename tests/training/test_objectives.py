@@ -233,3 +233,13 @@ def test_make_objective_validates_names_and_k():
         make_objective("lmnn")
     with pytest.raises(ValueError, match="k must be 1"):
         make_objective("nca", k=3)
+
+
+def test_candidates_of_chosen_rows_equal_those_rows_of_all_candidates():
+    X, y, A = problem(seed=9, n=50)
+    z, yt = torch.tensor(X @ A.T), torch.tensor(y)
+    every = nearest_candidates(z, yt, 4, chunk_size=5)
+    rows = torch.tensor([49, 3, 3, 17, 0, 28])  # any order, repeats allowed
+    np.testing.assert_array_equal(
+        nearest_candidates(z, yt, 4, rows=rows, chunk_size=2).numpy(), every[rows].numpy()
+    )
