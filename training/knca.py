@@ -110,44 +110,73 @@ def _restore_neg_inf(log_values: torch.Tensor) -> torch.Tensor:
 def class_polynomials(
     log_w: torch.Tensor, labels: torch.Tensor, n_classes: int, k: int
 ) -> torch.Tensor:
-    """log e_r(w_c) for every class c: (B, M) log weights, (B, M) labels -> (B, C, k+1)."""
-    classes = torch.arange(n_classes, device=log_w.device)
-    mask = labels.unsqueeze(1) == classes[None, :, None]  # (B, C, M)
-    per_class = log_w.unsqueeze(1).masked_fill(~mask, NEG_INF)  # (B, C, M)
-    return elementary_symmetric_log(per_class, k)
+    """log e_r(w_c) for every class c: (B, M) log weights, (B, M) labels -> (B, C, k+1).
+
+    One pass over the candidates: E_c(t) starts at 1 and candidate j multiplies its own
+    class's polynomial by (1 + w_j t), i.e. the recurrence e_r <- e_r + w_j e_{r-1}
+    (r = k..1), in log space (log-add-exp of two non-negative terms: no cancellation).
+    Each candidate touches one class, so the work is O(M k) a row, not O(C M k) as when
+    every class's polynomial runs over all M masked candidates; the M steps are batched
+    over the rows of the chunk.
+    """
+    b, m = log_w.shape
+    poly = identity_poly((b, n_classes), k, log_w)  # (B, C, k+1)
+    log_w = log_w.clamp_min(LOG_ZERO)
+    for j in range(m):
+        index = labels[:, j].view(b, 1, 1).expand(b, 1, k + 1)
+        old = poly.gather(1, index).squeeze(1)  # (B, k+1): the class of candidate j
+        raised = torch.logaddexp(old[:, 1:], old[:, :-1] + log_w[:, j : j + 1])  # (B, k)
+        poly = poly.scatter(1, index, torch.cat([old[:, :1], raised], 1).unsqueeze(1))
+    return _restore_neg_inf(poly)
 
 
 def log_prob_majority(log_e: torch.Tensor, own: torch.Tensor, k: int) -> torch.Tensor:
-    """log P_i for the "majority" variant (strict plurality of i's class). Shapes as above."""
+    """log P_i for the "majority" variant (strict plurality of i's class).
+
+    log_e: (B, C, k+1) log e_r(w_c); own: (B,) i's class  ->  (B,).
+
+    With Q(t) = prod_{c != y} E_c(t) and T_m the same product with every factor truncated
+    below degree m,
+
+        Z = [t^k] E_y(t) Q(t),    P_i Z = sum_{m=1..k} e_m(w_y) [t^(k-m)] T_m(t).
+
+    [t^(k-m)] T_m only involves factor degrees r <= k - m, so where k - m < m the
+    truncation removes nothing and [t^(k-m)] T_m = [t^(k-m)] Q: only m = 2..floor(k/2)
+    need products of their own (m = 1 contributes nothing for k > 1: every other class is
+    truncated to the constant 1, whose coefficient of t^(k-1) is 0), each truncated at
+    degree k - m.
+    """
     b, n_classes, _ = log_e.shape
     log_e = log_e.clamp_min(LOG_ZERO)
     rows = torch.arange(b, device=log_e.device)
     own_e = log_e[rows, own]  # (B, k+1)
-    # For each m = 1..k: truncate every other class at degree m - 1 (r < m), then multiply
-    # over classes; the own class is replaced by the identity polynomial.
-    degrees = torch.arange(k + 1, device=log_e.device)
-    ms = torch.arange(1, k + 1, device=log_e.device)
-    keep = degrees[None, :] < ms[:, None]  # (k, k+1): r < m
-    truncated = log_e.unsqueeze(1).masked_fill(~keep[None, :, None, :], LOG_ZERO)  # (B, k, C, k+1)
-    is_own = torch.zeros(b, n_classes, dtype=torch.bool, device=log_e.device)
+    is_own = torch.zeros(b, n_classes, 1, dtype=torch.bool, device=log_e.device)
     is_own[rows, own] = True
-    ident = identity_poly((), k, log_e)
-    truncated = torch.where(is_own[:, None, :, None], ident, truncated)
-    product = truncated[:, :, 0, :]
-    for c in range(1, n_classes):  # C - 1 products; classes are few
-        product = log_poly_mul(product, truncated[:, :, c, :])  # (B, k, k+1)
-    # term m: log e_m(w_y) + log [t^(k-m)] product_m
-    others = product.gather(-1, (k - ms).expand(b, k).unsqueeze(-1)).squeeze(-1)  # (B, k)
-    terms = own_e[:, 1:] + others
-    return _restore_neg_inf(floored_logsumexp(terms, -1).clamp_min(LOG_ZERO) - _log_total(log_e, k))
+    others = torch.where(is_own, identity_poly((), k, log_e), log_e)  # (B, C, k+1)
 
+    def product(max_degree: int, width: int) -> torch.Tensor:
+        """prod_c of the others' polynomials cut to degrees < width, up to max_degree."""
+        out = others[:, 0, :width]
+        for c in range(1, n_classes):  # C - 1 products; classes are few
+            out = log_poly_mul(out, others[:, c, :width], max_degree=max_degree)
+        return out
 
-def _log_total(log_e: torch.Tensor, k: int) -> torch.Tensor:
-    """log Z = log e_k(w) = log [t^k] prod_c E_c(t), from per-class polynomials (log 0 = LOG_ZERO)."""
-    product = log_e[:, 0, :]
-    for c in range(1, log_e.shape[1]):
-        product = log_poly_mul(product, log_e[:, c, :])
-    return product[:, k]
+    q = product(k, k + 1)  # (B, k+1)
+    log_z = floored_logsumexp(own_e + q.flip(-1), -1)  # sum_r e_r(w_y) Q_{k-r}
+    terms = []
+    for m in range(1, k + 1):
+        if k - m < m:
+            coefficient = q[:, k - m]
+        elif m == 1:
+            continue  # (k > 1) the constant 1 has no t^(k-1) term
+        else:
+            t_m = product(k - m, m)  # degree at most (C - 1)(m - 1): maybe below k - m
+            coefficient = (
+                t_m[:, k - m] if t_m.shape[1] > k - m else torch.full_like(q[:, 0], LOG_ZERO)
+            )
+        terms.append(own_e[:, m] + coefficient)
+    log_num = floored_logsumexp(torch.stack(terms, -1), -1).clamp_min(LOG_ZERO)
+    return _restore_neg_inf(log_num - log_z)
 
 
 class KNCAObjective(Objective):

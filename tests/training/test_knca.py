@@ -50,12 +50,13 @@ def test_absent_weights_and_impossible_degrees():
 
 
 @pytest.mark.parametrize("variant", ["majority", "all"])
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(12))
 def test_equals_enumeration_of_every_k_subset(variant, seed):
+    """Up to k = 7: majority's truncated products (m = 2..k // 2) and its shared one."""
     rng = np.random.default_rng(seed)
     n = int(rng.integers(5, 13))
-    k = int(rng.integers(1, min(5, n) + 1))
-    n_classes = int(rng.integers(2, 5))
+    k = int(rng.integers(1, min(7, n) + 1))
+    n_classes = int(rng.integers(2, 6))
     dists = rng.uniform(0, 3, size=n)
     labels = rng.integers(0, n_classes, size=n)
     own = int(rng.integers(0, n_classes))
@@ -92,7 +93,7 @@ def test_gradcheck_float64(name):
     X = torch.tensor(rng.normal(size=(12, 4)))
     y = torch.tensor(np.arange(12) % 3)
     A = torch.tensor(rng.normal(size=(2, 4)) * 0.7, requires_grad=True)
-    obj = make_objective(name, k=3, n_classes=3)
+    obj = make_objective(name, k=5, n_classes=3)
     assert torch.autograd.gradcheck(
         lambda a: objective_sum(X @ a.T, y, obj, chunk_size=5), (A,), eps=1e-6, atol=1e-6
     )
