@@ -1,0 +1,77 @@
+"""The same code on CUDA: every evaluation path gives the CPU's values and gradients.
+
+Skipped where no CUDA device is present (CI's machines have none); run on a GPU host with
+``python -m pytest tests/training/test_cuda.py``.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from training import NCA
+from training.neighbourhood import nearest_candidates, objective_sum
+from training.objective_registry import make_objective
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+def blobs(n=400, n_features=10, n_classes=4, seed=0):
+    rng = np.random.default_rng(seed)
+    means = rng.normal(0, 1.5, (n_classes, n_features))
+    y = rng.integers(0, n_classes, n)
+    return means[y] + rng.normal(0, 1.0, (n, n_features)), y
+
+
+def value_and_grad(z, y, objective, candidates=None):
+    z = z.clone().requires_grad_(True)
+    value = objective_sum(z, y, objective, candidates=candidates)
+    value.backward()
+    return float(value), z.grad.cpu().numpy()
+
+
+@pytest.mark.parametrize(
+    "name, k", [("nca", 1), ("nca-log", 1), ("knca-majority", 5), ("knca-all-log", 3)]
+)
+@pytest.mark.parametrize("with_candidates", [False, True])
+def test_objective_and_gradient_on_cuda_equal_the_cpu(name, k, with_candidates):
+    X, y = blobs()
+    A = np.random.default_rng(1).normal(size=(3, X.shape[1])) * 0.5
+    z_cpu = torch.tensor(X @ A.T)  # float64: the comparison is about the code, not rounding
+    y_cpu = torch.tensor(y)
+    objective = make_objective(name, k, n_classes=4)
+    cand = nearest_candidates(z_cpu, y_cpu, 8) if with_candidates else None
+    cand_gpu = cand.cuda() if with_candidates else None
+    if not with_candidates and name.startswith("knca"):
+        z_cpu, y_cpu = z_cpu[:60], y_cpu[:60]  # exact kNCA is O(N^2 k)
+    v_cpu, g_cpu = value_and_grad(z_cpu, y_cpu, objective, cand)
+    v_gpu, g_gpu = value_and_grad(z_cpu.cuda(), y_cpu.cuda(), objective, cand_gpu)
+    assert v_gpu == pytest.approx(v_cpu, rel=1e-9)
+    np.testing.assert_allclose(g_gpu, g_cpu, rtol=1e-7, atol=1e-10)
+
+
+def test_candidates_on_cuda_equal_the_cpu():
+    X, y = blobs()
+    z = torch.tensor(X[:, :3])
+    cpu = nearest_candidates(z, torch.tensor(y), 6)
+    gpu = nearest_candidates(z.cuda(), torch.tensor(y).cuda(), 6).cpu()
+    assert torch.equal(cpu, gpu)
+
+
+@pytest.mark.parametrize("n_candidates", [None, 8])
+def test_a_fit_on_cuda_learns_what_the_cpu_learns(n_candidates):
+    X, y = blobs(600)
+    params = dict(n_components=3, n_candidates=n_candidates, max_iter=15, random_state=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cpu = NCA(device="cpu", **params).fit(X, y)
+        gpu = NCA(device="cuda", **params).fit(X, y)
+    assert gpu.device_.startswith("cuda")
+    # float32 on two devices: the optimiser's paths may part a little, the maps may not
+    assert gpu.objective_value_ == pytest.approx(cpu.objective_value_, abs=0.02)
+    np.testing.assert_allclose(
+        gpu.transform(X), cpu.transform(X), atol=0.1 * np.abs(cpu.transform(X)).max()
+    )
