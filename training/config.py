@@ -90,6 +90,11 @@ class TrainConfig:
         "candidate_mass",
         "grow K (up to 8x) until fresh candidates hold this fraction of the neighbour mass",
     )
+    standardize: str = _shared(
+        "standardize",
+        "auto (per-feature or one shared scale, whichever kNN on the inputs prefers), "
+        "feature, global or none",
+    )
     chunk_size: int | None = _shared(
         "chunk_size", "query rows per chunk (default: sized to a 256 MiB working set)"
     )

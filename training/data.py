@@ -299,3 +299,50 @@ def fit_standardizer(X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     tiny = scale <= 10 * np.finfo(np.float64).eps * np.maximum(1.0, np.abs(mean))
     scale = np.where(tiny, 1.0, scale)
     return mean, scale
+
+
+def fit_global_standardizer(X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """mean (D,) and one shared scale for every feature (D,): the root mean of the feature
+    variances, so the centred data have unit mean variance per feature while the features
+    keep their relative scales (pixels stay pixels; a constant border pixel stays quiet)."""
+    mean = X.mean(axis=0)
+    shared = float(np.sqrt(np.mean(X.var(axis=0))))
+    if not shared > 10 * np.finfo(np.float64).eps * max(1.0, float(np.abs(mean).max(initial=0))):
+        shared = 1.0  # every feature constant
+    return mean, np.full(X.shape[1], shared)
+
+
+STANDARDIZERS = {"feature": fit_standardizer, "global": fit_global_standardizer}
+CHOICE_QUERIES = 2048  # training rows that score each standardisation (the rest are references)
+CHOICE_MARGIN = 0.005  # "global" must beat "feature" by this much accuracy to be chosen
+
+
+def choose_standardizer(
+    X: np.ndarray, y_idx: np.ndarray, n_classes: int, ks: tuple[int, ...] = (1, 5)
+) -> tuple[str, dict[str, float]]:
+    """Per-feature or one shared scale, whichever kNN on the inputs does better with.
+
+    Evenly spaced training rows (CHOICE_QUERIES, at most half) are classified by the mean
+    over ``ks`` of k-NN accuracy among the other rows, once per standardisation; "global"
+    is chosen only when it beats "feature" by CHOICE_MARGIN. Per-feature scaling suits
+    features in different units; when they share one (pixels), it inflates near-constant
+    features to the weight of informative ones and kNN suffers (USPS 1-NN: 0.928 against
+    0.944). Returns (name, {name: score}). O(CHOICE_QUERIES x N x D).
+    """
+    from training.evaluate import knn_accuracies
+
+    n = len(X)
+    n_queries = min(CHOICE_QUERIES, n // 2)
+    queries = np.unique(np.linspace(0, n - 1, n_queries).astype(np.int64))
+    references = np.setdiff1d(np.arange(n), queries)
+    ks = tuple(k for k in ks if k <= len(references)) or (1,)
+    scores = {}
+    for name, fit in STANDARDIZERS.items():
+        mean, scale = fit(X[references])
+        z = ((X - mean) / scale).astype(np.float32)
+        accuracies = knn_accuracies(
+            z[references], y_idx[references], z[queries], y_idx[queries], n_classes, ks
+        )
+        scores[name] = float(np.mean(list(accuracies.values())))
+    chosen = "global" if scores["global"] >= scores["feature"] + CHOICE_MARGIN else "feature"
+    return chosen, scores

@@ -6,7 +6,7 @@
 
     model = make_pipeline(NCA(n_components=32), KNeighborsClassifier(5)).fit(X, y)
 
-The inputs are standardised inside (``standardize=True``): transform(x) = ((x - mean_) /
+The inputs are standardised inside (``standardize``): transform(x) = ((x - mean_) /
 scale_) @ components_.T = x @ projection_.T + offset_, computed by the same float32 function
 the service uses. Defaults pick the strategy that suits the data: exact full-batch L-BFGS up
 to ``AUTO_EXACT_MAX_SAMPLES`` points, candidate sets (O(N K) per pass) above.
@@ -28,7 +28,7 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 from threadpoolctl import threadpool_limits
 
 from service.knn import RULES, project
-from training.data import fit_standardizer, stratified_split
+from training.data import STANDARDIZERS, choose_standardizer, stratified_split
 from training.evaluate import knn_accuracies
 from training.initialization import INIT_NAMES, initial_components
 from training.objective_registry import OBJECTIVES, make_objective
@@ -46,6 +46,9 @@ AUTO_EXACT_MAX_SAMPLES = 8192
 AUTO_N_CANDIDATES = 32
 SOLVERS = ("auto", "lbfgs", "adam")
 TRANSFORMS = ("linear", "diagonal")
+# standardize= values: booleans keep their meaning from before "global" and "auto" existed
+STANDARDIZE_MODES = {True: "feature", False: "none"}
+STANDARDIZE_CHOICES = ("auto", "feature", "global", "none", True, False)
 INIT_MESSAGES = {
     "pca": "Finding principal components",
     "lda": "Finding most discriminative components",
@@ -125,8 +128,14 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         served k from, so validation scores what will be served).
     validation_rule : {"majority", "soft"}
         The decision rule that scores validation (the rule that will be served).
-    standardize : bool
-        Standardise inputs with statistics of the training data (constant features kept).
+    standardize : {"auto", "feature", "global", "none"} or bool
+        How inputs are standardised with statistics of the training data: "feature" centres
+        and scales every feature to unit variance (constant features kept; True means
+        this); "global" centres and divides by one shared scale (features keep their
+        relative scales, as pixels should); "none" (False) leaves them. "auto" picks
+        "feature" or "global" by the kNN accuracy of evenly spaced training rows among the
+        others in each (``training.data.choose_standardizer``); ``standardization_`` says
+        which, ``standardization_scores_`` by what.
     warm_start : bool
         If fitted before, start from the previous ``components_`` instead of ``init``
         (the inputs' dimension must match; ``components_`` act on standardised inputs).
@@ -180,7 +189,7 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         validation_rule="majority",
         n_iter_no_change=5,
         validation_interval=5,
-        standardize=True,
+        standardize="auto",
         warm_start=False,
         device="auto",
         random_state=None,
@@ -280,6 +289,13 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
                 f"n_candidates={self.n_candidates!r} must be 'auto', None or an integer >= 1"
             )
         positive_int("refresh_every", self.refresh_every)
+        if not any(
+            self.standardize is c or (isinstance(c, str) and self.standardize == c)
+            for c in STANDARDIZE_CHOICES
+        ):
+            raise ValueError(
+                f"standardize={self.standardize!r} must be one of {STANDARDIZE_CHOICES}"
+            )
         if self.refresh_tol is not None:
             positive_real("refresh_tol", self.refresh_tol)
             if self.refresh_tol >= 1:
@@ -346,10 +362,7 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         device = resolve_device(self.device)
 
         X_tr, y_tr, X_val, y_val_idx = self._split_validation(X, y_idx, classes, X_val, y_val, rng)
-        if self.standardize:
-            mean, scale = fit_standardizer(X_tr)
-        else:
-            mean, scale = np.zeros(X.shape[1]), np.ones(X.shape[1])
+        mean, scale = self._standardizer(X_tr, y_tr, len(classes))
         Xs = (X_tr - mean) / scale  # (n, D) standardised training inputs
         theta0, init_used = self._initialize(Xs, y_tr, d, scale, rng)
 
@@ -431,6 +444,18 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
             return None
         rows = torch.as_tensor(audit_rows(problem.n_samples), device=problem.X.device)
         return lambda theta: problem.audit(theta, rows)
+
+    def _standardizer(self, X_tr, y_tr, n_classes) -> tuple[np.ndarray, np.ndarray]:
+        """mean (D,) and scale (D,) of the chosen standardisation; sets standardization_ and
+        standardization_scores_ (the kNN scores "auto" chose by, else None)."""
+        self.standardization_scores_ = None
+        name = STANDARDIZE_MODES.get(self.standardize, self.standardize)
+        if name == "auto":
+            name, self.standardization_scores_ = choose_standardizer(X_tr, y_tr, n_classes)
+        self.standardization_ = name
+        if name == "none":
+            return np.zeros(X_tr.shape[1]), np.ones(X_tr.shape[1])
+        return STANDARDIZERS[name](X_tr)
 
     def _seeded_rng(self) -> np.random.Generator:
         """numpy's generator from random_state; torch seeded from it (candidate ties, SGD)."""

@@ -33,7 +33,7 @@ def test_pipeline_with_kneighbors_classifier():
 
 def test_fitted_attributes_and_transform_formula():
     X, y = load_iris(return_X_y=True)
-    nca = NCA(n_components=3, random_state=0).fit(X, y)
+    nca = NCA(n_components=3, standardize="feature", random_state=0).fit(X, y)
     assert nca.components_.shape == (3, 4)
     assert nca.projection_.shape == (3, 4) and nca.offset_.shape == (3,)
     np.testing.assert_allclose(nca.mean_, X.mean(0))
@@ -78,6 +78,7 @@ def test_matches_scikit_learn_on_the_same_problem():
         (dict(max_iter=0), r"max_iter=0 must be an integer >= 1"),
         (dict(tol=-1.0), r"tol=-1.0 must be a real number >= 0"),
         (dict(n_candidates=0), r"n_candidates=0 must be 'auto', None or an integer >= 1"),
+        (dict(standardize="yes"), r"standardize='yes' must be one of \('auto', 'feature'"),
         (dict(refresh_tol=0.0), r"refresh_tol=0.0 must be a real number > 0"),
         (dict(refresh_tol=1.5), r"refresh_tol=1.5 must be below 1"),
         (dict(candidate_mass="most"), r"candidate_mass='most' must be a real number > 0"),

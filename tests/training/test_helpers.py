@@ -8,6 +8,7 @@ import itertools
 import numpy as np
 import pytest
 
+from training import NCA
 from training.data import fit_standardizer, stratified_split
 from training.evaluate import choose_k
 from training.initialization import initial_components, resolve_auto
@@ -231,3 +232,53 @@ def test_audit_rows_are_spread_and_distinct():
     rows = audit_rows(100_000)
     assert len(rows) == 512 and rows[0] == 0 and rows[-1] == 99_999
     assert np.all(np.diff(rows) > 0)
+
+
+def test_global_standardizer_centres_and_shares_one_scale():
+    from training.data import fit_global_standardizer
+
+    X = np.random.default_rng(0).normal(size=(500, 3)) * [1.0, 2.0, 0.0] + [5.0, -1.0, 7.0]
+    mean, scale = fit_global_standardizer(X)
+    np.testing.assert_allclose(mean, X.mean(0))
+    assert np.all(scale == scale[0])
+    assert np.mean(((X - mean) / scale).var(0)) == pytest.approx(1.0)  # unit mean variance
+    const = np.full((10, 2), 3.0)
+    assert fit_global_standardizer(const)[1].tolist() == [1.0, 1.0]
+
+
+def pixels_with_quiet_border(n=1200, seed=0):
+    """Images whose class lives in 16 bright pixels; 48 border pixels are near-constant
+    noise (all one unit: per-feature scaling blows the noise up to the signal's weight)."""
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, 4, n)
+    prototypes = rng.uniform(0, 1, (4, 16))
+    signal = prototypes[y] + rng.normal(0, 0.25, (n, 16))
+    border = rng.normal(0, 0.01, (n, 48))
+    return np.hstack([signal, border]), y
+
+
+def test_auto_standardisation_picks_a_shared_scale_for_pixels_and_per_feature_for_units():
+    from sklearn.datasets import load_wine
+
+    from training.data import choose_standardizer
+
+    X, y = pixels_with_quiet_border()
+    chosen, scores = choose_standardizer(X, y, 4)
+    assert chosen == "global" and scores["global"] > scores["feature"] + 0.05
+    X, y = load_wine(return_X_y=True)  # features in different units (proline ~ 1000)
+    chosen, scores = choose_standardizer(X, y, 3)
+    assert chosen == "feature" and scores["feature"] > scores["global"] + 0.05
+
+
+def test_the_estimator_records_its_standardisation():
+    X, y = pixels_with_quiet_border(400)
+    auto = NCA(n_components=4, max_iter=5, random_state=0).fit(X, y)
+    assert auto.standardization_ == "global" and set(auto.standardization_scores_) == {
+        "feature",
+        "global",
+    }
+    assert np.all(auto.scale_ == auto.scale_[0])
+    fixed = NCA(n_components=4, max_iter=5, standardize=False, random_state=0).fit(X, y)
+    assert fixed.standardization_ == "none" and fixed.standardization_scores_ is None
+    np.testing.assert_array_equal(fixed.mean_, 0.0)
+    np.testing.assert_array_equal(fixed.scale_, 1.0)
