@@ -266,8 +266,9 @@ def knca_main():
 def candidate_quality_table(r) -> str:
     """One line per (data, noise, method): test accuracy at k = 1 and 5, seconds, audit."""
     lines = [
-        "| data | label noise | method | 1-NN | 5-NN | fit s | audit: largest gap | warned |",
-        "|---|---|---|---|---|---|---|---|",
+        "| data | label noise | method | 1-NN | 5-NN | fit s | audit: largest gap | warned "
+        "| K at the end |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     merged: dict[tuple, dict] = {}
     for row in r["rows"]:
@@ -279,7 +280,8 @@ def candidate_quality_table(r) -> str:
             f"| {data} | {noise:.0%} | {method} | {row['k1']:.4f} | {row['k5']:.4f} | "
             f"{fmt(row.get('seconds', '')) if 'seconds' in row else ''} | "
             f"{'' if gap is None else f'{gap:.3f}'} | "
-            f"{'' if row.get('warned') is None else row['warned']} |"
+            f"{'' if row.get('warned') is None else row['warned']} | "
+            f"{'' if row.get('final_k') is None else row['final_k']} |"
         )
     return "\n".join(lines)
 

@@ -14,13 +14,13 @@ Objectives: sum_i P_i, or sum_i log P_i (the "-log" forms). With k = 1 both equa
 Computation, all in log space (every coefficient is a sum of positive terms, so there is no
 cancellation; nothing overflows or underflows in float32):
 
-* :func:`elementary_symmetric_log` multiplies the factors (1 + w_j t), truncated at degree k,
-  in a balanced tree of pairwise products: log2(n) sequential steps, at most O(n k^2) work
-  (O(n k) in fact: low levels hold short polynomials), batched over any leading dimensions
-  (points, classes). Power sums with Newton's identities are not
+* :func:`class_polynomials` builds every class's E_c(t) = prod_{j in c} (1 + w_j t), truncated
+  at degree k, in one pass over the candidates: candidate j multiplies only its own class's
+  polynomial, so the work is O(M k) a row, batched over the rows. "all" needs two classes
+  (i's own, every other); "majority" all C. Power sums with Newton's identities are not
   used: they cancel catastrophically.
-* Per-class polynomials come from masking the candidates of other classes to the identity
-  factor (log w = -inf), batched over classes.
+* :func:`log_prob_majority` multiplies the other classes' polynomials (:func:`log_poly_mul`),
+  sharing one untruncated product between every m > k / 2.
 * Gradients flow through by autograd. Inside the programme "log 0" is the finite LOG_ZERO =
   -1e30 rather than -inf, so torch's fused logsumexp needs no special cases and gradients stay
   finite; results below LOG_ZERO / 10 are mapped back to -inf at the end.
@@ -73,34 +73,6 @@ def identity_poly(shape: tuple[int, ...], k: int, like: torch.Tensor) -> torch.T
     poly = torch.full((*shape, k + 1), LOG_ZERO, dtype=like.dtype, device=like.device)
     poly[..., 0] = 0.0
     return poly
-
-
-def elementary_symmetric_log(log_w: torch.Tensor, k: int) -> torch.Tensor:
-    """log e_0..e_k of the weights along the last dimension.
-
-    log_w: (..., n) log weights, -inf for absent entries  ->  (..., k+1) log e_m(w), m = 0..k
-    (e_0 = 1; e_m = 0, i.e. -inf, when fewer than m weights are present).
-
-    Level l of the tree holds products of 2^l factors, of degree at most min(2^l, k), so the
-    low levels (where most of the products are) carry short polynomials: the work is
-    O(n k) pair terms rather than O(n k^2).
-    """
-    *lead, n = log_w.shape
-    if n == 0 or k == 0:
-        return _restore_neg_inf(identity_poly(tuple(lead), k, log_w))
-    # leaves: log coefficients of (1 + w_j t) = [0, log w_j]
-    poly = torch.stack([torch.zeros_like(log_w), log_w.clamp_min(LOG_ZERO)], dim=-1)  # (..., n, 2)
-    while poly.shape[-2] > 1:
-        if poly.shape[-2] % 2:
-            poly = torch.cat([poly, identity_poly((*lead, 1), poly.shape[-1] - 1, log_w)], dim=-2)
-        poly = log_poly_mul(poly[..., 0::2, :], poly[..., 1::2, :], max_degree=k)
-    poly = poly.squeeze(-2)
-    if poly.shape[-1] < k + 1:  # fewer than k weights: the higher e_m are 0
-        pad = torch.full(
-            (*lead, k + 1 - poly.shape[-1]), LOG_ZERO, dtype=poly.dtype, device=poly.device
-        )
-        poly = torch.cat([poly, pad], dim=-1)
-    return _restore_neg_inf(poly)
 
 
 def _restore_neg_inf(log_values: torch.Tensor) -> torch.Tensor:
@@ -211,12 +183,11 @@ class KNCAObjective(Objective):
         shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
         log_w = logits - shift
         if self.variant == "all":
-            # only two polynomials are needed: e(w_y) and e(w) (no per-class batch)
-            own_w = log_w.masked_fill(neighbour_labels != own[:, None], NEG_INF)
-            both = elementary_symmetric_log(
-                torch.stack([own_w, log_w], dim=1), self.k
-            )  # (B, 2, k+1)
-            return both[:, 0, self.k] - both[:, 1, self.k]
+            # two "classes" are enough: i's own (0) and every other (1); Z = [t^k] E_0 E_1
+            other = (neighbour_labels != own[:, None]).long()
+            log_e = class_polynomials(log_w, other, 2, self.k).clamp_min(LOG_ZERO)  # (B, 2, k+1)
+            log_z = floored_logsumexp(log_e[:, 0] + log_e[:, 1].flip(-1), -1)
+            return _restore_neg_inf(log_e[:, 0, self.k] - log_z)
         n_classes = self.n_classes or int(max(neighbour_labels.max(), own.max())) + 1
         log_e = class_polynomials(log_w, neighbour_labels.clamp_min(0), n_classes, self.k)
         return log_prob_majority(log_e, own, self.k)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from training.knca import KNCAObjective, elementary_symmetric_log, log_poly_mul
+from training.knca import KNCAObjective, class_polynomials, log_poly_mul
 from training.neighbourhood import nearest_candidates, objective_sum
 from training.objectives import NCAObjective
 
@@ -30,21 +30,25 @@ def brute_force(dists, labels, own, k, variant):
     return good / total
 
 
-def test_elementary_symmetric_polynomials_equal_expanded_products():
+def test_class_polynomials_equal_expanded_products():
     rng = np.random.default_rng(0)
     w = rng.uniform(0.1, 2.0, size=(3, 7))
-    logs = elementary_symmetric_log(torch.tensor(np.log(w)), 4).exp().numpy()
-    for row, expected in zip(w, logs, strict=True):
-        coeffs = np.array([1.0])
-        for wj in row:
-            coeffs = np.convolve(coeffs, [1.0, wj])
-        np.testing.assert_allclose(expected, coeffs[:5], rtol=1e-12)
+    labels = rng.integers(0, 3, size=(3, 7))
+    got = class_polynomials(torch.tensor(np.log(w)), torch.tensor(labels), 3, 4).exp().numpy()
+    for b in range(3):
+        for c in range(3):
+            coeffs = np.array([1.0])
+            for wj in w[b][labels[b] == c]:
+                coeffs = np.convolve(coeffs, [1.0, wj])
+            expected = np.zeros(5)
+            expected[: min(5, len(coeffs))] = coeffs[:5]
+            np.testing.assert_allclose(got[b, c], expected, rtol=1e-12)
 
 
 def test_absent_weights_and_impossible_degrees():
     log_w = torch.tensor([[0.0, float("-inf"), 0.0]], dtype=torch.float64)
-    e = elementary_symmetric_log(log_w, 3).exp()
-    np.testing.assert_allclose(e.numpy(), [[1.0, 2.0, 1.0, 0.0]])
+    e = class_polynomials(log_w, torch.zeros(1, 3, dtype=torch.long), 1, 3).exp()
+    np.testing.assert_allclose(e.numpy(), [[[1.0, 2.0, 1.0, 0.0]]])
     a = torch.tensor([0.0, float("-inf")], dtype=torch.float64)
     assert torch.equal(log_poly_mul(a, a).exp(), a.exp())
 
