@@ -109,9 +109,10 @@ def worker(spec: dict) -> dict:
             ).fit(Xtr, ytr)
             A, n_iter = model.components_, model.n_iter_
         else:
+            stamps = []  # seconds since start at each iteration (scikit-learn's callback form)
 
-            def record(r):
-                trace.append((time.perf_counter() - start, r["objective"] * len(Xtr)))
+            def record(transformation, n_iter):
+                stamps.append(time.perf_counter() - start)
 
             model = NCA(
                 n_components=d,
@@ -123,6 +124,10 @@ def worker(spec: dict) -> dict:
                 random_state=spec["seed"],
                 callback=record,
             ).fit(Xtr, ytr)
+            # the objective of each iteration (mean per point) comes from the history
+            trace = [
+                (t, r["objective"] * len(Xtr)) for t, r in zip(stamps, model.history_, strict=True)
+            ]
             A, n_iter = model.components_, model.n_iter_
     seconds = time.perf_counter() - start
     peak = peak_rss_mib()

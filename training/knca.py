@@ -79,27 +79,44 @@ def _restore_neg_inf(log_values: torch.Tensor) -> torch.Tensor:
     return log_values.masked_fill(log_values < LOG_ZERO / 10, NEG_INF)
 
 
+RECURRENCE_BLOCK = 64  # candidates per block of the sequential recurrence
+
+
 def class_polynomials(
     log_w: torch.Tensor, labels: torch.Tensor, n_classes: int, k: int
 ) -> torch.Tensor:
     """log e_r(w_c) for every class c: (B, M) log weights, (B, M) labels -> (B, C, k+1).
 
-    One pass over the candidates: E_c(t) starts at 1 and candidate j multiplies its own
-    class's polynomial by (1 + w_j t), i.e. the recurrence e_r <- e_r + w_j e_{r-1}
-    (r = k..1), in log space (log-add-exp of two non-negative terms: no cancellation).
-    Each candidate touches one class, so the work is O(M k) a row, not O(C M k) as when
-    every class's polynomial runs over all M masked candidates; the M steps are batched
-    over the rows of the chunk.
+    Candidate j multiplies only its own class's polynomial by (1 + w_j t), i.e. the
+    recurrence e_r <- e_r + w_j e_{r-1} (r = k..1), in log space (log-add-exp of two
+    non-negative terms: no cancellation), so the work is O(M k) a row rather than the
+    O(C M k) of running every class's polynomial over all M masked candidates. The M
+    candidates are cut into blocks of RECURRENCE_BLOCK that run the recurrence side by side
+    (batched over rows and blocks); the blocks' polynomials are then multiplied class by
+    class in a balanced tree: RECURRENCE_BLOCK + log2(M / RECURRENCE_BLOCK) sequential steps
+    whatever M is (M = N - 1 in exact mode).
     """
     b, m = log_w.shape
-    poly = identity_poly((b, n_classes), k, log_w)  # (B, C, k+1)
+    n_blocks = -(-m // RECURRENCE_BLOCK)
+    width = min(m, RECURRENCE_BLOCK)
+    pad = n_blocks * width - m
     log_w = log_w.clamp_min(LOG_ZERO)
-    for j in range(m):
-        index = labels[:, j].view(b, 1, 1).expand(b, 1, k + 1)
-        old = poly.gather(1, index).squeeze(1)  # (B, k+1): the class of candidate j
-        raised = torch.logaddexp(old[:, 1:], old[:, :-1] + log_w[:, j : j + 1])  # (B, k)
-        poly = poly.scatter(1, index, torch.cat([old[:, :1], raised], 1).unsqueeze(1))
-    return _restore_neg_inf(poly)
+    if pad:  # absent candidates: weight 0 (log 0), any class
+        log_w = torch.cat([log_w, log_w.new_full((b, pad), LOG_ZERO)], 1)
+        labels = torch.cat([labels, labels.new_zeros((b, pad))], 1)
+    log_w = log_w.view(b, n_blocks, width)
+    labels = labels.reshape(b, n_blocks, width)
+    poly = identity_poly((b, n_blocks, n_classes), k, log_w)  # (B, blocks, C, k+1)
+    for j in range(width):
+        index = labels[:, :, j].view(b, n_blocks, 1, 1).expand(b, n_blocks, 1, k + 1)
+        old = poly.gather(2, index).squeeze(2)  # (B, blocks, k+1): candidate j's class
+        raised = torch.logaddexp(old[..., 1:], old[..., :-1] + log_w[:, :, j : j + 1])
+        poly = poly.scatter(2, index, torch.cat([old[..., :1], raised], -1).unsqueeze(2))
+    while poly.shape[1] > 1:  # multiply the blocks' polynomials, class by class
+        if poly.shape[1] % 2:
+            poly = torch.cat([poly, identity_poly((b, 1, n_classes), k, poly)], 1)
+        poly = log_poly_mul(poly[:, 0::2], poly[:, 1::2], max_degree=k)
+    return _restore_neg_inf(poly.squeeze(1))
 
 
 def log_prob_majority(log_e: torch.Tensor, own: torch.Tensor, k: int) -> torch.Tensor:

@@ -30,7 +30,11 @@ def brute_force(dists, labels, own, k, variant):
     return good / total
 
 
-def test_class_polynomials_equal_expanded_products():
+@pytest.mark.parametrize("block", [64, 3, 1])  # one block; blocks and a tree; all tree
+def test_class_polynomials_equal_expanded_products(block, monkeypatch):
+    import training.knca
+
+    monkeypatch.setattr(training.knca, "RECURRENCE_BLOCK", block)
     rng = np.random.default_rng(0)
     w = rng.uniform(0.1, 2.0, size=(3, 7))
     labels = rng.integers(0, 3, size=(3, 7))
