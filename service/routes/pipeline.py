@@ -153,8 +153,11 @@ async def receive(
 def resolve_k(request: InferenceRequest) -> int:
     """k from the JSON body, else the query, else the model's default; within the limits."""
     body_k = getattr(request.body, "k", None)
-    k = body_k if body_k is not None else request.options.get("k")
+    query_k = request.options.get("k")
     model, max_k = request.model, request.state.settings.max_k
+    if query_k is not None and query_k > max_k:  # refused even when the body's k wins
+        raise InvalidInput(f"query parameter k={query_k} is over the limit max_k={max_k}")
+    k = body_k if body_k is not None else query_k
     k = model.artifact.default_k if k is None else k
     if k > max_k:
         raise InvalidInput(f"k={k} is over the limit max_k={max_k}")

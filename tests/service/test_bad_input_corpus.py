@@ -309,6 +309,16 @@ CASES = [
         "max_k=256",
     ),
     (
+        "query k over max_k while the body's k wins (found by the fuzzer)",
+        SEARCH_ROUTES,
+        JSON_H,
+        js({"instances": [ROW], "k": 3}),
+        "k=9999999999999999",
+        422,
+        "invalid_input",
+        "query parameter k=9999999999999999 is over the limit max_k=256",
+    ),
+    (
         "k huge",
         SEARCH_ROUTES,
         JSON_H,
