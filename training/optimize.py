@@ -37,6 +37,14 @@ def _logsumexp_at(log_p: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(picked, dim=1)
 
 
+def _log_neighbour_probabilities(z: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """log p_ij (B, N) for sample rows (B,) of embeddings z (N, d): log softmax over j != i
+    of -||z_i - z_j||^2."""
+    logits = -pairwise_sq_dist(z[rows], z)  # (B, N)
+    logits[torch.arange(rows.shape[0], device=z.device), rows] = float("-inf")
+    return logits - torch.logsumexp(logits, dim=1, keepdim=True)
+
+
 class Problem:
     """Data, objective and parametrisation: theta (flat float64) -> loss and gradient.
 
@@ -107,7 +115,8 @@ class Problem:
         candidates are the nearest points); it grows when the map moves points that are
         nobody's candidates into neighbourhoods. O(B N d)."""
         with torch.no_grad():
-            log_p = self._log_neighbour_probabilities(theta, rows)  # (B, N)
+            z = self.embed(self.to_tensor(theta))
+            log_p = _log_neighbour_probabilities(z, rows)  # (B, N)
             inside = torch.exp(_logsumexp_at(log_p, self.candidates[rows]))  # (B,)
         return float((1.0 - inside).clamp_min(0.0).mean())
 
@@ -116,8 +125,8 @@ class Problem:
         mass held by their K nearest same-class and K nearest other-class points in the
         current projection: what fresh candidate sets of that size would hold."""
         with torch.no_grad():
-            log_p = self._log_neighbour_probabilities(theta, rows)  # (B, N)
             z = self.embed(self.to_tensor(theta))
+            log_p = _log_neighbour_probabilities(z, rows)  # (B, N)
             k_max = ks[-1]
             fresh = nearest_candidates(z, self.labels, k_max, rows=rows)  # (B, 2 K_max)
             k_max = fresh.shape[1] // 2  # fewer when N is small
@@ -127,13 +136,6 @@ class Problem:
                 prefix = torch.cat([fresh[:, :k], fresh[:, k_max : k_max + k]], dim=1)
                 masses.append(float(torch.exp(_logsumexp_at(log_p, prefix)).mean()))
         return masses
-
-    def _log_neighbour_probabilities(self, theta: np.ndarray, rows: torch.Tensor):
-        """log p_ij (B, N) for sample rows (B,): log softmax over j != i of -d_ij."""
-        z = self.embed(self.to_tensor(theta))
-        logits = -pairwise_sq_dist(z[rows], z)  # (B, N)
-        logits[torch.arange(rows.shape[0], device=z.device), rows] = float("-inf")
-        return logits - torch.logsumexp(logits, dim=1, keepdim=True)
 
     def audit(self, theta: np.ndarray, rows: torch.Tensor) -> dict[str, float]:
         """What the optimiser improves against what it stands for, on a fixed sample of
@@ -423,16 +425,21 @@ class CandidateWatch:
     def refresh(self, theta: np.ndarray) -> float:
         """Recompute the candidates at theta (choosing K first when adaptive); return the
         fraction of points whose set changed."""
+        inside = None  # mass inside the new candidates, when the choice of K measured it
         if self.target_mass is not None:
             masses = self.problem.fresh_inside_mass(theta, self.rows, self.ladder)
-            enough = [k for k, m in zip(self.ladder, masses, strict=True) if m >= self.target_mass]
-            self.problem.n_candidates = enough[0] if enough else self.ladder[-1]
+            chosen = next(
+                (i for i, m in enumerate(masses) if m >= self.target_mass), len(masses) - 1
+            )
+            self.problem.n_candidates, inside = self.ladder[chosen], masses[chosen]
         changed = self.problem.refresh_candidates(theta)
         self.sizes.append(self.problem.n_candidates)
         self.since = 0
         self.n_refreshes += 1
         if self.refresh_tol is not None:
-            self.baseline = 1.0 - self.problem.outside_mass(theta, self.rows)
+            if inside is None:
+                inside = 1.0 - self.problem.outside_mass(theta, self.rows)
+            self.baseline = inside
         return changed
 
     def after_iteration(self, theta: np.ndarray) -> tuple[bool, dict]:
