@@ -26,7 +26,8 @@ import torch
 from scipy.optimize import minimize
 
 from service.knn import decide
-from training.neighbourhood import nearest_candidates, objective_sum, pairwise_sq_dist
+from training.neighbourhood import nearest_candidates, objective_sum
+from training.numerics import EXP_FLOOR
 from training.objectives import NCAObjective, Objective
 
 
@@ -37,12 +38,30 @@ def _logsumexp_at(log_p: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(picked, dim=1)
 
 
+SAMPLE_BLOCK_ROWS = 64
+
+
 def _log_neighbour_probabilities(z: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """log p_ij (B, N) for sample rows (B,) of embeddings z (N, d): log softmax over j != i
-    of -||z_i - z_j||^2."""
-    logits = -pairwise_sq_dist(z[rows], z)  # (B, N)
-    logits[torch.arange(rows.shape[0], device=z.device), rows] = float("-inf")
-    return logits - torch.logsumexp(logits, dim=1, keepdim=True)
+    of -||z_i - z_j||^2.
+
+    Computed as the softmax of L'_ij = 2 z_i.z_j - ||z_j||^2 (L_ij plus the per-row constant
+    ||z_i||^2, which softmax ignores): one GEMM with a bias row, then in-place passes, with
+    the exponents floored at EXP_FLOOR (exp's subnormal path is ~8x slower on CPU, and a
+    trained map puts most points far beyond exp's range). Entries below the floor come out
+    as log p_ij >= EXP_FLOOR - log-sum, about 1e-35 too large, far below float precision of
+    any mass these are summed into."""
+    log_p = torch.addmm(-(z * z).sum(1)[None, :], z[rows], z.T, alpha=2.0)  # (B, N)
+    log_p[torch.arange(rows.shape[0], device=z.device), rows] = float("-inf")
+    m = log_p.amax(1, keepdim=True)  # (B, 1)
+    log_p.sub_(m)
+    total = torch.cat(  # (B, 1); row blocks keep the exp temporaries small (cache, no mmap)
+        [
+            block.clamp_min(EXP_FLOOR).exp_().sum(1, keepdim=True)
+            for block in log_p.split(SAMPLE_BLOCK_ROWS)
+        ]
+    )
+    return log_p.sub_(torch.log(total))
 
 
 class Problem:
@@ -158,9 +177,10 @@ class Problem:
                 exact = objective_sum(z, self.labels, self.objective, rows=rows)
                 out["sample_exact_objective"] = float(exact) / n
             zq = z[rows]  # (B, d)
-            d2 = pairwise_sq_dist(zq, z)  # (B, N)
-            d2[torch.arange(n, device=z.device), rows] = float("inf")  # leave the row out
-            dist, idx = torch.topk(d2, k, dim=1, largest=False)  # (B, k)
+            closeness = torch.addmm(-(z * z).sum(1)[None, :], zq, z.T, alpha=2.0)  # (B, N)
+            closeness[torch.arange(n, device=z.device), rows] = float("-inf")  # leave i out
+            top, idx = torch.topk(closeness, k, dim=1)  # (B, k) nearest first
+            dist = ((zq * zq).sum(1, keepdim=True) - top).clamp_min(0.0)  # ||z_i - z_j||^2
         labels = self.labels.cpu().numpy()
         n_classes = int(labels.max()) + 1
         predicted, _ = decide(
