@@ -99,7 +99,12 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         when they go stale (see ``refresh_tol``). "auto": None up to AUTO_EXACT_MAX_SAMPLES
         points, else AUTO_N_CANDIDATES (32).
     refresh_every : int
-        At most this many iterations between candidate refreshes.
+        At most this many iterations between candidate refreshes: a backstop for the
+        signal ``refresh_tol`` watches, which bounds what stale candidates can cost (the
+        candidate objective differs from the exact one only through the mass outside the
+        candidates). On 60k x 784 points an exact refresh costs as much as ~15 iterations,
+        and refreshing every 10 instead of every 50 iterations cost 1.7x the time for the
+        same accuracy (``benchmarks/README.md``).
     refresh_tol : float or None
         Refresh the candidates sooner, after any iteration in which the neighbour mass
         inside them, sum_{j in C_i} p_ij averaged over a fixed sample of 512 training rows,
@@ -177,7 +182,7 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         tol=1e-5,
         l2=0.0,
         n_candidates="auto",
-        refresh_every=10,
+        refresh_every=50,
         refresh_tol=0.05,
         candidate_mass=0.9,
         chunk_size=None,

@@ -110,6 +110,9 @@ def nca_value_and_grad(
     run_starts = torch.tensor([s for s, _ in runs], device=z.device)
     run_of_query = torch.searchsorted(run_starts, query_sorted, right=True) - 1
 
+    # one (chunk, N) buffer for every chunk's logits (then its weights, in place): a fresh
+    # one per chunk costs page faults on every new mapping
+    buffer = torch.empty((min(chunk_size, n), n), dtype=z.dtype, device=z.device)
     for r, (s, e) in enumerate(runs):
         if e - s < 2:
             continue  # no same-class neighbour: p_i = 0 whatever A is
@@ -118,7 +121,8 @@ def nca_value_and_grad(
             q = q_run[start : start + chunk_size]  # (B,) sorted positions, all of class r
             b = q.shape[0]
             zq = zs[q]  # (B, d)
-            logits = torch.addmm(neg_sq, zq, zs.T, alpha=2.0)  # (B, N) = L_ij + ||z_i||^2
+            logits = buffer[:b]  # (B, N) = L_ij + ||z_i||^2
+            torch.addmm(neg_sq, zq, zs.T, alpha=2.0, out=logits)
             local = torch.arange(b, device=z.device)
             logits[local, q] = float("-inf")
             value, weights = _block_weights(logits, s, e, log_form)

@@ -7,8 +7,9 @@ Both minimise the loss
 where score_i is the objective's per-point score (see ``training.objectives``) evaluated
 exactly (chunks against all points) or on candidate sets. With candidate sets the
 optimisation runs in rounds: candidates are recomputed in the current projection, then the
-optimiser runs for ``refresh_every`` iterations (L-BFGS restarts each round, since its
-curvature pairs belong to the previous objective).
+optimiser runs until the :class:`CandidateWatch` finds them stale, or for at most
+``refresh_every`` iterations (L-BFGS restarts each round, since its curvature pairs belong
+to the previous objective).
 
 A :class:`Monitor` sees every iteration: it prints the verbose table, records the history,
 and implements early stopping on validation kNN accuracy (keeping the best parameters).
@@ -490,7 +491,7 @@ def run_lbfgs(
     max_iter: int,
     tol: float,
     monitor: Monitor,
-    refresh_every: int = 10,
+    refresh_every: int = 50,
     refresh_tol: float | None = 0.05,
     target_mass: float | None = None,
     candidate_change_tol: float = 0.01,
@@ -578,7 +579,7 @@ def run_adam(
     learning_rate: float,
     batch_size: int,
     rng: np.random.Generator,
-    refresh_every: int = 10,
+    refresh_every: int = 50,
     refresh_tol: float | None = 0.05,
     target_mass: float | None = None,
 ) -> FitResult:
