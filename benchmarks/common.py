@@ -87,7 +87,16 @@ def usps_784(n: int, n_validation: int, n_test: int, seed: int = 0):
 
 
 def peak_rss_mib() -> float:
-    """Peak resident set size of this process so far (MiB)."""
+    """Peak resident set size of this process so far (MiB): VmHWM, which starts afresh at
+    exec. (getrusage's ru_maxrss survives fork + exec on Linux, so a worker started by a
+    parent that once held 750 MiB would report at least 750 MiB.)"""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
