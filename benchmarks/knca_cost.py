@@ -1,5 +1,5 @@
 """Cost of kNCA against NCA on the same candidate sets: seconds per epoch (one objective and
-gradient over every point), k = 5 and 10, median of 3 repeats, side by side in one run.
+gradient over every point), k = 5 and 10, median of 7 repeats, side by side in one run.
 
 Data: USPS when ../shared/data/usps.npz is present, else the synthetic 784-dim set (N = 7291).
 Candidates: each point's 32 nearest same-class and 32 nearest other-class points.
@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import USPS_PATH, machine, median, print_table, save_json, synthetic
 
 
-def epoch_seconds(z, y, objective, candidates, repeats=3):
+def epoch_seconds(z, y, objective, candidates, repeats=7):
     from training.neighbourhood import objective_sum
 
     times = []

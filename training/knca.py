@@ -119,6 +119,26 @@ def class_polynomials(
     return _restore_neg_inf(poly.squeeze(1))
 
 
+def present_classes(
+    labels: torch.Tensor, own: torch.Tensor, valid: torch.Tensor, n_classes: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Renumber each row's classes to those present among its candidates and itself.
+
+    labels: (B, M) candidate classes, own: (B,), valid: (B, M)  ->  labels (B, M) and own (B,)
+    in 0..C'-1 (order kept), and C', the largest number of classes present in a row. A class
+    with no candidate in a row has E_c(t) = 1 there, which changes no product: dropping it
+    leaves every P_i exact and saves its share of the recurrence and of the C - 1 products.
+    Padding (invalid) candidates, weight 0, get class 0.
+    """
+    rows = torch.arange(labels.shape[0], device=labels.device)
+    present = torch.zeros(labels.shape[0], n_classes, dtype=torch.bool, device=labels.device)
+    present.scatter_(1, torch.where(valid, labels, own[:, None]), True)
+    present[rows, own] = True
+    rank = present.long().cumsum(1) - 1  # (B, C): the class's new number where present
+    compact = torch.where(valid, rank.gather(1, labels.clamp_min(0)), 0)
+    return compact, rank[rows, own], int(present.sum(1).max())
+
+
 def log_prob_majority(log_e: torch.Tensor, own: torch.Tensor, k: int) -> torch.Tensor:
     """log P_i for the "majority" variant (strict plurality of i's class).
 
@@ -206,12 +226,21 @@ class KNCAObjective(Objective):
             log_z = floored_logsumexp(log_e[:, 0] + log_e[:, 1].flip(-1), -1)
             return _restore_neg_inf(log_e[:, 0, self.k] - log_z)
         n_classes = self.n_classes or int(max(neighbour_labels.max(), own.max())) + 1
-        log_e = class_polynomials(log_w, neighbour_labels.clamp_min(0), n_classes, self.k)
-        return log_prob_majority(log_e, own, self.k)
+        compact, compact_own, n_present = present_classes(neighbour_labels, own, valid, n_classes)
+        log_e = class_polynomials(log_w, compact, n_present, self.k)
+        return log_prob_majority(log_e, compact_own, self.k)
 
     def floats_per_pair(self) -> int:
-        n_classes = self.n_classes or 10
-        return 2 * n_classes * (self.k + 1) ** 2
+        """Working floats per (row, candidate) pair of one evaluation with its backward.
+
+        The recurrence keeps (k+1) coefficients of each polynomial it builds (all C classes
+        for "majority", two for "all") per candidate for autograd: about 4 C (k+1) floats a
+        pair with the gathers, plus ~128 for the logits, labels and the per-row products.
+        Peak RSS measured on random data (forward and backward, M = 64 and 255) stays below
+        this: majority k = 10: 410 of 568, k = 5: 242 of 368; all k = 10: 194 of 216.
+        """
+        n_classes = (self.n_classes or 10) if self.variant == "majority" else 2
+        return 4 * n_classes * (self.k + 1) + 128
 
     def point_scores(self, neg_sq_dist, neighbour_labels, own_labels, valid) -> torch.Tensor:
         log_p = self.log_probabilities(neg_sq_dist, neighbour_labels, own_labels, valid)

@@ -37,6 +37,36 @@ def pairwise_sq_dist(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return d2.clamp_min(0.0)
 
 
+class CandidateNegSqDist(torch.autograd.Function):
+    """-||z_i - z_c||^2 for query rows i (B,) and their candidates c (B, M), from z (N, d).
+
+    Backward by hand, with G = d loss / d out (B, M):
+
+        d/dz_i = -2 sum_c G_ic (z_i - z_c),     d/dz_c += 2 G_ic (z_i - z_c)
+
+    scattered into one (N, d) gradient with ``index_add_``: autograd's own backward of the
+    (B, M, d) gather and square costs ~3x more (index_put with accumulation, saved copies).
+    """
+
+    @staticmethod
+    def forward(ctx, z, rows, candidates):
+        zq = z[rows]  # (B, d)
+        zc = z[candidates]  # (B, M, d)
+        ctx.save_for_backward(rows, candidates, zq, zc)
+        ctx.n = z.shape[0]
+        return -(zq[:, None, :] - zc).square_().sum(-1)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        rows, candidates, zq, zc = ctx.saved_tensors
+        d = zq.shape[1]
+        diff = (zq[:, None, :] - zc).mul_(2.0 * grad_out.unsqueeze(2))  # (B, M, d) 2 G (z_i - z_c)
+        grad = torch.zeros((ctx.n, d), dtype=zq.dtype, device=zq.device)
+        grad.index_add_(0, rows, -diff.sum(1))
+        grad.index_add_(0, candidates.reshape(-1), diff.view(-1, d))
+        return grad, None, None
+
+
 def _chunk_scores(
     leaf: torch.Tensor,
     labels: torch.Tensor,
@@ -56,10 +86,23 @@ def _chunk_scores(
         idx = candidates[chunk_rows]  # (B, M), -1 marks padding
         valid = idx >= 0
         safe = idx.clamp_min(0)
-        zc = leaf[safe]  # (B, M, d)
-        neg = -((zq[:, None, :] - zc) ** 2).sum(-1)  # (B, M)
+        neg = CandidateNegSqDist.apply(leaf, chunk_rows, safe)  # (B, M)
         neighbour_labels = labels[safe]
     return objective.point_scores(neg, neighbour_labels, yq, valid).sum()
+
+
+def _rows_by_classes_present(
+    rows: torch.Tensor, labels: torch.Tensor, candidates: torch.Tensor
+) -> torch.Tensor:
+    """rows (B,) reordered by how many classes their candidates (N, M) hold: a chunk of rows
+    then needs about as many class polynomials as each of its rows (kNCA sizes a chunk's
+    polynomials by its largest count). The sum over rows does not depend on the order."""
+    idx = candidates[rows]  # (B, M)
+    classes = torch.where(idx >= 0, labels[idx.clamp_min(0)], labels[rows][:, None])
+    n_classes = int(labels.max()) + 1
+    present = torch.zeros(rows.shape[0], n_classes, dtype=torch.bool, device=rows.device)
+    present.scatter_(1, classes, True)
+    return rows[torch.argsort(present.sum(1), stable=True)]
 
 
 class ChunkedObjective(PrecomputedGradient):
@@ -107,6 +150,8 @@ def objective_sum(
         return FusedNCA.apply(z, labels, objective.log_form, rows, candidates, chunk_size)
     if rows is None:
         rows = torch.arange(n, device=z.device)
+    if candidates is not None:
+        rows = _rows_by_classes_present(rows, labels, candidates)
     if chunk_size is None:
         m = n if candidates is None else candidates.shape[1]
         # gathered candidates add their d coordinates to every pair's working set

@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from training.knca import KNCAObjective, class_polynomials, log_poly_mul
+from training.knca import (
+    KNCAObjective,
+    class_polynomials,
+    log_poly_mul,
+    log_prob_majority,
+    present_classes,
+)
 from training.neighbourhood import nearest_candidates, objective_sum
 from training.objectives import NCAObjective
 
@@ -174,3 +180,39 @@ def test_candidate_mode_matches_exact_when_candidates_cover_everything():
     assert float(objective_sum(z, y, obj, candidates=cand)) == pytest.approx(
         float(exact), rel=1e-10
     )
+
+
+@pytest.mark.parametrize("log_form", [False, True])
+def test_classes_absent_from_candidates_are_dropped_without_changing_anything(log_form):
+    # 8 classes, 3 + 3 candidates a row: most rows see 2-4 classes, and padding (-1) where a
+    # class is small; the value and gradient equal the full C = 8 computation
+    rng = np.random.default_rng(7)
+    y = torch.tensor(np.r_[rng.integers(0, 7, 60), [7, 7, 7]])  # class 7: 3 points
+    z = torch.tensor(rng.normal(size=(63, 4)))
+    cand = nearest_candidates(z, y, 3)
+    cand[61, 2] = -1  # one more padding slot among the same-class ones
+    obj = KNCAObjective("majority", 4, log_form=log_form, n_classes=8)
+    rows = torch.arange(63)
+
+    def full_c(zz):  # the same scores without renumbering: every row runs all 8 classes
+        idx = cand[rows]
+        valid = idx >= 0
+        neg = -((zz[:, None, :] - zz[idx.clamp_min(0)]) ** 2).sum(-1)
+        logits = neg.masked_fill(~valid, float("-inf"))
+        log_w = logits - logits.detach().amax(1, keepdim=True)
+        log_e = class_polynomials(log_w, y[idx.clamp_min(0)], 8, 4)
+        log_p = log_prob_majority(log_e, y, 4)
+        ok = torch.isfinite(log_p)
+        safe = torch.where(ok, log_p, torch.zeros_like(log_p))
+        return (safe if log_form else torch.where(ok, safe.exp(), 0 * safe)).sum()
+
+    results = []
+    for f in (lambda zz: objective_sum(zz, y, obj, candidates=cand, chunk_size=16), full_c):
+        zz = z.clone().requires_grad_()
+        value = f(zz)
+        (grad,) = torch.autograd.grad(value, zz)
+        results.append((float(value.detach()), grad))
+    assert results[0][0] == pytest.approx(results[1][0], rel=1e-12)
+    torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-10, atol=1e-12)
+    _, _, n_present = present_classes(y[cand.clamp_min(0)], y, cand >= 0, 8)
+    assert n_present < 8

@@ -140,6 +140,32 @@ def test_fused_kernel_is_finite_in_float32_for_far_apart_classes():
         assert torch.isfinite(value) and torch.isfinite(grad).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("log_form", [False, True])
+def test_fused_kernel_equals_autograd_when_rows_near_and_far_share_a_chunk(log_form, dtype):
+    # rows whose nearest point is close (exp of the logits in range) and far (every exp
+    # below float32's range without the row's own shift) in the same chunks of 5 rows:
+    # squared nearest distances from ~0.1 to ~400
+    rng = np.random.default_rng(3)
+    z = rng.normal(size=(40, 3))
+    z[::4] *= 12.0  # every fourth point far from the rest
+    y = rng.integers(0, 3, size=40)
+    zt = torch.tensor(z, dtype=dtype)
+    yt = torch.tensor(y)
+    results = []
+    for method in ("fused", "autograd"):
+        z_var = zt.clone().requires_grad_()
+        value = objective_sum(z_var, yt, NCAObjective(log_form), method=method, chunk_size=5)
+        (grad,) = torch.autograd.grad(value, z_var)
+        results.append((float(value.detach()), grad.double().numpy()))
+    nearest = ((z[:, None] - z[None]) ** 2).sum(-1) + np.diag(np.full(40, np.inf))
+    assert nearest.min(1).max() > 30 > nearest.min(1).min()
+    rtol = 1e-10 if dtype == torch.float64 else 2e-4
+    assert results[0][0] == pytest.approx(results[1][0], rel=rtol)
+    scale = np.abs(results[1][1]).max()
+    np.testing.assert_allclose(results[0][1], results[1][1], rtol=rtol, atol=rtol * scale)
+
+
 @pytest.mark.parametrize("log_form", [False, True])
 def test_fused_candidate_kernel_equals_autograd(log_form):
     X, y, A = problem(seed=8, n=40, scale=1.0)
@@ -243,3 +269,17 @@ def test_candidates_of_chosen_rows_equal_those_rows_of_all_candidates():
     np.testing.assert_array_equal(
         nearest_candidates(z, yt, 4, rows=rows, chunk_size=2).numpy(), every[rows].numpy()
     )
+
+
+def test_candidate_distance_backward_passes_gradcheck():
+    from training.neighbourhood import CandidateNegSqDist
+
+    rng = np.random.default_rng(11)
+    z = torch.tensor(rng.normal(size=(9, 3)), requires_grad=True)
+    rows = torch.tensor([4, 0, 7])
+    # repeated candidates and rows that are each other's candidates
+    cand = torch.tensor([[1, 1, 0, 8], [4, 2, 2, 7], [0, 4, 3, 1]])
+    assert torch.autograd.gradcheck(lambda zz: CandidateNegSqDist.apply(zz, rows, cand), (z,))
+    out = CandidateNegSqDist.apply(z, rows, cand)
+    expected = -((z.detach()[rows][:, None] - z.detach()[cand]) ** 2).sum(-1)
+    torch.testing.assert_close(out.detach(), expected)
