@@ -292,13 +292,26 @@ def make_split(data: Dataset, *, test_size: float, val_size: float, seed: int) -
 # --------------------------------------------------------------------------- standardisation
 
 
+def per_feature_scale(mean: np.ndarray, var: np.ndarray) -> np.ndarray:
+    """scale (D,) = the standard deviation of each feature; constant features get 1."""
+    scale = np.sqrt(var)
+    tiny = scale <= 10 * np.finfo(np.float64).eps * np.maximum(1.0, np.abs(mean))
+    return np.where(tiny, 1.0, scale)
+
+
+def global_scale(mean: np.ndarray, var: np.ndarray) -> np.ndarray:
+    """scale (D,): one shared value, the root mean of the feature variances (1 when every
+    feature is constant)."""
+    shared = float(np.sqrt(np.mean(var)))
+    if not shared > 10 * np.finfo(np.float64).eps * max(1.0, float(np.abs(mean).max(initial=0))):
+        shared = 1.0  # every feature constant
+    return np.full(len(mean), shared)
+
+
 def fit_standardizer(X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """mean (D,) and scale (D,) with x_std = (x - mean) / scale; constant features get scale 1."""
     mean = X.mean(axis=0)
-    scale = X.std(axis=0)
-    tiny = scale <= 10 * np.finfo(np.float64).eps * np.maximum(1.0, np.abs(mean))
-    scale = np.where(tiny, 1.0, scale)
-    return mean, scale
+    return mean, per_feature_scale(mean, X.var(axis=0))
 
 
 def fit_global_standardizer(X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -306,10 +319,7 @@ def fit_global_standardizer(X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     variances, so the centred data have unit mean variance per feature while the features
     keep their relative scales (pixels stay pixels; a constant border pixel stays quiet)."""
     mean = X.mean(axis=0)
-    shared = float(np.sqrt(np.mean(X.var(axis=0))))
-    if not shared > 10 * np.finfo(np.float64).eps * max(1.0, float(np.abs(mean).max(initial=0))):
-        shared = 1.0  # every feature constant
-    return mean, np.full(X.shape[1], shared)
+    return mean, global_scale(mean, X.var(axis=0))
 
 
 STANDARDIZERS = {"feature": fit_standardizer, "global": fit_global_standardizer}

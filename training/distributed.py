@@ -49,7 +49,9 @@ class ProcessGroup:
 
     @property
     def is_distributed(self) -> bool:
-        return self.world_size > 1
+        """A process group is initialised (torchrun), even of one process: the data-parallel
+        code path runs, so ``--nproc_per_node 1`` and 2 compute the same things."""
+        return self.backend != "none"
 
 
 def current_group() -> ProcessGroup:
@@ -81,7 +83,9 @@ def gather_rows(local: torch.Tensor, n: int, group: ProcessGroup) -> torch.Tenso
     padded[: local.shape[0]] = local
     parts = [torch.empty_like(padded) for _ in bounds]
     dist.all_gather(parts, padded.contiguous())
-    return torch.cat([part[: stop - start] for part, (start, stop) in zip(parts, bounds)])
+    return torch.cat(
+        [part[: stop - start] for part, (start, stop) in zip(parts, bounds, strict=True)]
+    )
 
 
 def broadcast_from_rank0(values: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -145,9 +149,7 @@ class ShardedProblem(Problem):
     the optimisers, the candidate watch and the audit run unchanged on every rank.
     """
 
-    def __init__(
-        self, X_shard: torch.Tensor, labels: torch.Tensor, objective, *, group, **kwargs
-    ):
+    def __init__(self, X_shard: torch.Tensor, labels: torch.Tensor, objective, *, group, **kwargs):
         super().__init__(X_shard, labels, objective, **kwargs)
         self.group = group
         self._n = labels.shape[0]

@@ -18,6 +18,8 @@ import numbers
 import os
 import time
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -28,9 +30,11 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 from threadpoolctl import threadpool_limits
 
 from service.knn import RULES, project
+from training import sharded_stats
 from training.data import STANDARDIZERS, choose_standardizer, stratified_split
+from training.distributed import ShardedProblem, current_group, gather_rows, shard_bounds
 from training.evaluate import knn_accuracies
-from training.initialization import INIT_NAMES, initial_components
+from training.initialization import INIT_NAMES, initial_components, resolve_auto
 from training.objective_registry import OBJECTIVES, make_objective
 from training.optimize import (
     Monitor,
@@ -53,6 +57,24 @@ INIT_MESSAGES = {
     "pca": "Finding principal components",
     "lda": "Finding most discriminative components",
 }
+
+
+@dataclass
+class _Prepared:
+    """What the optimisation starts from: the standardised rows this process holds (N, D) or
+    its shard (N_r, D), every training label (N,), and the rest of the set-up."""
+
+    X: np.ndarray
+    y: np.ndarray
+    d: int
+    rng: np.random.Generator
+    device: torch.device
+    mean: np.ndarray
+    scale: np.ndarray
+    theta0: np.ndarray
+    init_used: str
+    classes: np.ndarray
+    validate: Callable  # problem -> (theta -> validation accuracy) or None
 
 
 def resolve_device(device: str) -> torch.device:
@@ -358,42 +380,54 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         Steps: validate the data and parameters; seed; split off the validation set;
         standardise; initialise A; build the problem (objective over the training points);
         optimise under the monitor (validation, early stopping, callback); store the result.
-        """
-        X, y = validate_data(self, X, y, ensure_min_samples=2, dtype=np.float64)
-        check_classification_targets(y)
-        classes, y_idx = np.unique(y, return_inverse=True)
-        d = self._validate_params_against(X.shape[0], X.shape[1], len(classes))
-        rng = self._seeded_rng()
-        device = resolve_device(self.device)
 
-        X_tr, y_tr, X_val, y_val_idx = self._split_validation(X, y_idx, classes, X_val, y_val, rng)
-        mean, scale = self._standardizer(X_tr, y_tr, len(classes))
-        Xs = (X_tr - mean) / scale  # (n, D) standardised training inputs
-        theta0, init_used = self._initialize(Xs, y_tr, d, scale, rng)
+        Data-parallel: when a ``torch.distributed`` process group is initialised (``torchrun``),
+        every rank calls fit with its own row shard: X, y (and X_val, y_val, if any) are rows
+        [start, stop) of the global sets in rank order, as ``training.distributed.shard_bounds``
+        cuts them. The standardisation, the initial map, the objective, the gradient and the
+        validation accuracy are those of all rows together (``training.sharded_stats``), and
+        every rank ends with the same fitted attributes. No rank holds another's rows.
+        """
+        group = current_group()
+        if group.is_distributed:
+            prep = self._prepare_shards(X, y, X_val, y_val, group)
+        else:
+            prep = self._prepare(X, y, X_val, y_val)
+        Xs, y_tr, d, rng, device = prep.X, prep.y, prep.d, prep.rng, prep.device
+        mean, scale, theta0, init_used, classes = (
+            prep.mean,
+            prep.scale,
+            prep.theta0,
+            prep.init_used,
+            prep.classes,
+        )
+        n_total = len(y_tr)  # all ranks' rows; the problem's labels are all of them
 
         n_candidates = self.n_candidates
         if n_candidates == "auto":
-            n_candidates = None if len(Xs) <= AUTO_EXACT_MAX_SAMPLES else AUTO_N_CANDIDATES
+            n_candidates = None if n_total <= AUTO_EXACT_MAX_SAMPLES else AUTO_N_CANDIDATES
         solver = "lbfgs" if self.solver == "auto" else self.solver
-        problem = Problem(
-            torch.as_tensor(Xs, dtype=torch.float32, device=device),
-            torch.as_tensor(y_tr, dtype=torch.long, device=device),
-            make_objective(self.objective, self.k, n_classes=len(classes)),
+        problem_kwargs = dict(
             transform=self.transformation,
             n_components=d,
             l2=self.l2,
             n_candidates=n_candidates,
             chunk_size=self.chunk_size,
         )
+        X_problem = torch.as_tensor(Xs, dtype=torch.float32, device=device)
+        labels = torch.as_tensor(y_tr, dtype=torch.long, device=device)
+        objective = make_objective(self.objective, self.k, n_classes=len(classes))
+        if group.is_distributed:
+            problem = ShardedProblem(X_problem, labels, objective, group=group, **problem_kwargs)
+        else:
+            problem = Problem(X_problem, labels, objective, **problem_kwargs)
         monitor = Monitor(
             max_iter=self.max_iter,
-            validate=self._validation_score(
-                problem, Xs, y_tr, X_val, y_val_idx, mean, scale, len(classes)
-            ),
+            validate=prep.validate(problem),
             early_stopping=self.early_stopping,
             interval=self.validation_interval,
             patience=self.n_iter_no_change,
-            verbose=bool(self.verbose),
+            verbose=bool(self.verbose) and group.rank == 0,
             name=type(self).__name__,
             callback=self.callback,
             components=problem.components,
@@ -428,10 +462,12 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         self.n_evaluations_ = result.n_evaluations
         self.candidate_warning_ = None
         if n_candidates is not None:
-            self.candidate_warning_ = audit_disagreement(result.history, len(audit_rows(len(Xs))))
-            if self.candidate_warning_:
+            self.candidate_warning_ = audit_disagreement(result.history, len(audit_rows(n_total)))
+            if self.candidate_warning_ and group.rank == 0:
                 warnings.warn(self.candidate_warning_, UserWarning, stacklevel=2)
-        if not result.converged:
+        self.world_size_ = group.world_size
+        self.distributed_backend_ = group.backend
+        if not result.converged and group.rank == 0:
             warnings.warn(
                 f"[{type(self).__name__}] NCA did not converge in max_iter={self.max_iter} "
                 "iterations "
@@ -440,6 +476,140 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
                 stacklevel=2,
             )
         return self
+
+    def _prepare(self, X, y, X_val, y_val) -> _Prepared:
+        """One process: validate, seed, split, standardise and initialise from all rows."""
+        X, y = validate_data(self, X, y, ensure_min_samples=2, dtype=np.float64)
+        check_classification_targets(y)
+        classes, y_idx = np.unique(y, return_inverse=True)
+        d = self._validate_params_against(X.shape[0], X.shape[1], len(classes))
+        rng = self._seeded_rng()
+        device = resolve_device(self.device)
+        X_tr, y_tr, X_val, y_val_idx = self._split_validation(X, y_idx, classes, X_val, y_val, rng)
+        mean, scale = self._standardizer(X_tr, y_tr, len(classes))
+        Xs = (X_tr - mean) / scale  # (n, D) standardised training inputs
+        theta0, init_used = self._initialize(Xs, y_tr, d, scale, rng)
+
+        def validate(problem):
+            return self._validation_score(
+                problem, Xs, y_tr, X_val, y_val_idx, mean, scale, len(classes)
+            )
+
+        return _Prepared(
+            Xs, y_tr, d, rng, device, mean, scale, theta0, init_used, classes, validate
+        )
+
+    def _prepare_shards(self, X, y, X_val, y_val, group) -> _Prepared:
+        """Data-parallel: the same steps from this rank's rows and summaries of the others'
+        (``training.sharded_stats``). Returns the standardised shard and all N labels."""
+        X, y = validate_data(self, X, y, ensure_min_samples=1, dtype=np.float64)
+        check_classification_targets(y)
+        classes = sharded_stats.union_classes(y, group)
+        y_idx = np.searchsorted(classes, y)
+        n = sharded_stats.total_rows(len(X), group)
+        start, stop = shard_bounds(n, group.rank, group.world_size)
+        if stop - start != len(X):
+            raise ValueError(
+                f"rank {group.rank} of {group.world_size}: X has {len(X)} rows, but a "
+                f"data-parallel fit takes rows [{start}, {stop}) of the N = {n} training rows "
+                "(training.distributed.shard_bounds)"
+            )
+        d = self._validate_params_against(n, X.shape[1], len(classes))
+        rng = self._seeded_rng()
+        device = resolve_device(self.device)
+        y_all = sharded_stats.gather_labels(y_idx, n, group)  # (N,)
+        if X_val is None and self.early_stopping:
+            raise ValueError(
+                "early_stopping=True in a data-parallel fit needs an explicit validation set: "
+                "pass each rank's rows of it as X_val, y_val"
+            )
+        X_val, y_val_idx, n_val = self._validation_shard(X_val, y_val, classes, X.shape[1], group)
+
+        self.standardization_scores_ = None
+        name = STANDARDIZE_MODES.get(self.standardize, self.standardize)
+        if name == "auto":
+            name, self.standardization_scores_ = sharded_stats.choose_standardizer(
+                X, y_all, start, len(classes), group
+            )
+        self.standardization_ = name
+        if name == "none":
+            mean, scale = np.zeros(X.shape[1]), np.ones(X.shape[1])
+        else:
+            mean, scale = sharded_stats.standardizer(name, X, n, group)
+        Xs = (X - mean) / scale  # (N_r, D)
+        theta0, init_used = self._initialize_shards(
+            Xs, y_idx, n, len(classes), d, scale, rng, group
+        )
+        Xv_s = (X_val - mean) / scale
+        ks = self._validation_ks(n)
+
+        def validate(problem):
+            if n_val == 0:
+                return None
+
+            def score(theta):
+                A = problem.components(theta)  # (d, D)
+                z_local = torch.as_tensor((Xs @ A.T).astype(np.float32))
+                z_tr = gather_rows(z_local, n, group).numpy()  # (N, d)
+                z_va = (Xv_s @ A.T).astype(np.float32)
+                accuracies = sharded_stats.knn_accuracy(
+                    z_tr,
+                    y_all,
+                    z_va,
+                    y_val_idx,
+                    len(classes),
+                    ks,
+                    self.validation_rule,
+                    n_val,
+                    group,
+                )
+                return max(accuracies.values())
+
+            return score
+
+        return _Prepared(
+            Xs, y_all, d, rng, device, mean, scale, theta0, init_used, classes, validate
+        )
+
+    def _validation_shard(self, X_val, y_val, classes, n_features, group):
+        """This rank's validation rows (possibly none), their class indices, and the number
+        of validation rows over all ranks (0: no validation)."""
+        if X_val is None or len(X_val) == 0:
+            X_val, y_val_idx = np.empty((0, n_features)), np.empty(0, dtype=np.int64)
+        else:
+            X_val = validate_data(self, X_val, reset=False, dtype=np.float64)
+            y_val = np.asarray(y_val)
+            unknown = np.setdiff1d(np.unique(y_val), classes)
+            if unknown.size:
+                raise ValueError(f"y_val has labels not present in y: {unknown.tolist()}")
+            y_val_idx = np.searchsorted(classes, y_val)
+        return X_val, y_val_idx, sharded_stats.total_rows(len(X_val), group)
+
+    def _initialize_shards(self, Xs, y_idx, n, n_classes, d, scale, rng, group):
+        """``_initialize`` for shards: PCA and LDA from reduced scatter matrices; the rules
+        that need no data (identity, random, an array, an artifact, warm start) as usual."""
+        init = self.init
+        if self.warm_start and hasattr(self, "components_"):
+            init = self.components_
+        name = str(init) if isinstance(init, str) else None
+        if name == "auto":
+            name = resolve_auto(d, Xs.shape[1], n, n_classes)
+        if name == "pca":
+            A0 = sharded_stats.pca_components(Xs, n, d, group)
+        elif name == "lda":
+            if d > min(Xs.shape[1], n_classes - 1) or n <= n_classes:
+                raise ValueError(
+                    f"init='lda' gives at most min(n_features, n_classes - 1) = "
+                    f"{min(Xs.shape[1], n_classes - 1)} components and needs more samples "
+                    f"than classes; got n_components={d}, {n} samples, {n_classes} classes"
+                )
+            A0 = sharded_stats.lda_components(Xs, y_idx, n, n_classes, d, group)
+        else:
+            A0, name = initial_components(
+                init if name is None else name, Xs, y_idx, d, random_state=rng, scale=scale
+            )
+        theta0 = np.diag(A0).copy() if self.transformation == "diagonal" else A0
+        return theta0, name
 
     @staticmethod
     def _candidate_audit(problem):
