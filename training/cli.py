@@ -4,19 +4,37 @@ from __future__ import annotations
 
 import sys
 
+import torch.distributed as dist
+
 from service.artifact import ArtifactError
 from training.config import parse_config
 from training.data import DataError
+from training.distributed import init_from_environment
 from training.job import ConfigError, run
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the job; exit status 0, or 2 with one line on stderr for bad input.
+
+    Under ``torchrun`` the job is data-parallel (``training.distributed``): every rank runs
+    this, only rank 0 logs, and an error names the rank that met it. torchrun ends the
+    other ranks when one fails, and the job's exit status is non-zero."""
     config = parse_config(argv)
+    group = init_from_environment(config.device)
+    where = f" (rank {group.rank} of {group.world_size})" if group.is_distributed else ""
+
+    def log(message: str) -> None:
+        if group.rank == 0:
+            print(message, file=sys.stderr, flush=True)
+
     try:
-        run(config, log=lambda message: print(message, file=sys.stderr))
+        run(config, log=log)
     except (DataError, ConfigError, ArtifactError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error{where}: {exc}", file=sys.stderr, flush=True)
         return 2
+    finally:
+        if group.is_distributed and dist.is_initialized():
+            dist.destroy_process_group()
     return 0
 
 

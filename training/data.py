@@ -44,15 +44,35 @@ class Split:
     X_test: np.ndarray  # (n_test, D), possibly empty
     y_test: np.ndarray
     classes: np.ndarray  # (C,) original labels, sorted
+    # data-parallel (training.distributed): X_train, X_val (and their labels) are this rank's
+    # rows [start, stop) of the splits, shard_bounds(n_train / n_val, rank, P); X_test is
+    # held by rank 0 only. None in a single process: the arrays are the whole splits.
+    n_train_total: int | None = None
+    n_val_total: int | None = None
+
+    @property
+    def n_train(self) -> int:
+        return len(self.X_train) if self.n_train_total is None else self.n_train_total
+
+    @property
+    def n_val(self) -> int:
+        return len(self.X_val) if self.n_val_total is None else self.n_val_total
 
 
 # --------------------------------------------------------------------------- loading
 
 
 def load_dataset(
-    spec: str, *, labels: str | None = None, label_column: str | None = None
+    spec: str,
+    *,
+    labels: str | None = None,
+    label_column: str | None = None,
+    memory_map: bool = False,
 ) -> Dataset:
-    """Load a data set from a built-in name or a file path (see module docstring)."""
+    """Load a data set from a built-in name or a file path (see module docstring).
+
+    memory_map: a ``.npy`` feature file is mapped, not read: rows are read when taken (a
+    data-parallel rank reads only its shard). Other formats are read whole."""
     if spec in BUILTIN_DATASETS:
         return _load_builtin(spec)
     path = Path(spec)
@@ -67,7 +87,7 @@ def load_dataset(
     if suffix == ".npz":
         return _load_npz(path)
     if suffix == ".npy":
-        return _load_npy_pair(path, labels)
+        return _load_npy_pair(path, labels, memory_map)
     return _load_csv(path, label_column)
 
 
@@ -84,9 +104,9 @@ def _load_builtin(name: str) -> Dataset:
     )
 
 
-def _load_npy(path: Path, what: str) -> np.ndarray:
+def _load_npy(path: Path, what: str, memory_map: bool = False) -> np.ndarray:
     try:
-        return np.load(path, allow_pickle=False)
+        return np.load(path, allow_pickle=False, mmap_mode="r" if memory_map else None)
     except ValueError as exc:
         raise DataError(f"{path}: cannot read {what} without pickle ({exc})") from exc
     except (OSError, EOFError) as exc:
@@ -114,13 +134,17 @@ def _load_npz(path: Path) -> Dataset:
     return Dataset(X=X, y=y, X_test=X_test, y_test=y_test, name=path.stem)
 
 
-def _load_npy_pair(path: Path, labels: str | None) -> Dataset:
+def _load_npy_pair(path: Path, labels: str | None, memory_map: bool = False) -> Dataset:
     if labels is None:
         raise DataError(f"--data {path}: a .npy feature file needs --labels LABELS.npy")
     label_path = Path(labels)
     if not label_path.is_file():
         raise DataError(f"--labels {labels!r}: no such file")
-    return Dataset(X=_load_npy(path, "features"), y=_load_npy(label_path, "labels"), name=path.stem)
+    return Dataset(
+        X=_load_npy(path, "features", memory_map),
+        y=_load_npy(label_path, "labels"),
+        name=path.stem,
+    )
 
 
 def _is_number(text: str) -> bool:
@@ -206,12 +230,27 @@ def validate_xy(X, y, *, what: str = "X") -> tuple[np.ndarray, np.ndarray]:
     return X.astype(np.float64), y
 
 
-def fingerprint(X: np.ndarray, y: np.ndarray) -> str:
-    """sha256 over the features' bytes (float64, C order) and the labels' text."""
+def row_digests(X: np.ndarray) -> np.ndarray:
+    """sha256 of each row's features (float64, C order): (n, 32) uint8."""
+    rows = np.ascontiguousarray(X, dtype=np.float64)
+    out = np.empty((len(rows), 32), dtype=np.uint8)
+    for i, row in enumerate(rows):
+        out[i] = np.frombuffer(hashlib.sha256(row.tobytes()).digest(), dtype=np.uint8)
+    return out
+
+
+def fingerprint_from_row_digests(digests: np.ndarray, y: np.ndarray) -> str:
+    """sha256 over the rows' digests in order and the labels' text."""
     digest = hashlib.sha256()
-    digest.update(np.ascontiguousarray(X, dtype=np.float64).tobytes())
+    digest.update(np.ascontiguousarray(digests, dtype=np.uint8).tobytes())
     digest.update("\x1f".join(map(str, y.tolist())).encode())
     return digest.hexdigest()
+
+
+def fingerprint(X: np.ndarray, y: np.ndarray) -> str:
+    """sha256 over each row's sha256 (features as float64) and the labels' text: the same
+    value whether one process holds the rows or P ranks hold shards of them."""
+    return fingerprint_from_row_digests(row_digests(X), y)
 
 
 # --------------------------------------------------------------------------- splitting
@@ -241,8 +280,32 @@ def stratified_split(y: np.ndarray, fractions: tuple[float, ...], seed: int) -> 
     return [np.sort(np.concatenate(p)) if p else np.empty(0, dtype=np.int64) for p in parts]
 
 
-def make_split(data: Dataset, *, test_size: float, val_size: float, seed: int) -> Split:
-    """Validate, encode labels and split into train / validation / test."""
+@dataclass
+class SplitPlan:
+    """Which rows go where, decided from the labels alone (every rank of a data-parallel job
+    computes the same plan). Indices are into the data set's X; ``test_idx`` is None when the
+    data set brings its own test set."""
+
+    classes: np.ndarray  # (C,) original labels, sorted
+    y_idx: np.ndarray  # (n,) class indices of X's rows
+    train_idx: np.ndarray
+    val_idx: np.ndarray
+    test_idx: np.ndarray | None
+    y_test: np.ndarray | None  # class indices of the data set's own test rows
+
+
+def _check_features_shape(X, what: str) -> None:
+    if X.dtype.kind not in "biuf":
+        raise DataError(f"{what}: features must be numeric, got dtype {X.dtype}")
+    if X.ndim != 2:
+        raise DataError(
+            f"{what}: expected a 2-D array (n_samples, n_features), got shape {X.shape}"
+        )
+
+
+def plan_split(data: Dataset, *, test_size: float, val_size: float, seed: int) -> SplitPlan:
+    """Validate the labels and the fractions, encode the labels and split the rows' indices
+    into train / validation / test. Reads X's shape only, never its values."""
     for name, value in (("test_size", test_size), ("val_size", val_size)):
         if not 0.0 <= value < 1.0:
             raise DataError(f"--{name.replace('_', '-')}={value} must lie in [0, 1)")
@@ -251,41 +314,69 @@ def make_split(data: Dataset, *, test_size: float, val_size: float, seed: int) -
             f"--test-size + --val-size = {test_size + val_size:.2f} leaves too little to train on "
             "(must be < 0.9)"
         )
-    X, y = validate_xy(data.X, data.y, what="X")
+    _check_features_shape(data.X, "X")
+    _, y = validate_xy(np.zeros((len(data.y), 1)), data.y, what="X")
+    if len(data.X) != len(y):
+        raise DataError(f"X has {len(data.X)} rows but its labels have {len(y)}")
     classes, y_idx = np.unique(y, return_inverse=True)
     if len(classes) < 2:
         raise DataError(
             f"labels: need at least 2 classes, found {len(classes)} ({classes.tolist()})"
         )
-    if len(X) < 2 * len(classes):
+    if len(y) < 2 * len(classes):
         raise DataError(
-            f"X: {len(X)} samples for {len(classes)} classes; need at least 2 per class on average"
+            f"X: {len(y)} samples for {len(classes)} classes; need at least 2 per class on average"
         )
     counts = np.bincount(y_idx)
     if counts.min() < 2:
         rare = classes[counts < 2].tolist()
         raise DataError(f"labels: classes {rare} have fewer than 2 samples; NCA needs 2 per class")
     if data.X_test is not None:
-        X_test, y_test_raw = validate_xy(data.X_test, data.y_test, what="X_test")
-        if X_test.shape[1] != X.shape[1]:
-            raise DataError(f"X_test has {X_test.shape[1]} features, X has {X.shape[1]}")
+        _, y_test_raw = validate_xy(np.zeros((len(data.y_test), 1)), data.y_test, what="X_test")
+        if len(data.X_test) != len(y_test_raw):
+            raise DataError(
+                f"X_test has {len(data.X_test)} rows but its labels have {len(y_test_raw)}"
+            )
+        if np.ndim(data.X_test) != 2 or data.X_test.shape[1] != data.X.shape[1]:
+            raise DataError(
+                f"X_test has shape {np.shape(data.X_test)}, X has {data.X.shape[1]} features"
+            )
         unknown = np.setdiff1d(np.unique(y_test_raw), classes)
         if unknown.size:
             raise DataError(f"y_test has labels not seen in y: {unknown.tolist()}")
-        y_test = np.searchsorted(classes, y_test_raw)
         train_idx, val_idx = stratified_split(y_idx, (val_size,), seed)
-        return Split(
-            X[train_idx], y_idx[train_idx], X[val_idx], y_idx[val_idx], X_test, y_test, classes
+        return SplitPlan(
+            classes, y_idx, train_idx, val_idx, None, np.searchsorted(classes, y_test_raw)
         )
     train_idx, val_idx, test_idx = stratified_split(y_idx, (val_size, test_size), seed)
+    return SplitPlan(classes, y_idx, train_idx, val_idx, test_idx, None)
+
+
+def take_rows(data: Dataset, rows: np.ndarray, *, what: str) -> np.ndarray:
+    """X[rows] as float64, checked numeric and finite (only these rows are read from a
+    memory-mapped file)."""
+    X = np.asarray(data.X[np.asarray(rows, dtype=np.int64)])
+    X_checked, _ = validate_xy(X, np.zeros(len(X), dtype=np.int64), what=what)
+    return X_checked
+
+
+def make_split(data: Dataset, *, test_size: float, val_size: float, seed: int) -> Split:
+    """Validate, encode labels and split into train / validation / test."""
+    X, _ = validate_xy(data.X, data.y, what="X")
+    plan = plan_split(data, test_size=test_size, val_size=val_size, seed=seed)
+    if plan.test_idx is None:
+        X_test, _ = validate_xy(data.X_test, data.y_test, what="X_test")
+        y_test = plan.y_test
+    else:
+        X_test, y_test = X[plan.test_idx], plan.y_idx[plan.test_idx]
     return Split(
-        X[train_idx],
-        y_idx[train_idx],
-        X[val_idx],
-        y_idx[val_idx],
-        X[test_idx],
-        y_idx[test_idx],
-        classes,
+        X[plan.train_idx],
+        plan.y_idx[plan.train_idx],
+        X[plan.val_idx],
+        plan.y_idx[plan.val_idx],
+        X_test,
+        y_test,
+        plan.classes,
     )
 
 

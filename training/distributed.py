@@ -29,6 +29,7 @@ take different branches (a mismatched collective would hang the job).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,6 +60,24 @@ def current_group() -> ProcessGroup:
     if dist.is_available() and dist.is_initialized():
         return ProcessGroup(dist.get_rank(), dist.get_world_size(), str(dist.get_backend()))
     return ProcessGroup()
+
+
+def init_from_environment(device: str = "auto") -> ProcessGroup:
+    """Join the process group ``torchrun`` describes in the environment (RANK, WORLD_SIZE,
+    LOCAL_RANK, MASTER_ADDR, MASTER_PORT): NCCL when this rank trains on CUDA, gloo on CPU.
+    Without those variables (no torchrun), nothing happens: a single process.
+
+    On CUDA each rank takes the GPU of its LOCAL_RANK, so device "auto" / "cuda" means that
+    one."""
+    if dist.is_available() and dist.is_initialized():
+        return current_group()
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return ProcessGroup()
+    use_cuda = device != "cpu" and torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    return current_group()
 
 
 def shard_bounds(n: int, rank: int, world_size: int) -> tuple[int, int]:

@@ -10,13 +10,26 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
+import torch.distributed as dist
 
 from service.artifact import write_artifact
 from service.knn import project
 from service.vocabulary import RULES
 from training.baselines import BASELINES
 from training.config import TrainConfig
-from training.data import DataError, Dataset, fingerprint, load_dataset, make_split
+from training.data import (
+    DataError,
+    Dataset,
+    Split,
+    fingerprint_from_row_digests,
+    load_dataset,
+    make_split,
+    plan_split,
+    row_digests,
+    take_rows,
+)
+from training.distributed import ProcessGroup, current_group, gather_rows, shard_bounds
 from training.estimator import NCA
 from training.evaluate import K_VALUES, choose_k, knn_accuracies, knn_predictions
 from training.report import json_bytes, plot_embedding, plot_objective
@@ -142,39 +155,109 @@ def publish(link: str, target: Path) -> None:
 
 
 def run(config: TrainConfig, *, log=print) -> dict:
-    """Run the whole job; returns the report. Raises DataError / ConfigError / ValueError on bad input."""
+    """Run the whole job; returns the report. Raises DataError / ConfigError / ValueError on bad input.
+
+    Data-parallel (under ``torchrun``, a process group initialised): every rank reads the
+    labels, plans the same split, and takes its rows of the training and validation splits
+    (``shard_split``); the fit is the data-parallel estimator's; the embeddings are gathered,
+    and rank 0 alone evaluates, writes the artifact and publishes it while the other ranks
+    wait at a barrier. Rank 0 returns the report, the others an empty dict."""
     started = time.perf_counter()
+    group = current_group()
     check_publish_link(config.publish)
     data: Dataset = load_dataset(
-        config.data, labels=config.labels, label_column=config.label_column
+        config.data,
+        labels=config.labels,
+        label_column=config.label_column,
+        memory_map=group.is_distributed,
     )
-    split = make_split(data, test_size=config.test_size, val_size=config.val_size, seed=config.seed)
-    out = resolve_out(config.out, data.name)
+    if group.is_distributed:
+        split = shard_split(data, config, group)
+    else:
+        split = make_split(
+            data, test_size=config.test_size, val_size=config.val_size, seed=config.seed
+        )
+    del data  # a data-parallel rank keeps only its rows
+    out = resolve_out(config.out, _data_name(config))
     estimator = build_estimator(config, split.X_train.shape[1])
+    parallel = f", {group.world_size} ranks ({group.backend})" if group.is_distributed else ""
     log(
-        f"data {data.name}: {len(split.X_train)} train / {len(split.X_val)} validation / "
+        f"data {_data_name(config)}: {split.n_train} train / {split.n_val} validation / "
         f"{len(split.X_test)} test, D={split.X_train.shape[1]}, {len(split.classes)} classes; "
-        f"learning d={estimator.n_components} ({config.objective})"
+        f"learning d={estimator.n_components} ({config.objective}){parallel}"
     )
     convergence_warnings = fit_estimator(estimator, split)
-    evaluation = evaluate(estimator, split, config)
-    report = {
-        "artifact": str(out),
-        **build_report(config, data.name, split, estimator, evaluation, convergence_warnings),
-    }
-    save_artifact(out, config, data.name, split, estimator, evaluation, report)
-    if config.publish:
-        publish(config.publish, out)
-        log(f"published {config.publish} -> {out}")
-    euclidean = evaluation.baselines["euclidean"].get("test_accuracy", {})
-    k = evaluation.default_k
-    log(
-        f"wrote {out}: test accuracy {evaluation.test_accuracy.get(k, float('nan')):.4f} at "
-        f"k={k} (Euclidean baseline {euclidean.get(k, float('nan')):.4f}); "
-        f"{estimator.n_iter_} iterations, {estimator.stop_reason_}, "
-        f"{time.perf_counter() - started:.1f} s"
-    )
+    evaluation = evaluate(estimator, split, config, group)
+    report: dict = {}
+    if group.rank == 0:
+        report = {
+            "artifact": str(out),
+            **build_report(
+                config, _data_name(config), split, estimator, evaluation, convergence_warnings
+            ),
+        }
+        save_artifact(out, config, _data_name(config), split, estimator, evaluation, report)
+        if config.publish:
+            publish(config.publish, out)
+            log(f"published {config.publish} -> {out}")
+        euclidean = evaluation.baselines.get("euclidean", {}).get("test_accuracy", {})
+        k = evaluation.default_k
+        log(
+            f"wrote {out}: test accuracy {evaluation.test_accuracy.get(k, float('nan')):.4f} at "
+            f"k={k} (Euclidean baseline {euclidean.get(k, float('nan')):.4f}); "
+            f"{estimator.n_iter_} iterations, {estimator.stop_reason_}, "
+            f"{time.perf_counter() - started:.1f} s"
+        )
+    if group.is_distributed:
+        dist.barrier()  # the other ranks end after the artifact exists
     return report
+
+
+def _data_name(config: TrainConfig) -> str:
+    """The data set's name: the built-in set's, or the file's stem."""
+    from training.data import BUILTIN_DATASETS
+
+    return config.data if config.data in BUILTIN_DATASETS else Path(config.data).stem
+
+
+def shard_split(data: Dataset, config: TrainConfig, group: ProcessGroup) -> Split:
+    """This rank's rows of the training and validation splits (rank 0 also takes the test
+    split), from the split every rank plans from the labels alone. Only these rows are read
+    from a memory-mapped ``.npy``, and only they are checked for NaN and Inf."""
+    plan = plan_split(data, test_size=config.test_size, val_size=config.val_size, seed=config.seed)
+    n_train, n_val = len(plan.train_idx), len(plan.val_idx)
+    if n_train < group.world_size:
+        raise DataError(
+            f"{n_train} training rows cannot be shared by {group.world_size} ranks "
+            "(each needs at least one)"
+        )
+    t0, t1 = shard_bounds(n_train, group.rank, group.world_size)
+    v0, v1 = shard_bounds(n_val, group.rank, group.world_size)
+    mine = f"rank {group.rank}'s"
+    X_train = take_rows(data, plan.train_idx[t0:t1], what=f"X ({mine} training rows)")
+    X_val = take_rows(data, plan.val_idx[v0:v1], what=f"X ({mine} validation rows)")
+    n_features = X_train.shape[1]
+    X_test, y_test = np.empty((0, n_features)), np.empty(0, dtype=np.int64)
+    if group.rank == 0:
+        if plan.test_idx is None:
+            X_test = take_rows(
+                Dataset(X=data.X_test, y=data.y_test), np.arange(len(data.X_test)), what="X_test"
+            )
+            y_test = plan.y_test
+        else:
+            X_test = take_rows(data, plan.test_idx, what="X (test rows)")
+            y_test = plan.y_idx[plan.test_idx]
+    return Split(
+        X_train,
+        plan.y_idx[plan.train_idx[t0:t1]],
+        X_val,
+        plan.y_idx[plan.val_idx[v0:v1]],
+        X_test,
+        y_test,
+        plan.classes,
+        n_train_total=n_train,
+        n_val_total=n_val,
+    )
 
 
 def fit_estimator(estimator: NCA, split) -> list[str]:
@@ -200,32 +283,70 @@ class Evaluation:
     """The learned space scored with the rule the artifact will serve."""
 
     z_train: np.ndarray  # (n_train, d) float32: the reference set
+    y_train: np.ndarray  # (n_train,) class indices of the references
     z_val: np.ndarray  # (n_val, d) float32
+    y_val: np.ndarray  # (n_val,)
     z_test: np.ndarray  # (n_test, d) float32
     val_accuracy: dict  # k -> accuracy
     test_accuracy: dict  # k -> accuracy
     default_k: int  # the k with the best validation accuracy: the artifact's default
     test_predictions: np.ndarray  # (n_test,) class indices at default_k
     baselines: dict  # name -> accuracies (training.baselines)
+    train_digests: np.ndarray  # (n_train, 32) uint8: sha256 of each training row
 
 
-def evaluate(estimator: NCA, split, config: TrainConfig) -> Evaluation:
+BASELINES_SKIPPED = (
+    "not computed in a data-parallel run: the baselines need every raw training row in one "
+    "process, which no rank holds"
+)
+
+
+def evaluate(
+    estimator: NCA, split, config: TrainConfig, group: ProcessGroup | None = None
+) -> Evaluation | None:
     """Project every split, score kNN for each k in K_VALUES with the served decision rule,
-    choose the default k on validation, score the baselines with the same rule."""
+    choose the default k on validation, score the baselines with the same rule.
+
+    Data-parallel: the ranks' projected training and validation rows (N x d: small), their
+    labels and row digests are gathered; rank 0 scores them, the other ranks return None."""
+    group = group or ProcessGroup()
     W, b = estimator.projection_, estimator.offset_
     z_train, z_val, z_test = (project(x, W, b) for x in (split.X_train, split.X_val, split.X_test))
+    y_train, y_val = split.y_train, split.y_val
+    digests = row_digests(split.X_train)
+    if group.is_distributed:
+
+        def gather(rows: np.ndarray, n: int) -> np.ndarray:
+            return gather_rows(torch.from_numpy(np.ascontiguousarray(rows)), n, group).numpy()
+
+        z_train, y_train = gather(z_train, split.n_train), gather(y_train, split.n_train)
+        digests = gather(digests, split.n_train)
+        z_val, y_val = gather(z_val, split.n_val), gather(y_val, split.n_val)
+        if group.rank != 0:
+            return None
     n_classes, rule = len(split.classes), config.decision_rule
-    val_acc = knn_accuracies(z_train, split.y_train, z_val, split.y_val, n_classes, K_VALUES, rule)
-    test_acc = knn_accuracies(
-        z_train, split.y_train, z_test, split.y_test, n_classes, K_VALUES, rule
-    )
-    default_k = choose_k(val_acc, fallback=min(config.k, len(split.X_train)))
-    predictions = knn_predictions(z_train, split.y_train, z_test, n_classes, (default_k,), rule)
-    baselines = evaluate_baselines(
-        split, estimator.mean_, estimator.scale_, estimator.n_components, rule
-    )
+    val_acc = knn_accuracies(z_train, y_train, z_val, y_val, n_classes, K_VALUES, rule)
+    test_acc = knn_accuracies(z_train, y_train, z_test, split.y_test, n_classes, K_VALUES, rule)
+    default_k = choose_k(val_acc, fallback=min(config.k, len(z_train)))
+    predictions = knn_predictions(z_train, y_train, z_test, n_classes, (default_k,), rule)
+    if group.is_distributed:
+        baselines = {"skipped": BASELINES_SKIPPED}
+    else:
+        baselines = evaluate_baselines(
+            split, estimator.mean_, estimator.scale_, estimator.n_components, rule
+        )
     return Evaluation(
-        z_train, z_val, z_test, val_acc, test_acc, default_k, predictions[default_k], baselines
+        z_train,
+        y_train,
+        z_val,
+        y_val,
+        z_test,
+        val_acc,
+        test_acc,
+        default_k,
+        predictions[default_k],
+        baselines,
+        digests,
     )
 
 
@@ -243,6 +364,8 @@ def build_report(
         "standardization_scores": estimator.standardization_scores_,
         "seed": config.seed,
         "device": estimator.device_,
+        "world_size": int(estimator.world_size_),
+        "distributed_backend": estimator.distributed_backend_,
         "converged": bool(estimator.converged_),
         "stop_reason": estimator.stop_reason_,
         "n_iter": int(estimator.n_iter_),
@@ -265,9 +388,11 @@ def build_report(
     data_record = {
         "name": data_name,
         "source": config.data,
-        "fingerprint_sha256": fingerprint(split.X_train, split.classes[split.y_train]),
-        "n_train": len(split.X_train),
-        "n_val": len(split.X_val),
+        "fingerprint_sha256": fingerprint_from_row_digests(
+            ev.train_digests, split.classes[ev.y_train]
+        ),
+        "n_train": len(ev.y_train),
+        "n_val": len(ev.y_val),
         "n_test": len(split.X_test),
         "n_features": int(split.X_train.shape[1]),
     }
@@ -305,14 +430,14 @@ def save_artifact(
         projection=estimator.projection_,
         offset=estimator.offset_,
         embeddings=ev.z_train,
-        labels=split.y_train.astype(np.int32),
+        labels=ev.y_train.astype(np.int32),
         classes=split.classes.tolist(),
         mean=estimator.mean_,
         scale=estimator.scale_,
         default_k=ev.default_k,
         decision_rule=config.decision_rule,
         validation_embeddings=ev.z_val,
-        validation_labels=split.y_val.astype(np.int32),
+        validation_labels=ev.y_val.astype(np.int32),
         extra_files=extra_files,
         metadata={
             "training": training_record,
