@@ -3,7 +3,11 @@
 #   docker build --target serve -t nca-knn:serve .
 #   docker build --target train -t nca-knn:train .                       # CPU training
 #   docker build --target train --build-arg TRAIN_BASE=nvidia/cuda:12.6.3-cudnn-runtime-ubuntu24.04 \
-#                --build-arg TORCH_SPEC=torch -t nca-knn:train-gpu .      # CUDA training
+#                --build-arg TORCH_INDEX_URL= -t nca-knn:train-gpu .     # CUDA training
+# The train image's torch: TORCH_SPEC (a requirement, default torch==2.13.0) from
+# TORCH_INDEX_URL (default PyTorch's CPU wheel index: no CUDA libraries, a much smaller
+# image; empty = PyPI, whose Linux wheels bring CUDA). A private mirror is one more
+# --build-arg TORCH_INDEX_URL=<url>.
 # Dependencies are installed before the code is copied, so code changes reuse the cached layers.
 
 ARG PYTHON_BASE=python:3.11-slim-bookworm
@@ -36,6 +40,7 @@ ENTRYPOINT ["python", "-m", "service"]
 # ----------------------------------------------------------------------------- train
 FROM ${TRAIN_BASE} AS train
 ARG TORCH_SPEC=torch==2.13.0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -53,9 +58,12 @@ RUN if ! command -v python3 >/dev/null; then \
     && python3 -m venv /opt/venv
 WORKDIR /app
 COPY pyproject.toml README.md ./
+# the index is an option of its own, never part of the quoted requirement (tests/deploy
+# run this line with a fake index)
 # hadolint ignore=DL3013
-RUN pip install --no-cache-dir "${TORCH_SPEC}" \
-    && python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; open('/tmp/train.txt', 'w').write(chr(10).join(p['dependencies'] + p['optional-dependencies']['train']))" \
+RUN pip install --no-cache-dir ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "$TORCH_SPEC"
+# hadolint ignore=DL3013
+RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; open('/tmp/train.txt', 'w').write(chr(10).join(p['dependencies'] + p['optional-dependencies']['train']))" \
     && pip install --no-cache-dir -r /tmp/train.txt \
     && rm /tmp/train.txt
 COPY service ./service
