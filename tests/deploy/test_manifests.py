@@ -147,3 +147,53 @@ def test_overlay_shapes():
             "Job",
             "PersistentVolumeClaim",
         } <= kinds
+
+
+def test_multinode_overlay_renders_and_validates_strictly(tmp_path):
+    path = tmp_path / "multinode.yaml"
+    path.write_text(kustomize("multinode"))
+    result = subprocess.run(
+        [tool("kubernetes-validate"), "--strict", "--quiet", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_multinode_indexed_job_torchrun_and_headless_service_agree():
+    from torch.distributed.run import get_args_parser
+
+    docs = render("multinode")
+    (job,) = of_kind(docs, "Job")  # the single-pod Job of prod is replaced
+    spec = job["spec"]
+    pod = spec["template"]["spec"]
+    (container,) = pod["containers"]
+    assert spec["completionMode"] == "Indexed" and spec["backoffLimit"] == 0
+    assert container["command"] == ["torchrun"]
+    args = container["args"]
+    split = args.index("-m")
+    assert args[split + 1] == "training"
+    # Kubernetes expands $(JOB_COMPLETION_INDEX) from the env below before torchrun sees it
+    assert args[args.index("--node_rank") + 1] == "$(JOB_COMPLETION_INDEX)"
+    expanded = [a.replace("$(JOB_COMPLETION_INDEX)", "1") for a in args[:split]]
+    launcher = get_args_parser().parse_args([*expanded, "placeholder.py"])
+    assert int(launcher.nnodes) == spec["completions"] == spec["parallelism"] >= 2
+    assert launcher.node_rank == 1
+    (index_env,) = [e for e in container["env"] if e["name"] == "JOB_COMPLETION_INDEX"]
+    assert "job-completion-index" in index_env["valueFrom"]["fieldRef"]["fieldPath"]
+    assert launcher.rdzv_backend == "c10d"
+    # rank 0's pod by its stable DNS name, through the headless Service
+    workers = [s for s in of_kind(docs, "Service") if s["spec"].get("clusterIP") == "None"]
+    (service,) = workers
+    host, port = launcher.rdzv_endpoint.rsplit(":", 1)
+    assert host == f"{job['metadata']['name']}-0.{service['metadata']['name']}"
+    assert pod["subdomain"] == service["metadata"]["name"]
+    assert service["spec"]["selector"] == {"job-name": job["metadata"]["name"]}
+    assert (
+        int(port) == service["spec"]["ports"][0]["port"] == container["ports"][0]["containerPort"]
+    )
+    training = build_parser().parse_args(args[split + 2 :])
+    assert training.device == "cuda" and training.publish == "/models/current"
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    (pvc,) = of_kind(docs, "PersistentVolumeClaim")
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]  # every node's pod mounts it
