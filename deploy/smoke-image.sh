@@ -8,7 +8,13 @@
 # 3. build the `serve` target, train a digits model, run the image with the model mounted
 #    read-only, wait for /readyz, make one classify call, stop it with SIGTERM.
 #
-# Usage: sudo deploy/smoke-image.sh          (run from the repository root; needs apt-get)
+# 4. with TRAIN=1: build the `train` target (TORCH_INDEX_URL passes through as the build
+#    argument of that name when set), train digits inside it, then run torchrun with 2
+#    processes inside it and check the manifest says world_size 2.
+#
+# Usage: make install && sudo [TRAIN=1] deploy/smoke-image.sh
+#   (run from the repository root; needs apt-get; the host-side steps run the project's
+#   .venv/bin/python, or PYTHON=/path/to/python with the train extra installed)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WORK=${WORK:-/tmp/ncaknn-smoke}
@@ -16,6 +22,10 @@ BASE_TAG=python:3.11-slim-bookworm
 PORT=${PORT:-18080}
 PYTHON=${PYTHON:-.venv/bin/python}
 mkdir -p "$WORK"
+if ! "$PYTHON" -c "import training, service" 2>/dev/null; then
+  echo "error: $PYTHON cannot import the project: run 'make install' first, or set PYTHON" >&2
+  exit 2
+fi
 
 log() { printf '\n== %s\n' "$*"; }
 
@@ -86,4 +96,28 @@ docker stop -t 30 ncaknn-smoke >/dev/null
 docker inspect ncaknn-smoke --format 'exit code {{.State.ExitCode}}'
 docker logs ncaknn-smoke 2>&1 | tail -n 4
 docker rm ncaknn-smoke >/dev/null
+
+if [ "${TRAIN:-0}" = 1 ]; then
+  log "docker build --target train"
+  docker build --network host --target train \
+    ${TORCH_INDEX_URL+--build-arg "TORCH_INDEX_URL=$TORCH_INDEX_URL"} -t nca-knn:train . 2>&1 | tail -n 5
+  docker image inspect nca-knn:train --format 'image {{.Id}} user={{.Config.User}} size={{.Size}} bytes'
+  OUT="$WORK/train-out"
+  rm -rf "$OUT" && mkdir -p "$OUT" && chmod 777 "$OUT"
+  log "training digits inside the train image (read-only root filesystem)"
+  docker run --rm --network host --read-only --tmpfs /tmp -v "$OUT:/out" nca-knn:train \
+    --data digits --out /out/digits --quiet --no-plots
+  log "torchrun with 2 processes inside the train image"
+  docker run --rm --network host --read-only --tmpfs /tmp -v "$OUT:/out" --entrypoint torchrun \
+    nca-knn:train --standalone --nproc_per_node 2 -m training --data digits --out /out/digits-2 \
+    --quiet --no-plots
+  "$PYTHON" - "$OUT" <<'PY'
+import json, sys
+from pathlib import Path
+one, two = (json.loads((Path(sys.argv[1]) / d / "manifest.json").read_text()) for d in ("digits", "digits-2"))
+assert one["training"]["world_size"] == 1 and two["training"]["world_size"] == 2, (one["training"], two["training"])
+print("train image: world_size", one["training"]["world_size"], "and", two["training"]["world_size"],
+      "test accuracy", one["metrics"]["test_accuracy_at_default_k"], two["metrics"]["test_accuracy_at_default_k"])
+PY
+fi
 log "smoke test passed"

@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 
 from training.distributed import ProcessGroup, ShardedProblem, current_group, shard_bounds
 from training.objective_registry import make_objective
-from training.optimize import Monitor, Problem, run_lbfgs
+from training.optimize import Monitor, Problem, run_adam, run_lbfgs
 
 OBJECTIVES = ["nca", "nca-log", "knca-majority", "knca-all"]
 MODES = {"exact": None, "candidates": 4}
@@ -61,11 +61,32 @@ def evaluate_all(X, y, theta, group=None):
                     problem.refresh_candidates(theta)
                 loss, grad, _ = problem.loss_and_grad(theta)
                 out[f"{name}/{mode}/{dtype_name}"] = np.r_[loss, grad]
+            # the default chunk (256 rows and more) is larger than either shard
+            problem = problem_for(X, y, name, n_candidates, torch.float64, group)
+            if n_candidates is not None:
+                problem.refresh_candidates(theta)
+            loss, grad, _ = problem.loss_and_grad(theta)
+            out[f"{name}/{mode}/float64/default-chunk"] = np.r_[loss, grad]
     for mode, n_candidates in MODES.items():
         problem = problem_for(X, y, "nca", n_candidates, torch.float64, group)
         monitor = Monitor(max_iter=12, validate=None, early_stopping=False)
         result = run_lbfgs(problem, theta, max_iter=12, tol=1e-9, monitor=monitor, refresh_every=4)
         out[f"fit/{mode}"] = np.r_[result.n_iter, result.theta]
+        # Adam on mini-batches of 8 rows: the same seeded batches on every rank, each rank
+        # scoring its share of a batch
+        problem = problem_for(X, y, "knca-majority", n_candidates, torch.float64, group)
+        monitor = Monitor(max_iter=4, validate=None, early_stopping=False)
+        result = run_adam(
+            problem,
+            theta,
+            max_iter=4,
+            tol=0.0,
+            monitor=monitor,
+            learning_rate=0.05,
+            batch_size=8,
+            rng=np.random.default_rng(0),
+        )
+        out[f"adam/{mode}"] = np.r_[result.n_iter, result.theta.ravel()]
     return out
 
 
@@ -195,7 +216,7 @@ def test_shard_of_the_wrong_size_is_refused():
         )
 
 
-@pytest.mark.parametrize("dtype_name", DTYPES)
+@pytest.mark.parametrize("dtype_name", [*DTYPES, "float64/default-chunk"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", OBJECTIVES)
 def test_two_ranks_give_the_single_process_objective_and_gradient(
@@ -203,7 +224,7 @@ def test_two_ranks_give_the_single_process_objective_and_gradient(
 ):
     key = f"{name}/{mode}/{dtype_name}"
     got, expected = two_ranks[key], one_process[key]
-    rtol = 1e-10 if dtype_name == "float64" else 1e-5
+    rtol = 1e-10 if dtype_name.startswith("float64") else 1e-5
     assert got[0] == pytest.approx(expected[0], rel=rtol)
     scale = np.abs(expected[1:]).max()
     np.testing.assert_allclose(got[1:], expected[1:], rtol=rtol, atol=rtol * scale)
@@ -219,6 +240,14 @@ def test_a_short_fit_on_two_ranks_ends_at_the_single_process_parameters(
     # float64 sums in another order: 1e-12 relative per evaluation, grown by 12 L-BFGS steps
     np.testing.assert_allclose(got[1:], expected[1:], rtol=1e-7, atol=1e-9)
     assert not np.allclose(expected[1:], data()[2])  # the fit moved
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_adam_on_two_ranks_takes_the_single_process_steps(two_ranks, one_process, mode):
+    got, expected = two_ranks[f"adam/{mode}"], one_process[f"adam/{mode}"]
+    assert got[0] == expected[0] == 4
+    np.testing.assert_allclose(got[1:], expected[1:], rtol=1e-9, atol=1e-12)
+    assert not np.allclose(expected[1:], data()[2])
 
 
 def test_spawned_ranks_do_not_leak_into_this_process():
