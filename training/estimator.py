@@ -32,7 +32,7 @@ from threadpoolctl import threadpool_limits
 from service.knn import RULES, project
 from training import sharded_stats
 from training.data import STANDARDIZERS, choose_standardizer, stratified_split
-from training.distributed import ShardedProblem, current_group, gather_rows, shard_bounds
+from training.distributed import ShardedProblem, current_group, shard_bounds
 from training.evaluate import knn_accuracies
 from training.initialization import INIT_NAMES, initial_components, resolve_auto
 from training.objective_registry import OBJECTIVES, make_objective
@@ -549,8 +549,7 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
 
             def score(theta):
                 A = problem.components(theta)  # (d, D)
-                z_local = torch.as_tensor((Xs @ A.T).astype(np.float32))
-                z_tr = gather_rows(z_local, n, group).numpy()  # (N, d)
+                z_tr = sharded_stats.gather_array((Xs @ A.T).astype(np.float32), n, group)
                 z_va = (Xv_s @ A.T).astype(np.float32)
                 accuracies = sharded_stats.knn_accuracy(
                     z_tr,

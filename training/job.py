@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 import torch.distributed as dist
 
 from service.artifact import write_artifact
@@ -29,10 +28,11 @@ from training.data import (
     row_digests,
     take_rows,
 )
-from training.distributed import ProcessGroup, current_group, gather_rows, shard_bounds
+from training.distributed import ProcessGroup, current_group, shard_bounds
 from training.estimator import NCA
 from training.evaluate import K_VALUES, choose_k, knn_accuracies, knn_predictions
 from training.report import json_bytes, plot_embedding, plot_objective
+from training.sharded_stats import gather_array
 
 
 class ConfigError(ValueError):
@@ -317,7 +317,7 @@ def evaluate(
     if group.is_distributed:
 
         def gather(rows: np.ndarray, n: int) -> np.ndarray:
-            return gather_rows(torch.from_numpy(np.ascontiguousarray(rows)), n, group).numpy()
+            return gather_array(rows, n, group)
 
         z_train, y_train = gather(z_train, split.n_train), gather(y_train, split.n_train)
         digests = gather(digests, split.n_train)

@@ -60,10 +60,16 @@ def union_classes(y_shard: np.ndarray, group: ProcessGroup) -> np.ndarray:
     return np.unique(np.concatenate([np.asarray(p) for p in parts if len(p)]))
 
 
+def gather_array(rows: np.ndarray, n: int, group: ProcessGroup) -> np.ndarray:
+    """Every rank's rows (N_r, ...) of a numpy array concatenated in rank order -> (N, ...),
+    N cut by ``shard_bounds``; through the device the backend reduces on (CUDA for NCCL)."""
+    t = torch.as_tensor(np.ascontiguousarray(rows), device=_device(group))
+    return gather_rows(t, n, group).cpu().numpy()
+
+
 def gather_labels(y_shard: np.ndarray, n: int, group: ProcessGroup) -> np.ndarray:
     """Every rank's class indices (N_r,) concatenated in rank order -> (N,) int64."""
-    t = torch.as_tensor(np.asarray(y_shard, dtype=np.int64), device=_device(group))
-    return gather_rows(t, n, group).cpu().numpy()
+    return gather_array(np.asarray(y_shard, dtype=np.int64), n, group)
 
 
 def moments(X_shard: np.ndarray, n: int, group: ProcessGroup) -> tuple[np.ndarray, np.ndarray]:

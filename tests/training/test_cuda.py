@@ -75,3 +75,42 @@ def test_a_fit_on_cuda_learns_what_the_cpu_learns(n_candidates):
     np.testing.assert_allclose(
         gpu.transform(X), cpu.transform(X), atol=0.1 * np.abs(cpu.transform(X)).max()
     )
+
+
+def _nccl_worker(rank: int, rendezvous: str, result_path: str) -> None:
+    import torch.distributed as dist
+
+    from tests.training.test_distributed import data, evaluate_all
+    from training.distributed import current_group
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=rendezvous, rank=rank, world_size=2)
+    try:
+        X, y, theta = data()
+        out = evaluate_all(X, y, theta, current_group(), device="cuda")
+        if rank == 0:
+            np.savez(result_path, **{k.replace("/", "__"): v for k, v in out.items()})
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_two_gpus_on_nccl_give_the_single_process_values(tmp_path):
+    import torch.multiprocessing as mp
+
+    from tests.training.test_distributed import data, evaluate_all
+
+    mp.spawn(
+        _nccl_worker,
+        args=(f"file://{tmp_path / 'rdzv'}", str(tmp_path / "rank0.npz")),
+        nprocs=2,
+        join=True,
+    )
+    X, y, theta = data()
+    expected = evaluate_all(X, y, theta)
+    with np.load(tmp_path / "rank0.npz") as saved:
+        for key, got in saved.items():
+            rtol = 1e-10 if "float64" in key else 1e-5
+            np.testing.assert_allclose(
+                got, expected[key.replace("__", "/")], rtol=rtol, atol=rtol * 10
+            )

@@ -36,45 +36,49 @@ def data():
     return X, y, theta
 
 
-def problem_for(X, y, name, n_candidates, dtype, group=None, chunk_size=None):
+def problem_for(X, y, name, n_candidates, dtype, group=None, chunk_size=None, device="cpu"):
     objective = make_objective(name, k=1 if name.startswith("nca") else 3, n_classes=N_CLASSES)
     kwargs = dict(
         transform="linear", n_components=DIM, n_candidates=n_candidates, chunk_size=chunk_size
     )
-    labels = torch.as_tensor(y)
+    labels = torch.as_tensor(y, device=device)
     if group is None:
-        return Problem(torch.as_tensor(X, dtype=dtype), labels, objective, **kwargs)
+        return Problem(torch.as_tensor(X, dtype=dtype, device=device), labels, objective, **kwargs)
     start, stop = shard_bounds(len(X), group.rank, group.world_size)
-    shard = torch.as_tensor(X[start:stop], dtype=dtype)
+    shard = torch.as_tensor(X[start:stop], dtype=dtype, device=device)
     return ShardedProblem(shard, labels, objective, group=group, **kwargs)
 
 
-def evaluate_all(X, y, theta, group=None):
-    """{case: (loss, grad)} for every objective, mode and dtype; plus a short fit."""
+def evaluate_all(X, y, theta, group=None, device="cpu"):
+    """{case: (loss, grad)} for every objective, mode and dtype; plus short fits."""
     out = {}
     for name in OBJECTIVES:
         for mode, n_candidates in MODES.items():
             for dtype_name, dtype in DTYPES.items():
                 # chunks of 5 rows: smaller than either shard, and than the chunk default
-                problem = problem_for(X, y, name, n_candidates, dtype, group, chunk_size=5)
+                problem = problem_for(
+                    X, y, name, n_candidates, dtype, group, chunk_size=5, device=device
+                )
                 if n_candidates is not None:
                     problem.refresh_candidates(theta)
                 loss, grad, _ = problem.loss_and_grad(theta)
                 out[f"{name}/{mode}/{dtype_name}"] = np.r_[loss, grad]
             # the default chunk (256 rows and more) is larger than either shard
-            problem = problem_for(X, y, name, n_candidates, torch.float64, group)
+            problem = problem_for(X, y, name, n_candidates, torch.float64, group, device=device)
             if n_candidates is not None:
                 problem.refresh_candidates(theta)
             loss, grad, _ = problem.loss_and_grad(theta)
             out[f"{name}/{mode}/float64/default-chunk"] = np.r_[loss, grad]
     for mode, n_candidates in MODES.items():
-        problem = problem_for(X, y, "nca", n_candidates, torch.float64, group)
+        problem = problem_for(X, y, "nca", n_candidates, torch.float64, group, device=device)
         monitor = Monitor(max_iter=12, validate=None, early_stopping=False)
         result = run_lbfgs(problem, theta, max_iter=12, tol=1e-9, monitor=monitor, refresh_every=4)
         out[f"fit/{mode}"] = np.r_[result.n_iter, result.theta]
         # Adam on mini-batches of 8 rows: the same seeded batches on every rank, each rank
         # scoring its share of a batch
-        problem = problem_for(X, y, "knca-majority", n_candidates, torch.float64, group)
+        problem = problem_for(
+            X, y, "knca-majority", n_candidates, torch.float64, group, device=device
+        )
         monitor = Monitor(max_iter=4, validate=None, early_stopping=False)
         result = run_adam(
             problem,
