@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from training.neighbourhood import nearest_candidates, objective_sum
+from training.neighbourhood import nearest_candidates
 from training.optimize import Problem
 
 
@@ -130,14 +130,7 @@ class ShardedScore(torch.autograd.Function):
         value = torch.zeros((), dtype=z.dtype, device=z.device)
         if own.numel():
             with torch.enable_grad():
-                value = objective_sum(
-                    z,
-                    problem.labels,
-                    problem.objective,
-                    rows=own,
-                    candidates=problem.candidates,
-                    chunk_size=problem.chunk_size,
-                )
+                value = problem.objective_total(z, own)
                 (grad_z,) = torch.autograd.grad(value, z)
             value = value.detach()
         if group.is_distributed:

@@ -190,9 +190,10 @@ class Problem:
         out["sample_loo_accuracy"] = float(np.mean(predicted == labels[rows.cpu().numpy()]))
         return out
 
-    def mean_score(self, params: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-        z = self.embed(params)
-        total = objective_sum(
+    def objective_total(self, z: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """sum_{i in rows} score_i of embeddings z (N, d) under this problem's objective,
+        candidates and chunking; differentiable in z."""
+        return objective_sum(
             z,
             self.labels,
             self.objective,
@@ -200,6 +201,9 @@ class Problem:
             candidates=self.candidates,
             chunk_size=self.chunk_size,
         )
+
+    def mean_score(self, params: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        total = self.objective_total(self.embed(params), rows)
         return total / (self.n_samples if rows is None else rows.shape[0])
 
     def loss(self, params: torch.Tensor, rows: torch.Tensor | None = None):

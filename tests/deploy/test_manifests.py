@@ -44,7 +44,7 @@ def of_kind(docs: list[dict], kind: str) -> list[dict]:
     return [d for d in docs if d["kind"] == kind]
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", [*OVERLAYS, "multinode"])
 def test_overlay_renders_and_validates_strictly(overlay, tmp_path):
     path = tmp_path / f"{overlay}.yaml"
     path.write_text(kustomize(overlay))
@@ -147,17 +147,6 @@ def test_overlay_shapes():
             "Job",
             "PersistentVolumeClaim",
         } <= kinds
-
-
-def test_multinode_overlay_renders_and_validates_strictly(tmp_path):
-    path = tmp_path / "multinode.yaml"
-    path.write_text(kustomize("multinode"))
-    result = subprocess.run(
-        [tool("kubernetes-validate"), "--strict", "--quiet", str(path)],
-        capture_output=True,
-        text=True,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_multinode_indexed_job_torchrun_and_headless_service_agree():
