@@ -200,12 +200,15 @@ def run(config: TrainConfig, *, log=print) -> dict:
         if config.publish:
             publish(config.publish, out)
             log(f"published {config.publish} -> {out}")
-        euclidean = evaluation.baselines.get("euclidean", {}).get("test_accuracy", {})
         k = evaluation.default_k
+        if "euclidean" in evaluation.baselines:
+            euclidean = evaluation.baselines["euclidean"].get("test_accuracy", {})
+            baseline = f"Euclidean baseline {euclidean.get(k, float('nan')):.4f}"
+        else:
+            baseline = "baselines not computed: no rank holds the raw training set"
         log(
             f"wrote {out}: test accuracy {evaluation.test_accuracy.get(k, float('nan')):.4f} at "
-            f"k={k} (Euclidean baseline {euclidean.get(k, float('nan')):.4f}); "
-            f"{estimator.n_iter_} iterations, {estimator.stop_reason_}, "
+            f"k={k} ({baseline}); {estimator.n_iter_} iterations, {estimator.stop_reason_}, "
             f"{time.perf_counter() - started:.1f} s"
         )
     if group.is_distributed:
