@@ -52,6 +52,11 @@ class ModelInfo(BaseModel):
     index: dict
     metrics: dict
     training: dict
+    lineage: list[dict] = Field(
+        default_factory=list,
+        description="reference-set changes since training, oldest first (operation, parent "
+        "version, row counts, time)",
+    )
     loaded_at: float
     load_seconds: float
     last_reload_error: str | None

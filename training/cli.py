@@ -19,6 +19,11 @@ def main(argv: list[str] | None = None) -> int:
     Under ``torchrun`` the job is data-parallel (``training.distributed``): every rank runs
     this, only rank 0 logs, and an error names the rank that met it. torchrun ends the
     other ranks when one fails, and the job's exit status is non-zero."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["references"]:
+        from training.references_cli import main as references_main
+
+        return references_main(argv[1:])
     config = parse_config(argv)
     group = init_from_environment(config.device)
     where = f" (rank {group.rank} of {group.world_size})" if group.is_distributed else ""

@@ -34,6 +34,7 @@ async def model_info(state: State) -> ModelInfo:
         index=model.index_params,
         metrics=manifest.get("metrics", {}),
         training={k: v for k, v in manifest.get("training", {}).items() if k != "config"},
+        lineage=manifest.get("lineage", []),
         loaded_at=model.loaded_at,
         load_seconds=model.load_seconds,
         last_reload_error=state.engine.last_error,

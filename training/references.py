@@ -1,0 +1,231 @@
+"""The reference set as data: add and remove references of a trained model, no retraining.
+
+kNN is non-parametric: new labelled points improve its answers as soon as they are among the
+references, and a point deleted on request must stop appearing in any answer. Every change
+writes a new artifact version (``service.artifact.write_artifact``: atomic, checksummed),
+which the service picks up by reload or its poller, so replicas never disagree and a crash
+leaves the previous version whole. The map A, the standardisation, the validation split and
+the training record are the parent's; what changed is recorded in the manifest's
+``lineage`` (one entry per operation, oldest first: operation, parent version, row counts,
+time, warnings), which ``GET /v1/model`` shows.
+
+* add: the new rows are projected with the artifact's own map (``service.knn.project``, the
+  function the service runs on queries) and appended with their labels and ids. Ids are
+  given (distinct int64, none already used) or assigned after the current maximum. A label
+  the map was never trained on is accepted with a warning recorded in the lineage, and the
+  class list grows.
+* remove: the rows with the given ids are dropped; unknown ids are an error that lists them.
+  Removing every reference of a class is allowed and recorded. When fewer references remain
+  than the default k, the default k comes down to their number (recorded).
+
+A prebuilt FAISS index of the parent no longer matches the references and is not carried
+over: the service builds its index at load. Bad input raises :class:`ReferenceError` (the CLI
+exits 2) and writes nothing.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from pathlib import Path
+
+import numpy as np
+
+from service.artifact import (
+    OWNED_MANIFEST_KEYS,
+    Artifact,
+    ArtifactError,
+    read_artifact,
+    read_extras,
+    write_artifact,
+)
+from service.knn import project
+from training.data import DataError, validate_xy
+
+
+class ReferenceError(ValueError):
+    """A reference-set change cannot be made; the message says what and why."""
+
+
+def load_model(model: str | Path) -> Artifact:
+    try:
+        return read_artifact(model)
+    except ArtifactError as exc:
+        raise ReferenceError(f"--model {str(model)!r} is not a readable artifact: {exc}") from exc
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def _checked_ids(ids, n: int, what: str) -> np.ndarray:
+    """ids as int64 (n,): integers only (no floats, no strings), distinct."""
+    array = np.asarray(ids)
+    if array.ndim != 1 or len(array) != n:
+        raise ReferenceError(f"{what}: expected {n} ids in a 1-D array, got shape {array.shape}")
+    if array.dtype.kind not in "iu" or (
+        array.dtype.kind == "u" and array.size and array.max() > np.iinfo(np.int64).max
+    ):
+        raise ReferenceError(f"{what}: ids must be int64 integers, got dtype {array.dtype}")
+    array = array.astype(np.int64)
+    values, counts = np.unique(array, return_counts=True)
+    if (counts > 1).any():
+        raise ReferenceError(f"{what}: duplicate ids {values[counts > 1][:10].tolist()}")
+    return array
+
+
+def write_version(
+    parent: Artifact,
+    out: str | Path,
+    *,
+    embeddings: np.ndarray,
+    labels: np.ndarray,
+    ids: np.ndarray,
+    classes: list,
+    entry: dict,
+    default_k: int | None = None,
+) -> Path:
+    """The parent with another reference set, written atomically at ``out``; ``entry`` (the
+    operation and its counts) is appended to the lineage with the parent's version and the
+    time."""
+    kept = {k: v for k, v in parent.manifest.items() if k not in OWNED_MANIFEST_KEYS}
+    lineage = [
+        *parent.manifest.get("lineage", []),
+        {**entry, "parent_version": parent.version, "at": _now()},
+    ]
+    try:
+        return write_artifact(
+            out,
+            projection=parent.projection,
+            offset=parent.offset,
+            embeddings=embeddings,
+            labels=labels,
+            classes=classes,
+            mean=parent.mean,
+            scale=parent.scale,
+            default_k=parent.default_k if default_k is None else default_k,
+            decision_rule=parent.decision_rule,
+            ids=ids,
+            validation_embeddings=parent.validation_embeddings,
+            validation_labels=parent.validation_labels,
+            index_bytes=None,
+            extra_files=read_extras(parent),
+            metadata={**kept, "lineage": lineage},
+        )
+    except ArtifactError as exc:
+        raise ReferenceError(f"cannot write {out}: {exc}") from exc
+
+
+def add_references(
+    model: str | Path,
+    X: np.ndarray,
+    y: np.ndarray,
+    *,
+    out: str | Path,
+    ids=None,
+) -> dict:
+    """Append rows X (n, D) with labels y (n,) to the model's references; write ``out``.
+
+    Returns a summary: rows before / added / after, the ids given to the new rows (first and
+    last), new classes and warnings."""
+    parent = load_model(model)
+    try:
+        X, y = validate_xy(X, y, what="--data")
+    except DataError as exc:
+        raise ReferenceError(str(exc)) from exc
+    if X.shape[1] != parent.n_features_in:
+        raise ReferenceError(
+            f"--data has {X.shape[1]} features, the model expects {parent.n_features_in}"
+        )
+    if len(X) == 0:
+        raise ReferenceError("--data has no rows to add")
+    classes = list(parent.classes)
+    kinds = {type(c) for c in classes}
+    new_labels = [v for v in dict.fromkeys(y.tolist()) if v not in classes]
+    if any(type(v) not in kinds for v in new_labels) and classes:
+        raise ReferenceError(
+            f"labels {new_labels[:10]} are not of the model's label type "
+            f"({', '.join(sorted(k.__name__ for k in kinds))}: {classes[:5]}...)"
+        )
+    classes.extend(new_labels)
+    index_of = {c: i for i, c in enumerate(classes)}
+    new_idx = np.array([index_of[v] for v in y.tolist()], dtype=np.int32)
+
+    n_before = len(parent.ids)
+    if ids is None:
+        start = int(parent.ids.max()) + 1 if n_before else 0
+        new_ids = np.arange(start, start + len(X), dtype=np.int64)
+    else:
+        new_ids = _checked_ids(ids, len(X), "--ids")
+        taken = np.intersect1d(new_ids, parent.ids)
+        if taken.size:
+            raise ReferenceError(
+                f"--ids: {taken.size} ids are already references of the model, e.g. "
+                f"{taken[:10].tolist()}"
+            )
+    entry = {"operation": "add", "rows_before": n_before, "rows_added": len(X)}
+    entry["rows_after"] = n_before + len(X)
+    if new_labels:
+        entry["new_classes"] = new_labels
+        entry["warning"] = (
+            f"labels {new_labels} were not among the classes the map was trained on: their "
+            "references are placed by a map that never saw them"
+        )
+    z = project(X, parent.projection, parent.offset)  # (n, d), as the service embeds queries
+    path = write_version(
+        parent,
+        out,
+        embeddings=np.concatenate([parent.embeddings, z]),
+        labels=np.concatenate([parent.labels, new_idx]),
+        ids=np.concatenate([parent.ids, new_ids]),
+        classes=classes,
+        entry=entry,
+    )
+    return {**entry, "artifact": str(path), "ids": [int(new_ids[0]), int(new_ids[-1])]}
+
+
+def remove_references(model: str | Path, ids, *, out: str | Path) -> dict:
+    """Drop the references with ``ids`` (distinct int64) from the model; write ``out``."""
+    parent = load_model(model)
+    array = np.asarray(ids)
+    drop = _checked_ids(array, len(array), "--ids")
+    if len(drop) == 0:
+        raise ReferenceError("--ids: no ids to remove")
+    unknown = np.setdiff1d(drop, parent.ids)
+    if unknown.size:
+        raise ReferenceError(
+            f"--ids: {unknown.size} ids are not references of the model: {unknown[:20].tolist()}"
+            + (" ..." if unknown.size > 20 else "")
+        )
+    keep = ~np.isin(parent.ids, drop)
+    n_after = int(keep.sum())
+    if n_after == 0:
+        raise ReferenceError(
+            "--ids: removing every reference would leave the model nothing to answer from"
+        )
+    classes = parent.classes
+    before = np.bincount(parent.labels, minlength=len(classes))
+    after = np.bincount(parent.labels[keep], minlength=len(classes))
+    entry = {
+        "operation": "remove",
+        "rows_before": len(parent.ids),
+        "rows_removed": len(drop),
+        "rows_after": n_after,
+    }
+    emptied = [classes[i] for i in np.flatnonzero((before > 0) & (after == 0))]
+    if emptied:
+        entry["classes_emptied"] = emptied
+    default_k = parent.default_k
+    if n_after < default_k:
+        entry["default_k_lowered"] = [default_k, n_after]
+        default_k = n_after
+    path = write_version(
+        parent,
+        out,
+        embeddings=parent.embeddings[keep],
+        labels=parent.labels[keep],
+        ids=parent.ids[keep],
+        classes=classes,
+        entry=entry,
+        default_k=default_k,
+    )
+    return {**entry, "artifact": str(path)}

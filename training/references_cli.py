@@ -1,0 +1,98 @@
+"""``python -m training references {add,remove} ...``: reference-set changes from the shell.
+
+Each command writes a new artifact version at ``--out`` (atomically) and, with
+``--publish LINK``, repoints that symlink at it afterwards, as the training job does. It prints
+a JSON summary on stdout; bad input exits 2 with one line on stderr and writes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from training.data import DataError, load_dataset
+from training.job import ConfigError, check_publish_link, publish
+from training.references import ReferenceError, add_references, remove_references
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m training references",
+        description="Add or remove references of a trained model without retraining.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    add = commands.add_parser("add", help="project new labelled rows and append them")
+    add.add_argument("--model", required=True, help="the artifact directory to start from")
+    add.add_argument(
+        "--data", required=True, help="the new rows: .npz (X, y), .npy with --labels, or .csv"
+    )
+    add.add_argument("--labels", help="label file (.npy) when --data is a .npy feature file")
+    add.add_argument("--label-column", help="CSV label column (default: 'label', else the last)")
+    add.add_argument(
+        "--ids",
+        help="ids of the new rows: a .npy file of int64, or a text file with one per line "
+        "(default: counting on from the largest id)",
+    )
+    remove = commands.add_parser("remove", help="drop the references with the given ids")
+    remove.add_argument("--model", required=True, help="the artifact directory to start from")
+    remove.add_argument("--ids", nargs="+", default=[], help="ids to remove")
+    remove.add_argument(
+        "--ids-file", help="a .npy file of int64 ids, or a text file with one id per line"
+    )
+    for command in (add, remove):
+        command.add_argument("--out", required=True, help="where to write the new version")
+        command.add_argument("--publish", help="symlink to repoint at --out afterwards")
+    return parser
+
+
+def _ids_from_text(values: list[str], what: str) -> np.ndarray:
+    try:
+        return np.array([int(v, 10) for v in values], dtype=np.int64)
+    except (ValueError, OverflowError):
+        bad = next(v for v in values if not v.strip().lstrip("-").isdigit())
+        raise ReferenceError(f"{what}: ids must be integers, got {bad!r}") from None
+
+
+def _ids_file(path: str, option: str = "--ids-file") -> np.ndarray:
+    file = Path(path)
+    if not file.is_file():
+        raise ReferenceError(f"{option} {path!r}: no such file")
+    if file.suffix == ".npy":
+        try:
+            return np.load(file, allow_pickle=False)
+        except (ValueError, OSError) as exc:
+            raise ReferenceError(f"{option} {path!r}: not a readable .npy file ({exc})") from exc
+    lines = [line.strip() for line in file.read_text().splitlines() if line.strip()]
+    return _ids_from_text(lines, f"{option} {path!r}")
+
+
+def run(args: argparse.Namespace) -> dict:
+    check_publish_link(args.publish)
+    if args.command == "add":
+        data = load_dataset(args.data, labels=args.labels, label_column=args.label_column)
+        ids = None if args.ids is None else _ids_file(args.ids, "--ids")
+        summary = add_references(args.model, data.X, data.y, out=args.out, ids=ids)
+    else:
+        ids = _ids_from_text(args.ids, "--ids")
+        if args.ids_file:
+            ids = np.concatenate([ids, np.asarray(_ids_file(args.ids_file))])
+        summary = remove_references(args.model, ids, out=args.out)
+    if args.publish:
+        publish(args.publish, Path(summary["artifact"]))
+        summary["published"] = args.publish
+    return summary
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        summary = run(args)
+    except (ReferenceError, DataError, ConfigError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary, indent=2))
+    return 0
