@@ -229,3 +229,104 @@ def remove_references(model: str | Path, ids, *, out: str | Path) -> dict:
         default_k=default_k,
     )
     return {**entry, "artifact": str(path)}
+
+
+def _accuracies(z_refs, y_refs, z_queries, y_queries, n_classes, ks, rule) -> dict:
+    from training.evaluate import knn_accuracies
+
+    return {
+        str(k): v
+        for k, v in knn_accuracies(
+            z_refs, y_refs, z_queries, y_queries, n_classes, ks, rule
+        ).items()
+    }
+
+
+def condense_references(
+    model: str | Path,
+    *,
+    out: str | Path,
+    check_k: int | None = None,
+    edit_k: int = 0,
+    seed: int = 0,
+    X_test: np.ndarray | None = None,
+    y_test: np.ndarray | None = None,
+) -> dict:
+    """Keep the references the k-NN decision needs (``training.condense``); write ``out``.
+
+    check_k defaults to the model's default k + 2. Accuracy before and after is measured on
+    the artifact's validation split and, when given, on X_test / y_test (raw inputs,
+    projected with the model's map), at k = 1, the default k and check_k, with the model's
+    rule. Condensing a set this operation produced, with the same settings and nothing
+    changed since, returns it unchanged (the operation is idempotent): a second pass would
+    judge the kept references without the removed ones that they vouch for."""
+    from training.condense import condense
+
+    parent = load_model(model)
+    check_k = parent.default_k + 2 if check_k is None else int(check_k)
+    if check_k < 1 or edit_k < 0:
+        raise ReferenceError(f"--check-k must be >= 1 and --edit-k >= 0, got {check_k}, {edit_k}")
+    settings = {"check_k": check_k, "edit_k": edit_k, "seed": seed}
+    classes = parent.classes
+    z, y = np.asarray(parent.embeddings), np.asarray(parent.labels, dtype=np.int64)
+    last = (parent.manifest.get("lineage") or [{}])[-1]
+    if last.get("operation") == "condense" and last.get("settings") == settings:
+        keep, counts = (
+            np.ones(len(z), dtype=bool),
+            {"removed_by_editing": 0, "removed_by_condensing": 0},
+        )
+    else:
+        keep, counts = condense(z, y, len(classes), **settings)
+    ks = tuple(sorted({1, parent.default_k, check_k}))
+    evaluations = {}
+    if parent.validation_embeddings is not None and len(parent.validation_embeddings):
+        evaluations["validation"] = (parent.validation_embeddings, parent.validation_labels)
+    if X_test is not None:
+        try:
+            X_test, y_test = validate_xy(X_test, y_test, what="--data")
+        except DataError as exc:
+            raise ReferenceError(str(exc)) from exc
+        if X_test.shape[1] != parent.n_features_in:
+            raise ReferenceError(
+                f"--data has {X_test.shape[1]} features, the model expects {parent.n_features_in}"
+            )
+        unknown = [v for v in dict.fromkeys(y_test.tolist()) if v not in classes]
+        if unknown:
+            raise ReferenceError(f"--data has labels the model does not know: {unknown[:10]}")
+        index_of = {c: i for i, c in enumerate(classes)}
+        evaluations["test"] = (
+            project(X_test, parent.projection, parent.offset),
+            np.array([index_of[v] for v in y_test.tolist()]),
+        )
+    accuracy = {
+        name: {
+            "before": _accuracies(z, y, zq, yq, len(classes), ks, parent.decision_rule),
+            "after": _accuracies(z[keep], y[keep], zq, yq, len(classes), ks, parent.decision_rule),
+        }
+        for name, (zq, yq) in evaluations.items()
+    }
+    n_after = int(keep.sum())
+    entry = {
+        "operation": "condense",
+        "method": "Wilson editing then k-NN condensing" if edit_k else "k-NN condensing (Hart)",
+        "settings": settings,
+        "rows_before": len(z),
+        "rows_after": n_after,
+        **counts,
+        "accuracy": accuracy,
+    }
+    default_k = parent.default_k
+    if n_after < default_k:
+        entry["default_k_lowered"] = [default_k, n_after]
+        default_k = n_after
+    path = write_version(
+        parent,
+        out,
+        embeddings=z[keep],
+        labels=y[keep],
+        ids=parent.ids[keep],
+        classes=classes,
+        entry=entry,
+        default_k=default_k,
+    )
+    return {**entry, "artifact": str(path)}

@@ -1,4 +1,4 @@
-"""``python -m training references {add,remove} ...``: reference-set changes from the shell.
+"""``python -m training references {add,remove,condense} ...``: reference-set changes.
 
 Each command writes a new artifact version at ``--out`` (atomically) and, with
 ``--publish LINK``, repoints that symlink at it afterwards, as the training job does. It prints
@@ -16,7 +16,12 @@ import numpy as np
 
 from training.data import DataError, load_dataset
 from training.job import ConfigError, check_publish_link, publish
-from training.references import ReferenceError, add_references, remove_references
+from training.references import (
+    ReferenceError,
+    add_references,
+    condense_references,
+    remove_references,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,7 +48,28 @@ def build_parser() -> argparse.ArgumentParser:
     remove.add_argument(
         "--ids-file", help="a .npy file of int64 ids, or a text file with one id per line"
     )
-    for command in (add, remove):
+    condense = commands.add_parser(
+        "condense", help="keep only the references the k-NN decision needs (data editing)"
+    )
+    condense.add_argument("--model", required=True, help="the artifact directory to start from")
+    condense.add_argument(
+        "--check-k",
+        type=int,
+        help="a removed reference must have this many nearest kept references, all of its "
+        "label (default: the model's default k + 2)",
+    )
+    condense.add_argument(
+        "--edit-k", type=int, default=0, help="Wilson editing with this k first (0: none)"
+    )
+    condense.add_argument("--seed", type=int, default=0, help="the order of the passes")
+    condense.add_argument(
+        "--data",
+        help="a labelled test set (raw inputs) to report accuracy before and after on; from "
+        "an .npz, its X_test and y_test when it has them",
+    )
+    condense.add_argument("--labels", help="label file (.npy) when --data is a .npy file")
+    condense.add_argument("--label-column", help="CSV label column")
+    for command in (add, remove, condense):
         command.add_argument("--out", required=True, help="where to write the new version")
         command.add_argument("--publish", help="symlink to repoint at --out afterwards")
     return parser
@@ -76,6 +102,24 @@ def run(args: argparse.Namespace) -> dict:
         data = load_dataset(args.data, labels=args.labels, label_column=args.label_column)
         ids = None if args.ids is None else _ids_file(args.ids, "--ids")
         summary = add_references(args.model, data.X, data.y, out=args.out, ids=ids)
+    elif args.command == "condense":
+        X_test = y_test = None
+        if args.data:
+            data = load_dataset(args.data, labels=args.labels, label_column=args.label_column)
+            # an .npz with a test split (X_test, y_test) is scored on that split
+            if data.X_test is not None:
+                X_test, y_test = data.X_test, data.y_test
+            else:
+                X_test, y_test = data.X, data.y
+        summary = condense_references(
+            args.model,
+            out=args.out,
+            check_k=args.check_k,
+            edit_k=args.edit_k,
+            seed=args.seed,
+            X_test=X_test,
+            y_test=y_test,
+        )
     else:
         ids = _ids_from_text(args.ids, "--ids")
         if args.ids_file:
