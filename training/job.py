@@ -31,6 +31,7 @@ from training.data import (
 from training.distributed import ProcessGroup, current_group, shard_bounds
 from training.estimator import NCA
 from training.evaluate import K_VALUES, choose_k, knn_accuracies, knn_predictions
+from training.outliers import calibrate, outlier_report
 from training.report import json_bytes, plot_embedding, plot_objective
 from training.sharded_stats import gather_array
 
@@ -296,6 +297,7 @@ class Evaluation:
     test_predictions: np.ndarray  # (n_test,) class indices at default_k
     baselines: dict  # name -> accuracies (training.baselines)
     train_digests: np.ndarray  # (n_train, 32) uint8: sha256 of each training row
+    outlier_calibration: dict | None = None  # training.outliers.calibrate on validation
 
 
 BASELINES_SKIPPED = (
@@ -350,6 +352,7 @@ def evaluate(
         predictions[default_k],
         baselines,
         digests,
+        calibrate(z_train, z_val),
     )
 
 
@@ -387,6 +390,13 @@ def build_report(
         "val_accuracy_at_default_k": ev.val_accuracy.get(ev.default_k),
         "test_accuracy_at_default_k": ev.test_accuracy.get(ev.default_k),
         "baselines": ev.baselines,
+        # test points farther from every reference than the calibrated 0.99-quantile
+        "outliers": outlier_report(
+            ev.outlier_calibration,
+            ev.z_train,
+            ev.z_test,
+            ev.test_predictions == split.y_test,
+        ),
     }
     data_record = {
         "name": data_name,
@@ -446,6 +456,7 @@ def save_artifact(
             "training": training_record,
             "metrics": report["metrics"],
             "data": report["data"],
+            "outlier_calibration": ev.outlier_calibration,
         },
     )
 

@@ -40,6 +40,7 @@ from service.artifact import (
 )
 from service.knn import project
 from training.data import DataError, validate_xy
+from training.outliers import calibrate
 
 
 class ReferenceError(ValueError):
@@ -88,6 +89,9 @@ def write_version(
     operation and its counts) is appended to the lineage with the parent's version and the
     time."""
     kept = {k: v for k, v in parent.manifest.items() if k not in OWNED_MANIFEST_KEYS}
+    if parent.validation_embeddings is not None and len(parent.validation_embeddings):
+        # "far" is measured against the references: recalibrate on the new set
+        kept["outlier_calibration"] = calibrate(embeddings, parent.validation_embeddings)
     lineage = [
         *parent.manifest.get("lineage", []),
         {**entry, "parent_version": parent.version, "at": _now()},
