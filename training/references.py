@@ -74,6 +74,29 @@ def _checked_ids(ids, n: int, what: str) -> np.ndarray:
     return array
 
 
+def _checked_rows(parent: Artifact, X, y) -> tuple[np.ndarray, np.ndarray]:
+    """Rows (n, D) and labels (n,) given with --data, checked as the training job checks
+    data, with D the model's."""
+    try:
+        X, y = validate_xy(X, y, what="--data")
+    except DataError as exc:
+        raise ReferenceError(str(exc)) from exc
+    if X.shape[1] != parent.n_features_in:
+        raise ReferenceError(
+            f"--data has {X.shape[1]} features, the model expects {parent.n_features_in}"
+        )
+    return X, y
+
+
+def _default_k_for(parent: Artifact, n_after: int, entry: dict) -> int:
+    """The parent's default k, lowered to the number of references left when fewer remain
+    (recorded in the lineage entry)."""
+    if n_after < parent.default_k:
+        entry["default_k_lowered"] = [parent.default_k, n_after]
+        return n_after
+    return parent.default_k
+
+
 def write_version(
     parent: Artifact,
     out: str | Path,
@@ -132,14 +155,7 @@ def add_references(
     Returns a summary: rows before / added / after, the ids given to the new rows (first and
     last), new classes and warnings."""
     parent = load_model(model)
-    try:
-        X, y = validate_xy(X, y, what="--data")
-    except DataError as exc:
-        raise ReferenceError(str(exc)) from exc
-    if X.shape[1] != parent.n_features_in:
-        raise ReferenceError(
-            f"--data has {X.shape[1]} features, the model expects {parent.n_features_in}"
-        )
+    X, y = _checked_rows(parent, X, y)
     if len(X) == 0:
         raise ReferenceError("--data has no rows to add")
     classes = list(parent.classes)
@@ -218,10 +234,7 @@ def remove_references(model: str | Path, ids, *, out: str | Path) -> dict:
     emptied = [classes[i] for i in np.flatnonzero((before > 0) & (after == 0))]
     if emptied:
         entry["classes_emptied"] = emptied
-    default_k = parent.default_k
-    if n_after < default_k:
-        entry["default_k_lowered"] = [default_k, n_after]
-        default_k = n_after
+    default_k = _default_k_for(parent, n_after, entry)
     path = write_version(
         parent,
         out,
@@ -286,14 +299,7 @@ def condense_references(
     if parent.validation_embeddings is not None and len(parent.validation_embeddings):
         evaluations["validation"] = (parent.validation_embeddings, parent.validation_labels)
     if X_test is not None:
-        try:
-            X_test, y_test = validate_xy(X_test, y_test, what="--data")
-        except DataError as exc:
-            raise ReferenceError(str(exc)) from exc
-        if X_test.shape[1] != parent.n_features_in:
-            raise ReferenceError(
-                f"--data has {X_test.shape[1]} features, the model expects {parent.n_features_in}"
-            )
+        X_test, y_test = _checked_rows(parent, X_test, y_test)
         unknown = [v for v in dict.fromkeys(y_test.tolist()) if v not in classes]
         if unknown:
             raise ReferenceError(f"--data has labels the model does not know: {unknown[:10]}")
@@ -319,10 +325,7 @@ def condense_references(
         **counts,
         "accuracy": accuracy,
     }
-    default_k = parent.default_k
-    if n_after < default_k:
-        entry["default_k_lowered"] = [default_k, n_after]
-        default_k = n_after
+    default_k = _default_k_for(parent, n_after, entry)
     path = write_version(
         parent,
         out,

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from service.artifact import read_artifact
-from tests.service.conftest import build_model_artifact, digits_like_split
 from training.cli import main as cli_main
 from training.condense import condense, condensed_keep, wilson_keep
 from training.references import ReferenceError, condense_references
@@ -50,11 +49,8 @@ def test_wilson_removes_a_planted_mislabelled_point_and_keeps_clean_clusters():
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    out = tmp_path_factory.mktemp("condense") / "base"
-    split = digits_like_split()
-    build_model_artifact(out, split)
-    return out, split
+def model(digits_like_model):
+    return digits_like_model
 
 
 def test_condensing_reports_accuracy_writes_fewer_references_and_is_idempotent(model, tmp_path):

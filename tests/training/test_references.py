@@ -13,19 +13,15 @@ from fastapi.testclient import TestClient
 from service.app import create_app
 from service.artifact import read_artifact, write_artifact
 from service.knn import project
-from tests.service.conftest import build_model_artifact, digits_like_split, settings_for
+from tests.service.conftest import settings_for
 from training.cli import main as cli_main
 from training.job import publish
 from training.references import ReferenceError, add_references, remove_references
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    """(artifact path, split): a model on the digits-like split; its test rows are new data."""
-    out = tmp_path_factory.mktemp("refs") / "base"
-    split = digits_like_split()
-    build_model_artifact(out, split)
-    return out, split
+def base(digits_like_model):
+    return digits_like_model
 
 
 def classify(path, rows, k=5, neighbours=True):
