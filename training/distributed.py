@@ -192,17 +192,12 @@ class ShardedProblem(Problem):
         total = ShardedScore.apply(params, self, rows)
         return total / (self._n if rows is None else rows.shape[0])
 
-    def refresh_candidates(self, theta: np.ndarray) -> float:
-        """Each rank finds its own rows' candidates against the gathered Z; the (N, 2K)
-        table is all-gathered. Returns the fraction of points whose set changed."""
-        z = self.embed(self.to_tensor(theta))
+    def find_candidates(self, z: torch.Tensor) -> torch.Tensor:
+        """Each rank finds its own rows' candidates against the gathered Z (N, d); the
+        (N, 2K) table is all-gathered, the same on every rank."""
         own = torch.arange(self.start, self.stop, device=z.device)
         mine = nearest_candidates(z, self.labels, self.n_candidates, rows=own)  # (N_r, 2K)
-        new = gather_rows(mine, self._n, self.group)
-        old, self.candidates = self.candidates, new
-        if old is None or old.shape != new.shape:
-            return 1.0
-        return float((torch.sort(old, 1).values != torch.sort(new, 1).values).any(1).float().mean())
+        return gather_rows(mine, self._n, self.group)
 
     def _rank0(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.X.device)

@@ -115,11 +115,14 @@ class Problem:
         theta = np.asarray(theta, dtype=np.float64).reshape(self.shape)
         return np.diag(theta) if self.transform == "diagonal" else theta
 
+    def find_candidates(self, z: torch.Tensor) -> torch.Tensor:
+        """Every point's candidate set in the embedding z (N, d): (N, 2K)."""
+        return nearest_candidates(z, self.labels, self.n_candidates)
+
     def refresh_candidates(self, theta: np.ndarray) -> float:
         """Recompute candidate sets in the current projection; return the fraction that changed."""
         with torch.no_grad():
-            z = self.embed(self.to_tensor(theta))
-            new = nearest_candidates(z, self.labels, self.n_candidates)
+            new = self.find_candidates(self.embed(self.to_tensor(theta)))
         old, self.candidates = self.candidates, new
         if old is None or old.shape != new.shape:
             return 1.0
