@@ -42,6 +42,7 @@ import datetime as _dt
 import errno
 import hashlib
 import io
+import itertools
 import json
 import os
 import shutil
@@ -56,13 +57,13 @@ from typing import Any
 import numpy as np
 
 from service import __version__
-from service.vocabulary import RULES
+from service.vocabulary import NEIGHBOUR_RULES
 
 SCHEMA_VERSION = 1
 FORMAT_NAME = "nca-knn-artifact"
 MANIFEST_FILE = "manifest.json"
 INDEX_FILE = "index.faiss"
-DECISION_RULES = RULES
+DECISION_RULES = NEIGHBOUR_RULES  # a default rule needs nothing but the neighbours
 
 # name -> (file name, dtype, symbolic shape). Symbols: d components, D features, N references.
 ARRAY_SPECS: dict[str, tuple[str, np.dtype, tuple[str, ...]]] = {
@@ -139,6 +140,14 @@ class Artifact:
     @property
     def decision_rule(self) -> str:
         return str(self.manifest["decision_rule"])
+
+    @property
+    def outlier_calibration(self) -> dict | None:
+        """The manifest's ``outlier_calibration`` (``training.outliers.calibrate``), checked:
+        ``quantiles`` maps q in (0, 1) (as a string) to the q-quantile of held-out points'
+        squared distance to their nearest reference, at least two of them, non-decreasing in
+        q and finite. None when the model was trained without a validation split."""
+        return parse_outlier_calibration(self.manifest.get("outlier_calibration"))
 
     @property
     def version(self) -> str:
@@ -564,7 +573,41 @@ def _parse_manifest(root: Path, data: bytes) -> dict[str, Any]:
         )
     if not isinstance(manifest["files"], dict):
         raise ArtifactError(f"{manifest_path}: 'files' must be an object")
+    try:
+        parse_outlier_calibration(manifest.get("outlier_calibration"))
+    except ArtifactError as exc:
+        raise ArtifactError(f"{manifest_path}: {exc}") from None
     return manifest
+
+
+def parse_outlier_calibration(record: Any) -> dict | None:
+    """``outlier_calibration`` checked (see ``Artifact.outlier_calibration``), with its
+    quantiles as a sorted {float q: float distance}; ArtifactError naming what is wrong."""
+    if record is None:
+        return None
+    where = "manifest outlier_calibration"
+    if not isinstance(record, dict) or not isinstance(record.get("quantiles"), dict):
+        raise ArtifactError(f"{where}: expected an object with a 'quantiles' object")
+    quantiles: dict[float, float] = {}
+    for key, value in record["quantiles"].items():
+        try:
+            q = float(key)
+        except ValueError:
+            raise ArtifactError(f"{where}: quantile {key!r} is not a number") from None
+        if not 0.0 < q < 1.0 or isinstance(value, bool) or not isinstance(value, int | float):
+            raise ArtifactError(
+                f"{where}: quantile {key!r}: {value!r}; expected q in (0, 1) and a number"
+            )
+        if not np.isfinite(value) or value < 0:
+            raise ArtifactError(f"{where}: quantile {key!r} is {value!r}, expected finite >= 0")
+        quantiles[q] = float(value)
+    qs = sorted(quantiles)
+    if len(qs) < 2:
+        raise ArtifactError(f"{where}: needs at least two quantiles, got {len(qs)}")
+    values = [quantiles[q] for q in qs]
+    if any(b < a for a, b in itertools.pairwise(values)):
+        raise ArtifactError(f"{where}: the distances must not decrease with q, got {values}")
+    return {**record, "quantiles": {q: quantiles[q] for q in qs}}
 
 
 def read_manifest(path: str | os.PathLike) -> dict[str, Any]:

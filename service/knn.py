@@ -7,6 +7,9 @@ accuracy the service delivers:
 * :func:`rerank`      exact distances of candidate neighbours, ordered by (distance, id).
 * :func:`exact_knn`   brute-force k nearest references (GEMM candidates, then ``rerank``).
 * :func:`decide`      neighbour labels and distances -> predicted class and probabilities.
+* :func:`outlier_threshold`, :func:`outlier_flags`  "is the nearest neighbour far away?"
+  against the calibrated quantiles of held-out nearest distances (Barber 14.3.1).
+* :class:`FarPrior`   the fictitious per-class component of the ``soft_prior`` rule.
 
 Batch invariance: a row's answer must not depend on which other rows share its batch (the
 service merges concurrent requests). float32 GEMMs and FAISS's distance kernels round
@@ -16,6 +19,8 @@ and ordered by (distance, id). Offline and online answers then agree to the bit.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -175,11 +180,95 @@ def exact_knn_centered(
     return np.einsum("nkd,nkd->nk", diff, diff), out_i
 
 
+def outlier_threshold(quantiles: dict[float, float], quantile: float) -> float:
+    """The squared nearest-reference distance beyond which a query is an outlier at
+    ``quantile``: the calibrated quantile function (``quantiles``, {q: distance} sorted by q,
+    from ``service.artifact.parse_outlier_calibration``) interpolated linearly in q between
+    its stored points. ``quantile`` must lie within the stored range."""
+    qs = np.fromiter(quantiles, dtype=np.float64)
+    if not qs[0] <= quantile <= qs[-1]:
+        raise ValueError(
+            f"outlier quantile must lie in [{qs[0]:g}, {qs[-1]:g}] (the calibrated range), "
+            f"got {quantile!r}"
+        )
+    values = np.fromiter(quantiles.values(), dtype=np.float64)
+    return float(np.interp(quantile, qs, values))
+
+
+def outlier_flags(neighbor_distances: np.ndarray, threshold: float) -> np.ndarray:
+    """(n,) bool: the nearest neighbour (column 0 of the ascending (n, k) squared
+    distances) is farther than ``threshold``."""
+    return np.asarray(neighbor_distances)[:, 0] > threshold
+
+
+@dataclass(frozen=True)
+class Background:
+    """The fictitious component evaluated at n queries: it adds class_priors[c] *
+    exp(log_mass[i]) to class c's score of query i (see :class:`FarPrior`)."""
+
+    class_priors: np.ndarray  # (C,) float64, sums to 1
+    log_mass: np.ndarray  # (n,) float64
+
+    def rows(self, selected) -> Background:
+        return Background(self.class_priors, self.log_mass[selected])
+
+
+@dataclass(frozen=True)
+class FarPrior:
+    """Barber 14.3.1's remedy for a nearest neighbour far away, in the learned space.
+
+    The soft rule is the Parzen classifier of Barber 14.3 with kernel exp(-||z - r||^2)
+    (variance 1/2 in the learned space, NCA's own scale) and priors N_c / N, restricted to
+    the k nearest references: P(c | z) = S_c / S with S_c = sum_{j <= k, y_j = c} e^{-d_j}.
+    Each class gets one more component, the same for every class, at the references'
+    mean mu with a large variance s^2 and weight pi_c = N_c / N::
+
+        score_c(z) = S_c(z) + pi_c * exp(-tau - (||z - mu||^2 - rho^2) / (2 s^2))
+
+    * rho^2 = mean ||r - mu||^2 over the references (their spread), s^2 = max(rho^2, 1):
+      as wide as the data, and wider than the data kernel's 1/2, which makes the component
+      outlast every data term along any ray leaving the data;
+    * tau = the calibrated outlier threshold (the q-quantile of held-out points' squared
+      distance to their nearest reference): at the data's typical radius the component
+      weighs exactly as much as one neighbour at the outlier threshold.
+
+    Then P = lambda * soft + (1 - lambda) * pi with lambda = S / (S + background): for a
+    query whose nearest neighbour is well inside the threshold lambda = 1 - O(e^{d_1 - tau}),
+    so the rule is the soft rule; beyond the data lambda falls monotonically to 0 (each
+    data term decays like e^{-t^2}, the component like e^{-t^2 / (2 s^2)}), so the
+    probabilities tend to the class priors, not to a confident guess.
+    """
+
+    centre: np.ndarray  # (d,) float64, mu
+    radius_sq: float  # rho^2
+    variance: float  # s^2
+    class_priors: np.ndarray  # (C,) float64, N_c / N
+
+    @classmethod
+    def of(cls, references: np.ndarray, labels: np.ndarray, n_classes: int) -> FarPrior:
+        """From the reference embeddings (N, d) and their class indices (N,)."""
+        refs = np.asarray(references, dtype=np.float32)
+        centre = refs.mean(axis=0, dtype=np.float64)
+        spread = refs.astype(np.float64) - centre  # (N, d)
+        radius_sq = float(np.einsum("nd,nd->n", spread, spread).mean())
+        counts = np.bincount(np.asarray(labels, dtype=np.int64), minlength=n_classes)
+        return cls(centre, radius_sq, max(radius_sq, 1.0), counts / counts.sum())
+
+    def background(self, z: np.ndarray, threshold: float) -> Background:
+        """The component at queries z (n, d), for the outlier threshold tau."""
+        diff = np.asarray(z, dtype=np.float32).astype(np.float64) - self.centre  # (n, d)
+        r2 = np.einsum("nd,nd->n", diff, diff)
+        return Background(
+            self.class_priors, -threshold - (r2 - self.radius_sq) / (2 * self.variance)
+        )
+
+
 def decide(
     neighbor_labels: np.ndarray,
     neighbor_distances: np.ndarray,
     n_classes: int,
     rule: str = "majority",
+    background: Background | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The kNN decision rule.
 
@@ -193,6 +282,10 @@ def decide(
     * ``soft``: the NCA rule restricted to the k retrieved neighbours,
       P(c) = sum_{j: y_j = c} exp(-d_j) / sum_j exp(-d_j) (computed with the minimum
       distance subtracted); the prediction is argmax P(c), ties to the smaller index.
+    * ``soft_prior``: the soft rule with the fictitious component of :class:`FarPrior`
+      (``background``, required): P(c) = (S_c + pi_c B) / (S + B). Both terms are scaled
+      by exp(-max(-d_1, log B)) first, so neither overflows however far the query is; with
+      B = 0 it computes exactly what ``soft`` computes.
     """
     labels = np.asarray(neighbor_labels)
     dists = np.asarray(neighbor_distances, dtype=np.float64)
@@ -203,6 +296,8 @@ def decide(
         )
     if rule not in RULES:
         raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+    if rule == "soft_prior" and (background is None or len(background.log_mass) != len(labels)):
+        raise ValueError("rule 'soft_prior' needs the background component of every row")
     n, k = labels.shape
     if n == 0:
         return np.empty(0, dtype=np.int64), np.empty((0, n_classes), dtype=np.float64)
@@ -210,12 +305,20 @@ def decide(
         raise ValueError("decide needs at least one neighbour per query (k >= 1)")
     rows = np.repeat(np.arange(n), k)
     cols = labels.reshape(-1).astype(np.int64)
+    extra = None
     if rule == "majority":
         weights = np.ones((n, k), dtype=np.float64)
-    else:
+    elif rule == "soft":
         weights = np.exp(-(dists - dists.min(axis=1, keepdims=True)))
+    else:  # soft_prior: scale so that the larger of e^{-d_1} and B becomes 1
+        log_mass = np.asarray(background.log_mass, dtype=np.float64)  # (n,)
+        shift = np.maximum(-dists.min(axis=1), log_mass)  # (n,)
+        weights = np.exp(-dists - shift[:, None])
+        extra = np.exp(log_mass - shift)[:, None] * background.class_priors[None, :]  # (n, C)
     scores = np.zeros((n, n_classes), dtype=np.float64)
     np.add.at(scores, (rows, cols), weights.reshape(-1))
+    if extra is not None:
+        scores += extra
     proba = scores / scores.sum(axis=1, keepdims=True)
     if rule == "majority":
         # first_rank[i, c]: position of the nearest neighbour of class c (k when absent).

@@ -15,6 +15,9 @@ class DecisionRule(str, enum.Enum):
 
     MAJORITY = "majority"  # the most frequent label; ties go to the nearest tied neighbour
     SOFT = "soft"  # NCA's softmax of minus squared distances over the k neighbours
+    # the soft rule plus a per-class component at the data's mean (Barber 14.3.1): far from
+    # every reference the probabilities tend to the class priors (needs the outlier calibration)
+    SOFT_PRIOR = "soft_prior"
 
 
 class IndexKind(str, enum.Enum):
@@ -27,5 +30,8 @@ class IndexKind(str, enum.Enum):
 
 
 RULES: tuple[str, ...] = tuple(rule.value for rule in DecisionRule)
+# the rules that need nothing but the neighbours: an artifact's default rule and the rule that
+# scores validation during training (soft_prior needs a calibration made after training)
+NEIGHBOUR_RULES: tuple[str, ...] = (DecisionRule.MAJORITY.value, DecisionRule.SOFT.value)
 INDEX_KINDS: tuple[str, ...] = tuple(kind.value for kind in IndexKind)
 IVF_KINDS: tuple[str, ...] = (IndexKind.IVF.value, IndexKind.IVFPQ.value)  # probe with nprobe

@@ -166,7 +166,7 @@ def test_the_cycle_finder_finds_a_cycle():
 
 
 def test_rule_and_index_names_are_listed_only_in_the_vocabulary():
-    """No tuple, list or set of string constants that spells out the decision rules or two
+    """No tuple, list or set of string constants that spells out two or more decision rules or two
     or more index kinds anywhere but service/vocabulary.py (they derive from its enums)."""
     from service.vocabulary import INDEX_KINDS, RULES
 
@@ -178,7 +178,7 @@ def test_rule_and_index_names_are_listed_only_in_the_vocabulary():
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
                     values = {e.value for e in node.elts if isinstance(e, ast.Constant)}
-                    if set(RULES) <= values or len(values & set(INDEX_KINDS)) >= 2:
+                    if len(values & set(RULES)) >= 2 or len(values & set(INDEX_KINDS)) >= 2:
                         offenders.append(f"{path.name}:{node.lineno}")
     assert offenders == []
 

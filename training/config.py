@@ -15,7 +15,7 @@ import argparse
 import inspect
 from dataclasses import MISSING, asdict, dataclass, field, fields
 
-from service.vocabulary import RULES, DecisionRule
+from service.vocabulary import NEIGHBOUR_RULES, DecisionRule
 from training.estimator import NCA
 
 ESTIMATOR_DEFAULTS = {
@@ -117,7 +117,7 @@ class TrainConfig:
     device: str = _shared("device", "auto (CUDA when available), cpu, cuda, cuda:N")
     decision_rule: str = _opt(
         DecisionRule.MAJORITY.value,
-        f"default decision rule in the artifact: {' or '.join(RULES)}",
+        f"default decision rule in the artifact: {' or '.join(NEIGHBOUR_RULES)} (soft_prior is chosen per request)",
     )
     plots: bool = _opt(True, "write PNG plots beside the artifact")
     quiet: bool = _opt(False, "no per-iteration table")

@@ -29,7 +29,8 @@ from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import check_is_fitted, validate_data
 from threadpoolctl import threadpool_limits
 
-from service.knn import RULES, project
+from service.knn import project
+from service.vocabulary import NEIGHBOUR_RULES
 from training import sharded_stats
 from training.data import STANDARDIZERS, choose_standardizer, stratified_split
 from training.distributed import ShardedProblem, current_group, shard_bounds
@@ -346,8 +347,10 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         positive_int("n_iter_no_change", self.n_iter_no_change)
         for vk in self._validation_ks(n_samples):
             positive_int("validation_k", vk)
-        if self.validation_rule not in RULES:
-            raise ValueError(f"validation_rule={self.validation_rule!r} must be one of {RULES}")
+        if self.validation_rule not in NEIGHBOUR_RULES:
+            raise ValueError(
+                f"validation_rule={self.validation_rule!r} must be one of {NEIGHBOUR_RULES}"
+            )
         positive_int("validation_interval", self.validation_interval)
         if isinstance(self.init, (str, os.PathLike)) and str(self.init) not in INIT_NAMES:
             if not os.path.isdir(self.init):

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from service.knn import decide, exact_knn
+from service.knn import FarPrior, decide, exact_knn
+from service.vocabulary import DecisionRule
 
 K_VALUES = (1, 3, 5, 7, 9, 11, 13, 15)
 
@@ -21,18 +22,26 @@ def knn_predictions(
     n_classes: int,
     ks: tuple[int, ...] = K_VALUES,
     rule: str = "majority",
+    outlier_threshold: float | None = None,
 ) -> dict[int, np.ndarray]:
     """Predicted class indices for each k: {k: (n_query,) int64}.
 
     z_ref: (N, d) reference embeddings, y_ref: (N,) class indices, z_query: (n, d).
-    Values of k above N are dropped. One neighbour search serves every k.
+    Values of k above N are dropped. One neighbour search serves every k. The
+    ``soft_prior`` rule needs the outlier threshold (``training.outliers.threshold_of``);
+    its component is built from the references as the service builds it.
     """
     ks = tuple(k for k in ks if k <= len(z_ref))
     if len(z_query) == 0 or not ks:
         return {k: np.empty(0, dtype=np.int64) for k in ks}
+    background = None
+    if rule == DecisionRule.SOFT_PRIOR.value:
+        if outlier_threshold is None:
+            raise ValueError("rule 'soft_prior' needs outlier_threshold")
+        background = FarPrior.of(z_ref, y_ref, n_classes).background(z_query, outlier_threshold)
     dist, idx = exact_knn(z_query, z_ref, max(ks))
     labels = y_ref[idx]
-    return {k: decide(labels[:, :k], dist[:, :k], n_classes, rule)[0] for k in ks}
+    return {k: decide(labels[:, :k], dist[:, :k], n_classes, rule, background)[0] for k in ks}
 
 
 def knn_accuracies(

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from service.artifact import write_artifact
 from service.knn import project
-from service.vocabulary import RULES
+from service.vocabulary import NEIGHBOUR_RULES
 from training.baselines import BASELINES
 from training.config import TrainConfig
 from training.data import (
@@ -58,8 +58,11 @@ def _n_candidates(value: str):
 
 def build_estimator(config: TrainConfig, n_features: int) -> NCA:
     d = config.n_components if config.n_components is not None else min(32, n_features)
-    if config.decision_rule not in RULES:
-        raise ConfigError(f"--decision-rule={config.decision_rule!r} must be one of {list(RULES)}")
+    if config.decision_rule not in NEIGHBOUR_RULES:
+        raise ConfigError(
+            f"--decision-rule={config.decision_rule!r} must be one of {list(NEIGHBOUR_RULES)} "
+            "(soft_prior needs the outlier calibration made after training: ask for it per request)"
+        )
     return NCA(
         n_components=d,
         objective=config.objective,
@@ -394,8 +397,12 @@ def build_report(
         "outliers": outlier_report(
             ev.outlier_calibration,
             ev.z_train,
+            ev.y_train,
             ev.z_test,
-            ev.test_predictions == split.y_test,
+            split.y_test,
+            len(split.classes),
+            ev.default_k,
+            config.decision_rule,
         ),
     }
     data_record = {

@@ -7,16 +7,27 @@ reference in the learned space, the same distance the service reports for neighb
 quantiles of those distances go into the manifest (``outlier_calibration``); a query whose
 nearest reference is farther than the q-quantile is, by construction, rarer than a fraction
 1 - q of in-distribution queries. The offline evaluation reports the rate of such queries
-on the test split and the accuracy on flagged and unflagged points.
+on the test split and the accuracy on flagged and unflagged points, with the same
+functions the service flags with (``service.knn.outlier_threshold`` / ``outlier_flags``),
+and what the ``soft_prior`` rule (``service.knn.FarPrior``) does to the confidence of the
+flagged points.
+
+The quantile function is stored on a grid (:data:`QUANTILES`), dense in the tail where
+thresholds are chosen; the service interpolates it linearly in q between grid points, so
+any quantile in [0.5, 0.999] can be asked for per request.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from service.knn import exact_knn
+from service.artifact import parse_outlier_calibration
+from service.knn import FarPrior, decide, exact_knn, outlier_flags, outlier_threshold
+from service.vocabulary import DecisionRule
 
-QUANTILES = (0.5, 0.9, 0.95, 0.99, 0.999)
+SOFT, SOFT_PRIOR = DecisionRule.SOFT.value, DecisionRule.SOFT_PRIOR.value
+
+QUANTILES = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.96, 0.97, 0.98, 0.99, 0.995, 0.999)
 DEFAULT_QUANTILE = 0.99
 
 
@@ -43,28 +54,54 @@ def calibrate(z_references: np.ndarray, z_validation: np.ndarray) -> dict | None
     }
 
 
+def threshold_of(calibration: dict, quantile: float = DEFAULT_QUANTILE) -> float:
+    """The squared distance beyond which a point is flagged at ``quantile`` (as served)."""
+    return outlier_threshold(parse_outlier_calibration(calibration)["quantiles"], quantile)
+
+
 def outlier_report(
     calibration: dict | None,
     z_references: np.ndarray,
+    y_references: np.ndarray,
     z_test: np.ndarray,
-    correct: np.ndarray,
+    y_test: np.ndarray,
+    n_classes: int,
+    k: int,
+    rule: str,
     quantile: float = DEFAULT_QUANTILE,
 ) -> dict | None:
-    """Test points beyond the calibrated ``quantile``: their rate, and accuracy on flagged
-    and unflagged points (``correct`` (n,) bool: the served prediction was right)."""
+    """Test points beyond the calibrated ``quantile``: their rate, the served rule's
+    accuracy on flagged and unflagged points, and on the flagged ones the mean top
+    probability under ``soft`` and under ``soft_prior`` (how confident the answers far
+    from the data are, and how much the prior rule tempers them), with k neighbours."""
     if calibration is None or len(z_test) == 0:
         return None
-    threshold = calibration["quantiles"][str(quantile)]
-    flagged = nearest_sq_distances(z_references, z_test) > threshold
+    threshold = threshold_of(calibration, quantile)
+    k = min(k, len(z_references))
+    dist, idx = exact_knn(np.asarray(z_test), np.asarray(z_references), k)
+    labels = np.asarray(y_references)[idx]
+    flagged = outlier_flags(dist, threshold)
+    background = FarPrior.of(z_references, y_references, n_classes).background(z_test, threshold)
+    decisions = {
+        name: decide(labels, dist, n_classes, name, background if name == SOFT_PRIOR else None)
+        for name in {rule, SOFT, SOFT_PRIOR}
+    }
+    correct = decisions[rule][0] == np.asarray(y_test)
 
-    def accuracy(mask):
-        return float(correct[mask].mean()) if mask.any() else None
+    def mean(values, mask):
+        return float(values[mask].mean()) if mask.any() else None
 
     return {
         "quantile": quantile,
         "threshold": threshold,
+        "k": k,
+        "rule": rule,
         "n_flagged": int(flagged.sum()),
         "rate": float(flagged.mean()),
-        "accuracy_flagged": accuracy(flagged),
-        "accuracy_unflagged": accuracy(~flagged),
+        "accuracy_flagged": mean(correct, flagged),
+        "accuracy_unflagged": mean(correct, ~flagged),
+        "soft_prior_accuracy_flagged": mean(decisions[SOFT_PRIOR][0] == y_test, flagged),
+        "confidence_flagged": {
+            name: mean(decisions[name][1].max(axis=1), flagged) for name in (SOFT, SOFT_PRIOR)
+        },
     }

@@ -32,11 +32,18 @@ def test_quantiles_are_those_of_the_nearest_reference_distances():
 def test_in_distribution_points_are_flagged_at_about_the_chosen_rate_and_far_ones_always():
     refs, val, test = gaussian(2000, 0), gaussian(2000, 1), gaussian(8000, 2)
     calibration = calibrate(refs, val)
-    correct = np.ones(len(test), dtype=bool)
-    near = outlier_report(calibration, refs, test, correct, quantile=0.99)
+    y_refs, y_test = np.zeros(len(refs), np.int64), np.zeros(len(test), np.int64)
+
+    def report(queries, quantile=0.99):
+        return outlier_report(
+            calibration, refs, y_refs, queries, y_test, 2, 5, "majority", quantile
+        )
+
+    near = report(test)
     assert 0.003 < near["rate"] < 0.03  # about 1 - 0.99
-    assert outlier_report(calibration, refs, test, correct, quantile=0.9)["rate"] > near["rate"]
-    far = outlier_report(calibration, refs, test * 50.0 + 100.0, correct)
+    assert report(test, quantile=0.9)["rate"] > near["rate"]
+    assert report(test, quantile=0.93)["rate"] > near["rate"]  # between grid points
+    far = report(test * 50.0 + 100.0)
     assert far["rate"] == 1.0 and far["accuracy_unflagged"] is None
 
 
@@ -53,6 +60,10 @@ def test_the_job_records_the_calibration_and_the_test_outliers(tmp_path):
     report = manifest["metrics"]["outliers"]
     assert report["quantile"] == 0.99 and report["threshold"] == calibration["quantiles"]["0.99"]
     assert 0 <= report["rate"] < 0.05
+    # far from the data the prior rule is less sure than the soft rule
+    confidence = report["confidence_flagged"]
+    if report["n_flagged"]:
+        assert confidence["soft_prior"] <= confidence["soft"]
 
 
 def test_changing_the_references_recalibrates(tmp_path):
