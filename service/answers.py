@@ -7,7 +7,9 @@ readable with ``numpy.load(io.BytesIO(body), allow_pickle=False)``:
 
 * ``/v1/classify``: ``label`` (the class, int64 when every class is an integer, else a
   unicode string), ``probabilities`` (C,) float64 in the order of ``GET /v1/model``'s
-  ``classes``; with neighbours also ``neighbor_ids`` (k,) int64, ``neighbor_labels`` (k,)
+  ``classes``, ``nearest_distance`` float64 (squared, to the nearest reference) and
+  ``outlier`` bool (beyond the calibrated threshold; absent when the model has no
+  calibration, where JSON says null); with neighbours also ``neighbor_ids`` (k,) int64, ``neighbor_labels`` (k,)
   and ``neighbor_distances`` (k,) float64 (squared Euclidean, ascending).
 * ``/v1/neighbors``: ``ids`` (k,), ``labels`` (k,) and ``distances`` (k,).
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from service.engine import Answer, LoadedModel
+from service.knn import outlier_flags
 from service.payload import npy_bytes
 
 INT64 = np.iinfo(np.int64)
@@ -42,15 +45,31 @@ def neighbor_lists(
     ]
 
 
-def classify_json(model: LoadedModel, answer: Answer, with_neighbors: bool) -> dict:
-    """The JSON answer of /v1/classify: a label and a {class: probability} per instance,
-    and the neighbours when asked."""
+def outliers(answer: Answer, threshold: float | None) -> np.ndarray | None:
+    """(n,) bool: each row's nearest reference is beyond ``threshold`` (None: no
+    calibration, nothing to flag against)."""
+    return None if threshold is None else outlier_flags(answer.distances, threshold)
+
+
+def classify_json(
+    model: LoadedModel, answer: Answer, with_neighbors: bool, threshold: float | None
+) -> dict:
+    """The JSON answer of /v1/classify: a label, a {class: probability}, the nearest
+    distance and the outlier flag per instance, and the neighbours when asked."""
     names, classes = model.class_names, model.classes
     proba = answer.probabilities.tolist()
+    nearest = answer.distances[:, 0].tolist()
+    flags = outliers(answer, threshold)
+    flags = [None] * len(nearest) if flags is None else flags.tolist()
     neighbors = neighbor_lists(model, answer.distances, answer.indices) if with_neighbors else None
     predictions = []
     for i, c in enumerate(answer.predicted.tolist()):
-        item = {"label": classes[c], "probabilities": dict(zip(names, proba[i], strict=True))}
+        item = {
+            "label": classes[c],
+            "probabilities": dict(zip(names, proba[i], strict=True)),
+            "nearest_distance": nearest[i],
+            "outlier": flags[i],
+        }
         if neighbors is not None:
             item["neighbors"] = neighbors[i]
         predictions.append(item)
@@ -95,11 +114,17 @@ def _neighbour_columns(
     ]
 
 
-def classify_npy(model: LoadedModel, answer: Answer, with_neighbors: bool) -> bytes:
+def classify_npy(
+    model: LoadedModel, answer: Answer, with_neighbors: bool, threshold: float | None
+) -> bytes:
     fields = [
         ("label", class_array(model.classes)[answer.predicted]),  # (n,)
         ("probabilities", np.asarray(answer.probabilities, dtype=np.float64)),  # (n, C)
+        ("nearest_distance", np.asarray(answer.distances[:, 0], dtype=np.float64)),  # (n,)
     ]
+    flags = outliers(answer, threshold)
+    if flags is not None:
+        fields.append(("outlier", flags))  # (n,) bool
     if with_neighbors:
         fields += _neighbour_columns(model, answer, "neighbor_", plural=True)
     return npy_bytes(_records(fields))

@@ -25,6 +25,9 @@ import numpy as np
 
 from service.engine import Answer, embedding_overflow, non_finite_rows
 from service.knn import decide, project
+from service.vocabulary import DecisionRule
+
+SOFT_PRIOR = DecisionRule.SOFT_PRIOR.value
 
 
 @dataclass
@@ -34,6 +37,7 @@ class Job:
     k: int
     rule: str | None  # the decision rule, or None for neighbours only
     future: asyncio.Future
+    threshold: float | None = None  # the outlier threshold setting the soft_prior rule
     enqueued: float = field(default_factory=time.perf_counter)
 
 
@@ -66,10 +70,18 @@ class Batcher:
             self._task = None
         self._executor.shutdown(wait=True)
 
-    async def answer(self, model, rows: np.ndarray, k: int, rule: str | None = None) -> Answer:
-        """The k neighbours of raw rows (n, D), and the decision by ``rule`` when given."""
+    async def answer(
+        self,
+        model,
+        rows: np.ndarray,
+        k: int,
+        rule: str | None = None,
+        threshold: float | None = None,
+    ) -> Answer:
+        """The k neighbours of raw rows (n, D), and the decision by ``rule`` when given
+        (``threshold``: the outlier threshold of the soft_prior rule)."""
         future = asyncio.get_running_loop().create_future()
-        self._queue.put_nowait(Job(model, rows, k, rule, future))
+        self._queue.put_nowait(Job(model, rows, k, rule, future, threshold=threshold))
         return await future
 
     async def _run(self) -> None:
@@ -126,6 +138,13 @@ def _groups(jobs: list[Job]) -> list[list[Job]]:
     return list(groups.values())
 
 
+def _decision_key(job: Job) -> tuple[str, float | None] | None:
+    """Jobs with equal keys share one decision: the rule, and for soft_prior its threshold."""
+    if job.rule is None:
+        return None
+    return (job.rule, job.threshold if job.rule == SOFT_PRIOR else None)
+
+
 def _run_group(group: list[Job]) -> list[Answer | Exception]:
     """One projection, one search and one decision per rule for jobs on the same (model, k).
 
@@ -159,20 +178,26 @@ def _run_group(group: list[Job]) -> list[Answer | Exception]:
         n = len(group[i].rows)
         spans.append((i, start, start + n))
         start += n
-    rules = {group[i].rule for i in served} - {None}
+    keys = {_decision_key(group[i]) for i in served} - {None}
     predicted = probabilities = None
-    if rules:
+    if keys:
         predicted = np.zeros(len(distances), dtype=np.int64)
         probabilities = np.zeros((len(distances), len(model.classes)), dtype=np.float64)
-        for rule in rules:
-            if len(rules) == 1 and all(group[i].rule == rule for i in served):
+        for key in keys:
+            if len(keys) == 1 and all(_decision_key(group[i]) == key for i in served):
                 selected = slice(None)
             else:
                 selected = np.concatenate(
-                    [np.arange(a, b) for i, a, b in spans if group[i].rule == rule]
+                    [np.arange(a, b) for i, a, b in spans if _decision_key(group[i]) == key]
                 )
+            rule, threshold = key
+            background = model.background(z[selected], rule, threshold)
             p, proba = decide(
-                model.labels[indices[selected]], distances[selected], len(model.classes), rule
+                model.labels[indices[selected]],
+                distances[selected],
+                len(model.classes),
+                rule,
+                background,
             )
             predicted[selected], probabilities[selected] = p, proba
     answer = Answer(distances, indices, predicted, probabilities)

@@ -83,10 +83,18 @@ class Settings(BaseSettings):
         512, ge=1, description="requests computing at once; more are refused with 429"
     )
     max_k: int = Field(256, ge=1, description="largest k a request may ask for (422)")
+    outlier_quantile: float = Field(
+        0.99,
+        ge=0.5,
+        le=0.999,
+        description="a prediction is flagged as an outlier when its nearest reference is "
+        "farther than this quantile of held-out points' nearest distances (the model's "
+        "calibration); a request may ask for another",
+    )
     max_response_values: int = Field(
         1_048_576,
         ge=1,
-        description="most numbers in one JSON answer: rows x (classes + 3 k with neighbours) "
+        description="most numbers in one JSON answer: rows x (classes + 2 + 3 k with neighbours) "
         "for classify, rows x 3 k for neighbors, rows x d for embed (413 before any search)",
     )
 

@@ -26,6 +26,7 @@ from service.artifact import (
     Artifact,
     ArtifactError,
     artifact_fingerprint,
+    parse_outlier_calibration,
     read_artifact,
 )
 from service.config import Settings
@@ -38,8 +39,10 @@ from service.index import (
     reference_norm_limit,
     search_with_recheck,
 )
-from service.knn import RULES, decide, project
-from service.vocabulary import IVF_KINDS
+from service.knn import RULES, Background, FarPrior, decide, outlier_threshold, project
+from service.vocabulary import IVF_KINDS, DecisionRule
+
+SOFT_PRIOR = DecisionRule.SOFT_PRIOR.value
 
 log = logging.getLogger("service.engine")
 FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -107,6 +110,11 @@ class LoadedModel:
     search_plan: IndexParams = field(default_factory=IndexParams)  # incl. the recheck stage
     # called with (far rows, under-filled rows) after a search that used the exact fallback
     on_fallback: Callable[[int, int], None] | None = None
+    # the calibrated quantile function of held-out nearest distances {q: squared distance},
+    # None when the model was trained without a validation split (service.knn.outlier_*)
+    outlier_quantiles: dict[float, float] | None = None
+    default_outlier_quantile: float = 0.99  # the setting outlier_quantile
+    far_prior: FarPrior | None = None  # the soft_prior rule's component (service.knn)
 
     @property
     def version(self) -> str:
@@ -134,6 +142,34 @@ class LoadedModel:
             raise InvalidInput(
                 f"k={k} must lie in [1, {self.n_references}] (the number of reference points)"
             )
+
+    def outlier_threshold(self, quantile: float | None = None) -> float | None:
+        """The squared nearest distance beyond which a query is an outlier at ``quantile``
+        (default: the setting), or None when the model has no calibration. InvalidInput
+        when the quantile is outside the calibrated range."""
+        if self.outlier_quantiles is None:
+            return None
+        q = self.default_outlier_quantile if quantile is None else quantile
+        try:
+            return outlier_threshold(self.outlier_quantiles, q)
+        except ValueError as exc:
+            raise InvalidInput(str(exc)) from None
+
+    def check_rule(self, rule: str | None, threshold: float | None) -> None:
+        """InvalidInput when ``rule`` cannot be served: soft_prior on a model without an
+        outlier calibration (nothing to set its component from)."""
+        if rule == SOFT_PRIOR and (threshold is None or self.far_prior is None):
+            raise InvalidInput(
+                "rule 'soft_prior' needs the model's outlier calibration, and this model has "
+                "none (it was trained without a validation split); use 'majority' or 'soft'"
+            )
+
+    def background(self, z: np.ndarray, rule: str | None, threshold: float | None):
+        """The soft_prior rule's component at z (n, d); None for the other rules."""
+        if rule != SOFT_PRIOR:
+            return None
+        self.check_rule(rule, threshold)
+        return self.far_prior.background(z, threshold)
 
     def embed(self, x: np.ndarray) -> np.ndarray:
         """x (n, D) -> z (n, d) float32; InvalidInput naming the first row whose embedding
@@ -165,10 +201,18 @@ class LoadedModel:
             self.on_fallback(result.far_rows, result.underfilled_rows)
         return result.distances, result.indices
 
-    def decide(self, distances: np.ndarray, indices: np.ndarray, rule: str) -> Prediction:
+    def decide(
+        self,
+        distances: np.ndarray,
+        indices: np.ndarray,
+        rule: str,
+        background: Background | None = None,
+    ) -> Prediction:
         if rule not in RULES:
             raise InvalidInput(f"rule must be one of {list(RULES)}, got {rule!r}")
-        predicted, proba = decide(self.labels[indices], distances, len(self.classes), rule)
+        predicted, proba = decide(
+            self.labels[indices], distances, len(self.classes), rule, background
+        )
         return Prediction(
             labels=[self.classes[i] for i in predicted],
             probabilities=proba,
@@ -176,18 +220,28 @@ class LoadedModel:
             indices=indices,
         )
 
-    def answer(self, z: np.ndarray, k: int, rule: str | None) -> Answer:
-        """z (n, d) finite -> the k neighbours and, when ``rule`` is given, the decision."""
+    def answer(
+        self, z: np.ndarray, k: int, rule: str | None, threshold: float | None = None
+    ) -> Answer:
+        """z (n, d) finite -> the k neighbours and, when ``rule`` is given, the decision
+        (``threshold``: the outlier threshold the soft_prior rule is set by)."""
+        background = self.background(z, rule, threshold)
         distances, indices = self.search_embedded(z, k)
         if rule is None:
             return Answer(distances, indices)
-        predicted, proba = decide(self.labels[indices], distances, len(self.classes), rule)
+        predicted, proba = decide(
+            self.labels[indices], distances, len(self.classes), rule, background
+        )
         return Answer(distances, indices, predicted, proba)
 
-    def classify(self, x: np.ndarray, k: int, rule: str) -> Prediction:
+    def classify(
+        self, x: np.ndarray, k: int, rule: str, outlier_quantile: float | None = None
+    ) -> Prediction:
         """The whole path for one batch, without the batcher: embed, search, decide."""
-        dist, idx = self.search_embedded(self.embed(x), k)
-        return self.decide(dist, idx, rule)
+        z = self.embed(x)
+        background = self.background(z, rule, self.outlier_threshold(outlier_quantile))
+        dist, idx = self.search_embedded(z, k)
+        return self.decide(dist, idx, rule, background)
 
 
 def input_abs_max(projection: np.ndarray, offset: np.ndarray) -> float:
@@ -259,13 +313,21 @@ def load_model(
         index = prebuilt
     else:
         index = build_index(embeddings, params)
+    labels = np.asarray(artifact.labels, dtype=np.int64)
+    calibration = parse_outlier_calibration(artifact.manifest.get("outlier_calibration"))
+    quantiles = calibration["quantiles"] if calibration is not None else None
+    if quantiles is not None:
+        try:
+            outlier_threshold(quantiles, settings.outlier_quantile)
+        except ValueError as exc:
+            raise ArtifactError(f"{path}: the setting outlier_quantile: {exc}") from None
     model = LoadedModel(
         artifact=artifact,
         index=index,
         projection=np.ascontiguousarray(artifact.projection, dtype=np.float32),
         offset=np.ascontiguousarray(artifact.offset, dtype=np.float32),
         embeddings=embeddings,
-        labels=np.asarray(artifact.labels, dtype=np.int64),
+        labels=labels,
         ids=np.asarray(artifact.ids, dtype=np.int64),
         classes=artifact.classes,
         index_type=params.kind,
@@ -276,6 +338,9 @@ def load_model(
         index_params=params.describe(),
         search_plan=params,
         on_fallback=on_fallback,
+        outlier_quantiles=quantiles,
+        default_outlier_quantile=settings.outlier_quantile,
+        far_prior=FarPrior.of(embeddings, labels, len(artifact.classes)),
     )
     # warm-up: one query through the whole path (page in the arrays, start FAISS)
     model.classify(

@@ -98,6 +98,12 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.outliers = Counter(
+            "ncaknn_outliers",
+            "classified rows whose nearest reference is beyond the calibrated outlier "
+            "threshold (the request's outlier_quantile, else the setting's)",
+            registry=r,
+        )
         self.model_loads = Counter("ncaknn_model_loads", "successful model loads", registry=r)
         self.model_load_failures = Counter(
             "ncaknn_model_load_failures",

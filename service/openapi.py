@@ -33,7 +33,8 @@ INFERENCE_ERRORS = (400, 401, 406, 413, 415, 422, 429, 503)
 NPY_ANSWERS = {  # the 200 answer with Accept: application/x-npy (see service.answers)
     "embed": "float32 array (n, d)",
     "classify": "structured array (n,): label (int64, or a string when a class is not an "
-    "integer), probabilities (C,) float64 in GET /v1/model's class order; with neighbours "
+    "integer), probabilities (C,) float64 in GET /v1/model's class order, nearest_distance "
+    "float64, outlier bool (absent when the model has no outlier calibration); with neighbours "
     "also neighbor_ids (k,) int64, neighbor_labels (k,), neighbor_distances (k,) float64",
     "neighbors": "structured array (n,): ids (k,) int64, labels (k,), distances (k,) float64",
 }
@@ -53,6 +54,15 @@ ERROR_BODY = {
         "error": {"type": "string", "description": "what was wrong and what was expected"},
         "error_type": {"type": "string"},
     },
+}
+
+
+OUTLIER_QUANTILE = {"type": "number", "minimum": 0.5, "maximum": 0.999}
+OUTLIER_QUANTILE_OR_NULL = {
+    "anyOf": [OUTLIER_QUANTILE, {"type": "null"}],
+    "description": "flag a prediction as an outlier when its nearest reference is farther "
+    "than this quantile of held-out points' nearest distances (default: the setting "
+    "outlier_quantile); also sets where the soft_prior rule's prior takes over",
 }
 
 
@@ -95,6 +105,7 @@ def request_schemas(limits: dict[str, Any]) -> dict[str, dict]:
                 "description": "decision rule (default: the model's)",
             },
             return_neighbors={"type": "boolean", "description": "include the k neighbours"},
+            outlier_quantile=OUTLIER_QUANTILE_OR_NULL,
         ),
     }
 
@@ -104,11 +115,14 @@ def query_parameters(names: list[str], limits: dict[str, Any]) -> list[dict]:
         "k": {"type": "integer", "minimum": 1, "maximum": limits["max_k"]},
         "rule": {"type": "string", "enum": list(RULES)},
         "return_neighbors": {"type": "boolean"},
+        "outlier_quantile": OUTLIER_QUANTILE,
     }
     descriptions = {
         "k": "neighbours (for .npy bodies; a JSON body's k wins)",
         "rule": "decision rule (for .npy bodies; a JSON body's rule wins)",
         "return_neighbors": "include the k neighbours (for .npy bodies)",
+        "outlier_quantile": "outlier threshold as a quantile of held-out nearest distances "
+        "(for .npy bodies; a JSON body's wins)",
     }
     return [
         {

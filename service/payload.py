@@ -67,6 +67,7 @@ class ClassifyBody(InstancesBody, forbid_unknown_fields=True):
     k: PositiveInt | None = None
     rule: Rule | None = None
     return_neighbors: bool = False
+    outlier_quantile: float | None = None
 
 
 def media_type(content_type: str | None) -> str:

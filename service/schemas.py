@@ -22,6 +22,14 @@ class Neighbor(BaseModel):
 class ClassPrediction(BaseModel):
     label: Label
     probabilities: dict[str, float]
+    nearest_distance: float = Field(
+        description="squared Euclidean distance to the nearest reference, in the learned space"
+    )
+    outlier: bool | None = Field(
+        description="the nearest reference is farther than the calibrated outlier threshold "
+        "(outlier_quantile of held-out points' nearest distances); null when the model has "
+        "no calibration"
+    )
     neighbors: list[Neighbor] | None = None
 
 

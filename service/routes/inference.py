@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from service.answers import classify_json, classify_npy, neighbors_json, neighbors_npy
+from service.knn import outlier_flags
 from service.payload import JSON, NPY, ClassifyBody, EmbedBody, NeighborsBody, npy_bytes
 from service.routes import pipeline
 from service.schemas import ClassifyResponse, EmbedResponse, NeighborsResponse
@@ -24,13 +25,16 @@ router = APIRouter(prefix="/v1", tags=["inference"])
     summary="Classify instances by kNN in the learned space",
     openapi_extra={
         "x-ncaknn-body": "ClassifyRequest",
-        "x-ncaknn-query": ["k", "rule", "return_neighbors"],
+        "x-ncaknn-query": ["k", "rule", "return_neighbors", "outlier_quantile"],
         "x-ncaknn-npy-out": "classify",
     },
 )
 async def classify(request: Request) -> Response:
     req = await pipeline.receive(
-        request, ClassifyBody, query=("k", "rule", "return_neighbors"), offered=(JSON, NPY)
+        request,
+        ClassifyBody,
+        query=("k", "rule", "return_neighbors", "outlier_quantile"),
+        offered=(JSON, NPY),
     )
     k = pipeline.resolve_k(req)
     body = req.body
@@ -39,21 +43,24 @@ async def classify(request: Request) -> Response:
     with_neighbors = bool(body is not None and body.return_neighbors) or req.options.get(
         "return_neighbors", False
     )
-    values_per_row = len(req.model.classes) + (3 * k if with_neighbors else 0)
+    threshold = pipeline.resolve_outlier_threshold(req, rule)
+    values_per_row = len(req.model.classes) + 2 + (3 * k if with_neighbors else 0)
     if req.response_type == JSON:
         pipeline.check_answer_size(req, values_per_row)
     with req.state.admit():
         req.state.metrics.request_rows.labels("/v1/classify").observe(len(req.rows))
-        answer = await pipeline.answer(req, k, rule)
+        answer = await pipeline.answer(req, k, rule, threshold)
+    if threshold is not None:
+        req.state.metrics.outliers.inc(int(outlier_flags(answer.distances, threshold).sum()))
     model = req.model
     n_values = len(req.rows) * values_per_row
     if req.response_type == NPY:
         return await pipeline.encoded_response(
-            req, n_values, lambda: classify_npy(model, answer, with_neighbors), NPY
+            req, n_values, lambda: classify_npy(model, answer, with_neighbors, threshold), NPY
         )
 
     return await pipeline.json_response(
-        req, n_values, lambda: classify_json(model, answer, with_neighbors)
+        req, n_values, lambda: classify_json(model, answer, with_neighbors, threshold)
     )
 
 

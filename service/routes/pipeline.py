@@ -9,6 +9,7 @@ large answers encoded in a worker thread, so the event loop keeps answering heal
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,7 @@ INLINE_ROWS = 64  # below this, projection runs on the event loop (a thread hop 
 THREAD_PARSE_BYTES = 256 * 1024  # bodies larger than this are parsed in a worker thread
 THREAD_ENCODE_VALUES = 32 * 1024  # answers with more numbers are encoded in a worker thread
 BOOL_VALUES = {"true": True, "false": False}
+DECIMAL = re.compile(r"[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?")  # unsigned, finite, no "nan"
 
 json_encoder = msgspec.json.Encoder()
 
@@ -76,7 +78,7 @@ async def read_body(request: Request, limit: int, what: str) -> bytes:
 
 def query_options(request: Request, allowed: tuple[str, ...]) -> dict[str, Any]:
     """Strictly parsed query parameters: k (integer >= 1), rule, return_neighbors (true or
-    false). Unknown or repeated parameters are refused."""
+    false), outlier_quantile (a decimal number). Unknown or repeated parameters are refused."""
     options: dict[str, Any] = {}
     for name, value in request.query_params.multi_items():
         if name not in allowed:
@@ -95,6 +97,12 @@ def query_options(request: Request, allowed: tuple[str, ...]) -> dict[str, Any]:
                     f"query parameter rule must be one of {list(RULES)}, got {value!r}"
                 )
             options[name] = value
+        elif name == "outlier_quantile":
+            if not DECIMAL.fullmatch(value):
+                raise InvalidInput(
+                    f"query parameter outlier_quantile must be a decimal number, got {value!r}"
+                )
+            options[name] = float(value)
         elif name == "return_neighbors":
             if value not in BOOL_VALUES:
                 raise InvalidInput(
@@ -176,13 +184,32 @@ def check_answer_size(request: InferenceRequest, values_per_row: int) -> None:
         )
 
 
-async def answer(request: InferenceRequest, k: int, rule: str | None = None) -> Answer:
+def resolve_outlier_threshold(request: InferenceRequest, rule: str) -> float | None:
+    """The outlier threshold for this request: its ``outlier_quantile`` (the JSON body's,
+    else the query's, else the setting) through the model's calibration; None without one.
+    InvalidInput for a quantile outside the calibrated range, and for rule soft_prior on a
+    model without a calibration (before any work is queued)."""
+    body_q = getattr(request.body, "outlier_quantile", None)
+    quantile = body_q if body_q is not None else request.options.get("outlier_quantile")
+    threshold = request.model.outlier_threshold(quantile)
+    if threshold is None and quantile is not None:
+        raise InvalidInput(
+            f"outlier_quantile={quantile!r}: this model has no outlier calibration (it was "
+            "trained without a validation split), so nothing is flagged; leave it out"
+        )
+    request.model.check_rule(rule, threshold)
+    return threshold
+
+
+async def answer(
+    request: InferenceRequest, k: int, rule: str | None = None, threshold: float | None = None
+) -> Answer:
     """The k neighbours of the request's rows and, when ``rule`` is given, the decision:
     merged with other requests when batching, run in a worker thread either way."""
     state, model, rows = request.state, request.model, request.rows
     if state.batcher is not None:
-        return await state.batcher.answer(model, rows, k, rule)
-    return await run_in_threadpool(lambda: model.answer(model.embed(rows), k, rule))
+        return await state.batcher.answer(model, rows, k, rule, threshold)
+    return await run_in_threadpool(lambda: model.answer(model.embed(rows), k, rule, threshold))
 
 
 async def embed(request: InferenceRequest) -> np.ndarray:

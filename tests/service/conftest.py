@@ -60,9 +60,25 @@ def pca_map(X: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, 
     return W, b, mean, scale
 
 
-def build_model_artifact(out, split: Split, default_k: int = 5) -> dict:
+CALIBRATION_QUANTILES = (0.5, 0.9, 0.95, 0.99, 0.995, 0.999)
+
+
+def outlier_calibration(z_train: np.ndarray, z_val: np.ndarray) -> dict:
+    """The manifest's outlier_calibration as the training job writes it (training.outliers;
+    not imported: these tests need only the serve extra): quantiles of the validation points'
+    squared distance to their nearest reference."""
+    nearest = exact_knn(z_val, z_train, 1)[0][:, 0]
+    return {
+        "source": "validation split",
+        "n": len(nearest),
+        "quantiles": {str(q): float(np.quantile(nearest, q)) for q in CALIBRATION_QUANTILES},
+    }
+
+
+def build_model_artifact(out, split: Split, default_k: int = 5, calibrated: bool = True) -> dict:
     """Write an artifact for ``split`` (PCA map, training points as references, validation
-    split) and return its report: test accuracy per k, by the service's own kNN."""
+    split, the outlier calibration unless ``calibrated`` is False) and return its report:
+    test accuracy per k, by the service's own kNN."""
     W, b, mean, scale = pca_map(split.X_train, N_COMPONENTS)
     z_train, z_val, z_test = (project(x, W, b) for x in (split.X_train, split.X_val, split.X_test))
     accuracy = {}
@@ -88,6 +104,7 @@ def build_model_artifact(out, split: Split, default_k: int = 5) -> dict:
             "metrics": metrics,
             "data": {"name": "digits-like (generated)"},
             "training": {"map": "PCA of the standardised training inputs (tests/service)"},
+            "outlier_calibration": outlier_calibration(z_train, z_val) if calibrated else None,
         },
     )
     return {"metrics": metrics}

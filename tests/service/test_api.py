@@ -30,7 +30,8 @@ def test_classify_json(client, rows, model_artifact):
     body = r.json()
     assert body["model_version"] and len(body["predictions"]) == 3
     p = body["predictions"][0]
-    assert set(p) == {"label", "probabilities"}
+    assert set(p) == {"label", "probabilities", "nearest_distance", "outlier"}
+    assert p["nearest_distance"] >= 0 and isinstance(p["outlier"], bool)
     assert sum(p["probabilities"].values()) == pytest.approx(1.0)
     assert p["label"] in range(10)
 

@@ -16,6 +16,7 @@ from service.knn import project
 from tests.service.conftest import settings_for
 from training.cli import main as cli_main
 from training.job import publish
+from training.outliers import calibrate
 from training.references import ReferenceError, add_references, remove_references
 
 
@@ -54,6 +55,15 @@ def test_add_answers_exactly_as_a_model_written_from_scratch_on_the_union(base, 
         ids=np.concatenate([parent.ids, np.arange(40) + parent.ids.max() + 1]),
         validation_embeddings=parent.validation_embeddings,
         validation_labels=parent.validation_labels,
+        # what "far" means is measured on the reference set: recalibrated on the union
+        metadata={
+            "outlier_calibration": calibrate(
+                np.concatenate(
+                    [parent.embeddings, project(X_new, parent.projection, parent.offset)]
+                ),
+                parent.validation_embeddings,
+            )
+        },
     )
     added = read_artifact(tmp_path / "added")
     assert added.version == read_artifact(scratch).version  # the same bytes in every array
