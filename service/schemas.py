@@ -65,6 +65,11 @@ class ModelInfo(BaseModel):
         description="reference-set changes since training, oldest first (operation, parent "
         "version, row counts, time)",
     )
+    outliers: dict | None = Field(
+        None,
+        description="the outlier calibration (quantiles of held-out nearest squared "
+        "distances), the configured outlier_quantile and its threshold; null without one",
+    )
     loaded_at: float
     load_seconds: float
     last_reload_error: str | None

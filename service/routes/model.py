@@ -35,6 +35,13 @@ async def model_info(state: State) -> ModelInfo:
         metrics=manifest.get("metrics", {}),
         training={k: v for k, v in manifest.get("training", {}).items() if k != "config"},
         lineage=manifest.get("lineage", []),
+        outliers=None
+        if model.outlier_quantiles is None
+        else {
+            "calibration": manifest["outlier_calibration"],
+            "quantile": model.default_outlier_quantile,
+            "threshold": model.outlier_threshold(),
+        },
         loaded_at=model.loaded_at,
         load_seconds=model.load_seconds,
         last_reload_error=state.engine.last_error,

@@ -198,6 +198,8 @@ def test_each_prediction_carries_its_nearest_distance_and_flag(client, model_art
     got = [p["nearest_distance"] for p in body["predictions"]]
     assert got == pytest.approx(nearest.tolist(), rel=1e-9)
     assert [p["outlier"] for p in body["predictions"]] == (nearest > threshold).tolist()
+    info = client.get("/v1/model").json()["outliers"]
+    assert info["quantile"] == 0.99 and info["threshold"] == threshold
     assert all(p["outlier"] for p in body["predictions"][-3:])
 
 
@@ -265,6 +267,7 @@ def test_a_model_without_calibration_flags_nothing_and_refuses_what_needs_it(unc
     with TestClient(create_app(settings_for(uncalibrated))) as client:
         body = client.post("/v1/classify", json={"instances": rows}).json()
         assert [p["outlier"] for p in body["predictions"]] == [None] * 4
+        assert client.get("/v1/model").json()["outliers"] is None
         assert all(p["nearest_distance"] >= 0 for p in body["predictions"])
         records = np.load(
             io.BytesIO(
