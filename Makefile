@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 MODEL ?= models/digits
 
-.PHONY: install run train serve test test-slow lint format bench bench-serve clean
+.PHONY: install run train serve test test-slow lint format bench bench-serve protos clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -61,6 +61,11 @@ bench: install
 bench-serve: install
 	$(BIN)/python benchmarks/search_raw_vs_projected.py
 	$(BIN)/python benchmarks/http_load.py
+
+## protos: compile service/protocol/*.proto into the descriptor set the service loads
+protos: install
+	cd service/protocol && $(abspath $(BIN))/python -m grpc_tools.protoc -I. \
+		--descriptor_set_out=protocol.binpb open_inference.proto health.proto
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info

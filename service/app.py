@@ -32,7 +32,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from service import __version__
+from service import __version__, grpc_server
 from service.batcher import Batcher
 from service.config import Settings
 from service.deps import AppState, check_api_key
@@ -50,7 +50,7 @@ from service.index import available_cores
 from service.metrics import Metrics
 from service.openapi import build_openapi
 from service.payload import JSON as JSON_TYPE
-from service.routes import health, inference, model
+from service.routes import health, inference, model, v2
 from service.workers import ReloadGeneration
 
 log = logging.getLogger("service.app")
@@ -115,7 +115,7 @@ class ServiceMiddleware:
             await send({"type": "http.response.body", "body": SHUTDOWN_BODY})
         finally:
             path = scope.get("path", "")
-            route = path if path in self.routes else "unmatched"
+            route = path if path in self.routes else v2.route_template(path) or "unmatched"
             self.state.metrics.request_done(route, status, time.perf_counter() - started)
 
 
@@ -146,6 +146,8 @@ class ServiceApp(FastAPI):
     async def dispatch(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
             endpoint = self.direct_routes.get(scope["path"])
+            if endpoint is None and v2.infer_target(scope["path"]) is not None:
+                endpoint = v2.infer
             if endpoint is not None:
                 scope["app"] = self
                 await self.call_direct(endpoint, scope, receive, send)
@@ -158,30 +160,31 @@ class ServiceApp(FastAPI):
         try:
             response = await endpoint(request)
         except ServiceError as exc:
-            response = error_response(state, exc)
+            response = error_response(state, exc, path=scope["path"])
         except Exception as exc:
             response = unexpected_error_response(state, exc, scope["path"])
         await response(scope, receive, send)
 
 
-def error_response(state: AppState, error: ServiceError, headers: dict | None = None) -> Response:
-    """The one error body, with the status from the error table."""
+def error_response(
+    state: AppState, error: ServiceError, headers: dict | None = None, path: str = ""
+) -> Response:
+    """The one error body, with the status from the error table; under /v2 the Open
+    Inference Protocol's ``{"error": ...}``."""
     state.metrics.errors.labels(error.error_type).inc()
     status = status_of(error)
     if status == 401:
         headers = {**(headers or {}), "WWW-Authenticate": "Bearer"}
-    return Response(
-        msgspec.json.encode(body_of(error)), status, headers=headers, media_type=JSON_TYPE
-    )
+    body = {"error": error.message} if v2.is_v2(path) else body_of(error)
+    return Response(msgspec.json.encode(body), status, headers=headers, media_type=JSON_TYPE)
 
 
 def unexpected_error_response(state: AppState, exc: Exception, path: str) -> Response:
     log.error("unexpected error", extra={"path": path}, exc_info=exc)
     state.metrics.errors.labels("internal_error").inc()
-    body = {
-        "error": f"internal error ({type(exc).__name__}); it was logged",
-        "error_type": "internal_error",
-    }
+    body = {"error": f"internal error ({type(exc).__name__}); it was logged"}
+    if not v2.is_v2(path):
+        body["error_type"] = "internal_error"
     return Response(msgspec.json.encode(body), 500, media_type=JSON_TYPE)
 
 
@@ -275,6 +278,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(inference.router)
     app.include_router(model.router)
     app.include_router(health.router)
+    app.include_router(v2.router)
     _install_openapi(app, state)
     routes = set(build_openapi(app, _limits(state), secured=False)["paths"])
     routes |= {"/openapi.json", "/docs", "/redoc"}
@@ -297,6 +301,9 @@ def _lifespan(state: AppState):
             state.generation = ReloadGeneration(state.settings.runtime_dir)
         await _load_at_startup(state)
         state.batcher = _start_batcher(state)
+        grpc = None
+        if state.settings.grpc_port:
+            grpc = await grpc_server.start(state)
         sync = None
         if state.settings.reload_poll_seconds > 0 or state.generation is not None:
             sync = asyncio.get_running_loop().create_task(_keep_model_in_sync(state))
@@ -314,6 +321,8 @@ def _lifespan(state: AppState):
             yield
         finally:
             state.engine.draining = True
+            if grpc is not None:
+                await grpc_server.stop(grpc, state.settings.graceful_shutdown_seconds)
             if sync is not None:
                 sync.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -364,27 +373,28 @@ def _start_batcher(state: AppState) -> Batcher | None:
 
 
 def _install_error_handlers(app: FastAPI, state: AppState) -> None:
-    def respond(error: ServiceError, headers: dict | None = None) -> Response:
-        return error_response(state, error, headers)
+    def respond(request: Request, error: ServiceError, headers: dict | None = None) -> Response:
+        return error_response(state, error, headers, path=request.url.path)
 
     @app.exception_handler(ServiceError)
     async def on_service_error(request: Request, exc: ServiceError) -> JSONResponse:
-        return respond(exc)
+        return respond(request, exc)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         parts = [
             f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in exc.errors()[:3]
         ]
-        return respond(InvalidInput("; ".join(parts) or "invalid request"))
+        return respond(request, InvalidInput("; ".join(parts) or "invalid request"))
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 404:
-            return respond(NotFound(f"no route {request.method} {request.url.path}"))
+            return respond(request, NotFound(f"no route {request.method} {request.url.path}"))
         if exc.status_code == 405:
             allowed = (exc.headers or {}).get("Allow", "")
             return respond(
+                request,
                 MethodNotAllowed(
                     f"{request.method} is not allowed on {request.url.path}; allowed: {allowed}"
                 ),
@@ -408,10 +418,13 @@ def _limits(state: AppState) -> dict:
         "max_k": settings.max_k,
         "n_features": None,
         "input_abs_max": None,
+        "v2_model_name": settings.v2_model_name,
+        "version": None,
     }
     loaded = state.engine.peek()
     if loaded is not None:
         limits.update(
+            version=loaded.version,
             max_k=min(settings.max_k, loaded.n_references),
             n_features=loaded.n_features,
             input_abs_max=loaded.input_abs_max,

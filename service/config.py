@@ -83,6 +83,19 @@ class Settings(BaseSettings):
         512, ge=1, description="requests computing at once; more are refused with 429"
     )
     max_k: int = Field(256, ge=1, description="largest k a request may ask for (422)")
+    v2_model_name: str = Field(
+        "nca-knn",
+        min_length=1,
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="the model's name in the Open Inference Protocol (/v2 and gRPC); its "
+        "version is the artifact's version",
+    )
+    grpc_port: int = Field(
+        8081,
+        ge=0,
+        le=65535,
+        description="port of the Open Inference Protocol's gRPC service (0: off)",
+    )
     outlier_quantile: float = Field(
         0.99,
         ge=0.5,

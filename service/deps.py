@@ -62,7 +62,11 @@ def check_api_key(request: Request, key) -> None:
     """
     if key is None:
         return
-    header = request.headers.get("authorization", "")
+    check_bearer(request.headers.get("authorization", ""), key)
+
+
+def check_bearer(header: str, key) -> None:
+    """401 unless the Authorization value ``header`` is ``Bearer <key>`` (constant time)."""
     scheme, _, token = header.strip().partition(" ")
     token = token.strip()
     if scheme.lower() != "bearer" or not token:

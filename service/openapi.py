@@ -28,8 +28,10 @@ ERROR_DESCRIPTIONS = {
     "ragged rows, unknown fields or query parameters, bad k or rule",
     429: "overloaded: too many requests in flight",
     503: "no model loaded yet, or shutting down",
+    404: "unknown model or version (the Open Inference Protocol's routes)",
 }
 INFERENCE_ERRORS = (400, 401, 406, 413, 415, 422, 429, 503)
+V2_INFER_ERRORS = (400, 401, 404, 413, 415, 422, 429, 503)  # no Accept negotiation
 NPY_ANSWERS = {  # the 200 answer with Accept: application/x-npy (see service.answers)
     "embed": "float32 array (n, d)",
     "classify": "structured array (n,): label (int64, or a string when a class is not an "
@@ -46,6 +48,42 @@ ROUTE_ERRORS = {
     "/v1/admin/reload": (401, 409),
     "/readyz": (503,),
     "/metrics": (401,),
+    # the Open Inference Protocol (service.routes.v2); its error body is V2ErrorBody
+    "/v2": (401,),
+    "/v2/health/ready": (503,),
+    "/v2/models/{model_name}": (401, 404, 503),
+    "/v2/models/{model_name}/versions/{model_version}": (401, 404, 503),
+    "/v2/models/{model_name}/ready": (401, 404, 503),
+    "/v2/models/{model_name}/versions/{model_version}/ready": (401, 404, 503),
+    "/v2/models/{model_name}/infer": V2_INFER_ERRORS,
+    "/v2/models/{model_name}/versions/{model_version}/infer": V2_INFER_ERRORS,
+}
+V2_ERROR_BODY = {
+    "type": "object",
+    "required": ["error"],
+    "additionalProperties": False,
+    "properties": {"error": {"type": "string", "description": "what was wrong"}},
+}
+V2_INFER_BODY = {
+    "required": True,
+    "description": "The Open Inference Protocol's inference request (JSON), or with the "
+    "binary tensor data extension the JSON request (its length in the "
+    "Inference-Header-Content-Length header) followed by the inputs' raw bytes",
+    "content": {
+        JSON: {
+            "schema": {
+                "type": "object",
+                "required": ["inputs"],
+                "properties": {
+                    "id": {"type": "string"},
+                    "parameters": {"type": "object"},
+                    "inputs": {"type": "array", "items": {"type": "object"}},
+                    "outputs": {"type": "array", "items": {"type": "object"}},
+                },
+            }
+        },
+        "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+    },
 }
 ERROR_BODY = {
     "type": "object",
@@ -149,6 +187,7 @@ def build_openapi(app: FastAPI, limits: dict[str, Any], secured: bool) -> dict:
         schemas.pop(unused, None)
     schemas.update(request_schemas(limits))
     schemas["ErrorBody"] = ERROR_BODY
+    schemas["V2ErrorBody"] = V2_ERROR_BODY
     if secured:
         components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
     for path, operations in spec["paths"].items():
@@ -183,11 +222,40 @@ def build_openapi(app: FastAPI, limits: dict[str, Any], secured: bool) -> dict:
                     "description": "Prometheus text exposition format",
                     "content": {"text/plain": {"schema": {"type": "string"}}},
                 }
+            v2 = path == "/v2" or path.startswith("/v2/")
+            error_ref = "#/components/schemas/" + ("V2ErrorBody" if v2 else "ErrorBody")
             for status in ROUTE_ERRORS.get(path, ()):
                 responses[str(status)] = {
                     "description": ERROR_DESCRIPTIONS[status],
-                    "content": {JSON: {"schema": {"$ref": "#/components/schemas/ErrorBody"}}},
+                    "content": {JSON: {"schema": {"$ref": error_ref}}},
                 }
+            if v2:
+                _describe_v2(path, operation, limits)
             if secured and path.startswith("/v1/"):
                 operation["security"] = [{"bearer": []}]
     return spec
+
+
+def _describe_v2(path: str, operation: dict, limits: dict[str, Any]) -> None:
+    """The protocol's routes: path parameters limited to the served name and version (any
+    other answers 404), the infer body, and the 200 answers as the protocol's JSON."""
+    names = {"model_name": limits.get("v2_model_name"), "model_version": limits.get("version")}
+    for parameter in operation.get("parameters", []):
+        value = names.get(parameter.get("name"))
+        if parameter.get("in") == "path" and value:
+            parameter["schema"] = {"type": "string", "enum": [value]}
+    if path.endswith("/infer"):
+        operation["requestBody"] = V2_INFER_BODY
+        operation["responses"]["200"] = {
+            "description": "the inference response (JSON), or the JSON header followed by "
+            "binary outputs (application/octet-stream, with Inference-Header-Content-Length)",
+            "content": {
+                JSON: {"schema": {"type": "object"}},
+                "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+            },
+        }
+    else:
+        operation["responses"]["200"] = {
+            "description": "the protocol's JSON answer",
+            "content": {JSON: {"schema": {"type": "object"}}},
+        }

@@ -162,10 +162,14 @@ def resolve_k(request: InferenceRequest) -> int:
     """k from the JSON body, else the query, else the model's default; within the limits."""
     body_k = getattr(request.body, "k", None)
     query_k = request.options.get("k")
-    model, max_k = request.model, request.state.settings.max_k
+    max_k = request.state.settings.max_k
     if query_k is not None and query_k > max_k:  # refused even when the body's k wins
         raise InvalidInput(f"query parameter k={query_k} is over the limit max_k={max_k}")
-    k = body_k if body_k is not None else query_k
+    return checked_k(request.model, max_k, body_k if body_k is not None else query_k)
+
+
+def checked_k(model: LoadedModel, max_k: int, k: int | None) -> int:
+    """k, or the model's default when None; InvalidInput beyond max_k or N."""
     k = model.artifact.default_k if k is None else k
     if k > max_k:
         raise InvalidInput(f"k={k} is over the limit max_k={max_k}")
@@ -191,13 +195,22 @@ def resolve_outlier_threshold(request: InferenceRequest, rule: str) -> float | N
     model without a calibration (before any work is queued)."""
     body_q = getattr(request.body, "outlier_quantile", None)
     quantile = body_q if body_q is not None else request.options.get("outlier_quantile")
-    threshold = request.model.outlier_threshold(quantile)
+    return checked_outlier_threshold(request.model, quantile, rule)
+
+
+def checked_outlier_threshold(
+    model: LoadedModel, quantile: float | None, rule: str | None
+) -> float | None:
+    """The model's outlier threshold at ``quantile`` (None: the setting's); None without a
+    calibration. InvalidInput for a quantile outside the calibrated range or given to a
+    model without a calibration, and for a rule the model cannot serve."""
+    threshold = model.outlier_threshold(quantile)
     if threshold is None and quantile is not None:
         raise InvalidInput(
             f"outlier_quantile={quantile!r}: this model has no outlier calibration (it was "
             "trained without a validation split), so nothing is flagged; leave it out"
         )
-    request.model.check_rule(rule, threshold)
+    model.check_rule(rule, threshold)
     return threshold
 
 
@@ -239,3 +252,32 @@ async def encoded_response(
     return Response(
         content, media_type=media_type, headers={"x-model-version": request.model.version}
     )
+
+
+async def answer_call(state: AppState, model: LoadedModel, call, route: str) -> list:
+    """An Open Inference Protocol call (``service.oip.InferCall``) on the same engine,
+    batcher, limits and metrics as /v1: its output tensors (``service.oip.OutputTensor``)."""
+    from service import oip
+
+    k = checked_k(model, state.settings.max_k, call.k)
+    rule = call.rule or model.artifact.decision_rule
+    threshold = checked_outlier_threshold(model, call.outlier_quantile, rule)
+    wants = {output.name for output in call.outputs}
+    answer = embedding = None
+    with state.admit():
+        state.metrics.request_rows.labels(route).observe(len(call.rows))
+        if oip.needs_search(model, call):
+            if state.batcher is not None:
+                answer = await state.batcher.answer(model, call.rows, k, rule, threshold)
+            else:
+                answer = await run_in_threadpool(
+                    lambda: model.answer(model.embed(call.rows), k, rule, threshold)
+                )
+        if "embedding" in wants:
+            if len(call.rows) <= INLINE_ROWS:
+                embedding = model.embed(call.rows)
+            else:
+                embedding = await run_in_threadpool(model.embed, call.rows)
+    if answer is not None and threshold is not None and "outlier" in wants:
+        state.metrics.outliers.inc(int(oip.outlier_flags(answer.distances, threshold).sum()))
+    return oip.output_tensors(model, call, answer, embedding, threshold)

@@ -142,7 +142,8 @@ def model_arrays(art) -> dict:
 
 
 def settings_for(path, **overrides) -> Settings:
-    return Settings(model_path=path, log_json=False, **overrides)
+    """Settings for a test app: gRPC off unless a test asks for a port."""
+    return Settings(model_path=path, log_json=False, **{"grpc_port": 0, **overrides})
 
 
 @pytest.fixture

@@ -238,7 +238,9 @@ def test_wrong_content_type_is_415_and_wrong_accept_is_406(client):
 
 
 def test_unknown_route_404_and_wrong_method_405(client):
-    assert_error(client.get("/v2/classify"), 404, "not_found")
+    assert_error(client.get("/v3/classify"), 404, "not_found")
+    # under /v2 the Open Inference Protocol's body: {"error": ...}
+    assert client.get("/v2/classify").json() == {"error": "no route GET /v2/classify"}
     assert_error(client.get("/v1/classify"), 405, "method_not_allowed")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import numpy as np
@@ -26,23 +27,49 @@ def listed_statuses(app) -> list[tuple[str, str, int]]:
     )
 
 
-def body_for(path: str) -> dict | None:
-    return {"instances": ROW} if path in ("/v1/classify", "/v1/embed", "/v1/neighbors") else None
+def v2_body(rows: list) -> dict:
+    flat = [v for row in rows for v in row]
+    return {
+        "inputs": [{"name": "input", "datatype": "FP32", "shape": [len(rows), 64], "data": flat}]
+    }
+
+
+def body_for(path: str, rows=ROW) -> dict | None:
+    if path.endswith("/infer"):
+        return v2_body(rows)
+    return {"instances": rows} if path in ("/v1/classify", "/v1/embed", "/v1/neighbors") else None
+
+
+def is_v2(path: str) -> bool:
+    return path == "/v2" or path.startswith("/v2/")
+
+
+def concrete(path: str, model_dir, name: str = "nca-knn") -> str:
+    manifest = model_dir / "manifest.json"
+    version = json.loads(manifest.read_text())["model_version"] if manifest.exists() else "none"
+    return path.replace("{model_name}", name).replace("{model_version}", version)
 
 
 def call(client, method, path, **kw):
+    """The request, with the protocol's path parameters filled in: the served model's name
+    and the loaded version (or an unknown name, to produce the 404)."""
+    model_dir = client.app.state.ncaknn.settings.model_path
+    path = concrete(path, model_dir, kw.pop("model_name", "nca-knn"))
     return client.request(method.upper(), path, **kw)
 
 
 def produce(status: int, method: str, path: str, model_dir, tmp_path) -> httpx.Response:
     """Make `path` answer `status` for real."""
     body = body_for(path)
+    if status == 404:
+        with TestClient(create_app(settings_for(model_dir))) as c:
+            return call(c, method, path, json=body, model_name="another-model")
     if status in (200,):
         with TestClient(create_app(settings_for(model_dir))) as c:
             return call(c, method, path, json=body)
     if status == 400:
         with TestClient(create_app(settings_for(model_dir))) as c:
-            return call(c, method, path, json={"instances": []})
+            return call(c, method, path, json=body_for(path, []) or {"instances": []})
     if status == 401:
         app = create_app(settings_for(model_dir, api_key="k", metrics_require_api_key=True))
         with TestClient(app) as c:
@@ -56,7 +83,7 @@ def produce(status: int, method: str, path: str, model_dir, tmp_path) -> httpx.R
             return call(c, method, path)
     if status == 413:
         with TestClient(create_app(settings_for(model_dir, max_batch_rows=1))) as c:
-            return call(c, method, path, json={"instances": ROW * 2})
+            return call(c, method, path, json=body_for(path, ROW * 2))
     if status == 415:
         with TestClient(create_app(settings_for(model_dir))) as c:
             return call(c, method, path, content=b"x", headers={"content-type": "text/plain"})
@@ -65,7 +92,8 @@ def produce(status: int, method: str, path: str, model_dir, tmp_path) -> httpx.R
             return call(c, method, path, json={"instances": [[1.0]]})
     if status == 429:
         app = create_app(settings_for(model_dir, max_in_flight=1, batch_max_wait_us=20000))
-        body = {"instances": ROW * 200}  # large enough that embedding runs off the event loop
+        body = body_for(path, ROW * 200)  # large enough that embedding runs off the event loop
+        path = concrete(path, model_dir)
 
         async def burst():
             transport = httpx.ASGITransport(app=app)
@@ -114,8 +142,8 @@ def test_every_listed_status_is_produced(model_dir, tmp_path, path, method, stat
     assert response.status_code == status, (
         f"{method.upper()} {path}: {response.status_code} {response.text[:200]}"
     )
-    if status >= 400:
-        assert set(response.json()) == {"error", "error_type"}
+    if status >= 400:  # the one error body; the Open Inference Protocol's under /v2
+        assert set(response.json()) == ({"error"} if is_v2(path) else {"error", "error_type"})
 
 
 @pytest.mark.parametrize("path", ["/v1/classify", "/v1/embed", "/v1/neighbors"])

@@ -1,0 +1,326 @@
+"""The Open Inference Protocol over gRPC (``inference.GRPCInferenceService``) and gRPC health
+checking (``grpc.health.v1.Health``), on the HTTP server's event loop and engine.
+
+Started by the app's lifespan when ``grpc_port`` is not 0, stopped (with the drain's grace)
+before the batcher. Every call goes through the same checks as REST: the API key (metadata
+``authorization: Bearer <key>``), the model name and version, the tensor checks of
+``service.oip``, and ``pipeline.answer_call`` (limits, in-flight gate, batcher, metrics).
+Errors carry the gRPC status matching the HTTP status of the one error table
+(:data:`GRPC_CODES`) and the same message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+import numpy as np
+
+from service import __version__, oip
+from service.deps import AppState, check_bearer
+from service.errors import InvalidInput, ServiceError, status_of
+from service.protocol import HEALTH_SERVICE, INFERENCE_SERVICE, message
+from service.routes import pipeline
+from service.routes.v2 import EXTENSIONS
+
+log = logging.getLogger("service.grpc")
+
+# HTTP status of the error table -> gRPC status (the gRPC project's HTTP mapping)
+GRPC_CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    404: grpc.StatusCode.NOT_FOUND,
+    406: grpc.StatusCode.INVALID_ARGUMENT,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    415: grpc.StatusCode.INVALID_ARGUMENT,
+    422: grpc.StatusCode.INVALID_ARGUMENT,
+    429: grpc.StatusCode.UNAVAILABLE,
+    500: grpc.StatusCode.INTERNAL,
+    503: grpc.StatusCode.UNAVAILABLE,
+}
+# the typed contents field of each datatype (InferTensorContents)
+CONTENTS_FIELD = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}
+MESSAGES = {
+    name: message(f"inference.{name}")
+    for name in (
+        "ServerLiveRequest",
+        "ServerLiveResponse",
+        "ServerReadyRequest",
+        "ServerReadyResponse",
+        "ModelReadyRequest",
+        "ModelReadyResponse",
+        "ServerMetadataRequest",
+        "ServerMetadataResponse",
+        "ModelMetadataRequest",
+        "ModelMetadataResponse",
+        "ModelInferRequest",
+        "ModelInferResponse",
+    )
+}
+HealthCheckRequest = message("grpc.health.v1.HealthCheckRequest")
+HealthCheckResponse = message("grpc.health.v1.HealthCheckResponse")
+SERVING, NOT_SERVING = 1, 2
+SERVICE_UNKNOWN = 3
+
+
+def parameter(value) -> object:
+    """An InferParameter's value."""
+    choice = value.WhichOneof("parameter_choice")
+    return None if choice is None else getattr(value, choice)
+
+
+class InferenceService:
+    """The six RPCs of the core protocol, over the app's state."""
+
+    def __init__(self, state: AppState):
+        self.state = state
+
+    # -------------------------------------------------------------- plumbing
+
+    def check_key(self, context: grpc.aio.ServicerContext) -> None:
+        key = self.state.settings.api_key
+        if key is None:
+            return
+        metadata = dict(context.invocation_metadata() or ())
+        check_bearer(metadata.get("authorization", ""), key)
+
+    async def run(self, name: str, handler, request, context):
+        """Call ``handler``; a ServiceError becomes the matching gRPC status, counted in the
+        metrics as the HTTP status it stands for."""
+        started = time.perf_counter()
+        status = 200
+        try:
+            self.check_key(context)
+            return await handler(request, context)
+        except ServiceError as exc:
+            status = status_of(exc)
+            self.state.metrics.errors.labels(exc.error_type).inc()
+            await context.abort(GRPC_CODES.get(status, grpc.StatusCode.INTERNAL), exc.message)
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:
+            status = 500
+            log.error("unexpected error", extra={"rpc": name}, exc_info=exc)
+            self.state.metrics.errors.labels("internal_error").inc()
+            await context.abort(
+                grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); it was logged"
+            )
+        finally:
+            self.state.metrics.request_done(
+                f"grpc {INFERENCE_SERVICE}/{name}", status, time.perf_counter() - started
+            )
+
+    def model(self, name: str, version: str):
+        model = self.state.engine.current()
+        oip.check_model(model, name, version, self.state.settings.v2_model_name)
+        return model
+
+    # -------------------------------------------------------------- RPCs
+
+    async def server_live(self, request, context):
+        return MESSAGES["ServerLiveResponse"](live=True)
+
+    async def server_ready(self, request, context):
+        return MESSAGES["ServerReadyResponse"](ready=self.state.engine.ready)
+
+    async def model_ready(self, request, context):
+        self.model(request.name, request.version)
+        return MESSAGES["ModelReadyResponse"](ready=self.state.engine.ready)
+
+    async def server_metadata(self, request, context):
+        return MESSAGES["ServerMetadataResponse"](
+            name="nca-knn", version=__version__, extensions=EXTENSIONS
+        )
+
+    async def model_metadata(self, request, context):
+        model = self.model(request.name, request.version)
+        meta = oip.model_metadata(model, self.state.settings.v2_model_name)
+        return MESSAGES["ModelMetadataResponse"](**meta)
+
+    async def model_infer(self, request, context):
+        model = self.model(request.model_name, request.model_version)
+        settings = self.state.settings
+        call = infer_call(request, model, settings.max_batch_rows)
+        tensors = await pipeline.answer_call(
+            self.state, model, call, f"grpc {INFERENCE_SERVICE}/ModelInfer"
+        )
+        response = MESSAGES["ModelInferResponse"](
+            model_name=settings.v2_model_name, model_version=model.version, id=request.id
+        )
+        for tensor in tensors:
+            response.outputs.add(name=tensor.name, datatype=tensor.datatype, shape=tensor.shape)
+            response.raw_output_contents.append(tensor.raw())
+        return response
+
+
+def infer_call(request, model, max_rows: int) -> oip.InferCall:
+    """A ModelInferRequest -> a checked InferCall (the same checks as REST's)."""
+    ours, _ = oip.split_parameters({k: parameter(v) for k, v in request.parameters.items()})
+    if len(request.inputs) != 1:
+        names = [t.name for t in request.inputs]
+        raise InvalidInput(f"expected one input, {oip.INPUT_NAME!r}; got {names}")
+    tensor = request.inputs[0]
+    if tensor.parameters:
+        raise InvalidInput(
+            f"input {tensor.name!r}: unknown parameters {sorted(tensor.parameters)}; inputs "
+            "take none over gRPC"
+        )
+    if request.raw_input_contents:
+        if len(request.raw_input_contents) != len(request.inputs):
+            raise InvalidInput(
+                f"raw_input_contents has {len(request.raw_input_contents)} entries for "
+                f"{len(request.inputs)} inputs; expected one per input"
+            )
+        if tensor.HasField("contents"):
+            raise InvalidInput(f"input {tensor.name!r} has both contents and raw contents")
+        raw = request.raw_input_contents[0]
+        dtype = oip.DTYPES.get(tensor.datatype)
+        if dtype is None:
+            raise InvalidInput(
+                f"input {tensor.name!r} has datatype {tensor.datatype!r}; expected FP32 (or "
+                f"one of {list(oip.INPUT_DATATYPES)})"
+            )
+        if len(raw) % dtype.itemsize:
+            raise InvalidInput(
+                f"input {tensor.name!r}: {len(raw)} bytes of raw contents is not a whole "
+                f"number of {tensor.datatype} values ({dtype.itemsize} bytes each)"
+            )
+        values = np.frombuffer(raw, dtype=dtype)
+    else:
+        field = CONTENTS_FIELD.get(tensor.datatype)
+        if field is None or tensor.datatype in ("BYTES", "BOOL"):
+            raise InvalidInput(
+                f"input {tensor.name!r} has datatype {tensor.datatype!r}; expected FP32 (or "
+                f"one of {list(oip.INPUT_DATATYPES)})"
+            )
+        values = np.asarray(getattr(tensor.contents, field), dtype=np.float64)
+    rows = oip.input_rows(
+        model, tensor.name, tensor.datatype, [int(s) for s in tensor.shape], values, max_rows
+    )
+    requested = []
+    for output in request.outputs:
+        if output.parameters:
+            raise InvalidInput(
+                f"output {output.name!r}: unknown parameters {sorted(output.parameters)}; "
+                "outputs take none over gRPC"
+            )
+        requested.append(oip.RequestedOutput(output.name))
+    return oip.InferCall(
+        rows=rows,
+        outputs=oip.requested_outputs(model, requested or None),
+        id=request.id,
+        **ours,
+    )
+
+
+class HealthService:
+    """grpc.health.v1.Health: SERVING while a model is loaded and the server not draining;
+    the overall server ("") and the inference service are known."""
+
+    KNOWN = ("", INFERENCE_SERVICE)
+
+    def __init__(self, state: AppState):
+        self.state = state
+
+    def status(self) -> int:
+        return SERVING if self.state.engine.ready else NOT_SERVING
+
+    async def check(self, request, context):
+        if request.service not in self.KNOWN:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
+        return HealthCheckResponse(status=self.status())
+
+    async def watch(self, request, context):
+        if request.service not in self.KNOWN:
+            yield HealthCheckResponse(status=SERVICE_UNKNOWN)
+            return
+        last = None
+        while True:
+            current = self.status()
+            if current != last:
+                yield HealthCheckResponse(status=current)
+                last = current
+            await asyncio.sleep(1.0)
+
+
+def _unary(handler, request_type, response_type):
+    return grpc.unary_unary_rpc_method_handler(
+        handler,
+        request_deserializer=request_type.FromString,
+        response_serializer=response_type.SerializeToString,
+    )
+
+
+def handlers(state: AppState) -> list:
+    service, health = InferenceService(state), HealthService(state)
+    rpcs = {
+        "ServerLive": service.server_live,
+        "ServerReady": service.server_ready,
+        "ModelReady": service.model_ready,
+        "ServerMetadata": service.server_metadata,
+        "ModelMetadata": service.model_metadata,
+        "ModelInfer": service.model_infer,
+    }
+
+    def wrapped(name, method):
+        async def call(request, context):
+            return await service.run(name, method, request, context)
+
+        return call
+
+    table = {
+        name: _unary(wrapped(name, method), MESSAGES[f"{name}Request"], MESSAGES[f"{name}Response"])
+        for name, method in rpcs.items()
+    }
+    health_table = {
+        "Check": _unary(health.check, HealthCheckRequest, HealthCheckResponse),
+        "Watch": grpc.unary_stream_rpc_method_handler(
+            health.watch,
+            request_deserializer=HealthCheckRequest.FromString,
+            response_serializer=HealthCheckResponse.SerializeToString,
+        ),
+    }
+    return [
+        grpc.method_handlers_generic_handler(INFERENCE_SERVICE, table),
+        grpc.method_handlers_generic_handler(HEALTH_SERVICE, health_table),
+    ]
+
+
+async def start(state: AppState) -> grpc.aio.Server:
+    """Bind ``grpc_port`` on ``host`` and serve; the caller stops it (``stop``). Several
+    workers may bind the same port (SO_REUSEPORT, gRPC's default on Linux)."""
+    settings = state.settings
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", settings.max_body_bytes),
+            ("grpc.max_send_message_length", -1),
+            ("grpc.so_reuseport", 1),
+        ]
+    )
+    server.add_generic_rpc_handlers(handlers(state))
+    address = f"{settings.host}:{settings.grpc_port}"
+    if server.add_insecure_port(address) == 0:
+        raise OSError(f"cannot bind the gRPC port {address}")
+    await server.start()
+    log.info("grpc serving", extra={"address": address})
+    return server
+
+
+async def stop(server: grpc.aio.Server, grace_seconds: float) -> None:
+    """Refuse new calls, let those in flight finish within ``grace_seconds``."""
+    await server.stop(grace_seconds)
