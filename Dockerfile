@@ -21,6 +21,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     NCAKNN_HOST=0.0.0.0 \
     NCAKNN_PORT=8000 \
+    NCAKNN_GRPC_PORT=8081 \
     NCAKNN_MODEL_PATH=/models/current
 WORKDIR /app
 COPY pyproject.toml README.md ./
@@ -32,7 +33,7 @@ COPY service ./service
 RUN pip install --no-cache-dir --no-deps . \
     && useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin ncaknn
 USER 10001
-EXPOSE 8000
+EXPOSE 8000 8081
 HEALTHCHECK --interval=10s --timeout=3s --start-period=30s --retries=3 \
     CMD ["python", "-c", "import os, sys, urllib.request; port = os.environ.get('NCAKNN_PORT', '8000'); sys.exit(urllib.request.urlopen('http://127.0.0.1:' + port + '/readyz', timeout=2).status != 200)"]
 ENTRYPOINT ["python", "-m", "service"]

@@ -16,7 +16,7 @@ from service.config import Settings
 from training.config import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
-OVERLAYS = ("dev", "prod")
+OVERLAYS = ("dev", "prod")  # with the base Deployment; kserve and multinode: their own tests
 
 
 def tool(name: str) -> str:
@@ -44,7 +44,7 @@ def of_kind(docs: list[dict], kind: str) -> list[dict]:
     return [d for d in docs if d["kind"] == kind]
 
 
-@pytest.mark.parametrize("overlay", [*OVERLAYS, "multinode"])
+@pytest.mark.parametrize("overlay", [*OVERLAYS, "multinode"])  # kserve: in its own test
 def test_overlay_renders_and_validates_strictly(overlay, tmp_path):
     path = tmp_path / f"{overlay}.yaml"
     path.write_text(kustomize(overlay))
@@ -85,14 +85,20 @@ def test_probes_port_and_settings_match_the_service(overlay, routes):
     (deployment,) = of_kind(docs, "Deployment")
     spec = deployment["spec"]
     (container,) = spec["template"]["spec"]["containers"]
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+    for probe in ("startupProbe", "livenessProbe"):
         assert container[probe]["httpGet"]["path"] in routes
-    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
-    (port,) = container["ports"]
+    port, grpc_port = container["ports"]
     (configmap,) = of_kind(docs, "ConfigMap")
     data = configmap["data"]
     assert port["containerPort"] == int(data["NCAKNN_PORT"])
+    # readiness over gRPC health checking, on the gRPC port, for the service we register
+    from service.protocol import INFERENCE_SERVICE
+
+    assert grpc_port["name"] == "grpc"
+    assert grpc_port["containerPort"] == int(data["NCAKNN_GRPC_PORT"])
+    readiness = container["readinessProbe"]["grpc"]
+    assert readiness == {"port": grpc_port["containerPort"], "service": INFERENCE_SERVICE}
     fields = {f"NCAKNN_{name.upper()}" for name in Settings.model_fields}
     assert set(data) <= fields, set(data) - fields
     Settings(**{k.removeprefix("NCAKNN_").lower(): v for k, v in data.items()})  # values parse
@@ -107,7 +113,12 @@ def test_probes_port_and_settings_match_the_service(overlay, routes):
     grace = int(data["NCAKNN_GRACEFUL_SHUTDOWN_SECONDS"])
     assert pod["terminationGracePeriodSeconds"] > grace + 5
     (service,) = of_kind(docs, "Service")
-    assert service["spec"]["ports"][0]["targetPort"] in ("http", port["containerPort"])
+    http, grpc = service["spec"]["ports"]
+    assert http["targetPort"] in ("http", port["containerPort"])
+    assert grpc["targetPort"] == "grpc" and grpc["appProtocol"] == "kubernetes.io/h2c"
+    (policy,) = of_kind(docs, "NetworkPolicy")
+    allowed = {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}
+    assert allowed == {port["containerPort"], grpc_port["containerPort"]}
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -186,3 +197,47 @@ def test_multinode_indexed_job_torchrun_and_headless_service_agree():
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
     (pvc,) = of_kind(docs, "PersistentVolumeClaim")
     assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]  # every node's pod mounts it
+
+
+def test_kserve_overlay_serves_the_v2_protocol_from_the_model_volume(tmp_path):
+    """The InferenceService (v1beta1, protocolVersion v2) runs our image through a
+    ServingRuntime of the same format; its settings parse, its ports are KServe's, its
+    probes are the protocol's routes; the rest of the overlay validates strictly (KServe's
+    own kinds have no schema offline: their fields are checked here)."""
+    docs = render("kserve")
+    kinds = {d["kind"] for d in docs}
+    assert kinds == {"ServingRuntime", "InferenceService", "PersistentVolumeClaim", "Job"}
+    plain = [d for d in docs if not d["apiVersion"].startswith("serving.kserve.io/")]
+    path = tmp_path / "kserve-core.yaml"
+    path.write_text(yaml.safe_dump_all(plain))
+    result = subprocess.run(
+        [tool("kubernetes-validate"), "--strict", "--quiet", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    (isvc,) = of_kind(docs, "InferenceService")
+    (runtime,) = of_kind(docs, "ServingRuntime")
+    (pvc,) = of_kind(docs, "PersistentVolumeClaim")
+    assert isvc["apiVersion"] == "serving.kserve.io/v1beta1"
+    model = isvc["spec"]["predictor"]["model"]
+    assert model["protocolVersion"] == "v2" and model["runtime"] == runtime["metadata"]["name"]
+    assert model["storageUri"] == f"pvc://{pvc['metadata']['name']}"
+    assert model["modelFormat"] in [
+        {"name": f["name"], "version": f["version"]}
+        for f in runtime["spec"]["supportedModelFormats"]
+    ]
+    assert {"v2", "grpc-v2"} <= set(runtime["spec"]["protocolVersions"])
+    (container,) = runtime["spec"]["containers"]
+    assert container["name"] == "kserve-container" and container["image"] == "nca-knn:serve"
+    env = {e["name"]: e["value"] for e in container["env"]}
+    settings = Settings(**{k.removeprefix("NCAKNN_").lower(): v for k, v in env.items()})
+    assert settings.port == 8080 and settings.grpc_port == 8081  # KServe's defaults
+    assert str(settings.model_path).startswith("/mnt/models/")  # where KServe mounts the PVC
+    (port,) = container["ports"]
+    assert port["containerPort"] == settings.port
+    app = create_app(settings.model_copy(update={"require_model_at_startup": False}))
+    paths = set(app.openapi()["paths"])
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"]["path"] in paths
+        assert container[probe]["httpGet"]["port"] == settings.port
