@@ -268,6 +268,11 @@ def test_bad_input_is_a_protocol_error_over_both_wires(server, rows, wire):
     expect_error(send(bad), wire, 422, "NaN")
     expect_error(raw([2, 64], rows[:2].tobytes()[:-4]), wire, 422, "needs 128 values, got 127")
     expect_error(raw([2, 64], rows[:2].tobytes()[:-3]), wire, 422, "whole number")
+    expect_error(lambda: client.infer("nca-knn", [], headers=auth()), wire, 422, "one input")
+    two = [module.InferInput("input", [2, 64], "FP32") for _ in range(2)]
+    for tensor in two:
+        tensor.set_data_from_numpy(rows[:2])
+    expect_error(lambda: client.infer("nca-knn", two, headers=auth()), wire, 422, "one input")
     expect_error(with_parameters({"k": 0}), wire, 422, "k must be an integer >= 1")
     expect_error(with_parameters({"rule": "vote"}), wire, 422, "rule must be one of")
     expect_error(with_parameters({"temperature": 1.0}), wire, 422, "unknown parameter")
