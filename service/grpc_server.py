@@ -188,19 +188,9 @@ def infer_call(request, model, max_rows: int) -> oip.InferCall:
             )
         if tensor.HasField("contents"):
             raise InvalidInput(f"input {tensor.name!r} has both contents and raw contents")
-        raw = request.raw_input_contents[0]
-        dtype = oip.DTYPES.get(tensor.datatype)
-        if dtype is None:
-            raise InvalidInput(
-                f"input {tensor.name!r} has datatype {tensor.datatype!r}; expected FP32 (or "
-                f"one of {list(oip.INPUT_DATATYPES)})"
-            )
-        if len(raw) % dtype.itemsize:
-            raise InvalidInput(
-                f"input {tensor.name!r}: {len(raw)} bytes of raw contents is not a whole "
-                f"number of {tensor.datatype} values ({dtype.itemsize} bytes each)"
-            )
-        values = np.frombuffer(raw, dtype=dtype)
+        values = oip.raw_values(
+            tensor.name, tensor.datatype, request.raw_input_contents[0], "raw contents"
+        )
     else:
         field = CONTENTS_FIELD.get(tensor.datatype)
         if field is None or tensor.datatype in ("BYTES", "BOOL"):

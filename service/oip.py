@@ -201,6 +201,23 @@ def split_parameters(parameters: dict[str, Any] | None) -> tuple[dict, dict]:
     return ours, protocol
 
 
+def raw_values(name: str, datatype: str, raw: bytes, what: str) -> np.ndarray:
+    """A tensor's elements from its raw little-endian bytes (``what``: how the wire calls
+    them, for the message); InvalidInput for an unknown datatype or a partial element."""
+    dtype = DTYPES.get(datatype)
+    if dtype is None:
+        raise InvalidInput(
+            f"input {name!r} has datatype {datatype!r}; expected FP32 (or one of "
+            f"{list(INPUT_DATATYPES)})"
+        )
+    if len(raw) % dtype.itemsize:
+        raise InvalidInput(
+            f"input {name!r}: {len(raw)} bytes of {what} is not a whole number of {datatype} "
+            f"values ({dtype.itemsize} bytes each)"
+        )
+    return np.frombuffer(raw, dtype=dtype)
+
+
 def input_rows(
     model: LoadedModel,
     name: str,

@@ -178,18 +178,7 @@ def infer_target(path: str) -> tuple[str, str | None] | None:
 def _values(tensor: V2Input, raw: bytes | None) -> np.ndarray:
     """The tensor's elements (flat) from its JSON data or its binary data."""
     if raw is not None:
-        dtype = oip.DTYPES.get(tensor.datatype)
-        if dtype is None:
-            raise InvalidInput(
-                f"input {tensor.name!r} has datatype {tensor.datatype!r}; expected FP32 (or "
-                f"one of {list(oip.INPUT_DATATYPES)})"
-            )
-        if len(raw) % dtype.itemsize:
-            raise InvalidInput(
-                f"input {tensor.name!r}: {len(raw)} bytes of binary data is not a whole "
-                f"number of {tensor.datatype} values ({dtype.itemsize} bytes each)"
-            )
-        return np.frombuffer(raw, dtype=dtype)
+        return oip.raw_values(tensor.name, tensor.datatype, raw, "binary data")
     if not tensor.data:
         raise InvalidInput(
             f"input {tensor.name!r} has neither data nor a binary_data_size parameter"
