@@ -17,6 +17,7 @@ import time
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from service import __version__, oip
 from service.deps import AppState, check_bearer
@@ -106,6 +107,8 @@ class InferenceService:
         status = 200
         try:
             self.check_key(context)
+            if isinstance(request, Undecodable):
+                raise InvalidInput(request.message)
             return await handler(request, context)
         except ServiceError as exc:
             status = status_of(exc)
@@ -231,11 +234,15 @@ class HealthService:
         return SERVING if self.state.engine.ready else NOT_SERVING
 
     async def check(self, request, context):
+        if isinstance(request, Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         if request.service not in self.KNOWN:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
         return HealthCheckResponse(status=self.status())
 
     async def watch(self, request, context):
+        if isinstance(request, Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         if request.service not in self.KNOWN:
             yield HealthCheckResponse(status=SERVICE_UNKNOWN)
             return
@@ -248,10 +255,28 @@ class HealthService:
             await asyncio.sleep(1.0)
 
 
+class Undecodable:
+    """What a request that is not a valid message of its type decodes to: the handler
+    answers INVALID_ARGUMENT (gRPC's own answer to a failing deserializer is INTERNAL)."""
+
+    def __init__(self, type_name: str, error: Exception):
+        self.message = f"the request is not a valid {type_name} message ({error})"
+
+
+def _decoder(request_type):
+    def decode(data: bytes):
+        try:
+            return request_type.FromString(data)
+        except DecodeError as exc:
+            return Undecodable(request_type.DESCRIPTOR.full_name, exc)
+
+    return decode
+
+
 def _unary(handler, request_type, response_type):
     return grpc.unary_unary_rpc_method_handler(
         handler,
-        request_deserializer=request_type.FromString,
+        request_deserializer=_decoder(request_type),
         response_serializer=response_type.SerializeToString,
     )
 
@@ -281,7 +306,7 @@ def handlers(state: AppState) -> list:
         "Check": _unary(health.check, HealthCheckRequest, HealthCheckResponse),
         "Watch": grpc.unary_stream_rpc_method_handler(
             health.watch,
-            request_deserializer=HealthCheckRequest.FromString,
+            request_deserializer=_decoder(HealthCheckRequest),
             response_serializer=HealthCheckResponse.SerializeToString,
         ),
     }

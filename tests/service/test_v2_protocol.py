@@ -524,3 +524,202 @@ def test_string_classes_answer_bytes_labels(tmp_path, model_artifact):
             labels.append(raw[4 : 4 + size].decode())
             raw = raw[4 + size :]
         assert labels == [p["label"] for p in v1]
+
+
+# ------------------------------------------------------------------ gRPC as a hostile client
+
+
+GRPC_ALLOWED = {
+    grpc.StatusCode.OK,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+DATATYPES = ["FP32", "FP64", "FP16", "INT8", "INT32", "INT64", "UINT8", "UINT64", "BOOL", "BYTES"]
+
+
+def grpc_infer_stub(channel):
+    return channel.unary_unary(
+        "/inference.GRPCInferenceService/ModelInfer",
+        request_serializer=None,  # bytes as they are: the fuzz sends raw messages too
+        response_deserializer=None,
+    )
+
+
+def test_grpc_model_infer_fuzz_never_fails_inside(server):
+    """Random ModelInferRequest messages (names, datatypes, shapes, typed and raw contents,
+    parameters, outputs) and random bytes: every answer is OK or a client-error status with
+    a message, never INTERNAL or UNKNOWN, and the server keeps serving."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from service.protocol import message
+
+    request_type = message("inference.ModelInferRequest")
+    text = st.text(max_size=8)
+    scalar = st.one_of(
+        st.integers(-(2**40), 2**40),
+        st.floats(allow_nan=True, allow_infinity=True),
+        st.booleans(),
+        text,
+    )
+
+    @st.composite
+    def requests(draw):
+        r = request_type(
+            model_name=draw(st.sampled_from(["nca-knn", "nca-knn", "", "other"])),
+            model_version=draw(st.sampled_from(["", "", "x"])),
+            id=draw(text),
+        )
+        for name, value in draw(
+            st.dictionaries(
+                st.sampled_from(["k", "rule", "outlier_quantile", "zz"]), scalar, max_size=3
+            )
+        ).items():
+            p = r.parameters[name]
+            if isinstance(value, bool):
+                p.bool_param = value
+            elif isinstance(value, int):
+                p.int64_param = value
+            elif isinstance(value, float):
+                p.double_param = value
+            else:
+                p.string_param = value
+        n_rows = draw(st.integers(-1, 70))
+        for _ in range(draw(st.integers(0, 2))):
+            t = r.inputs.add(
+                name=draw(st.sampled_from(["input", "input", "x"])),
+                datatype=draw(st.sampled_from([*DATATYPES, "FP32", "FP32", "nope"])),
+                shape=draw(
+                    st.sampled_from([[n_rows, 64], [n_rows, 64], [n_rows], [1, 63], [2, 64, 1], []])
+                ),
+            )
+            kind = draw(st.sampled_from(["fp32", "fp64", "int", "bytes", "none"]))
+            count = draw(st.sampled_from([max(n_rows, 0) * 64, 64, 0, 7]))
+            if kind == "fp32":
+                t.contents.fp32_contents.extend(
+                    draw(st.lists(st.floats(width=32), min_size=count, max_size=count))
+                )
+            elif kind == "fp64":
+                t.contents.fp64_contents.extend([draw(st.floats())] * count)
+            elif kind == "int":
+                t.contents.int_contents.extend([draw(st.integers(-(2**31), 2**31 - 1))] * count)
+            elif kind == "bytes":
+                t.contents.bytes_contents.append(draw(st.binary(max_size=16)))
+        for _ in range(draw(st.integers(0, 2))):
+            r.raw_input_contents.append(draw(st.binary(max_size=600)))
+        for _ in range(draw(st.integers(0, 3))):
+            o = r.outputs.add(name=draw(st.sampled_from(["label", "embedding", "x", "outlier"])))
+            if draw(st.booleans()):
+                o.parameters["binary_data"].bool_param = True
+        return r.SerializeToString()
+
+    @st.composite
+    def nearly_valid(draw):
+        """A valid call (one FP32 input [n, 64], typed or raw), with at most one mutation."""
+        n = draw(st.integers(1, 4))
+        values = np.asarray(
+            draw(st.lists(st.floats(-1e3, 1e3, width=32), min_size=n * 64, max_size=n * 64)),
+            np.float32,
+        )
+        r = request_type(model_name="nca-knn")
+        t = r.inputs.add(name="input", datatype="FP32", shape=[n, 64])
+        if draw(st.booleans()):
+            r.raw_input_contents.append(values.tobytes())
+        else:
+            t.contents.fp32_contents.extend(values.tolist())
+        mutation = draw(st.sampled_from(["none", "none", "k", "rule", "output", "quantile"]))
+        if mutation == "k":
+            r.parameters["k"].int64_param = draw(st.integers(-2, 5000))
+        elif mutation == "rule":
+            r.parameters["rule"].string_param = draw(st.sampled_from(["soft", "soft_prior", "x"]))
+        elif mutation == "output":
+            r.outputs.add(name=draw(st.sampled_from(["label", "neighbor_ids", "bogus"])))
+        elif mutation == "quantile":
+            r.parameters["outlier_quantile"].double_param = draw(st.floats())
+        return r.SerializeToString()
+
+    with grpc.insecure_channel(server[1]) as channel:
+        stub = grpc_infer_stub(channel)
+        seen = set()
+
+        @settings(
+            max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), database=None
+        )
+        @given(body=st.one_of(nearly_valid(), requests(), st.binary(max_size=200)))
+        def fuzz(body):
+            try:
+                stub(body, metadata=[("authorization", f"Bearer {KEY}")], timeout=30)
+                code = grpc.StatusCode.OK
+            except grpc.RpcError as exc:
+                code = exc.code()
+                assert exc.details(), code
+            assert code in GRPC_ALLOWED, (code, body[:200])
+            seen.add(code)
+
+        fuzz()
+    assert grpc.StatusCode.INVALID_ARGUMENT in seen and grpc.StatusCode.OK in seen
+    assert server[2].poll() is None
+
+
+def test_grpc_health_watch_streams_the_status(server):
+    from service.protocol import message
+
+    request_type = message("grpc.health.v1.HealthCheckRequest")
+    response_type = message("grpc.health.v1.HealthCheckResponse")
+    with grpc.insecure_channel(server[1]) as channel:
+        watch = channel.unary_stream(
+            "/grpc.health.v1.Health/Watch",
+            request_serializer=request_type.SerializeToString,
+            response_deserializer=response_type.FromString,
+        )
+        stream = watch(request_type(), timeout=10)
+        assert next(stream).status == 1  # SERVING
+        stream.cancel()
+        unknown = watch(request_type(service="nope"), timeout=10)
+        assert next(unknown).status == 3  # SERVICE_UNKNOWN
+
+
+def test_sigterm_under_grpc_load_finishes_every_accepted_call(model_artifact):
+    """Calls in flight when SIGTERM arrives are answered; the server then exits cleanly."""
+    import signal
+    import threading
+    import time
+
+    from tests.service.test_server import in_flight
+
+    port, grpc_port = free_port(), free_port()
+    # a 2 s batching window keeps calls in flight when SIGTERM arrives
+    proc = start_server(
+        model_artifact[0], port, NCAKNN_GRPC_PORT=grpc_port, NCAKNN_BATCH_MAX_WAIT_US=2_000_000
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, proc)
+        client = triton_grpc.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+        x = np.zeros((1, 64), np.float32)
+        results: list = []
+
+        def call():
+            tensor = triton_grpc.InferInput("input", [1, 64], "FP32")
+            tensor.set_data_from_numpy(x)
+            try:
+                results.append(client.infer("nca-knn", [tensor]).as_numpy("label").shape)
+            except InferenceServerException as exc:  # pragma: no cover - the failure tested
+                results.append(str(exc))
+
+        threads = [threading.Thread(target=call) for _ in range(8)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 10
+        while in_flight(url) < 8:
+            assert time.monotonic() < deadline, "calls did not all arrive"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(30)
+        assert results == [(1,)] * 8
+        assert proc.wait(30) in (0, -signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
