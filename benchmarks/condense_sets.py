@@ -1,0 +1,153 @@
+"""Condensing the reference set (``python -m training references condense``): references
+kept and test accuracy before and after, for editing and condensing settings, over seeds.
+
+Sets (the issue's two): USPS (the papers' data: 6,564 references, d = 32, the job's
+defaults) and a 60k x 784 set of real digits (``common.usps_784``: USPS at MNIST's size,
+augmented to 60,000 references; validation and test queries from held-out images).
+Each model is trained once with the estimator's defaults at d = 32; every setting is then
+condensed with ``--seeds`` seeds (the order in which candidates are visited); accuracy is
+the model's served rule at its default k on the test split. Medians over seeds, with the
+range.
+
+Usage: python benchmarks/condense_sets.py [--seeds 3] [--sets usps,usps784]
+Writes benchmarks/results/condense_sets.json. Needs ../shared/data/usps.npz.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import USPS_PATH, machine, median, print_table, save_json, usps_784
+
+SETTINGS = [(0, None), (0, 6), (3, None), (5, None), (5, 6), (7, None)]  # (edit_k, check_k)
+
+
+def train(out: Path, X, y, X_val, y_val) -> Path:
+    """The estimator's defaults at d = 32, written as an artifact with its validation split
+    and the outlier calibration (as the training job writes it)."""
+    from service.artifact import write_artifact
+    from training import NCA
+    from training.evaluate import K_VALUES, choose_k, knn_accuracies
+    from training.outliers import calibrate
+
+    classes = np.unique(y)
+    y_idx, yv_idx = np.searchsorted(classes, y), np.searchsorted(classes, y_val)
+    nca = NCA(n_components=32, random_state=0).fit(X, y_idx)
+    z, zv = nca.transform(X), nca.transform(X_val)
+    val = knn_accuracies(z, y_idx, zv, yv_idx, len(classes), K_VALUES)
+    return write_artifact(
+        out,
+        projection=nca.projection_,
+        offset=nca.offset_,
+        embeddings=z,
+        labels=y_idx.astype(np.int32),
+        classes=classes.tolist(),
+        mean=nca.mean_,
+        scale=nca.scale_,
+        default_k=choose_k(val, fallback=3),
+        validation_embeddings=zv,
+        validation_labels=yv_idx.astype(np.int32),
+        metadata={"outlier_calibration": calibrate(z, zv)},
+    )
+
+
+def condense_grid(name: str, model: Path, X_test, y_test, seeds: int, tmp: Path) -> list[dict]:
+    from service.artifact import read_artifact
+    from training.references import condense_references
+
+    k = read_artifact(model).default_k
+    rows = []
+    for edit_k, check_k in SETTINGS:
+        kept, before, after, seconds = [], [], [], []
+        for seed in range(seeds):
+            started = time.perf_counter()
+            entry = condense_references(
+                model,
+                out=tmp / f"{name}-{edit_k}-{check_k}-{seed}",
+                check_k=check_k,
+                edit_k=edit_k,
+                seed=seed,
+                X_test=X_test,
+                y_test=y_test,
+            )
+            seconds.append(time.perf_counter() - started)
+            kept.append(entry["rows_after"])
+            test = entry["accuracy"]["test"]
+            before.append(test["before"][str(k)])
+            after.append(test["after"][str(k)])
+        n = entry["rows_before"]
+        deltas = [100 * (a - b) for a, b in zip(after, before, strict=True)]
+        rows.append(
+            {
+                "set": name,
+                "k": k,
+                "edit_k": edit_k,
+                "check_k": entry["settings"]["check_k"],
+                "references": n,
+                "kept": int(median(kept)),
+                "fewer_x": round(n / median(kept), 2),
+                "test_before": round(before[0], 4),
+                "test_after": round(median(after), 4),
+                "delta_points": round(median(deltas), 2),
+                "delta_range": [round(min(deltas), 2), round(max(deltas), 2)],
+                "seconds": round(median(seconds), 1),
+            }
+        )
+        print(rows[-1], flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--sets", default="usps,usps784")
+    args = parser.parse_args()
+    if not USPS_PATH.exists():
+        sys.exit(f"needs {USPS_PATH}")
+    os.environ.setdefault("OMP_NUM_THREADS", "2")
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        if "usps" in args.sets.split(","):
+            data = np.load(USPS_PATH)
+            X, y = data["X"].astype(np.float32), data["y"]
+            rng = np.random.default_rng(0)
+            order = rng.permutation(len(y))
+            val, ref = order[: len(y) // 10], order[len(y) // 10 :]
+            model = train(tmp / "usps", X[ref], y[ref], X[val], y[val])
+            results += condense_grid(
+                "usps", model, data["X_test"].astype(np.float32), data["y_test"], args.seeds, tmp
+            )
+        if "usps784" in args.sets.split(","):
+            X, y, X_val, y_val, X_test, y_test = usps_784(60_000, 2_000, 4_000)
+            model = train(tmp / "usps784", X, y, X_val, y_val)
+            results += condense_grid("usps784", model, X_test, y_test, args.seeds, tmp)
+    print_table(
+        results,
+        [
+            "set",
+            "k",
+            "edit_k",
+            "check_k",
+            "kept",
+            "fewer_x",
+            "test_before",
+            "test_after",
+            "delta_points",
+            "delta_range",
+            "seconds",
+        ],
+    )
+    save_json("condense_sets.json", {"machine": machine(), "rows": results})
+
+
+if __name__ == "__main__":
+    main()
