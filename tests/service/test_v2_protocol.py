@@ -133,17 +133,25 @@ def test_metadata_and_readiness_over_both_protocols(server, model_artifact):
         assert model_meta["outputs"][1]["datatype"] == "FP64"
 
 
-def test_grpc_health_checking_for_kubernetes_probes(server):
+def health_stub(channel, method: str):
+    """(request type, callable) for grpc.health.v1.Health/<method> (Check: unary, Watch:
+    a stream), with our own messages."""
     from service.protocol import message
 
     request_type = message("grpc.health.v1.HealthCheckRequest")
     response_type = message("grpc.health.v1.HealthCheckResponse")
+    make = channel.unary_unary if method == "Check" else channel.unary_stream
+    stub = make(
+        f"/grpc.health.v1.Health/{method}",
+        request_serializer=request_type.SerializeToString,
+        response_deserializer=response_type.FromString,
+    )
+    return request_type, stub
+
+
+def test_grpc_health_checking_for_kubernetes_probes(server):
     with grpc.insecure_channel(server[1]) as channel:
-        check = channel.unary_unary(
-            "/grpc.health.v1.Health/Check",
-            request_serializer=request_type.SerializeToString,
-            response_deserializer=response_type.FromString,
-        )
+        request_type, check = health_stub(channel, "Check")
         assert check(request_type()).status == 1  # SERVING, no key needed (probes)
         assert check(request_type(service="inference.GRPCInferenceService")).status == 1
         with pytest.raises(grpc.RpcError) as info:
@@ -663,16 +671,8 @@ def test_grpc_model_infer_fuzz_never_fails_inside(server):
 
 
 def test_grpc_health_watch_streams_the_status(server):
-    from service.protocol import message
-
-    request_type = message("grpc.health.v1.HealthCheckRequest")
-    response_type = message("grpc.health.v1.HealthCheckResponse")
     with grpc.insecure_channel(server[1]) as channel:
-        watch = channel.unary_stream(
-            "/grpc.health.v1.Health/Watch",
-            request_serializer=request_type.SerializeToString,
-            response_deserializer=response_type.FromString,
-        )
+        request_type, watch = health_stub(channel, "Watch")
         stream = watch(request_type(), timeout=10)
         assert next(stream).status == 1  # SERVING
         stream.cancel()
