@@ -72,8 +72,11 @@ def main() -> None:
         ("parse npy body", lambda: parse_npy_body()),
         ("project", lambda: model.embed(rows)),
         ("exact search + decision", lambda: model.answer(z, 5, "majority")),
-        ("encode JSON answer", lambda: json_encoder.encode(classify_json(model, answer, False))),
-        ("encode npy answer", lambda: classify_npy(model, answer, False)),
+        (
+            "encode JSON answer",
+            lambda: json_encoder.encode(classify_json(model, answer, False, None)),
+        ),
+        ("encode npy answer", lambda: classify_npy(model, answer, False, None)),
     ]
     out = [{"step": name, "ms": timed(fn, args.repeats)} for name, fn in steps]
     print(f"{args.rows}-row classify, in process, median of {args.repeats}")

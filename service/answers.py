@@ -22,7 +22,6 @@ from __future__ import annotations
 import numpy as np
 
 from service.engine import Answer, LoadedModel
-from service.knn import outlier_flags
 from service.payload import npy_bytes
 
 INT64 = np.iinfo(np.int64)
@@ -45,21 +44,15 @@ def neighbor_lists(
     ]
 
 
-def outliers(answer: Answer, threshold: float | None) -> np.ndarray | None:
-    """(n,) bool: each row's nearest reference is beyond ``threshold`` (None: no
-    calibration, nothing to flag against)."""
-    return None if threshold is None else outlier_flags(answer.distances, threshold)
-
-
 def classify_json(
-    model: LoadedModel, answer: Answer, with_neighbors: bool, threshold: float | None
+    model: LoadedModel, answer: Answer, with_neighbors: bool, flags: np.ndarray | None
 ) -> dict:
     """The JSON answer of /v1/classify: a label, a {class: probability}, the nearest
-    distance and the outlier flag per instance, and the neighbours when asked."""
+    distance and the outlier flag per instance (``flags`` (n,) bool, None without a
+    calibration), and the neighbours when asked."""
     names, classes = model.class_names, model.classes
     proba = answer.probabilities.tolist()
     nearest = answer.distances[:, 0].tolist()
-    flags = outliers(answer, threshold)
     flags = [None] * len(nearest) if flags is None else flags.tolist()
     neighbors = neighbor_lists(model, answer.distances, answer.indices) if with_neighbors else None
     predictions = []
@@ -115,14 +108,13 @@ def _neighbour_columns(
 
 
 def classify_npy(
-    model: LoadedModel, answer: Answer, with_neighbors: bool, threshold: float | None
+    model: LoadedModel, answer: Answer, with_neighbors: bool, flags: np.ndarray | None
 ) -> bytes:
     fields = [
         ("label", class_array(model.classes)[answer.predicted]),  # (n,)
         ("probabilities", np.asarray(answer.probabilities, dtype=np.float64)),  # (n, C)
         ("nearest_distance", np.asarray(answer.distances[:, 0], dtype=np.float64)),  # (n,)
     ]
-    flags = outliers(answer, threshold)
     if flags is not None:
         fields.append(("outlier", flags))  # (n,) bool
     if with_neighbors:

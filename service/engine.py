@@ -114,6 +114,7 @@ class LoadedModel:
     # None when the model was trained without a validation split (service.knn.outlier_*)
     outlier_quantiles: dict[float, float] | None = None
     default_outlier_quantile: float = 0.99  # the setting outlier_quantile
+    default_outlier_threshold: float | None = None  # its threshold (computed once, at load)
     far_prior: FarPrior | None = None  # the soft_prior rule's component (service.knn)
 
     @property
@@ -149,9 +150,10 @@ class LoadedModel:
         when the quantile is outside the calibrated range."""
         if self.outlier_quantiles is None:
             return None
-        q = self.default_outlier_quantile if quantile is None else quantile
+        if quantile is None or quantile == self.default_outlier_quantile:
+            return self.default_outlier_threshold
         try:
-            return outlier_threshold(self.outlier_quantiles, q)
+            return outlier_threshold(self.outlier_quantiles, quantile)
         except ValueError as exc:
             raise InvalidInput(str(exc)) from None
 
@@ -316,9 +318,10 @@ def load_model(
     labels = np.asarray(artifact.labels, dtype=np.int64)
     calibration = parse_outlier_calibration(artifact.manifest.get("outlier_calibration"))
     quantiles = calibration["quantiles"] if calibration is not None else None
+    default_threshold = None
     if quantiles is not None:
         try:
-            outlier_threshold(quantiles, settings.outlier_quantile)
+            default_threshold = outlier_threshold(quantiles, settings.outlier_quantile)
         except ValueError as exc:
             raise ArtifactError(f"{path}: the setting outlier_quantile: {exc}") from None
     model = LoadedModel(
@@ -340,6 +343,7 @@ def load_model(
         on_fallback=on_fallback,
         outlier_quantiles=quantiles,
         default_outlier_quantile=settings.outlier_quantile,
+        default_outlier_threshold=default_threshold,
         far_prior=FarPrior.of(embeddings, labels, len(artifact.classes)),
     )
     # warm-up: one query through the whole path (page in the arrays, start FAISS)

@@ -50,17 +50,18 @@ async def classify(request: Request) -> Response:
     with req.state.admit():
         req.state.metrics.request_rows.labels("/v1/classify").observe(len(req.rows))
         answer = await pipeline.answer(req, k, rule, threshold)
-    if threshold is not None:
-        req.state.metrics.outliers.inc(int(outlier_flags(answer.distances, threshold).sum()))
+    flags = None if threshold is None else outlier_flags(answer.distances, threshold)  # (n,)
+    if flags is not None:
+        req.state.metrics.outliers.inc(int(flags.sum()))
     model = req.model
     n_values = len(req.rows) * values_per_row
     if req.response_type == NPY:
         return await pipeline.encoded_response(
-            req, n_values, lambda: classify_npy(model, answer, with_neighbors, threshold), NPY
+            req, n_values, lambda: classify_npy(model, answer, with_neighbors, flags), NPY
         )
 
     return await pipeline.json_response(
-        req, n_values, lambda: classify_json(model, answer, with_neighbors, threshold)
+        req, n_values, lambda: classify_json(model, answer, with_neighbors, flags)
     )
 
 

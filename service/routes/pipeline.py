@@ -19,7 +19,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 
-from service import memory
+from service import memory, oip
 from service.deps import AppState, check_api_key
 from service.engine import Answer, LoadedModel
 from service.errors import InvalidInput, PayloadTooLarge
@@ -257,8 +257,6 @@ async def encoded_response(
 async def answer_call(state: AppState, model: LoadedModel, call, route: str) -> list:
     """An Open Inference Protocol call (``service.oip.InferCall``) on the same engine,
     batcher, limits and metrics as /v1: its output tensors (``service.oip.OutputTensor``)."""
-    from service import oip
-
     k = checked_k(model, state.settings.max_k, call.k)
     rule = call.rule or model.artifact.decision_rule
     threshold = checked_outlier_threshold(model, call.outlier_quantile, rule)
