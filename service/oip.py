@@ -147,6 +147,13 @@ def check_model(model: LoadedModel, name: str, version: str | None, served_name:
         )
 
 
+def values_per_row(model: LoadedModel, name: str, k: int) -> int:
+    """How many numbers output ``name`` holds per row."""
+    (spec,) = (spec for spec in output_specs(model) if spec.name == name)
+    sizes = {"": 1, "C": len(model.classes), "d": model.n_components, "k": k}
+    return sizes[spec.columns]
+
+
 def model_metadata(model: LoadedModel, served_name: str) -> dict:
     """The protocol's model metadata (-1: a dimension of any size)."""
     sizes = {"": None, "C": len(model.classes), "d": model.n_components, "k": -1}

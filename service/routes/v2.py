@@ -268,15 +268,21 @@ def parse_infer(body: bytes, header_length: str | None, model, max_rows: int) ->
     )
 
 
+def binary_flags(call: oip.InferCall) -> dict[str, bool]:
+    """{output: answered in binary}: its binary_data parameter, else the request's
+    binary_data_output."""
+    default = bool(call.parameters.get("binary_data_output", False))
+    return {o.name: default if o.binary is None else o.binary for o in call.outputs}
+
+
 def encode_answer(call: oip.InferCall, model, name: str, tensors) -> tuple[bytes, int | None]:
     """(body, JSON header length or None): the protocol's response, binary outputs after
     the JSON header."""
-    default_binary = bool(call.parameters.get("binary_data_output", False))
-    binary_flags = {o.name: default_binary if o.binary is None else o.binary for o in call.outputs}
+    binary = binary_flags(call)
     outputs, chunks = [], []
     for tensor in tensors:
         item = {"name": tensor.name, "datatype": tensor.datatype, "shape": tensor.shape}
-        if binary_flags[tensor.name]:
+        if binary[tensor.name]:
             raw = tensor.raw()
             item["parameters"] = {"binary_data_size": len(raw)}
             chunks.append(raw)
@@ -344,19 +350,8 @@ async def infer(request: Request, model_name: str | None = None, model_version=N
 
 def _json_values(call: oip.InferCall, model) -> int:
     """Numbers the answer would carry as JSON (binary outputs cost no encoding)."""
-    default_binary = bool(call.parameters.get("binary_data_output", False))
     k = call.k or model.artifact.default_k
-    per_row = {
-        "label": 1,
-        "probabilities": len(model.classes),
-        "embedding": model.n_components,
-        "neighbor_ids": k,
-        "neighbor_distances": k,
-        "nearest_distance": 1,
-        "outlier": 1,
-    }
+    binary = binary_flags(call)
     return len(call.rows) * sum(
-        per_row[o.name]
-        for o in call.outputs
-        if not (default_binary if o.binary is None else o.binary)
+        oip.values_per_row(model, o.name, k) for o in call.outputs if not binary[o.name]
     )

@@ -723,3 +723,19 @@ def test_sigterm_under_grpc_load_finishes_every_accepted_call(model_artifact):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_json_outputs_are_bounded_and_binary_ones_are_not(model_artifact, rows):
+    """max_response_values counts the numbers of the JSON outputs only: 4 rows x (10
+    probabilities + 16 embedding values) = 104 is over a limit of 100; in binary it passes."""
+    x = rows[:4]
+    body = {
+        "inputs": [tensor([4, 64], data=x.ravel().tolist())],
+        "outputs": [{"name": "probabilities"}, {"name": "embedding"}],
+    }
+    app = create_app(settings_for(model_artifact[0], max_response_values=100))
+    with TestClient(app) as client:
+        refused = client.post("/v2/models/nca-knn/infer", json=body)
+        assert refused.status_code == 413 and "104 numbers" in refused.json()["error"]
+        body["outputs"][1]["parameters"] = {"binary_data": True}  # 40 JSON numbers left
+        assert client.post("/v2/models/nca-knn/infer", json=body).status_code == 200
