@@ -10,6 +10,7 @@ the model's served rule at its default k on the test split. Medians over seeds, 
 range.
 
 Usage: python benchmarks/condense_sets.py [--seeds 3] [--sets usps,usps784]
+       [--methods hart,prototypes]
 Writes benchmarks/results/condense_sets.json. Needs ../shared/data/usps.npz.
 """
 
@@ -27,7 +28,17 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import USPS_PATH, machine, median, print_table, save_json, usps_784
 
-SETTINGS = [(0, None), (0, 6), (3, None), (5, None), (5, 6), (7, None)]  # (edit_k, check_k)
+# condense_references keyword arguments: Hart's condensing (after Wilson editing when edit_k
+# > 0), then per-class k-means prototypes
+SETTINGS = [
+    {"edit_k": 0},
+    {"edit_k": 0, "check_k": 6},
+    {"edit_k": 3},
+    {"edit_k": 5},
+    {"edit_k": 5, "check_k": 6},
+    {"edit_k": 7},
+    {"method": "prototypes", "reduction": 3.0},
+]
 
 
 def train(out: Path, X, y, X_val, y_val) -> Path:
@@ -59,22 +70,26 @@ def train(out: Path, X, y, X_val, y_val) -> Path:
     )
 
 
-def condense_grid(name: str, model: Path, X_test, y_test, seeds: int, tmp: Path) -> list[dict]:
+def condense_grid(
+    name: str, model: Path, X_test, y_test, seeds: int, tmp: Path, methods: set[str]
+) -> list[dict]:
     from service.artifact import read_artifact
     from training.references import condense_references
 
     k = read_artifact(model).default_k
     rows = []
-    for edit_k, check_k in SETTINGS:
+    for setting in SETTINGS:
+        method = setting.get("method", "hart")
+        if method not in methods:
+            continue
         kept, before, after, seconds = [], [], [], []
         for seed in range(seeds):
             started = time.perf_counter()
             entry = condense_references(
                 model,
-                out=tmp / f"{name}-{edit_k}-{check_k}-{seed}",
-                check_k=check_k,
-                edit_k=edit_k,
+                out=tmp / f"{name}-{len(rows)}-{seed}",
                 seed=seed,
+                **setting,
                 X_test=X_test,
                 y_test=y_test,
             )
@@ -89,8 +104,9 @@ def condense_grid(name: str, model: Path, X_test, y_test, seeds: int, tmp: Path)
             {
                 "set": name,
                 "k": k,
-                "edit_k": edit_k,
-                "check_k": entry["settings"]["check_k"],
+                "method": method,
+                "edit_k": setting.get("edit_k", ""),
+                "check_k": entry["settings"].get("check_k", ""),
                 "references": n,
                 "kept": int(median(kept)),
                 "fewer_x": round(n / median(kept), 2),
@@ -109,11 +125,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--sets", default="usps,usps784")
+    parser.add_argument("--methods", default="hart,prototypes")
     args = parser.parse_args()
     if not USPS_PATH.exists():
         sys.exit(f"needs {USPS_PATH}")
     os.environ.setdefault("OMP_NUM_THREADS", "2")
     results = []
+    methods = set(args.methods.split(","))
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         if "usps" in args.sets.split(","):
@@ -124,17 +142,24 @@ def main() -> None:
             val, ref = order[: len(y) // 10], order[len(y) // 10 :]
             model = train(tmp / "usps", X[ref], y[ref], X[val], y[val])
             results += condense_grid(
-                "usps", model, data["X_test"].astype(np.float32), data["y_test"], args.seeds, tmp
+                "usps",
+                model,
+                data["X_test"].astype(np.float32),
+                data["y_test"],
+                args.seeds,
+                tmp,
+                methods,
             )
         if "usps784" in args.sets.split(","):
             X, y, X_val, y_val, X_test, y_test = usps_784(60_000, 2_000, 4_000)
             model = train(tmp / "usps784", X, y, X_val, y_val)
-            results += condense_grid("usps784", model, X_test, y_test, args.seeds, tmp)
+            results += condense_grid("usps784", model, X_test, y_test, args.seeds, tmp, methods)
     print_table(
         results,
         [
             "set",
             "k",
+            "method",
             "edit_k",
             "check_k",
             "kept",

@@ -259,12 +259,58 @@ def _accuracies(z_refs, y_refs, z_queries, y_queries, n_classes, ks, rule) -> di
     }
 
 
+CONDENSE_METHODS = {
+    "hart": "k-NN condensing (Hart)",
+    "wilson+hart": "Wilson editing then k-NN condensing",
+    "prototypes": "per-class k-means prototypes (embeddings are cluster means; each id is "
+    "the member nearest its mean)",
+}
+
+
+def _condense_settings(parent, method, check_k, edit_k, reduction, seed) -> dict:
+    """The operation's settings, checked; they are recorded in the lineage."""
+    if method == "hart":
+        if reduction is not None:
+            raise ReferenceError("--reduction applies to --method prototypes only")
+        check_k = parent.default_k + 2 if check_k is None else int(check_k)
+        if check_k < 1 or edit_k < 0:
+            raise ReferenceError(
+                f"--check-k must be >= 1 and --edit-k >= 0, got {check_k}, {edit_k}"
+            )
+        return {"check_k": check_k, "edit_k": int(edit_k), "seed": int(seed)}
+    if method == "prototypes":
+        if check_k is not None or edit_k:
+            raise ReferenceError("--check-k and --edit-k apply to --method hart only")
+        reduction = 3.0 if reduction is None else float(reduction)
+        if not np.isfinite(reduction) or reduction < 1:
+            raise ReferenceError(f"--reduction must be a number >= 1, got {reduction}")
+        return {"method": "prototypes", "reduction": reduction, "seed": int(seed)}
+    raise ReferenceError(f"--method must be one of hart, prototypes; got {method!r}")
+
+
+def _condensed(parent, z, y, settings, unchanged) -> tuple:
+    """(embeddings, labels, ids, counts) of the condensed set; the parent's when unchanged."""
+    from training.condense import condense, prototypes
+
+    if unchanged:
+        return z, y, parent.ids, {"removed_by_editing": 0, "removed_by_condensing": 0}
+    if settings.get("method") == "prototypes":
+        centres, labels, representative, _ = prototypes(
+            z, y, reduction=settings["reduction"], seed=settings["seed"]
+        )
+        return centres, labels, parent.ids[representative], {"prototypes": len(labels)}
+    keep, counts = condense(z, y, len(parent.classes), **settings)
+    return z[keep], y[keep], parent.ids[keep], counts
+
+
 def condense_references(
     model: str | Path,
     *,
     out: str | Path,
+    method: str = "hart",
     check_k: int | None = None,
     edit_k: int = 0,
+    reduction: float | None = None,
     seed: int = 0,
     X_test: np.ndarray | None = None,
     y_test: np.ndarray | None = None,
@@ -276,24 +322,19 @@ def condense_references(
     projected with the model's map), at k = 1, the default k and check_k, with the model's
     rule. Condensing a set this operation produced, with the same settings and nothing
     changed since, returns it unchanged (the operation is idempotent): a second pass would
-    judge the kept references without the removed ones that they vouch for."""
-    from training.condense import condense
+    judge the kept references without the removed ones that they vouch for.
 
+    method "prototypes" replaces each class's references by round(N_c / reduction) k-means
+    prototypes (``training.condense.prototypes``; reduction defaults to 3): the embeddings
+    become cluster means, each with the id of the member nearest it."""
     parent = load_model(model)
-    check_k = parent.default_k + 2 if check_k is None else int(check_k)
-    if check_k < 1 or edit_k < 0:
-        raise ReferenceError(f"--check-k must be >= 1 and --edit-k >= 0, got {check_k}, {edit_k}")
-    settings = {"check_k": check_k, "edit_k": edit_k, "seed": seed}
+    settings = _condense_settings(parent, method, check_k, edit_k, reduction, seed)
     classes = parent.classes
     z, y = np.asarray(parent.embeddings), np.asarray(parent.labels, dtype=np.int64)
     last = (parent.manifest.get("lineage") or [{}])[-1]
-    if last.get("operation") == "condense" and last.get("settings") == settings:
-        keep, counts = (
-            np.ones(len(z), dtype=bool),
-            {"removed_by_editing": 0, "removed_by_condensing": 0},
-        )
-    else:
-        keep, counts = condense(z, y, len(classes), **settings)
+    unchanged = last.get("operation") == "condense" and last.get("settings") == settings
+    new_z, new_y, new_ids, counts = _condensed(parent, z, y, settings, unchanged)
+    check_k = settings.get("check_k", parent.default_k)
     ks = tuple(sorted({1, parent.default_k, check_k}))
     evaluations = {}
     if parent.validation_embeddings is not None and len(parent.validation_embeddings):
@@ -311,14 +352,14 @@ def condense_references(
     accuracy = {
         name: {
             "before": _accuracies(z, y, zq, yq, len(classes), ks, parent.decision_rule),
-            "after": _accuracies(z[keep], y[keep], zq, yq, len(classes), ks, parent.decision_rule),
+            "after": _accuracies(new_z, new_y, zq, yq, len(classes), ks, parent.decision_rule),
         }
         for name, (zq, yq) in evaluations.items()
     }
-    n_after = int(keep.sum())
+    n_after = len(new_y)
     entry = {
         "operation": "condense",
-        "method": "Wilson editing then k-NN condensing" if edit_k else "k-NN condensing (Hart)",
+        "method": CONDENSE_METHODS[method if method != "hart" or not edit_k else "wilson+hart"],
         "settings": settings,
         "rows_before": len(z),
         "rows_after": n_after,
@@ -329,9 +370,9 @@ def condense_references(
     path = write_version(
         parent,
         out,
-        embeddings=z[keep],
-        labels=y[keep],
-        ids=parent.ids[keep],
+        embeddings=new_z,
+        labels=new_y,
+        ids=new_ids,
         classes=classes,
         entry=entry,
         default_k=default_k,

@@ -61,7 +61,21 @@ def build_parser() -> argparse.ArgumentParser:
     condense.add_argument(
         "--edit-k", type=int, default=0, help="Wilson editing with this k first (0: none)"
     )
-    condense.add_argument("--seed", type=int, default=0, help="the order of the passes")
+    condense.add_argument(
+        "--method",
+        choices=("hart", "prototypes"),
+        default="hart",
+        help="hart: keep a subset (Hart's condensing, Wilson editing); prototypes: replace "
+        "each class by k-means prototypes (cluster means)",
+    )
+    condense.add_argument(
+        "--reduction",
+        type=float,
+        help="prototypes: references per prototype within each class (default 3)",
+    )
+    condense.add_argument(
+        "--seed", type=int, default=0, help="the order of the passes / the k-means seeding"
+    )
     condense.add_argument(
         "--data",
         help="a labelled test set (raw inputs) to report accuracy before and after on; from "
@@ -114,8 +128,10 @@ def run(args: argparse.Namespace) -> dict:
         summary = condense_references(
             args.model,
             out=args.out,
+            method=args.method,
             check_k=args.check_k,
             edit_k=args.edit_k,
+            reduction=args.reduction,
             seed=args.seed,
             X_test=X_test,
             y_test=y_test,

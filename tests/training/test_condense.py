@@ -7,7 +7,7 @@ import pytest
 
 from service.artifact import read_artifact
 from training.cli import main as cli_main
-from training.condense import condense, condensed_keep, wilson_keep
+from training.condense import condense, condensed_keep, kmeans, prototypes, wilson_keep
 from training.references import ReferenceError, condense_references
 
 
@@ -88,3 +88,108 @@ def test_condense_bad_input_exits_2_and_writes_nothing(model, tmp_path, capsys):
     )  # fmt: skip
     assert code == 2 and "features, the model expects" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_prototypes_of_well_separated_clumps_are_their_means():
+    # two classes, three clumps of three points each, clumps 1,000 apart: reduction 3 must
+    # find the clumps, and each prototype is its clump's mean with the id of its middle point
+    rng = np.random.default_rng(0)
+    centres = np.array([[0, 0], [1000, 0], [0, 1000], [1000, 1000], [2000, 0], [0, 2000]])
+    offsets = np.array([[-0.1, 0.0], [0.0, 0.0], [0.1, 0.05]])
+    z = (centres[:, None, :] + offsets[None]).reshape(-1, 2)
+    y = np.repeat([0, 0, 0, 1, 1, 1], 3)
+    shuffle = rng.permutation(len(z))
+    z, y = z[shuffle], y[shuffle]
+    P, labels, representative, assignment = prototypes(z, y, reduction=3.0, seed=1)
+    assert len(P) == 6 and sorted(labels.tolist()) == [0, 0, 0, 1, 1, 1]
+    expected = centres + offsets.mean(0)
+    for p, c in zip(P, labels, strict=True):
+        j = np.abs(expected - p).sum(1).argmin()
+        np.testing.assert_allclose(p, expected[j], atol=1e-3)
+        assert (j < 3) == (c == 0)
+    # the representative is the middle point (offset 0, 0), nearest the mean
+    np.testing.assert_allclose(z[representative], centres[[np.abs(centres - p).sum(1).argmin()
+                                                          for p in P]])  # fmt: skip
+    assert (np.bincount(assignment) == 3).all()
+
+
+@pytest.mark.parametrize("reduction", [1.0, 2.5, 4.0])
+def test_prototypes_partition_each_class_and_sit_at_their_clusters_means(reduction):
+    z, y = overlapping_blobs(n=500, seed=3)
+    z = z.astype(np.float32)
+    P, labels, representative, assignment = prototypes(z, y, reduction=reduction, seed=0)
+    for c in np.unique(y):
+        members = np.flatnonzero(y == c)
+        # at most round(N_c / reduction) prototypes (k-means may leave a centre empty)
+        assert 1 <= (labels == c).sum() <= max(1, round(len(members) / reduction))
+        assert (labels[assignment[members]] == c).all()  # a class's clusters stay in it
+    assert (np.bincount(assignment, minlength=len(P)) > 0).all()  # a partition, none empty
+    for j in range(len(P)):
+        cluster = np.flatnonzero(assignment == j)
+        np.testing.assert_allclose(P[j], z[cluster].astype(np.float64).mean(0), atol=1e-5)
+        d2 = ((z[cluster] - P[j]) ** 2).sum(1)  # a two-point cluster ties: either is nearest
+        assert representative[j] in cluster
+        assert d2[cluster == representative[j]][0] <= d2.min() * (1 + 1e-5)
+    if reduction == 1.0:  # one reference per prototype: the set itself
+        np.testing.assert_array_equal(np.sort(representative), np.arange(len(z)))
+
+
+def test_kmeans_reaches_a_fixed_point_of_lloyds_iteration():
+    z, _ = overlapping_blobs(n=400, seed=4)
+    centres, assignment = kmeans(z, 12, seed=0, iterations=200)
+    d2 = ((z[:, None, :] - centres[None]) ** 2).sum(-1)
+    np.testing.assert_array_equal(d2.argmin(1), assignment)  # each point at its nearest centre
+    for j in range(len(centres)):
+        np.testing.assert_allclose(centres[j], z[assignment == j].mean(0))
+
+
+def test_condensing_to_prototypes_writes_cluster_means_with_real_ids(model, tmp_path):
+    path, split = model
+    parent = read_artifact(path)
+    summary = condense_references(
+        path, out=tmp_path / "p1", method="prototypes", reduction=3,
+        X_test=split.X_test, y_test=split.classes[split.y_test],
+    )  # fmt: skip
+    first = read_artifact(tmp_path / "p1")
+    sizes = np.bincount(np.asarray(parent.labels))
+    assert len(first.ids) == summary["rows_after"] <= sum(max(1, round(n / 3)) for n in sizes)
+    assert summary["rows_after"] > 0.9 * sum(round(n / 3) for n in sizes)
+    assert len(np.unique(first.ids)) == len(first.ids) and np.isin(first.ids, parent.ids).all()
+    entry = first.manifest["lineage"][-1]
+    assert entry["settings"] == {"method": "prototypes", "reduction": 3.0, "seed": 0}
+    assert "prototypes" in entry["method"] and set(summary["accuracy"]) == {"validation", "test"}
+    # each prototype carries the label of the reference whose id it has
+    parent_label = dict(zip(parent.ids.tolist(), np.asarray(parent.labels).tolist(), strict=True))
+    assert [parent_label[i] for i in first.ids.tolist()] == np.asarray(first.labels).tolist()
+    condense_references(tmp_path / "p1", out=tmp_path / "p2", method="prototypes", reduction=3)
+    assert read_artifact(tmp_path / "p2").version == first.version  # idempotent
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"method": "prototypes", "reduction": 0.5}, "--reduction must be a number >= 1"),
+        ({"method": "prototypes", "reduction": float("nan")}, "--reduction must be a number"),
+        ({"method": "prototypes", "check_k": 3}, "apply to --method hart only"),
+        ({"method": "prototypes", "edit_k": 3}, "apply to --method hart only"),
+        ({"reduction": 3}, "--reduction applies to --method prototypes only"),
+        ({"method": "kmeans"}, "--method must be one of hart, prototypes"),
+    ],
+)
+def test_condense_settings_that_do_not_fit_the_method_are_refused(model, tmp_path, kwargs, message):
+    path, _ = model
+    with pytest.raises(ReferenceError, match=message):
+        condense_references(path, out=tmp_path / "x", **kwargs)
+    assert not (tmp_path / "x").exists()
+
+
+def test_condense_cli_prototypes_and_a_bad_reduction(model, tmp_path, capsys):
+    path, _ = model
+    base = ["references", "condense", "--model", str(path), "--method", "prototypes"]
+    assert cli_main([*base, "--reduction", "0", "--out", str(tmp_path / "x")]) == 2
+    assert "--reduction must be a number >= 1, got 0.0" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+    assert cli_main([*base, "--out", str(tmp_path / "p")]) == 0
+    assert read_artifact(tmp_path / "p").manifest["lineage"][-1]["settings"]["method"] == (
+        "prototypes"
+    )
