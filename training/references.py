@@ -359,7 +359,7 @@ def condense_references(
     n_after = len(new_y)
     entry = {
         "operation": "condense",
-        "method": CONDENSE_METHODS[method if method != "hart" or not edit_k else "wilson+hart"],
+        "method": CONDENSE_METHODS["wilson+hart" if method == "hart" and edit_k else method],
         "settings": settings,
         "rows_before": len(z),
         "rows_after": n_after,
