@@ -262,16 +262,18 @@ def _accuracies(z_refs, y_refs, z_queries, y_queries, n_classes, ks, rule) -> di
 CONDENSE_METHODS = {
     "hart": "k-NN condensing (Hart)",
     "wilson+hart": "Wilson editing then k-NN condensing",
-    "prototypes": "per-class k-means prototypes (embeddings are cluster means; each id is "
-    "the member nearest its mean)",
+    "prototypes": "per-class k-means prototypes refined by GLVQ (embeddings are prototypes, "
+    "not references; each id is the member of its cluster nearest it)",
 }
 
 
-def _condense_settings(parent, method, check_k, edit_k, reduction, seed) -> dict:
+def _condense_settings(parent, method, check_k, edit_k, reduction, refine_epochs, seed) -> dict:
     """The operation's settings, checked; they are recorded in the lineage."""
     if method == "hart":
-        if reduction is not None:
-            raise ReferenceError("--reduction applies to --method prototypes only")
+        if reduction is not None or refine_epochs is not None:
+            raise ReferenceError(
+                "--reduction and --refine-epochs apply to --method prototypes only"
+            )
         check_k = parent.default_k + 2 if check_k is None else int(check_k)
         if check_k < 1 or edit_k < 0:
             raise ReferenceError(
@@ -284,7 +286,16 @@ def _condense_settings(parent, method, check_k, edit_k, reduction, seed) -> dict
         reduction = 3.0 if reduction is None else float(reduction)
         if not np.isfinite(reduction) or reduction < 1:
             raise ReferenceError(f"--reduction must be a number >= 1, got {reduction}")
-        return {"method": "prototypes", "reduction": reduction, "seed": int(seed)}
+        refine_epochs = 30 if refine_epochs is None else refine_epochs
+        whole = isinstance(refine_epochs, int | np.integer) and not isinstance(refine_epochs, bool)
+        if not whole or refine_epochs < 0:
+            raise ReferenceError(f"--refine-epochs must be an integer >= 0, got {refine_epochs!r}")
+        return {
+            "method": "prototypes",
+            "reduction": reduction,
+            "refine_epochs": int(refine_epochs),
+            "seed": int(seed),
+        }
     raise ReferenceError(f"--method must be one of hart, prototypes; got {method!r}")
 
 
@@ -296,7 +307,11 @@ def _condensed(parent, z, y, settings, unchanged) -> tuple:
         return z, y, parent.ids, {"removed_by_editing": 0, "removed_by_condensing": 0}
     if settings.get("method") == "prototypes":
         centres, labels, representative, _ = prototypes(
-            z, y, reduction=settings["reduction"], seed=settings["seed"]
+            z,
+            y,
+            reduction=settings["reduction"],
+            seed=settings["seed"],
+            refine_epochs=settings["refine_epochs"],
         )
         return centres, labels, parent.ids[representative], {"prototypes": len(labels)}
     keep, counts = condense(z, y, len(parent.classes), **settings)
@@ -311,6 +326,7 @@ def condense_references(
     check_k: int | None = None,
     edit_k: int = 0,
     reduction: float | None = None,
+    refine_epochs: int | None = None,
     seed: int = 0,
     X_test: np.ndarray | None = None,
     y_test: np.ndarray | None = None,
@@ -325,10 +341,11 @@ def condense_references(
     judge the kept references without the removed ones that they vouch for.
 
     method "prototypes" replaces each class's references by round(N_c / reduction) k-means
-    prototypes (``training.condense.prototypes``; reduction defaults to 3): the embeddings
-    become cluster means, each with the id of the member nearest it."""
+    prototypes, then moves them for ``refine_epochs`` GLVQ steps (``training.condense.
+    prototypes``; reduction defaults to 3, refine_epochs to 30): the embeddings become
+    prototypes, each with the id of the member of its cluster nearest it."""
     parent = load_model(model)
-    settings = _condense_settings(parent, method, check_k, edit_k, reduction, seed)
+    settings = _condense_settings(parent, method, check_k, edit_k, reduction, refine_epochs, seed)
     classes = parent.classes
     z, y = np.asarray(parent.embeddings), np.asarray(parent.labels, dtype=np.int64)
     last = (parent.manifest.get("lineage") or [{}])[-1]

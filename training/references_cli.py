@@ -66,12 +66,17 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("hart", "prototypes"),
         default="hart",
         help="hart: keep a subset (Hart's condensing, Wilson editing); prototypes: replace "
-        "each class by k-means prototypes (cluster means)",
+        "each class by k-means prototypes refined by GLVQ",
     )
     condense.add_argument(
         "--reduction",
         type=float,
         help="prototypes: references per prototype within each class (default 3)",
+    )
+    condense.add_argument(
+        "--refine-epochs",
+        type=int,
+        help="prototypes: GLVQ steps after k-means (default 30; 0: the cluster means)",
     )
     condense.add_argument(
         "--seed", type=int, default=0, help="the order of the passes / the k-means seeding"
@@ -132,6 +137,7 @@ def run(args: argparse.Namespace) -> dict:
             check_k=args.check_k,
             edit_k=args.edit_k,
             reduction=args.reduction,
+            refine_epochs=args.refine_epochs,
             seed=args.seed,
             X_test=X_test,
             y_test=y_test,
