@@ -106,12 +106,30 @@ def class_polynomials(
         labels = torch.cat([labels, labels.new_zeros((b, pad))], 1)
     log_w = log_w.view(b, n_blocks, width)
     labels = labels.reshape(b, n_blocks, width)
-    poly = identity_poly((b, n_blocks, n_classes), k, log_w)  # (B, blocks, C, k+1)
+    # each block's candidates ordered by class, so that every class is one run: the recurrence
+    # then carries one polynomial (the current run's) instead of all C
+    labels, order = torch.sort(labels, dim=-1, stable=True)
+    log_w = log_w.gather(-1, order)
+    starts = torch.ones_like(labels, dtype=torch.bool)
+    starts[..., 1:] = labels[..., 1:] != labels[..., :-1]  # (B, blocks, width): a run begins
+    one = identity_poly((b, n_blocks), k, log_w)  # (B, blocks, k+1)
+    state, states = one, []
     for j in range(width):
-        index = labels[:, :, j].view(b, n_blocks, 1, 1).expand(b, n_blocks, 1, k + 1)
-        old = poly.gather(2, index).squeeze(2)  # (B, blocks, k+1): candidate j's class
-        raised = torch.logaddexp(old[..., 1:], old[..., :-1] + log_w[:, :, j : j + 1])
-        poly = poly.scatter(2, index, torch.cat([old[..., :1], raised], -1).unsqueeze(2))
+        state = torch.where(starts[..., j : j + 1], one, state)
+        raised = torch.logaddexp(state[..., 1:], state[..., :-1] + log_w[..., j : j + 1])
+        state = torch.cat([state[..., :1], raised], -1)
+        states.append(state)
+    states = torch.stack(states, 2)  # (B, blocks, width, k+1): the run's product so far
+    # class c's polynomial in a block is its run's last state; identity where it has no run
+    classes = torch.arange(n_classes, device=labels.device)
+    ends = (labels.unsqueeze(-1) <= classes).sum(2) - 1  # (B, blocks, C): last position <= c
+    present = (labels.unsqueeze(-1) == classes).any(2)  # (B, blocks, C)
+    index = ends.clamp_min(0).unsqueeze(-1).expand(b, n_blocks, n_classes, k + 1)
+    poly = torch.where(
+        present.unsqueeze(-1),
+        states.gather(2, index),
+        identity_poly((b, n_blocks, n_classes), k, log_w),
+    )  # (B, blocks, C, k+1)
     while poly.shape[1] > 1:  # multiply the blocks' polynomials, class by class
         if poly.shape[1] % 2:
             poly = torch.cat([poly, identity_poly((b, 1, n_classes), k, poly)], 1)
@@ -230,17 +248,23 @@ class KNCAObjective(Objective):
         log_e = class_polynomials(log_w, compact, n_present, self.k)
         return log_prob_majority(log_e, compact_own, self.k)
 
-    def floats_per_pair(self) -> int:
-        """Working floats per (row, candidate) pair of one evaluation with its backward.
+    def floats_per_pair(self, n_neighbours: int) -> int:
+        """Working floats per (row, candidate) pair of one evaluation with its backward, M =
+        n_neighbours candidates a row.
 
-        The recurrence keeps (k+1) coefficients of each polynomial it builds (all C classes
-        for "majority", two for "all") per candidate for autograd: about 4 C (k+1) floats a
-        pair with the gathers, plus ~128 for the logits, labels and the per-row products.
-        Peak RSS measured on random data (forward and backward, M = 64 and 255) stays below
-        this: majority k = 10: 410 of 568, k = 5: 242 of 368; all k = 10: 194 of 216.
+        Per pair: the recurrence keeps one polynomial's (k+1) coefficients per candidate for
+        autograd (the current class run's), about C (k+1) floats with the gathers and the
+        backward, plus ~64 for the logits, labels and masks. Per row: the C class polynomials
+        and the products of log_prob_majority, log_poly_mul's (k+1)^2 pairs each, about
+        10 C (k+1)^2 floats, spread over the row's M pairs. C = n_classes for "majority", 2
+        for "all". Peak RSS measured on random data (B = 2,000 rows, forward and backward,
+        C = 10) stays below this: majority k = 10: 657 of 930 (M = 16), 336 of 552 (M = 32),
+        209 of 363 (M = 64), 151 of 221 (M = 255); k = 5: 216 of 349 (M = 16), 82 of 180
+        (M = 64); all k = 10: 93 of 124 (M = 64), 79 of 96 (M = 255).
         """
         n_classes = (self.n_classes or 10) if self.variant == "majority" else 2
-        return 4 * n_classes * (self.k + 1) + 128
+        per_row = 10 * n_classes * (self.k + 1) ** 2
+        return n_classes * (self.k + 1) + 64 + -(-per_row // max(1, n_neighbours))
 
     def point_scores(self, neg_sq_dist, neighbour_labels, own_labels, valid) -> torch.Tensor:
         log_p = self.log_probabilities(neg_sq_dist, neighbour_labels, own_labels, valid)

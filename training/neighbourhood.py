@@ -155,7 +155,7 @@ def objective_sum(
     if chunk_size is None:
         m = n if candidates is None else candidates.shape[1]
         # gathered candidates add their d coordinates to every pair's working set
-        per_pair = objective.floats_per_pair() + (0 if candidates is None else z.shape[1])
+        per_pair = objective.floats_per_pair(m) + (0 if candidates is None else z.shape[1])
         chunk_size = chunk_rows(m, per_pair)
     return ChunkedObjective.apply(z, labels, objective, rows, candidates, int(chunk_size))
 

@@ -51,9 +51,10 @@ class Objective:
     ) -> torch.Tensor:  # pragma: no cover - interface
         raise NotImplementedError
 
-    def floats_per_pair(self) -> int:
-        """Working float32 values per (point, neighbour) pair in point_scores: sizes the
-        chunks (``training.numerics.chunk_rows``). NCA's log-sum-exps hold about 10 (B, M)
+    def floats_per_pair(self, n_neighbours: int) -> int:
+        """Working float32 values per (point, neighbour) pair in point_scores with M =
+        n_neighbours neighbours a row (per-row work spread over its M pairs): sizes the chunks
+        (``training.numerics.chunk_rows``). NCA's log-sum-exps hold about 10 (B, M)
         temporaries."""
         return 10
 
