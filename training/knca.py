@@ -92,9 +92,12 @@ def class_polynomials(
     non-negative terms: no cancellation), so the work is O(M k) a row rather than the
     O(C M k) of running every class's polynomial over all M masked candidates. The M
     candidates are cut into blocks of RECURRENCE_BLOCK that run the recurrence side by side
-    (batched over rows and blocks); the blocks' polynomials are then multiplied class by
-    class in a balanced tree: RECURRENCE_BLOCK + log2(M / RECURRENCE_BLOCK) sequential steps
-    whatever M is (M = N - 1 in exact mode).
+    (batched over rows and blocks). Within a block the candidates are ordered by class, so
+    each class is one run: the recurrence carries only the current run's polynomial (reset to
+    1 where a run begins), and a class's polynomial is its run's last state (1 without a
+    run). The blocks' polynomials are then multiplied class by class in a balanced tree:
+    RECURRENCE_BLOCK + log2(M / RECURRENCE_BLOCK) sequential steps whatever M is (M = N - 1
+    in exact mode).
     """
     b, m = log_w.shape
     n_blocks = -(-m // RECURRENCE_BLOCK)
