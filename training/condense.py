@@ -286,6 +286,7 @@ def refine_prototypes(
     the embedding's scale. Returns the refined centres (M, d) float32; labels are unchanged.
     """
     w = np.asarray(centres, dtype=np.float64).copy()
+    z = np.asarray(z, dtype=np.float64)  # once, not every step
     for _ in range(epochs):
         _, gradient, n_j, mean_s = _glvq(z, y, w, labels, slope)
         if mean_s == 0.0:  # one class, or nothing to separate

@@ -128,11 +128,8 @@ def class_polynomials(
     ends = (labels.unsqueeze(-1) <= classes).sum(2) - 1  # (B, blocks, C): last position <= c
     present = (labels.unsqueeze(-1) == classes).any(2)  # (B, blocks, C)
     index = ends.clamp_min(0).unsqueeze(-1).expand(b, n_blocks, n_classes, k + 1)
-    poly = torch.where(
-        present.unsqueeze(-1),
-        states.gather(2, index),
-        identity_poly((b, n_blocks, n_classes), k, log_w),
-    )  # (B, blocks, C, k+1)
+    poly = torch.where(present.unsqueeze(-1), states.gather(2, index), one.unsqueeze(2))
+    # (B, blocks, C, k+1)
     while poly.shape[1] > 1:  # multiply the blocks' polynomials, class by class
         if poly.shape[1] % 2:
             poly = torch.cat([poly, identity_poly((b, 1, n_classes), k, poly)], 1)
