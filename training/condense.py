@@ -138,7 +138,7 @@ def kmeans(
     centres = _kmeans_plus_plus(x, m, rng)
     assignment = np.full(len(x), -1)
     for _ in range(iterations):
-        new = squared_distances(x, centres).argmin(1)  # (n,)
+        new = _nearest(x, centres)  # (n,)
         if np.array_equal(new, assignment):
             break
         assignment = new
@@ -215,9 +215,12 @@ def nearest_prototypes(
     return same, other
 
 
-def _nearest(queries: np.ndarray, references: np.ndarray, chunk: int = 2048) -> np.ndarray:
-    """(n,) the index of each query's nearest reference: (n, d), (M, d)."""
+def _nearest(queries: np.ndarray, references: np.ndarray, max_floats: int = 2**24) -> np.ndarray:
+    """(n,) the index of each query's nearest reference: (n, d), (M, d). Queries go in chunks
+    whose (chunk, M) distance block holds at most ``max_floats`` float32 values (64 MiB), so
+    memory does not grow with n x M."""
     out = np.empty(len(queries), dtype=np.int64)
+    chunk = max(1, max_floats // max(1, len(references)))
     for start in range(0, len(queries), chunk):
         block = queries[start : start + chunk]
         out[start : start + chunk] = squared_distances(block, references).argmin(1)

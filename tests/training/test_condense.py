@@ -8,6 +8,7 @@ import pytest
 from service.artifact import read_artifact
 from training.cli import main as cli_main
 from training.condense import (
+    _nearest,
     condense,
     condensed_keep,
     glvq_cost,
@@ -166,6 +167,16 @@ def test_nearest_prototypes_against_brute_force():
     # a class without prototypes has no nearest of its own
     same, other = nearest_prototypes(z, y, centres[labels != 2], labels[labels != 2])
     assert (same[y == 2] == -1).all() and (same[y != 2] >= 0).all() and (other >= 0).all()
+
+
+def test_nearest_search_in_bounded_chunks_equals_brute_force():
+    # a budget of 50 distances a chunk: 3 queries per chunk against 17 references, so the
+    # 100 queries take 34 chunks and the last one is short
+    rng = np.random.default_rng(9)
+    queries, references = rng.normal(size=(100, 3)), rng.normal(size=(17, 3))
+    d2 = ((queries[:, None, :] - references[None]) ** 2).sum(-1)
+    np.testing.assert_array_equal(_nearest(queries, references, max_floats=50), d2.argmin(1))
+    np.testing.assert_array_equal(_nearest(queries, references, max_floats=1), d2.argmin(1))
 
 
 def test_glvq_gradient_matches_finite_differences():
