@@ -21,12 +21,21 @@ cancellation; nothing overflows or underflows in float32):
   used: they cancel catastrophically.
 * :func:`log_prob_majority` multiplies the other classes' polynomials (:func:`log_poly_mul`),
   sharing one untruncated product between every m > k / 2.
+* The fast path (``linear_log_prob_majority``): where a row's weights keep every coefficient
+  within float64's range (``in_linear_range``, nearly every row of a trained model), the same
+  programme runs on the coefficients themselves in float64 -- multiplications and additions
+  instead of log-add-exps, products of polynomials as one matrix product -- and rows outside
+  the range, or whose P_i is below exp(-600), take the log programme. Both give P_i to
+  float64's precision (test: values within 1e-11, gradients within 1e-9).
 * Gradients flow through by autograd. Inside the programme "log 0" is the finite LOG_ZERO =
   -1e30 rather than -inf, so torch's fused logsumexp needs no special cases and gradients stay
   finite; results below LOG_ZERO / 10 are mapped back to -inf at the end.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -68,18 +77,53 @@ def log_poly_mul(a: torch.Tensor, b: torch.Tensor, max_degree: int | None = None
     return floored_logsumexp(rows, -1).clamp_min(LOG_ZERO)
 
 
-def identity_poly(shape: tuple[int, ...], k: int, like: torch.Tensor) -> torch.Tensor:
-    """log coefficients of the polynomial 1: [0, log 0, ..., log 0], shape (*shape, k+1)."""
-    poly = torch.full((*shape, k + 1), LOG_ZERO, dtype=like.dtype, device=like.device)
-    poly[..., 0] = 0.0
-    return poly
-
-
 def _restore_neg_inf(log_values: torch.Tensor) -> torch.Tensor:
     return log_values.masked_fill(log_values < LOG_ZERO / 10, NEG_INF)
 
 
 RECURRENCE_BLOCK = 64  # candidates per block of the sequential recurrence
+
+
+_PRODUCT_MATRICES: dict[tuple[int, int, int, str, torch.dtype], torch.Tensor] = {}
+
+
+def poly_mul(a: torch.Tensor, b: torch.Tensor, max_degree: int | None = None) -> torch.Tensor:
+    """Product of polynomials given by their coefficients, truncated at ``max_degree``:
+    a: (..., la), b: (..., lb) -> (..., lout) as in :func:`log_poly_mul`. The outer product's
+    anti-diagonals are summed by one matrix product with a 0/1 matrix ((la lb), lout)."""
+    la, lb = a.shape[-1], b.shape[-1]
+    max_degree = la - 1 if max_degree is None else max_degree
+    lout = min(la + lb - 1, max_degree + 1)
+    key = (la, lb, lout, str(a.device), a.dtype)
+    if key not in _PRODUCT_MATRICES:
+        r, s = torch.meshgrid(torch.arange(la), torch.arange(lb), indexing="ij")
+        degree = (r + s).flatten()  # (la lb,)
+        sums = degree[:, None] == torch.arange(lout)[None, :]
+        _PRODUCT_MATRICES[key] = sums.to(device=a.device, dtype=a.dtype)
+    return (a.unsqueeze(-1) * b.unsqueeze(-2)).flatten(-2) @ _PRODUCT_MATRICES[key]
+
+
+class Algebra(NamedTuple):
+    """How the polynomial programme represents a coefficient: its log (any magnitude, the
+    general case) or the coefficient itself in float64 (fast; rows in range only)."""
+
+    zero: float  # the coefficient 0
+    unit: float  # the coefficient 1
+    times: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # a b
+    plus: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # a + b
+    total: Callable[[torch.Tensor, int], torch.Tensor]  # sum along a dim
+    poly_mul: Callable[..., torch.Tensor]  # truncated product of coefficient vectors
+
+
+LOG = Algebra(LOG_ZERO, 0.0, torch.add, torch.logaddexp, floored_logsumexp, log_poly_mul)
+LINEAR = Algebra(0.0, 1.0, torch.mul, torch.add, lambda x, dim: x.sum(dim), poly_mul)
+
+
+def unit_poly(shape: tuple[int, ...], k: int, like: torch.Tensor, algebra: Algebra) -> torch.Tensor:
+    """The polynomial 1 in ``algebra``: shape (*shape, k+1)."""
+    poly = torch.full((*shape, k + 1), algebra.zero, dtype=like.dtype, device=like.device)
+    poly[..., 0] = algebra.unit
+    return poly
 
 
 def class_polynomials(
@@ -99,27 +143,34 @@ def class_polynomials(
     RECURRENCE_BLOCK + log2(M / RECURRENCE_BLOCK) sequential steps whatever M is (M = N - 1
     in exact mode).
     """
-    b, m = log_w.shape
+    poly = _class_polynomials(log_w.clamp_min(LOG_ZERO), labels, n_classes, k, LOG)
+    return _restore_neg_inf(poly)
+
+
+def _class_polynomials(
+    w: torch.Tensor, labels: torch.Tensor, n_classes: int, k: int, algebra: Algebra
+) -> torch.Tensor:
+    """:func:`class_polynomials` in ``algebra``: w (B, M) weights as the algebra holds them."""
+    b, m = w.shape
     n_blocks = -(-m // RECURRENCE_BLOCK)
     width = min(m, RECURRENCE_BLOCK)
     pad = n_blocks * width - m
-    log_w = log_w.clamp_min(LOG_ZERO)
-    if pad:  # absent candidates: weight 0 (log 0), any class
-        log_w = torch.cat([log_w, log_w.new_full((b, pad), LOG_ZERO)], 1)
+    if pad:  # absent candidates: weight 0, any class
+        w = torch.cat([w, w.new_full((b, pad), algebra.zero)], 1)
         labels = torch.cat([labels, labels.new_zeros((b, pad))], 1)
-    log_w = log_w.view(b, n_blocks, width)
+    w = w.view(b, n_blocks, width)
     labels = labels.reshape(b, n_blocks, width)
     # each block's candidates ordered by class, so that every class is one run: the recurrence
     # then carries one polynomial (the current run's) instead of all C
     labels, order = torch.sort(labels, dim=-1, stable=True)
-    log_w = log_w.gather(-1, order)
+    w = w.gather(-1, order)
     starts = torch.ones_like(labels, dtype=torch.bool)
     starts[..., 1:] = labels[..., 1:] != labels[..., :-1]  # (B, blocks, width): a run begins
-    one = identity_poly((b, n_blocks), k, log_w)  # (B, blocks, k+1)
+    one = unit_poly((b, n_blocks), k, w, algebra)  # (B, blocks, k+1)
     state, states = one, []
     for j in range(width):
         state = torch.where(starts[..., j : j + 1], one, state)
-        raised = torch.logaddexp(state[..., 1:], state[..., :-1] + log_w[..., j : j + 1])
+        raised = algebra.plus(state[..., 1:], algebra.times(state[..., :-1], w[..., j : j + 1]))
         state = torch.cat([state[..., :1], raised], -1)
         states.append(state)
     states = torch.stack(states, 2)  # (B, blocks, width, k+1): the run's product so far
@@ -132,9 +183,11 @@ def class_polynomials(
     # (B, blocks, C, k+1)
     while poly.shape[1] > 1:  # multiply the blocks' polynomials, class by class
         if poly.shape[1] % 2:
-            poly = torch.cat([poly, identity_poly((b, 1, n_classes), k, poly)], 1)
-        poly = log_poly_mul(poly[:, 0::2], poly[:, 1::2], max_degree=k)
-    return _restore_neg_inf(poly.squeeze(1))
+            poly = torch.cat([poly, unit_poly((b, 1, n_classes), k, poly, algebra)], 1)
+        poly = algebra.poly_mul(poly[:, 0::2], poly[:, 1::2], max_degree=k)
+    if algebra is LOG:
+        poly = poly.clamp_min(LOG_ZERO)
+    return poly.squeeze(1)
 
 
 def present_classes(
@@ -173,23 +226,30 @@ def log_prob_majority(log_e: torch.Tensor, own: torch.Tensor, k: int) -> torch.T
     truncated to the constant 1, whose coefficient of t^(k-1) is 0), each truncated at
     degree k - m.
     """
-    b, n_classes, _ = log_e.shape
-    log_e = log_e.clamp_min(LOG_ZERO)
-    rows = torch.arange(b, device=log_e.device)
-    own_e = log_e[rows, own]  # (B, k+1)
-    is_own = torch.zeros(b, n_classes, 1, dtype=torch.bool, device=log_e.device)
+    log_num, log_z = _majority_terms(log_e.clamp_min(LOG_ZERO), own, k, LOG)
+    return _restore_neg_inf(log_num.clamp_min(LOG_ZERO) - log_z)
+
+
+def _majority_terms(
+    e: torch.Tensor, own: torch.Tensor, k: int, algebra: Algebra
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(P_i Z, Z) of :func:`log_prob_majority` in ``algebra``: e (B, C, k+1) -> (B,), (B,)."""
+    b, n_classes, _ = e.shape
+    rows = torch.arange(b, device=e.device)
+    own_e = e[rows, own]  # (B, k+1)
+    is_own = torch.zeros(b, n_classes, 1, dtype=torch.bool, device=e.device)
     is_own[rows, own] = True
-    others = torch.where(is_own, identity_poly((), k, log_e), log_e)  # (B, C, k+1)
+    others = torch.where(is_own, unit_poly((), k, e, algebra), e)  # (B, C, k+1)
 
     def product(max_degree: int, width: int) -> torch.Tensor:
         """prod_c of the others' polynomials cut to degrees < width, up to max_degree."""
         out = others[:, 0, :width]
         for c in range(1, n_classes):  # C - 1 products; classes are few
-            out = log_poly_mul(out, others[:, c, :width], max_degree=max_degree)
+            out = algebra.poly_mul(out, others[:, c, :width], max_degree=max_degree)
         return out
 
     q = product(k, k + 1)  # (B, k+1)
-    log_z = floored_logsumexp(own_e + q.flip(-1), -1)  # sum_r e_r(w_y) Q_{k-r}
+    z = algebra.total(algebra.times(own_e, q.flip(-1)), -1)  # sum_r e_r(w_y) Q_{k-r}
     terms = []
     for m in range(1, k + 1):
         if k - m < m:
@@ -199,11 +259,49 @@ def log_prob_majority(log_e: torch.Tensor, own: torch.Tensor, k: int) -> torch.T
         else:
             t_m = product(k - m, m)  # degree at most (C - 1)(m - 1): maybe below k - m
             coefficient = (
-                t_m[:, k - m] if t_m.shape[1] > k - m else torch.full_like(q[:, 0], LOG_ZERO)
+                t_m[:, k - m] if t_m.shape[1] > k - m else torch.full_like(q[:, 0], algebra.zero)
             )
-        terms.append(own_e[:, m] + coefficient)
-    log_num = floored_logsumexp(torch.stack(terms, -1), -1).clamp_min(LOG_ZERO)
-    return _restore_neg_inf(log_num - log_z)
+        terms.append(algebra.times(own_e[:, m], coefficient))
+    return algebra.total(torch.stack(terms, -1), -1), z
+
+
+# The fast path: coefficients themselves in float64 (no log-add-exp), for rows whose weights
+# keep every coefficient in float64's range. With the logits shifted by the mean of the row's
+# k largest (the product of the k largest weights is 1, so Z = e_k(w) >= 1), a coefficient of
+# degree r <= k is at most C(M, r) times the product of the r largest weights, exp(S_r) with
+# S_r the partial sum of the k largest shifted logits; a row qualifies when
+# max_r S_r + k log M < LINEAR_LOG_RANGE. Terms that underflow are below 1e-300 of Z, far
+# below float64's resolution; P_i below exp(LINEAR_LOG_FLOOR) goes to the log programme, so
+# log P_i keeps its digits for any distance.
+LINEAR_LOG_RANGE = 600.0
+LINEAR_LOG_FLOOR = -600.0
+
+
+def in_linear_range(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """(B,) bool: rows of logits (B, M) (-inf where absent) that the float64 programme can
+    hold: at least k candidates and max_r S_r + k log M below LINEAR_LOG_RANGE."""
+    m = logits.shape[1]
+    if m < k:
+        return torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+    top = logits.detach().double().topk(k, dim=1).values  # (B, k) descending
+    partial = (top - top.mean(1, keepdim=True)).cumsum(1)  # (B, k): S_1 .. S_k
+    bound = partial.amax(1) + k * torch.log(torch.tensor(float(m), dtype=torch.float64))
+    return torch.isfinite(top).all(1) & (bound < LINEAR_LOG_RANGE)
+
+
+def linear_log_prob_majority(
+    logits: torch.Tensor, labels: torch.Tensor, own: torch.Tensor, n_classes: int, k: int
+) -> torch.Tensor:
+    """log P_i of "majority" for rows :func:`in_linear_range` accepts, computed with the
+    coefficients themselves in float64: logits (B, M), labels (B, M) and own (B,) in
+    0..n_classes-1 -> (B,) float64."""
+    top = logits.detach().double().topk(k, dim=1).values
+    w = torch.exp(logits.double() - top.mean(1, keepdim=True))  # (B, M); absent: exp(-inf) = 0
+    e = _class_polynomials(w, labels, n_classes, k, LINEAR)  # (B, C, k+1)
+    num, z = _majority_terms(e, own, k, LINEAR)
+    # num = 0 (own class absent, or underflow) would send inf * 0 = NaN back through log even
+    # where the caller replaces the row; clamped, such rows read as below LINEAR_LOG_FLOOR
+    return torch.log(num.clamp_min(1e-300)) - torch.log(z)
 
 
 class KNCAObjective(Objective):
@@ -230,7 +328,14 @@ class KNCAObjective(Objective):
         own: torch.Tensor,
         valid: torch.Tensor,
     ) -> torch.Tensor:
-        """log P_i: neg_sq_dist (B, M), neighbour_labels (B, M), own (B,), valid (B, M)."""
+        """log P_i: neg_sq_dist (B, M), neighbour_labels (B, M), own (B,), valid (B, M).
+        -inf where a row has fewer than k valid candidates (no k-subset to draw)."""
+        too_few = valid.sum(1) < self.k  # (B,)
+        return self._log_probabilities(neg_sq_dist, neighbour_labels, own, valid).masked_fill(
+            too_few, NEG_INF
+        )
+
+    def _log_probabilities(self, neg_sq_dist, neighbour_labels, own, valid) -> torch.Tensor:
         logits = neg_sq_dist.masked_fill(~valid, NEG_INF)
         # -min_j d_ij, so w_j = exp(-(d_ij - min d)) <= 1. P_i does not depend on the shift, so
         # it is detached: its exact-zero gradient would otherwise arrive as float32 rounding noise
@@ -245,26 +350,39 @@ class KNCAObjective(Objective):
             return _restore_neg_inf(log_e[:, 0, self.k] - log_z)
         n_classes = self.n_classes or int(max(neighbour_labels.max(), own.max())) + 1
         compact, compact_own, n_present = present_classes(neighbour_labels, own, valid, n_classes)
-        log_e = class_polynomials(log_w, compact, n_present, self.k)
-        return log_prob_majority(log_e, compact_own, self.k)
+        linear = in_linear_range(logits, self.k)  # (B,) the fast path's rows
+        log_p = torch.zeros_like(logits[:, 0])  # (B,)
+        if linear.any():
+            rows = torch.nonzero(linear).squeeze(1)
+            fast = linear_log_prob_majority(
+                logits[rows], compact[rows], compact_own[rows], n_present, self.k
+            )
+            underflow = fast < LINEAR_LOG_FLOOR  # tiny P_i: the log programme resolves them
+            log_p = log_p.index_put((rows,), fast.to(log_p.dtype))
+            linear[rows[underflow]] = False
+        if not linear.all():
+            rows = torch.nonzero(~linear).squeeze(1)
+            log_e = class_polynomials(log_w[rows], compact[rows], n_present, self.k)
+            log_p = log_p.index_put((rows,), log_prob_majority(log_e, compact_own[rows], self.k))
+        return log_p
 
     def floats_per_pair(self, n_neighbours: int) -> int:
-        """Working floats per (row, candidate) pair of one evaluation with its backward, M =
-        n_neighbours candidates a row.
+        """Working float32-sized values per (row, candidate) pair of one evaluation with its
+        backward, M = n_neighbours candidates a row.
 
         Per pair: the recurrence keeps one polynomial's (k+1) coefficients per candidate for
-        autograd (the current class run's), about C (k+1) floats with the gathers and the
-        backward, plus ~64 for the logits, labels and masks. Per row: the C class polynomials
-        and the products of log_prob_majority, log_poly_mul's (k+1)^2 pairs each, about
-        10 C (k+1)^2 floats, spread over the row's M pairs. C = n_classes for "majority", 2
-        for "all". Peak RSS measured on random data (B = 2,000 rows, forward and backward,
-        C = 10) stays below this: majority k = 10: 657 of 930 (M = 16), 336 of 552 (M = 32),
-        209 of 363 (M = 64), 151 of 221 (M = 255); k = 5: 216 of 349 (M = 16), 82 of 180
-        (M = 64); all k = 10: 93 of 124 (M = 64), 79 of 96 (M = 255).
+        autograd (the current class run's; float64 on the fast path, so twice the bytes),
+        about C (k+1) with the gathers and the backward, plus ~96 for the logits, weights,
+        labels and masks. Per row: the C class polynomials and the products of the majority
+        terms, (k+1)^2 pairs each, about 10 C (k+1)^2, spread over the row's M pairs.
+        C = n_classes for "majority", 2 for "all". Peak RSS measured on random data
+        (B = 2,000 rows, forward and backward, C = 10) stays below this: majority k = 10:
+        667-724 of 963 (M = 16), 317 of 585 (M = 32), 247 of 396 (M = 64), 203 of 254 (M = 255);
+        k = 5: 308 of 381 (M = 16), 126 of 213 (M = 64); all k = 10: 93 of 156 (M = 64).
         """
         n_classes = (self.n_classes or 10) if self.variant == "majority" else 2
         per_row = 10 * n_classes * (self.k + 1) ** 2
-        return n_classes * (self.k + 1) + 64 + -(-per_row // max(1, n_neighbours))
+        return n_classes * (self.k + 1) + 96 + -(-per_row // max(1, n_neighbours))
 
     def point_scores(self, neg_sq_dist, neighbour_labels, own_labels, valid) -> torch.Tensor:
         log_p = self.log_probabilities(neg_sq_dist, neighbour_labels, own_labels, valid)

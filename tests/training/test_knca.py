@@ -8,11 +8,14 @@ import numpy as np
 import pytest
 import torch
 
+import training.knca
 from training.knca import (
     KNCAObjective,
     class_polynomials,
+    in_linear_range,
     log_poly_mul,
     log_prob_majority,
+    poly_mul,
     present_classes,
 )
 from training.neighbourhood import nearest_candidates, objective_sum
@@ -216,3 +219,86 @@ def test_classes_absent_from_candidates_are_dropped_without_changing_anything(lo
     torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-10, atol=1e-12)
     _, _, n_present = present_classes(y[cand.clamp_min(0)], y, cand >= 0, 8)
     assert n_present < 8
+
+
+def log_programme_only(obj, neg, labels, own, valid, monkeypatch):
+    """The same log P_i with the float64 fast path switched off (every row in log space)."""
+    with monkeypatch.context() as m:
+        m.setattr(training.knca, "in_linear_range", lambda logits, k: torch.zeros(
+            logits.shape[0], dtype=torch.bool))  # fmt: skip
+        return obj.log_probabilities(neg, labels, own, valid)
+
+
+def test_poly_mul_against_numpy_convolution():
+    rng = np.random.default_rng(8)
+    a, b = rng.uniform(0, 2, (4, 6)), rng.uniform(0, 2, (4, 3))
+    got = poly_mul(torch.tensor(a), torch.tensor(b), max_degree=5).numpy()
+    expected = np.stack([np.convolve(x, y)[:6] for x, y in zip(a, b, strict=True)])
+    np.testing.assert_allclose(got, expected, rtol=1e-13)
+    assert poly_mul(torch.tensor(a), torch.tensor(b), max_degree=20).shape[-1] == 8
+
+
+@pytest.mark.parametrize("k", [1, 2, 5, 10])
+def test_float64_fast_path_equals_the_log_programme(k, monkeypatch):
+    # rows in range go through the fast path; values and gradients equal the log programme's
+    rng = np.random.default_rng(k)
+    d = rng.uniform(0, 12, size=(40, 30))
+    labels = torch.tensor(rng.integers(0, 5, size=(40, 30)))
+    own = torch.tensor(rng.integers(0, 5, size=40))
+    valid = torch.tensor(rng.uniform(size=(40, 30)) > 0.1)
+    obj = KNCAObjective("majority", k, log_form=True, n_classes=5)
+    assert in_linear_range(torch.tensor(-d).masked_fill(~valid, -np.inf), k).float().mean() > 0.8
+    grads = []
+    for fast in (True, False):
+        neg = torch.tensor(-d, requires_grad=True)
+        if fast:
+            log_p = obj.log_probabilities(neg, labels, own, valid)
+        else:
+            log_p = log_programme_only(obj, neg, labels, own, valid, monkeypatch)
+        finite = torch.isfinite(log_p)
+        (grad,) = torch.autograd.grad(log_p[finite].sum(), neg)
+        grads.append((log_p.detach(), grad))
+    (fast_p, fast_g), (log_p, log_g) = grads
+    assert torch.equal(torch.isfinite(fast_p), torch.isfinite(log_p))
+    torch.testing.assert_close(fast_p, log_p, rtol=1e-11, atol=1e-11)
+    torch.testing.assert_close(fast_g, log_g, rtol=1e-9, atol=1e-11)
+
+
+def test_rows_out_of_the_fast_paths_range_take_the_log_programme(monkeypatch):
+    # one row in range, one whose k nearest span 3,000 in distance (beyond float64 as
+    # coefficients), one whose own class is 700 beyond the rest (P_i ~ exp(-2,100)),
+    # one with fewer candidates than k: all equal the log programme, gradients finite
+    k = 4
+    d = np.tile(np.linspace(0, 6, 12), (4, 1))
+    d[1] = np.arange(12) * 1000.0
+    labels = np.tile(np.arange(12) % 3, (4, 1))
+    labels[2] = 1
+    labels[2, -3:] = 0
+    d[2, -3:] = 700.0
+    valid = np.ones((4, 12), dtype=bool)
+    valid[3, 3:] = False
+    own = torch.tensor([0, 0, 0, 0])
+    obj = KNCAObjective("majority", k, log_form=True, n_classes=3)
+    args = (torch.tensor(labels), own, torch.tensor(valid))
+    in_range = in_linear_range(torch.tensor(-d).masked_fill(~torch.tensor(valid), -np.inf), k)
+    assert in_range.tolist() == [True, False, True, False]
+    neg = torch.tensor(-d, requires_grad=True)
+    log_p = obj.log_probabilities(neg, *args)
+    (grad,) = torch.autograd.grad(log_p[torch.isfinite(log_p)].sum(), neg)
+    expected = log_programme_only(obj, torch.tensor(-d), *args, monkeypatch)
+    torch.testing.assert_close(log_p.detach(), expected, rtol=1e-12, atol=0)  # -inf == -inf
+    assert -2200 < float(log_p[2]) < -2000 and torch.isneginf(log_p[3])
+    assert torch.isfinite(grad).all()
+
+
+@pytest.mark.parametrize("variant", ["majority", "all"])
+def test_a_row_with_fewer_candidates_than_k_is_impossible(variant):
+    # 3 valid candidates, all of the row's class, k = 4: no 4-subset exists, so the event has
+    # no probability (it read P = 1 before: log 0 - log 0 in the log programme)
+    obj = KNCAObjective(variant, 4, log_form=True, n_classes=2)
+    valid = torch.tensor([[True, True, True, False, False, False]])
+    neg = -torch.arange(6.0, dtype=torch.float64)[None].requires_grad_()
+    log_p = obj.log_probabilities(neg, torch.tensor([[0, 0, 0, 1, 1, 1]]), torch.tensor([0]), valid)
+    assert torch.isneginf(log_p).all()
+    scores = obj.point_scores(neg, torch.tensor([[0, 0, 0, 1, 1, 1]]), torch.tensor([0]), valid)
+    assert float(scores.sum()) == 0.0
