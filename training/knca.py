@@ -277,26 +277,33 @@ LINEAR_LOG_RANGE = 600.0
 LINEAR_LOG_FLOOR = -600.0
 
 
-def in_linear_range(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """(B,) bool: rows of logits (B, M) (-inf where absent) that the float64 programme can
-    hold: at least k candidates and max_r S_r + k log M below LINEAR_LOG_RANGE."""
-    m = logits.shape[1]
+def in_linear_range(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of logits (B, M) (-inf where absent) that the float64 programme can hold: at
+    least k candidates and max_r S_r + k log M below LINEAR_LOG_RANGE. Returns (in range (B,)
+    bool, shift (B, 1) float64: the mean of each row's k largest logits)."""
+    b, m = logits.shape
     if m < k:
-        return torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+        none = torch.zeros(b, dtype=torch.bool, device=logits.device)
+        return none, torch.zeros(b, 1, dtype=torch.float64, device=logits.device)
     top = logits.detach().double().topk(k, dim=1).values  # (B, k) descending
-    partial = (top - top.mean(1, keepdim=True)).cumsum(1)  # (B, k): S_1 .. S_k
+    shift = top.mean(1, keepdim=True)
+    partial = (top - shift).cumsum(1)  # (B, k): S_1 .. S_k
     bound = partial.amax(1) + k * torch.log(torch.tensor(float(m), dtype=torch.float64))
-    return torch.isfinite(top).all(1) & (bound < LINEAR_LOG_RANGE)
+    return torch.isfinite(top).all(1) & (bound < LINEAR_LOG_RANGE), shift
 
 
 def linear_log_prob_majority(
-    logits: torch.Tensor, labels: torch.Tensor, own: torch.Tensor, n_classes: int, k: int
+    logits: torch.Tensor,
+    shift: torch.Tensor,
+    labels: torch.Tensor,
+    own: torch.Tensor,
+    n_classes: int,
+    k: int,
 ) -> torch.Tensor:
     """log P_i of "majority" for rows :func:`in_linear_range` accepts, computed with the
-    coefficients themselves in float64: logits (B, M), labels (B, M) and own (B,) in
-    0..n_classes-1 -> (B,) float64."""
-    top = logits.detach().double().topk(k, dim=1).values
-    w = torch.exp(logits.double() - top.mean(1, keepdim=True))  # (B, M); absent: exp(-inf) = 0
+    coefficients themselves in float64: logits (B, M), shift (B, 1) from in_linear_range,
+    labels (B, M) and own (B,) in 0..n_classes-1 -> (B,) float64."""
+    w = torch.exp(logits.double() - shift)  # (B, M); absent: exp(-inf) = 0
     e = _class_polynomials(w, labels, n_classes, k, LINEAR)  # (B, C, k+1)
     num, z = _majority_terms(e, own, k, LINEAR)
     # num = 0 (own class absent, or underflow) would send inf * 0 = NaN back through log even
@@ -350,13 +357,14 @@ class KNCAObjective(Objective):
             return _restore_neg_inf(log_e[:, 0, self.k] - log_z)
         n_classes = self.n_classes or int(max(neighbour_labels.max(), own.max())) + 1
         compact, compact_own, n_present = present_classes(neighbour_labels, own, valid, n_classes)
-        linear = in_linear_range(logits, self.k)  # (B,) the fast path's rows
+        linear, linear_shift = in_linear_range(logits, self.k)  # (B,): the fast path's rows
         log_p = torch.zeros_like(logits[:, 0])  # (B,)
         if linear.any():
             rows = torch.nonzero(linear).squeeze(1)
             fast = linear_log_prob_majority(
-                logits[rows], compact[rows], compact_own[rows], n_present, self.k
-            )
+                logits[rows], linear_shift[rows], compact[rows], compact_own[rows], n_present,
+                self.k,
+            )  # fmt: skip
             underflow = fast < LINEAR_LOG_FLOOR  # tiny P_i: the log programme resolves them
             log_p = log_p.index_put((rows,), fast.to(log_p.dtype))
             linear[rows[underflow]] = False

@@ -224,8 +224,8 @@ def test_classes_absent_from_candidates_are_dropped_without_changing_anything(lo
 def log_programme_only(obj, neg, labels, own, valid, monkeypatch):
     """The same log P_i with the float64 fast path switched off (every row in log space)."""
     with monkeypatch.context() as m:
-        m.setattr(training.knca, "in_linear_range", lambda logits, k: torch.zeros(
-            logits.shape[0], dtype=torch.bool))  # fmt: skip
+        m.setattr(training.knca, "in_linear_range", lambda logits, k: (torch.zeros(
+            logits.shape[0], dtype=torch.bool), torch.zeros(logits.shape[0], 1)))  # fmt: skip
         return obj.log_probabilities(neg, labels, own, valid)
 
 
@@ -247,7 +247,8 @@ def test_float64_fast_path_equals_the_log_programme(k, monkeypatch):
     own = torch.tensor(rng.integers(0, 5, size=40))
     valid = torch.tensor(rng.uniform(size=(40, 30)) > 0.1)
     obj = KNCAObjective("majority", k, log_form=True, n_classes=5)
-    assert in_linear_range(torch.tensor(-d).masked_fill(~valid, -np.inf), k).float().mean() > 0.8
+    in_range, _ = in_linear_range(torch.tensor(-d).masked_fill(~valid, -np.inf), k)
+    assert in_range.float().mean() > 0.8
     grads = []
     for fast in (True, False):
         neg = torch.tensor(-d, requires_grad=True)
@@ -280,7 +281,7 @@ def test_rows_out_of_the_fast_paths_range_take_the_log_programme(monkeypatch):
     own = torch.tensor([0, 0, 0, 0])
     obj = KNCAObjective("majority", k, log_form=True, n_classes=3)
     args = (torch.tensor(labels), own, torch.tensor(valid))
-    in_range = in_linear_range(torch.tensor(-d).masked_fill(~torch.tensor(valid), -np.inf), k)
+    in_range, _ = in_linear_range(torch.tensor(-d).masked_fill(~torch.tensor(valid), -np.inf), k)
     assert in_range.tolist() == [True, False, True, False]
     neg = torch.tensor(-d, requires_grad=True)
     log_p = obj.log_probabilities(neg, *args)
