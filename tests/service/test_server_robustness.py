@@ -164,33 +164,44 @@ def test_artifacts_replaced_continuously_under_load(model_artifact, tmp_path, wo
     assert sent[0] > 20 and len(seen) == 2
 
 
+def _classify_total_and_pids(url: str) -> tuple[float, set[str]]:
+    """From /metrics: classify requests answered 200, summed over workers, and the pids of
+    the workers that report a loaded model."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    total = sum(
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith('ncaknn_requests_total{route="/v1/classify",status="200"}')
+    )
+    pids = {
+        line.split('pid="')[1].split('"')[0]
+        for line in text.splitlines()
+        if line.startswith("ncaknn_model_info{")
+    }
+    return total, pids
+
+
 def test_two_workers_report_whole_metrics(model_artifact):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = start_server(model_artifact[0], port, NCAKNN_WORKERS=2)
+    body = {"instances": [[0.0] * D]}
     try:
         wait_ready(url, proc)
-        with httpx.Client(timeout=10) as client:
+        with httpx.Client(timeout=10, headers={"connection": "close"}) as client:
+            # the first worker can be ready while the second still loads: wait (bounded) until
+            # both report their model, so the count below is over two workers
+            deadline = time.monotonic() + 60
+            while len(_classify_total_and_pids(url)[1]) < 2 and time.monotonic() < deadline:
+                assert client.post(f"{url}/v1/classify", json=body).status_code == 200
+                time.sleep(0.05)
+            before, pids = _classify_total_and_pids(url)
             for _ in range(40):  # new connections: spread over both workers
-                client.headers["connection"] = "close"
-                assert (
-                    client.post(f"{url}/v1/classify", json={"instances": [[0.0] * D]}).status_code
-                    == 200
-                )
-        text = httpx.get(f"{url}/metrics", timeout=10).text
-        total = sum(
-            float(line.split()[-1])
-            for line in text.splitlines()
-            if line.startswith('ncaknn_requests_total{route="/v1/classify",status="200"}')
-        )
-        pids = {
-            line.split('pid="')[1].split('"')[0]
-            for line in text.splitlines()
-            if line.startswith("ncaknn_model_info{")
-        }
+                assert client.post(f"{url}/v1/classify", json=body).status_code == 200
+        after, _ = _classify_total_and_pids(url)
     finally:
         stop_server(proc)
-    assert total == 40, text
+    assert after - before == 40
     assert len(pids) == 2
 
 
