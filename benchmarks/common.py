@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"  # where save_json writes
 USPS_PATH = HERE.parent.parent / "shared" / "data" / "usps.npz"
 
 
@@ -114,7 +115,7 @@ def median(values):
 
 
 def save_json(name: str, payload: dict) -> Path:
-    out = HERE / "results" / name
+    out = RESULTS / name
     out.parent.mkdir(exist_ok=True)
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(payload, indent=2, sort_keys=True, default=float))

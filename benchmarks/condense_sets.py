@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import USPS_PATH, machine, median, print_table, save_json, usps_784
+from common import RESULTS, USPS_PATH, machine, median, print_table, save_json, usps_784
 
 # condense_references keyword arguments: Hart's condensing (after Wilson editing when edit_k
 # > 0), then per-class k-means prototypes, as cluster means and refined by GLVQ (the default)
@@ -176,7 +176,7 @@ def main() -> None:
         ],
     )
     # rows of sets not run this time are kept from the last run that had them
-    path = Path(__file__).resolve().parent / "results" / "condense_sets.json"
+    path = RESULTS / "condense_sets.json"
     ran = {row["set"] for row in results}
     earlier = json.loads(path.read_text())["rows"] if path.exists() else []
     rows = [row for row in earlier if row["set"] not in ran] + results

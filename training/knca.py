@@ -144,7 +144,7 @@ def class_polynomials(
     in exact mode).
     """
     poly = _class_polynomials(log_w.clamp_min(LOG_ZERO), labels, n_classes, k, LOG)
-    return _restore_neg_inf(poly)
+    return _restore_neg_inf(poly.clamp_min(LOG_ZERO))
 
 
 def _class_polynomials(
@@ -185,8 +185,6 @@ def _class_polynomials(
         if poly.shape[1] % 2:
             poly = torch.cat([poly, unit_poly((b, 1, n_classes), k, poly, algebra)], 1)
         poly = algebra.poly_mul(poly[:, 0::2], poly[:, 1::2], max_degree=k)
-    if algebra is LOG:
-        poly = poly.clamp_min(LOG_ZERO)
     return poly.squeeze(1)
 
 
