@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from training import native as native_kernel
 from training.numerics import EXP_FLOOR, PrecomputedGradient, chunk_rows, class_runs
 
 
@@ -78,11 +79,14 @@ def nca_value_and_grad(
     log_form: bool,
     rows: torch.Tensor | None = None,
     chunk_size: int | None = None,
+    native: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum_{i in rows} score_i, d/dz of that sum (N, d)) for f (or g when log_form).
 
     z: (N, d) embeddings, labels: (N,) class ids, rows: (B,) query rows (default: all).
     Rows whose class has no other member score 0 and contribute no gradient.
+    native: evaluate with the C kernel of :mod:`training.native` (True), with torch (False), or
+    with the C kernel whenever it can (None). ``chunk_size`` applies to the torch path.
     """
     n = z.shape[0]
     z = z.detach()
@@ -109,6 +113,17 @@ def nca_value_and_grad(
     # Group query positions by class run.
     run_starts = torch.tensor([s for s, _ in runs], device=z.device)
     run_of_query = torch.searchsorted(run_starts, query_sorted, right=True) - 1
+
+    if native is None:
+        native = native_kernel.usable(zs)
+    if native:
+        run_ends = torch.tensor([e for _, e in runs], device=z.device)
+        start, end = run_starts[run_of_query], run_ends[run_of_query]
+        keep = end - start >= 2  # no same-class neighbour: p_i = 0 whatever A is
+        total, grad_s = native_kernel.exact_value_and_grad(
+            zs, query_sorted[keep], start[keep], end[keep], log_form=log_form
+        )
+        return total, grad_s[inverse]
 
     # one (chunk, N) buffer for every chunk's logits (then its weights, in place): a fresh
     # one per chunk costs page faults on every new mapping

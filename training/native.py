@@ -1,0 +1,252 @@
+"""The native exact-NCA kernel (``training/native/nca_exact.c``): built on first use, loaded with ctypes.
+
+The C source computes exactly what :func:`training.nca_kernel.nca_value_and_grad` computes
+(its docstring has the mathematics), but keeps each block of logits in cache from the GEMM to
+the last use of W instead of making a dozen passes over a (chunk, N) buffer in memory.
+
+Building: the first call compiles the source with the system C compiler (``$CC``, else ``gcc``,
+else ``cc``; ``-O3 -march=native``, about half a second) into a cache folder
+(``$NCA_KNN_CACHE``, else ``$XDG_CACHE_HOME/nca-knn``, else ``~/.cache/nca-knn``), keyed by
+the source, the compiler and the CPU's flags, so a library built for another CPU or from
+another source is never loaded. The library is written to a temporary name and renamed, so a
+build interrupted at any point leaves nothing a later run could load.
+
+When there is no compiler, the build fails, ``NCA_KNN_NATIVE=0`` is set, or the tensors are
+not CPU float32 / float64, callers use the torch path; a failed build warns once, naming the
+command and its error.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+SOURCE = Path(__file__).resolve().parent / "native" / "nca_exact.c"
+TILE = 16  # padding multiple of the embedding width and of N (TILE in the C source)
+ROWS_PER_THREAD = 64  # fewer query rows than this per thread are not worth a thread
+FLAVOURS = {torch.float32: ("f32", []), torch.float64: ("f64", ["-DNCA_DOUBLE"])}
+
+
+def enabled() -> bool:
+    """False when the environment turns the native kernel off (NCA_KNN_NATIVE=0)."""
+    return os.environ.get("NCA_KNN_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def cache_dir() -> Path:
+    if os.environ.get("NCA_KNN_CACHE"):
+        return Path(os.environ["NCA_KNN_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "nca-knn"
+
+
+def _writable_cache_dir() -> Path:
+    """cache_dir(), or a per-user folder under the temporary directory when it is read-only."""
+    preferred = cache_dir()
+    try:
+        preferred.mkdir(parents=True, exist_ok=True)
+        if os.access(preferred, os.W_OK):
+            return preferred
+    except OSError:
+        pass
+    fallback = Path(tempfile.gettempdir()) / f"nca-knn-{os.getuid()}"
+    fallback.mkdir(mode=0o700, exist_ok=True)
+    if fallback.stat().st_uid != os.getuid():  # never load a library another user planted
+        raise OSError(f"{fallback} belongs to another user")
+    return fallback
+
+
+def compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def library_path(flavour: str, cc: str) -> Path:
+    """Where the library for this source, compiler, CPU and flavour lives (built or not)."""
+    key = hashlib.sha256()
+    for part in (
+        SOURCE.read_bytes(),
+        cc.encode(),
+        _cpu_flags().encode(),
+        platform.machine().encode(),
+    ):
+        key.update(part)
+    return _writable_cache_dir() / f"nca_exact_{flavour}_{key.hexdigest()[:16]}.so"
+
+
+def build(flavour: str, defines: list[str], cc: str) -> Path:
+    """Compile the source into the cache (if not there yet) and return the library's path.
+
+    Raises ``RuntimeError`` naming the command and the compiler's message when it fails.
+    """
+    target = library_path(flavour, cc)
+    if target.is_file():
+        return target
+    fd, tmp = tempfile.mkstemp(prefix=target.stem + ".", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    cmd = [cc, "-O3", "-march=native", "-std=c99", "-shared", "-fPIC", *defines, "-o", tmp]
+    cmd += [str(SOURCE), "-lm"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)  # atomic: a reader sees no library or the whole one
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+class Kernel(NamedTuple):
+    """The C entry point for one dtype and the rows per block its scratch buffers hold."""
+
+    fn: ctypes._CFuncPtr
+    block_rows: int
+
+
+@functools.cache
+def _load(dtype: torch.dtype) -> Kernel | None:
+    flavour, defines = FLAVOURS[dtype]
+    cc = compiler()
+    if cc is None:
+        return None
+    try:
+        lib = ctypes.CDLL(str(build(flavour, defines, cc)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+        warnings.warn(
+            f"native NCA kernel unavailable, using the torch path: {error}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+    fn = getattr(lib, f"nca_exact_block_rows_{flavour}")
+    fn.restype = ctypes.c_double
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes = [p, p, p, i64, i64, i64, p, p, p, i64, ctypes.c_int32, *[p] * 7]
+    lib.nca_exact_block_size.restype = ctypes.c_int64
+    return Kernel(fn, int(lib.nca_exact_block_size()))
+
+
+def kernel(dtype: torch.dtype) -> Kernel | None:
+    """The C kernel for ``dtype``, or None when the torch path must be used."""
+    if dtype not in FLAVOURS or not enabled():
+        return None
+    return _load(dtype)
+
+
+def usable(z: torch.Tensor) -> bool:
+    """Whether the native kernel can evaluate these embeddings.
+
+    CPU, float32 or float64, the library available, and every |z| small enough that
+    4 d max|z|^2 (the largest logit difference) stays below 1/16 of the dtype's largest
+    value: the C code then never meets an infinity or a NaN, so it tests for neither.
+    """
+    if z.device.type != "cpu" or z.dtype not in FLAVOURS or z.numel() == 0:
+        return False
+    limit = (torch.finfo(z.dtype).max / (64.0 * max(z.shape[1], 1))) ** 0.5
+    if not bool(z.abs().max() < limit):  # also False for NaN and Inf
+        return False
+    return kernel(z.dtype) is not None
+
+
+def exact_value_and_grad(
+    zs: torch.Tensor,
+    query: torch.Tensor,
+    run_start: torch.Tensor,
+    run_end: torch.Tensor,
+    *,
+    log_form: bool,
+    threads: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of the query rows' scores, its gradient with respect to zs (N, d)).
+
+    zs: (N, d) embeddings sorted by class; query: (Q,) positions in zs, in class order;
+    run_start / run_end: (Q,) the [s, e) class run of each query row, every run at least 2
+    long. Query rows are split into contiguous parts, one per thread (the C call releases the
+    GIL); each part accumulates its own (d, N) share of the column terms, summed at the end.
+    """
+    native = kernel(zs.dtype)
+    if native is None:
+        raise RuntimeError("the native NCA kernel is not available")
+    fn, block = native
+    n, d = zs.shape
+    dtype = zs.dtype
+    dp = -(-d // TILE) * TILE
+    npad = -(-n // TILE) * TILE
+    z = torch.zeros((n, dp), dtype=dtype)  # (N, dp) zero-padded coordinates
+    z[:, :d] = zs
+    zt = torch.zeros((dp, npad), dtype=dtype)  # (dp, N padded)
+    zt[:, :n] = z.T
+    sq = torch.zeros(npad, dtype=dtype)
+    sq[:n] = (zs * zs).sum(1)
+    query = query.to(torch.int64).contiguous()
+    run_start = run_start.to(torch.int64).contiguous()
+    run_end = run_end.to(torch.int64).contiguous()
+    longest = int((run_end - run_start).max()) if query.numel() else 1
+    grad = torch.zeros((n, dp), dtype=dtype)  # rows written only by the thread owning them
+
+    n_query = query.shape[0]
+    if threads is None:
+        threads = torch.get_num_threads()
+    threads = max(1, min(threads, n_query // ROWS_PER_THREAD))
+    bounds = [n_query * t // threads for t in range(threads + 1)]
+    _ptr = torch.Tensor.data_ptr
+    totals = [0.0] * threads
+    errors: list[BaseException] = []
+    shares = []  # per thread: (grad_t (dp, N padded), col (N padded,))
+
+    def run(t: int) -> None:
+        try:
+            run_part(t)
+        except BaseException as error:  # re-raised in the caller after every thread ends
+            errors.append(error)
+
+    def run_part(t: int) -> None:
+        a, b = bounds[t], bounds[t + 1]
+        w = torch.empty((block, npad), dtype=dtype)  # the block's logits, then W
+        w_same = torch.empty((block, longest), dtype=dtype)  # same-class exps
+        zq2 = torch.empty((block, dp), dtype=dtype)
+        gi = torch.empty((block, dp), dtype=dtype)
+        grad_t, col = shares[t]
+        totals[t] = fn(
+            _ptr(z), _ptr(zt), _ptr(sq), n, npad, dp,
+            _ptr(query) + 8 * a, _ptr(run_start) + 8 * a, _ptr(run_end) + 8 * a,
+            b - a, int(log_form), _ptr(w), _ptr(w_same), _ptr(zq2), _ptr(gi),
+            _ptr(grad), _ptr(grad_t), _ptr(col),
+        )  # fmt: skip
+
+    for _ in range(threads):
+        shares.append((torch.zeros((dp, npad), dtype=dtype), torch.zeros(npad, dtype=dtype)))
+    workers = [threading.Thread(target=run, args=(t,)) for t in range(1, threads)]
+    for worker in workers:
+        worker.start()
+    run(0)
+    for worker in workers:
+        worker.join()
+    if errors:
+        raise errors[0]
+
+    grad_t = sum(share[0] for share in shares)  # (dp, N padded)
+    col = sum(share[1] for share in shares)  # (N padded,)
+    out = grad[:, :d] + grad_t[:d, :n].T - 2.0 * col[:n, None] * zs
+    return torch.tensor(sum(totals), dtype=dtype), out
