@@ -6,6 +6,8 @@ it imports none of them (the import graph of ``training`` has no cycles):
     numerics  <-  objectives  <-  knca  <-  objective_registry  <-  estimator
         ^             ^
         +---------  nca_kernel  <-  neighbourhood (dispatcher)  <-  optimize
+                        ^
+           native (the C twin of nca_kernel's exact path; imports only torch)
 
 * the floors that keep exp() and log 0 finite (``EXP_FLOOR``, ``LOG_ZERO``),
 * ``floored_logsumexp``,
