@@ -21,7 +21,7 @@ cancellation; nothing overflows or underflows in float32):
   used: they cancel catastrophically.
 * :func:`log_prob_majority` multiplies the other classes' polynomials (:func:`log_poly_mul`),
   sharing one untruncated product between every m > k / 2.
-* The fast path (``linear_log_prob_majority``): where a row's weights keep every coefficient
+* The fast path (``linear_log_prob``, both variants): where a row's weights keep every coefficient
   within float64's range (``in_linear_range``, nearly every row of a trained model), the same
   programme runs on the coefficients themselves in float64 -- multiplications and additions
   instead of log-add-exps, products of polynomials as one matrix product -- and rows outside
@@ -263,6 +263,18 @@ def _majority_terms(
     return algebra.total(torch.stack(terms, -1), -1), z
 
 
+def _all_terms(e: torch.Tensor, k: int, algebra: Algebra) -> tuple[torch.Tensor, torch.Tensor]:
+    """(P_i Z, Z) of "all" in ``algebra``: e (B, 2, k+1), class 0 i's own, 1 every other ->
+    e_k(w_y) and Z = [t^k] E_0 E_1 = sum_r e_r(w_y) e_(k-r)(w_other), each (B,)."""
+    return e[:, 0, k], algebra.total(algebra.times(e[:, 0], e[:, 1].flip(-1)), -1)
+
+
+def log_prob_all(log_e: torch.Tensor, k: int) -> torch.Tensor:
+    """log P_i for the "all" variant: log_e (B, 2, k+1) as in :func:`_all_terms` -> (B,)."""
+    log_num, log_z = _all_terms(log_e.clamp_min(LOG_ZERO), k, LOG)
+    return _restore_neg_inf(log_num - log_z)
+
+
 # The fast path: coefficients themselves in float64 (no log-add-exp), for rows whose weights
 # keep every coefficient in float64's range. With the logits shifted by the mean of the row's
 # k largest (the product of the k largest weights is 1, so Z = e_k(w) >= 1), a coefficient of
@@ -290,20 +302,25 @@ def in_linear_range(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.T
     return torch.isfinite(top).all(1) & (bound < LINEAR_LOG_RANGE), shift
 
 
-def linear_log_prob_majority(
+def linear_log_prob(
     logits: torch.Tensor,
     shift: torch.Tensor,
     labels: torch.Tensor,
     own: torch.Tensor,
     n_classes: int,
     k: int,
+    variant: str = "majority",
 ) -> torch.Tensor:
-    """log P_i of "majority" for rows :func:`in_linear_range` accepts, computed with the
+    """log P_i of ``variant`` for rows :func:`in_linear_range` accepts, computed with the
     coefficients themselves in float64: logits (B, M), shift (B, 1) from in_linear_range,
-    labels (B, M) and own (B,) in 0..n_classes-1 -> (B,) float64."""
+    labels (B, M) and own (B,) in 0..n_classes-1 -> (B,) float64. For "all", labels are 0
+    (i's class) and 1 (any other) and n_classes is 2."""
     w = torch.exp(logits.double() - shift)  # (B, M); absent: exp(-inf) = 0
     e = _class_polynomials(w, labels, n_classes, k, LINEAR)  # (B, C, k+1)
-    num, z = _majority_terms(e, own, k, LINEAR)
+    if variant == "all":
+        num, z = _all_terms(e, k, LINEAR)
+    else:
+        num, z = _majority_terms(e, own, k, LINEAR)
     # num = 0 (own class absent, or underflow) would send inf * 0 = NaN back through log even
     # where the caller replaces the row; clamped, such rows read as below LINEAR_LOG_FLOOR
     return torch.log(num.clamp_min(1e-300)) - torch.log(z)
@@ -348,28 +365,31 @@ class KNCAObjective(Objective):
         shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
         log_w = logits - shift
         if self.variant == "all":
-            # two "classes" are enough: i's own (0) and every other (1); Z = [t^k] E_0 E_1
-            other = (neighbour_labels != own[:, None]).long()
-            log_e = class_polynomials(log_w, other, 2, self.k).clamp_min(LOG_ZERO)  # (B, 2, k+1)
-            log_z = floored_logsumexp(log_e[:, 0] + log_e[:, 1].flip(-1), -1)
-            return _restore_neg_inf(log_e[:, 0, self.k] - log_z)
-        n_classes = self.n_classes or int(max(neighbour_labels.max(), own.max())) + 1
-        compact, compact_own, n_present = present_classes(neighbour_labels, own, valid, n_classes)
+            # two "classes" are enough: i's own (0) and every other (1)
+            labels = (neighbour_labels != own[:, None]).long()
+            own_c, n_present = torch.zeros_like(own), 2
+        else:
+            n_classes = self.n_classes or int(max(neighbour_labels.max(), own.max())) + 1
+            labels, own_c, n_present = present_classes(neighbour_labels, own, valid, n_classes)
         linear, linear_shift = in_linear_range(logits, self.k)  # (B,): the fast path's rows
         log_p = torch.zeros_like(logits[:, 0])  # (B,)
         if linear.any():
             rows = torch.nonzero(linear).squeeze(1)
-            fast = linear_log_prob_majority(
-                logits[rows], linear_shift[rows], compact[rows], compact_own[rows], n_present,
-                self.k,
+            fast = linear_log_prob(
+                logits[rows], linear_shift[rows], labels[rows], own_c[rows], n_present, self.k,
+                self.variant,
             )  # fmt: skip
             underflow = fast < LINEAR_LOG_FLOOR  # tiny P_i: the log programme resolves them
             log_p = log_p.index_put((rows,), fast.to(log_p.dtype))
             linear[rows[underflow]] = False
         if not linear.all():
             rows = torch.nonzero(~linear).squeeze(1)
-            log_e = class_polynomials(log_w[rows], compact[rows], n_present, self.k)
-            log_p = log_p.index_put((rows,), log_prob_majority(log_e, compact_own[rows], self.k))
+            log_e = class_polynomials(log_w[rows], labels[rows], n_present, self.k)
+            if self.variant == "all":
+                slow = log_prob_all(log_e, self.k)
+            else:
+                slow = log_prob_majority(log_e, own_c[rows], self.k)
+            log_p = log_p.index_put((rows,), slow)
         return log_p
 
     def floats_per_pair(self, n_neighbours: int) -> int:

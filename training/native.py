@@ -182,8 +182,9 @@ def exact_value_and_grad(
 
     zs: (N, d) embeddings sorted by class; query: (Q,) positions in zs, in class order;
     run_start / run_end: (Q,) the [s, e) class run of each query row, every run at least 2
-    long. Query rows are split into contiguous parts, one per thread (the C call releases the
-    GIL); each part accumulates its own (d, N) share of the column terms, summed at the end.
+    long; a row listed twice counts twice. Query rows are split into contiguous parts, one per
+    thread (the C call releases the GIL); each part accumulates its own share of the gradient,
+    summed at the end.
     """
     native = kernel(zs.dtype)
     if native is None:
@@ -203,7 +204,6 @@ def exact_value_and_grad(
     run_start = run_start.to(torch.int64).contiguous()
     run_end = run_end.to(torch.int64).contiguous()
     longest = int((run_end - run_start).max()) if query.numel() else 1
-    grad = torch.zeros((n, dp), dtype=dtype)  # rows written only by the thread owning them
 
     n_query = query.shape[0]
     if threads is None:
@@ -213,7 +213,7 @@ def exact_value_and_grad(
     _ptr = torch.Tensor.data_ptr
     totals = [0.0] * threads
     errors: list[BaseException] = []
-    shares = []  # per thread: (grad_t (dp, N padded), col (N padded,))
+    shares = []  # per thread: (grad (N, dp), grad_t (dp, N padded), col (N padded,))
 
     def run(t: int) -> None:
         try:
@@ -227,7 +227,7 @@ def exact_value_and_grad(
         w_same = torch.empty((block, longest), dtype=dtype)  # same-class exps
         zq2 = torch.empty((block, dp), dtype=dtype)
         gi = torch.empty((block, dp), dtype=dtype)
-        grad_t, col = shares[t]
+        grad, grad_t, col = shares[t]
         totals[t] = fn(
             _ptr(z), _ptr(zt), _ptr(sq), n, npad, dp,
             _ptr(query) + 8 * a, _ptr(run_start) + 8 * a, _ptr(run_end) + 8 * a,
@@ -235,8 +235,14 @@ def exact_value_and_grad(
             _ptr(grad), _ptr(grad_t), _ptr(col),
         )  # fmt: skip
 
-    for _ in range(threads):
-        shares.append((torch.zeros((dp, npad), dtype=dtype), torch.zeros(npad, dtype=dtype)))
+    for _ in range(threads):  # own buffers: a row repeated in two parts is summed, not raced
+        shares.append(
+            (
+                torch.zeros((n, dp), dtype=dtype),
+                torch.zeros((dp, npad), dtype=dtype),
+                torch.zeros(npad, dtype=dtype),
+            )
+        )
     workers = [threading.Thread(target=run, args=(t,)) for t in range(1, threads)]
     for worker in workers:
         worker.start()
@@ -246,7 +252,8 @@ def exact_value_and_grad(
     if errors:
         raise errors[0]
 
-    grad_t = sum(share[0] for share in shares)  # (dp, N padded)
-    col = sum(share[1] for share in shares)  # (N padded,)
+    grad = sum(share[0] for share in shares)  # (N, dp)
+    grad_t = sum(share[1] for share in shares)  # (dp, N padded)
+    col = sum(share[2] for share in shares)  # (N padded,)
     out = grad[:, :d] + grad_t[:d, :n].T - 2.0 * col[:n, None] * zs
     return torch.tensor(sum(totals), dtype=dtype), out

@@ -144,7 +144,7 @@ def nca_value_and_grad(
             weights[local, q] = 0.0
             total += value
             # d/dz_i: 2 W z ; d/dz_j: 2 (W^T z_q - colsum(W)_j z_j)
-            grad_s[q] += 2.0 * (weights @ zs)
+            grad_s.index_add_(0, q, weights @ zs, alpha=2.0)  # q may repeat a row
             grad_s.addmm_(weights.T, zq, alpha=2.0)
             col_total += weights.sum(0)
     grad_s.sub_(2.0 * col_total[:, None] * zs)

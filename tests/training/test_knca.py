@@ -238,15 +238,16 @@ def test_poly_mul_against_numpy_convolution():
     assert poly_mul(torch.tensor(a), torch.tensor(b), max_degree=20).shape[-1] == 8
 
 
+@pytest.mark.parametrize("variant", ["majority", "all"])
 @pytest.mark.parametrize("k", [1, 2, 5, 10])
-def test_float64_fast_path_equals_the_log_programme(k, monkeypatch):
+def test_float64_fast_path_equals_the_log_programme(k, variant, monkeypatch):
     # rows in range go through the fast path; values and gradients equal the log programme's
     rng = np.random.default_rng(k)
     d = rng.uniform(0, 12, size=(40, 30))
     labels = torch.tensor(rng.integers(0, 5, size=(40, 30)))
     own = torch.tensor(rng.integers(0, 5, size=40))
     valid = torch.tensor(rng.uniform(size=(40, 30)) > 0.1)
-    obj = KNCAObjective("majority", k, log_form=True, n_classes=5)
+    obj = KNCAObjective(variant, k, log_form=True, n_classes=5)
     in_range, _ = in_linear_range(torch.tensor(-d).masked_fill(~valid, -np.inf), k)
     assert in_range.float().mean() > 0.8
     grads = []
@@ -265,21 +266,22 @@ def test_float64_fast_path_equals_the_log_programme(k, monkeypatch):
     torch.testing.assert_close(fast_g, log_g, rtol=1e-9, atol=1e-11)
 
 
-def test_rows_out_of_the_fast_paths_range_take_the_log_programme(monkeypatch):
+@pytest.mark.parametrize("variant", ["majority", "all"])
+def test_rows_out_of_the_fast_paths_range_take_the_log_programme(variant, monkeypatch):
     # one row in range, one whose k nearest span 3,000 in distance (beyond float64 as
-    # coefficients), one whose own class is 700 beyond the rest (P_i ~ exp(-2,100)),
+    # coefficients), one whose own class is 700 beyond the rest (P_i ~ exp(-2,100) or less),
     # one with fewer candidates than k: all equal the log programme, gradients finite
     k = 4
     d = np.tile(np.linspace(0, 6, 12), (4, 1))
     d[1] = np.arange(12) * 1000.0
     labels = np.tile(np.arange(12) % 3, (4, 1))
     labels[2] = 1
-    labels[2, -3:] = 0
-    d[2, -3:] = 700.0
+    labels[2, -4:] = 0
+    d[2, -4:] = 700.0
     valid = np.ones((4, 12), dtype=bool)
     valid[3, 3:] = False
     own = torch.tensor([0, 0, 0, 0])
-    obj = KNCAObjective("majority", k, log_form=True, n_classes=3)
+    obj = KNCAObjective(variant, k, log_form=True, n_classes=3)
     args = (torch.tensor(labels), own, torch.tensor(valid))
     in_range, _ = in_linear_range(torch.tensor(-d).masked_fill(~torch.tensor(valid), -np.inf), k)
     assert in_range.tolist() == [True, False, True, False]
@@ -288,7 +290,9 @@ def test_rows_out_of_the_fast_paths_range_take_the_log_programme(monkeypatch):
     (grad,) = torch.autograd.grad(log_p[torch.isfinite(log_p)].sum(), neg)
     expected = log_programme_only(obj, torch.tensor(-d), *args, monkeypatch)
     torch.testing.assert_close(log_p.detach(), expected, rtol=1e-12, atol=0)  # -inf == -inf
-    assert -2200 < float(log_p[2]) < -2000 and torch.isneginf(log_p[3])
+    # majority: 3 of the 4 draws from i's class, ~exp(-3 x 700); all: 4 of 4, ~exp(-4 x 700)
+    low, high = (-2200, -2000) if variant == "majority" else (-2900, -2700)
+    assert low < float(log_p[2]) < high and torch.isneginf(log_p[3])
     assert torch.isfinite(grad).all()
 
 

@@ -96,6 +96,23 @@ def test_singleton_classes_score_zero_and_rows_subset():
         torch.testing.assert_close(value, ref, rtol=1e-12, atol=1e-12)
 
 
+def test_a_row_listed_twice_counts_twice_on_both_paths(monkeypatch):
+    monkeypatch.setattr(native, "ROWS_PER_THREAD", 1)  # the repeats land in different threads
+    z, labels = data(60, 4, 3, seed=8)
+    rows = torch.tensor([5, 5, 7, 30, 5, 59])
+    once = torch.tensor([5, 7, 30, 59])
+    for use_native in (True, False):
+        twice, grad = nca_value_and_grad(z, labels, log_form=False, rows=rows, native=use_native)
+        single, grad_single = nca_value_and_grad(
+            z, labels, log_form=False, rows=once, native=use_native
+        )
+        alone, grad_alone = nca_value_and_grad(
+            z, labels, log_form=False, rows=torch.tensor([5]), native=use_native
+        )
+        torch.testing.assert_close(twice, single + 2 * alone, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(grad, grad_single + 2 * grad_alone, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_thread_splits_give_the_same_answer(threads, monkeypatch):
     """Parts split inside a class run and across blocks; every split sums to one answer."""
