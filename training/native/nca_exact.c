@@ -65,52 +65,37 @@ static inline void vec_store(real *p, vec v) { memcpy(p, &v, sizeof v); }
 /* exp(x) for EXP_FLOOR <= x <= ~1: x = n ln 2 + r with |r| <= ln2 / 2, exp(r) by its Taylor
    polynomial (degree 7 for float: relative error < 6e-9; degree 13 for double: < 5e-18), times
    2^n built in the exponent bits. Branch-free, so loops over it vectorise. */
+#ifdef NCA_DOUBLE
+#define EXP_DEGREE 13
+#define EXP_SHIFTER 6755399441055744.0 /* 1.5 * 2^52: adding it rounds to an integer */
+#define EXP_BIAS 1023
+#define MANTISSA_BITS 52
+typedef int64_t real_bits;
+#else
+#define EXP_DEGREE 7
+#define EXP_SHIFTER 12582912.0f /* 1.5 * 2^23 */
+#define EXP_BIAS 127
+#define MANTISSA_BITS 23
+typedef int32_t real_bits;
+#endif
+
+static const double INV_FACTORIAL[14] = {
+    1.0, 1.0, 1.0 / 2, 1.0 / 6, 1.0 / 24, 1.0 / 120, 1.0 / 720, 1.0 / 5040, 1.0 / 40320,
+    1.0 / 362880, 1.0 / 3628800, 1.0 / 39916800, 1.0 / 479001600, 1.0 / 6227020800};
+
 static inline real exp_floored(real x) {
     const real log2e = (real)1.4426950408889634;
-    const real ln2_hi = (real)0.693145751953125;        /* 11 significant bits: n ln2_hi exact */
+    const real ln2_hi = (real)0.693145751953125; /* 11 significant bits: n ln2_hi exact */
     const real ln2_lo = (real)1.42860682030941723212e-6;
     x = x < (real)EXP_FLOOR ? (real)EXP_FLOOR : x;
-#ifdef NCA_DOUBLE
-    const double shifter = 6755399441055744.0;             /* 1.5 * 2^52: rounds to integer */
-    double t = x * log2e + shifter;
-    double n = t - shifter;
-    double r = (x - n * ln2_hi) - n * ln2_lo;
-    double p = 1.0 / 6227020800.0;
-    p = p * r + 1.0 / 479001600.0;
-    p = p * r + 1.0 / 39916800.0;
-    p = p * r + 1.0 / 3628800.0;
-    p = p * r + 1.0 / 362880.0;
-    p = p * r + 1.0 / 40320.0;
-    p = p * r + 1.0 / 5040.0;
-    p = p * r + 1.0 / 720.0;
-    p = p * r + 1.0 / 120.0;
-    p = p * r + 1.0 / 24.0;
-    p = p * r + 1.0 / 6.0;
-    p = p * r + 0.5;
-    p = p * r + 1.0;
-    p = p * r + 1.0;
-    int64_t bits = ((int64_t)n + 1023) << 52;
-    double scale;
+    real n = (x * log2e + EXP_SHIFTER) - EXP_SHIFTER;
+    real r = (x - n * ln2_hi) - n * ln2_lo;
+    real p = (real)INV_FACTORIAL[EXP_DEGREE];
+    for (int j = EXP_DEGREE - 1; j >= 0; j--) p = p * r + (real)INV_FACTORIAL[j];
+    real_bits bits = ((real_bits)n + EXP_BIAS) << MANTISSA_BITS;
+    real scale;
     memcpy(&scale, &bits, sizeof scale);
     return p * scale;
-#else
-    const float shifter = 12582912.0f;                     /* 1.5 * 2^23 */
-    float t = x * log2e + shifter;
-    float n = t - shifter;
-    float r = (x - n * ln2_hi) - n * ln2_lo;
-    float p = 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-#endif
 }
 
 /* max of x[a:b) (b > a), in TILE independent lanes so the loop vectorises */
