@@ -96,14 +96,6 @@ def nca_value_and_grad(
     zs = z[order]  # (N, d) sorted by class
     ys = labels[order]
     runs = class_runs(ys)
-    sq = (zs * zs).sum(1)  # (N,)
-    neg_sq = -sq[None, :]  # (1, N)
-    grad_s = torch.zeros_like(zs)  # (N, d)
-    col_total = torch.zeros(n, dtype=z.dtype, device=z.device)  # sum_i W_ij over all chunks
-    total = torch.zeros((), dtype=z.dtype, device=z.device)
-    if chunk_size is None:
-        chunk_size = min(256, chunk_rows(n))  # small blocks stay in cache (measured)
-
     if rows is None:
         query_sorted = torch.arange(n, device=z.device)
     else:
@@ -118,13 +110,20 @@ def nca_value_and_grad(
         native = native_kernel.usable(zs)
     if native:
         run_ends = torch.tensor([e for _, e in runs], device=z.device)
-        start, end = run_starts[run_of_query], run_ends[run_of_query]
-        keep = end - start >= 2  # no same-class neighbour: p_i = 0 whatever A is
+        query_start, query_end = run_starts[run_of_query], run_ends[run_of_query]
+        keep = query_end - query_start >= 2  # no same-class neighbour: p_i = 0 whatever A is
         total, grad_s = native_kernel.exact_value_and_grad(
-            zs, query_sorted[keep], start[keep], end[keep], log_form=log_form
+            zs, query_sorted[keep], query_start[keep], query_end[keep], log_form=log_form
         )
         return total, grad_s[inverse]
 
+    sq = (zs * zs).sum(1)  # (N,)
+    neg_sq = -sq[None, :]  # (1, N)
+    grad_s = torch.zeros_like(zs)  # (N, d)
+    col_total = torch.zeros(n, dtype=z.dtype, device=z.device)  # sum_i W_ij over all chunks
+    total = torch.zeros((), dtype=z.dtype, device=z.device)
+    if chunk_size is None:
+        chunk_size = min(256, chunk_rows(n))  # small blocks stay in cache (measured)
     # one (chunk, N) buffer for every chunk's logits (then its weights, in place): a fresh
     # one per chunk costs page faults on every new mapping
     buffer = torch.empty((min(chunk_size, n), n), dtype=z.dtype, device=z.device)
