@@ -213,36 +213,34 @@ def exact_value_and_grad(
     _ptr = torch.Tensor.data_ptr
     totals = [0.0] * threads
     errors: list[BaseException] = []
-    shares = []  # per thread: (grad (N, dp), grad_t (dp, N padded), col (N padded,))
+    # per thread, its own (grad (N, dp), grad_t (dp, N padded), col (N padded,)): a row listed
+    # in two parts is summed, not raced
+    shares = [
+        (
+            torch.zeros((n, dp), dtype=dtype),
+            torch.zeros((dp, npad), dtype=dtype),
+            torch.zeros(npad, dtype=dtype),
+        )
+        for _ in range(threads)
+    ]
 
     def run(t: int) -> None:
-        try:
-            run_part(t)
-        except BaseException as error:  # re-raised in the caller after every thread ends
+        a, b = bounds[t], bounds[t + 1]
+        grad, grad_t, col = shares[t]
+        try:  # anything raised here, allocation included, is re-raised by the caller
+            w = torch.empty((block, npad), dtype=dtype)  # the block's logits, then W
+            w_same = torch.empty((block, longest), dtype=dtype)  # same-class exps
+            zq2 = torch.empty((block, dp), dtype=dtype)
+            gi = torch.empty((block, dp), dtype=dtype)
+            totals[t] = fn(
+                _ptr(z), _ptr(zt), _ptr(sq), n, npad, dp,
+                _ptr(query) + 8 * a, _ptr(run_start) + 8 * a, _ptr(run_end) + 8 * a,
+                b - a, int(log_form), _ptr(w), _ptr(w_same), _ptr(zq2), _ptr(gi),
+                _ptr(grad), _ptr(grad_t), _ptr(col),
+            )  # fmt: skip
+        except BaseException as error:  # the caller re-raises it after every thread ends
             errors.append(error)
 
-    def run_part(t: int) -> None:
-        a, b = bounds[t], bounds[t + 1]
-        w = torch.empty((block, npad), dtype=dtype)  # the block's logits, then W
-        w_same = torch.empty((block, longest), dtype=dtype)  # same-class exps
-        zq2 = torch.empty((block, dp), dtype=dtype)
-        gi = torch.empty((block, dp), dtype=dtype)
-        grad, grad_t, col = shares[t]
-        totals[t] = fn(
-            _ptr(z), _ptr(zt), _ptr(sq), n, npad, dp,
-            _ptr(query) + 8 * a, _ptr(run_start) + 8 * a, _ptr(run_end) + 8 * a,
-            b - a, int(log_form), _ptr(w), _ptr(w_same), _ptr(zq2), _ptr(gi),
-            _ptr(grad), _ptr(grad_t), _ptr(col),
-        )  # fmt: skip
-
-    for _ in range(threads):  # own buffers: a row repeated in two parts is summed, not raced
-        shares.append(
-            (
-                torch.zeros((n, dp), dtype=dtype),
-                torch.zeros((dp, npad), dtype=dtype),
-                torch.zeros(npad, dtype=dtype),
-            )
-        )
     workers = [threading.Thread(target=run, args=(t,)) for t in range(1, threads)]
     for worker in workers:
         worker.start()
