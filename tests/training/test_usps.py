@@ -10,16 +10,28 @@ from training import NCA
 pytestmark = pytest.mark.slow
 
 
-def test_large_n_path_matches_full_batch_accuracy_on_usps(usps):
-    X, y, X_test, y_test = usps
+def knn_accuracy(X_train, y_train, X_test, y_test, k: int) -> float:
+    return KNeighborsClassifier(k).fit(X_train, y_train).score(X_test, y_test)
+
+
+@pytest.fixture(scope="module")
+def full_and_large(usps):
+    """The same fit on USPS, exact (full batch) and on 32 candidates per kind."""
+    X, y, _, _ = usps
     kw = dict(n_components=32, random_state=0, max_iter=100)
-    full = NCA(n_candidates=None, **kw).fit(X, y)
-    large = NCA(n_candidates=32, **kw).fit(X, y)
+    return NCA(n_candidates=None, **kw).fit(X, y), NCA(n_candidates=32, **kw).fit(X, y)
 
-    def accuracy(model):
-        clf = KNeighborsClassifier(1).fit(model.transform(X), y)
-        return clf.score(model.transform(X_test), y_test)
 
-    full_acc, large_acc = accuracy(full), accuracy(large)
-    assert full_acc > 0.93
-    assert large_acc >= full_acc - 0.005
+@pytest.mark.parametrize("k", [1, 5])
+def test_large_n_path_matches_full_batch_accuracy_on_usps(usps, full_and_large, k):
+    """Issue 11's bar for candidate mode: within 1 point of exact mode's test accuracy and
+    never below kNN on the inputs. (One USPS test point is 0.05 points; the two paths'
+    float32 trajectories alone move either by ~0.5, see benchmarks/README.md.)"""
+    X, y, X_test, y_test = usps
+    full, large = full_and_large
+    full_acc = knn_accuracy(full.transform(X), y, full.transform(X_test), y_test, k)
+    large_acc = knn_accuracy(large.transform(X), y, large.transform(X_test), y_test, k)
+    raw_acc = knn_accuracy(X, y, X_test, y_test, k)
+    assert full_acc > raw_acc
+    assert large_acc > raw_acc
+    assert large_acc >= full_acc - 0.01
