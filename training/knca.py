@@ -39,6 +39,7 @@ from typing import NamedTuple
 
 import torch
 
+from training import knca_native
 from training.numerics import LOG_ZERO, NEG_INF, floored_logsumexp
 from training.objectives import Objective
 
@@ -310,11 +311,19 @@ def linear_log_prob(
     n_classes: int,
     k: int,
     variant: str = "majority",
+    native: bool | None = None,
 ) -> torch.Tensor:
     """log P_i of ``variant`` for rows :func:`in_linear_range` accepts, computed with the
     coefficients themselves in float64: logits (B, M), shift (B, 1) from in_linear_range,
     labels (B, M) and own (B,) in 0..n_classes-1 -> (B,) float64. For "all", labels are 0
-    (i's class) and 1 (any other) and n_classes is 2."""
+    (i's class) and 1 (any other) and n_classes is 2.
+
+    native: the C programme of :mod:`training.knca_native` (True), the torch one (False), or
+    the C one where it can run (None)."""
+    if native is None:
+        native = knca_native.usable(logits)
+    if native:
+        return NativeLinearLogProb.apply(logits, shift, labels, own, n_classes, k, variant)
     w = torch.exp(logits.double() - shift)  # (B, M); absent: exp(-inf) = 0
     e = _class_polynomials(w, labels, n_classes, k, LINEAR)  # (B, C, k+1)
     if variant == "all":
@@ -324,6 +333,26 @@ def linear_log_prob(
     # num = 0 (own class absent, or underflow) would send inf * 0 = NaN back through log even
     # where the caller replaces the row; clamped, such rows read as below LINEAR_LOG_FLOOR
     return torch.log(num.clamp_min(1e-300)) - torch.log(z)
+
+
+class NativeLinearLogProb(torch.autograd.Function):
+    """:func:`linear_log_prob` by the C programme: forward returns log P_i (B,) float64 and
+    keeps J = d log P_i / d logit_ij (B, M), which the same pass computes; backward is
+    grad_out[:, None] J (a row's P_i depends on its own logits only)."""
+
+    @staticmethod
+    def forward(ctx, logits, shift, labels, own, n_classes, k, variant):
+        log_p, jac = knca_native.log_prob_and_jacobian(
+            logits, shift, labels, own, n_classes, k, variant
+        )
+        ctx.save_for_backward(jac)
+        ctx.dtype = logits.dtype
+        return log_p
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (jac,) = ctx.saved_tensors
+        return (grad_out[:, None] * jac).to(ctx.dtype), None, None, None, None, None, None
 
 
 class KNCAObjective(Objective):

@@ -1,10 +1,11 @@
-"""The native exact-NCA kernel (``training/native/nca_exact.c``): built on first use, loaded with ctypes.
+"""The native kernels (``training/native/*.c``): built on first use, loaded with ctypes.
 
-The C source computes exactly what :func:`training.nca_kernel.nca_value_and_grad` computes
+This module builds and loads them and holds the exact-NCA entry point; kNCA's fast path is in
+:mod:`training.knca_native`. The exact-NCA source (``nca_exact.c``) computes exactly what :func:`training.nca_kernel.nca_value_and_grad` computes
 (its docstring has the mathematics), but keeps each block of logits in cache from the GEMM to
 the last use of W instead of making a dozen passes over a (chunk, N) buffer in memory.
 
-Building: the first call compiles the source with the system C compiler (``$CC``, else ``gcc``,
+Building: the first call compiles a source with the system C compiler (``$CC``, else ``gcc``,
 else ``cc``; ``-O3 -march=native``, about half a second) into a cache folder
 (``$NCA_KNN_CACHE``, else ``$XDG_CACHE_HOME/nca-knn``, else ``~/.cache/nca-knn``), keyed by
 the source, the compiler and the CPU's flags, so a library built for another CPU or from
@@ -28,12 +29,13 @@ import subprocess
 import tempfile
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
-SOURCE = Path(__file__).resolve().parent / "native" / "nca_exact.c"
+SOURCE = Path(__file__).resolve().parent / "native" / "nca_exact.c"  # the exact-NCA kernel
 TILE = 16  # padding multiple of the embedding width and of N (TILE in the C source)
 ROWS_PER_THREAD = 64  # fewer query rows than this per thread are not worth a thread
 FLAVOURS = {torch.float32: ("f32", []), torch.float64: ("f64", ["-DNCA_DOUBLE"])}
@@ -81,31 +83,31 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def library_path(flavour: str, cc: str) -> Path:
+def library_path(flavour: str, cc: str, source: Path = SOURCE) -> Path:
     """Where the library for this source, compiler, CPU and flavour lives (built or not)."""
     key = hashlib.sha256()
     for part in (
-        SOURCE.read_bytes(),
+        source.read_bytes(),
         cc.encode(),
         _cpu_flags().encode(),
         platform.machine().encode(),
     ):
         key.update(part)
-    return _writable_cache_dir() / f"nca_exact_{flavour}_{key.hexdigest()[:16]}.so"
+    return _writable_cache_dir() / f"{source.stem}_{flavour}_{key.hexdigest()[:16]}.so"
 
 
-def build(flavour: str, defines: list[str], cc: str) -> Path:
+def build(flavour: str, defines: list[str], cc: str, source: Path = SOURCE) -> Path:
     """Compile the source into the cache (if not there yet) and return the library's path.
 
     Raises ``RuntimeError`` naming the command and the compiler's message when it fails.
     """
-    target = library_path(flavour, cc)
+    target = library_path(flavour, cc, source)
     if target.is_file():
         return target
     fd, tmp = tempfile.mkstemp(prefix=target.stem + ".", suffix=".tmp", dir=target.parent)
     os.close(fd)
     cmd = [cc, "-O3", "-march=native", "-std=c99", "-shared", "-fPIC", *defines, "-o", tmp]
-    cmd += [str(SOURCE), "-lm"]
+    cmd += [str(source), "-lm"]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
@@ -124,20 +126,28 @@ class Kernel(NamedTuple):
     block_rows: int
 
 
-@functools.cache
-def _load(dtype: torch.dtype) -> Kernel | None:
-    flavour, defines = FLAVOURS[dtype]
+def load_library(source: Path, flavour: str, defines: list[str]) -> ctypes.CDLL | None:
+    """The built library of ``source``, or None (with a warning naming the failed command)
+    when there is no compiler or the build or the load fails."""
     cc = compiler()
     if cc is None:
         return None
     try:
-        lib = ctypes.CDLL(str(build(flavour, defines, cc)))
+        return ctypes.CDLL(str(build(flavour, defines, cc, source)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
         warnings.warn(
-            f"native NCA kernel unavailable, using the torch path: {error}",
+            f"native kernel {source.name} unavailable, using the torch path: {error}",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
+        return None
+
+
+@functools.cache
+def _load(dtype: torch.dtype) -> Kernel | None:
+    flavour, defines = FLAVOURS[dtype]
+    lib = load_library(SOURCE, flavour, defines)
+    if lib is None:
         return None
     fn = getattr(lib, f"nca_exact_block_rows_{flavour}")
     fn.restype = ctypes.c_double
@@ -167,6 +177,29 @@ def usable(z: torch.Tensor) -> bool:
     if not bool(z.abs().max() < limit):  # also False for NaN and Inf
         return False
     return kernel(z.dtype) is not None
+
+
+def run_in_threads(work: Callable[[int, int, int], None], n: int, threads: int) -> None:
+    """work(t, lo, hi) on ``threads`` contiguous parts [lo, hi) of range(n), part 0 on the
+    calling thread (a ctypes call releases the GIL, so the parts run in parallel). Whatever
+    any part raises is re-raised here, after every part has ended."""
+    bounds = [n * t // threads for t in range(threads + 1)]
+    errors: list[BaseException] = []
+
+    def guarded(t: int) -> None:
+        try:
+            work(t, bounds[t], bounds[t + 1])
+        except BaseException as error:  # re-raised below, once every thread has ended
+            errors.append(error)
+
+    workers = [threading.Thread(target=guarded, args=(t,)) for t in range(1, threads)]
+    for worker in workers:
+        worker.start()
+    guarded(0)
+    for worker in workers:
+        worker.join()
+    if errors:
+        raise errors[0]
 
 
 def exact_value_and_grad(
@@ -209,10 +242,8 @@ def exact_value_and_grad(
     if threads is None:
         threads = torch.get_num_threads()
     threads = max(1, min(threads, n_query // ROWS_PER_THREAD))
-    bounds = [n_query * t // threads for t in range(threads + 1)]
     _ptr = torch.Tensor.data_ptr
     totals = [0.0] * threads
-    errors: list[BaseException] = []
     # per thread, its own (grad (N, dp), grad_t (dp, N padded), col (N padded,)): a row listed
     # in two parts is summed, not raced
     shares = [
@@ -224,31 +255,20 @@ def exact_value_and_grad(
         for _ in range(threads)
     ]
 
-    def run(t: int) -> None:
-        a, b = bounds[t], bounds[t + 1]
+    def run(t: int, a: int, b: int) -> None:
         grad, grad_t, col = shares[t]
-        try:  # anything raised here, allocation included, is re-raised by the caller
-            w = torch.empty((block, npad), dtype=dtype)  # the block's logits, then W
-            w_same = torch.empty((block, longest), dtype=dtype)  # same-class exps
-            zq2 = torch.empty((block, dp), dtype=dtype)
-            gi = torch.empty((block, dp), dtype=dtype)
-            totals[t] = fn(
-                _ptr(z), _ptr(zt), _ptr(sq), n, npad, dp,
-                _ptr(query) + 8 * a, _ptr(run_start) + 8 * a, _ptr(run_end) + 8 * a,
-                b - a, int(log_form), _ptr(w), _ptr(w_same), _ptr(zq2), _ptr(gi),
-                _ptr(grad), _ptr(grad_t), _ptr(col),
-            )  # fmt: skip
-        except BaseException as error:  # the caller re-raises it after every thread ends
-            errors.append(error)
+        w = torch.empty((block, npad), dtype=dtype)  # the block's logits, then W
+        w_same = torch.empty((block, longest), dtype=dtype)  # same-class exps
+        zq2 = torch.empty((block, dp), dtype=dtype)
+        gi = torch.empty((block, dp), dtype=dtype)
+        totals[t] = fn(
+            _ptr(z), _ptr(zt), _ptr(sq), n, npad, dp,
+            _ptr(query) + 8 * a, _ptr(run_start) + 8 * a, _ptr(run_end) + 8 * a,
+            b - a, int(log_form), _ptr(w), _ptr(w_same), _ptr(zq2), _ptr(gi),
+            _ptr(grad), _ptr(grad_t), _ptr(col),
+        )  # fmt: skip
 
-    workers = [threading.Thread(target=run, args=(t,)) for t in range(1, threads)]
-    for worker in workers:
-        worker.start()
-    run(0)
-    for worker in workers:
-        worker.join()
-    if errors:
-        raise errors[0]
+    run_in_threads(run, n_query, threads)
 
     grad = sum(share[0] for share in shares)  # (N, dp)
     grad_t = sum(share[1] for share in shares)  # (dp, N padded)

@@ -40,30 +40,40 @@ def pairwise_sq_dist(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 class CandidateNegSqDist(torch.autograd.Function):
     """-||z_i - z_c||^2 for query rows i (B,) and their candidates c (B, M), from z (N, d).
 
-    Backward by hand, with G = d loss / d out (B, M):
+    Forward as NCA's candidate kernel computes it: the candidates gathered once (B, M, d)
+    with ``index_select``, then 2 z_i.z_c - ||z_i||^2 - ||z_c||^2 by one batched product,
+    clamped at 0 (rounding could make a squared distance slightly negative). Backward by
+    hand, with G = d loss / d out (B, M):
 
-        d/dz_i = -2 sum_c G_ic (z_i - z_c),     d/dz_c += 2 G_ic (z_i - z_c)
+        d/dz_i = -2 sum_c G_ic (z_i - z_c) = 2 (G z_c - rowsum(G) z_i),
+        d/dz_c += 2 G_ic (z_i - z_c)
 
     scattered into one (N, d) gradient with ``index_add_``: autograd's own backward of the
-    (B, M, d) gather and square costs ~3x more (index_put with accumulation, saved copies).
+    gather costs ~3x more (index_put with accumulation, saved copies).
     """
 
     @staticmethod
     def forward(ctx, z, rows, candidates):
-        zq = z[rows]  # (B, d)
-        zc = z[candidates]  # (B, M, d)
+        b, m = candidates.shape
+        zq = z.index_select(0, rows)  # (B, d)
+        zc = z.index_select(0, candidates.reshape(-1)).view(b, m, -1)  # (B, M, d)
+        sq = (z * z).sum(1)  # (N,)
+        dot = torch.bmm(zc, zq.unsqueeze(2)).squeeze(2)  # (B, M)
+        neg = dot.mul_(2.0).sub_(sq[rows][:, None]).sub_(sq[candidates]).clamp_max_(0.0)
         ctx.save_for_backward(rows, candidates, zq, zc)
         ctx.n = z.shape[0]
-        return -(zq[:, None, :] - zc).square_().sum(-1)
+        return neg
 
     @staticmethod
     def backward(ctx, grad_out):
         rows, candidates, zq, zc = ctx.saved_tensors
         d = zq.shape[1]
-        diff = (zq[:, None, :] - zc).mul_(2.0 * grad_out.unsqueeze(2))  # (B, M, d) 2 G (z_i - z_c)
+        g2 = 2.0 * grad_out  # (B, M)
+        to_rows = torch.bmm(g2.unsqueeze(1), zc).squeeze(1) - g2.sum(1, keepdim=True) * zq
+        to_candidates = (zq[:, None, :] - zc).mul_(g2.unsqueeze(2))  # (B, M, d)
         grad = torch.zeros((ctx.n, d), dtype=zq.dtype, device=zq.device)
-        grad.index_add_(0, rows, -diff.sum(1))
-        grad.index_add_(0, candidates.reshape(-1), diff.view(-1, d))
+        grad.index_add_(0, rows, to_rows)
+        grad.index_add_(0, candidates.reshape(-1), to_candidates.view(-1, d))
         return grad, None, None
 
 
