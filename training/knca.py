@@ -29,9 +29,10 @@ cancellation; nothing overflows or underflows in float32):
   float64's precision (test: values within 1e-11, gradients within 1e-9). On the CPU the fast
   path runs in C (:mod:`training.knca_native`: the same programme a row at a time, with its
   reverse mode written out); ``NCA_KNN_NATIVE=0``, CUDA or a missing compiler keep it in torch.
-* Gradients of the torch programmes flow through by autograd. Inside the programme "log 0" is the finite LOG_ZERO =
-  -1e30 rather than -inf, so torch's fused logsumexp needs no special cases and gradients stay
-  finite; results below LOG_ZERO / 10 are mapped back to -inf at the end.
+* Gradients of the torch programmes flow through by autograd. Inside the programme "log 0"
+  is the finite LOG_ZERO = -1e30 rather than -inf, so torch's fused logsumexp needs no
+  special cases and gradients stay finite; results below LOG_ZERO / 10 are mapped back to
+  -inf at the end.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """The native kernels (``training/native/*.c``): built on first use, loaded with ctypes.
 
-This module builds and loads them and holds the exact-NCA entry point; kNCA's fast path is in
-:mod:`training.knca_native`. The exact-NCA source (``nca_exact.c``) computes exactly what :func:`training.nca_kernel.nca_value_and_grad` computes
-(its docstring has the mathematics), but keeps each block of logits in cache from the GEMM to
-the last use of W instead of making a dozen passes over a (chunk, N) buffer in memory.
+This module builds and loads them and holds the exact-NCA entry point; kNCA's fast path is
+in :mod:`training.knca_native`. The exact-NCA source (``nca_exact.c``) computes exactly what
+:func:`training.nca_kernel.nca_value_and_grad` computes (its docstring has the mathematics),
+but keeps each block of logits in cache from the GEMM to the last use of W instead of making
+a dozen passes over a (chunk, N) buffer in memory.
 
 Building: the first call compiles a source with the system C compiler (``$CC``, else ``gcc``,
 else ``cc``; ``-O3 -march=native``, about half a second) into a cache folder
