@@ -42,8 +42,11 @@ SETTINGS = [
     # init="lda" is not a setting at d = 32 on 10 classes: LDA gives at most C - 1 = 9 axes
     ("init=identity", {"init": "identity"}),
     ("init=random", {"init": "random"}),
+    ("l2=0 (the default before)", {"l2": 0.0}),
     ("l2=1e-4", {"l2": 1e-4}),
     ("l2=1e-3", {"l2": 1e-3}),
+    ("l2=1e-2", {"l2": 1e-2}),
+    ("l2=1e-1", {"l2": 1e-1}),
     ("early_stopping (10% held out)", {"early_stopping": True}),
     ("standardize=feature", {"standardize": "feature"}),
     ("standardize=global", {"standardize": "global"}),

@@ -5,7 +5,7 @@ validation.
    1-NN and 5-NN predictions (scikit-learn's KNeighborsClassifier for both), and a paired
    bootstrap of the accuracy difference over the 2,007 test digits (2,000 resamples, 95%
    interval), with the digits only one of the two gets right.
-2. l2 in {0, 1e-4, 1e-3, 1e-2}: validation accuracy on a stratified 20% of the training set
+2. l2 in {0, 1e-4, 1e-3, 1e-2, 3e-2 (the default)}: validation accuracy on a stratified 20% of the training set
    (fit on the other 80%), and test accuracy of the fit on the whole training set, to see
    whether a validation choice would transfer.
 
@@ -52,7 +52,7 @@ def main() -> None:
         )
     X_fit, X_val, y_fit, y_val = train_test_split(X, y, test_size=0.2, stratify=y, random_state=0)
     print("\nl2 | validation 1-NN | validation 5-NN | test 1-NN | test 5-NN")
-    for l2 in (0.0, 1e-4, 1e-3, 1e-2):
+    for l2 in (0.0, 1e-4, 1e-3, 1e-2, 3e-2):
         part = NCA(n_components=32, random_state=0, l2=l2).fit(X_fit, y_fit)
         whole = NCA(n_components=32, random_state=0, l2=l2).fit(X, y)
         val = [correct(part.transform(X_fit), y_fit, part.transform(X_val), y_val, k).mean()

@@ -74,7 +74,11 @@ class TrainConfig:
     solver: str = _shared("solver", "auto (L-BFGS), lbfgs, or adam (mini-batches)")
     max_iter: int = _shared("max_iter", "L-BFGS iterations or Adam epochs")
     tol: float = _shared("tol", "convergence tolerance")
-    l2: float = _shared("l2", "L2 penalty on A (added to the mean per-point loss)")
+    l2: str = _shared(
+        "l2",
+        "L2 penalty on A (added to the mean per-point loss): a number >= 0, or auto "
+        "(0.03 on the exact objective, chosen by cross-validation; 0 on candidate sets)",
+    )
     n_candidates: str = _opt(
         "auto",
         "exact (all points), auto, or K: K nearest same- and other-class candidates per point",

@@ -56,6 +56,18 @@ def _n_candidates(value: str):
     return k
 
 
+def _l2(value):
+    if value in ("auto", None):
+        return "auto"
+    try:
+        l2 = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"--l2={value!r} must be 'auto' or a number >= 0") from None
+    if not l2 >= 0 or l2 == float("inf"):
+        raise ConfigError(f"--l2={value!r} must be 'auto' or a number >= 0")
+    return l2
+
+
 def build_estimator(config: TrainConfig, n_features: int) -> NCA:
     d = config.n_components if config.n_components is not None else min(32, n_features)
     if config.decision_rule not in NEIGHBOUR_RULES:
@@ -72,7 +84,7 @@ def build_estimator(config: TrainConfig, n_features: int) -> NCA:
         solver=config.solver,
         max_iter=config.max_iter,
         tol=config.tol,
-        l2=config.l2,
+        l2=_l2(config.l2),
         n_candidates=_n_candidates(config.n_candidates),
         refresh_every=config.refresh_every,
         refresh_tol=config.refresh_tol,
@@ -368,6 +380,7 @@ def build_report(
         "k": config.k,
         "solver": estimator.solver_,
         "n_candidates": estimator.n_candidates_,
+        "l2": estimator.l2_,
         "init": estimator.init_used_,
         "standardization": estimator.standardization_,
         "standardization_scores": estimator.standardization_scores_,

@@ -98,5 +98,7 @@ def test_far_away_offline_equals_online(trained_digits):
     soft = model.classify(split.X_test, 5, "soft")
     gap = np.abs(online.probabilities - soft.probabilities).max(axis=1)
     nearest = online.distances[:, 0]
-    # measured: 4e-7 up to the median, 7e-4 up to the 0.9-quantile, 0.81 at the farthest
-    assert gap[nearest <= np.median(nearest)].max() < 1e-5
+    # measured with l2="auto" (0.03; the smaller map brings the far component closer):
+    # 1.5e-4 up to the median, 7e-3 up to the 0.9-quantile, 0.51 at the farthest
+    # (with l2 = 0: 4e-7, 7e-4, 0.81)
+    assert gap[nearest <= np.median(nearest)].max() < 1e-3

@@ -156,6 +156,16 @@ def write_npz(path, **arrays):
         ),
         (
             lambda p, r: write_npz(p, X=r.normal(size=(20, 3)), y=np.arange(20) % 2),
+            ["--l2", "lots"],
+            "--l2='lots' must be 'auto' or a number >= 0",
+        ),
+        (
+            lambda p, r: write_npz(p, X=r.normal(size=(20, 3)), y=np.arange(20) % 2),
+            ["--l2", "-0.5"],
+            "--l2='-0.5' must be 'auto' or a number >= 0",
+        ),
+        (
+            lambda p, r: write_npz(p, X=r.normal(size=(20, 3)), y=np.arange(20) % 2),
             ["--test-size", "1.5"],
             "--test-size=1.5 must lie in",
         ),
@@ -349,6 +359,16 @@ def test_the_job_validates_with_the_rule_and_ks_it_serves(rule):
     assert estimator.validation_rule == rule
     assert tuple(estimator.validation_k) == K_VALUES  # the served k is chosen among these
     assert estimator.early_stopping and estimator.n_components == 32
+
+
+@pytest.mark.parametrize("text, expected", [("auto", "auto"), ("0", 0.0), ("1e-2", 0.01)])
+def test_l2_takes_auto_or_a_number_on_the_command_line(text, expected):
+    from training.config import TrainConfig, parse_config
+    from training.job import build_estimator
+
+    assert TrainConfig().l2 == "auto"
+    estimator = build_estimator(parse_config(["--l2", text]), n_features=64)
+    assert estimator.l2 == expected
 
 
 def test_optional_numbers_take_none_on_the_command_line():

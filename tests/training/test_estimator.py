@@ -6,6 +6,7 @@ import warnings
 
 import numpy as np
 import pytest
+import torch
 from sklearn.datasets import load_digits, load_iris
 from sklearn.exceptions import ConvergenceWarning
 from sklearn.neighbors import KNeighborsClassifier, NeighborhoodComponentsAnalysis
@@ -48,9 +49,10 @@ def test_fitted_attributes_and_transform_formula():
 def test_matches_scikit_learn_on_the_same_problem():
     X, y = load_digits(return_X_y=True)
     Xs = StandardScaler().fit_transform(X[:600])
-    ours = NCA(n_components=8, init="pca", standardize=False, random_state=0, max_iter=50).fit(
-        Xs, y[:600]
-    )
+    # l2=0: scikit-learn's objective has no penalty
+    ours = NCA(
+        n_components=8, init="pca", standardize=False, l2=0.0, random_state=0, max_iter=50
+    ).fit(Xs, y[:600])
     theirs = NeighborhoodComponentsAnalysis(n_components=8, init="pca", random_state=0, max_iter=50)
     theirs.fit(Xs, y[:600])
     # same init, same objective, same optimiser (scipy L-BFGS-B): same objective reached
@@ -77,6 +79,9 @@ def test_matches_scikit_learn_on_the_same_problem():
         (dict(solver="sgd"), r"solver='sgd' must be one of"),
         (dict(max_iter=0), r"max_iter=0 must be an integer >= 1"),
         (dict(tol=-1.0), r"tol=-1.0 must be a real number >= 0"),
+        (dict(l2=-0.1), r"l2=-0.1 must be 'auto' or a real number >= 0"),
+        (dict(l2="strong"), r"l2='strong' must be 'auto' or a real number >= 0"),
+        (dict(l2=True), r"l2=True must be 'auto' or a real number >= 0"),
         (dict(n_candidates=0), r"n_candidates=0 must be 'auto', None or an integer >= 1"),
         (dict(standardize="yes"), r"standardize='yes' must be one of \('auto', 'feature'"),
         (dict(refresh_tol=0.0), r"refresh_tol=0.0 must be a real number > 0"),
@@ -102,6 +107,34 @@ def test_bad_parameters_are_named_in_the_error(params, pattern):
     X, y = load_iris(return_X_y=True)
     with pytest.raises(ValueError, match=pattern):
         NCA(**params).fit(X, y)
+
+
+def test_l2_auto_is_the_cross_validated_penalty_exactly_and_zero_on_candidates():
+    from training.estimator import DEFAULT_L2
+    from training.neighbourhood import objective_sum
+    from training.objectives import NCAObjective
+
+    X, y = load_iris(return_X_y=True)
+    params = dict(n_components=2, max_iter=30, random_state=0)
+    exact = NCA(**params).fit(X, y)
+    assert exact.l2 == "auto" and exact.n_candidates_ is None and exact.l2_ == DEFAULT_L2
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        on_candidates = NCA(n_candidates=8, **params).fit(X, y)
+    assert on_candidates.l2_ == 0.0
+    # "auto" on the exact path is the same fit as the number it stands for
+    explicit = NCA(l2=DEFAULT_L2, **params).fit(X, y)
+    np.testing.assert_array_equal(exact.components_, explicit.components_)
+    # and the penalty is in the loss: the unpenalised fit reaches a higher f with a larger A
+    free = NCA(l2=0.0, **params).fit(X, y)
+    assert free.l2_ == 0.0
+    assert np.linalg.norm(free.components_) > np.linalg.norm(exact.components_)
+
+    def f(model):
+        z = torch.tensor(((X - model.mean_) / model.scale_) @ model.components_.T)
+        return float(objective_sum(z, torch.tensor(y), NCAObjective()))
+
+    assert f(free) > f(exact)
 
 
 def test_diagonal_transform_learns_to_ignore_a_noise_feature():
