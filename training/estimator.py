@@ -14,6 +14,7 @@ to ``AUTO_EXACT_MAX_SAMPLES`` points, candidate sets (O(N K) per pass) above.
 
 from __future__ import annotations
 
+import math
 import numbers
 import os
 import time
@@ -281,10 +282,11 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
             if (
                 not isinstance(value, numbers.Real)
                 or isinstance(value, bool)
+                or not math.isfinite(value)
                 or not (value > 0 or (allow_zero and value == 0))
             ):
                 limit = ">= 0" if allow_zero else "> 0"
-                raise ValueError(f"{name}={value!r} must be a real number {limit}")
+                raise ValueError(f"{name}={value!r} must be a finite real number {limit}")
 
         d = self.n_components
         if d is None:  # as scikit-learn: the rows of an array init, else the input dimension
@@ -325,7 +327,7 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
             try:
                 positive_real("l2", self.l2, allow_zero=True)
             except ValueError:
-                raise ValueError(f"l2={self.l2!r} must be 'auto' or a real number >= 0") from None
+                raise ValueError(f"l2={self.l2!r} must be 'auto' or a finite real number >= 0") from None
         if not (
             self.n_candidates in ("auto", None)
             or (isinstance(self.n_candidates, numbers.Integral) and self.n_candidates >= 1)
