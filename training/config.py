@@ -77,7 +77,8 @@ class TrainConfig:
     l2: str = _shared(
         "l2",
         "L2 penalty on A (added to the mean per-point loss): a number >= 0, or auto "
-        "(0.03 on the exact objective, chosen by cross-validation; 0 on candidate sets)",
+        "(0.03 on the exact objective, chosen by cross-validation, and with --candidate-draws; "
+        "0 on nearest candidate sets alone)",
     )
     n_candidates: str = _opt(
         "auto",
@@ -93,6 +94,11 @@ class TrainConfig:
     candidate_mass: float | None = _shared(
         "candidate_mass",
         "grow K (up to 8x) until fresh candidates hold this fraction of the neighbour mass",
+    )
+    candidate_draws: int = _shared(
+        "candidate_draws",
+        "nca/nca-log on candidates: S weighted uniform draws per point and kind beyond the "
+        "nearest candidates, estimating the neighbour mass they leave out (0: none)",
     )
     standardize: str = _shared(
         "standardize",

@@ -34,7 +34,12 @@ from service.knn import project
 from service.vocabulary import NEIGHBOUR_RULES
 from training import sharded_stats
 from training.data import STANDARDIZERS, choose_standardizer, stratified_split
-from training.distributed import ShardedProblem, current_group, shard_bounds
+from training.distributed import (
+    ShardedProblem,
+    broadcast_from_rank0,
+    current_group,
+    shard_bounds,
+)
 from training.evaluate import knn_accuracies
 from training.initialization import INIT_NAMES, initial_components, resolve_auto
 from training.objective_registry import OBJECTIVES, make_objective
@@ -123,10 +128,10 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         unpenalised objective. "auto" is DEFAULT_L2 = 0.03 on the exact objective, chosen by
         cross-validation across data sets (``benchmarks/default_l2.py``): it shrinks the
         directions that do not separate the classes and keeps the map from sharpening
-        neighbourhoods on noise. On candidate sets "auto" is 0: a penalty widens the
-        neighbourhoods until K candidates per kind hold too little of the neighbour mass for
-        the candidate objective to be faithful (``history_``'s audit figures show the gap),
-        and at the N where candidate sets are the default the data themselves regularise.
+        neighbourhoods on noise. On candidate sets "auto" is 0 unless ``candidate_draws`` >
+        0: a penalty widens the neighbourhoods until K nearest candidates per kind hold too
+        little of the neighbour mass for the candidate objective to be faithful
+        (``history_``'s audit figures show the gap; drawn candidates close it).
         ``l2_`` is the value used.
     n_candidates : "auto", int or None
         None: exact objective (chunks against all points). int K: each point's K nearest
@@ -154,6 +159,15 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         classes and label noise keep neighbourhoods wide; a K that leaves most of a point's
         neighbours out optimises something else. None keeps K = n_candidates. ``history_``
         records K (``n_candidates``); ``n_candidates_`` is the K at the end.
+    candidate_draws : int
+        On candidate sets with NCA's objectives (nca, nca-log): S uniform draws per point and
+        kind (same class, other classes) beyond the nearest candidates, redrawn at every
+        refresh, each weighted by the number of points it stands for ((n_c - 1) / S or
+        (N - n_c) / S; a draw that lands on a nearest candidate is dropped). The candidate
+        objective then sees an unbiased estimate of the neighbour mass the nearest
+        candidates leave out, and stays faithful where neighbourhoods are too wide for any
+        K to hold them; with it, ``l2="auto"`` applies the penalty on candidate sets too.
+        Costs 2S more candidates per point. 0 (the default) draws none.
     chunk_size : int or None
         Query rows per chunk (None: sized to a 256 MiB working set).
     batch_size, learning_rate : Adam's mini-batch size and step size.
@@ -198,12 +212,14 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
     classes_, n_features_in_, n_iter_, converged_, stop_reason_, objective_value_,
     history_, init_used_, best_val_accuracy_, n_candidates_, solver_
     l2_ : float
-        The penalty the fit used (``l2="auto"`` resolved: DEFAULT_L2 exact, 0 on candidates).
+        The penalty the fit used (``l2="auto"`` resolved: DEFAULT_L2 exact or with drawn
+        candidates, 0 on nearest candidates alone).
     candidate_warning_ : str or None
         On candidate sets, every ``validation_interval`` iterations ``history_`` also records
         the objective on a fixed sample of 512 training rows exactly and on the candidates,
         and their leave-one-out k-NN accuracy. When the candidate objective rose while the
-        exact measure fell from its best, this says so (and a UserWarning is raised).
+        exact measure fell from its best, or ends more than ``optimize.AUDIT_GAP`` above the
+        exact objective, this says so (and a UserWarning is raised).
     """
 
     def __init__(
@@ -222,6 +238,7 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         refresh_every=50,
         refresh_tol=0.05,
         candidate_mass=0.9,
+        candidate_draws=0,
         chunk_size=None,
         batch_size=1024,
         learning_rate=0.01,
@@ -251,6 +268,7 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         self.refresh_every = refresh_every
         self.refresh_tol = refresh_tol
         self.candidate_mass = candidate_mass
+        self.candidate_draws = candidate_draws
         self.chunk_size = chunk_size
         self.batch_size = batch_size
         self.learning_rate = learning_rate
@@ -327,7 +345,9 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
             try:
                 positive_real("l2", self.l2, allow_zero=True)
             except ValueError:
-                raise ValueError(f"l2={self.l2!r} must be 'auto' or a finite real number >= 0") from None
+                raise ValueError(
+                    f"l2={self.l2!r} must be 'auto' or a finite real number >= 0"
+                ) from None
         if not (
             self.n_candidates in ("auto", None)
             or (isinstance(self.n_candidates, numbers.Integral) and self.n_candidates >= 1)
@@ -336,6 +356,14 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
                 f"n_candidates={self.n_candidates!r} must be 'auto', None or an integer >= 1"
             )
         positive_int("refresh_every", self.refresh_every)
+        draws = self.candidate_draws
+        if not isinstance(draws, numbers.Integral) or isinstance(draws, bool) or draws < 0:
+            raise ValueError(f"candidate_draws={draws!r} must be an integer >= 0")
+        if draws and self.objective not in ("nca", "nca-log"):
+            raise ValueError(
+                f"candidate_draws={draws!r} weights the candidates of NCA's objectives "
+                f"('nca', 'nca-log'), not objective={self.objective!r}; use 0"
+            )
         if not any(
             self.standardize is c or (isinstance(c, str) and self.standardize == c)
             for c in STANDARDIZE_CHOICES
@@ -428,15 +456,22 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         n_candidates = self.n_candidates
         if n_candidates == "auto":
             n_candidates = None if n_total <= AUTO_EXACT_MAX_SAMPLES else AUTO_N_CANDIDATES
+        n_draws = 0 if n_candidates is None else int(self.candidate_draws)
         l2 = self.l2
-        if isinstance(l2, str):  # "auto"
-            l2 = DEFAULT_L2 if n_candidates is None else 0.0
+        if isinstance(l2, str):  # "auto": where the candidate objective stays faithful under it
+            l2 = DEFAULT_L2 if n_candidates is None or n_draws else 0.0
+        draw_seed = int(rng.integers(2**31 - 1))
+        if group.is_distributed:  # every rank draws the same candidates
+            seed_tensor = torch.tensor([draw_seed], dtype=torch.int64, device=device)
+            draw_seed = int(broadcast_from_rank0(seed_tensor, group)[0])
         solver = "lbfgs" if self.solver == "auto" else self.solver
         problem_kwargs = dict(
             transform=self.transformation,
             n_components=d,
             l2=l2,
             n_candidates=n_candidates,
+            n_draws=n_draws,
+            seed=draw_seed,
             chunk_size=self.chunk_size,
         )
         X_problem = torch.as_tensor(Xs, dtype=torch.float32, device=device)
@@ -488,7 +523,9 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         self.n_evaluations_ = result.n_evaluations
         self.candidate_warning_ = None
         if n_candidates is not None:
-            self.candidate_warning_ = audit_disagreement(result.history, len(audit_rows(n_total)))
+            self.candidate_warning_ = audit_disagreement(
+                result.history, len(audit_rows(n_total)), objective.name
+            )
             if self.candidate_warning_ and group.rank == 0:
                 warnings.warn(self.candidate_warning_, UserWarning, stacklevel=2)
         self.world_size_ = group.world_size

@@ -89,6 +89,7 @@ def build_estimator(config: TrainConfig, n_features: int) -> NCA:
         refresh_every=config.refresh_every,
         refresh_tol=config.refresh_tol,
         candidate_mass=config.candidate_mass,
+        candidate_draws=config.candidate_draws,
         chunk_size=config.chunk_size,
         batch_size=config.batch_size,
         learning_rate=config.learning_rate,

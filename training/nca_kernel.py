@@ -157,14 +157,19 @@ def nca_value_and_grad_candidates(
     *,
     log_form: bool,
     rows: torch.Tensor | None = None,
+    log_weights: torch.Tensor | None = None,
     chunk_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same value and gradient with each row's neighbours restricted to its candidates.
 
-    candidates: (N, 2K) from :func:`training.neighbourhood.nearest_candidates`: K same-class
-    indices then K other-class indices, -1 for padding. Per chunk of B rows the candidates'
-    embeddings are gathered once (B, 2K, d) and reused for the logits and both gradient
-    terms; the candidates' share of the gradient is scattered back with ``index_add_``.
+    candidates: (N, M) with same-class indices in the first half and other-class indices in
+    the second, -1 for padding (:func:`training.neighbourhood.nearest_candidates`, possibly
+    with drawn candidates). log_weights: (N, M) log w_ic added to the logits, L'_ic = L_ic +
+    log w_ic: a candidate standing for w points. W = d score / d L' is then also d score /
+    d L (the offset is constant), so the gradient below is unchanged in form. Per chunk of
+    B rows the candidates' embeddings are gathered once (B, M, d) and reused for the logits
+    and both gradient terms; the candidates' share of the gradient is scattered back with
+    ``index_add_``.
     """
     n, d = z.shape
     z = z.detach()
@@ -185,6 +190,8 @@ def nca_value_and_grad_candidates(
         zc = z.index_select(0, safe.reshape(-1)).view(q.shape[0], m, d)  # (B, M, d)
         zq = z[q]  # (B, d)
         logits = torch.bmm(zc, zq.unsqueeze(2)).squeeze(2).mul_(2.0).sub_(sq[safe])  # (B, M)
+        if log_weights is not None:
+            logits.add_(log_weights[q])
         logits.masked_fill_(invalid, float("-inf"))
         value, weights = _block_weights(logits, 0, k_same, log_form)
         weights.masked_fill_(invalid, 0.0)
@@ -200,14 +207,20 @@ class FusedNCA(PrecomputedGradient):
     """Autograd wrapper: value = sum_i score_i(z); backward returns the fused gradient."""
 
     @staticmethod
-    def forward(ctx, z, labels, log_form, rows, candidates, chunk_size):
+    def forward(ctx, z, labels, log_form, rows, candidates, log_weights, chunk_size):
         if candidates is None:
             value, grad = nca_value_and_grad(
                 z, labels, log_form=log_form, rows=rows, chunk_size=chunk_size
             )
         else:
             value, grad = nca_value_and_grad_candidates(
-                z, labels, candidates, log_form=log_form, rows=rows, chunk_size=chunk_size
+                z,
+                labels,
+                candidates,
+                log_form=log_form,
+                rows=rows,
+                log_weights=log_weights,
+                chunk_size=chunk_size,
             )
         ctx.save_for_backward(grad)
         return value

@@ -66,11 +66,11 @@ def chunk_rows(
 
 
 class PrecomputedGradient(torch.autograd.Function):
-    """Base of autograd functions whose forward(ctx, z, *five non-tensor arguments) returns a
+    """Base of autograd functions whose forward(ctx, z, *non-differentiable arguments) returns a
     scalar value and saves its gradient d value / dz (N, d) with ``ctx.save_for_backward``;
     backward scales the saved gradient by the incoming one. Z = X A^T then carries it to A."""
 
     @staticmethod
     def backward(ctx, grad_output):
         (grad_z,) = ctx.saved_tensors
-        return grad_output * grad_z, None, None, None, None, None
+        return grad_output * grad_z, *([None] * (len(ctx.needs_input_grad) - 1))

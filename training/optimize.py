@@ -27,7 +27,12 @@ import torch
 from scipy.optimize import minimize
 
 from service.knn import decide
-from training.neighbourhood import nearest_candidates, objective_sum
+from training.neighbourhood import (
+    nearest_candidates,
+    objective_sum,
+    sampled_candidates,
+    with_sampled_candidates,
+)
 from training.numerics import EXP_FLOOR
 from training.objectives import NCAObjective, Objective
 
@@ -82,6 +87,8 @@ class Problem:
         n_components: int,
         l2: float = 0.0,
         n_candidates: int | None = None,
+        n_draws: int = 0,
+        seed: int = 0,
         chunk_size: int | None = None,
     ):
         self.X = X
@@ -91,8 +98,19 @@ class Problem:
         self.n_components = n_components
         self.l2 = float(l2)
         self.n_candidates = n_candidates
+        # per kind and point, uniform draws beyond the nearest candidates that estimate the
+        # mass those leave out (NCA objectives; 0: the nearest candidates only)
+        self.n_draws = n_draws
+        if n_draws and not isinstance(objective, NCAObjective):
+            raise ValueError(
+                f"n_draws={n_draws}: drawn candidates weight NCA's objectives only, "
+                f"not {objective!r}"
+            )
+        self.generator = torch.Generator(device=X.device).manual_seed(seed)
         self.chunk_size = chunk_size
-        self.candidates: torch.Tensor | None = None
+        self.nearest: torch.Tensor | None = None  # (N, 2K) nearest candidates
+        self.candidates: torch.Tensor | None = None  # (N, M) what the objective reads
+        self.candidate_log_weights: torch.Tensor | None = None  # (N, M) or None
         n_features = X.shape[1]
         self.shape = (n_features,) if transform == "diagonal" else (n_components, n_features)
 
@@ -120,10 +138,17 @@ class Problem:
         return nearest_candidates(z, self.labels, self.n_candidates)
 
     def refresh_candidates(self, theta: np.ndarray) -> float:
-        """Recompute candidate sets in the current projection; return the fraction that changed."""
+        """Recompute candidate sets in the current projection, and draw the candidates beyond
+        them afresh when ``n_draws``; return the fraction of nearest sets that changed."""
         with torch.no_grad():
             new = self.find_candidates(self.embed(self.to_tensor(theta)))
-        old, self.candidates = self.candidates, new
+        old, self.nearest = self.nearest, new
+        self.candidates, self.candidate_log_weights = new, None
+        if self.n_draws:
+            drawn, log_w = sampled_candidates(self.labels, new, self.n_draws, self.generator)
+            self.candidates, self.candidate_log_weights = with_sampled_candidates(
+                new, drawn, log_w, self.X.dtype
+            )
         if old is None or old.shape != new.shape:
             return 1.0
         return float((torch.sort(old, 1).values != torch.sort(new, 1).values).any(1).float().mean())
@@ -140,7 +165,7 @@ class Problem:
         with torch.no_grad():
             z = self.embed(self.to_tensor(theta))
             log_p = _log_neighbour_probabilities(z, rows)  # (B, N)
-            inside = torch.exp(_logsumexp_at(log_p, self.candidates[rows]))  # (B,)
+            inside = torch.exp(_logsumexp_at(log_p, self.nearest[rows]))  # (B,)
         return float((1.0 - inside).clamp_min(0.0).mean())
 
     def fresh_inside_mass(self, theta: np.ndarray, rows: torch.Tensor, ks: list[int]):
@@ -172,7 +197,12 @@ class Problem:
             out = {
                 "sample_candidate_objective": float(
                     objective_sum(
-                        z, self.labels, self.objective, rows=rows, candidates=self.candidates
+                        z,
+                        self.labels,
+                        self.objective,
+                        rows=rows,
+                        candidates=self.candidates,
+                        log_weights=self.candidate_log_weights,
                     )
                 )
                 / n
@@ -202,6 +232,7 @@ class Problem:
             self.objective,
             rows=rows,
             candidates=self.candidates,
+            log_weights=self.candidate_log_weights,
             chunk_size=self.chunk_size,
         )
 
@@ -247,6 +278,12 @@ AUDIT_ROWS = 512  # query rows whose exact objective is tracked when training on
 # the exact sample objective may fall this far below its best (absolute, and relative to its
 # range over the fit) before the candidate objective is called misleading
 AUDIT_DROP_ABS, AUDIT_DROP_REL = 0.01, 0.10
+# ... and the candidate objective may stand this far above the exact one on the sample at the
+# end of the fit: 0.1 of a probability for f (about 10% of the neighbour mass off the
+# candidates; faithful fits measured <= 0.03, gamed ones 0.15-0.3 in
+# benchmarks/candidate_quality.py), 0.25 nats of mean log-probability for g (the candidates
+# overstate p_i by a factor of 1.28; the candidate watch alone allows -log 0.855 = 0.16)
+AUDIT_GAP = {"nca": 0.10, "nca-log": 0.25}
 
 
 def audit_rows(n_samples: int) -> np.ndarray:
@@ -255,19 +292,39 @@ def audit_rows(n_samples: int) -> np.ndarray:
     return np.unique(np.linspace(0, n_samples - 1, min(AUDIT_ROWS, n_samples)).astype(np.int64))
 
 
-def audit_disagreement(history: list[dict], n_rows: int = AUDIT_ROWS) -> str | None:
-    """A warning when, over a candidate-mode fit, the candidate objective went up while the
-    exact measure on the audit sample (the exact objective where it is computed, else the
-    leave-one-out k-NN accuracy) came down from its best by more than AUDIT_DROP_*: the map
-    pulled points that are not anyone's candidates into their neighbourhoods. None when
-    they agree."""
+def audit_disagreement(
+    history: list[dict], n_rows: int = AUDIT_ROWS, objective: str = "nca"
+) -> str | None:
+    """A warning when, over a candidate-mode fit, the candidate objective and the exact
+    measure on the audit sample (the exact objective where it is computed, else the
+    leave-one-out k-NN accuracy) disagree; None when they agree. Two ways to disagree:
+
+    - drift: the candidate objective went up while the exact measure came down from its best
+      by more than AUDIT_DROP_*: the map pulled points that are not anyone's candidates into
+      their neighbourhoods;
+    - gap: at the last audit the candidate objective stands more than AUDIT_GAP[objective]
+      above the exact one (only where the exact objective is computed): the candidate sets
+      hold too little of the neighbour mass for their objective to be the one optimised.
+    """
     audited = [r for r in history if "sample_candidate_objective" in r]
+    if not audited:
+        return None
+    advice = (
+        "use more candidates (n_candidates, candidate_mass) or exact evaluation (n_candidates=None)"
+    )
+    candidate = [r["sample_candidate_objective"] for r in audited]
+    return _drift(audited, candidate, n_rows, advice) or _gap(
+        audited, candidate, n_rows, advice, AUDIT_GAP.get(objective, AUDIT_GAP["nca"])
+    )
+
+
+def _drift(audited: list[dict], candidate: list[float], n_rows: int, advice: str) -> str | None:
+    """audit_disagreement's first way: the candidate objective rose, the exact measure fell."""
     if len(audited) < 2:
         return None
     key = "sample_exact_objective" if "sample_exact_objective" in audited[0] else None
     key = key or "sample_loo_accuracy"
     exact = [r[key] for r in audited]
-    candidate = [r["sample_candidate_objective"] for r in audited]
     best, last = max(exact), exact[-1]
     spread = best - min(exact)
     if candidate[-1] <= candidate[0] or best - last <= max(AUDIT_DROP_ABS, AUDIT_DROP_REL * spread):
@@ -278,8 +335,25 @@ def audit_disagreement(history: list[dict], n_rows: int = AUDIT_ROWS) -> str | N
         f"the candidate-set objective rose from {candidate[0]:.4f} to {candidate[-1]:.4f} while "
         f"the {what} of {n_rows} sampled training points fell from {best:.4f} "
         f"(iteration {at}) to {last:.4f}: the map is optimising the candidate sets, not the "
-        "neighbourhoods; use more candidates (n_candidates) or exact evaluation "
-        "(n_candidates=None)"
+        f"neighbourhoods; {advice}"
+    )
+
+
+def _gap(
+    audited: list[dict], candidate: list[float], n_rows: int, advice: str, limit: float
+) -> str | None:
+    """audit_disagreement's second way: the candidate objective ends above the exact one."""
+    if "sample_exact_objective" not in audited[-1]:
+        return None
+    exact_last = audited[-1]["sample_exact_objective"]
+    gap = candidate[-1] - exact_last
+    if gap <= limit:
+        return None
+    return (
+        f"at the end of the fit the candidate-set objective of {n_rows} sampled training "
+        f"points is {candidate[-1]:.4f}, {gap:.4f} above their exact objective "
+        f"{exact_last:.4f} (more than {limit:g}): the candidate sets hold too little of "
+        f"each point's neighbour mass, so the fit optimised another objective; {advice}"
     )
 
 

@@ -238,7 +238,9 @@ def test_choosing_k_from_the_data_closes_the_gap_of_too_few_candidates():
     fixed_k = fit_history(X, y, candidate_mass=None)
     chosen_k = fit_history(X, y)
     assert candidate_gaps(fixed_k)[-1] > 0.2
+    assert fixed_k.candidate_warning_ is not None  # the audit says so
     assert max(candidate_gaps(chosen_k)[2:]) < 0.1
+    assert chosen_k.candidate_warning_ is None
     assert max(r["n_candidates"] for r in chosen_k.history_) > 8
 
 
@@ -253,6 +255,8 @@ def test_a_penalty_on_candidate_sets_is_what_l2_auto_avoids_and_the_audit_report
     penalised = fit_history(X, y, l2=DEFAULT_L2)
     assert penalised.l2_ == DEFAULT_L2
     assert max(candidate_gaps(penalised)[2:]) > 0.2
+    assert penalised.candidate_warning_ is not None  # the audit says so
     auto = fit_history(X, y)
     assert auto.l2_ == 0.0
     assert max(candidate_gaps(auto)[2:]) < 0.1
+    assert auto.candidate_warning_ is None

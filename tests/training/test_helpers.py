@@ -209,7 +209,7 @@ def test_audit_disagreement_names_a_candidate_objective_that_rises_while_the_exa
     "history",
     [
         [audited(1, 0.5, 0.5), audited(5, 0.6, 0.58), audited(10, 0.7, 0.69)],  # both rise
-        [audited(1, 0.5, 0.5), audited(5, 0.6, 0.60), audited(10, 0.7, 0.595)],  # within 0.01
+        [audited(1, 0.5, 0.5), audited(5, 0.6, 0.60), audited(10, 0.6, 0.595)],  # within 0.01
         [audited(1, 0.7, 0.7), audited(5, 0.6, 0.60), audited(10, 0.5, 0.5)],  # both fall
         [audited(1, 0.5, 0.5)],  # one audit: nothing to compare
         [{"iteration": 1, "objective": 0.5}],  # exact mode: no audit at all
@@ -217,6 +217,35 @@ def test_audit_disagreement_names_a_candidate_objective_that_rises_while_the_exa
 )
 def test_audit_disagreement_is_quiet_when_the_measures_agree(history):
     assert audit_disagreement(history) is None
+
+
+@pytest.mark.parametrize(
+    "objective, exact, warns",
+    [
+        ("nca", 0.45, True),  # 0.15 above: more than 0.1
+        ("nca", 0.55, False),  # 0.05 above
+        ("nca-log", 0.45, False),  # 0.15 nats: within 0.25
+        ("nca-log", 0.30, True),  # 0.30 nats
+    ],
+)
+def test_audit_disagreement_names_a_gap_that_stays_open_to_the_end(objective, exact, warns):
+    """Both measures rise together, so there is no drift, but at the last audit the
+    candidate objective (0.60) stands far above the exact one."""
+    history = [audited(1, 0.40, 0.20), audited(5, 0.55, 0.28), audited(10, 0.60, exact)]
+    message = audit_disagreement(history, n_rows=512, objective=objective)
+    if not warns:
+        assert message is None
+        return
+    assert f"is 0.6000, {0.60 - exact:.4f} above their exact objective {exact:.4f}" in message
+    assert "too little of each point's neighbour mass" in message and "n_candidates" in message
+
+
+def test_audit_disagreement_judges_the_gap_at_the_end_not_on_the_way():
+    # far apart at first (fresh start), together at the end: quiet
+    history = [audited(1, 0.70, 0.30), audited(5, 0.66, 0.60), audited(10, 0.70, 0.68)]
+    assert audit_disagreement(history) is None
+    # one audit is enough to see a gap
+    assert audit_disagreement([audited(1, 0.70, 0.30)]) is not None
 
 
 def test_audit_disagreement_falls_back_to_the_leave_one_out_accuracy():
