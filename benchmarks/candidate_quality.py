@@ -23,6 +23,7 @@ Writes benchmarks/results/candidate_quality.json.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 import warnings
@@ -31,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import USPS_PATH, machine, print_table, save_json
+from common import RESULTS, USPS_PATH, machine, print_table, save_json
 
 from service.knn import decide, exact_knn
 from training import NCA
@@ -90,6 +91,9 @@ NCA_METHODS = [
     ("nca 16 fixed", "nca", 1, {"n_candidates": 16, **FIXED}),
     ("nca 16", "nca", 1, {"n_candidates": 16}),
     ("nca 64", "nca", 1, {"n_candidates": 64}),
+    # 16 weighted uniform draws per kind beyond the 16 nearest: l2="auto" then applies the
+    # penalty, as on the exact objective
+    ("nca 16 + 16 draws", "nca", 1, {"n_candidates": 16, "candidate_draws": 16}),
 ]
 KNCA_METHODS = [
     ("knca-majority 16 fixed", "knca-majority", 5, {"n_candidates": 16, **FIXED}),
@@ -164,6 +168,7 @@ def main() -> None:
                             "warned": None if exact else model.candidate_warning_ is not None,
                             "largest_gap": largest_gap(model.history_),
                             "final_k": None if exact else model.n_candidates_,
+                            "l2": model.l2_,
                         }
                     )
             print_table(
@@ -178,12 +183,24 @@ def main() -> None:
                     "warned",
                     "largest_gap",
                     "final_k",
+                    "l2",
                 ],
             )
+    ran = set(args.sets.split(","))
+    kept = [r for r in previous_rows(args.d, args.max_iter) if r["data"] not in ran]
     save_json(
         "candidate_quality.json",
-        {"machine": machine(), "d": args.d, "max_iter": args.max_iter, "rows": rows},
+        {"machine": machine(), "d": args.d, "max_iter": args.max_iter, "rows": kept + rows},
     )
+
+
+def previous_rows(d: int, max_iter: int) -> list[dict]:
+    """The saved rows of the same d and iteration budget (kept for the sets not run now)."""
+    path = RESULTS / "candidate_quality.json"
+    if not path.is_file():
+        return []
+    saved = json.loads(path.read_text())
+    return saved["rows"] if (saved["d"], saved["max_iter"]) == (d, max_iter) else []
 
 
 if __name__ == "__main__":
