@@ -167,7 +167,8 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         objective then sees an unbiased estimate of the neighbour mass the nearest
         candidates leave out, and stays faithful where neighbourhoods are too wide for any
         K to hold them; with it, ``l2="auto"`` applies the penalty on candidate sets too.
-        Costs 2S more candidates per point. 0 (the default) draws none.
+        Costs 2S more candidates per point. 0 (the default) draws none: measured, it pays on
+        small hard data and not at N = 60k (``benchmarks/README.md``).
     chunk_size : int or None
         Query rows per chunk (None: sized to a 256 MiB working set).
     batch_size, learning_rate : Adam's mini-batch size and step size.
