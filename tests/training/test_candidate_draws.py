@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.training.test_candidate_audit import hard_noisy
 from training import NCA
 from training.estimator import DEFAULT_L2
 from training.nca_kernel import nca_value_and_grad_candidates
@@ -180,12 +181,12 @@ def test_weights_are_refused_where_they_mean_nothing():
         objective_sum(z, labels, knca, candidates=table, log_weights=weights)
 
 
-def problem(n_draws, seed=0):
+def problem(n_draws, seed=0, objective="nca"):
     X, y = blobs()
     return Problem(
         torch.as_tensor(X),
         torch.as_tensor(y),
-        make_objective("nca", 1, n_classes=4),
+        make_objective(objective, 1 if objective == "nca" else 3, n_classes=4),
         transform="linear",
         n_components=2,
         n_candidates=4,
@@ -217,17 +218,8 @@ def test_a_refresh_draws_afresh_and_the_same_seed_draws_the_same():
 
 
 def test_draws_are_refused_for_knca_in_the_problem():
-    X, y = blobs()
     with pytest.raises(ValueError, match="n_draws=4: drawn candidates weight NCA"):
-        Problem(
-            torch.as_tensor(X),
-            torch.as_tensor(y),
-            make_objective("knca-all", 3, n_classes=4),
-            transform="linear",
-            n_components=2,
-            n_candidates=4,
-            n_draws=4,
-        )
+        problem(4, objective="knca-all")
 
 
 @pytest.mark.parametrize(
@@ -260,22 +252,11 @@ def test_l2_auto_applies_the_penalty_on_candidates_only_with_draws():
         assert exact.fit(X, y).l2_ == DEFAULT_L2  # exact: nothing to draw
 
 
-def hard_noisy(n=1500, n_features=20, n_informative=4, seed=0):
-    """The audit tests' hard set: five overlapping classes, 25% of the labels resampled."""
-    rng = np.random.default_rng(seed)
-    means = np.zeros((5, n_features))
-    means[:, :n_informative] = rng.normal(0, 1.05, (5, n_informative))
-    truth = rng.integers(0, 5, n)
-    X = means[truth] + rng.normal(0, 1.0, (n, n_features))
-    y = np.where(rng.random(n) < 0.25, rng.integers(0, 5, n), truth)
-    return X, y
-
-
 def test_draws_keep_a_penalised_candidate_fit_faithful_where_nearest_candidates_cannot():
     """The penalty keeps neighbourhoods wide; 8 nearest candidates per kind (grown to 64)
     hold too little of the mass and the candidate objective runs far above the exact one on
     the audit sample. With 16 draws per kind the two stay together, and the audit is quiet."""
-    X, y = hard_noisy()
+    X, y = hard_noisy(n_features=20, n_informative=4)
 
     def fit(**params):
         with warnings.catch_warnings():
