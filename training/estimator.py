@@ -790,7 +790,7 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
 
     def transform(self, X):
         """z = x @ projection_.T + offset_ (float32), the same function the service uses."""
-        check_is_fitted(self)
+        check_is_fitted(self, "projection_")  # set once the optimiser has succeeded
         X = validate_data(self, X, reset=False, dtype=[np.float64, np.float32])
         return project(X, self.projection_, self.offset_)
 

@@ -355,7 +355,13 @@ class NativeLinearLogProb(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         (jac,) = ctx.saved_tensors
-        return (grad_out[:, None] * jac).to(ctx.dtype), None, None, None, None, None, None
+        # Rows the caller does not use get grad_out = 0 exactly: those whose P_i fell below
+        # exp(LINEAR_LOG_FLOOR) and went to the log programme. Their J may hold inf or NaN
+        # (1 / num times coefficients near exp(600) overflows), and 0 * NaN = NaN would
+        # poison the gradient of every point they touch; they contribute nothing instead.
+        used = grad_out[:, None] != 0
+        grad = torch.where(used, grad_out[:, None] * jac, torch.zeros_like(jac))
+        return grad.to(ctx.dtype), None, None, None, None, None, None
 
 
 class KNCAObjective(Objective):

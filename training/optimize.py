@@ -590,6 +590,13 @@ def run_lbfgs(
         loss, grad, score = problem.loss_and_grad(t)
         state["score"] = score
         state["n_eval"] += 1
+        if not (math.isfinite(loss) and np.isfinite(grad).all()):
+            # L-BFGS would carry a NaN into the parameters and return it as a map
+            raise FloatingPointError(
+                f"the loss ({loss}) or its gradient ({int((~np.isfinite(grad)).sum())} of "
+                f"{grad.size} entries not finite) at evaluation {state['n_eval']} (iteration "
+                f"{state['iter']}) of {problem.objective!r} is not finite; nothing was fitted"
+            )
         return loss, grad
 
     def on_iteration(intermediate_result):

@@ -369,3 +369,30 @@ def test_initialisation_gives_d_rows_for_every_shape(init, n_samples, n_features
             nca.fit(X, y)
         assert nca.components_.shape == (d, n_features)
         assert np.all(np.isfinite(nca.components_))
+
+
+def test_a_non_finite_gradient_stops_the_fit_with_an_error_not_a_nan_map(monkeypatch):
+    """L-BFGS fed a NaN gradient returns NaN parameters; the fit must say so instead (a
+    kNCA overflow once produced a NaN map this way, reported as stop reason 'precision')."""
+    from sklearn.exceptions import NotFittedError
+
+    from training.optimize import Problem
+
+    real = Problem.loss_and_grad
+    calls = {"n": 0}
+
+    def poisoned(self, theta):
+        loss, grad, score = real(self, theta)
+        calls["n"] += 1
+        if calls["n"] == 3:
+            grad = grad.copy()
+            grad[:2] = np.nan
+        return loss, grad, score
+
+    monkeypatch.setattr(Problem, "loss_and_grad", poisoned)
+    X, y = load_iris(return_X_y=True)
+    model = NCA(n_components=2, max_iter=20, random_state=0)
+    with pytest.raises(FloatingPointError, match=r"\(2 of 8 entries not finite\) at evaluation 3"):
+        model.fit(X, y)
+    with pytest.raises(NotFittedError):
+        model.transform(X)

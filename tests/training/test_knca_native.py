@@ -172,3 +172,38 @@ def test_failed_build_warns_and_the_torch_programme_answers(tmp_path, monkeypatc
     finally:
         monkeypatch.delenv("CC")
         knca_native._load.cache_clear()
+
+
+# One USPS row (25% label noise, kNCA-majority k = 5 on 16 candidates per kind, d = 16)
+# where the C pass's Jacobian overflowed: its own class (2) is 230 units of squared distance
+# beyond the nearest others, P_i ~ exp(-685), below exp(LINEAR_LOG_FLOOR) but above the
+# 1e-300 floor of num, so 1 / num times coefficients near exp(600) overflowed to NaN.
+USPS_ROW_LOGITS = [
+    -406.555359, -266.813171, -617.710205, -615.680969, -616.071655, -516.467285, -805.918152,
+    -580.714417, -434.124268, -592.758667, -562.023438, -586.537048, -837.083923, -601.518738,
+    -527.842834, -716.463379, -38.188843, -41.560364, -63.615295, -97.252441, -94.475342,
+    -79.881348, -219.826172, -154.332214, -259.70343, -249.522156, -141.249512, -206.226562,
+    -149.570984, -141.229614, -212.889648, -335.293335,
+]  # fmt: skip
+USPS_ROW_LABELS = [2] * 16 + [0, 0, 0, 0, 0, 0, 0, 1, 6, 0, 0, 0, 7, 9, 0, 0]
+
+
+@pytest.mark.parametrize("log_form", [False, True])
+def test_a_row_below_the_floor_leaves_the_gradient_finite(log_form, monkeypatch):
+    """Such a row is recomputed by the log programme and its fast-path value is dropped; its
+    Jacobian must not reach the gradient (0 * NaN = NaN poisoned every point it touched, and
+    L-BFGS returned a NaN map). The gradient is finite and equals the torch programme's."""
+    results = []
+    for switch in ("1", "0"):
+        monkeypatch.setenv("NCA_KNN_NATIVE", switch)
+        neg = torch.tensor([USPS_ROW_LOGITS], dtype=torch.float32, requires_grad=True)
+        obj = KNCAObjective("majority", 5, log_form, n_classes=10)
+        labels = torch.tensor([USPS_ROW_LABELS])
+        valid = torch.ones_like(labels, dtype=torch.bool)
+        scores = obj.point_scores(neg, labels, torch.tensor([2]), valid)
+        scores.sum().backward()
+        results.append((scores.detach(), neg.grad))
+    (v_native, g_native), (v_torch, g_torch) = results
+    assert torch.isfinite(g_native).all()
+    torch.testing.assert_close(v_native, v_torch)
+    torch.testing.assert_close(g_native, g_torch)
