@@ -503,6 +503,12 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
                 result = self._optimise(problem, theta0, monitor, solver, rng)
 
         A = problem.components(result.theta)  # (d, D)
+        if not np.isfinite(A).all():  # never hand out a NaN map as a fitted one
+            raise FloatingPointError(
+                f"[{type(self).__name__}] the learned map A has {int((~np.isfinite(A)).sum())} "
+                f"non-finite entries after {result.n_iter} iterations (solver={solver!r}, "
+                f"objective={self.objective!r}); nothing was fitted"
+            )
         self.components_ = A
         self.mean_ = mean
         self.scale_ = scale

@@ -396,3 +396,25 @@ def test_a_non_finite_gradient_stops_the_fit_with_an_error_not_a_nan_map(monkeyp
         model.fit(X, y)
     with pytest.raises(NotFittedError):
         model.transform(X)
+
+
+def test_a_non_finite_map_from_any_solver_is_refused(monkeypatch):
+    """Whatever the optimiser returns, a map with NaN entries is not a fit."""
+    from sklearn.exceptions import NotFittedError
+
+    import training.estimator
+
+    real = training.estimator.run_adam
+
+    def nan_result(problem, theta0, **kwargs):
+        result = real(problem, theta0, **kwargs)
+        result.theta = np.full_like(result.theta, np.nan)
+        return result
+
+    monkeypatch.setattr(training.estimator, "run_adam", nan_result)
+    X, y = load_iris(return_X_y=True)
+    model = NCA(n_components=2, solver="adam", max_iter=2, random_state=0)
+    with pytest.raises(FloatingPointError, match=r"A has 8 non-finite entries after 2 iterations"):
+        model.fit(X, y)
+    with pytest.raises(NotFittedError):
+        model.transform(X)
