@@ -461,8 +461,9 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         l2 = self.l2
         if isinstance(l2, str):  # "auto": where the candidate objective stays faithful under it
             l2 = DEFAULT_L2 if n_candidates is None or n_draws else 0.0
-        draw_seed = int(rng.integers(2**31 - 1))
-        if group.is_distributed:  # every rank draws the same candidates
+        # a seed only when drawing: the generator's stream (Adam's batches) stays as it was
+        draw_seed = int(rng.integers(2**31 - 1)) if n_draws else 0
+        if n_draws and group.is_distributed:  # every rank draws the same candidates
             seed_tensor = torch.tensor([draw_seed], dtype=torch.int64, device=device)
             draw_seed = int(broadcast_from_rank0(seed_tensor, group)[0])
         solver = "lbfgs" if self.solver == "auto" else self.solver
