@@ -100,6 +100,11 @@ class TrainConfig:
         "nca/nca-log on candidates: S weighted uniform draws per point and kind beyond the "
         "nearest candidates, estimating the neighbour mass they leave out (0: none)",
     )
+    exact_finish: str = _shared(
+        "exact_finish",
+        "after candidate sets, this many L-BFGS iterations on the exact objective (every point "
+        "a neighbour, at most 65,536 query rows): auto (10 for nca/nca-log), or an integer >= 0",
+    )
     standardize: str = _shared(
         "standardize",
         "auto (per-feature or one shared scale, whichever kNN on the inputs prefers), "

@@ -68,6 +68,18 @@ def _l2(value):
     return l2
 
 
+def _exact_finish(value):
+    if value in ("auto", None):
+        return "auto"
+    try:
+        n = -1 if isinstance(value, (bool, float)) else int(value)
+    except (TypeError, ValueError):
+        n = -1
+    if n < 0:
+        raise ConfigError(f"--exact-finish={value!r} must be 'auto' or an integer >= 0")
+    return n
+
+
 def build_estimator(config: TrainConfig, n_features: int) -> NCA:
     d = config.n_components if config.n_components is not None else min(32, n_features)
     if config.decision_rule not in NEIGHBOUR_RULES:
@@ -90,6 +102,7 @@ def build_estimator(config: TrainConfig, n_features: int) -> NCA:
         refresh_tol=config.refresh_tol,
         candidate_mass=config.candidate_mass,
         candidate_draws=config.candidate_draws,
+        exact_finish=_exact_finish(config.exact_finish),
         chunk_size=config.chunk_size,
         batch_size=config.batch_size,
         learning_rate=config.learning_rate,
@@ -382,6 +395,7 @@ def build_report(
         "solver": estimator.solver_,
         "n_candidates": estimator.n_candidates_,
         "l2": estimator.l2_,
+        "exact_finish_iter": int(estimator.exact_finish_iter_),
         "init": estimator.init_used_,
         "standardization": estimator.standardization_,
         "standardization_scores": estimator.standardization_scores_,

@@ -111,6 +111,8 @@ class Problem:
         self.nearest: torch.Tensor | None = None  # (N, 2K) nearest candidates
         self.candidates: torch.Tensor | None = None  # (N, M) what the objective reads
         self.candidate_log_weights: torch.Tensor | None = None  # (N, M) or None
+        # (B,) the query rows the loss averages over (None: all N); neighbours are all points
+        self.query_rows: torch.Tensor | None = None
         n_features = X.shape[1]
         self.shape = (n_features,) if transform == "diagonal" else (n_components, n_features)
 
@@ -250,7 +252,7 @@ class Problem:
 
     def loss_and_grad(self, theta: np.ndarray) -> tuple[float, np.ndarray, float]:
         params = self.to_tensor(theta, requires_grad=True)
-        loss, score = self.loss(params)
+        loss, score = self.loss(params, self.query_rows)
         loss.backward()
         grad = params.grad.detach().cpu().numpy().astype(np.float64).ravel()
         return float(loss.detach()), grad, score
@@ -379,8 +381,14 @@ class Monitor:
         components: Callable[[np.ndarray], np.ndarray] | None = None,
         clock: Callable[[], float] = time.perf_counter,
         audit: Callable[[np.ndarray], dict[str, float]] | None = None,
+        first_iteration: int = 1,
+        tags: dict | None = None,
     ):
         self.clock = clock  # seconds, for the history (injectable for tests)
+        # a later stage of one fit numbers its iterations on from the earlier one's and tags
+        # its history records (the exact finish after candidate sets: {"stage": ...})
+        self.iteration_offset = first_iteration - 1
+        self.tags = dict(tags or {})
         # theta -> extra figures recorded on the validation schedule (candidate-mode audit)
         self.audit = audit
         self.validate = validate
@@ -403,10 +411,12 @@ class Monitor:
         self, iteration: int, theta: np.ndarray, objective: float, figures: dict | None = None
     ) -> None:
         """figures: extra per-iteration values for the history (the candidate watch's)."""
+        iteration += self.iteration_offset
         record = {
             "iteration": iteration,
             "objective": objective,
             "seconds": self.clock() - self.start,
+            **self.tags,
             **(figures or {}),
         }
         scheduled = iteration % self.interval == 0 or iteration == 1
@@ -460,7 +470,7 @@ def _finish(problem, monitor, theta, n_iter, stop_reason, objective, n_eval) -> 
             if problem.n_candidates is not None:  # the candidates of these parameters
                 problem.refresh_candidates(theta)
             with torch.no_grad():
-                objective = float(problem.mean_score(problem.to_tensor(theta)))
+                objective = float(problem.mean_score(problem.to_tensor(theta), problem.query_rows))
             n_eval += 1
     return FitResult(
         theta=np.asarray(theta, dtype=np.float64),

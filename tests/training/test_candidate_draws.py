@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.training.test_candidate_audit import hard_noisy
+from tests.training.test_candidate_audit import candidate_gaps, fit_history, hard_noisy
 from training import NCA
 from training.estimator import DEFAULT_L2
 from training.nca_kernel import nca_value_and_grad_candidates
@@ -246,8 +246,9 @@ def test_l2_auto_applies_the_penalty_on_candidates_only_with_draws():
     params = dict(n_components=2, n_candidates=4, max_iter=5, random_state=0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        assert NCA(**params).fit(X, y).l2_ == 0.0
-        assert NCA(candidate_draws=4, **params).fit(X, y).l2_ == DEFAULT_L2
+        assert NCA(exact_finish=0, **params).fit(X, y).l2_ == 0.0
+        assert NCA(exact_finish=0, candidate_draws=4, **params).fit(X, y).l2_ == DEFAULT_L2
+        assert NCA(**params).fit(X, y).l2_ == DEFAULT_L2  # the exact finish's penalty
         exact = NCA(n_components=2, n_candidates=None, candidate_draws=4, max_iter=5)
         assert exact.fit(X, y).l2_ == DEFAULT_L2  # exact: nothing to draw
 
@@ -257,27 +258,9 @@ def test_draws_keep_a_penalised_candidate_fit_faithful_where_nearest_candidates_
     hold too little of the mass and the candidate objective runs far above the exact one on
     the audit sample. With 16 draws per kind the two stay together, and the audit is quiet."""
     X, y = hard_noisy(n_features=20, n_informative=4)
-
-    def fit(**params):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            model = NCA(
-                n_components=8,
-                n_candidates=8,
-                max_iter=20,
-                validation_interval=1,
-                l2=DEFAULT_L2,
-                random_state=0,
-            )
-            return model.set_params(**params).fit(X, y)
-
-    def gaps(model):
-        return [
-            r["sample_candidate_objective"] - r["sample_exact_objective"] for r in model.history_
-        ]
-
-    nearest_only = fit()
-    drawn = fit(candidate_draws=16)
-    assert max(gaps(nearest_only)[2:]) > 0.2 and nearest_only.candidate_warning_ is not None
-    assert max(abs(g) for g in gaps(drawn)[2:]) < 0.05
+    nearest_only = fit_history(X, y, l2=DEFAULT_L2)
+    drawn = fit_history(X, y, l2=DEFAULT_L2, candidate_draws=16)
+    assert max(candidate_gaps(nearest_only)[2:]) > 0.2
+    assert nearest_only.candidate_warning_ is not None
+    assert max(abs(g) for g in candidate_gaps(drawn)[2:]) < 0.05
     assert drawn.candidate_warning_ is None

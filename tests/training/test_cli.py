@@ -176,6 +176,16 @@ def write_npz(path, **arrays):
         ),
         (
             lambda p, r: write_npz(p, X=r.normal(size=(20, 3)), y=np.arange(20) % 2),
+            ["--exact-finish", "lots"],
+            "--exact-finish='lots' must be 'auto' or an integer >= 0",
+        ),
+        (
+            lambda p, r: write_npz(p, X=r.normal(size=(20, 3)), y=np.arange(20) % 2),
+            ["--exact-finish", "-2"],
+            "--exact-finish='-2' must be 'auto' or an integer >= 0",
+        ),
+        (
+            lambda p, r: write_npz(p, X=r.normal(size=(20, 3)), y=np.arange(20) % 2),
             ["--test-size", "1.5"],
             "--test-size=1.5 must lie in",
         ),
@@ -388,6 +398,16 @@ def test_candidate_draws_reach_the_estimator():
     assert build_estimator(parse_config([]), n_features=64).candidate_draws == 0
     config = parse_config(["--candidate-draws", "16"])
     assert build_estimator(config, n_features=64).candidate_draws == 16
+
+
+def test_exact_finish_reaches_the_estimator():
+    from training.config import parse_config
+    from training.job import build_estimator
+
+    assert build_estimator(parse_config([]), n_features=64).exact_finish == "auto"
+    for text, expected in (("auto", "auto"), ("0", 0), ("25", 25)):
+        config = parse_config(["--exact-finish", text])
+        assert build_estimator(config, n_features=64).exact_finish == expected
 
 
 def test_optional_numbers_take_none_on_the_command_line():

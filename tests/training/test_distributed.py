@@ -104,10 +104,16 @@ def digits_split():
 
 ESTIMATOR_CASES = {
     "auto": dict(n_components=8, init="auto", standardize="auto"),  # LDA init, auto scaling
+    # candidate sets, then the exact finish (exact_finish="auto": sharded exact iterations)
     "pca_candidates": dict(n_components=12, init="pca", standardize="feature", n_candidates=8),
     # drawn candidates: every rank must draw the same ones (one seed, broadcast from rank 0)
     "candidate_draws": dict(
-        n_components=12, init="pca", standardize="feature", n_candidates=8, candidate_draws=4
+        n_components=12,
+        init="pca",
+        standardize="feature",
+        n_candidates=8,
+        candidate_draws=4,
+        exact_finish=0,
     ),
 }
 
@@ -129,7 +135,9 @@ def fit_estimators(group):
         out[f"{case}/val_accuracy"] = np.array(
             [r["val_accuracy"] for r in model.history_ if "val_accuracy" in r]
         )
-        out[f"{case}/n_iter"] = np.array([model.n_iter_, model.world_size_])
+        out[f"{case}/n_iter"] = np.array(
+            [model.n_iter_, model.world_size_, model.exact_finish_iter_]
+        )
         out[f"{case}/init"] = np.array([model.init_used_, model.standardization_])
     return out
 
@@ -272,6 +280,9 @@ def test_estimator_on_two_ranks_fits_what_one_rank_fits(two_ranks, one_rank, cas
     assert (two_ranks[f"{case}/init"] == one_rank[f"{case}/init"]).all()
     assert two_ranks[f"{case}/n_iter"][0] == one_rank[f"{case}/n_iter"][0]
     assert (two_ranks[f"{case}/n_iter"][1], one_rank[f"{case}/n_iter"][1]) == (2, 1)
+    assert two_ranks[f"{case}/n_iter"][2] == one_rank[f"{case}/n_iter"][2]
+    if case == "pca_candidates":  # the exact finish ran, sharded
+        assert one_rank[f"{case}/n_iter"][2] > 0
     # the float32 objective and gradient are summed in another order (shards, then the
     # all-reduce): ~1e-7 relative per evaluation, which L-BFGS's line searches amplify to
     # ~1e-4 of max |A| in 6 iterations (measured 8e-5); candidate searches in chunks of

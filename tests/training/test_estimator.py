@@ -124,8 +124,10 @@ def test_l2_auto_is_the_cross_validated_penalty_exactly_and_zero_on_candidates()
     assert exact.l2 == "auto" and exact.n_candidates_ is None and exact.l2_ == DEFAULT_L2
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        on_candidates = NCA(n_candidates=8, **params).fit(X, y)
+        on_candidates = NCA(n_candidates=8, exact_finish=0, **params).fit(X, y)
+        finished = NCA(n_candidates=8, **params).fit(X, y)
     assert on_candidates.l2_ == 0.0
+    assert finished.l2_ == DEFAULT_L2  # the exact finish carries the exact objective's
     # "auto" on the exact path is the same fit as the number it stands for
     explicit = NCA(l2=DEFAULT_L2, **params).fit(X, y)
     np.testing.assert_array_equal(exact.components_, explicit.components_)
