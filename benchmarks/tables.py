@@ -267,8 +267,8 @@ def candidate_quality_table(r) -> str:
     """One line per (data, noise, method): test accuracy at k = 1 and 5, seconds, audit."""
     lines = [
         "| data | label noise | method | 1-NN | 5-NN | fit s | audit: largest gap | warned "
-        "| K at the end |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| K at the end | l2 | exact finish iterations |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     merged: dict[tuple, dict] = {}
     for row in r["rows"]:
@@ -281,7 +281,9 @@ def candidate_quality_table(r) -> str:
             f"{fmt(row.get('seconds', '')) if 'seconds' in row else ''} | "
             f"{'' if gap is None else f'{gap:.3f}'} | "
             f"{'' if row.get('warned') is None else row['warned']} | "
-            f"{'' if row.get('final_k') is None else row['final_k']} |"
+            f"{'' if row.get('final_k') is None else row['final_k']} | "
+            f"{'' if row.get('l2') is None else format(row['l2'], 'g')} | "
+            f"{row.get('finish_iter', '')} |"
         )
     return "\n".join(lines)
 
