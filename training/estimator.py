@@ -9,7 +9,8 @@
 The inputs are standardised inside (``standardize``): transform(x) = ((x - mean_) /
 scale_) @ components_.T = x @ projection_.T + offset_, computed by the same float32 function
 the service uses. Defaults pick the strategy that suits the data: exact full-batch L-BFGS up
-to ``AUTO_EXACT_MAX_SAMPLES`` points, candidate sets (O(N K) per pass) above.
+to ``AUTO_EXACT_MAX_SAMPLES`` points; above, candidate sets (O(N K) per pass), then a few
+L-BFGS iterations on the exact objective (``exact_finish``).
 """
 
 from __future__ import annotations
