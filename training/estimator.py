@@ -542,12 +542,12 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
             else:
                 result = self._optimise(problem, theta0, monitor, solver, rng)
         candidate_history = result.history
-        self.exact_finish_iter_ = 0
+        finished_iter = 0
         if finish_iter and result.stop_reason != "single_class":
             l2 = DEFAULT_L2 if isinstance(self.l2, str) else float(self.l2)
             exact = make_problem(l2=l2, n_candidates=None, n_draws=0)
             with threadpool_limits(1, user_api="blas"):
-                result, self.exact_finish_iter_ = self._finish_exactly(
+                result, finished_iter = self._finish_exactly(
                     exact, result, finish_iter, prep.validate(exact), monitor, group
                 )
 
@@ -573,6 +573,7 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         self.init_used_ = init_used
         self.n_candidates_ = problem.n_candidates  # K at the end (the watch may change it)
         self.l2_ = float(l2)
+        self.exact_finish_iter_ = finished_iter
         self.solver_ = solver
         self.device_ = str(device)
         self.fit_seconds_ = result.seconds
