@@ -27,12 +27,10 @@ import time
 import warnings
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from candidate_quality import knn_accuracy
 from common import machine, print_table, save_json, synthetic
 
-from service.knn import decide, exact_knn
 from training import NCA
 
 # (label, estimator parameters)
@@ -42,14 +40,6 @@ METHODS = [
     ("defaults (candidates + exact finish)", {}),
     ("candidates + exact_finish=20", {"exact_finish": 20}),
 ]
-
-
-def knn_accuracy(z_train, y_train, z_test, y_test, k: int, n_classes: int) -> float:
-    distances, indices = exact_knn(
-        np.ascontiguousarray(z_test, np.float32), np.ascontiguousarray(z_train, np.float32), k
-    )
-    predicted, _ = decide(y_train[indices], distances, n_classes, "majority")
-    return float(np.mean(predicted == y_test))
 
 
 def main() -> None:
