@@ -103,8 +103,8 @@ class TrainConfig:
     exact_finish: str = _shared(
         "exact_finish",
         "after candidate sets, this many L-BFGS iterations on the exact objective (every point "
-        "a neighbour, at most 65,536 query rows): auto (10 for nca/nca-log with L-BFGS, else 0), "
-        "or an integer >= 0",
+        "a neighbour, at most 65,536 query rows for nca/nca-log, 2,048 for knca-*): auto (10 "
+        "for nca/nca-log, 20 for knca-*, 0 with adam), or an integer >= 0",
     )
     standardize: str = _shared(
         "standardize",

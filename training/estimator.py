@@ -59,9 +59,13 @@ AUTO_EXACT_MAX_SAMPLES = 8192
 AUTO_N_CANDIDATES = 32
 # exact_finish="auto": L-BFGS iterations on the exact objective after a fit on candidate sets
 # (benchmarks/README.md, "Finishing on the exact objective"), averaged over at most this many
-# evenly spaced query rows, so that a finishing iteration costs O(min(N, rows) N d)
+# evenly spaced query rows, so that a finishing iteration costs O(min(N, rows) N d). An exact
+# kNCA pair costs ~20x an NCA one, so kNCA's finish averages over fewer rows and runs longer
+# (measured in benchmarks/candidate_quality.py and benchmarks/exact_finish.py --knca).
 AUTO_EXACT_FINISH_ITER = 10
 EXACT_FINISH_MAX_ROWS = 65536
+AUTO_KNCA_FINISH_ITER = 20
+KNCA_FINISH_MAX_ROWS = 2048
 # what l2="auto" means on the exact objective (0 on candidate sets); the l2 parameter's
 # docstring says why, benchmarks/default_l2.py how it was chosen
 DEFAULT_L2 = 0.03
@@ -180,16 +184,20 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         After a fit on candidate sets, this many L-BFGS iterations on the exact objective
         (every training point a neighbour; l2 as on the exact objective, so "auto" is
         DEFAULT_L2), from the candidate fit's map, averaged over all training rows or, above
-        EXACT_FINISH_MAX_ROWS = 65,536 points, that many evenly spaced query rows: an
-        iteration costs O(min(N, 65536) N d). Candidate sets make the first, long stage cheap;
-        the finish optimises what the map is judged by, which no candidate set can be gamed
-        into, and carries the penalty that nearest candidates cannot. "auto" is
-        AUTO_EXACT_FINISH_ITER = 10 for L-BFGS with NCA's objectives and 0 otherwise (exact
-        kNCA costs far more per pair); 0 turns it off. Measured on 20k and 60k x 784 points
-        (``benchmarks/exact_finish.py``): 10 finishing iterations gain 1.0-3.1 points of
-        kNN accuracy over candidate sets alone and end level with the exact fit (0.2-0.5
-        points above it), at 1.5-2.6x the candidate fit's time and a third of the exact
-        fit's at 60k.
+        a row limit, that many evenly spaced query rows: EXACT_FINISH_MAX_ROWS = 65,536 for
+        NCA's objectives, KNCA_FINISH_MAX_ROWS = 2,048 for kNCA's (an exact kNCA pair costs
+        ~20x an NCA one), so an iteration costs O(min(N, rows) N d). Candidate sets make the
+        first, long stage cheap; the finish optimises what the map is judged by, which no
+        candidate set can be gamed into, and carries the penalty that nearest candidates
+        cannot. "auto" is AUTO_EXACT_FINISH_ITER = 10 for NCA's objectives and
+        AUTO_KNCA_FINISH_ITER = 20 for kNCA's after L-BFGS, 0 after Adam; 0 turns it off.
+        Measured on 20k and 60k x 784 points (``benchmarks/exact_finish.py``): 10 finishing
+        iterations gain 1.0-3.1 points of NCA's kNN accuracy over candidate sets alone and
+        end level with the exact fit (0.2-0.5 points above it), at 1.5-2.6x the candidate
+        fit's time and a third of the exact fit's at 60k. For kNCA at 20k the finish gains
+        2.0 / 0.4 points (1-NN / 5-NN) at 2.0x the candidate fit's time and closes about
+        half the gap to the exact kNCA fit, which takes 10x longer; on hard data, digits and
+        USPS up to 7,291 points it ends within 1 point of exact kNCA.
         Ignored by exact fits. ``exact_finish_iter_`` is the number run.
     chunk_size : int or None
         Query rows per chunk (None: sized to a 256 MiB working set).
@@ -820,14 +828,24 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
 
     def _exact_finish_iterations(self, n_candidates, solver: str) -> int:
         """How many exact iterations follow the fit: none after an exact fit; "auto" is
-        AUTO_EXACT_FINISH_ITER after L-BFGS on candidate sets with NCA's objectives (exact
-        kNCA costs far more per pair, and Adam's users asked for mini-batches)."""
+        AUTO_EXACT_FINISH_ITER (NCA's objectives) or AUTO_KNCA_FINISH_ITER (kNCA's) after
+        L-BFGS on candidate sets, none after Adam (its users asked for mini-batches)."""
         if n_candidates is None:
             return 0
         if isinstance(self.exact_finish, str):  # "auto"
-            nca = self.objective in ("nca", "nca-log")
-            return AUTO_EXACT_FINISH_ITER if nca and solver == "lbfgs" else 0
+            if solver != "lbfgs":
+                return 0
+            return AUTO_KNCA_FINISH_ITER if self._is_knca() else AUTO_EXACT_FINISH_ITER
         return int(self.exact_finish)
+
+    def _is_knca(self) -> bool:
+        return self.objective not in ("nca", "nca-log")
+
+    def _finish_max_rows(self) -> int:
+        """The most query rows a finishing iteration averages over: EXACT_FINISH_MAX_ROWS
+        for NCA's objectives, KNCA_FINISH_MAX_ROWS for kNCA's (an exact kNCA pair costs
+        ~20x an NCA one: benchmarks/README.md, "kNCA cost")."""
+        return KNCA_FINISH_MAX_ROWS if self._is_knca() else EXACT_FINISH_MAX_ROWS
 
     def _finish_exactly(self, exact, first, n_iter: int, validate, first_monitor, group):
         """(result, iterations run): ``n_iter`` L-BFGS iterations on the exact objective from
@@ -835,14 +853,14 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
 
             max_A  (1/B) sum_{i in rows} score_i(A) - l2 ||A||_F^2,   p_ij over all j != i,
 
-        with rows every training point, or EXACT_FINISH_MAX_ROWS evenly spaced ones when N
+        with rows every training point, or ``_finish_max_rows()`` evenly spaced ones when N
         is larger (the same on every rank; a finishing iteration costs O(B N d)). Candidate
         sets cannot be gamed here: what the map improves is what it is judged by. The
         history goes on from the first stage's, its records tagged ``stage: exact finish``;
         with early stopping the best validated map of either stage is kept."""
-        n = exact.n_samples
-        if n > EXACT_FINISH_MAX_ROWS:
-            rows = np.unique(np.linspace(0, n - 1, EXACT_FINISH_MAX_ROWS).astype(np.int64))
+        n, max_rows = exact.n_samples, self._finish_max_rows()
+        if n > max_rows:
+            rows = np.unique(np.linspace(0, n - 1, max_rows).astype(np.int64))
             exact.query_rows = torch.as_tensor(rows, device=exact.X.device)
         n_rows = n if exact.query_rows is None else len(exact.query_rows)
         verbose = bool(self.verbose) and group.rank == 0

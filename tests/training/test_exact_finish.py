@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from tests.training.test_candidate_audit import blobs, hard_noisy
+from tests.training.test_knca import brute_force
 from training import NCA, estimator
-from training.estimator import AUTO_EXACT_FINISH_ITER, DEFAULT_L2
+from training.estimator import AUTO_EXACT_FINISH_ITER, AUTO_KNCA_FINISH_ITER, DEFAULT_L2
 
 
 def penalised_exact_loss(model, X, y, l2, rows=None) -> float:
@@ -74,9 +75,19 @@ def test_exact_finish_zero_is_the_candidate_fit_alone():
 def test_exact_fits_and_fits_that_auto_leaves_alone_have_no_finish():
     X, y = blobs(200)
     assert fit(X, y, n_candidates=None, exact_finish=5).exact_finish_iter_ == 0
-    assert fit(X, y, n_candidates=5, objective="knca-majority", k=3).exact_finish_iter_ == 0
     adam = fit(X, y, n_candidates=5, solver="adam", max_iter=3, batch_size=64)
     assert adam.exact_finish_iter_ == 0
+
+
+def test_auto_finishes_knca_with_its_own_budget():
+    """kNCA's "auto" finish runs up to AUTO_KNCA_FINISH_ITER iterations (more than NCA's,
+    over fewer rows) and carries the exact objective's penalty."""
+    X, y = blobs(200)
+    model = fit(X, y, n_candidates=5, objective="knca-majority", k=3, tol=1e-12)
+    assert AUTO_EXACT_FINISH_ITER < model.exact_finish_iter_ <= AUTO_KNCA_FINISH_ITER
+    assert model.l2_ == DEFAULT_L2
+    finish = [r for r in model.history_ if r.get("stage") == "exact finish"]
+    assert len(finish) == model.exact_finish_iter_
 
 
 def test_an_explicit_finish_applies_to_knca_and_to_adam():
@@ -96,6 +107,27 @@ def test_above_the_row_limit_the_finish_averages_over_evenly_spaced_query_rows(m
     on_all = -penalised_exact_loss(model, X, y, l2=0.0)
     assert model.objective_value_ == pytest.approx(on_rows, abs=1e-5)
     assert abs(on_rows - on_all) > 1e-4  # the sample, not all rows, was averaged
+
+
+def test_knca_finish_averages_over_its_own_row_limit(monkeypatch):
+    """Above KNCA_FINISH_MAX_ROWS points (monkeypatched to 12), kNCA's finish averages the
+    exact kNCA-majority probability over that many evenly spaced rows; checked against an
+    enumeration of every k-subset of the other 39 points, in float64, at the fitted map."""
+    X, y = blobs(40, seed=2)
+    monkeypatch.setattr(estimator, "KNCA_FINISH_MAX_ROWS", 12)
+    monkeypatch.setattr(estimator, "EXACT_FINISH_MAX_ROWS", 10**6)  # NCA's limit is not kNCA's
+    model = fit(X, y, n_candidates=3, objective="knca-majority", k=3, exact_finish=2)
+    assert model.exact_finish_iter_ == 2
+    z = ((X - model.mean_) / model.scale_) @ model.components_.T  # (N, d)
+    probabilities = []
+    for i in range(len(y)):
+        others = np.delete(np.arange(len(y)), i)
+        d2 = ((z[others] - z[i]) ** 2).sum(1)  # (N - 1,)
+        probabilities.append(brute_force(d2, y[others], y[i], 3, "majority"))
+    rows = np.unique(np.linspace(0, len(y) - 1, 12).astype(np.int64))
+    on_rows = float(np.mean(np.array(probabilities)[rows]))
+    assert model.objective_value_ == pytest.approx(on_rows, abs=1e-5)
+    assert abs(on_rows - float(np.mean(probabilities))) > 1e-4  # the sample was averaged
 
 
 @pytest.mark.parametrize(
