@@ -401,7 +401,8 @@ class Monitor:
         self.best_acc = -math.inf
         self.best_theta: np.ndarray | None = None
         self.bad_checks = 0
-        self.start = clock()
+        self.start = clock()  # a later stage may set it to the first stage's start
+        self.stage_start = self.start
         self.verbose = verbose
         self.name = name  # prefixes the verbose lines, as scikit-learn's "[ClassName]"
         self.last_call = self.start
@@ -457,7 +458,15 @@ class Monitor:
     def close(self) -> None:
         if self.verbose:
             self._print_header()  # also when the optimiser stopped before one iteration
-            print(f"[{self.name}] Training took {self.clock() - self.start:8.2f}s.", flush=True)
+            now = self.clock()
+            if "stage" in self.tags:  # a later stage: its own time and the fit's
+                print(
+                    f"[{self.name}] The {self.tags['stage']} took {now - self.stage_start:8.2f}s; "
+                    f"training took {now - self.start:8.2f}s in all.",
+                    flush=True,
+                )
+            else:
+                print(f"[{self.name}] Training took {now - self.start:8.2f}s.", flush=True)
 
 
 def _finish(problem, monitor, theta, n_iter, stop_reason, objective, n_eval) -> FitResult:

@@ -186,6 +186,29 @@ def test_monitor_verbose_prints_scikit_learns_table(capsys):
     assert lines[5] == "[NCA] Training took     5.00s."  # the clock advances 1 s a reading
 
 
+def test_monitor_of_a_later_stage_says_its_own_time_and_the_fits(capsys):
+    clock = Ticks()
+    first = Monitor(max_iter=2, validate=None, early_stopping=False, verbose=True, clock=clock)
+    first(1, np.zeros(2), objective=1.0)
+    first.close()
+    later = Monitor(
+        max_iter=2,
+        validate=None,
+        early_stopping=False,
+        verbose=True,
+        clock=clock,
+        first_iteration=2,
+        tags={"stage": "exact finish"},
+    )
+    later.start, later.header_printed = first.start, first.header_printed
+    later(1, np.zeros(2), objective=2.0)
+    later.close()
+    lines = capsys.readouterr().out.splitlines()
+    # readings: first stage 101-104 (start, two per iteration, close), later 105-108
+    assert lines[-1] == "[NCA] The exact finish took     3.00s; training took     7.00s in all."
+    assert sum("Iteration" in line for line in lines) == 1  # one table header for both
+
+
 # ------------------------------------------------------------------ candidate-mode audit
 
 
