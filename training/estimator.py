@@ -61,7 +61,8 @@ AUTO_N_CANDIDATES = 32
 # (benchmarks/README.md, "Finishing on the exact objective"), averaged over at most this many
 # evenly spaced query rows, so that a finishing iteration costs O(min(N, rows) N d). An exact
 # kNCA pair costs ~20x an NCA one, so kNCA's finish averages over fewer rows and runs longer
-# (measured in benchmarks/candidate_quality.py and benchmarks/exact_finish.py --knca).
+# (measured in benchmarks/candidate_quality.py --knca and benchmarks/exact_finish.py
+# --objective knca-majority).
 AUTO_EXACT_FINISH_ITER = 10
 EXACT_FINISH_MAX_ROWS = 65536
 AUTO_KNCA_FINISH_ITER = 20
@@ -361,13 +362,13 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
             raise ValueError(
                 f"transformation='diagonal' needs n_components = n_features = {n_features}, got {d}"
             )
-        if self.objective not in OBJECTIVES:
+        if not isinstance(self.objective, str) or self.objective not in OBJECTIVES:
             raise ValueError(f"objective={self.objective!r} must be one of {sorted(OBJECTIVES)}")
         positive_int("k", self.k)
         if self.k > n_samples - 1:
             raise ValueError(f"k={self.k} must be <= n_samples - 1 = {n_samples - 1}")
         if (
-            self.objective.startswith("knca")
+            self._is_knca()
             and isinstance(self.n_candidates, numbers.Integral)
             and self.n_candidates < self.k
         ):
@@ -397,7 +398,7 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         draws = self.candidate_draws
         if not isinstance(draws, numbers.Integral) or isinstance(draws, bool) or draws < 0:
             raise ValueError(f"candidate_draws={draws!r} must be an integer >= 0")
-        if draws and self.objective not in ("nca", "nca-log"):
+        if draws and self._is_knca():
             raise ValueError(
                 f"candidate_draws={draws!r} weights the candidates of NCA's objectives "
                 f"('nca', 'nca-log'), not objective={self.objective!r}; use 0"
@@ -432,8 +433,17 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
             positive_int("chunk_size", self.chunk_size)
         positive_int("batch_size", self.batch_size)
         positive_real("learning_rate", self.learning_rate)
-        if not 0 < self.validation_fraction < 1:
-            raise ValueError(f"validation_fraction={self.validation_fraction!r} must lie in (0, 1)")
+        fraction = self.validation_fraction
+        if (
+            not isinstance(fraction, numbers.Real)
+            or isinstance(fraction, bool)
+            or not 0 < fraction < 1
+        ):
+            raise ValueError(f"validation_fraction={fraction!r} must be a real number in (0, 1)")
+        if self.callback is not None and not callable(self.callback):
+            raise ValueError(
+                f"callback={self.callback!r} must be None or a callable(transformation, n_iter)"
+            )
         positive_int("n_iter_no_change", self.n_iter_no_change)
         for vk in self._validation_ks(n_samples):
             positive_int("validation_k", vk)
@@ -764,7 +774,13 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         seed = self.random_state
         if isinstance(seed, np.random.RandomState):
             seed = seed.randint(2**31 - 1)
-        rng = np.random.default_rng(seed)
+        try:
+            rng = np.random.default_rng(seed)
+        except (TypeError, ValueError) as error:
+            raise ValueError(
+                f"random_state={self.random_state!r} must be None, an integer >= 0, a numpy "
+                f"Generator or RandomState ({error})"
+            ) from None
         torch.manual_seed(int(rng.integers(2**31 - 1)))
         return rng
 
@@ -839,7 +855,8 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         return int(self.exact_finish)
 
     def _is_knca(self) -> bool:
-        return self.objective not in ("nca", "nca-log")
+        """Whether the objective is one of kNCA's (``knca-*``) rather than NCA's."""
+        return self.objective.startswith("knca")
 
     def _finish_max_rows(self) -> int:
         """The most query rows a finishing iteration averages over: EXACT_FINISH_MAX_ROWS
