@@ -431,10 +431,11 @@ def choose_standardizer(
     0.944). Returns (name, {name: score}). O(CHOICE_QUERIES x N x D).
     """
     from training.evaluate import knn_accuracies
+    from training.numerics import evenly_spaced_rows
 
     n = len(X)
     n_queries = min(CHOICE_QUERIES, n // 2)
-    queries = np.unique(np.linspace(0, n - 1, n_queries).astype(np.int64))
+    queries = evenly_spaced_rows(n, n_queries)
     references = np.setdiff1d(np.arange(n), queries)
     ks = tuple(k for k in ks if k <= len(references)) or (1,)
     scores = {}

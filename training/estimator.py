@@ -43,6 +43,7 @@ from training.distributed import (
 )
 from training.evaluate import knn_accuracies
 from training.initialization import INIT_NAMES, initial_components, resolve_auto
+from training.numerics import evenly_spaced_rows
 from training.objective_registry import OBJECTIVES, make_objective
 from training.optimize import (
     FitResult,
@@ -877,7 +878,7 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         with early stopping the best validated map of either stage is kept."""
         n, max_rows = exact.n_samples, self._finish_max_rows()
         if n > max_rows:
-            rows = np.unique(np.linspace(0, n - 1, max_rows).astype(np.int64))
+            rows = evenly_spaced_rows(n, max_rows)
             exact.query_rows = torch.as_tensor(rows, device=exact.X.device)
         n_rows = n if exact.query_rows is None else len(exact.query_rows)
         verbose = bool(self.verbose) and group.rank == 0

@@ -13,6 +13,7 @@ it imports none of them (the import graph of ``training`` has no cycles):
 * ``floored_logsumexp``,
 * ``class_runs`` (points sorted by class, one contiguous run per class),
 * ``chunk_rows`` (rows per chunk from a memory budget),
+* ``evenly_spaced_rows`` (a deterministic sample of rows, spread however they are ordered),
 * ``PrecomputedGradient``, the autograd backward both evaluation paths share: the forward
   pass computes the objective and its gradient with respect to Z together, and backward
   only scales that gradient.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import torch
 
 NEG_INF = float("-inf")
@@ -74,3 +76,10 @@ class PrecomputedGradient(torch.autograd.Function):
     def backward(ctx, grad_output):
         (grad_z,) = ctx.saved_tensors
         return grad_output * grad_z, *([None] * (len(ctx.needs_input_grad) - 1))
+
+
+def evenly_spaced_rows(n: int, count: int) -> np.ndarray:
+    """(min(count, n),) sorted row indices spread evenly over 0..n-1, both ends included:
+    deterministic, the same on every rank, and spread over the classes however the rows are
+    ordered by class."""
+    return np.unique(np.linspace(0, n - 1, min(count, n)).astype(np.int64))

@@ -33,7 +33,7 @@ from training.neighbourhood import (
     sampled_candidates,
     with_sampled_candidates,
 )
-from training.numerics import EXP_FLOOR
+from training.numerics import EXP_FLOOR, evenly_spaced_rows
 from training.objectives import NCAObjective, Objective
 
 
@@ -291,7 +291,7 @@ AUDIT_GAP = {"nca": 0.10, "nca-log": 0.25}
 def audit_rows(n_samples: int) -> np.ndarray:
     """AUDIT_ROWS evenly spaced training rows (all when fewer): deterministic, and spread
     over the classes however the rows are ordered by class."""
-    return np.unique(np.linspace(0, n_samples - 1, min(AUDIT_ROWS, n_samples)).astype(np.int64))
+    return evenly_spaced_rows(n_samples, AUDIT_ROWS)
 
 
 def audit_disagreement(

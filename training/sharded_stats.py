@@ -27,6 +27,7 @@ import torch.distributed as dist
 from service.knn import decide, exact_knn
 from training.data import global_scale, per_feature_scale
 from training.distributed import ProcessGroup, broadcast_from_rank0, gather_rows
+from training.numerics import evenly_spaced_rows
 
 
 def _device(group: ProcessGroup) -> torch.device:
@@ -145,7 +146,7 @@ def choose_standardizer(
     n = len(y_all)
     stop = start + len(X_shard)
     n_queries = min(CHOICE_QUERIES, n // 2)
-    queries = np.unique(np.linspace(0, n - 1, n_queries).astype(np.int64))
+    queries = evenly_spaced_rows(n, n_queries)
     mine = queries[(queries >= start) & (queries < stop)]
     ks = tuple(k for k in ks if k <= n - len(queries)) or (1,)
     scores = {}
