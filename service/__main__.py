@@ -15,6 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from service.connections import check_open_files
 from service.vocabulary import INDEX_KINDS
 from service.workers import METRICS_DIR
 
@@ -47,6 +48,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValidationError as exc:
         print(f"error: invalid settings: {exc}", file=sys.stderr)
         return 2
+    try:
+        check_open_files(settings.max_connections)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     has = importlib.util.find_spec
     runtime_dir = None
     if settings.workers > 1 and settings.runtime_dir is None:
@@ -73,7 +79,8 @@ def _run(settings, has) -> None:
         port=settings.port,
         workers=settings.workers,
         loop="uvloop" if has("uvloop") else "asyncio",
-        http="httptools" if has("httptools") else "h11",
+        http="service.connections:GuardedHttpProtocol",  # header timeout and limits, a cap
+        timeout_keep_alive=settings.keep_alive_timeout_seconds,
         timeout_graceful_shutdown=settings.graceful_shutdown_seconds,
         access_log=False,
         log_level=settings.log_level,

@@ -32,7 +32,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from service import __version__, grpc_server
+from service import __version__, connections, grpc_server
 from service.batcher import Batcher
 from service.config import Settings
 from service.deps import AppState, check_api_key
@@ -55,6 +55,7 @@ from service.workers import ReloadGeneration
 
 log = logging.getLogger("service.app")
 GIL_SWITCH_INTERVAL = 0.0002  # seconds
+UNMATCHED_ROUTE = "unmatched"  # the route label of every path the app does not serve
 INLINE_SEARCH_ROWS = 256  # merged searches this small may run on the event loop (see Batcher)
 SHUTDOWN_BODY = msgspec.json.encode(
     {
@@ -114,9 +115,18 @@ class ServiceMiddleware:
             )
             await send({"type": "http.response.body", "body": SHUTDOWN_BODY})
         finally:
-            path = scope.get("path", "")
-            route = path if path in self.routes else v2.route_template(path) or "unmatched"
-            self.state.metrics.request_done(route, status, time.perf_counter() - started)
+            self.state.metrics.request_done(
+                self.route_label(scope.get("path", "")), status, time.perf_counter() - started
+            )
+
+    def route_label(self, path: str) -> str:
+        """The metrics' route label: a route of the app (a /v2 path as its template), else
+        ``unmatched``. Labels come from this fixed set only, so no client can grow the
+        metrics by sending new paths."""
+        if path in self.routes:
+            return path
+        template = v2.route_template(path)
+        return template if template in self.routes else UNMATCHED_ROUTE
 
 
 class ServiceApp(FastAPI):
@@ -251,6 +261,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     direct lane for the inference routes."""
     settings = settings or Settings()
     metrics = Metrics()
+    connections.set_observer(metrics.connection_refused, metrics.open_connections.set)
     state = AppState(
         settings=settings,
         engine=Engine(

@@ -100,6 +100,23 @@ OWNED_MANIFEST_KEYS = frozenset(REQUIRED_MANIFEST_KEYS) | {
 }
 
 
+# manifest fields that describe a model without changing any answer it gives; every other
+# field is part of the model version (model_version_of)
+DESCRIPTIVE_MANIFEST_KEYS = frozenset(
+    {
+        "model_version",
+        "files",  # hashed by the sha256 of each file instead
+        "created_at",
+        "package_version",
+        "extras",  # the report and plots
+        "data",  # the training data's fingerprint and sizes
+        "metrics",
+        "training",
+        "lineage",
+    }
+)
+
+
 class ArtifactError(ValueError):
     """An artifact is missing, malformed, corrupted or inconsistent."""
 
@@ -151,8 +168,10 @@ class Artifact:
 
     @property
     def version(self) -> str:
-        """A short content hash identifying this model (changes whenever any array does)."""
-        return str(self.manifest.get("model_version", "unknown"))
+        """A short content hash naming everything that can change this model's answers
+        (``model_version_of``): the arrays, the index and every field but the descriptive
+        ones. Computed when the artifact is read."""
+        return str(self.manifest["model_version"])
 
     def components_in_standardized_space(self) -> np.ndarray:
         """A (d, D) with W = A / scale, i.e. the map learned on standardised inputs."""
@@ -379,13 +398,15 @@ def write_artifact(
                 "default_k": int(default_k),
                 "decision_rule": decision_rule,
                 "standardization": STANDARDIZATION_RECORD,
-                "model_version": model_version_of(files),
                 "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                 "package_version": __version__,
                 "files": files,
                 "extras": extras,
             }
         )
+        # the version hashes the manifest as a reader will parse it (tuples become lists...)
+        as_read = json.loads(json.dumps(manifest, allow_nan=False))
+        manifest["model_version"] = model_version_of(as_read)
         text = json.dumps(manifest, indent=2, sort_keys=True, allow_nan=False)
         _write_bytes_synced(staging / MANIFEST_FILE, text.encode("utf-8"))
         _fsync_dir(staging)
@@ -617,10 +638,32 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
         return _parse_manifest(root, directory.read(MANIFEST_FILE, "the manifest"))
 
 
-def model_version_of(files: Mapping[str, Mapping[str, Any]]) -> str:
-    """The model version: a hash of the array files' sha256s, in :data:`ARRAY_SPECS` order,
-    then the prebuilt index's (an approximate index changes answers, so it is part of what
-    a version names)."""
+def model_version_of(manifest: Mapping[str, Any]) -> str:
+    """The model version: a hash of everything in the artifact that can change an answer.
+
+    That is the array files' sha256s in :data:`ARRAY_SPECS` order, then the prebuilt index's
+    (an approximate index changes answers), then every manifest field except the
+    :data:`DESCRIPTIVE_MANIFEST_KEYS` as canonical JSON (sorted keys, no whitespace): the
+    classes, the default k and decision rule, the outlier calibration, the index's tuned
+    search parameters, the shapes, and any field a later writer adds. Two artifacts with
+    the same version answer every inference request identically; a field that only
+    describes the model (training record, metrics, lineage, timestamps) leaves it unchanged.
+    """
+    files = manifest["files"]
+    digest = hashlib.sha256()
+    for name in (*ARRAY_SPECS, "index"):
+        if name in files:
+            digest.update(str(files[name]["sha256"]).encode())
+    answering = {k: v for k, v in manifest.items() if k not in DESCRIPTIVE_MANIFEST_KEYS}
+    digest.update(b"\0manifest\0")
+    digest.update(json.dumps(answering, sort_keys=True, separators=(",", ":")).encode())
+    return digest.hexdigest()[:16]
+
+
+def legacy_model_version_of(files: Mapping[str, Mapping[str, Any]]) -> str:
+    """The version nca-knn 0.1 artifacts were written with (the array and index files
+    only); still accepted as the stored version of an older artifact, which is then served
+    under its full :func:`model_version_of`."""
     digest = hashlib.sha256()
     for name in (*ARRAY_SPECS, "index"):
         if name in files:
@@ -678,12 +721,14 @@ def read_artifact(path: str | os.PathLike) -> Artifact:
             entry = files["index"]
             index_bytes = directory.read(entry.get("path"), "listed in the manifest as index")
             _check_sha256(root / entry["path"], index_bytes, entry.get("sha256"))
-    expected_version = model_version_of(files)
-    if manifest.get("model_version", expected_version) != expected_version:
+    expected_version = model_version_of(manifest)
+    stored = manifest.get("model_version", expected_version)
+    if stored not in (expected_version, legacy_model_version_of(files)):
         raise ArtifactError(
-            f"{root / MANIFEST_FILE}: model_version is {manifest['model_version']!r} but the "
-            f"files it lists hash to {expected_version!r} (a manifest from another artifact?)"
+            f"{root / MANIFEST_FILE}: model_version is {stored!r} but the files and fields it "
+            f"lists hash to {expected_version!r} (a manifest from another artifact, or edited)"
         )
+    manifest = {**manifest, "model_version": expected_version}
     classes = manifest["classes"]
     for name in ("labels", "validation_labels"):
         labels = arrays.get(name)

@@ -74,6 +74,33 @@ class Settings(BaseSettings):
     log_level: str = Field("info", description="debug, info, warning, error")
     log_json: bool = Field(True, description="structured JSON log lines")
 
+    # connections (per worker process; see service/connections.py)
+    max_connections: int = Field(
+        1000,
+        ge=1,
+        description="most open HTTP connections per worker process; a connection beyond it "
+        "is answered 503 at once and closed. The open-files limit must exceed it by 128 "
+        "(checked at start-up; the soft limit is raised when the hard one allows). Budget "
+        "about 300 KiB per connection at the header limit: 1000 fit a 512 MiB pod",
+    )
+    header_timeout_seconds: float = Field(
+        10.0,
+        gt=0,
+        description="the request line and headers must arrive within this many seconds of "
+        "the connection opening (or of a request's first byte); else 408 and close",
+    )
+    keep_alive_timeout_seconds: float = Field(
+        5.0, gt=0, description="close a kept-alive connection idle this many seconds"
+    )
+    max_header_bytes: int = Field(
+        32768,
+        ge=1024,
+        description="largest request line plus headers in bytes; beyond it 431 and close",
+    )
+    max_headers: int = Field(
+        100, ge=8, description="most header fields in one request; beyond it 431 and close"
+    )
+
     # limits and backpressure
     max_batch_rows: int = Field(4096, ge=1, description="most instances in one request (413)")
     max_body_bytes: int = Field(

@@ -61,8 +61,36 @@ class MethodNotAllowed(ServiceError):
     error_type = "method_not_allowed"
 
 
+class MalformedRequest(ServiceError):
+    """Not HTTP the server can parse (refused on the connection, before any route)."""
+
+    error_type = "malformed_request"
+
+
+class RequestTimeout(ServiceError):
+    """The request line and headers did not arrive in time (header_timeout_seconds)."""
+
+    error_type = "request_timeout"
+
+
+class HeaderFieldsTooLarge(ServiceError):
+    """Headers over max_header_bytes or max_headers."""
+
+    error_type = "header_fields_too_large"
+
+
+class TooManyConnections(ServiceError):
+    """The process holds max_connections open connections."""
+
+    error_type = "too_many_connections"
+
+
 STATUS: dict[type[ServiceError], int] = {
     EmptyBatch: 400,
+    MalformedRequest: 400,
+    RequestTimeout: 408,
+    HeaderFieldsTooLarge: 431,
+    TooManyConnections: 503,
     Unauthorized: 401,
     NotFound: 404,
     MethodNotAllowed: 405,

@@ -77,6 +77,7 @@ HealthCheckRequest = message("grpc.health.v1.HealthCheckRequest")
 HealthCheckResponse = message("grpc.health.v1.HealthCheckResponse")
 SERVING, NOT_SERVING = 1, 2
 SERVICE_UNKNOWN = 3
+WATCH_POLL_SECONDS = 0.25  # how soon a Watch stream sees a change of status
 
 
 def parameter(value) -> object:
@@ -223,7 +224,9 @@ def infer_call(request, model, max_rows: int) -> oip.InferCall:
 
 class HealthService:
     """grpc.health.v1.Health: SERVING while a model is loaded and the server not draining;
-    the overall server ("") and the inference service are known."""
+    the overall server ("") and the inference service are known. A Watch stream gets the
+    status at once and on every change; when the server starts draining it gets NOT_SERVING
+    and the stream ends, so an open watcher never holds up shutdown."""
 
     KNOWN = ("", INFERENCE_SERVICE)
 
@@ -252,7 +255,9 @@ class HealthService:
             if current != last:
                 yield HealthCheckResponse(status=current)
                 last = current
-            await asyncio.sleep(1.0)
+            if self.state.engine.draining:
+                return  # NOT_SERVING was sent: end the stream so shutdown need not wait for it
+            await asyncio.sleep(WATCH_POLL_SECONDS)
 
 
 class Undecodable:

@@ -20,6 +20,8 @@ from prometheus_client import (
     multiprocess,
 )
 
+from service.connections import REFUSAL_REASONS
+
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
@@ -104,6 +106,21 @@ class Metrics:
             "threshold (the request's outlier_quantile, else the setting's)",
             registry=r,
         )
+        self.connections_refused = Counter(
+            "ncaknn_connections_refused",
+            "HTTP connections refused before any route by reason: header_timeout (408), "
+            "headers_too_large or too_many_headers (431), over_capacity (503)",
+            ["reason"],
+            registry=r,
+        )
+        for reason in REFUSAL_REASONS:
+            self.connections_refused.labels(reason)
+        self.open_connections = Gauge(
+            "ncaknn_open_connections",
+            "open HTTP connections (limit: max_connections per worker)",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
         self.model_loads = Counter("ncaknn_model_loads", "successful model loads", registry=r)
         self.model_load_failures = Counter(
             "ncaknn_model_load_failures",
@@ -129,6 +146,10 @@ class Metrics:
             multiprocess.MultiProcessCollector(registry)
             return generate_latest(registry), CONTENT_TYPE_LATEST
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def connection_refused(self, reason: str) -> None:
+        if reason in REFUSAL_REASONS:  # labels from the fixed set only
+            self.connections_refused.labels(reason).inc()
 
     def count_fallback(self, far_rows: int, underfilled_rows: int) -> None:
         if far_rows:

@@ -40,6 +40,7 @@ import numpy as np
 from service.answers import class_array
 from service.engine import Answer, LoadedModel
 from service.errors import EmptyBatch, InvalidInput, NotFound, PayloadTooLarge
+from service.integers import check_int_range, finite_number
 from service.knn import outlier_flags
 from service.payload import to_rows
 from service.vocabulary import RULES
@@ -177,16 +178,12 @@ def parameter_value(name: str, value: Any) -> Any:
     """Our request parameters, strictly: k an integer >= 1, rule one of RULES,
     outlier_quantile a number."""
     if name == "k":
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise InvalidInput(f"parameter k must be an integer >= 1, got {value!r}")
-        return value
+        return check_int_range(value, "parameter k", minimum=1)
     if name == "rule":
-        if value not in RULES:
+        if not isinstance(value, str) or value not in RULES:
             raise InvalidInput(f"parameter rule must be one of {list(RULES)}, got {value!r}")
         return value
-    if isinstance(value, bool) or not isinstance(value, int | float) or not np.isfinite(value):
-        raise InvalidInput(f"parameter outlier_quantile must be a number, got {value!r}")
-    return float(value)
+    return finite_number(value, "parameter outlier_quantile")
 
 
 def split_parameters(parameters: dict[str, Any] | None) -> tuple[dict, dict]:

@@ -155,6 +155,17 @@ def parse_json(body: bytes, schema: type[InstancesBody], *, n_features: int, max
         return msgspec.json.decode(body, type=schema)
     except msgspec.MsgspecError as exc:
         raise InvalidInput(describe_decode_error(exc)) from None
+    except UnicodeDecodeError as exc:
+        raise InvalidInput(describe_unicode_error(exc)) from None
+
+
+def describe_unicode_error(exc: UnicodeDecodeError, what: str = "the JSON body") -> str:
+    """The message for bytes that are not UTF-8 where JSON text (RFC 8259: UTF-8) is due."""
+    bad = exc.object[exc.start : exc.start + 1].hex()
+    return (
+        f"{what} is not valid UTF-8: byte 0x{bad} at offset {exc.start} of a string "
+        f"({exc.reason}); JSON text must be encoded as UTF-8"
+    )
 
 
 def parse_npy(body: bytes, *, n_features: int, max_rows: int) -> np.ndarray:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
 
 from service.deps import State, check_api_key
 from service.errors import NotReady
@@ -38,5 +39,6 @@ async def readyz(state: State) -> JSONResponse:
 async def metrics(request: Request, state: State) -> Response:
     if state.settings.metrics_require_api_key:
         check_api_key(request, state.settings.api_key)
-    content, media_type = state.metrics.exposition()
+    # rendered in a worker thread: a scrape never holds the event loop (and the probes)
+    content, media_type = await run_in_threadpool(state.metrics.exposition)
     return Response(content, media_type=media_type)

@@ -23,6 +23,7 @@ from service import memory, oip
 from service.deps import AppState, check_api_key
 from service.engine import Answer, LoadedModel
 from service.errors import InvalidInput, PayloadTooLarge
+from service.integers import parse_count
 from service.payload import (
     JSON,
     NPY,
@@ -65,8 +66,10 @@ def app_state(request: Request) -> AppState:
 async def read_body(request: Request, limit: int, what: str) -> bytes:
     """The request body, refused with 413 as soon as it passes ``limit``."""
     declared = request.headers.get("content-length")
-    if declared is not None and declared.strip().isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"request body of {int(declared)} bytes; the limit is {limit} {what}")
+    if declared is not None and parse_count(declared.strip(), "Content-Length") > limit:
+        raise PayloadTooLarge(
+            f"request body of {declared.strip()} bytes; the limit is {limit} {what}"
+        )
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
@@ -88,9 +91,7 @@ def query_options(request: Request, allowed: tuple[str, ...]) -> dict[str, Any]:
         if name in options:
             raise InvalidInput(f"query parameter {name!r} is given more than once")
         if name == "k":
-            if not value.isascii() or not value.isdigit() or int(value) < 1:
-                raise InvalidInput(f"query parameter k must be an integer >= 1, got {value!r}")
-            options[name] = int(value)
+            options[name] = parse_count(value, "query parameter k", minimum=1)
         elif name == "rule":
             if value not in RULES:
                 raise InvalidInput(

@@ -33,7 +33,8 @@ from service.errors import (
     UnsupportedMediaType,
     status_of,
 )
-from service.payload import JSON, body_limit
+from service.integers import parse_count
+from service.payload import JSON, body_limit, describe_unicode_error
 from service.routes import pipeline
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol (KServe V2)"])
@@ -187,6 +188,8 @@ def _values(tensor: V2Input, raw: bytes | None) -> np.ndarray:
         return np.asarray(decode_flat(tensor.data), dtype=np.float64)
     except msgspec.ValidationError:
         pass
+    except UnicodeDecodeError as exc:
+        raise InvalidInput(describe_unicode_error(exc, f"input {tensor.name!r} data")) from None
     try:
         return np.asarray(decode_nested(tensor.data), dtype=np.float64).reshape(-1)
     except (msgspec.ValidationError, ValueError):
@@ -222,16 +225,19 @@ def parse_infer(body: bytes, header_length: str | None, model, max_rows: int) ->
     if header_length is None:
         head, binary = body, b""
     else:
-        if not header_length.strip().isdigit() or not 0 < int(header_length) <= len(body):
+        length = parse_count(header_length.strip(), "Inference-Header-Content-Length")
+        if not 0 < length <= len(body):
             raise InvalidInput(
-                f"Inference-Header-Content-Length is {header_length!r}; expected the byte "
-                f"length of the JSON header, between 1 and the body's {len(body)} bytes"
+                f"Inference-Header-Content-Length is {length}; expected the byte length of "
+                f"the JSON header, between 1 and the body's {len(body)} bytes"
             )
-        head, binary = body[: int(header_length)], body[int(header_length) :]
+        head, binary = body[:length], body[length:]
     try:
         request = decode_request(head)
     except msgspec.DecodeError as exc:
         raise InvalidInput(f"the inference request is not valid: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise InvalidInput(describe_unicode_error(exc, "the inference request")) from None
     ours, protocol = oip.split_parameters(request.parameters)
     sizes = _binary_sizes(request)
     declared = sum(s for s in sizes if s is not None)
@@ -333,7 +339,8 @@ async def infer(request: Request, model_name: str | None = None, model_version=N
         )
     else:
         call = parse_infer(body, header_length, model, settings.max_batch_rows)
-    json_values = _json_values(call, model)
+    k = pipeline.checked_k(model, settings.max_k, call.k)  # 422 before the answer's size
+    json_values = _json_values(call, model, k)
     if json_values > settings.max_response_values:
         raise PayloadTooLarge(
             f"the JSON outputs would hold {json_values} numbers; the limit max_response_values "
@@ -348,9 +355,8 @@ async def infer(request: Request, model_name: str | None = None, model_version=N
     return Response(content, media_type=OCTET, headers=headers)
 
 
-def _json_values(call: oip.InferCall, model) -> int:
+def _json_values(call: oip.InferCall, model, k: int) -> int:
     """Numbers the answer would carry as JSON (binary outputs cost no encoding)."""
-    k = call.k or model.artifact.default_k
     binary = binary_flags(call)
     return len(call.rows) * sum(
         oip.values_per_row(model, o.name, k) for o in call.outputs if not binary[o.name]
