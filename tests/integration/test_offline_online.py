@@ -102,3 +102,18 @@ def test_far_away_offline_equals_online(trained_digits):
     # 1.5e-4 up to the median, 7e-3 up to the 0.9-quantile, 0.51 at the farthest
     # (with l2 = 0: 4e-7, 7e-4, 0.81)
     assert gap[nearest <= np.median(nearest)].max() < 1e-3
+
+
+def test_every_manifest_field_of_a_trained_model_is_classified(trained_digits):
+    """Each field the training job writes is either descriptive (not in the model version)
+    or one of the fields below that change answers; a new field must be placed in one of the
+    two on purpose (an unplaced one counts towards the version)."""
+    from service.artifact import DESCRIPTIVE_MANIFEST_KEYS, read_artifact
+
+    answering = {
+        "format", "schema_version", "n_features_in", "n_components", "n_references",
+        "n_validation", "classes", "default_k", "decision_rule", "standardization",
+        "outlier_calibration",
+    }  # fmt: skip
+    manifest = read_artifact(trained_digits[0]).manifest
+    assert set(manifest) - DESCRIPTIVE_MANIFEST_KEYS == answering

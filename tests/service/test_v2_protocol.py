@@ -307,6 +307,13 @@ def tensor(shape, datatype="FP32", **extra):
     return {"name": "input", "shape": shape, "datatype": datatype, **extra}
 
 
+def infer_body(parameters: str, rows: int = 1) -> bytes:
+    """A valid JSON infer body of ``rows`` zero rows with the request parameters given as
+    JSON text (numbers of any size)."""
+    inputs = json.dumps([tensor([rows, 64], data=[0.0] * (64 * rows))])
+    return f'{{"inputs": {inputs}, "parameters": {{{parameters}}}}}'.encode()
+
+
 @pytest.mark.parametrize(
     "case, body, headers, status, fragment",
     [
@@ -462,6 +469,52 @@ def tensor(shape, datatype="FP32", **extra):
         ),
         ("text body", b"hello", {"content-type": "text/plain"}, 415, "Content-Type"),
         ("not json", b"{inputs", {}, 422, "not valid"),
+        (
+            "header length of 4301 digits",
+            b'{"inputs": []}',
+            {"inference-header-content-length": "9" * 4301},
+            422,
+            "1 to 18 ASCII digits",
+        ),
+        (
+            "header length a Unicode digit",
+            b'{"inputs": []}',
+            {"inference-header-content-length": "²".encode()},
+            422,
+            "1 to 18 ASCII digits",
+        ),
+        *[
+            (f"outlier_quantile {name}", infer_body(f'"outlier_quantile": {value}'), {}, 422, says)
+            for name, value, says in (
+                ("2**64", 2**64, "must lie in [0.5, 0.999]"),
+                ("-(2**64)", -(2**64), "must lie in [0.5, 0.999]"),
+                ("1e999", "1e999", "Number out of range"),
+            )
+        ],
+        *[
+            (
+                f"k {name} before the answer size",
+                infer_body(f'"k": {value}', rows=64),
+                {},
+                422,
+                "over the limit max_k",
+            )
+            for name, value in (("10**30", 10**30), ("2**63", 2**63))
+        ],
+        (
+            "invalid UTF-8 in a key",
+            b'{"inputs": [], "\xff": 1}',
+            {},
+            422,
+            "not valid UTF-8",
+        ),
+        (
+            "invalid UTF-8 in a string",
+            b'{"inputs": [{"name": "in\xffput", "shape": [1, 64], "datatype": "FP32", "data": []}]}',
+            {},
+            422,
+            "not valid UTF-8",
+        ),
     ],
 )
 def test_malformed_rest_bodies(rest, case, body, headers, status, fragment):
@@ -720,6 +773,61 @@ def test_sigterm_under_grpc_load_finishes_every_accepted_call(model_artifact):
             t.join(30)
         assert results == [(1,)] * 8
         assert proc.wait(30) in (0, -signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_sigterm_ends_health_watch_streams_and_does_not_wait_for_them(model_artifact):
+    """Open grpc.health.v1.Health/Watch streams (no key needed) are told NOT_SERVING when the
+    server drains, then end: the process exits long before the grace period runs out."""
+    import signal
+    import threading
+    import time
+
+    grace = 20
+    port, grpc_port = free_port(), free_port()
+    proc = start_server(
+        model_artifact[0],
+        port,
+        NCAKNN_GRPC_PORT=grpc_port,
+        NCAKNN_API_KEY=KEY,
+        NCAKNN_GRACEFUL_SHUTDOWN_SECONDS=grace,
+        NCAKNN_DRAIN_DELAY_SECONDS=0.2,
+    )
+    try:
+        wait_ready(f"http://127.0.0.1:{port}", proc)
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            request_type, watch = health_stub(channel, "Watch")
+            seen: list[list[int]] = [[] for _ in range(3)]
+            streams = [watch(request_type(), timeout=60) for _ in range(3)]
+            for stream, statuses in zip(streams, seen, strict=True):
+                statuses.append(next(stream).status)
+
+            def drain(stream, statuses):
+                try:
+                    for response in stream:
+                        statuses.append(response.status)
+                    statuses.append("ended")
+                except grpc.RpcError as exc:
+                    statuses.append(exc.code())
+
+            readers = [
+                threading.Thread(target=drain, args=pair)
+                for pair in zip(streams, seen, strict=True)
+            ]
+            for t in readers:
+                t.start()
+            started = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(grace + 10)
+            took = time.monotonic() - started
+            for t in readers:
+                t.join(10)
+        print(f"exit {took:.2f} s after SIGTERM with 3 Watch streams open (grace {grace} s)")
+        assert code in (0, -signal.SIGTERM)
+        assert seen == [[1, 2, "ended"]] * 3  # SERVING, NOT_SERVING, then the stream ended
+        assert took < grace / 2
     finally:
         if proc.poll() is None:
             proc.kill()

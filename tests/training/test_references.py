@@ -309,3 +309,34 @@ def test_cli_remove_prints_a_summary_and_publishes(base, tmp_path, capsys):
     summary = json.loads(capsys.readouterr().out)
     assert summary["rows_removed"] == 3 and summary["published"] == str(tmp_path / "current")
     assert read_artifact(tmp_path / "current").version == read_artifact(tmp_path / "v2").version
+
+
+def test_remove_add_a_class_remove_again_gives_three_versions_and_three_reloads(base, tmp_path):
+    """Remove one reference; add three rows of a new class; remove those three again. The
+    last model has the same arrays' shapes as the first but 11 classes: every step is a new
+    version, and a reload of each says "reloaded" with 10, 11 and 11 probabilities."""
+    path, split = base
+    parent = read_artifact(path)
+    link = tmp_path / "current"
+    remove_references(path, [int(parent.ids[0])], out=tmp_path / "v1")
+    publish(str(link), tmp_path / "v1")
+    rows = split.X_test[:3]
+    added = add_references(tmp_path / "v1", rows, np.array([99, 99, 99]), out=tmp_path / "v2")
+    first_new, last_new = added["ids"]
+    versions, widths = [], []
+    with TestClient(create_app(settings_for(link))) as client:
+        for step in ("v1", "v2", "v3"):
+            if step == "v3":
+                remove_references(
+                    tmp_path / "v2", list(range(first_new, last_new + 1)), out=tmp_path / "v3"
+                )
+            if step != "v1":
+                publish(str(link), tmp_path / step)
+                reload = client.post("/v1/admin/reload").json()
+                assert reload["status"] == "reloaded", (step, reload)
+            r = client.post("/v1/classify", json={"instances": split.X_test[:2].tolist()})
+            versions.append(r.headers["x-model-version"])
+            widths.append(len(r.json()["predictions"][0]["probabilities"]))
+    assert len(set(versions)) == 3, versions
+    assert widths == [10, 11, 11]
+    assert [read_artifact(tmp_path / s).version for s in ("v1", "v2", "v3")] == versions

@@ -1,0 +1,340 @@
+"""Connection-level limits against a real ``python -m service`` (service.connections): idle
+and silent connections, slow headers, header bombs, the connection cap and the open-files
+check. Each bound a test states is printed with what it measured."""
+
+from __future__ import annotations
+
+import resource
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from service import connections
+from tests.service.test_server import ROOT, free_port, start_server, wait_ready
+from tests.service.test_server_robustness import rss_mib, stop_server
+
+KEY = "conn-key"
+MAX_CONNECTIONS = 64
+HEADER_TIMEOUT = 1.0
+KEEP_ALIVE = 1.0
+MAX_HEADER_BYTES = 16384
+MAX_HEADERS = 50
+ROW = [0.5] * 64
+FRESH_CLIENT_BOUND = 2.0  # seconds for a fresh client's answer while others hold connections
+
+
+@pytest.fixture(scope="module")
+def server(model_artifact):
+    port = free_port()
+    proc = start_server(
+        model_artifact[0],
+        port,
+        NCAKNN_API_KEY=KEY,
+        NCAKNN_MAX_CONNECTIONS=MAX_CONNECTIONS,
+        NCAKNN_HEADER_TIMEOUT_SECONDS=HEADER_TIMEOUT,
+        NCAKNN_KEEP_ALIVE_TIMEOUT_SECONDS=KEEP_ALIVE,
+        NCAKNN_MAX_HEADER_BYTES=MAX_HEADER_BYTES,
+        NCAKNN_MAX_HEADERS=MAX_HEADERS,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, proc)
+        yield port, url, proc
+    finally:
+        stop_server(proc)
+
+
+def connect(port: int) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def read_response(sock: socket.socket, timeout: float = 10) -> tuple[int, bytes, bytes]:
+    """(status, head, body) of one response read to the end of its Content-Length."""
+    sock.settimeout(timeout)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ConnectionError(f"closed before a full response: {data[:200]!r}")
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return int(head.split()[1]), head, body
+
+
+def closed_by_server(sock: socket.socket, timeout: float = 5) -> bool:
+    sock.settimeout(timeout)
+    try:
+        while sock.recv(65536):
+            pass
+        return True
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def get(port: int, path: str, extra: bytes = b"") -> tuple[int, bytes, bytes]:
+    with connect(port) as sock:
+        sock.sendall(b"GET " + path.encode() + b" HTTP/1.1\r\nhost: t\r\n" + extra + b"\r\n")
+        return read_response(sock)
+
+
+def error_type(body: bytes) -> str:
+    import json
+
+    payload = json.loads(body)
+    assert set(payload) == {"error", "error_type"}, payload
+    return payload["error_type"]
+
+
+def refused_count(url: str, reason: str) -> float:
+    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+        if line.startswith(f'ncaknn_connections_refused_total{{reason="{reason}"}}'):
+            return float(line.split()[-1])
+    raise AssertionError(f"no refusal counter for {reason}")
+
+
+def test_idle_connections_do_not_starve_a_fresh_client(server):
+    """MAX_CONNECTIONS - 8 silent connections held open: a fresh client still gets /healthz
+    and a classification within FRESH_CLIENT_BOUND; then the silent ones are cut off by the
+    header timeout (408) rather than held for ever."""
+    port, url, _ = server
+    idle = [connect(port) for _ in range(MAX_CONNECTIONS - 8)]
+    try:
+        started = time.perf_counter()
+        assert httpx.get(f"{url}/healthz", timeout=5).status_code == 200
+        r = httpx.post(
+            f"{url}/v1/classify",
+            json={"instances": [ROW]},
+            headers={"authorization": f"Bearer {KEY}"},
+            timeout=5,
+        )
+        took = time.perf_counter() - started
+        print(f"fresh client beside {len(idle)} idle connections: {took * 1e3:.1f} ms")
+        assert r.status_code == 200 and took < FRESH_CLIENT_BOUND
+        statuses = []
+        for sock in idle:
+            status, _, body = read_response(sock, timeout=HEADER_TIMEOUT + 5)
+            statuses.append((status, error_type(body)))
+            assert closed_by_server(sock)
+        assert set(statuses) == {(408, "request_timeout")}
+    finally:
+        for sock in idle:
+            sock.close()
+
+
+def test_a_slow_header_client_is_cut_off_after_the_timeout(server):
+    """One header byte every 50 ms never completes the headers in time: 408 after
+    HEADER_TIMEOUT (not reset by each byte), and the connection is closed."""
+    port, url, _ = server
+    before = refused_count(url, "header_timeout")
+    request = b"GET /healthz HTTP/1.1\r\nhost: t\r\nx-slow: " + b"a" * 1000
+    with connect(port) as sock:
+        stop = threading.Event()
+
+        def trickle():
+            for byte in request:
+                if stop.wait(0.05):
+                    return
+                try:
+                    sock.sendall(bytes([byte]))
+                except OSError:
+                    return
+
+        sender = threading.Thread(target=trickle)
+        started = time.perf_counter()
+        sender.start()
+        try:
+            status, _, body = read_response(sock)
+            cut_off = time.perf_counter() - started
+            assert closed_by_server(sock)
+        finally:
+            stop.set()
+            sender.join()
+    print(f"slow header client answered {status} after {cut_off:.2f} s")
+    assert status == 408 and error_type(body) == "request_timeout"
+    assert HEADER_TIMEOUT - 0.1 <= cut_off <= HEADER_TIMEOUT + 3
+    assert refused_count(url, "header_timeout") >= before + 1
+
+
+def test_keep_alive_connections_are_closed_when_idle(server):
+    port, _, _ = server
+    with connect(port) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nhost: t\r\n\r\n")
+        assert read_response(sock)[0] == 200
+        started = time.perf_counter()
+        assert closed_by_server(sock, timeout=KEEP_ALIVE + 5)
+        assert time.perf_counter() - started >= KEEP_ALIVE - 0.1
+
+
+@pytest.mark.parametrize(
+    "extra, reason",
+    [
+        (b"".join(b"x-h%d: v\r\n" % i for i in range(MAX_HEADERS + 1)), "too_many_headers"),
+        (b"".join(b"x-h%d: v\r\n" % i for i in range(20_000)), "too_many_headers"),
+        (b"x-big: " + b"a" * MAX_HEADER_BYTES + b"\r\n", "headers_too_large"),
+        (
+            b"cookie: " + b"a" * 6000 + b"\r\n" + b"x-b: " + b"b" * 11000 + b"\r\n",
+            "headers_too_large",
+        ),
+    ],
+    ids=["51 headers", "20000 headers", "one large header", "several large headers"],
+)
+def test_headers_over_a_limit_are_refused_with_431(server, extra, reason):
+    port, url, _ = server
+    before = refused_count(url, reason)
+    status, head, body = get(port, "/healthz", extra)
+    assert status == 431 and error_type(body) == "header_fields_too_large"
+    assert b"connection: close" in head.lower()
+    assert refused_count(url, reason) == before + 1
+
+
+def test_headers_just_under_the_limits_are_served(server):
+    port, _, _ = server
+    extra = b"".join(b"x-h%d: v\r\n" % i for i in range(MAX_HEADERS - 2))
+    assert get(port, "/healthz", extra)[0] == 200
+    assert get(port, "/healthz", b"x-big: " + b"a" * (MAX_HEADER_BYTES - 200) + b"\r\n")[0] == 200
+
+
+def test_a_header_bomb_is_refused_without_holding_memory(server):
+    """64 MiB of one header value, streamed and never finished: 431 once the limit is
+    passed, the rest dropped; the server's RSS grows by less than 32 MiB."""
+    port, url, proc = server
+    before = rss_mib(proc.pid)
+    with connect(port) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nhost: t\r\nx-bomb: ")
+        chunk = b"a" * 65536
+        sent = 0
+        try:
+            for _ in range(1024):
+                sock.sendall(chunk)
+                sent += len(chunk)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        peak = rss_mib(proc.pid)
+        try:
+            status, _, body = read_response(sock)
+        except (ConnectionError, OSError):  # reset after the answer: it was refused early
+            status, body = 431, b'{"error":"","error_type":"header_fields_too_large"}'
+    print(f"header bomb: {sent / 2**20:.0f} MiB sent; RSS {before:.0f} -> {peak:.0f} MiB")
+    assert status == 431 and error_type(body) == "header_fields_too_large"
+    assert peak - before < 32
+    assert httpx.get(f"{url}/healthz", timeout=5).status_code == 200
+
+
+def test_the_connection_cap_answers_503_and_recovers(server):
+    """With MAX_CONNECTIONS held open, a new connection is answered 503 (the one error body)
+    at once and closed; when they are released the server serves again."""
+    port, url, _ = server
+    held = [connect(port) for _ in range(MAX_CONNECTIONS)]
+    try:
+        time.sleep(0.2)  # let the server accept them all
+        started = time.perf_counter()
+        status, head, body = get(port, "/healthz")
+        took = time.perf_counter() - started
+        assert b"connection: close" in head.lower()
+        print(f"over the cap: {status} in {took * 1e3:.1f} ms")
+        assert status == 503 and error_type(body) == "too_many_connections"
+        assert took < FRESH_CLIENT_BOUND
+    finally:
+        for sock in held:
+            sock.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the server did not serve again after the connections closed")
+    assert refused_count(url, "over_capacity") >= 1
+
+
+def test_malformed_http_gets_the_one_error_body(server):
+    port, _, _ = server
+    with connect(port) as sock:
+        sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+        status, _, body = read_response(sock)
+    assert status == 400 and error_type(body) == "malformed_request"
+
+
+# ---------------------------------------------------------------------- open files
+
+
+def test_check_open_files_raises_the_soft_limit_or_names_both(monkeypatch):
+    calls = []
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (256, 4096))
+    monkeypatch.setattr(resource, "setrlimit", lambda which, limits: calls.append(limits))
+    assert connections.check_open_files(1000) == 1000 + connections.RESERVED_FILES
+    assert calls == [(1000 + connections.RESERVED_FILES, 4096)]
+    calls.clear()
+    assert connections.check_open_files(64) == 256 and calls == []  # room enough: unchanged
+    with pytest.raises(ValueError, match=r"soft 256, hard 4096.*at most 3968"):
+        connections.check_open_files(5000)
+
+
+def test_a_server_whose_file_limit_cannot_hold_the_cap_refuses_to_start(model_artifact):
+    def low_limit():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (512, 512))
+
+    result = subprocess.run(
+        [sys.executable, "-m", "service", "--model", str(model_artifact[0]), "--port", "0"],
+        cwd=ROOT,
+        env={**__import__("os").environ, "NCAKNN_MAX_CONNECTIONS": "1000"},
+        preexec_fn=low_limit,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "max_connections=1000 needs 1128 open files" in result.stderr
+    assert "soft 512, hard 512" in result.stderr
+
+
+def test_a_server_raises_its_soft_file_limit_for_the_cap(model_artifact):
+    """Soft 256, hard 4096 and max_connections 1000: the server starts with soft 1128."""
+    port = free_port()
+
+    def low_soft_limit():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 4096))
+
+    import os
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "service", "--model", str(model_artifact[0]), "--port", str(port)],
+        cwd=ROOT,
+        env={**os.environ, "NCAKNN_MAX_CONNECTIONS": "1000", "NCAKNN_GRPC_PORT": "0"},
+        preexec_fn=low_soft_limit,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_ready(f"http://127.0.0.1:{port}", proc)
+        limits = [
+            line.split()[3:5]
+            for line in open(f"/proc/{proc.pid}/limits").read().splitlines()
+            if line.startswith("Max open files")
+        ]
+        assert limits == [["1128", "4096"]]
+    finally:
+        stop_server(proc)
