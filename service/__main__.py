@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: invalid settings: {exc}", file=sys.stderr)
         return 2
     try:
-        check_open_files(settings.max_connections)
+        check_open_files(settings.max_connections, listeners=2 if settings.grpc_port else 1)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -92,19 +92,21 @@ def set_observer(refused: Callable[[str], None], open_connections: Callable[[int
     observer.open_connections = open_connections
 
 
-def check_open_files(max_connections: int) -> int:
-    """Make sure this process may open ``max_connections + RESERVED_FILES`` files: raise the
-    soft RLIMIT_NOFILE towards the hard one when needed (workers inherit it). Returns the
-    soft limit now in force; ValueError naming both limits when the hard one is too low."""
-    needed = max_connections + RESERVED_FILES
+def check_open_files(max_connections: int, listeners: int = 1) -> int:
+    """Make sure this process may open ``listeners * max_connections + RESERVED_FILES`` files
+    (HTTP, and gRPC when it is on, each take up to max_connections): raise the soft
+    RLIMIT_NOFILE towards the hard one when needed (workers inherit it). Returns the soft
+    limit now in force; ValueError naming both limits when the hard one is too low."""
+    needed = listeners * max_connections + RESERVED_FILES
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and soft < needed:
         if hard != resource.RLIM_INFINITY and hard < needed:
             raise ValueError(
-                f"max_connections={max_connections} needs {needed} open files ({RESERVED_FILES} "
-                f"reserved for the server itself), but the open-files limit (RLIMIT_NOFILE) is "
-                f"soft {soft}, hard {hard}: set NCAKNN_MAX_CONNECTIONS to at most "
-                f"{max(1, hard - RESERVED_FILES)} or raise the limit (ulimit -n)"
+                f"max_connections={max_connections} on {listeners} listener(s) needs {needed} "
+                f"open files ({RESERVED_FILES} reserved for the server itself), but the "
+                f"open-files limit (RLIMIT_NOFILE) is soft {soft}, hard {hard}: set "
+                f"NCAKNN_MAX_CONNECTIONS to at most "
+                f"{max(1, (hard - RESERVED_FILES) // listeners)} or raise the limit (ulimit -n)"
             )
         resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
         soft = needed

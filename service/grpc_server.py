@@ -77,7 +77,8 @@ HealthCheckRequest = message("grpc.health.v1.HealthCheckRequest")
 HealthCheckResponse = message("grpc.health.v1.HealthCheckResponse")
 SERVING, NOT_SERVING = 1, 2
 SERVICE_UNKNOWN = 3
-WATCH_POLL_SECONDS = 0.25  # how soon a Watch stream sees a change of status
+WATCH_POLL_SECONDS = 0.25
+GRPC_IDLE_SECONDS = 300  # gRPC clients keep channels open between calls: close after 5 min  # how soon a Watch stream sees a change of status
 
 
 def parameter(value) -> object:
@@ -321,17 +322,28 @@ def handlers(state: AppState) -> list:
     ]
 
 
+def server_options(settings) -> list[tuple[str, int]]:
+    """gRPC core's channel arguments: the message size limit, and the same connection limits
+    as HTTP (service.connections): at most ``max_connections`` open connections (beyond it a
+    new one is refused, UNAVAILABLE), the HTTP/2 handshake within ``header_timeout_seconds``
+    (a connection that sends nothing is closed), metadata (headers) within
+    ``max_header_bytes``, and an idle connection closed after GRPC_IDLE_SECONDS."""
+    return [
+        ("grpc.max_receive_message_length", settings.max_body_bytes),
+        ("grpc.max_send_message_length", -1),
+        ("grpc.so_reuseport", 1),
+        ("grpc.max_allowed_incoming_connections", settings.max_connections),
+        ("grpc.server_handshake_timeout_ms", int(settings.header_timeout_seconds * 1000)),
+        ("grpc.max_metadata_size", settings.max_header_bytes),
+        ("grpc.max_connection_idle_ms", GRPC_IDLE_SECONDS * 1000),
+    ]
+
+
 async def start(state: AppState) -> grpc.aio.Server:
     """Bind ``grpc_port`` on ``host`` and serve; the caller stops it (``stop``). Several
     workers may bind the same port (SO_REUSEPORT, gRPC's default on Linux)."""
     settings = state.settings
-    server = grpc.aio.server(
-        options=[
-            ("grpc.max_receive_message_length", settings.max_body_bytes),
-            ("grpc.max_send_message_length", -1),
-            ("grpc.so_reuseport", 1),
-        ]
-    )
+    server = grpc.aio.server(options=server_options(settings))
     server.add_generic_rpc_handlers(handlers(state))
     address = f"{settings.host}:{settings.grpc_port}"
     if server.add_insecure_port(address) == 0:

@@ -58,6 +58,14 @@ ROUTE_ERRORS = {
     "/v2/models/{model_name}/infer": V2_INFER_ERRORS,
     "/v2/models/{model_name}/versions/{model_version}/infer": V2_INFER_ERRORS,
 }
+V2_HEADER_LENGTH = {
+    "name": "Inference-Header-Content-Length",
+    "in": "header",
+    "required": False,
+    "description": "with binary tensor data: the byte length of the JSON request at the start "
+    "of the body (1 to 18 ASCII digits, at most the body's length)",
+    "schema": {"type": "integer", "minimum": 1, "maximum": 10**18 - 1},
+}
 V2_ERROR_BODY = {
     "type": "object",
     "required": ["error"],
@@ -246,6 +254,7 @@ def _describe_v2(path: str, operation: dict, limits: dict[str, Any]) -> None:
             parameter["schema"] = {"type": "string", "enum": [value]}
     if path.endswith("/infer"):
         operation["requestBody"] = V2_INFER_BODY
+        operation.setdefault("parameters", []).append(V2_HEADER_LENGTH)
         operation["responses"]["200"] = {
             "description": "the inference response (JSON), or the JSON header followed by "
             "binary outputs (application/octet-stream, with Inference-Header-Content-Length)",

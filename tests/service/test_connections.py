@@ -290,6 +290,8 @@ def test_check_open_files_raises_the_soft_limit_or_names_both(monkeypatch):
     assert connections.check_open_files(64) == 256 and calls == []  # room enough: unchanged
     with pytest.raises(ValueError, match=r"soft 256, hard 4096.*at most 3968"):
         connections.check_open_files(5000)
+    with pytest.raises(ValueError, match=r"on 2 listener\(s\) needs 4128 .*at most 1984"):
+        connections.check_open_files(2000, listeners=2)  # HTTP and gRPC
 
 
 def test_a_server_whose_file_limit_cannot_hold_the_cap_refuses_to_start(model_artifact):
@@ -299,14 +301,14 @@ def test_a_server_whose_file_limit_cannot_hold_the_cap_refuses_to_start(model_ar
     result = subprocess.run(
         [sys.executable, "-m", "service", "--model", str(model_artifact[0]), "--port", "0"],
         cwd=ROOT,
-        env={**__import__("os").environ, "NCAKNN_MAX_CONNECTIONS": "1000"},
+        env={**__import__("os").environ, "NCAKNN_MAX_CONNECTIONS": "1000", "NCAKNN_GRPC_PORT": "1"},
         preexec_fn=low_limit,
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert result.returncode == 2, result.stderr
-    assert "max_connections=1000 needs 1128 open files" in result.stderr
+    assert "max_connections=1000 on 2 listener(s) needs 2128 open files" in result.stderr
     assert "soft 512, hard 512" in result.stderr
 
 
@@ -336,5 +338,68 @@ def test_a_server_raises_its_soft_file_limit_for_the_cap(model_artifact):
             if line.startswith("Max open files")
         ]
         assert limits == [["1128", "4096"]]
+    finally:
+        stop_server(proc)
+
+
+def test_grpc_has_the_same_connection_limits(model_artifact):
+    """The gRPC port: past max_connections a new channel is refused at once (UNAVAILABLE),
+    a TCP connection that never completes the HTTP/2 handshake is closed after the header
+    timeout, and metadata over max_header_bytes is refused."""
+    import grpc
+
+    from service.protocol import message
+
+    port, grpc_port = free_port(), free_port()
+    proc = start_server(
+        model_artifact[0],
+        port,
+        NCAKNN_GRPC_PORT=grpc_port,
+        NCAKNN_MAX_CONNECTIONS=8,
+        NCAKNN_HEADER_TIMEOUT_SECONDS=HEADER_TIMEOUT,
+        NCAKNN_MAX_HEADER_BYTES=MAX_HEADER_BYTES,
+    )
+    request_type = message("grpc.health.v1.HealthCheckRequest")
+    response_type = message("grpc.health.v1.HealthCheckResponse")
+
+    def check(metadata=()):
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            stub = channel.unary_unary(
+                "/grpc.health.v1.Health/Check",
+                request_serializer=request_type.SerializeToString,
+                response_deserializer=response_type.FromString,
+            )
+            return stub(request_type(), timeout=5, metadata=metadata).status
+
+    try:
+        wait_ready(f"http://127.0.0.1:{port}", proc)
+        assert check() == 1
+        with pytest.raises(grpc.RpcError) as info:
+            check(metadata=[("x-big", "a" * (2 * MAX_HEADER_BYTES))])
+        assert info.value.code() != grpc.StatusCode.OK
+        silent = socket.create_connection(("127.0.0.1", grpc_port), timeout=10)
+        started = time.perf_counter()
+        assert closed_by_server(silent, timeout=HEADER_TIMEOUT + 10)
+        print(f"gRPC: a silent connection closed after {time.perf_counter() - started:.2f} s")
+        silent.close()
+        held = [socket.create_connection(("127.0.0.1", grpc_port)) for _ in range(8)]
+        try:
+            time.sleep(0.2)
+            started = time.perf_counter()
+            with pytest.raises(grpc.RpcError) as info:
+                check()
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert time.perf_counter() - started < FRESH_CLIENT_BOUND
+        finally:
+            for sock in held:
+                sock.close()
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                assert check() == 1
+                break
+            except grpc.RpcError:
+                assert time.monotonic() < deadline, "gRPC did not serve again"
+                time.sleep(0.2)
     finally:
         stop_server(proc)
