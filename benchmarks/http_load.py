@@ -102,7 +102,9 @@ def wait_ready(proc: subprocess.Popen, port: int, path: str = "/readyz") -> None
     raise RuntimeError(f"server did not start: {proc.stderr.read().decode()[-2000:]}")
 
 
-def start_uvicorn(app: str, model: Path, cores: str | None = SERVER_CORE) -> tuple:
+def start_uvicorn(
+    app: str, model: Path, cores: str | None = SERVER_CORE, http: str = "httptools"
+) -> tuple:
     port = free_port()
     env = {
         **os.environ,
@@ -127,7 +129,7 @@ def start_uvicorn(app: str, model: Path, cores: str | None = SERVER_CORE) -> tup
         "--loop",
         "uvloop",
         "--http",
-        "httptools",
+        http,
         "--no-access-log",
         "--log-level",
         "warning",
