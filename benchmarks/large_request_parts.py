@@ -25,6 +25,7 @@ from common import median, print_table
 from service.answers import classify_json, classify_npy
 from service.config import Settings
 from service.engine import Engine
+from service.infer import Query, infer_one, resolve
 from service.payload import ClassifyBody, parse_json, parse_npy, to_rows
 from service.routes.pipeline import json_encoder
 
@@ -65,13 +66,13 @@ def main() -> None:
         return to_rows(instances, n_features=d, max_rows=args.rows, abs_max=limit)
 
     rows = parse_npy_body()
-    z = model.embed(rows)
-    answer = model.answer(z, model.artifact.default_k, model.artifact.decision_rule)
+    query = resolve(model, args.rows)
+    answer = infer_one(model, rows, query)
     steps = [
         ("parse JSON body", lambda: parse_json_body()),
         ("parse npy body", lambda: parse_npy_body()),
         ("project", lambda: model.embed(rows)),
-        ("exact search + decision", lambda: model.answer(z, 5, "majority")),
+        ("project + exact search + decision", lambda: infer_one(model, rows, Query(5, "majority"))),
         (
             "encode JSON answer",
             lambda: json_encoder.encode(classify_json(model, answer, False, None)),
@@ -82,7 +83,7 @@ def main() -> None:
     print(f"{args.rows}-row classify, in process, median of {args.repeats}")
     print_table(out, ["step", "ms"])
     by = {r["step"]: r["ms"] for r in out}
-    common = by["project"] + by["exact search + decision"]
+    common = by["project + exact search + decision"]
     json_total = by["parse JSON body"] + common + by["encode JSON answer"]
     npy_total = by["parse npy body"] + common + by["encode npy answer"]
     encoding = (by["parse JSON body"] + by["encode JSON answer"]) / (

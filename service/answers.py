@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from service.engine import Answer, LoadedModel
+from service.engine import LoadedModel
+from service.infer import Answer
 from service.payload import npy_bytes
 
 INT64 = np.iinfo(np.int64)

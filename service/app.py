@@ -35,7 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from service import __version__, connections, grpc_server
 from service.batcher import Batcher
 from service.config import Settings
-from service.deps import AppState, check_api_key
+from service.deps import check_api_key
 from service.engine import Engine
 from service.errors import (
     InvalidInput,
@@ -51,6 +51,7 @@ from service.metrics import Metrics
 from service.openapi import build_openapi
 from service.payload import JSON as JSON_TYPE
 from service.routes import health, inference, model, v2
+from service.state import AppState
 from service.workers import ReloadGeneration
 
 log = logging.getLogger("service.app")

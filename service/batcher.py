@@ -1,16 +1,13 @@
-"""Dynamic batching: concurrent requests merged into one projection, one FAISS search and
-one decision per rule.
+"""Dynamic batching: concurrent requests merged into one call of the inference path.
 
-Requests put a job (model, rows, k, rule) on a queue and await its future. One worker task
+Requests put a job (model, rows, query) on a queue and await its future. One worker task
 takes the first waiting job, keeps collecting until ``max_rows`` rows or ``max_wait_us``
-have passed, groups the jobs by (model, k), and runs each group in a worker thread, off the
-event loop (or, for groups of at most ``inline_rows`` rows, on the event loop itself: on one
-core that saves two thread hand-offs a batch and nothing runs in parallel anyway): one
-``project``, one ``search_embedded``, and one ``decide`` for each decision
-rule the group's jobs asked for. Each job gets its own slice of the answer
-(:class:`service.engine.Answer`). The projection, the final distances and the decision are
-all computed row by row (see ``service.knn``), so a batched answer equals the answer the
-request would get alone.
+have passed, groups the jobs by (model, k), and calls ``service.infer.infer`` once per
+group with the jobs' rows and queries, in a worker thread, off the event loop (or, for
+groups of at most ``inline_rows`` rows, on the event loop itself: on one core that saves
+two thread hand-offs a batch and nothing runs in parallel anyway). Each job gets its own
+part of the answers. ``run`` is how a request reaches the inference path: through the
+batcher when there is one, else in a worker thread.
 """
 
 from __future__ import annotations
@@ -23,22 +20,24 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from service.engine import Answer, embedding_overflow, non_finite_rows
-from service.knn import decide, project
-from service.vocabulary import DecisionRule
-
-SOFT_PRIOR = DecisionRule.SOFT_PRIOR.value
+from service.infer import Answer, Query, infer, infer_one
 
 
 @dataclass
 class Job:
     model: object  # LoadedModel (kept generic: no engine import needed)
     rows: np.ndarray  # (n, D) float32
-    k: int
-    rule: str | None  # the decision rule, or None for neighbours only
+    query: Query
     future: asyncio.Future
-    threshold: float | None = None  # the outlier threshold setting the soft_prior rule
     enqueued: float = field(default_factory=time.perf_counter)
+
+
+async def run(batcher: Batcher | None, model, rows: np.ndarray, query: Query) -> Answer:
+    """The answer to ``query`` for ``rows`` (n, D): merged with other requests by the
+    batcher when there is one, else computed alone in a worker thread."""
+    if batcher is not None:
+        return await batcher.submit(model, rows, query)
+    return await asyncio.get_running_loop().run_in_executor(None, infer_one, model, rows, query)
 
 
 class Batcher:
@@ -70,18 +69,11 @@ class Batcher:
             self._task = None
         self._executor.shutdown(wait=True)
 
-    async def answer(
-        self,
-        model,
-        rows: np.ndarray,
-        k: int,
-        rule: str | None = None,
-        threshold: float | None = None,
-    ) -> Answer:
-        """The k neighbours of raw rows (n, D), and the decision by ``rule`` when given
-        (``threshold``: the outlier threshold of the soft_prior rule)."""
+    async def submit(self, model, rows: np.ndarray, query: Query) -> Answer:
+        """The answer to ``query`` for raw rows (n, D), computed with whatever else is
+        waiting for the same (model, k)."""
         future = asyncio.get_running_loop().create_future()
-        self._queue.put_nowait(Job(model, rows, k, rule, future, threshold=threshold))
+        self._queue.put_nowait(Job(model, rows, query, future))
         return await future
 
     async def _run(self) -> None:
@@ -134,74 +126,10 @@ class Batcher:
 def _groups(jobs: list[Job]) -> list[list[Job]]:
     groups: dict[tuple[int, int], list[Job]] = {}
     for job in jobs:
-        groups.setdefault((id(job.model), job.k), []).append(job)
+        groups.setdefault((id(job.model), job.query.k), []).append(job)
     return list(groups.values())
 
 
-def _decision_key(job: Job) -> tuple[str, float | None] | None:
-    """Jobs with equal keys share one decision: the rule, and for soft_prior its threshold."""
-    if job.rule is None:
-        return None
-    return (job.rule, job.threshold if job.rule == SOFT_PRIOR else None)
-
-
-def _run_group(group: list[Job]) -> list[Answer | Exception]:
-    """One projection, one search and one decision per rule for jobs on the same (model, k).
-
-    A job whose rows cannot be embedded (an embedding beyond float32) gets its own error;
-    the other jobs of the group are answered without it.
-    """
-    model, k = group[0].model, group[0].k
-    rows = group[0].rows if len(group) == 1 else np.concatenate([j.rows for j in group])
-    with np.errstate(over="ignore", invalid="ignore"):
-        z = project(rows, model.projection, model.offset)
-    bad = non_finite_rows(z)
-    out: list = [None] * len(group)
-    if len(bad):
-        keep = np.ones(len(z), dtype=bool)
-        start = 0
-        for i, job in enumerate(group):
-            n = len(job.rows)
-            bad_here = bad[(bad >= start) & (bad < start + n)]
-            if len(bad_here):
-                out[i] = embedding_overflow(int(bad_here[0]), start)
-                keep[start : start + n] = False
-            start += n
-        z = z[keep]
-    served = [i for i in range(len(group)) if out[i] is None]
-    if not served:
-        return out
-    distances, indices = model.search_embedded(z, k)
-    # row spans of the served jobs in the searched rows
-    spans, start = [], 0
-    for i in served:
-        n = len(group[i].rows)
-        spans.append((i, start, start + n))
-        start += n
-    keys = {_decision_key(group[i]) for i in served} - {None}
-    predicted = probabilities = None
-    if keys:
-        predicted = np.zeros(len(distances), dtype=np.int64)
-        probabilities = np.zeros((len(distances), len(model.classes)), dtype=np.float64)
-        for key in keys:
-            if len(keys) == 1 and all(_decision_key(group[i]) == key for i in served):
-                selected = slice(None)
-            else:
-                selected = np.concatenate(
-                    [np.arange(a, b) for i, a, b in spans if _decision_key(group[i]) == key]
-                )
-            rule, threshold = key
-            background = model.background(z[selected], rule, threshold)
-            p, proba = decide(
-                model.labels[indices[selected]],
-                distances[selected],
-                len(model.classes),
-                rule,
-                background,
-            )
-            predicted[selected], probabilities[selected] = p, proba
-    answer = Answer(distances, indices, predicted, probabilities)
-    for i, a, b in spans:
-        part = answer.rows(a, b)
-        out[i] = part if group[i].rule is not None else Answer(part.distances, part.indices)
-    return out
+def _run_group(group: list[Job]) -> list:
+    """One call of the inference path for jobs on the same (model, k)."""
+    return infer(group[0].model, [(job.rows, job.query) for job in group])

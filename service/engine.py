@@ -39,56 +39,12 @@ from service.index import (
     reference_norm_limit,
     search_with_recheck,
 )
-from service.knn import RULES, Background, FarPrior, decide, outlier_threshold, project
-from service.vocabulary import IVF_KINDS, DecisionRule
-
-SOFT_PRIOR = DecisionRule.SOFT_PRIOR.value
+from service.infer import Query, embedding_overflow, infer_one, non_finite_rows
+from service.knn import FarPrior, outlier_threshold, project
+from service.vocabulary import IVF_KINDS
 
 log = logging.getLogger("service.engine")
 FLOAT32_MAX = float(np.finfo(np.float32).max)
-
-
-@dataclass(frozen=True)
-class Answer:
-    """What a search gives n queries: their k neighbours and, when a decision rule was asked
-    for, the decision."""
-
-    distances: np.ndarray  # (n, k) squared distances, float64, ascending
-    indices: np.ndarray  # (n, k) reference row indices
-    predicted: np.ndarray | None = None  # (n,) class indices
-    probabilities: np.ndarray | None = None  # (n, C)
-
-    def rows(self, start: int, stop: int) -> Answer:
-        """The answer of rows [start, stop) (views, no copies)."""
-        return Answer(
-            self.distances[start:stop],
-            self.indices[start:stop],
-            None if self.predicted is None else self.predicted[start:stop],
-            None if self.probabilities is None else self.probabilities[start:stop],
-        )
-
-
-@dataclass(frozen=True)
-class Prediction:
-    """Answers for a batch of n queries."""
-
-    labels: list  # (n,) original class labels
-    probabilities: np.ndarray  # (n, C)
-    distances: np.ndarray  # (n, k) squared distances, float64
-    indices: np.ndarray  # (n, k) reference row indices
-
-
-def non_finite_rows(z: np.ndarray) -> np.ndarray:
-    """Indices of the rows of z (n, d) with a value that is not a finite float32."""
-    return np.flatnonzero(~np.isfinite(z).all(axis=1))
-
-
-def embedding_overflow(row: int, first_row: int = 0) -> InvalidInput:
-    return InvalidInput(
-        f"instances[{row - first_row}] projects to an embedding beyond float32 range "
-        f"(|z| > {FLOAT32_MAX:.4g}): its values are too large for this model's map; "
-        "rows must have finite values whose embedding is finite"
-    )
 
 
 @dataclass(frozen=True)
@@ -138,12 +94,6 @@ class LoadedModel:
     def n_references(self) -> int:
         return self.embeddings.shape[0]
 
-    def check_k(self, k: int) -> None:
-        if not 1 <= k <= self.n_references:
-            raise InvalidInput(
-                f"k={k} must lie in [1, {self.n_references}] (the number of reference points)"
-            )
-
     def outlier_threshold(self, quantile: float | None = None) -> float | None:
         """The squared nearest distance beyond which a query is an outlier at ``quantile``
         (default: the setting), or None when the model has no calibration. InvalidInput
@@ -156,22 +106,6 @@ class LoadedModel:
             return outlier_threshold(self.outlier_quantiles, quantile)
         except ValueError as exc:
             raise InvalidInput(str(exc)) from None
-
-    def check_rule(self, rule: str | None, threshold: float | None) -> None:
-        """InvalidInput when ``rule`` cannot be served: soft_prior on a model without an
-        outlier calibration (nothing to set its component from)."""
-        if rule == SOFT_PRIOR and (threshold is None or self.far_prior is None):
-            raise InvalidInput(
-                "rule 'soft_prior' needs the model's outlier calibration, and this model has "
-                "none (it was trained without a validation split); use 'majority' or 'soft'"
-            )
-
-    def background(self, z: np.ndarray, rule: str | None, threshold: float | None):
-        """The soft_prior rule's component at z (n, d); None for the other rules."""
-        if rule != SOFT_PRIOR:
-            return None
-        self.check_rule(rule, threshold)
-        return self.far_prior.background(z, threshold)
 
     def embed(self, x: np.ndarray) -> np.ndarray:
         """x (n, D) -> z (n, d) float32; InvalidInput naming the first row whose embedding
@@ -202,48 +136,6 @@ class LoadedModel:
         if self.on_fallback is not None and (result.far_rows or result.underfilled_rows):
             self.on_fallback(result.far_rows, result.underfilled_rows)
         return result.distances, result.indices
-
-    def decide(
-        self,
-        distances: np.ndarray,
-        indices: np.ndarray,
-        rule: str,
-        background: Background | None = None,
-    ) -> Prediction:
-        if rule not in RULES:
-            raise InvalidInput(f"rule must be one of {list(RULES)}, got {rule!r}")
-        predicted, proba = decide(
-            self.labels[indices], distances, len(self.classes), rule, background
-        )
-        return Prediction(
-            labels=[self.classes[i] for i in predicted],
-            probabilities=proba,
-            distances=distances,
-            indices=indices,
-        )
-
-    def answer(
-        self, z: np.ndarray, k: int, rule: str | None, threshold: float | None = None
-    ) -> Answer:
-        """z (n, d) finite -> the k neighbours and, when ``rule`` is given, the decision
-        (``threshold``: the outlier threshold the soft_prior rule is set by)."""
-        background = self.background(z, rule, threshold)
-        distances, indices = self.search_embedded(z, k)
-        if rule is None:
-            return Answer(distances, indices)
-        predicted, proba = decide(
-            self.labels[indices], distances, len(self.classes), rule, background
-        )
-        return Answer(distances, indices, predicted, proba)
-
-    def classify(
-        self, x: np.ndarray, k: int, rule: str, outlier_quantile: float | None = None
-    ) -> Prediction:
-        """The whole path for one batch, without the batcher: embed, search, decide."""
-        z = self.embed(x)
-        background = self.background(z, rule, self.outlier_threshold(outlier_quantile))
-        dist, idx = self.search_embedded(z, k)
-        return self.decide(dist, idx, rule, background)
 
 
 def input_abs_max(projection: np.ndarray, offset: np.ndarray) -> float:
@@ -347,9 +239,7 @@ def load_model(
         far_prior=FarPrior.of(embeddings, labels, len(artifact.classes)),
     )
     # warm-up: one query through the whole path (page in the arrays, start FAISS)
-    model.classify(
-        np.zeros((1, model.n_features), np.float32), min(1, model.n_references), "majority"
-    )
+    infer_one(model, np.zeros((1, model.n_features), np.float32), Query(1, "majority"))
     object.__setattr__(model, "load_seconds", time.perf_counter() - started)
     return model
 

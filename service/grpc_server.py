@@ -4,7 +4,7 @@ checking (``grpc.health.v1.Health``), on the HTTP server's event loop and engine
 Started by the app's lifespan when ``grpc_port`` is not 0, stopped (with the drain's grace)
 before the batcher. Every call goes through the same checks as REST: the API key (metadata
 ``authorization: Bearer <key>``), the model name and version, the tensor checks of
-``service.oip``, and ``pipeline.answer_call`` (limits, in-flight gate, batcher, metrics).
+``service.oip``, and ``oip.run_call`` (limits, in-flight gate, the inference path, metrics).
 Errors carry the gRPC status matching the HTTP status of the one error table
 (:data:`GRPC_CODES`) and the same message.
 """
@@ -20,11 +20,9 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from service import __version__, oip
-from service.deps import AppState, check_bearer
 from service.errors import InvalidInput, ServiceError, status_of
 from service.protocol import HEALTH_SERVICE, INFERENCE_SERVICE, message
-from service.routes import pipeline
-from service.routes.v2 import EXTENSIONS
+from service.state import AppState, check_bearer
 
 log = logging.getLogger("service.grpc")
 
@@ -149,7 +147,7 @@ class InferenceService:
 
     async def server_metadata(self, request, context):
         return MESSAGES["ServerMetadataResponse"](
-            name="nca-knn", version=__version__, extensions=EXTENSIONS
+            name="nca-knn", version=__version__, extensions=oip.EXTENSIONS
         )
 
     async def model_metadata(self, request, context):
@@ -161,8 +159,9 @@ class InferenceService:
         model = self.model(request.model_name, request.model_version)
         settings = self.state.settings
         call = infer_call(request, model, settings.max_batch_rows)
-        tensors = await pipeline.answer_call(
-            self.state, model, call, f"grpc {INFERENCE_SERVICE}/ModelInfer"
+        query = oip.query_of(model, settings.max_k, call)
+        tensors = await oip.run_call(
+            self.state, model, call, query, f"grpc {INFERENCE_SERVICE}/ModelInfer"
         )
         response = MESSAGES["ModelInferResponse"](
             model_name=settings.v2_model_name, model_version=model.version, id=request.id

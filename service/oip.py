@@ -32,17 +32,20 @@ The model (name: the setting ``v2_model_name``; version: the artifact's version)
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from service.answers import class_array
-from service.engine import Answer, LoadedModel
+from service.engine import LoadedModel
 from service.errors import EmptyBatch, InvalidInput, NotFound, PayloadTooLarge
+from service.infer import Answer, Query, resolve
 from service.integers import check_int_range, finite_number
 from service.knn import outlier_flags
 from service.payload import to_rows
+from service.state import AppState
 from service.vocabulary import RULES
 
 INPUT_NAME = "input"
@@ -63,6 +66,7 @@ DTYPES: dict[str, np.dtype] = {
     "FP64": np.dtype("<f8"),
 }
 INPUT_DATATYPES = tuple(name for name in DTYPES if name != "BOOL")  # converted to FP32
+EXTENSIONS = ["binary_tensor_data"]  # the protocol's extensions this server speaks
 PARAMETERS = ("k", "rule", "outlier_quantile")
 # what the protocol's clients may send besides ours (REST: binary output; tritonclient's
 # reserved ones are accepted only when they ask for nothing we would have to honour)
@@ -317,3 +321,39 @@ def output_tensors(
             flags = np.ascontiguousarray(outlier_flags(answer.distances, threshold))
             tensors.append(OutputTensor(name, "BOOL", [n], flags))
     return tensors
+
+
+# ------------------------------------------------------------------ running a call
+
+INLINE_EMBED_ROWS = 64  # below this, an embedding output is computed on the event loop
+
+
+def query_of(model: LoadedModel, max_k: int, call: InferCall) -> Query:
+    """The call's k, rule and outlier quantile resolved by the inference path's ``resolve``
+    (the same checks and messages as /v1)."""
+    return resolve(
+        model, max_k, k=call.k, rule=call.rule, quantile=call.outlier_quantile, decides=True
+    )
+
+
+async def run_call(
+    state: AppState, model: LoadedModel, call: InferCall, query: Query, route: str
+) -> list[OutputTensor]:
+    """An inference call on the engine, whatever the wire (REST or gRPC): the in-flight
+    gate, the inference path (batched) when an output needs the neighbours, the embedding
+    when asked, the metrics; its output tensors."""
+    wants = {output.name for output in call.outputs}
+    answer = embedding = None
+    with state.admit():
+        state.metrics.request_rows.labels(route).observe(len(call.rows))
+        if needs_search(model, call):
+            answer = await state.infer(model, call.rows, query)
+        if "embedding" in wants:
+            if len(call.rows) <= INLINE_EMBED_ROWS:
+                embedding = model.embed(call.rows)
+            else:
+                loop = asyncio.get_running_loop()
+                embedding = await loop.run_in_executor(None, model.embed, call.rows)
+    if answer is not None and query.threshold is not None and "outlier" in wants:
+        state.metrics.outliers.inc(int(outlier_flags(answer.distances, query.threshold).sum()))
+    return output_tensors(model, call, answer, embedding, query.threshold)

@@ -36,22 +36,20 @@ async def classify(request: Request) -> Response:
         query=("k", "rule", "return_neighbors", "outlier_quantile"),
         offered=(JSON, NPY),
     )
-    k = pipeline.resolve_k(req)
+    query = pipeline.query_of(req, decides=True)
     body = req.body
-    rule = (body.rule if body is not None else None) or req.options.get("rule")
-    rule = rule or req.model.artifact.decision_rule
     with_neighbors = bool(body is not None and body.return_neighbors) or req.options.get(
         "return_neighbors", False
     )
-    threshold = pipeline.resolve_outlier_threshold(req, rule)
-    values_per_row = len(req.model.classes) + 2 + (3 * k if with_neighbors else 0)
+    values_per_row = len(req.model.classes) + 2 + (3 * query.k if with_neighbors else 0)
     if req.response_type == JSON:
         pipeline.check_answer_size(req, values_per_row)
     with req.state.admit():
         req.state.metrics.request_rows.labels("/v1/classify").observe(len(req.rows))
-        answer = await pipeline.answer(req, k, rule, threshold)
-    flags = None if threshold is None else outlier_flags(answer.distances, threshold)  # (n,)
-    if flags is not None:
+        answer = await req.state.infer(req.model, req.rows, query)
+    flags = None
+    if query.threshold is not None:
+        flags = outlier_flags(answer.distances, query.threshold)  # (n,)
         req.state.metrics.outliers.inc(int(flags.sum()))
     model = req.model
     n_values = len(req.rows) * values_per_row
@@ -102,14 +100,14 @@ async def embed_route(request: Request) -> Response:
 )
 async def neighbors(request: Request) -> Response:
     req = await pipeline.receive(request, NeighborsBody, query=("k",), offered=(JSON, NPY))
-    k = pipeline.resolve_k(req)
+    query = pipeline.query_of(req, decides=False)
     if req.response_type == JSON:
-        pipeline.check_answer_size(req, 3 * k)
+        pipeline.check_answer_size(req, 3 * query.k)
     with req.state.admit():
         req.state.metrics.request_rows.labels("/v1/neighbors").observe(len(req.rows))
-        answer = await pipeline.answer(req, k)
+        answer = await req.state.infer(req.model, req.rows, query)
     model = req.model
-    n_values = len(req.rows) * 3 * k
+    n_values = len(req.rows) * 3 * query.k
     if req.response_type == NPY:
         return await pipeline.encoded_response(
             req, n_values, lambda: neighbors_npy(model, answer), NPY

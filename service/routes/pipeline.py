@@ -19,10 +19,11 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 
-from service import memory, oip
-from service.deps import AppState, check_api_key
-from service.engine import Answer, LoadedModel
+from service import memory
+from service.deps import check_api_key
+from service.engine import LoadedModel
 from service.errors import InvalidInput, PayloadTooLarge
+from service.infer import Query, resolve
 from service.integers import parse_count
 from service.payload import (
     JSON,
@@ -35,6 +36,7 @@ from service.payload import (
     parse_npy,
     to_rows,
 )
+from service.state import AppState
 from service.vocabulary import RULES
 
 INLINE_ROWS = 64  # below this, projection runs on the event loop (a thread hop costs more)
@@ -159,23 +161,25 @@ async def receive(
     return InferenceRequest(state, model, rows, parsed, options, response_type, len(body))
 
 
-def resolve_k(request: InferenceRequest) -> int:
-    """k from the JSON body, else the query, else the model's default; within the limits."""
-    body_k = getattr(request.body, "k", None)
-    query_k = request.options.get("k")
+def query_of(request: InferenceRequest, decides: bool) -> Query:
+    """The request's k, rule and outlier quantile (the JSON body's, else the query string's,
+    else the model's defaults), resolved by the inference path's one ``resolve``. A query
+    string k over the limit is refused even when the body's k wins."""
+    body, options = request.body, request.options
     max_k = request.state.settings.max_k
-    if query_k is not None and query_k > max_k:  # refused even when the body's k wins
+    query_k = options.get("k")
+    if query_k is not None and query_k > max_k:
         raise InvalidInput(f"query parameter k={query_k} is over the limit max_k={max_k}")
-    return checked_k(request.model, max_k, body_k if body_k is not None else query_k)
-
-
-def checked_k(model: LoadedModel, max_k: int, k: int | None) -> int:
-    """k, or the model's default when None; InvalidInput beyond max_k or N."""
-    k = model.artifact.default_k if k is None else k
-    if k > max_k:
-        raise InvalidInput(f"k={k} is over the limit max_k={max_k}")
-    model.check_k(k)
-    return k
+    body_k = getattr(body, "k", None)
+    body_q = getattr(body, "outlier_quantile", None)
+    return resolve(
+        request.model,
+        max_k,
+        k=body_k if body_k is not None else query_k,
+        rule=getattr(body, "rule", None) or options.get("rule"),
+        quantile=body_q if body_q is not None else options.get("outlier_quantile"),
+        decides=decides,
+    )
 
 
 def check_answer_size(request: InferenceRequest, values_per_row: int) -> None:
@@ -187,43 +191,6 @@ def check_answer_size(request: InferenceRequest, values_per_row: int) -> None:
             f"{values_per_row}); the limit max_response_values is {limit}: send fewer rows, "
             "a smaller k, or leave out the neighbours"
         )
-
-
-def resolve_outlier_threshold(request: InferenceRequest, rule: str) -> float | None:
-    """The outlier threshold for this request: its ``outlier_quantile`` (the JSON body's,
-    else the query's, else the setting) through the model's calibration; None without one.
-    InvalidInput for a quantile outside the calibrated range, and for rule soft_prior on a
-    model without a calibration (before any work is queued)."""
-    body_q = getattr(request.body, "outlier_quantile", None)
-    quantile = body_q if body_q is not None else request.options.get("outlier_quantile")
-    return checked_outlier_threshold(request.model, quantile, rule)
-
-
-def checked_outlier_threshold(
-    model: LoadedModel, quantile: float | None, rule: str | None
-) -> float | None:
-    """The model's outlier threshold at ``quantile`` (None: the setting's); None without a
-    calibration. InvalidInput for a quantile outside the calibrated range or given to a
-    model without a calibration, and for a rule the model cannot serve."""
-    threshold = model.outlier_threshold(quantile)
-    if threshold is None and quantile is not None:
-        raise InvalidInput(
-            f"outlier_quantile={quantile!r}: this model has no outlier calibration (it was "
-            "trained without a validation split), so nothing is flagged; leave it out"
-        )
-    model.check_rule(rule, threshold)
-    return threshold
-
-
-async def answer(
-    request: InferenceRequest, k: int, rule: str | None = None, threshold: float | None = None
-) -> Answer:
-    """The k neighbours of the request's rows and, when ``rule`` is given, the decision:
-    merged with other requests when batching, run in a worker thread either way."""
-    state, model, rows = request.state, request.model, request.rows
-    if state.batcher is not None:
-        return await state.batcher.answer(model, rows, k, rule, threshold)
-    return await run_in_threadpool(lambda: model.answer(model.embed(rows), k, rule, threshold))
 
 
 async def embed(request: InferenceRequest) -> np.ndarray:
@@ -253,30 +220,3 @@ async def encoded_response(
     return Response(
         content, media_type=media_type, headers={"x-model-version": request.model.version}
     )
-
-
-async def answer_call(state: AppState, model: LoadedModel, call, route: str) -> list:
-    """An Open Inference Protocol call (``service.oip.InferCall``) on the same engine,
-    batcher, limits and metrics as /v1: its output tensors (``service.oip.OutputTensor``)."""
-    k = checked_k(model, state.settings.max_k, call.k)
-    rule = call.rule or model.artifact.decision_rule
-    threshold = checked_outlier_threshold(model, call.outlier_quantile, rule)
-    wants = {output.name for output in call.outputs}
-    answer = embedding = None
-    with state.admit():
-        state.metrics.request_rows.labels(route).observe(len(call.rows))
-        if oip.needs_search(model, call):
-            if state.batcher is not None:
-                answer = await state.batcher.answer(model, call.rows, k, rule, threshold)
-            else:
-                answer = await run_in_threadpool(
-                    lambda: model.answer(model.embed(call.rows), k, rule, threshold)
-                )
-        if "embedding" in wants:
-            if len(call.rows) <= INLINE_ROWS:
-                embedding = model.embed(call.rows)
-            else:
-                embedding = await run_in_threadpool(model.embed, call.rows)
-    if answer is not None and threshold is not None and "outlier" in wants:
-        state.metrics.outliers.inc(int(oip.outlier_flags(answer.distances, threshold).sum()))
-    return oip.output_tensors(model, call, answer, embedding, threshold)

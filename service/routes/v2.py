@@ -24,7 +24,7 @@ from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from service import __version__, oip
-from service.deps import AppState, check_api_key
+from service.deps import check_api_key
 from service.errors import (
     InvalidInput,
     NotReady,
@@ -36,11 +36,11 @@ from service.errors import (
 from service.integers import parse_count
 from service.payload import JSON, body_limit, describe_unicode_error
 from service.routes import pipeline
+from service.state import AppState
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol (KServe V2)"])
 HEADER_LENGTH = "inference-header-content-length"
 OCTET = "application/octet-stream"
-EXTENSIONS = ["binary_tensor_data"]
 INFER_ROUTE = "/v2/models/{model_name}/infer"
 
 
@@ -107,7 +107,7 @@ def served_model(request: Request, name: str, version: str | None):
 @v2_errors
 async def server_metadata(request: Request) -> Response:
     check_api_key(request, state_of(request).settings.api_key)
-    body = {"name": "nca-knn", "version": __version__, "extensions": EXTENSIONS}
+    body = {"name": "nca-knn", "version": __version__, "extensions": oip.EXTENSIONS}
     return Response(encode(body), media_type=JSON)
 
 
@@ -339,14 +339,14 @@ async def infer(request: Request, model_name: str | None = None, model_version=N
         )
     else:
         call = parse_infer(body, header_length, model, settings.max_batch_rows)
-    k = pipeline.checked_k(model, settings.max_k, call.k)  # 422 before the answer's size
-    json_values = _json_values(call, model, k)
+    query = oip.query_of(model, settings.max_k, call)  # 422 before the answer's size
+    json_values = _json_values(call, model, query.k)
     if json_values > settings.max_response_values:
         raise PayloadTooLarge(
             f"the JSON outputs would hold {json_values} numbers; the limit max_response_values "
             f"is {settings.max_response_values}: ask for binary outputs or send fewer rows"
         )
-    tensors = await pipeline.answer_call(state, model, call, INFER_ROUTE)
+    tensors = await oip.run_call(state, model, call, query, INFER_ROUTE)
     content, head_length = encode_answer(call, model, settings.v2_model_name, tensors)
     headers = {"x-model-version": model.version}
     if head_length is None:

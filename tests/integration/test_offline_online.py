@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from service.engine import load_model
+from service.infer import infer_one, resolve
 from tests.service.conftest import settings_for
 
 pytest.importorskip("torch")
@@ -35,13 +36,21 @@ def trained_digits(tmp_path_factory):
     return out, report, split
 
 
+def served(model, x, k: int, rule: str):
+    """What the service's inference path answers for rows x with k and rule (the
+    calibration's default outlier threshold)."""
+    query = resolve(model, model.n_references, k=k, rule=rule)
+    return infer_one(model, np.asarray(x, dtype=np.float32), query)
+
+
 def test_service_predictions_equal_the_training_report(trained_digits):
     path, report, split = trained_digits
     model = load_model(path, settings_for(path))
     k = report["test_predictions"]["k"]
-    prediction = model.classify(split.X_test, k, report["test_predictions"]["rule"])
-    assert prediction.labels == report["test_predictions"]["label"]
-    accuracy = float(np.mean(np.array(prediction.labels) == split.classes[split.y_test]))
+    answer = served(model, split.X_test, k, report["test_predictions"]["rule"])
+    labels = [model.classes[c] for c in answer.predicted]
+    assert labels == report["test_predictions"]["label"]
+    accuracy = float(np.mean(np.array(labels) == split.classes[split.y_test]))
     assert accuracy == pytest.approx(report["metrics"]["test_accuracy"][k])
 
 
@@ -93,9 +102,9 @@ def test_far_away_offline_equals_online(trained_digits):
         "soft_prior",
         outlier_threshold=threshold,
     )[5]
-    online = model.classify(split.X_test, 5, "soft_prior")
-    assert online.labels == [model.classes[c] for c in offline]
-    soft = model.classify(split.X_test, 5, "soft")
+    online = served(model, split.X_test, 5, "soft_prior")
+    assert online.predicted.tolist() == list(offline)
+    soft = served(model, split.X_test, 5, "soft")
     gap = np.abs(online.probabilities - soft.probabilities).max(axis=1)
     nearest = online.distances[:, 0]
     # measured with l2="auto" (0.03; the smaller map brings the far component closer):

@@ -172,6 +172,18 @@ def republish_scaled(path, factor: float) -> str:
     return read_artifact(path).version
 
 
+def brute_force_knn(model, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(squared distances (n, k), reference rows (n, k)) of rows (n, D) by plain numpy in
+    float64: every reference's distance, sorted, ties by row. Independent of service.knn and
+    FAISS, to check the inference path against."""
+    z = np.asarray(rows, np.float64) @ np.asarray(model.projection, np.float64).T
+    z += np.asarray(model.offset, np.float64)
+    refs = np.asarray(model.embeddings, np.float64)  # (N, d)
+    d2 = ((z[:, None, :] - refs[None, :, :]) ** 2).sum(axis=2)  # (n, N)
+    order = np.argsort(d2, axis=1, kind="stable")[:, :k]
+    return np.take_along_axis(d2, order, axis=1), order
+
+
 def manifest(path) -> dict:
     return json.loads((path / "manifest.json").read_text())
 

@@ -11,8 +11,9 @@ import pytest
 from service.batcher import Batcher
 from service.engine import load_model
 from service.errors import InvalidInput
+from service.infer import Query, infer_one
 
-from .conftest import settings_for
+from .conftest import brute_force_knn, settings_for
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +25,7 @@ async def _run_jobs(batcher: Batcher, jobs):
     batcher.start()
     try:
         return await asyncio.gather(
-            *(batcher.answer(m, rows, k, rule) for m, rows, k, rule in jobs),
+            *(batcher.submit(m, rows, Query(k, rule)) for m, rows, k, rule in jobs),
             return_exceptions=True,
         )
     finally:
@@ -59,7 +60,10 @@ def test_merged_jobs_answer_as_alone(model, model_artifact, inline_rows):
             assert isinstance(answer, InvalidInput)
             assert "instances[1]" in answer.message
             continue
-        alone = m.answer(m.embed(rows), k, rule)
+        alone = infer_one(m, rows, Query(k, rule))
+        brute_distances, brute_indices = brute_force_knn(m, rows, k)
+        np.testing.assert_allclose(answer.distances, brute_distances, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(answer.indices, brute_indices)
         np.testing.assert_array_equal(answer.distances, alone.distances)
         np.testing.assert_array_equal(answer.indices, alone.indices)
         if rule is None:

@@ -8,6 +8,7 @@ import pytest
 from service.artifact import ArtifactError
 from service.engine import Engine, load_model
 from service.errors import InvalidInput, NotReady
+from service.infer import Query, infer_one, resolve
 from tests.service.conftest import republish_scaled, settings_for
 
 
@@ -15,16 +16,18 @@ from tests.service.conftest import republish_scaled, settings_for
 def test_every_index_type_loads_and_answers(model_dir, kind):
     model = load_model(model_dir, settings_for(model_dir, index_type=kind, pq_m=4))
     assert model.index_type == kind and model.index.ntotal == model.n_references
-    prediction = model.classify(np.zeros((3, model.n_features), np.float32), 5, "soft")
-    assert len(prediction.labels) == 3 and prediction.indices.shape == (3, 5)
+    answer = infer_one(model, np.zeros((3, model.n_features), np.float32), Query(5, "soft"))
+    assert answer.predicted.shape == (3,) and answer.indices.shape == (3, 5)
 
 
 def test_checks_name_the_limit(model_dir):
     model = load_model(model_dir, settings_for(model_dir))
     with pytest.raises(InvalidInput, match=r"k=100000 must lie in \[1, \d+\]"):
-        model.check_k(100000)
+        resolve(model, 10**6, k=100000)
+    with pytest.raises(InvalidInput, match="k=300 is over the limit max_k=256"):
+        resolve(model, 256, k=300)
     with pytest.raises(InvalidInput, match="rule must be one of"):
-        model.decide(np.zeros((1, 1)), np.zeros((1, 1), np.int64), "vote")
+        resolve(model, 256, rule="vote")
 
 
 def test_failed_load_keeps_the_current_model(model_dir):

@@ -20,6 +20,7 @@ import pytest
 from service.artifact import read_artifact, rewrite_artifact
 from service.config import Settings
 from service.engine import load_model
+from service.infer import Query, infer_one
 from tests.service.conftest import republish_scaled
 from tests.service.test_server import free_port, start_server, wait_ready
 
@@ -32,10 +33,10 @@ def expected_answers(versions: dict[str, Path], x: np.ndarray) -> dict[str, list
     out = {}
     for version, path in versions.items():
         model = load_model(path, Settings(model_path=path))
-        prediction = model.classify(x, 5, "majority")
+        answer = infer_one(model, x, Query(5, "majority"))
         out[version] = [
-            (label, [float(p) for p in row])
-            for label, row in zip(prediction.labels, prediction.probabilities, strict=True)
+            (model.classes[label], [float(p) for p in row])
+            for label, row in zip(answer.predicted, answer.probabilities, strict=True)
         ]
     return out
 

@@ -1,0 +1,203 @@
+"""The one inference path. Every wire (/v1, /v2 REST, gRPC), the batcher and the warm-up
+call :func:`infer`; the wires differ only in how they parse a request into rows and a
+:class:`Query` (:func:`resolve`) and how they render the :class:`Answer`.
+
+For rows x (n, D) of one model and one k::
+
+    z = x W^T + b                     embed (float64 accumulation, float32 result)
+    rows whose z is not finite        -> that part's InvalidInput, the others go on
+    (dist, idx) = kNN(z, k)           one search for every part (service.index)
+    background = FarPrior(z, t)       the soft_prior rule's component, per threshold t
+    (label, proba) = decide(...)      one decision per (rule, threshold) asked for
+
+The projection, the final distances and the decision are computed row by row (service.knn),
+so a part's answer does not depend on the parts searched with it: a batched answer equals
+the answer the request gets alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from service.errors import InvalidInput, ServiceError
+from service.knn import decide, project
+from service.vocabulary import RULES, DecisionRule
+
+SOFT_PRIOR = DecisionRule.SOFT_PRIOR.value
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+@dataclass(frozen=True)
+class Query:
+    """What a request asks of the model, resolved and checked (:func:`resolve`)."""
+
+    k: int  # neighbours per row, 1 <= k <= min(max_k, N)
+    rule: str | None  # the decision rule, or None for neighbours only
+    threshold: float | None = None  # the outlier threshold at the request's quantile
+
+    @property
+    def decision_key(self) -> tuple[str, float | None] | None:
+        """Queries with equal keys share one decision: the rule, and for soft_prior its
+        threshold (the other rules do not depend on it)."""
+        if self.rule is None:
+            return None
+        return (self.rule, self.threshold if self.rule == SOFT_PRIOR else None)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What a search gives n queries: their k neighbours and, when a decision rule was asked
+    for, the decision."""
+
+    distances: np.ndarray  # (n, k) squared distances, float64, ascending
+    indices: np.ndarray  # (n, k) reference row indices
+    predicted: np.ndarray | None = None  # (n,) class indices
+    probabilities: np.ndarray | None = None  # (n, C)
+
+    def rows(self, start: int, stop: int, decided: bool = True) -> Answer:
+        """The answer of rows [start, stop) (views, no copies), without the decision when
+        ``decided`` is False."""
+        part = slice(start, stop)
+        if not decided or self.predicted is None:
+            return Answer(self.distances[part], self.indices[part])
+        return Answer(
+            self.distances[part],
+            self.indices[part],
+            self.predicted[part],
+            self.probabilities[part],
+        )
+
+
+def resolve(
+    model,
+    max_k: int,
+    *,
+    k: int | None = None,
+    rule: str | None = None,
+    quantile: float | None = None,
+    decides: bool = True,
+) -> Query:
+    """A request's options against the model and the limits, the same for every wire.
+
+    k: the model's default when None; InvalidInput over ``max_k`` or the number of
+    references. rule (when the request ``decides``): the model's default when None.
+    quantile: the outlier threshold through the model's calibration (None: the setting's);
+    InvalidInput outside the calibrated range, or given to a model without a calibration.
+    soft_prior needs a calibration.
+    """
+    k = model.artifact.default_k if k is None else k
+    if k > max_k:
+        raise InvalidInput(f"k={k} is over the limit max_k={max_k}")
+    if not 1 <= k <= model.n_references:
+        raise InvalidInput(
+            f"k={k} must lie in [1, {model.n_references}] (the number of reference points)"
+        )
+    threshold = model.outlier_threshold(quantile)
+    if threshold is None and quantile is not None:
+        raise InvalidInput(
+            f"outlier_quantile={quantile!r}: this model has no outlier calibration (it was "
+            "trained without a validation split), so nothing is flagged; leave it out"
+        )
+    if not decides:
+        return Query(k, None, threshold)
+    rule = rule or model.artifact.decision_rule
+    if rule not in RULES:
+        raise InvalidInput(f"rule must be one of {list(RULES)}, got {rule!r}")
+    if rule == SOFT_PRIOR and (threshold is None or model.far_prior is None):
+        raise InvalidInput(
+            "rule 'soft_prior' needs the model's outlier calibration, and this model has "
+            "none (it was trained without a validation split); use 'majority' or 'soft'"
+        )
+    return Query(k, rule, threshold)
+
+
+def non_finite_rows(z: np.ndarray) -> np.ndarray:
+    """Indices of the rows of z (n, d) with a value that is not a finite float32."""
+    return np.flatnonzero(~np.isfinite(z).all(axis=1))
+
+
+def embedding_overflow(row: int) -> InvalidInput:
+    return InvalidInput(
+        f"instances[{row}] projects to an embedding beyond float32 range "
+        f"(|z| > {FLOAT32_MAX:.4g}): its values are too large for this model's map; "
+        "rows must have finite values whose embedding is finite"
+    )
+
+
+def infer(model, parts: Sequence[tuple[np.ndarray, Query]]) -> list[Answer | ServiceError]:
+    """The answers of ``parts`` (rows (n_i, D) float32, Query), all with the same k: one
+    projection, one search and one decision per (rule, threshold). A part whose rows cannot
+    be embedded (an embedding beyond float32) gets its own InvalidInput; the others are
+    answered without it."""
+    k = parts[0][1].k
+    assert all(query.k == k for _, query in parts), "infer: one k per call"
+    rows = parts[0][0] if len(parts) == 1 else np.concatenate([r for r, _ in parts])
+    with np.errstate(over="ignore", invalid="ignore"):
+        z = project(rows, model.projection, model.offset)  # (n, d)
+    out: list[Answer | ServiceError | None] = [None] * len(parts)
+    spans, start = [], 0  # (part, first row, end row) in z
+    for i, (part_rows, _) in enumerate(parts):
+        spans.append((i, start, start + len(part_rows)))
+        start += len(part_rows)
+    bad = non_finite_rows(z)
+    if len(bad):
+        keep = np.ones(len(z), dtype=bool)
+        for i, a, b in spans:
+            bad_here = bad[(bad >= a) & (bad < b)]
+            if len(bad_here):
+                out[i] = embedding_overflow(int(bad_here[0]) - a)
+                keep[a:b] = False
+        z = z[keep]
+        spans = _served_spans(parts, out)
+        if not spans:
+            return out  # type: ignore[return-value]
+    distances, indices = model.search_embedded(z, k)  # (m, k), (m, k)
+    answer = _decided(model, z, distances, indices, [(parts[i][1], a, b) for i, a, b in spans])
+    for i, a, b in spans:
+        out[i] = answer.rows(a, b, decided=parts[i][1].rule is not None)
+    return out  # type: ignore[return-value]
+
+
+def infer_one(model, rows: np.ndarray, query: Query) -> Answer:
+    """:func:`infer` of one part; raises its error."""
+    (result,) = infer(model, [(rows, query)])
+    if isinstance(result, ServiceError):
+        raise result
+    return result
+
+
+def _served_spans(parts, out) -> list[tuple[int, int, int]]:
+    """(part, first row, end row) of the parts still to answer, in the rows kept."""
+    spans, start = [], 0
+    for i, (rows, _) in enumerate(parts):
+        if out[i] is None:
+            spans.append((i, start, start + len(rows)))
+            start += len(rows)
+    return spans
+
+
+def _decided(model, z, distances, indices, spans: list[tuple[Query, int, int]]) -> Answer:
+    """The neighbours with one decision for each (rule, threshold) the spans ask for."""
+    keys = {query.decision_key for query, _, _ in spans} - {None}
+    if not keys:
+        return Answer(distances, indices)
+    n, n_classes = len(distances), len(model.classes)
+    predicted = np.zeros(n, dtype=np.int64)  # (n,)
+    probabilities = np.zeros((n, n_classes), dtype=np.float64)  # (n, C)
+    for key in keys:
+        chosen = [(a, b) for query, a, b in spans if query.decision_key == key]
+        if len(keys) == 1 and len(chosen) == len(spans):
+            selected = slice(None)
+        else:
+            selected = np.concatenate([np.arange(a, b) for a, b in chosen])
+        rule, threshold = key
+        background = None
+        if rule == SOFT_PRIOR:
+            background = model.far_prior.background(z[selected], threshold)
+        predicted[selected], probabilities[selected] = decide(
+            model.labels[indices[selected]], distances[selected], n_classes, rule, background
+        )
+    return Answer(distances, indices, predicted, probabilities)

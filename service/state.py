@@ -1,0 +1,63 @@
+"""The application's state, shared by every wire (HTTP /v1, /v2 REST, gRPC): settings, the
+engine holding the model, metrics, the batcher, the in-flight gate and the API-key check.
+No web framework here."""
+
+from __future__ import annotations
+
+import hmac
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+
+from service import batcher as batching
+from service.batcher import Batcher
+from service.config import Settings
+from service.engine import Engine
+from service.errors import Overloaded, Unauthorized
+from service.infer import Answer, Query
+from service.metrics import Metrics
+from service.workers import ReloadGeneration
+
+
+@dataclass
+class AppState:
+    settings: Settings
+    engine: Engine
+    metrics: Metrics
+    batcher: Batcher | None = None
+    generation: ReloadGeneration | None = None  # shared with the other workers, if any
+    in_flight: int = 0
+
+    @contextmanager
+    def admit(self):
+        """The in-flight gate: fail fast with 429 rather than queue without bound."""
+        if self.in_flight >= self.settings.max_in_flight:
+            raise Overloaded(
+                f"{self.in_flight} requests in flight, the limit is "
+                f"{self.settings.max_in_flight}; retry later"
+            )
+        self.in_flight += 1
+        self.metrics.in_flight.inc()
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+            self.metrics.in_flight.dec()
+
+    async def infer(self, model, rows: np.ndarray, query: Query) -> Answer:
+        """The inference path for one request, through the batcher when batching is on."""
+        return await batching.run(self.batcher, model, rows, query)
+
+
+def check_bearer(header: str, key) -> None:
+    """401 unless the Authorization value ``header`` is ``Bearer <key>`` (constant time).
+
+    Keys are validated at startup (non-empty, no whitespace); the token is taken exactly
+    after 'Bearer ' and compared in constant time."""
+    scheme, _, token = header.strip().partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
+    if not hmac.compare_digest(token.encode(), key.get_secret_value().encode()):
+        raise Unauthorized("the API key is not valid")
