@@ -62,9 +62,9 @@ bench-serve: install
 	$(BIN)/python benchmarks/search_raw_vs_projected.py
 	$(BIN)/python benchmarks/http_load.py
 
-## protos: compile service/protocol/*.proto into the descriptor set the service loads
+## protos: compile service/oip/protocol/*.proto into the descriptor set the service loads
 protos: install
-	cd service/protocol && $(abspath $(BIN))/python -m grpc_tools.protoc -I. \
+	cd service/oip/protocol && $(abspath $(BIN))/python -m grpc_tools.protoc -I. \
 		--descriptor_set_out=protocol.binpb open_inference.proto health.proto
 
 clean:

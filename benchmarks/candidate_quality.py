@@ -41,7 +41,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, USPS_PATH, machine, print_table, save_json
 
-from service.knn import decide, exact_knn
+from service.core.knn import decide, exact_knn
 from training import NCA
 from training.data import fit_standardizer
 

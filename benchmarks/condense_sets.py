@@ -46,7 +46,7 @@ SETTINGS = [
 def train(out: Path, X, y, X_val, y_val) -> Path:
     """The estimator's defaults at d = 32, written as an artifact with its validation split
     and the outlier calibration (as the training job writes it)."""
-    from service.artifact import write_artifact
+    from service.core.artifact import write_artifact
     from training import NCA
     from training.evaluate import K_VALUES, choose_k, knn_accuracies
     from training.outliers import calibrate
@@ -75,7 +75,7 @@ def train(out: Path, X, y, X_val, y_val) -> Path:
 def condense_grid(
     name: str, model: Path, X_test, y_test, seeds: int, tmp: Path, methods: set[str]
 ) -> list[dict]:
-    from service.artifact import read_artifact
+    from service.core.artifact import read_artifact
     from training.references import condense_references
 
     k = read_artifact(model).default_k

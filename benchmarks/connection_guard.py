@@ -1,5 +1,5 @@
 """What the connection limits cost on the hot path: the service under uvicorn's plain
-httptools protocol against the same service under ``service.connections.GuardedHttpProtocol``
+httptools protocol against the same service under ``service.ops.connections.GuardedHttpProtocol``
 (header timeout, header size and count, connection cap), side by side.
 
 Model: D = 64, N = 20k references at d = 16 (synthetic, a PCA map; no training). Both servers
@@ -26,12 +26,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, median, print_table, save_json, synthetic
 from http_load import LUA, start_uvicorn, stop, wrk
 
-GUARDED = "service.connections:GuardedHttpProtocol"
+GUARDED = "service.ops.connections:GuardedHttpProtocol"
 GET_LUA = 'wrk.method = "GET"\n'
 
 
 def build_model(directory: Path) -> Path:
-    from service.artifact import write_artifact
+    from service.core.artifact import write_artifact
 
     X, y = synthetic(20000, n_features=64, seed=3)
     mean, scale = X.mean(axis=0), X.std(axis=0)

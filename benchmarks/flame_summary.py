@@ -21,7 +21,7 @@ FRAME = re.compile(r"^(?P<name>[^ ]+) \((?P<file>[^:)]+)")
 
 
 def frame_label(frame: str) -> str:
-    """'parse_json (service/payload.py:120)' -> 'parse_json (payload.py)'."""
+    """'parse_json (service/http/payload.py:120)' -> 'parse_json (payload.py)'."""
     m = FRAME.match(frame)
     if not m:
         return frame

@@ -13,8 +13,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from service.app import create_app_from_env
-from service.payload import ClassifyBody
-from service.routes import pipeline
+from service.http import request as pipeline
+from service.http.payload import ClassifyBody
 
 OK = b'{"ok":true}'
 

@@ -3,7 +3,7 @@ FastAPI + FAISS app, side by side, and against parse-only routes.
 
 Model: D = 64 inputs, N = 60k references projected to d = 32 (synthetic data, NCA map
 learned on 5k of it), plus a 5k validation split; a second artifact carries the IVF index
-``python -m service.indexing`` tunes on that split (label agreement >= 0.998).
+``python -m service.search.tuning`` tunes on that split (label agreement >= 0.998).
 
 Servers (1 uvicorn worker each, uvloop + httptools, pinned with ``taskset`` to core 1; wrk
 pinned to core 0, 1 thread; one 64-dim instance per request):
@@ -56,8 +56,8 @@ wrk.headers["Content-Type"] = "application/json"
 
 def build_models(directory: Path) -> tuple[Path, Path]:
     """(the plain artifact, the same with a tuned IVF index)."""
-    from service.artifact import write_artifact
-    from service.indexing import index_artifact
+    from service.core.artifact import write_artifact
+    from service.search.tuning import index_artifact
     from training import NCA
 
     X, y = synthetic(65000, n_features=64, seed=2)

@@ -8,9 +8,9 @@ needs fewer probes: ``search_raw_vs_projected.py`` on real digits). For each N a
 build time (FAISS train + add), load time of the serialised index, index bytes and the
 process RSS growth while building, single-query latency (median of 300 queries, one thread)
 and batched throughput (batches of 64, one thread), all through
-``service.index.search_with_recheck``; label agreement with exact search on 2k test queries
+``service.search.index.search_with_recheck``; label agreement with exact search on 2k test queries
 (k = 5, majority), the setting (or two-stage plan) tuned on 5k validation queries as
-``python -m service.indexing`` tunes it (Wilson lower bound at 95 %).
+``python -m service.search.tuning`` tunes it (Wilson lower bound at 95 %).
 
 Then, at the largest N: ``python -m service`` started on an artifact without and with
 ``index.faiss`` (IVF, tuned), seconds until /readyz answers 200 (median of 3).
@@ -37,8 +37,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, median, print_table, save_json, synthetic
 
-from service.index import IndexParams, build_index, configure, search_with_recheck
-from service.indexing import answer_queries, tune
+from service.search.index import IndexParams, build_index, configure, search_with_recheck
+from service.search.tuning import answer_queries, tune
 
 ROOT = Path(__file__).resolve().parents[1]
 K, RULE, BATCH, TARGET = 5, "majority", 64, 0.998
@@ -158,8 +158,8 @@ def seconds_to_ready(artifact: Path) -> float:
 
 
 def ready_times(n: int) -> dict:
-    from service.artifact import write_artifact
-    from service.indexing import index_artifact
+    from service.core.artifact import write_artifact
+    from service.search.tuning import index_artifact
 
     X, y = synthetic(n + N_VAL, n_features=32, seed=3, latent=16)
     rng = np.random.default_rng(0)
@@ -181,7 +181,7 @@ def ready_times(n: int) -> dict:
     indexed = work / "indexed"
     index_artifact(plain, "ivf", target=TARGET, out=indexed, log=lambda m: None)
     # the same IVF, built at startup (NCAKNN_INDEX_TYPE=ivf, the tuned nprobe) or loaded
-    nprobe = __import__("service.artifact", fromlist=["read_artifact"]).read_artifact(indexed)
+    nprobe = __import__("service.core.artifact", fromlist=["read_artifact"]).read_artifact(indexed)
     nprobe = nprobe.manifest["index"]["params"]["nprobe"]
     os.environ["NCAKNN_NPROBE"] = str(nprobe)
     out = {"n": n, "nprobe": nprobe}

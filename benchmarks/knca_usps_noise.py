@@ -30,7 +30,7 @@ TEST_KS = tuple(range(1, 16))
 
 
 def accuracy_curve(z_train, y_train, z_test, y_test, n_classes):
-    from service.knn import decide, exact_knn
+    from service.core.knn import decide, exact_knn
 
     dist, idx = exact_knn(z_test, z_train, max(TEST_KS))
     labels = y_train[idx]

@@ -22,12 +22,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import median, print_table
 
-from service.answers import classify_json, classify_npy
 from service.config import Settings
-from service.engine import Engine
-from service.infer import Query, infer_one, resolve
-from service.payload import ClassifyBody, parse_json, parse_npy, to_rows
-from service.routes.pipeline import json_encoder
+from service.engine.infer import Query, infer_one, resolve
+from service.engine.model import Engine
+from service.engine.rows import to_rows
+from service.http.answers import classify_json, classify_npy
+from service.http.payload import ClassifyBody, parse_json, parse_npy
+from service.http.request import json_encoder
 
 
 def timed(fn, repeats: int) -> float:

@@ -22,7 +22,7 @@ import numpy as np
 from fastapi import FastAPI
 from pydantic import BaseModel
 
-from service.artifact import read_artifact
+from service.core.artifact import read_artifact
 
 
 class ClassifyRequest(BaseModel):

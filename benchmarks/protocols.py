@@ -108,7 +108,7 @@ def requests_for(rows: np.ndarray) -> dict[str, bytes]:
     ).encode()
     infer = "/v2/models/nca-knn/infer"
     npy = {"Content-Type": "application/x-npy", "Accept": "application/x-npy"}
-    from service.protocol import message
+    from service.oip.protocol import message
 
     grpc_request = message("inference.ModelInferRequest")(model_name="nca-knn")
     grpc_request.inputs.add(name="input", datatype="FP32", shape=[n, d])

@@ -91,7 +91,7 @@ def add_and_serve(directory: Path, repeats: int) -> dict:
 def search_rate(path: Path, queries: np.ndarray, k: int, repeats: int) -> tuple[int, float]:
     """(references, queries per second) of exact Flat search through the engine."""
     from service.config import Settings
-    from service.engine import load_model
+    from service.engine.model import load_model
 
     model = load_model(path, Settings(model_path=path, index_type="flat", grpc_port=0))
     z = model.embed(queries)
@@ -125,7 +125,7 @@ def main() -> None:
         ],
     )
     if args.condensed:
-        from service.artifact import read_artifact
+        from service.core.artifact import read_artifact
 
         before, after = args.condensed
         art = read_artifact(before)

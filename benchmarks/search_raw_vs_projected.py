@@ -1,5 +1,5 @@
 """kNN search on raw inputs (D = 784) against the NCA-projected space (d = 32), through the
-service's own search path (``service.index``: k + 8 FAISS candidates, exact re-rank).
+service's own search path (``service.search.index``: k + 8 FAISS candidates, exact re-rank).
 
 Data (``--data``): ``usps`` (default when ../shared/data/usps.npz is present): real digits at
 MNIST's size, USPS resampled to 28 x 28 (D = 784) and augmented to N = 60k references, with 5k
@@ -10,7 +10,7 @@ noise, a hard case for partition and graph indexes). The projection is an NCA ma
 one thread, in batches of 64 queries (as a busy service batches them), k = 5, majority rule.
 
 1. Flat: raw D = 784 against projected d = 32, seconds for the 10k queries (median of 3).
-2. Approximate indexes over the projection, each tuned as ``python -m service.indexing``
+2. Approximate indexes over the projection, each tuned as ``python -m service.search.tuning``
    tunes them: the cheapest nprobe / efSearch whose label agreement with exact search on the
    *validation* queries reaches the target (0.998). Then judged on the 10k *test* queries:
    label agreement with exact (projected Flat) search, accuracy delta, recall@5, and speed
@@ -37,15 +37,15 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import USPS_PATH, machine, median, print_table, save_json, synthetic, usps_784
 
-from service.index import (
+from service.core.knn import decide
+from service.search.index import (
     IndexParams,
     build_index,
     configure,
     reference_norm_limit,
     search_with_recheck,
 )
-from service.indexing import answer_queries, recall_at_k, tune
-from service.knn import decide
+from service.search.tuning import answer_queries, recall_at_k, tune
 
 K = 5
 RULE = "majority"

@@ -105,7 +105,7 @@ def main():
         print(train_tables(r))
     s = load("search_raw_vs_projected.json")
     if s:
-        print("\n## Search: raw D against projected d, through service/index.py\n")
+        print("\n## Search: raw D against projected d, through service/search/index.py\n")
         data = {
             "usps": "real digits at MNIST size (USPS resampled to 28 x 28, augmented; queries "
             "from held-out source images)",
@@ -114,7 +114,7 @@ def main():
         print(
             f"Data: {data}. {s['n']:,} references, {s['queries']:,} test queries, k = "
             f"{s['k']}, {s['rule']} rule, batches of {s['batch']}, {s['threads']} thread. "
-            f"Approximate indexes tuned by `service.indexing.tune` on {s['validation']:,} "
+            f"Approximate indexes tuned by `service.search.tuning.tune` on {s['validation']:,} "
             f"validation queries (95 % Wilson lower bound of label agreement >= "
             f"{s['target_label_agreement']}), then judged on the test queries. 'tuner choice' "
             "marks the plan the command picks; the row after a two-stage choice is the best "
@@ -139,7 +139,7 @@ def main():
         )
     c = load("index_cost.json")
     if c:
-        print("\n## Cost as N grows (d = 32, through service/index.py, one thread)\n")
+        print("\n## Cost as N grows (d = 32, through service/search/index.py, one thread)\n")
         print(
             md(
                 c["rows"],

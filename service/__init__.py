@@ -1,7 +1,22 @@
-"""nca-knn online half: the artifact contract, the kNN core and the HTTP service.
+"""nca-knn's online half: the artifact contract, the kNN core and the service.
 
-Importing this package (or ``service.artifact`` / ``service.knn``) pulls in numpy
-and the standard library only; the web stack and FAISS load from their own modules.
+The tree shows the layers; each package's docstring names its modules and their tests.
+
+* ``core/``: numpy and the standard library only, shared with ``training``: the vocabulary
+  of rules and index kinds, the kNN rule, the artifact format.
+* ``engine/``: a loaded model, the one inference path (``infer``), the batcher, input rows.
+* ``search/``: FAISS indexes at run time, and the offline tuner (``nca-index``).
+* ``wire/``: what every wire shares: strict integers, request bodies and media types.
+* ``http/``: the ``/v1`` JSON and npy routes: parsing, rendering, OpenAPI bodies.
+* ``oip/``: the Open Inference Protocol: tensors, REST (``/v2``) and gRPC.
+* ``ops/``: metrics, connection limits, memory, worker sync, logs.
+* ``app.py`` composes the wires (lifespan, middleware, ``/v1`` and ``/v2``, OpenAPI,
+  gRPC); ``state.py`` is what the wires share at run time; ``config.py`` the one Settings;
+  ``errors.py`` the one error table; ``__main__.py`` runs it under uvicorn.
+
+``http`` and ``oip`` never import each other; ``engine``, ``search`` and ``core`` import no
+web framework. Importing this package (or ``service.core``) pulls in numpy and the standard
+library only (``tests/test_boundaries.py`` checks all of it).
 """
 
 __version__ = "0.1.0"

@@ -15,9 +15,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from service.connections import check_open_files
-from service.vocabulary import INDEX_KINDS
-from service.workers import METRICS_DIR
+from service.core.vocabulary import INDEX_KINDS
+from service.ops.connections import check_open_files
+from service.ops.workers import METRICS_DIR
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,7 +79,7 @@ def _run(settings, has) -> None:
         port=settings.port,
         workers=settings.workers,
         loop="uvloop" if has("uvloop") else "asyncio",
-        http="service.connections:GuardedHttpProtocol",  # header timeout and limits, a cap
+        http="service.ops.connections:GuardedHttpProtocol",  # header timeout and limits, a cap
         timeout_keep_alive=settings.keep_alive_timeout_seconds,
         timeout_graceful_shutdown=settings.graceful_shutdown_seconds,
         access_log=False,

@@ -32,11 +32,10 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from service import __version__, connections, grpc_server
-from service.batcher import Batcher
+from service import __version__
 from service.config import Settings
-from service.deps import check_api_key
-from service.engine import Engine
+from service.engine.batcher import Batcher
+from service.engine.model import Engine
 from service.errors import (
     InvalidInput,
     MethodNotAllowed,
@@ -46,13 +45,17 @@ from service.errors import (
     body_of,
     status_of,
 )
-from service.index import available_cores
-from service.metrics import Metrics
+from service.http.deps import check_api_key
+from service.http.routes import health, inference, model
+from service.oip import grpc_server
+from service.oip import rest as v2
 from service.openapi import build_openapi
-from service.payload import JSON as JSON_TYPE
-from service.routes import health, inference, model, v2
+from service.ops import connections
+from service.ops.metrics import Metrics
+from service.ops.workers import ReloadGeneration
+from service.search.index import available_cores
 from service.state import AppState
-from service.workers import ReloadGeneration
+from service.wire.bodies import JSON as JSON_TYPE
 
 log = logging.getLogger("service.app")
 GIL_SWITCH_INTERVAL = 0.0002  # seconds
@@ -138,7 +141,7 @@ class ServiceApp(FastAPI):
     endpoint directly, past FastAPI's middleware stack, routing and dependency resolution:
     those cost about 140 us a request on one core of this machine, where a raw ASGI app
     answers in about 30 us, and more than a batched search. The endpoints take the raw
-    Request and do every check themselves (``service.routes.pipeline``); their errors go
+    Request and do every check themselves (``service.http.request``); their errors go
     through the one error table (``error_response``). Everything else takes FastAPI's path.
     ``ServiceMiddleware`` (metrics, draining) wraps both lanes.
     """
@@ -483,7 +486,7 @@ def _install_openapi(app: FastAPI, state: AppState) -> None:
 
 def create_app_from_env() -> FastAPI:
     """Factory for uvicorn workers: settings come from NCAKNN_* variables."""
-    from service.logs import configure_logging
+    from service.ops.logs import configure_logging
 
     settings = Settings()
     configure_logging(settings.log_level, settings.log_json)

@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from service.vocabulary import INDEX_KINDS
+from service.core.vocabulary import INDEX_KINDS
 
 IndexType = Literal[("auto", *INDEX_KINDS)]  # type: ignore[valid-type]
 
@@ -74,7 +74,7 @@ class Settings(BaseSettings):
     log_level: str = Field("info", description="debug, info, warning, error")
     log_json: bool = Field(True, description="structured JSON log lines")
 
-    # connections (per worker process; see service/connections.py)
+    # connections (per worker process; see service/ops/connections.py)
     max_connections: int = Field(
         1000,
         ge=1,

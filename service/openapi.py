@@ -14,8 +14,8 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from service.payload import JSON, NPY
-from service.vocabulary import RULES
+from service.core.vocabulary import RULES
+from service.wire.bodies import JSON, NPY
 
 ERROR_DESCRIPTIONS = {
     400: "empty batch",
@@ -32,7 +32,7 @@ ERROR_DESCRIPTIONS = {
 }
 INFERENCE_ERRORS = (400, 401, 406, 413, 415, 422, 429, 503)
 V2_INFER_ERRORS = (400, 401, 404, 413, 415, 422, 429, 503)  # no Accept negotiation
-NPY_ANSWERS = {  # the 200 answer with Accept: application/x-npy (see service.answers)
+NPY_ANSWERS = {  # the 200 answer with Accept: application/x-npy (see service.http.answers)
     "embed": "float32 array (n, d)",
     "classify": "structured array (n,): label (int64, or a string when a class is not an "
     "integer), probabilities (C,) float64 in GET /v1/model's class order, nearest_distance "
@@ -48,7 +48,7 @@ ROUTE_ERRORS = {
     "/v1/admin/reload": (401, 409),
     "/readyz": (503,),
     "/metrics": (401,),
-    # the Open Inference Protocol (service.routes.v2); its error body is V2ErrorBody
+    # the Open Inference Protocol (service.oip.rest); its error body is V2ErrorBody
     "/v2": (401,),
     "/v2/health/ready": (503,),
     "/v2/models/{model_name}": (401, 404, 503),

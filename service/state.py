@@ -10,14 +10,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from service import batcher as batching
-from service.batcher import Batcher
 from service.config import Settings
-from service.engine import Engine
+from service.engine import batcher as batching
+from service.engine.batcher import Batcher
+from service.engine.infer import Answer, Query
+from service.engine.model import Engine
 from service.errors import Overloaded, Unauthorized
-from service.infer import Answer, Query
-from service.metrics import Metrics
-from service.workers import ReloadGeneration
+from service.ops.metrics import Metrics
+from service.ops.workers import ReloadGeneration
 
 
 @dataclass
@@ -48,6 +48,12 @@ class AppState:
     async def infer(self, model, rows: np.ndarray, query: Query) -> Answer:
         """The inference path for one request, through the batcher when batching is on."""
         return await batching.run(self.batcher, model, rows, query)
+
+
+def check_key(authorization: str | None, key) -> None:
+    """401 unless the Authorization value carries ``key``; no check when ``key`` is None."""
+    if key is not None:
+        check_bearer(authorization or "", key)
 
 
 def check_bearer(header: str, key) -> None:

@@ -27,27 +27,28 @@ def package_files(package: str) -> list[Path]:
 
 
 def test_the_shared_vocabulary_uses_the_standard_library_only():
-    for name in imported_modules(ROOT / "service" / "vocabulary.py"):
+    for name in imported_modules(ROOT / "service" / "core" / "vocabulary.py"):
         assert name.split(".")[0] in STDLIB, name
 
 
-def test_artifact_module_uses_numpy_and_the_standard_library_only():
-    for name in imported_modules(ROOT / "service" / "artifact.py"):
-        top = name.split(".")[0]
-        assert top in STDLIB or top == "numpy" or name in {"service", "service.vocabulary"}, name
-
-
-def test_knn_core_uses_numpy_only():
-    for name in imported_modules(ROOT / "service" / "knn.py"):
-        assert name.split(".")[0] in STDLIB | {"numpy"} or name == "service.vocabulary", name
+def test_the_core_uses_numpy_and_the_standard_library_only():
+    """service/core: numpy, the standard library, and itself (plus the package version)."""
+    for path in package_files("service/core"):
+        for name in imported_modules(path):
+            top = name.split(".")[0]
+            assert (
+                top in STDLIB
+                or top == "numpy"
+                or name == "service"
+                or name.startswith("service.core")
+            ), f"{path.name} imports {name}"
 
 
 def test_training_imports_only_the_numpy_core_of_service():
-    allowed = {"service.artifact", "service.knn", "service.vocabulary"}
     for path in package_files("training"):
         for name in imported_modules(path):
             if name.split(".")[0] == "service":
-                assert name in allowed, f"{path.name} imports {name}"
+                assert name.startswith("service.core"), f"{path.name} imports {name}"
 
 
 def test_service_never_imports_training_or_torch():
@@ -58,7 +59,7 @@ def test_service_never_imports_training_or_torch():
 
 def test_importing_the_service_core_leaves_torch_and_the_web_stack_unloaded():
     code = (
-        "import sys, service, service.artifact, service.knn\n"
+        "import sys, service, service.core.artifact, service.core.knn\n"
         "bad = [m for m in ('torch', 'fastapi', 'faiss', 'training') if m in sys.modules]\n"
         "print(','.join(bad))\n"
     )
@@ -68,31 +69,42 @@ def test_importing_the_service_core_leaves_torch_and_the_web_stack_unloaded():
     assert result.stdout.strip() == ""
 
 
-WEB = {"fastapi", "starlette", "uvicorn", "httpx", "prometheus_client"}
-HTTP_LAYER = {
-    "service.app",
-    "service.deps",
-    "service.schemas",
-    "service.metrics",
-    "service.payload",
-}
+WEB = {"fastapi", "starlette", "uvicorn", "httpx", "prometheus_client", "grpc", "msgspec"}
 
 
-def test_engine_layer_has_no_web_imports():
-    for name in (
-        "engine.py",
-        "index.py",
-        "batcher.py",
-        "knn.py",
-        "artifact.py",
-        "errors.py",
-        "config.py",
-    ):
-        for module in imported_modules(ROOT / "service" / name):
-            assert module.split(".")[0] not in WEB, f"service/{name} imports {module}"
-            assert module not in HTTP_LAYER and not module.startswith("service.routes"), (
-                f"service/{name} imports the HTTP layer ({module})"
+def test_engine_search_and_core_have_no_web_imports():
+    """The engine, search, the core, the error table and the settings know no protocol."""
+    paths = [
+        *package_files("service/core"),
+        *package_files("service/engine"),
+        *package_files("service/search"),
+        ROOT / "service" / "errors.py",
+        ROOT / "service" / "config.py",
+        ROOT / "service" / "wire" / "integers.py",
+    ]
+    for path in paths:
+        for module in imported_modules(path):
+            assert module.split(".")[0] not in WEB, f"{path} imports {module}"
+            assert not module.startswith(("service.http", "service.oip", "service.app")), (
+                f"{path} imports a wire ({module})"
             )
+
+
+def test_the_wires_never_import_each_other():
+    """service/http (/v1) and service/oip (REST and gRPC) both sit on the engine; neither
+    imports the other, and neither imports the application that composes them."""
+    for wire, other in (("service/http", "service.oip"), ("service/oip", "service.http")):
+        for path in package_files(wire):
+            for module in imported_modules(path):
+                assert not module.startswith((other, "service.app")), f"{path} imports {module}"
+
+
+def test_every_package_folder_has_at_most_eight_modules():
+    for folder in [ROOT / "service", ROOT / "training"] + [
+        p for p in (ROOT / "service").rglob("*") if p.is_dir() and (p / "__init__.py").exists()
+    ]:
+        modules = [p for p in folder.glob("*.py") if p.name != "__init__.py"]
+        assert len(modules) <= 8 or folder.name == "training", (folder, len(modules))
 
 
 def test_importing_the_service_app_leaves_torch_out():
@@ -156,7 +168,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_cycles_in_service_or_training():
     graph = import_graph(("service", "training"))
-    assert "training.objectives" in graph and "service.engine" in graph
+    assert "training.objectives" in graph and "service.engine.model" in graph
     assert cycles(graph) == []
 
 
@@ -167,13 +179,13 @@ def test_the_cycle_finder_finds_a_cycle():
 
 def test_rule_and_index_names_are_listed_only_in_the_vocabulary():
     """No tuple, list or set of string constants that spells out two or more decision rules or two
-    or more index kinds anywhere but service/vocabulary.py (they derive from its enums)."""
-    from service.vocabulary import INDEX_KINDS, RULES
+    or more index kinds anywhere but service/core/vocabulary.py (they derive from its enums)."""
+    from service.core.vocabulary import INDEX_KINDS, RULES
 
     offenders = []
     for package in ("service", "training"):
         for path in package_files(package):
-            if path.name == "vocabulary.py":
+            if path.name == "vocabulary.py" and path.parent.name == "core":
                 continue
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, (ast.Tuple, ast.List, ast.Set)):

@@ -6,7 +6,7 @@ import sys
 
 import torch.distributed as dist
 
-from service.artifact import ArtifactError
+from service.core.artifact import ArtifactError
 from training.config import parse_config
 from training.data import DataError
 from training.distributed import init_from_environment

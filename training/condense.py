@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from service.knn import decide, exact_knn, squared_distances
+from service.core.knn import decide, exact_knn, squared_distances
 
 
 def wilson_keep(z: np.ndarray, y: np.ndarray, n_classes: int, edit_k: int = 3) -> np.ndarray:

@@ -15,7 +15,7 @@ import argparse
 import inspect
 from dataclasses import MISSING, asdict, dataclass, field, fields
 
-from service.vocabulary import NEIGHBOUR_RULES, DecisionRule
+from service.core.vocabulary import NEIGHBOUR_RULES, DecisionRule
 from training.estimator import NCA
 
 ESTIMATOR_DEFAULTS = {

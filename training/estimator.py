@@ -31,8 +31,8 @@ from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import check_is_fitted, validate_data
 from threadpoolctl import threadpool_limits
 
-from service.knn import project
-from service.vocabulary import NEIGHBOUR_RULES
+from service.core.knn import project
+from service.core.vocabulary import NEIGHBOUR_RULES
 from training import sharded_stats
 from training.data import STANDARDIZERS, choose_standardizer, stratified_split
 from training.distributed import (

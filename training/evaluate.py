@@ -1,7 +1,7 @@
 """Offline evaluation: kNN accuracy in an embedding, for several k, with the service's rule.
 
 Queries are classified against the reference set (the training split) with the exact kNN
-search and the decision rule of ``service.knn``: the same functions the service runs, so the
+search and the decision rule of ``service.core.knn``: the same functions the service runs, so the
 accuracy reported here is the accuracy served.
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from service.knn import FarPrior, decide, exact_knn
-from service.vocabulary import DecisionRule
+from service.core.knn import FarPrior, decide, exact_knn
+from service.core.vocabulary import DecisionRule
 
 K_VALUES = (1, 3, 5, 7, 9, 11, 13, 15)
 

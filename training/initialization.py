@@ -127,7 +127,7 @@ def initial_components(
     """
     n_samples, n_features = X.shape
     if isinstance(init, (str, Path)) and str(init) not in INIT_NAMES:
-        from service.artifact import read_artifact
+        from service.core.artifact import read_artifact
 
         artifact = read_artifact(init)
         if artifact.n_features_in != n_features:

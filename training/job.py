@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import torch.distributed as dist
 
-from service.artifact import write_artifact
-from service.knn import project
-from service.vocabulary import NEIGHBOUR_RULES
+from service.core.artifact import write_artifact
+from service.core.knn import project
+from service.core.vocabulary import NEIGHBOUR_RULES
 from training.baselines import BASELINES
 from training.config import TrainConfig
 from training.data import (
@@ -461,7 +461,7 @@ def build_report(
 def save_artifact(
     out: Path, config: TrainConfig, data_name: str, split, estimator: NCA, ev: Evaluation, report
 ) -> None:
-    """The artifact (service.artifact), with report.json and the plots as extra files; the
+    """The artifact (service.core.artifact), with report.json and the plots as extra files; the
     manifest carries the report without its per-iteration history and test predictions."""
     extra_files = {"report.json": json_bytes(report)}
     if config.plots:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from scipy.optimize import minimize
 
-from service.knn import decide
+from service.core.knn import decide
 from training.neighbourhood import (
     nearest_candidates,
     objective_sum,

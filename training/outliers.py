@@ -8,8 +8,8 @@ quantiles of those distances go into the manifest (``outlier_calibration``); a q
 nearest reference is farther than the q-quantile is, by construction, rarer than a fraction
 1 - q of in-distribution queries. The offline evaluation reports the rate of such queries
 on the test split and the accuracy on flagged and unflagged points, with the same
-functions the service flags with (``service.knn.outlier_threshold`` / ``outlier_flags``),
-and what the ``soft_prior`` rule (``service.knn.FarPrior``) does to the confidence of the
+functions the service flags with (``service.core.knn.outlier_threshold`` / ``outlier_flags``),
+and what the ``soft_prior`` rule (``service.core.knn.FarPrior``) does to the confidence of the
 flagged points.
 
 The quantile function is stored on a grid (:data:`QUANTILES`), dense in the tail where
@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from service.artifact import parse_outlier_calibration
-from service.knn import FarPrior, decide, exact_knn, outlier_flags, outlier_threshold
-from service.vocabulary import DecisionRule
+from service.core.artifact import parse_outlier_calibration
+from service.core.knn import FarPrior, decide, exact_knn, outlier_flags, outlier_threshold
+from service.core.vocabulary import DecisionRule
 
 SOFT, SOFT_PRIOR = DecisionRule.SOFT.value, DecisionRule.SOFT_PRIOR.value
 

@@ -2,14 +2,14 @@
 
 kNN is non-parametric: new labelled points improve its answers as soon as they are among the
 references, and a point deleted on request must stop appearing in any answer. Every change
-writes a new artifact version (``service.artifact.write_artifact``: atomic, checksummed),
+writes a new artifact version (``service.core.artifact.write_artifact``: atomic, checksummed),
 which the service picks up by reload or its poller, so replicas never disagree and a crash
 leaves the previous version whole. The map A, the standardisation, the validation split and
 the training record are the parent's; what changed is recorded in the manifest's
 ``lineage`` (one entry per operation, oldest first: operation, parent version, row counts,
 time, warnings), which ``GET /v1/model`` shows.
 
-* add: the new rows are projected with the artifact's own map (``service.knn.project``, the
+* add: the new rows are projected with the artifact's own map (``service.core.knn.project``, the
   function the service runs on queries) and appended with their labels and ids. Ids are
   given (distinct int64, none already used) or assigned after the current maximum. A label
   the map was never trained on is accepted with a warning recorded in the lineage, and the
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from service.artifact import (
+from service.core.artifact import (
     OWNED_MANIFEST_KEYS,
     Artifact,
     ArtifactError,
@@ -38,7 +38,7 @@ from service.artifact import (
     read_extras,
     write_artifact,
 )
-from service.knn import project
+from service.core.knn import project
 from training.data import DataError, validate_xy
 from training.outliers import calibrate
 

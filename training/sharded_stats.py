@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from service.knn import decide, exact_knn
+from service.core.knn import decide, exact_knn
 from training.data import global_scale, per_feature_scale
 from training.distributed import ProcessGroup, broadcast_from_rank0, gather_rows
 from training.numerics import evenly_spaced_rows

@@ -93,7 +93,7 @@ def test_probes_port_and_settings_match_the_service(overlay, routes):
     data = configmap["data"]
     assert port["containerPort"] == int(data["NCAKNN_PORT"])
     # readiness over gRPC health checking, on the gRPC port, for the service we register
-    from service.protocol import INFERENCE_SERVICE
+    from service.oip.protocol import INFERENCE_SERVICE
 
     assert grpc_port["name"] == "grpc"
     assert grpc_port["containerPort"] == int(data["NCAKNN_GRPC_PORT"])

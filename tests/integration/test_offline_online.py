@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from service.engine import load_model
-from service.infer import infer_one, resolve
+from service.engine.infer import infer_one, resolve
+from service.engine.model import load_model
 from tests.service.conftest import settings_for
 
 pytest.importorskip("torch")
@@ -57,7 +57,7 @@ def test_service_predictions_equal_the_training_report(trained_digits):
 def test_service_projection_equals_estimator_transform(tmp_path):
     from sklearn.datasets import load_digits
 
-    from service.artifact import write_artifact
+    from service.core.artifact import write_artifact
 
     X, y = load_digits(return_X_y=True)
     nca = NCA(n_components=8, max_iter=20, random_state=0).fit(X[:500], y[:500])
@@ -80,7 +80,7 @@ def test_far_away_offline_equals_online(trained_digits):
     """The outlier flags and the soft_prior rule: the job's report and the offline functions
     give what the service serves; on a trained model the prior rule is the soft rule for
     typical queries (the learned scale puts the threshold far beyond them)."""
-    from service.knn import outlier_flags
+    from service.core.knn import outlier_flags
     from training.evaluate import knn_predictions
     from training.outliers import threshold_of
 
@@ -117,7 +117,7 @@ def test_every_manifest_field_of_a_trained_model_is_classified(trained_digits):
     """Each field the training job writes is either descriptive (not in the model version)
     or one of the fields below that change answers; a new field must be placed in one of the
     two on purpose (an unplaced one counts towards the version)."""
-    from service.artifact import DESCRIPTIVE_MANIFEST_KEYS, read_artifact
+    from service.core.artifact import DESCRIPTIVE_MANIFEST_KEYS, read_artifact
 
     answering = {
         "format", "schema_version", "n_features_in", "n_components", "n_references",

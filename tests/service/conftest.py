@@ -1,4 +1,4 @@
-"""Service fixtures: one artifact per session, built with ``service.artifact`` alone (no
+"""Service fixtures: one artifact per session, built with ``service.core.artifact`` alone (no
 torch, no scikit-learn: the service's tests run with only the ``serve`` extra installed), and
 apps and clients on it. The training job's own artifacts are tested against the service in
 tests/integration."""
@@ -14,9 +14,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.app import create_app
-from service.artifact import write_artifact
 from service.config import Settings
-from service.knn import decide, exact_knn, project
+from service.core.artifact import write_artifact
+from service.core.knn import decide, exact_knn, project
 
 N_FEATURES, N_COMPONENTS, N_CLASSES = 64, 16, 10
 PER_CLASS = {"train": 125, "val": 15, "test": 40}
@@ -155,7 +155,7 @@ def client(model_artifact):
 def republish_scaled(path, factor: float) -> str:
     """Rewrite the artifact at ``path`` with its projection and references scaled by
     ``factor`` (a different, valid model); returns the new model version."""
-    from service.artifact import read_artifact, write_artifact
+    from service.core.artifact import read_artifact, write_artifact
 
     art = read_artifact(path)
     write_artifact(
@@ -174,7 +174,7 @@ def republish_scaled(path, factor: float) -> str:
 
 def brute_force_knn(model, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """(squared distances (n, k), reference rows (n, k)) of rows (n, D) by plain numpy in
-    float64: every reference's distance, sorted, ties by row. Independent of service.knn and
+    float64: every reference's distance, sorted, ties by row. Independent of service.core.knn and
     FAISS, to check the inference path against."""
     z = np.asarray(rows, np.float64) @ np.asarray(model.projection, np.float64).T
     z += np.asarray(model.offset, np.float64)

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from service.answers import class_array
 from service.app import create_app
-from service.artifact import read_artifact, write_artifact
+from service.core.artifact import read_artifact, write_artifact
+from service.engine.model import class_array
 from tests.service.conftest import model_arrays, npy, settings_for
 
 ANSWER_NPY = {"content-type": "application/x-npy", "accept": "application/x-npy"}

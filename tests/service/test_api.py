@@ -317,7 +317,7 @@ async def _gather(app, bodies, path="/v1/classify"):
 
 
 def test_overload_is_429(model_artifact):
-    app = create_app(settings_for(model_artifact[0], max_in_flight=1, batch_max_wait_us=20000))
+    app = create_app(settings_for(model_artifact[0], max_in_flight=1, batch_max_wait_us=200_000))
     bodies = [{"instances": [[0.0] * 64]}] * 8
     responses = asyncio.run(_gather(app, bodies))
     statuses = sorted(r.status_code for r in responses)
@@ -342,7 +342,7 @@ def test_batched_answers_equal_single_request_answers(model_artifact, on_loop):
         for i in range(48)
     ]
     app = create_app(
-        settings_for(model_artifact[0], batch_max_wait_us=5000, search_on_event_loop=on_loop)
+        settings_for(model_artifact[0], batch_max_wait_us=200_000, search_on_event_loop=on_loop)
     )
     batched = asyncio.run(_gather(app, bodies))
     registry = app.state.ncaknn.metrics.registry

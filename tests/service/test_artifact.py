@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from service import artifact as artifact_module
-from service.artifact import ArtifactError, read_artifact, read_manifest, write_artifact
+from service.core import artifact as artifact_module
+from service.core.artifact import ArtifactError, read_artifact, read_manifest, write_artifact
 
 
 def pieces(rng, n=20, d=3, D=5, classes=("a", "b")):

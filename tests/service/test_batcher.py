@@ -8,10 +8,10 @@ import asyncio
 import numpy as np
 import pytest
 
-from service.batcher import Batcher
-from service.engine import load_model
+from service.engine.batcher import Batcher
+from service.engine.infer import Query, infer_one
+from service.engine.model import load_model
 from service.errors import InvalidInput
-from service.infer import Query, infer_one
 
 from .conftest import brute_force_knn, settings_for
 

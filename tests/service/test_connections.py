@@ -1,4 +1,4 @@
-"""Connection-level limits against a real ``python -m service`` (service.connections): idle
+"""Connection-level limits against a real ``python -m service`` (service.ops.connections): idle
 and silent connections, slow headers, header bombs, the connection cap and the open-files
 check. Each bound a test states is printed with what it measured."""
 
@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from service import connections
+from service.ops import connections
 from tests.service.test_server import ROOT, free_port, start_server, wait_ready
 from tests.service.test_server_robustness import rss_mib, stop_server
 
@@ -348,7 +348,7 @@ def test_grpc_has_the_same_connection_limits(model_artifact):
     timeout, and metadata over max_header_bytes is refused."""
     import grpc
 
-    from service.protocol import message
+    from service.oip.protocol import message
 
     port, grpc_port = free_port(), free_port()
     proc = start_server(

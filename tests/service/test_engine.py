@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from service.artifact import ArtifactError
-from service.engine import Engine, load_model
+from service.core.artifact import ArtifactError
+from service.engine.infer import Query, infer_one, resolve
+from service.engine.model import Engine, load_model
 from service.errors import InvalidInput, NotReady
-from service.infer import Query, infer_one, resolve
 from tests.service.conftest import republish_scaled, settings_for
 
 

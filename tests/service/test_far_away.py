@@ -14,9 +14,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.app import create_app
-from service.artifact import ArtifactError, parse_outlier_calibration, read_artifact
-from service.engine import load_model
-from service.knn import (
+from service.core.artifact import ArtifactError, parse_outlier_calibration, read_artifact
+from service.core.knn import (
     Background,
     FarPrior,
     decide,
@@ -26,6 +25,7 @@ from service.knn import (
     outlier_threshold,
     project,
 )
+from service.engine.model import load_model
 from tests.service.conftest import build_model_artifact, digits_like_split, npy, settings_for
 from tests.service.test_api import _gather
 
@@ -44,7 +44,7 @@ def uncalibrated(tmp_path_factory):
     return out
 
 
-# ------------------------------------------------------------------ the math (service.knn)
+# ------------------------------------------------------------------ the math (service.core.knn)
 
 
 def test_the_threshold_interpolates_the_calibrated_quantile_function():
@@ -347,7 +347,9 @@ def test_batched_requests_with_other_rules_and_quantiles_answer_as_alone(model_a
         {"instances": rows[i : i + 1 + i % 3].tolist(), "k": 3 + 2 * (i % 2), **asks[i % 5]}
         for i in range(40)
     ]
-    settings = settings_for(model_artifact[0], batch_max_wait_us=5000, search_on_event_loop=on_loop)
+    settings = settings_for(
+        model_artifact[0], batch_max_wait_us=200_000, search_on_event_loop=on_loop
+    )
     app = create_app(settings)
     batched = asyncio.run(_gather(app, bodies))
     merged = app.state.ncaknn.metrics.registry.get_sample_value("ncaknn_batch_rows_count")

@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from service.artifact import read_artifact
-from service.index import (
+from service.core.artifact import read_artifact
+from service.core.knn import exact_knn, exact_knn_centered, project
+from service.search.index import (
     IndexParams,
     build_index,
     reference_norm_limit,
@@ -14,7 +15,6 @@ from service.index import (
     search_with_recheck,
     vote_margin,
 )
-from service.knn import exact_knn, exact_knn_centered, project
 
 
 def search(index, refs, queries, k, **kw):
@@ -170,7 +170,7 @@ def test_near_queries_do_not_take_the_fallback(rng):
 def test_available_cores_follows_affinity_and_cgroup_quota(
     monkeypatch, tmp_path, affinity, cpu_max, expected
 ):
-    import service.index as index_module
+    import service.search.index as index_module
 
     path = tmp_path / "cpu.max"
     if cpu_max is not None:

@@ -11,12 +11,12 @@ import faiss
 import numpy as np
 import pytest
 
-import service.engine as engine_module
-import service.indexing as indexing
-from service.artifact import ArtifactError, read_artifact, rewrite_artifact, write_artifact
-from service.engine import load_model
-from service.index import IndexParams, build_index
-from service.knn import decide
+import service.engine.model as engine_module
+import service.search.tuning as indexing
+from service.core.artifact import ArtifactError, read_artifact, rewrite_artifact, write_artifact
+from service.core.knn import decide
+from service.engine.model import load_model
+from service.search.index import IndexParams, build_index
 
 from .conftest import manifest, model_arrays, settings_for
 

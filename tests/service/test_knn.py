@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from service.knn import decide, exact_knn, project, rerank, squared_distances
+from service.core.knn import decide, exact_knn, project, rerank, squared_distances
 
 
 def test_project_is_affine_map_in_float32(rng):

@@ -9,7 +9,7 @@ import sys
 import pytest
 from google.protobuf import descriptor_pb2
 
-from service.protocol import DESCRIPTOR_SET, message
+from service.oip.protocol import DESCRIPTOR_SET, message
 
 PROTOS = ("open_inference.proto", "health.proto")
 
@@ -30,7 +30,7 @@ def test_the_descriptor_set_is_compiled_from_the_proto_files(tmp_path):
     )
     fresh = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes())
     stored = descriptor_pb2.FileDescriptorSet.FromString(DESCRIPTOR_SET.read_bytes())
-    assert fresh == stored, "run `make protos` and commit service/protocol/protocol.binpb"
+    assert fresh == stored, "run `make protos` and commit service/oip/protocol/protocol.binpb"
 
 
 def test_our_messages_and_tritonclients_read_each_other():

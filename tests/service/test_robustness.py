@@ -14,12 +14,12 @@ import pytest
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
-from service import artifact as artifact_module
 from service.app import create_app
-from service.artifact import ArtifactError, read_artifact, write_artifact
 from service.config import Settings
-from service.engine import Engine
-from service.knn import decide
+from service.core import artifact as artifact_module
+from service.core.artifact import ArtifactError, read_artifact, write_artifact
+from service.core.knn import decide
+from service.engine.model import Engine
 from tests.service.conftest import republish_scaled, settings_for
 
 D = 64
@@ -273,8 +273,11 @@ def test_the_server_poller_picks_up_a_healed_artifact(model_dir):
         new_version = republish_scaled(model_dir, 2.0)
         good = (model_dir / "labels.npy").read_bytes()
         (model_dir / "labels.npy").write_bytes(b"broken")
-        time.sleep(0.5)
-        assert c.get("/readyz").json()["model_version"] == before
+        deadline = time.monotonic() + 10
+        while "ncaknn_model_load_failures_total 1.0" not in c.get("/metrics").text:
+            assert time.monotonic() < deadline, "the poller never tried the broken artifact"
+            time.sleep(0.05)
+        assert c.get("/readyz").json()["model_version"] == before  # the broken one refused
         (model_dir / "labels.npy").write_bytes(good)
         deadline = time.monotonic() + 10
         while c.get("/readyz").json()["model_version"] != new_version:
@@ -289,7 +292,7 @@ def test_staging_left_by_a_killed_writer_is_removed_by_the_next_write(tmp_path, 
     target = tmp_path / "m"
     code = (
         "import os, numpy as np\n"
-        "from service import artifact as a\n"
+        "from service.core import artifact as a\n"
         "real = a._move_into_place\n"
         "def die(*args): os._exit(9)\n"
         "a._move_into_place = die\n"

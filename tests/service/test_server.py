@@ -17,7 +17,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.app import create_app
-from service.artifact import read_artifact
+from service.core.artifact import read_artifact
 from tests.service.conftest import republish_scaled, settings_for
 
 ROOT = Path(__file__).resolve().parents[2]

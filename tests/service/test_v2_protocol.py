@@ -13,7 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.app import create_app
-from service.artifact import read_artifact, write_artifact
+from service.core.artifact import read_artifact, write_artifact
 from tests.service.conftest import model_arrays, settings_for
 from tests.service.test_server import free_port, start_server, wait_ready
 
@@ -136,7 +136,7 @@ def test_metadata_and_readiness_over_both_protocols(server, model_artifact):
 def health_stub(channel, method: str):
     """(request type, callable) for grpc.health.v1.Health/<method> (Check: unary, Watch:
     a stream), with our own messages."""
-    from service.protocol import message
+    from service.oip.protocol import message
 
     request_type = message("grpc.health.v1.HealthCheckRequest")
     response_type = message("grpc.health.v1.HealthCheckResponse")
@@ -225,7 +225,7 @@ def expect_error(call, wire: str, http_status: int, fragment: str):
     if wire == "http":
         assert error.status() == str(http_status), (error.status(), error.message())
     else:
-        from service.grpc_server import GRPC_CODES
+        from service.oip.grpc_server import GRPC_CODES
 
         assert error.status() == f"StatusCode.{GRPC_CODES[http_status].name}", error.status()
     assert fragment in error.message(), error.message()
@@ -614,7 +614,7 @@ def test_grpc_model_infer_fuzz_never_fails_inside(server):
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    from service.protocol import message
+    from service.oip.protocol import message
 
     request_type = message("inference.ModelInferRequest")
     text = st.text(max_size=8)
@@ -826,7 +826,9 @@ def test_sigterm_ends_health_watch_streams_and_does_not_wait_for_them(model_arti
                 t.join(10)
         print(f"exit {took:.2f} s after SIGTERM with 3 Watch streams open (grace {grace} s)")
         assert code in (0, -signal.SIGTERM)
-        assert seen == [[1, 2, "ended"]] * 3  # SERVING, NOT_SERVING, then the stream ended
+        # SERVING, NOT_SERVING, then the stream ended: by the server, or (when the process was
+        # faster than the last frame) by the connection closing
+        assert all(statuses[:2] == [1, 2] and len(statuses) == 3 for statuses in seen), seen
         assert took < grace / 2
     finally:
         if proc.poll() is None:

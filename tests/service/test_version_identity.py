@@ -1,4 +1,4 @@
-"""The model version names everything that can change an answer (service.artifact
+"""The model version names everything that can change an answer (service.core.artifact
 .model_version_of): each answer-affecting manifest field changes it, and the answers with
 it; descriptive fields change neither; a reload of a model that differs only in such a
 field says "reloaded" and serves the new version."""
@@ -12,7 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.app import create_app
-from service.artifact import (
+from service.core.artifact import (
     DESCRIPTIVE_MANIFEST_KEYS,
     MANIFEST_FILE,
     legacy_model_version_of,

@@ -18,10 +18,10 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from service import integers
 from service.app import create_app
 from service.errors import InvalidInput
-from service.protocol import message
+from service.oip.protocol import message
+from service.wire import integers
 from tests.service.conftest import settings_for
 from tests.service.test_server import free_port, start_server, wait_ready
 from tests.service.test_server_robustness import stop_server

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from service.knn import decide
+from service.core.knn import decide
 from training import NCA
 from training.neighbourhood import objective_sum
 from training.objective_registry import make_objective

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from service.artifact import read_artifact
+from service.core.artifact import read_artifact
 from training import job
 from training.cli import main
 from training.config import TrainConfig, build_parser
@@ -75,7 +75,7 @@ def test_the_artifact_keeps_the_projected_validation_split(tmp_path):
         val_size=config["val_size"],
         seed=config["seed"],
     )
-    from service.knn import project
+    from service.core.knn import project
 
     np.testing.assert_array_equal(
         art.validation_embeddings, project(split.X_val, art.projection, art.offset)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from service.artifact import read_artifact
+from service.core.artifact import read_artifact
 from training.cli import main as cli_main
 from training.condense import (
     _nearest,

@@ -309,7 +309,7 @@ def test_one_rank_data_parallel_set_up_equals_the_single_process_one(one_rank):
 
 
 def test_merged_knn_lists_equal_one_search_over_all_rows(two_ranks):
-    from service.knn import exact_knn
+    from service.core.knn import exact_knn
 
     X, _, X_val, _ = digits_split()
     keep = np.setdiff1d(np.arange(len(X)), [3, 299, 300, 301, 598])

@@ -14,8 +14,8 @@ from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 from sklearn.utils.estimator_checks import check_estimator
 
-from service.artifact import write_artifact
-from service.knn import project
+from service.core.artifact import write_artifact
+from service.core.knn import project
 from training import NCA
 from training.initialization import initial_components
 

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from service.artifact import read_artifact
+from service.core.artifact import read_artifact
 from tests.service.conftest import build_model_artifact, digits_like_split
 from training.cli import main as cli_main
 from training.outliers import QUANTILES, calibrate, outlier_report

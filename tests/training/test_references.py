@@ -11,8 +11,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.app import create_app
-from service.artifact import read_artifact, write_artifact
-from service.knn import project
+from service.core.artifact import read_artifact, write_artifact
+from service.core.knn import project
 from tests.service.conftest import settings_for
 from training.cli import main as cli_main
 from training.job import publish

@@ -2,7 +2,7 @@
 
 ``flat`` is exact. ``ivf`` (IVFFlat), ``hnsw`` (HNSWFlat) and ``ivfpq`` are approximate, with
 their search parameter (nprobe / efSearch) settable. Every search fetches k + RERANK_MARGIN
-candidates and re-ranks them exactly with :func:`service.knn.rerank`, so answers are ordered
+candidates and re-ranks them exactly with :func:`service.core.knn.rerank`, so answers are ordered
 by exact distance with ties broken by id, and do not depend on how requests were batched.
 
 An approximate index can search in two stages (:func:`search_with_recheck`): every row with
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import faiss
 import numpy as np
 
-from service.knn import RERANK_MARGIN, exact_knn_centered, rerank
-from service.vocabulary import IVF_KINDS
+from service.core.knn import RERANK_MARGIN, exact_knn_centered, rerank
+from service.core.vocabulary import IVF_KINDS
 
 SMALL_BATCH_ROWS = 16  # below this a search runs on one thread (OpenMP start-up costs more)
 

@@ -47,7 +47,7 @@ from service.errors import (
     status_of,
 )
 
-log = logging.getLogger("service.connections")
+log = logging.getLogger("service.ops.connections")
 
 # file descriptors a worker needs besides its client connections: listening and gRPC
 # sockets, the event loop, thread pool, log files, Prometheus multiprocess files, the model's

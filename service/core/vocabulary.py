@@ -11,7 +11,7 @@ import enum
 
 
 class DecisionRule(str, enum.Enum):
-    """How k neighbours' labels become a prediction (``service.knn.decide``)."""
+    """How k neighbours' labels become a prediction (``service.core.knn.decide``)."""
 
     MAJORITY = "majority"  # the most frequent label; ties go to the nearest tied neighbour
     SOFT = "soft"  # NCA's softmax of minus squared distances over the k neighbours
@@ -21,7 +21,7 @@ class DecisionRule(str, enum.Enum):
 
 
 class IndexKind(str, enum.Enum):
-    """The FAISS index over the references (``service.index.build_index``)."""
+    """The FAISS index over the references (``service.search.index.build_index``)."""
 
     FLAT = "flat"  # exact
     IVF = "ivf"  # inverted lists of full vectors; search parameter nprobe

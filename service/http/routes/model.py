@@ -5,9 +5,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends
 from starlette.concurrency import run_in_threadpool
 
-from service.deps import State, require_admin_key, require_api_key
 from service.errors import ReloadFailed
-from service.schemas import ModelInfo, ReloadResponse
+from service.http.deps import State, require_admin_key, require_api_key
+from service.http.schemas import ModelInfo, ReloadResponse
 
 router = APIRouter(prefix="/v1", tags=["model"])
 

@@ -1,6 +1,6 @@
 """POST /v1/classify, /v1/embed, /v1/neighbors.
 
-Each handler takes the raw request: the pipeline (``service.routes.pipeline``) parses it
+Each handler takes the raw request: the pipeline (``service.http.request``) parses it
 strictly and checks every limit; the OpenAPI document (``service.openapi``) describes the
 bodies, the query options, the limits of the loaded model and every status.
 """
@@ -10,11 +10,12 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from service.answers import classify_json, classify_npy, neighbors_json, neighbors_npy
-from service.knn import outlier_flags
-from service.payload import JSON, NPY, ClassifyBody, EmbedBody, NeighborsBody, npy_bytes
-from service.routes import pipeline
-from service.schemas import ClassifyResponse, EmbedResponse, NeighborsResponse
+from service.core.knn import outlier_flags
+from service.http import request as pipeline
+from service.http.answers import classify_json, classify_npy, neighbors_json, neighbors_npy
+from service.http.payload import ClassifyBody, EmbedBody, NeighborsBody, npy_bytes
+from service.http.schemas import ClassifyResponse, EmbedResponse, NeighborsResponse
+from service.wire.bodies import JSON, NPY
 
 router = APIRouter(prefix="/v1", tags=["inference"])
 

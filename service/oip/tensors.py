@@ -1,7 +1,7 @@
 """The Open Inference Protocol (KServe V2) on our engine: tensors in, tensors out.
 
-No web or gRPC imports: ``service.routes.v2`` (REST, with the binary tensor data extension)
-and ``service.grpc_server`` (gRPC) both turn their wire format into an :class:`InferCall`
+No web or gRPC imports: ``service.oip.rest`` (REST, with the binary tensor data extension)
+and ``service.oip.grpc_server`` (gRPC) both turn their wire format into an :class:`InferCall`
 and the engine's answer into :class:`OutputTensor` objects through this module, so the two
 protocols accept the same inputs, refuse the same mistakes with the same messages, and
 answer the same numbers as ``/v1/classify``.
@@ -38,15 +38,14 @@ from typing import Any
 
 import numpy as np
 
-from service.answers import class_array
-from service.engine import LoadedModel
+from service.core.knn import outlier_flags
+from service.core.vocabulary import RULES
+from service.engine.infer import Answer, Query, resolve
+from service.engine.model import LoadedModel, class_array
+from service.engine.rows import to_rows
 from service.errors import EmptyBatch, InvalidInput, NotFound, PayloadTooLarge
-from service.infer import Answer, Query, resolve
-from service.integers import check_int_range, finite_number
-from service.knn import outlier_flags
-from service.payload import to_rows
 from service.state import AppState
-from service.vocabulary import RULES
+from service.wire.integers import check_int_range, finite_number
 
 INPUT_NAME = "input"
 PLATFORM = "nca-knn"

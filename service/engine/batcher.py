@@ -2,7 +2,7 @@
 
 Requests put a job (model, rows, query) on a queue and await its future. One worker task
 takes the first waiting job, keeps collecting until ``max_rows`` rows or ``max_wait_us``
-have passed, groups the jobs by (model, k), and calls ``service.infer.infer`` once per
+have passed, groups the jobs by (model, k), and calls ``service.engine.infer.infer`` once per
 group with the jobs' rows and queries, in a worker thread, off the event loop (or, for
 groups of at most ``inline_rows`` rows, on the event loop itself: on one core that saves
 two thread hand-offs a batch and nothing runs in parallel anyway). Each job gets its own
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from service.infer import Answer, Query, infer, infer_one
+from service.engine.infer import Answer, Query, infer, infer_one
 
 
 @dataclass

@@ -6,11 +6,11 @@ For rows x (n, D) of one model and one k::
 
     z = x W^T + b                     embed (float64 accumulation, float32 result)
     rows whose z is not finite        -> that part's InvalidInput, the others go on
-    (dist, idx) = kNN(z, k)           one search for every part (service.index)
+    (dist, idx) = kNN(z, k)           one search for every part (service.search.index)
     background = FarPrior(z, t)       the soft_prior rule's component, per threshold t
     (label, proba) = decide(...)      one decision per (rule, threshold) asked for
 
-The projection, the final distances and the decision are computed row by row (service.knn),
+The projection, the final distances and the decision are computed row by row (service.core.knn),
 so a part's answer does not depend on the parts searched with it: a batched answer equals
 the answer the request gets alone.
 """
@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from service.core.knn import decide, project
+from service.core.vocabulary import RULES, DecisionRule
 from service.errors import InvalidInput, ServiceError
-from service.knn import decide, project
-from service.vocabulary import RULES, DecisionRule
 
 SOFT_PRIOR = DecisionRule.SOFT_PRIOR.value
 FLOAT32_MAX = float(np.finfo(np.float32).max)

@@ -23,8 +23,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from service import __version__, oip
-from service.deps import check_api_key
+from service import __version__
 from service.errors import (
     InvalidInput,
     NotReady,
@@ -33,10 +32,16 @@ from service.errors import (
     UnsupportedMediaType,
     status_of,
 )
-from service.integers import parse_count
-from service.payload import JSON, body_limit, describe_unicode_error
-from service.routes import pipeline
-from service.state import AppState
+from service.oip import tensors as oip
+from service.state import AppState, check_key
+from service.wire.bodies import (
+    JSON,
+    THREAD_PARSE_BYTES,
+    body_limit,
+    describe_unicode_error,
+    read_body,
+)
+from service.wire.integers import parse_count
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol (KServe V2)"])
 HEADER_LENGTH = "inference-header-content-length"
@@ -94,7 +99,7 @@ def state_of(request: Request) -> AppState:
 
 def served_model(request: Request, name: str, version: str | None):
     state = state_of(request)
-    check_api_key(request, state.settings.api_key)
+    check_key(request.headers.get("authorization"), state.settings.api_key)
     model = state.engine.current()
     oip.check_model(model, name, version, state.settings.v2_model_name)
     return state, model
@@ -106,7 +111,7 @@ def served_model(request: Request, name: str, version: str | None):
 @router.get("", summary="Server metadata: name, version, extensions")
 @v2_errors
 async def server_metadata(request: Request) -> Response:
-    check_api_key(request, state_of(request).settings.api_key)
+    check_key(request.headers.get("authorization"), state_of(request).settings.api_key)
     body = {"name": "nca-knn", "version": __version__, "extensions": oip.EXTENSIONS}
     return Response(encode(body), media_type=JSON)
 
@@ -329,11 +334,11 @@ async def infer(request: Request, model_name: str | None = None, model_version=N
         max_rows=settings.max_batch_rows,
         max_body_bytes=settings.max_body_bytes,
     )
-    body = await pipeline.read_body(
+    body = await read_body(
         request, limit, f"(max_body_bytes, or {settings.max_batch_rows} rows of JSON)"
     )
     header_length = request.headers.get(HEADER_LENGTH)
-    if len(body) > pipeline.THREAD_PARSE_BYTES:
+    if len(body) > THREAD_PARSE_BYTES:
         call = await run_in_threadpool(
             parse_infer, body, header_length, model, settings.max_batch_rows
         )

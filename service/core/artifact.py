@@ -57,7 +57,7 @@ from typing import Any
 import numpy as np
 
 from service import __version__
-from service.vocabulary import NEIGHBOUR_RULES
+from service.core.vocabulary import NEIGHBOUR_RULES
 
 SCHEMA_VERSION = 1
 FORMAT_NAME = "nca-knn-artifact"

@@ -21,7 +21,8 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from service.artifact import (
+from service.config import Settings
+from service.core.artifact import (
     INDEX_FILE,
     Artifact,
     ArtifactError,
@@ -29,9 +30,11 @@ from service.artifact import (
     parse_outlier_calibration,
     read_artifact,
 )
-from service.config import Settings
+from service.core.knn import FarPrior, outlier_threshold, project
+from service.core.vocabulary import IVF_KINDS
+from service.engine.infer import Query, embedding_overflow, infer_one, non_finite_rows
 from service.errors import InvalidInput, NotReady
-from service.index import (
+from service.search.index import (
     IndexParams,
     build_index,
     configure,
@@ -39,12 +42,10 @@ from service.index import (
     reference_norm_limit,
     search_with_recheck,
 )
-from service.infer import Query, embedding_overflow, infer_one, non_finite_rows
-from service.knn import FarPrior, outlier_threshold, project
-from service.vocabulary import IVF_KINDS
 
-log = logging.getLogger("service.engine")
+log = logging.getLogger("service.engine.model")
 FLOAT32_MAX = float(np.finfo(np.float32).max)
+INT64 = np.iinfo(np.int64)
 
 
 @dataclass(frozen=True)
@@ -60,18 +61,18 @@ class LoadedModel:
     index_type: str
     loaded_at: float
     load_seconds: float
-    norm_limit: float  # queries with a larger norm are searched exactly (see service.index)
+    norm_limit: float  # queries with a larger norm are searched exactly (see service.search.index)
     input_abs_max: float  # inputs within [-input_abs_max, input_abs_max] embed finitely
     index_params: dict = field(default_factory=dict)
     search_plan: IndexParams = field(default_factory=IndexParams)  # incl. the recheck stage
     # called with (far rows, under-filled rows) after a search that used the exact fallback
     on_fallback: Callable[[int, int], None] | None = None
     # the calibrated quantile function of held-out nearest distances {q: squared distance},
-    # None when the model was trained without a validation split (service.knn.outlier_*)
+    # None when the model was trained without a validation split (service.core.knn.outlier_*)
     outlier_quantiles: dict[float, float] | None = None
     default_outlier_quantile: float = 0.99  # the setting outlier_quantile
     default_outlier_threshold: float | None = None  # its threshold (computed once, at load)
-    far_prior: FarPrior | None = None  # the soft_prior rule's component (service.knn)
+    far_prior: FarPrior | None = None  # the soft_prior rule's component (service.core.knn)
 
     @property
     def version(self) -> str:
@@ -120,7 +121,7 @@ class LoadedModel:
     def search_embedded(self, z: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """z (n, d) finite -> (squared distances (n, k) float64, reference rows (n, k)).
 
-        Always k real references per row (see ``service.index.search_references``); rows
+        Always k real references per row (see ``service.search.index.search_references``); rows
         with a close vote searched again, wider, when the plan has a recheck stage."""
         result = search_with_recheck(
             self.index,
@@ -136,6 +137,14 @@ class LoadedModel:
         if self.on_fallback is not None and (result.far_rows or result.underfilled_rows):
             self.on_fallback(result.far_rows, result.underfilled_rows)
         return result.distances, result.indices
+
+
+def class_array(classes: list) -> np.ndarray:
+    """The classes as one numpy array: int64 when all are integers that fit, else their
+    string forms (the keys of a JSON answer's probabilities)."""
+    if all(isinstance(c, int) and INT64.min <= c <= INT64.max for c in classes):
+        return np.asarray(classes, dtype=np.int64)
+    return np.asarray([str(c) for c in classes], dtype=np.str_)
 
 
 def input_abs_max(projection: np.ndarray, offset: np.ndarray) -> float:
@@ -186,7 +195,7 @@ def load_model(
 ) -> LoadedModel:
     """Read and check the artifact, build (or read) its index, and warm it up."""
     started = time.perf_counter()
-    # Every file is read once into memory and verified there (service.artifact): a file
+    # Every file is read once into memory and verified there (service.core.artifact): a file
     # changed under a memory map would crash the process (SIGBUS) instead of failing a load.
     artifact = read_artifact(path)
     embeddings = np.ascontiguousarray(artifact.embeddings, dtype=np.float32)

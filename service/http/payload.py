@@ -29,23 +29,11 @@ from typing import Annotated, Literal
 import msgspec
 import numpy as np
 
-from service.errors import (
-    EmptyBatch,
-    InvalidInput,
-    NotAcceptable,
-    PayloadTooLarge,
-    UnsupportedMediaType,
-)
-from service.vocabulary import RULES
+from service.core.vocabulary import RULES
+from service.errors import EmptyBatch, InvalidInput, PayloadTooLarge
+from service.wire.bodies import NPY_HEADER_MAX, describe_unicode_error
 
-JSON = "application/json"
-NPY = "application/x-npy"
 NPY_MAGIC = b"\x93NUMPY"
-JSON_BYTES_PER_VALUE = 48  # generous: "-1.1754943508222875e-38," plus pretty-printing
-JSON_BYTES_PER_ROW = 64
-JSON_BYTES_EXTRA = 64 * 1024  # the other fields, whitespace
-NPY_HEADER_MAX = 65536 + 16  # npy format 2.0 headers are at most 4 GiB in theory; numpy
-# itself refuses headers over 10,000 bytes unless told otherwise (max_header_size)
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 Rule = Literal[RULES]  # type: ignore[valid-type]  (the values of DecisionRule)
@@ -70,73 +58,6 @@ class ClassifyBody(InstancesBody, forbid_unknown_fields=True):
     outlier_quantile: float | None = None
 
 
-def media_type(content_type: str | None) -> str:
-    return (content_type or JSON).split(";")[0].strip().lower()
-
-
-def check_media(content_type: str | None, allowed: tuple[str, ...]) -> str:
-    kind = media_type(content_type)
-    if kind not in allowed:
-        raise UnsupportedMediaType(
-            f"Content-Type {kind!r} is not accepted here; use one of {list(allowed)}"
-        )
-    return kind
-
-
-def negotiate(accept: str | None, offered: tuple[str, ...]) -> str:
-    """The offered media type the Accept header prefers (RFC 9110 section 12.5.1).
-
-    Each offered type takes the quality of the most specific range that matches it
-    (``type/subtype`` over ``type/*`` over ``*/*``); ``q=0`` excludes it. The highest
-    quality wins, ties go to the earlier offered type. No Accept header: the first offered.
-    Raises NotAcceptable when nothing offered is acceptable.
-    """
-    if accept is None or not accept.strip():
-        return offered[0]
-    ranges = []
-    for part in accept.split(","):
-        fields = [f.strip() for f in part.split(";")]
-        media = fields[0].lower()
-        if not media:
-            continue
-        quality = 1.0
-        for param in fields[1:]:
-            name, _, value = param.partition("=")
-            if name.strip().lower() == "q":
-                try:
-                    quality = min(1.0, max(0.0, float(value)))
-                except ValueError:
-                    quality = 0.0
-        ranges.append((media, quality))
-    best, best_q = None, 0.0
-    for kind in offered:
-        main = kind.split("/")[0]
-        specificity, quality = -1, 0.0
-        for media, q in ranges:
-            level = (
-                2 if media == kind else 1 if media == f"{main}/*" else 0 if media == "*/*" else -1
-            )
-            if level > specificity:
-                specificity, quality = level, q
-        if specificity >= 0 and quality > best_q:
-            best, best_q = kind, quality
-    if best is None:
-        raise NotAcceptable(f"Accept {accept!r}: this route returns one of {list(offered)}")
-    return best
-
-
-def body_limit(kind: str, *, n_features: int, max_rows: int, max_body_bytes: int) -> int:
-    """The largest body accepted for a model with D = n_features: what max_rows rows can take
-    in that encoding, and never more than max_body_bytes."""
-    if kind == NPY:
-        needed = NPY_HEADER_MAX + max_rows * n_features * 8
-    else:
-        needed = JSON_BYTES_EXTRA + max_rows * (
-            n_features * JSON_BYTES_PER_VALUE + JSON_BYTES_PER_ROW
-        )
-    return min(max_body_bytes, needed)
-
-
 def describe_decode_error(exc: msgspec.MsgspecError) -> str:
     text = str(exc)
     if isinstance(exc, msgspec.DecodeError) and not isinstance(exc, msgspec.ValidationError):
@@ -157,15 +78,6 @@ def parse_json(body: bytes, schema: type[InstancesBody], *, n_features: int, max
         raise InvalidInput(describe_decode_error(exc)) from None
     except UnicodeDecodeError as exc:
         raise InvalidInput(describe_unicode_error(exc)) from None
-
-
-def describe_unicode_error(exc: UnicodeDecodeError, what: str = "the JSON body") -> str:
-    """The message for bytes that are not UTF-8 where JSON text (RFC 8259: UTF-8) is due."""
-    bad = exc.object[exc.start : exc.start + 1].hex()
-    return (
-        f"{what} is not valid UTF-8: byte 0x{bad} at offset {exc.start} of a string "
-        f"({exc.reason}); JSON text must be encoded as UTF-8"
-    )
 
 
 def parse_npy(body: bytes, *, n_features: int, max_rows: int) -> np.ndarray:
@@ -231,39 +143,6 @@ def _npy_header(text: bytes) -> tuple[tuple[int, ...], bool, np.dtype]:
             f"instances must be integers or floats of at most 8 bytes, the .npy dtype is {descr!r}"
         )
     return shape, fortran, dtype
-
-
-def to_rows(instances, *, n_features: int, max_rows: int, abs_max: float) -> np.ndarray:
-    """Validate a list of rows (or an (n, D) array) and return float32 (n, D)."""
-    n = instances.shape[0] if isinstance(instances, np.ndarray) else len(instances)
-    if n == 0:
-        raise EmptyBatch("instances is empty; send at least one row")
-    if n > max_rows:
-        raise PayloadTooLarge(f"{n} instances in one request; the limit is {max_rows}")
-    if not isinstance(instances, np.ndarray):
-        widths = {len(row) for row in instances}
-        if len(widths) != 1:
-            raise InvalidInput(
-                f"instances are ragged: rows have {sorted(widths)[:5]} values; all need "
-                f"{n_features}"
-            )
-        instances = np.array(instances, dtype=np.float64)
-    if instances.shape[1] != n_features:
-        raise InvalidInput(
-            f"each instance must have {n_features} features (the model's D), got "
-            f"{instances.shape[1]}"
-        )
-    values = np.asarray(instances)
-    inside = np.abs(values) <= abs_max  # False for NaN and Inf: one pass checks all three
-    if not inside.all():
-        r, c = np.argwhere(~inside)[0]
-        if values.dtype.kind == "f" and not np.isfinite(values[r, c]):
-            raise InvalidInput(f"instances[{r}][{c}] is NaN or Inf; all values must be finite")
-        raise InvalidInput(
-            f"instances[{r}][{c}] = {float(values[r, c]):.6g} is outside this model's input "
-            f"range [-{abs_max:.6g}, {abs_max:.6g}] (beyond it the embedding overflows float32)"
-        )
-    return np.ascontiguousarray(values, dtype=np.float32)
 
 
 def npy_bytes(array: np.ndarray) -> bytes:

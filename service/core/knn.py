@@ -24,13 +24,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from service.vocabulary import RULES
+from service.core.vocabulary import RULES
 
 # Extra candidates fetched (by float32 FAISS / GEMM distances) before the exact float64
 # re-rank. float32 ranks two references wrongly only when their distances differ by less
 # than its rounding error, so the true k nearest are among the first k + 8 unless more than
 # 8 references sit within that error of the k-th: then both the offline evaluation
-# (exact_knn) and the service (service.index) re-rank the same exact float64 distances with
+# (exact_knn) and the service (service.search.index) re-rank the same exact float64 distances with
 # ties by id, and answer bit for bit the same however the queries were batched.
 RERANK_MARGIN = 8
 
@@ -183,7 +183,7 @@ def exact_knn_centered(
 def outlier_threshold(quantiles: dict[float, float], quantile: float) -> float:
     """The squared nearest-reference distance beyond which a query is an outlier at
     ``quantile``: the calibrated quantile function (``quantiles``, {q: distance} sorted by q,
-    from ``service.artifact.parse_outlier_calibration``) interpolated linearly in q between
+    from ``service.core.artifact.parse_outlier_calibration``) interpolated linearly in q between
     its stored points. ``quantile`` must lie within the stored range."""
     qs = np.fromiter(quantiles, dtype=np.float64)
     if not qs[0] <= quantile <= qs[-1]:

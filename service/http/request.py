@@ -19,28 +19,27 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 
-from service import memory
-from service.deps import check_api_key
-from service.engine import LoadedModel
+from service.core.vocabulary import RULES
+from service.engine.infer import Query, resolve
+from service.engine.model import LoadedModel
+from service.engine.rows import to_rows
 from service.errors import InvalidInput, PayloadTooLarge
-from service.infer import Query, resolve
-from service.integers import parse_count
-from service.payload import (
+from service.http.deps import check_api_key
+from service.http.payload import InstancesBody, parse_json, parse_npy
+from service.ops import memory
+from service.state import AppState
+from service.wire.bodies import (
     JSON,
     NPY,
-    InstancesBody,
+    THREAD_PARSE_BYTES,
     body_limit,
     check_media,
     negotiate,
-    parse_json,
-    parse_npy,
-    to_rows,
+    read_body,
 )
-from service.state import AppState
-from service.vocabulary import RULES
+from service.wire.integers import parse_count
 
 INLINE_ROWS = 64  # below this, projection runs on the event loop (a thread hop costs more)
-THREAD_PARSE_BYTES = 256 * 1024  # bodies larger than this are parsed in a worker thread
 THREAD_ENCODE_VALUES = 32 * 1024  # answers with more numbers are encoded in a worker thread
 BOOL_VALUES = {"true": True, "false": False}
 DECIMAL = re.compile(r"[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?")  # unsigned, finite, no "nan"
@@ -63,22 +62,6 @@ class InferenceRequest:
 
 def app_state(request: Request) -> AppState:
     return request.app.state.ncaknn
-
-
-async def read_body(request: Request, limit: int, what: str) -> bytes:
-    """The request body, refused with 413 as soon as it passes ``limit``."""
-    declared = request.headers.get("content-length")
-    if declared is not None and parse_count(declared.strip(), "Content-Length") > limit:
-        raise PayloadTooLarge(
-            f"request body of {declared.strip()} bytes; the limit is {limit} {what}"
-        )
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"request body over {limit} bytes; the limit is {limit} {what}")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def query_options(request: Request, allowed: tuple[str, ...]) -> dict[str, Any]:

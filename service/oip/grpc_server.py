@@ -4,7 +4,7 @@ checking (``grpc.health.v1.Health``), on the HTTP server's event loop and engine
 Started by the app's lifespan when ``grpc_port`` is not 0, stopped (with the drain's grace)
 before the batcher. Every call goes through the same checks as REST: the API key (metadata
 ``authorization: Bearer <key>``), the model name and version, the tensor checks of
-``service.oip``, and ``oip.run_call`` (limits, in-flight gate, the inference path, metrics).
+``service.oip.tensors``, and ``oip.run_call`` (limits, in-flight gate, the inference path, metrics).
 Errors carry the gRPC status matching the HTTP status of the one error table
 (:data:`GRPC_CODES`) and the same message.
 """
@@ -19,9 +19,10 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from service import __version__, oip
+from service import __version__
 from service.errors import InvalidInput, ServiceError, status_of
-from service.protocol import HEALTH_SERVICE, INFERENCE_SERVICE, message
+from service.oip import tensors as oip
+from service.oip.protocol import HEALTH_SERVICE, INFERENCE_SERVICE, message
 from service.state import AppState, check_bearer
 
 log = logging.getLogger("service.grpc")
@@ -251,11 +252,12 @@ class HealthService:
             return
         last = None
         while True:
-            current = self.status()
+            draining = self.state.engine.draining  # read once: the status sent agrees with it
+            current = NOT_SERVING if draining else self.status()
             if current != last:
                 yield HealthCheckResponse(status=current)
                 last = current
-            if self.state.engine.draining:
+            if draining:
                 return  # NOT_SERVING was sent: end the stream so shutdown need not wait for it
             await asyncio.sleep(WATCH_POLL_SECONDS)
 
@@ -323,7 +325,7 @@ def handlers(state: AppState) -> list:
 
 def server_options(settings) -> list[tuple[str, int]]:
     """gRPC core's channel arguments: the message size limit, and the same connection limits
-    as HTTP (service.connections): at most ``max_connections`` open connections (beyond it a
+    as HTTP (service.ops.connections): at most ``max_connections`` open connections (beyond it a
     new one is refused, UNAVAILABLE), the HTTP/2 handshake within ``header_timeout_seconds``
     (a connection that sends nothing is closed), metadata (headers) within
     ``max_header_bytes``, and an idle connection closed after GRPC_IDLE_SECONDS."""

@@ -1,6 +1,6 @@
 """Prebuilt approximate indexes, tuned on the artifact's validation split.
 
-    python -m service.indexing ARTIFACT --index ivf [--agreement 0.998]
+    python -m service.search.tuning ARTIFACT --index ivf [--agreement 0.998]
 
 builds an IVF, HNSW or IVF-PQ index over the artifact's references, chooses its search
 parameter (IVF/IVF-PQ ``nprobe``, HNSW ``efSearch``) and writes the index into the artifact
@@ -17,11 +17,11 @@ its agreement (``--confidence``, default 95 %) does: with 5,000 validation queri
 queries the tuner has not seen, not only on the ones it chose by (choosing the best of many
 settings on the same queries overstates agreement otherwise).
 Settings are tried from the cheapest up until one reaches the target.
-Then two-stage plans (``service.index.search_with_recheck``) are scored from the same runs: a
+Then two-stage plans (``service.search.index.search_with_recheck``) are scored from the same runs: a
 cheap setting for every row and a wider one for the rows whose vote margin is below m. The
 few plans estimated cheapest that reach the target are measured as the service runs them,
 and the fastest measured setting or plan wins. Every search goes through the service's own
-path (``service.index.search_with_recheck``: k + margin candidates, exact re-rank), in batches
+path (``service.search.index.search_with_recheck``: k + margin candidates, exact re-rank), in batches
 of 64 on one thread, as the service runs it. Recall@k against exact search is reported too.
 """
 
@@ -38,10 +38,16 @@ from statistics import NormalDist
 import faiss
 import numpy as np
 
-from service.artifact import Artifact, ArtifactError, read_artifact, rewrite_artifact
-from service.index import IndexParams, build_index, configure, search_with_recheck, vote_margin
-from service.knn import decide
-from service.vocabulary import IVF_KINDS
+from service.core.artifact import Artifact, ArtifactError, read_artifact, rewrite_artifact
+from service.core.knn import decide
+from service.core.vocabulary import IVF_KINDS
+from service.search.index import (
+    IndexParams,
+    build_index,
+    configure,
+    search_with_recheck,
+    vote_margin,
+)
 
 # candidate values of each kind's search parameter, cheapest first
 SEARCH_PARAMETER: dict[str, tuple[str, tuple[int, ...]]] = {
@@ -443,7 +449,7 @@ def index_artifact(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m service.indexing",
+        prog="python -m service.search.tuning",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -21,11 +21,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from service.engine import LoadedModel
-from service.infer import Answer
-from service.payload import npy_bytes
-
-INT64 = np.iinfo(np.int64)
+from service.engine.infer import Answer
+from service.engine.model import LoadedModel, class_array
+from service.http.payload import npy_bytes
 
 
 def neighbor_lists(
@@ -76,14 +74,6 @@ def neighbors_json(model: LoadedModel, answer: Answer) -> dict:
         "neighbors": neighbor_lists(model, answer.distances, answer.indices),
         "model_version": model.version,
     }
-
-
-def class_array(classes: list) -> np.ndarray:
-    """The classes as one numpy array: int64 when all are integers that fit, else their
-    string forms (the keys of a JSON answer's probabilities)."""
-    if all(isinstance(c, int) and INT64.min <= c <= INT64.max for c in classes):
-        return np.asarray(classes, dtype=np.int64)
-    return np.asarray([str(c) for c in classes], dtype=np.str_)
 
 
 def _records(fields: list[tuple[str, np.ndarray]]) -> np.ndarray:

@@ -10,8 +10,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from service.deps import State, check_api_key
 from service.errors import NotReady
+from service.http.deps import State, check_api_key
 
 router = APIRouter(tags=["health"])
 

@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from service.config import Settings
-from service.state import AppState, check_bearer
+from service.state import AppState, check_key
 
 # Dependencies are `async def` on purpose: FastAPI runs plain `def` dependencies in its thread
 # pool, one thread hop each per request.
@@ -22,9 +22,7 @@ State = Annotated[AppState, Depends(get_state)]
 
 def check_api_key(request: Request, key) -> None:
     """401 unless ``Authorization: Bearer <key>`` carries ``key`` (no check when None)."""
-    if key is None:
-        return
-    check_bearer(request.headers.get("authorization", ""), key)
+    check_key(request.headers.get("authorization"), key)
 
 
 def check_admin_key(request: Request, settings: Settings) -> None:

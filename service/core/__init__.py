@@ -1,0 +1,12 @@
+"""The numpy-only core that training and the service share (no web framework, no FAISS).
+
+* ``vocabulary.py``: the decision rules and index kinds, named once
+  (``tests/test_boundaries.py``).
+* ``knn.py``: the projection z = x W^T + b, exact kNN in float64, the decision rules
+  (majority, soft, soft_prior), outlier calibration and thresholds: the one decision
+  function offline evaluation and online serving both call (``tests/service/test_knn.py``,
+  ``test_far_away.py``).
+* ``artifact.py``: the artifact format: file names, dtypes, shapes, manifest keys, the
+  model version, checksums; the pinned read and the atomic write
+  (``tests/service/test_artifact.py``, ``test_version_identity.py``, ``test_robustness.py``).
+"""

@@ -1,0 +1,1 @@
+"""What every wire shares: strict integers off the wire, request bodies and media types."""
