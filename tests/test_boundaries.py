@@ -202,3 +202,20 @@ def test_the_service_tests_need_only_the_serve_and_dev_extras():
     for path in sorted((ROOT / "tests" / "service").rglob("*.py")):
         for name in imported_modules(path):
             assert name.split(".")[0] not in train_only, f"{path.name} imports {name}"
+
+
+def test_the_service_code_stays_small():
+    """No module over 600 lines, class over 350 or function over 60 in service/ (AST line
+    spans; ``python benchmarks/code_shape.py`` prints the same for both packages)."""
+    offenders = []
+    for path in package_files("service"):
+        text = path.read_text()
+        if len(text.splitlines()) > 600:
+            offenders.append(f"{path.name}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            size = getattr(node, "end_lineno", 0) - getattr(node, "lineno", 0) + 1
+            if isinstance(node, ast.ClassDef) and size > 350:
+                offenders.append(f"{path.name}: class {node.name}, {size} lines")
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and size > 60:
+                offenders.append(f"{path.name}: {node.name}, {size} lines")
+    assert offenders == []

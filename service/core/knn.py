@@ -263,6 +263,33 @@ class FarPrior:
         )
 
 
+def _check_decision_inputs(labels, dists, rule: str, background) -> None:
+    if labels.ndim != 2 or labels.shape != dists.shape:
+        raise ValueError(
+            f"neighbor_labels and neighbor_distances must both be (n, k); got "
+            f"{labels.shape} and {dists.shape}"
+        )
+    if rule not in RULES:
+        raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+    if rule == "soft_prior" and (background is None or len(background.log_mass) != len(labels)):
+        raise ValueError("rule 'soft_prior' needs the background component of every row")
+    if len(labels) and labels.shape[1] == 0:
+        raise ValueError("decide needs at least one neighbour per query (k >= 1)")
+
+
+def _majority_with_nearest_tie_break(scores, rows, cols, k: int) -> np.ndarray:
+    """argmax of the votes (scores (n, C), integers), ties to the class whose nearest member
+    comes first in the neighbour list."""
+    n, n_classes = scores.shape
+    # first_rank[i, c]: position of the nearest neighbour of class c (k when absent).
+    first_rank = np.full((n, n_classes), k, dtype=np.int64)
+    ranks = np.broadcast_to(np.arange(k), (n, k)).reshape(-1)
+    np.minimum.at(first_rank, (rows, cols), ranks)
+    # votes dominate (steps of k + 1); among equal votes the earliest class wins.
+    key = scores.astype(np.int64) * (k + 1) + (k - first_rank)
+    return key.argmax(axis=1)
+
+
 def decide(
     neighbor_labels: np.ndarray,
     neighbor_distances: np.ndarray,
@@ -289,22 +316,12 @@ def decide(
     """
     labels = np.asarray(neighbor_labels)
     dists = np.asarray(neighbor_distances, dtype=np.float64)
-    if labels.ndim != 2 or labels.shape != dists.shape:
-        raise ValueError(
-            f"neighbor_labels and neighbor_distances must both be (n, k); got "
-            f"{labels.shape} and {dists.shape}"
-        )
-    if rule not in RULES:
-        raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
-    if rule == "soft_prior" and (background is None or len(background.log_mass) != len(labels)):
-        raise ValueError("rule 'soft_prior' needs the background component of every row")
+    _check_decision_inputs(labels, dists, rule, background)
     n, k = labels.shape
     if n == 0:
         return np.empty(0, dtype=np.int64), np.empty((0, n_classes), dtype=np.float64)
-    if k == 0:
-        raise ValueError("decide needs at least one neighbour per query (k >= 1)")
-    rows = np.repeat(np.arange(n), k)
-    cols = labels.reshape(-1).astype(np.int64)
+    rows = np.repeat(np.arange(n), k)  # (n k,)
+    cols = labels.reshape(-1).astype(np.int64)  # (n k,)
     extra = None
     if rule == "majority":
         weights = np.ones((n, k), dtype=np.float64)
@@ -321,13 +338,7 @@ def decide(
         scores += extra
     proba = scores / scores.sum(axis=1, keepdims=True)
     if rule == "majority":
-        # first_rank[i, c]: position of the nearest neighbour of class c (k when absent).
-        first_rank = np.full((n, n_classes), k, dtype=np.int64)
-        ranks = np.broadcast_to(np.arange(k), (n, k)).reshape(-1)
-        np.minimum.at(first_rank, (rows, cols), ranks)
-        # votes dominate (steps of k + 1); among equal votes the earliest class wins.
-        key = scores.astype(np.int64) * (k + 1) + (k - first_rank)
-        predicted = key.argmax(axis=1)
+        predicted = _majority_with_nearest_tie_break(scores, rows, cols, k)
     else:
         predicted = proba.argmax(axis=1)
     return predicted.astype(np.int64), proba

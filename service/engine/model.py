@@ -190,6 +190,35 @@ def index_params(settings: Settings, artifact: Artifact, prebuilt: faiss.Index |
     )
 
 
+def _prebuilt_index(path, artifact: Artifact, embeddings: np.ndarray) -> faiss.Index | None:
+    """The artifact's prebuilt index, checked against the references; None without one."""
+    if artifact.index_bytes is None:
+        return None
+    try:
+        prebuilt = faiss.deserialize_index(np.frombuffer(artifact.index_bytes, np.uint8))
+    except RuntimeError as exc:
+        raise ArtifactError(f"{path}/{INDEX_FILE}: not a readable FAISS index ({exc})") from exc
+    if prebuilt.ntotal != len(embeddings) or prebuilt.d != embeddings.shape[1]:
+        raise ArtifactError(
+            f"{path}/{INDEX_FILE}: the index holds {prebuilt.ntotal} vectors of dimension "
+            f"{prebuilt.d}, the references are {embeddings.shape}"
+        )
+    return prebuilt
+
+
+def _calibration(path, artifact: Artifact, quantile: float):
+    """(the outlier calibration's {q: squared distance}, the threshold at the setting's
+    quantile), both None without a calibration; ArtifactError for a quantile outside it."""
+    calibration = parse_outlier_calibration(artifact.manifest.get("outlier_calibration"))
+    if calibration is None:
+        return None, None
+    quantiles = calibration["quantiles"]
+    try:
+        return quantiles, outlier_threshold(quantiles, quantile)
+    except ValueError as exc:
+        raise ArtifactError(f"{path}: the setting outlier_quantile: {exc}") from None
+
+
 def load_model(
     path: str | Path, settings: Settings, on_fallback: Callable[[int, int], None] | None = None
 ) -> LoadedModel:
@@ -198,18 +227,8 @@ def load_model(
     # Every file is read once into memory and verified there (service.core.artifact): a file
     # changed under a memory map would crash the process (SIGBUS) instead of failing a load.
     artifact = read_artifact(path)
-    embeddings = np.ascontiguousarray(artifact.embeddings, dtype=np.float32)
-    prebuilt = None
-    if artifact.index_bytes is not None:
-        try:
-            prebuilt = faiss.deserialize_index(np.frombuffer(artifact.index_bytes, np.uint8))
-        except RuntimeError as exc:
-            raise ArtifactError(f"{path}/{INDEX_FILE}: not a readable FAISS index ({exc})") from exc
-        if prebuilt.ntotal != len(embeddings) or prebuilt.d != embeddings.shape[1]:
-            raise ArtifactError(
-                f"{path}/{INDEX_FILE}: the index holds {prebuilt.ntotal} vectors of dimension "
-                f"{prebuilt.d}, the references are {embeddings.shape}"
-            )
+    embeddings = np.ascontiguousarray(artifact.embeddings, dtype=np.float32)  # (N, d)
+    prebuilt = _prebuilt_index(path, artifact, embeddings)
     params = index_params(settings, artifact, prebuilt)
     if prebuilt is not None and index_kind(prebuilt) == params.kind:
         configure(prebuilt, params)
@@ -217,14 +236,7 @@ def load_model(
     else:
         index = build_index(embeddings, params)
     labels = np.asarray(artifact.labels, dtype=np.int64)
-    calibration = parse_outlier_calibration(artifact.manifest.get("outlier_calibration"))
-    quantiles = calibration["quantiles"] if calibration is not None else None
-    default_threshold = None
-    if quantiles is not None:
-        try:
-            default_threshold = outlier_threshold(quantiles, settings.outlier_quantile)
-        except ValueError as exc:
-            raise ArtifactError(f"{path}: the setting outlier_quantile: {exc}") from None
+    quantiles, default_threshold = _calibration(path, artifact, settings.outlier_quantile)
     model = LoadedModel(
         artifact=artifact,
         index=index,

@@ -53,6 +53,12 @@ class Metrics:
             buckets=ROW_BUCKETS,
             registry=r,
         )
+        self._define_serving_metrics(r)
+        self._define_model_metrics(r)
+        self._define_connection_metrics(r)
+
+    def _define_serving_metrics(self, r: CollectorRegistry) -> None:
+        """Batches, queueing, errors by type, requests in flight."""
         self.batch_rows = Histogram(
             "ncaknn_batch_rows",
             "rows per merged search (dynamic batching)",
@@ -74,6 +80,9 @@ class Metrics:
             registry=r,
             multiprocess_mode="livesum",
         )
+
+    def _define_model_metrics(self, r: CollectorRegistry) -> None:
+        """The loaded model, its loads, the search fallback and outliers."""
         self.model_info = Gauge(
             "ncaknn_model_info",
             "the loaded model (value 1; 0 for a version this worker no longer serves)",
@@ -106,6 +115,15 @@ class Metrics:
             "threshold (the request's outlier_quantile, else the setting's)",
             registry=r,
         )
+        self.model_loads = Counter("ncaknn_model_loads", "successful model loads", registry=r)
+        self.model_load_failures = Counter(
+            "ncaknn_model_load_failures",
+            "failed model loads (the previous model kept serving)",
+            registry=r,
+        )
+
+    def _define_connection_metrics(self, r: CollectorRegistry) -> None:
+        """Connections refused before any route, by reason; open connections."""
         self.connections_refused = Counter(
             "ncaknn_connections_refused",
             "HTTP connections refused before any route by reason: header_timeout (408), "
@@ -120,12 +138,6 @@ class Metrics:
             "open HTTP connections (limit: max_connections per worker)",
             registry=r,
             multiprocess_mode="livesum",
-        )
-        self.model_loads = Counter("ncaknn_model_loads", "successful model loads", registry=r)
-        self.model_load_failures = Counter(
-            "ncaknn_model_load_failures",
-            "failed model loads (the previous model kept serving)",
-            registry=r,
         )
 
     def request_done(self, route: str, status: int, seconds: float) -> None:

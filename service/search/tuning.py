@@ -191,18 +191,7 @@ def tune(
     3. The PLANS_MEASURED plans estimated cheapest that reach the target are run for real;
        the fastest measured trial reaching the target wins.
     """
-    if not 0 < target <= 1:
-        raise TuningError(f"the agreement target must lie in (0, 1], got {target}")
-    if not 0 <= confidence < 1:
-        raise TuningError(f"the confidence must lie in [0, 1), got {confidence}")
-    n = len(queries)
-    best_possible = agreement_lower_bound(n, n, confidence)
-    if best_possible < target:
-        raise TuningError(
-            f"{n} validation queries cannot show label agreement {target} at confidence "
-            f"{confidence}: even full agreement bounds it at {best_possible:.4f}; use a larger "
-            "validation split, a lower target or a lower confidence"
-        )
+    best_possible = _checked_target(len(queries), target, confidence)
     exact_index = build_index(references, IndexParams(kind="flat"))
     exact = answer_queries(exact_index, references, labels, n_classes, queries, k, rule)
     exact_trial = Trial(
@@ -214,45 +203,74 @@ def tune(
         agreement_bound=best_possible,
     )
 
-    def judged(found: Answers, **plan) -> Trial:
-        agreeing = int(np.sum(found.predicted == exact.predicted))
-        return Trial(
-            label_agreement=agreeing / n,
-            agreement_bound=agreement_lower_bound(agreeing, n, confidence),
-            accuracy=float(np.mean(found.predicted == query_labels)),
-            recall_at_k=recall_at_k(found.indices, exact.indices),
-            microseconds_per_query=found.microseconds_per_query,
-            rechecked_fraction=found.rechecked_rows / max(1, len(queries)),
-            **plan,
-        )
+    def run(plan: IndexParams) -> Answers:
+        return answer_queries(index, references, labels, n_classes, queries, k, rule, plan)
 
-    values = SEARCH_PARAMETER[kind][1]
+    def judged(found: Answers, **plan) -> Trial:
+        return _judged(found, exact, query_labels, confidence, **plan)
+
+    trials, runs = _one_stage_trials(index, kind, run, judged, target)
+    estimates = estimate_two_stage_plans(
+        runs, [t.value for t in trials], exact, labels, n_classes, k, target, confidence
+    )
+    for _, v1, v2, m in sorted(estimates)[:PLANS_MEASURED]:
+        found = run(search_plan(kind, v1, v2, m))
+        trials.append(judged(found, value=v1, recheck_value=v2, recheck_margin=m))
+    reaching = [t for t in trials if t.agreement_bound >= target]
+    chosen = min(reaching, key=lambda t: t.microseconds_per_query) if reaching else None
+    return chosen, trials, exact_trial
+
+
+def _checked_target(n: int, target: float, confidence: float) -> float:
+    """The best agreement bound n queries can show; TuningError when it cannot reach the
+    target (or the target or confidence is out of range)."""
+    if not 0 < target <= 1:
+        raise TuningError(f"the agreement target must lie in (0, 1], got {target}")
+    if not 0 <= confidence < 1:
+        raise TuningError(f"the confidence must lie in [0, 1), got {confidence}")
+    best_possible = agreement_lower_bound(n, n, confidence)
+    if best_possible < target:
+        raise TuningError(
+            f"{n} validation queries cannot show label agreement {target} at confidence "
+            f"{confidence}: even full agreement bounds it at {best_possible:.4f}; use a larger "
+            "validation split, a lower target or a lower confidence"
+        )
+    return best_possible
+
+
+def _judged(found: Answers, exact: Answers, query_labels, confidence: float, **plan) -> Trial:
+    """A trial: ``found``'s agreement with exact search (and its lower bound), accuracy,
+    recall@k and cost."""
+    n = len(query_labels)
+    agreeing = int(np.sum(found.predicted == exact.predicted))
+    return Trial(
+        label_agreement=agreeing / n,
+        agreement_bound=agreement_lower_bound(agreeing, n, confidence),
+        accuracy=float(np.mean(found.predicted == query_labels)),
+        recall_at_k=recall_at_k(found.indices, exact.indices),
+        microseconds_per_query=found.microseconds_per_query,
+        rechecked_fraction=found.rechecked_rows / max(1, n),
+        **plan,
+    )
+
+
+def _one_stage_trials(index, kind: str, run, judged, target: float):
+    """(trials, answers) of one-stage settings from the cheapest up, until
+    SETTINGS_PAST_TARGET past the first that reaches the target, or full agreement."""
     trials: list[Trial] = []
     runs: list[Answers] = []
     past_target = 0
-    for value in values:
+    for value in SEARCH_PARAMETER[kind][1]:
         if kind in IVF_KINDS and value > index.nlist:
             break
-        plan = search_plan(kind, value)
-        found = answer_queries(index, references, labels, n_classes, queries, k, rule, plan)
+        found = run(search_plan(kind, value))
         trials.append(judged(found, value=value))
         runs.append(found)
         if trials[-1].agreement_bound >= target:
             past_target += 1
         if past_target > SETTINGS_PAST_TARGET or trials[-1].label_agreement == 1.0:
             break
-
-    estimates = estimate_two_stage_plans(
-        runs, [t.value for t in trials], exact, labels, n_classes, k, target, confidence
-    )
-    for _, v1, v2, m in sorted(estimates)[:PLANS_MEASURED]:
-        plan = search_plan(kind, v1, v2, m)
-        found = answer_queries(index, references, labels, n_classes, queries, k, rule, plan)
-        trials.append(judged(found, value=v1, recheck_value=v2, recheck_margin=m))
-
-    reaching = [t for t in trials if t.agreement_bound >= target]
-    chosen = min(reaching, key=lambda t: t.microseconds_per_query) if reaching else None
-    return chosen, trials, exact_trial
+    return trials, runs
 
 
 def estimate_two_stage_plans(
@@ -387,18 +405,9 @@ def index_artifact(
     index = build_index(references, params)
     build_seconds = time.perf_counter() - started
     chosen, trials, exact = tune(
-        index,
-        kind,
-        references,
-        labels,
-        len(artifact.classes),
-        queries,
-        query_labels,
-        k=k,
-        rule=rule,
-        target=target,
-        confidence=confidence,
-    )
+        index, kind, references, labels, len(artifact.classes), queries, query_labels,
+        k=k, rule=rule, target=target, confidence=confidence,
+    )  # fmt: skip
     name = SEARCH_PARAMETER[kind][0]
     log(
         f"{kind} over {len(references)} references, {len(queries)} validation queries, "
@@ -407,44 +416,42 @@ def index_artifact(
     for line in trials_table(name, exact, trials):
         log(line)
     if chosen is None:
-        best = max(trials, key=lambda t: t.label_agreement)
-        raise TuningError(
-            f"no {name} (one or two stages) reaches label agreement {target} (lower bound at "
-            f"confidence {confidence}) with this {kind} index (best "
-            f"{best.label_agreement:.4f} at {name}={best.value}); use more lists or a larger "
-            "HNSW degree, a lower target, or the exact flat index"
-        )
+        raise _nothing_reaches(kind, trials, target, confidence)
     configure(index, chosen.plan(kind))
+    tuning = {"target_label_agreement": target, "confidence": confidence, "k": k, "rule": rule}
+    tuning["queries"] = f"validation split ({len(queries)} rows)"
     record = index_record(
-        index,
-        params,
-        chosen,
-        exact,
-        trials,
-        tuning={
-            "target_label_agreement": target,
-            "confidence": confidence,
-            "queries": f"validation split ({len(queries)} rows)",
-            "k": k,
-            "rule": rule,
-        },
-        build_seconds=build_seconds,
+        index, params, chosen, exact, trials, tuning=tuning, build_seconds=build_seconds
     )
     index_bytes = faiss.serialize_index(index).tobytes()
     target_path = Path(out) if out is not None else Path(path)
     rewrite_artifact(artifact, target_path, index_bytes=index_bytes, metadata={"index": record})
-    plan = (
-        f"{name}={chosen.value}, then {name}={chosen.recheck_value} for rows with a vote margin "
-        f"below {chosen.recheck_margin}"
-        if chosen.recheck_margin
-        else f"{name}={chosen.value}"
-    )
     log(
-        f"chose {plan}: agreement {chosen.label_agreement:.4f}, accuracy "
+        f"chose {_plan_text(name, chosen)}: agreement {chosen.label_agreement:.4f}, accuracy "
         f"{chosen.accuracy:.4f} ({chosen.accuracy - exact.accuracy:+.4f}); wrote "
         f"{target_path}/index.faiss ({len(index_bytes)} bytes)"
     )
     return record
+
+
+def _nothing_reaches(kind: str, trials: list[Trial], target: float, confidence: float):
+    name = SEARCH_PARAMETER[kind][0]
+    best = max(trials, key=lambda t: t.label_agreement)
+    return TuningError(
+        f"no {name} (one or two stages) reaches label agreement {target} (lower bound at "
+        f"confidence {confidence}) with this {kind} index (best "
+        f"{best.label_agreement:.4f} at {name}={best.value}); use more lists or a larger "
+        "HNSW degree, a lower target, or the exact flat index"
+    )
+
+
+def _plan_text(name: str, chosen: Trial) -> str:
+    if not chosen.recheck_margin:
+        return f"{name}={chosen.value}"
+    return (
+        f"{name}={chosen.value}, then {name}={chosen.recheck_value} for rows with a vote margin "
+        f"below {chosen.recheck_margin}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.app import create_app
-from tests.service.conftest import npy, settings_for
+from tests.service.conftest import brute_force_knn, npy, settings_for
 
 NPY = {"content-type": "application/x-npy"}
 
@@ -33,7 +33,14 @@ def test_classify_json(client, rows, model_artifact):
     assert set(p) == {"label", "probabilities", "nearest_distance", "outlier"}
     assert p["nearest_distance"] >= 0 and isinstance(p["outlier"], bool)
     assert sum(p["probabilities"].values()) == pytest.approx(1.0)
-    assert p["label"] in range(10)
+    # the answers, by brute force: the default k = 5 nearest references and their vote
+    model = client.app.state.ncaknn.engine.current()
+    distances, nearest = brute_force_knn(model, rows[:3], 5)
+    for prediction, d, idx in zip(body["predictions"], distances, nearest, strict=True):
+        votes = np.bincount(model.labels[idx], minlength=10)
+        assert votes[prediction["label"]] == votes.max()
+        assert [prediction["probabilities"][str(c)] for c in range(10)] == pytest.approx(votes / 5)
+        assert prediction["nearest_distance"] == pytest.approx(d[0], rel=1e-5)
 
 
 def test_classify_with_neighbors_k_and_rule(client, rows):
@@ -44,8 +51,14 @@ def test_classify_with_neighbors_k_and_rule(client, rows):
     assert r.status_code == 200
     neighbors = r.json()["predictions"][0]["neighbors"]
     assert len(neighbors) == 5 and set(neighbors[0]) == {"id", "label", "distance"}
-    distances = [n["distance"] for n in neighbors]
-    assert distances == sorted(distances)
+    model = client.app.state.ncaknn.engine.current()
+    expected_d, expected_idx = brute_force_knn(model, rows[:1], 5)
+    assert [n["id"] for n in neighbors] == model.ids[expected_idx[0]].tolist()
+    assert [n["distance"] for n in neighbors] == pytest.approx(expected_d[0].tolist(), rel=1e-5)
+    weights = np.exp(-(expected_d[0] - expected_d[0].min()))  # the soft rule over the 5
+    soft = np.bincount(model.labels[expected_idx[0]], weights=weights, minlength=10)
+    probabilities = r.json()["predictions"][0]["probabilities"]
+    assert [probabilities[str(c)] for c in range(10)] == pytest.approx(soft / soft.sum())
 
 
 def test_embed_json_and_npy_give_identical_numbers(client, rows):
@@ -78,6 +91,12 @@ def test_neighbors(client, rows):
     assert r.status_code == 200
     lists = r.json()["neighbors"]
     assert len(lists) == 4 and all(len(x) == 7 for x in lists)
+    model = client.app.state.ncaknn.engine.current()
+    expected_d, expected_idx = brute_force_knn(model, rows[:4], 7)
+    assert [[n["id"] for n in x] for x in lists] == model.ids[expected_idx].tolist()
+    assert [[n["label"] for n in x] for x in lists] == model.labels[expected_idx].tolist()
+    distances = [[n["distance"] for n in x] for x in lists]
+    np.testing.assert_allclose(distances, expected_d, rtol=1e-5)
 
 
 def test_model_health_ready_metrics(client):

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from service.core import artifact as artifact_module
 from service.core.artifact import ArtifactError, read_artifact, read_manifest, write_artifact
+from service.core.artifact import write as artifact_writer
 
 
 def pieces(rng, n=20, d=3, D=5, classes=("a", "b")):
@@ -171,7 +171,7 @@ def test_replacing_an_artifact_swaps_it_whole(tmp_path, rng):
 
 
 def test_replacement_without_rename_exchange_uses_the_fallback(tmp_path, rng, monkeypatch):
-    monkeypatch.setattr(artifact_module, "_exchange_paths", lambda a, b: False)
+    monkeypatch.setattr(artifact_writer, "_exchange_paths", lambda a, b: False)
     path = write_artifact(tmp_path / "m", **pieces(rng))
     write_artifact(path, **pieces(rng, n=11))
     assert read_artifact(path).embeddings.shape == (11, 3)
@@ -182,7 +182,7 @@ def test_interrupted_write_leaves_no_artifact_and_old_one_intact(tmp_path, rng, 
     path = write_artifact(tmp_path / "m", **pieces(rng))
     before = read_artifact(path).embeddings.copy()
     calls = {"n": 0}
-    real = artifact_module._write_bytes_synced
+    real = artifact_writer._write_bytes_synced
 
     def failing(file_path, data):
         calls["n"] += 1
@@ -190,13 +190,13 @@ def test_interrupted_write_leaves_no_artifact_and_old_one_intact(tmp_path, rng, 
             raise OSError(28, "No space left on device")
         real(file_path, data)
 
-    monkeypatch.setattr(artifact_module, "_write_bytes_synced", failing)
+    monkeypatch.setattr(artifact_writer, "_write_bytes_synced", failing)
     with pytest.raises(OSError, match="No space left"):
         write_artifact(path, **pieces(rng, n=50))
     calls["n"] = 0
     with pytest.raises(OSError, match="No space left"):
         write_artifact(tmp_path / "fresh", **pieces(rng))
-    monkeypatch.setattr(artifact_module, "_write_bytes_synced", real)
+    monkeypatch.setattr(artifact_writer, "_write_bytes_synced", real)
     np.testing.assert_array_equal(read_artifact(path).embeddings, before)
     assert [p.name for p in tmp_path.iterdir()] == ["m"]
 
@@ -208,7 +208,7 @@ def test_crash_before_rename_keeps_old_artifact(tmp_path, rng, monkeypatch):
     def crash(staging, final):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(artifact_module, "_move_into_place", crash)
+    monkeypatch.setattr(artifact_writer, "_move_into_place", crash)
     with pytest.raises(KeyboardInterrupt):
         write_artifact(path, **pieces(rng, n=40))
     assert read_artifact(path).version == version

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import httpx
 import numpy as np
@@ -112,6 +113,40 @@ def produce(status: int, method: str, path: str, model_dir, tmp_path) -> httpx.R
     raise AssertionError(f"no recipe for status {status}")
 
 
+# what each refusal's message must say (the cause, in the words of the recipe above)
+STATUS_MESSAGE = {
+    400: r"empty|no rows",
+    401: r"API key",
+    404: r"another-model",
+    406: r"Accept",
+    409: r"cannot load the artifact",
+    413: r"limit is 1|max_batch_rows",
+    415: r"Content-Type",
+    422: r"features|shape|unknown field `instances`",
+    429: r"the limit is 1",
+    503: r"no model is loaded",
+}
+
+
+def check_answer(path: str, answer: dict, model_dir) -> None:
+    """A 200 from an inference route answers the one row (all zeros) correctly: its
+    embedding, or its nearest references and majority label, by brute force in numpy."""
+    from service.core.artifact import read_artifact
+
+    art = read_artifact(model_dir)
+    z = np.asarray(art.offset, np.float64)  # the embedding of x = 0
+    d2 = ((np.asarray(art.embeddings, np.float64) - z) ** 2).sum(axis=1)  # (N,)
+    nearest = np.argsort(d2, kind="stable")[: art.default_k]
+    if path == "/v1/embed":
+        np.testing.assert_allclose(answer["embeddings"], [z], rtol=1e-5, atol=1e-6)
+    elif path == "/v1/neighbors":
+        assert [n["id"] for n in answer["neighbors"][0]] == art.ids[nearest].tolist()
+    else:
+        votes = np.bincount(art.labels[nearest], minlength=len(art.classes))
+        (label,) = [p["label"] for p in answer["predictions"]]
+        assert votes[art.classes.index(label)] == votes.max()
+
+
 # The statuses the document lists do not depend on the model (only the limits inside the
 # schemas do), so they are read once, from an app with none, to parametrise the test.
 LISTED = [
@@ -144,6 +179,10 @@ def test_every_listed_status_is_produced(model_dir, tmp_path, path, method, stat
     )
     if status >= 400:  # the one error body; the Open Inference Protocol's under /v2
         assert set(response.json()) == ({"error"} if is_v2(path) else {"error", "error_type"})
+        message = response.json()["error"]
+        assert re.search(STATUS_MESSAGE[status], message, re.IGNORECASE), (status, message)
+    elif path in ("/v1/classify", "/v1/neighbors", "/v1/embed"):
+        check_answer(path, response.json(), model_dir)
 
 
 @pytest.mark.parametrize("path", ["/v1/classify", "/v1/embed", "/v1/neighbors"])

@@ -16,8 +16,8 @@ from pydantic import ValidationError
 
 from service.app import create_app
 from service.config import Settings
-from service.core import artifact as artifact_module
 from service.core.artifact import ArtifactError, read_artifact, write_artifact
+from service.core.artifact import read as artifact_reader
 from service.core.knn import decide
 from service.engine.model import Engine
 from tests.service.conftest import republish_scaled, settings_for
@@ -228,7 +228,7 @@ def test_the_reader_keeps_the_directory_it_opened(model_dir, tmp_path, monkeypat
     link.symlink_to(v1)
     version1 = read_artifact(v1).version
     calls = {"n": 0}
-    original = artifact_module._PinnedDirectory.read
+    original = artifact_reader._PinnedDirectory.read
 
     def read_and_flip(self, name, what):
         calls["n"] += 1
@@ -238,7 +238,7 @@ def test_the_reader_keeps_the_directory_it_opened(model_dir, tmp_path, monkeypat
             os.replace(tmp, link)
         return original(self, name, what)
 
-    monkeypatch.setattr(artifact_module._PinnedDirectory, "read", read_and_flip)
+    monkeypatch.setattr(artifact_reader._PinnedDirectory, "read", read_and_flip)
     art = read_artifact(link)
     assert art.version == version1 != version2
     np.testing.assert_array_equal(art.embeddings, read_artifact(v1).embeddings)
@@ -292,7 +292,7 @@ def test_staging_left_by_a_killed_writer_is_removed_by_the_next_write(tmp_path, 
     target = tmp_path / "m"
     code = (
         "import os, numpy as np\n"
-        "from service.core import artifact as a\n"
+        "from service.core.artifact import write as a\n"
         "real = a._move_into_place\n"
         "def die(*args): os._exit(9)\n"
         "a._move_into_place = die\n"

@@ -7,21 +7,20 @@ from __future__ import annotations
 
 import json
 
+# tritonclient is a dev dependency (pyproject.toml): a missing one fails the run, not skips it
+import grpc
 import httpx
 import numpy as np
 import pytest
+import tritonclient.grpc as triton_grpc
+import tritonclient.http as triton_http
 from fastapi.testclient import TestClient
+from tritonclient.utils import InferenceServerException
 
 from service.app import create_app
 from service.core.artifact import read_artifact, write_artifact
 from tests.service.conftest import model_arrays, settings_for
 from tests.service.test_server import free_port, start_server, wait_ready
-
-tritonclient = pytest.importorskip("tritonclient")
-import grpc  # noqa: E402
-import tritonclient.grpc as triton_grpc  # noqa: E402
-import tritonclient.http as triton_http  # noqa: E402
-from tritonclient.utils import InferenceServerException  # noqa: E402
 
 KEY = "test-key"
 AUTH = {"authorization": f"Bearer {KEY}"}

@@ -1,0 +1,246 @@
+"""Reading an artifact: one descriptor of its directory pinned, every file read once into
+memory, its sha256 checked on those bytes and the same bytes parsed, so what was verified
+is what is served even if the path is repointed while it is read."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from service import __version__
+from service.core.artifact.format import (
+    ARRAY_SPECS,
+    DECISION_RULES,
+    FORMAT_NAME,
+    MANIFEST_FILE,
+    OPTIONAL_ARRAYS,
+    REQUIRED_MANIFEST_KEYS,
+    SCHEMA_VERSION,
+    Artifact,
+    ArtifactError,
+    legacy_model_version_of,
+    model_version_of,
+    parse_outlier_calibration,
+)
+
+
+class _PinnedDirectory:
+    """An artifact directory held open by one file descriptor; files are opened relative to
+    it, so repointing a symlink or exchanging the directory cannot mix two artifacts."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        try:
+            self.fd = os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        except (FileNotFoundError, NotADirectoryError):
+            raise ArtifactError(f"{root}: no artifact directory there") from None
+        except OSError as exc:
+            raise ArtifactError(f"{root}: cannot be opened ({exc.strerror})") from None
+
+    def __enter__(self) -> _PinnedDirectory:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        os.close(self.fd)
+
+    def read(self, name: str, what: str) -> bytes:
+        """The whole file ``name`` inside the directory, read once."""
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            raise ArtifactError(
+                f"{self.root / MANIFEST_FILE}: {what} path {name!r} is not a plain file name"
+            )
+        try:
+            fd = os.open(name, os.O_RDONLY, dir_fd=self.fd)
+        except FileNotFoundError:
+            raise ArtifactError(f"{self.root / name}: missing ({what})") from None
+        except OSError as exc:
+            raise ArtifactError(f"{self.root / name}: cannot be opened ({exc.strerror})") from None
+        with os.fdopen(fd, "rb") as fh:
+            return fh.read()
+
+
+def _parse_manifest(root: Path, data: bytes) -> dict[str, Any]:
+    manifest_path = root / MANIFEST_FILE
+    try:
+        manifest = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ArtifactError(f"{manifest_path}: not valid JSON ({exc})") from exc
+    if not isinstance(manifest, dict):
+        raise ArtifactError(
+            f"{manifest_path}: expected a JSON object, got {type(manifest).__name__}"
+        )
+    missing = [key for key in REQUIRED_MANIFEST_KEYS if key not in manifest]
+    if missing:
+        raise ArtifactError(f"{manifest_path}: missing keys {missing}")
+    if manifest["format"] != FORMAT_NAME:
+        raise ArtifactError(
+            f"{manifest_path}: format is {manifest['format']!r}, expected {FORMAT_NAME!r}"
+        )
+    if manifest["schema_version"] != SCHEMA_VERSION:
+        raise ArtifactError(
+            f"{manifest_path}: schema_version is {manifest['schema_version']!r}, this nca-knn "
+            f"{__version__} reads schema_version {SCHEMA_VERSION}"
+        )
+    if manifest["decision_rule"] not in DECISION_RULES:
+        raise ArtifactError(
+            f"{manifest_path}: decision_rule is {manifest['decision_rule']!r}, "
+            f"expected one of {DECISION_RULES}"
+        )
+    if not isinstance(manifest["files"], dict):
+        raise ArtifactError(f"{manifest_path}: 'files' must be an object")
+    try:
+        parse_outlier_calibration(manifest.get("outlier_calibration"))
+    except ArtifactError as exc:
+        raise ArtifactError(f"{manifest_path}: {exc}") from None
+    return manifest
+
+
+def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
+    """Read and check manifest.json of the artifact at ``path`` (no array is opened)."""
+    root = Path(path)
+    with _PinnedDirectory(root) as directory:
+        return _parse_manifest(root, directory.read(MANIFEST_FILE, "the manifest"))
+
+
+def _parse_npy(file_path: Path, data: bytes) -> np.ndarray:
+    try:
+        return np.load(io.BytesIO(data), allow_pickle=False)
+    except (ValueError, OSError, EOFError) as exc:
+        raise ArtifactError(f"{file_path}: cannot be read as .npy ({exc})") from exc
+
+
+def read_artifact(path: str | os.PathLike) -> Artifact:
+    """Load the artifact at ``path``, verifying checksums, dtypes, shapes and consistency.
+
+    Each file is read once, through a descriptor of the directory opened first; the bytes
+    whose sha256 is checked are the bytes that are parsed.
+    """
+    root = Path(path)
+    with _PinnedDirectory(root) as directory:
+        manifest = _parse_manifest(root, directory.read(MANIFEST_FILE, "the manifest"))
+        files = manifest["files"]
+        dims = {
+            "d": int(manifest["n_components"]),
+            "D": int(manifest["n_features_in"]),
+            "N": int(manifest["n_references"]),
+            "V": int(manifest.get("n_validation", 0)),
+        }
+        arrays: dict[str, np.ndarray] = {}
+        for name in ARRAY_SPECS:
+            array = _read_array(root, directory, files, name, dims)
+            if array is not None:
+                arrays[name] = array
+        index_bytes = None
+        if "index" in files:
+            entry = files["index"]
+            index_bytes = directory.read(entry.get("path"), "listed in the manifest as index")
+            _check_sha256(root / entry["path"], index_bytes, entry.get("sha256"))
+    expected_version = model_version_of(manifest)
+    stored = manifest.get("model_version", expected_version)
+    if stored not in (expected_version, legacy_model_version_of(files)):
+        raise ArtifactError(
+            f"{root / MANIFEST_FILE}: model_version is {stored!r} but the files and fields it "
+            f"lists hash to {expected_version!r} (a manifest from another artifact, or edited)"
+        )
+    manifest = {**manifest, "model_version": expected_version}
+    _check_consistency(root, arrays, len(manifest["classes"]))
+    if "ids" not in arrays:
+        arrays["ids"] = np.arange(dims["N"], dtype=np.int64)
+    return Artifact(path=root, manifest=manifest, index_bytes=index_bytes, **arrays)
+
+
+def _read_array(root: Path, directory, files: dict, name: str, dims: dict) -> np.ndarray | None:
+    """The array ``name`` read once through the pinned directory, its sha256, dtype and shape
+    (symbols resolved with ``dims``) checked; None for an optional array that is absent."""
+    file_name, dtype, symbols = ARRAY_SPECS[name]
+    entry = files.get(name)
+    if entry is None:
+        if name in OPTIONAL_ARRAYS:
+            return None
+        raise ArtifactError(f"{root / MANIFEST_FILE}: no entry for required file {file_name}")
+    data = directory.read(entry.get("path"), f"listed in the manifest as {name}")
+    file_path = root / entry["path"]
+    _check_sha256(file_path, data, entry.get("sha256"))
+    array = _parse_npy(file_path, data)
+    if array.dtype != dtype:
+        raise ArtifactError(f"{file_path}: expected dtype {dtype}, got {array.dtype}")
+    expected = tuple(dims[s] for s in symbols)
+    if array.shape != expected or list(array.shape) != list(entry.get("shape", [])):
+        raise ArtifactError(
+            f"{file_path}: expected shape {expected}, got {array.shape} "
+            f"(manifest says {tuple(entry.get('shape', ()))})"
+        )
+    return array
+
+
+def _check_consistency(root: Path, arrays: dict[str, np.ndarray], n_classes: int) -> None:
+    """Label indices within the classes; validation embeddings and labels together."""
+    for name in ("labels", "validation_labels"):
+        labels = arrays.get(name)
+        if labels is not None and labels.size and (labels.min() < 0 or labels.max() >= n_classes):
+            raise ArtifactError(
+                f"{root / ARRAY_SPECS[name][0]}: label indices must lie in [0, {n_classes})"
+            )
+    if ("validation_embeddings" in arrays) != ("validation_labels" in arrays):
+        raise ArtifactError(
+            f"{root / MANIFEST_FILE}: validation_embeddings and validation_labels go together"
+        )
+
+
+def _check_sha256(file_path: Path, data: bytes, expected: Any) -> None:
+    actual = hashlib.sha256(data).hexdigest()
+    if actual != expected:
+        raise ArtifactError(
+            f"{file_path}: checksum mismatch, expected sha256 {expected}, got {actual} "
+            "(the file is corrupted or was changed after writing)"
+        )
+
+
+def artifact_fingerprint(path: str | os.PathLike) -> tuple | None:
+    """What identifies the bytes at ``path`` without reading the arrays, or None if there is
+    no readable manifest: the directory's identity, the manifest's sha256 and (size,
+    mtime, inode) of every file it lists. It changes when the artifact is replaced, repointed,
+    rewritten or healed, so a poller can retry a failed version once it changes."""
+    root = Path(path)
+    try:
+        with _PinnedDirectory(root) as directory:
+            manifest_bytes = directory.read(MANIFEST_FILE, "the manifest")
+            identity = os.fstat(directory.fd)
+            stats = []
+            try:
+                files = json.loads(manifest_bytes.decode("utf-8")).get("files", {})
+            except (UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+                files = {}
+            for name in sorted(files) if isinstance(files, dict) else ():
+                entry = files[name]
+                file_name = entry.get("path") if isinstance(entry, dict) else None
+                try:
+                    st = os.stat(str(file_name), dir_fd=directory.fd)
+                    stats.append((name, st.st_size, st.st_mtime_ns, st.st_ino))
+                except (OSError, TypeError, ValueError):
+                    stats.append((name, None, None, None))
+    except ArtifactError:
+        return None
+    return (
+        identity.st_dev,
+        identity.st_ino,
+        hashlib.sha256(manifest_bytes).hexdigest(),
+        tuple(stats),
+    )
+
+
+def read_extras(artifact: Artifact) -> dict[str, bytes]:
+    """The extra files (report, plots) an artifact lists, each verified against its sha256."""
+    out: dict[str, bytes] = {}
+    with _PinnedDirectory(artifact.path) as directory:
+        for name, entry in artifact.manifest.get("extras", {}).items():
+            data = directory.read(name, "listed in the manifest as an extra file")
+            _check_sha256(artifact.path / name, data, entry.get("sha256"))
+            out[name] = data
+    return out

@@ -1,0 +1,415 @@
+"""Writing an artifact atomically: validate the pieces, write every file into a staging
+sibling directory, fsync each file and the directory, then rename it into place (exchanged
+with an existing artifact in one step where the OS allows it). A writer killed half-way
+leaves a ``.NAME.tmp-HOST-PID-*`` sibling that the next write to the same path removes."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import datetime as _dt
+import errno
+import hashlib
+import io
+import json
+import os
+import shutil
+import socket
+import time
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from service import __version__
+from service.core.artifact.format import (
+    ARRAY_SPECS,
+    DECISION_RULES,
+    FORMAT_NAME,
+    INDEX_FILE,
+    MANIFEST_FILE,
+    OWNED_MANIFEST_KEYS,
+    SCHEMA_VERSION,
+    STANDARDIZATION_RECORD,
+    Artifact,
+    ArtifactError,
+    model_version_of,
+)
+from service.core.artifact.read import read_extras
+
+
+def _write_bytes_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+def _npy_bytes(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    return buffer.getvalue()
+
+
+def _to_json_label(label: Any) -> Any:
+    if isinstance(label, np.generic):
+        label = label.item()
+    if isinstance(label, bool) or not isinstance(label, (int, str)):
+        raise ArtifactError(
+            f"class labels must be integers or strings, got {label!r} ({type(label).__name__})"
+        )
+    return label
+
+
+def _coerce(name: str, array: Any) -> np.ndarray:
+    file_name, dtype, _ = ARRAY_SPECS[name]
+    array = np.asarray(array)
+    if array.dtype.kind not in "biuf":
+        raise ArtifactError(f"{file_name}: expected a numeric array, got dtype {array.dtype}")
+    if not np.all(np.isfinite(array)):
+        raise ArtifactError(f"{file_name}: contains NaN or Inf")
+    return np.ascontiguousarray(array, dtype=dtype)
+
+
+_RENAME_EXCHANGE = 2
+
+
+_AT_FDCWD = -100
+
+
+def _exchange_paths(a: Path, b: Path) -> bool:
+    """Atomically swap two existing paths (Linux renameat2 RENAME_EXCHANGE). False if unsupported."""
+    libc_name = ctypes.util.find_library("c")
+    if libc_name is None:
+        return False
+    try:
+        libc = ctypes.CDLL(libc_name, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_uint,
+    ]
+    result = renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    if result == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _move_into_place(staging: Path, final: Path) -> None:
+    """Rename the staged directory to ``final``; replace an existing one without a gap."""
+    if not final.exists() and not final.is_symlink():
+        os.rename(staging, final)
+        return
+    if final.is_symlink() or not final.is_dir():
+        raise ArtifactError(
+            f"{final}: exists and is not an artifact directory; refusing to replace"
+        )
+    if _exchange_paths(staging, final):
+        shutil.rmtree(staging, ignore_errors=True)  # staging now holds the old artifact
+        return
+    # Portable fallback: move the old one aside, move the new one in, restore on failure.
+    backup = final.with_name(f".{final.name}.old-{_writer_tag()}-{uuid.uuid4().hex[:8]}")
+    os.rename(final, backup)
+    try:
+        os.rename(staging, final)
+    except BaseException:
+        os.rename(backup, final)
+        raise
+    shutil.rmtree(backup, ignore_errors=True)
+
+
+STALE_STAGING_SECONDS = 24 * 3600  # a staging directory this old is abandoned on any host
+
+
+def _writer_tag() -> str:
+    """HOST-PID of this writer, so that a later writer can tell whether it is still alive."""
+    host = "".join(c if c.isalnum() else "_" for c in socket.gethostname()) or "host"
+    return f"{host}-{os.getpid()}"
+
+
+def _writer_alive(tag: str) -> bool:
+    """False when ``tag`` names a process on this host that no longer exists."""
+    host, _, pid = tag.rpartition("-")
+    if host != _writer_tag().rpartition("-")[0] or not pid.isdigit():
+        return True  # another host (a shared volume): only its age can tell
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_staging(path: str | os.PathLike, *, now: float | None = None) -> list[Path]:
+    """Remove ``.NAME.tmp-*`` / ``.NAME.old-*`` siblings of ``path`` left by dead writers.
+
+    A sibling is stale when its writer was on this host and is gone, or when it is older
+    than :data:`STALE_STAGING_SECONDS`. Returns the removed paths.
+    """
+    final = Path(path).absolute()
+    now = time.time() if now is None else now
+    removed = []
+    for prefix in (f".{final.name}.tmp-", f".{final.name}.old-"):
+        for sibling in final.parent.glob(glob_escape(prefix) + "*"):
+            tag = sibling.name[len(prefix) :].rpartition("-")[0]
+            try:
+                age = now - sibling.lstat().st_mtime
+            except FileNotFoundError:
+                continue
+            if age > STALE_STAGING_SECONDS or not _writer_alive(tag):
+                shutil.rmtree(sibling, ignore_errors=True)
+                removed.append(sibling)
+    return removed
+
+
+def glob_escape(text: str) -> str:
+    return "".join(f"[{c}]" if c in "*?[" else c for c in text)
+
+
+def write_artifact(
+    path: str | os.PathLike,
+    *,
+    projection: np.ndarray,
+    offset: np.ndarray,
+    embeddings: np.ndarray,
+    labels: np.ndarray,
+    classes: list,
+    mean: np.ndarray,
+    scale: np.ndarray,
+    default_k: int,
+    decision_rule: str = "majority",
+    ids: np.ndarray | None = None,
+    validation_embeddings: np.ndarray | None = None,
+    validation_labels: np.ndarray | None = None,
+    index_bytes: bytes | None = None,
+    extra_files: Mapping[str, bytes] | None = None,
+    metadata: Mapping[str, Any] | None = None,
+) -> Path:
+    """Validate the pieces of a model and write them atomically as an artifact at ``path``.
+
+    ``metadata`` is merged into the manifest (training config, metrics, data fingerprint...);
+    it may not override the keys this module owns. ``extra_files`` (name -> bytes: a report,
+    plots) are written into the same directory before it is renamed into place and listed
+    with their sha256 under ``extras``. Returns the artifact path.
+    """
+    final = Path(path).absolute()
+    arrays = _validated_arrays(
+        projection=projection,
+        offset=offset,
+        embeddings=embeddings,
+        labels=labels,
+        mean=mean,
+        scale=scale,
+        ids=ids,
+        validation_embeddings=validation_embeddings,
+        validation_labels=validation_labels,
+    )
+    manifest = _manifest_fields(arrays, classes, default_k, decision_rule, metadata)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_staging(final)
+    staging = final.with_name(f".{final.name}.tmp-{_writer_tag()}-{uuid.uuid4().hex[:12]}")
+    staging.mkdir()
+    try:
+        manifest["files"] = _write_model_files(staging, arrays, index_bytes)
+        manifest["extras"] = _write_extra_files(staging, extra_files or {})
+        # the version hashes the manifest as a reader will parse it (tuples become lists...)
+        as_read = json.loads(json.dumps(manifest, allow_nan=False))
+        manifest["model_version"] = model_version_of(as_read)
+        text = json.dumps(manifest, indent=2, sort_keys=True, allow_nan=False)
+        _write_bytes_synced(staging / MANIFEST_FILE, text.encode("utf-8"))
+        _fsync_dir(staging)
+        _move_into_place(staging, final)
+        _fsync_dir(final.parent)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return final
+
+
+def _manifest_fields(arrays, classes, default_k, decision_rule, metadata) -> dict[str, Any]:
+    """The manifest without files, extras and version: ``metadata`` (which may not set the
+    keys this package owns) and the checked classes, default k and rule, and the shapes."""
+    classes_json = _validated_classes(classes, arrays)
+    if decision_rule not in DECISION_RULES:
+        raise ArtifactError(f"decision_rule must be one of {DECISION_RULES}, got {decision_rule!r}")
+    d, n_features = arrays["projection"].shape
+    n_refs = arrays["embeddings"].shape[0]
+    if not (isinstance(default_k, (int, np.integer)) and 1 <= int(default_k) <= n_refs):
+        raise ArtifactError(f"default_k must be an integer in [1, {n_refs}], got {default_k!r}")
+    manifest: dict[str, Any] = dict(metadata or {})
+    clash = OWNED_MANIFEST_KEYS & set(manifest)
+    if clash:
+        raise ArtifactError(f"metadata may not set the manifest keys {sorted(clash)}")
+    manifest.update(
+        {
+            "format": FORMAT_NAME,
+            "schema_version": SCHEMA_VERSION,
+            "n_features_in": int(n_features),
+            "n_components": int(d),
+            "n_references": int(n_refs),
+            "n_validation": len(arrays.get("validation_labels", ())),
+            "classes": classes_json,
+            "default_k": int(default_k),
+            "decision_rule": decision_rule,
+            "standardization": STANDARDIZATION_RECORD,
+            "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "package_version": __version__,
+        }
+    )
+    return manifest
+
+
+def _validated_arrays(
+    *, ids, validation_embeddings, validation_labels, **required
+) -> dict[str, np.ndarray]:
+    """The arrays of an artifact in their file dtypes, with consistent shapes (d, D, N, V),
+    at least one reference, and positive scales. Raises ArtifactError naming the file."""
+    arrays = {name: _coerce(name, value) for name, value in required.items()}
+    if ids is not None:
+        arrays["ids"] = _coerce("ids", ids)
+    if (validation_embeddings is None) != (validation_labels is None):
+        raise ArtifactError("validation_embeddings and validation_labels go together")
+    if validation_embeddings is not None:
+        arrays["validation_embeddings"] = _coerce("validation_embeddings", validation_embeddings)
+        arrays["validation_labels"] = _coerce("validation_labels", validation_labels)
+    if arrays["projection"].ndim != 2:
+        raise ArtifactError(
+            f"projection.npy: expected 2 dimensions (d, D), got shape {arrays['projection'].shape}"
+        )
+    d, n_features = arrays["projection"].shape
+    n_refs = arrays["embeddings"].shape[0] if arrays["embeddings"].ndim == 2 else -1
+    n_validation = len(arrays["validation_labels"]) if "validation_labels" in arrays else 0
+    dims = {"d": d, "D": n_features, "N": n_refs, "V": n_validation}
+    _check_shapes({name: a.shape for name, a in arrays.items()}, dims)
+    if n_refs < 1:
+        raise ArtifactError("embeddings.npy: an artifact needs at least one reference point")
+    if np.any(arrays["scale"] <= 0):
+        raise ArtifactError("scale.npy: every standardisation scale must be > 0")
+    return arrays
+
+
+def _validated_classes(classes: list, arrays: Mapping[str, np.ndarray]) -> list:
+    """The classes as JSON values (distinct integers or strings); every label index in
+    ``arrays`` must point into them."""
+    classes_json = [_to_json_label(c) for c in classes]
+    if len(set(classes_json)) != len(classes_json):
+        raise ArtifactError(f"classes must be distinct, got {classes_json!r}")
+    for name in ("labels", "validation_labels"):
+        found = arrays.get(name)
+        if (
+            found is not None
+            and found.size
+            and (found.min() < 0 or found.max() >= len(classes_json))
+        ):
+            raise ArtifactError(
+                f"{name}.npy: label indices must lie in [0, {len(classes_json)}), got range "
+                f"[{found.min()}, {found.max()}]"
+            )
+    return classes_json
+
+
+def _write_model_files(
+    staging: Path, arrays: Mapping[str, np.ndarray], index_bytes: bytes | None
+) -> dict[str, dict[str, Any]]:
+    """Each array as its .npy file (and the index), synced; their manifest ``files`` records
+    (path, dtype, shape, sha256; bytes and sha256 for the index)."""
+    files: dict[str, dict[str, Any]] = {}
+    for name, array in arrays.items():
+        file_name = ARRAY_SPECS[name][0]
+        data = _npy_bytes(array)
+        _write_bytes_synced(staging / file_name, data)
+        files[name] = {
+            "path": file_name,
+            "dtype": array.dtype.str,
+            "shape": list(array.shape),
+            "sha256": hashlib.sha256(data).hexdigest(),
+        }
+    if index_bytes is not None:
+        _write_bytes_synced(staging / INDEX_FILE, index_bytes)
+        files["index"] = {
+            "path": INDEX_FILE,
+            "bytes": len(index_bytes),
+            "sha256": hashlib.sha256(index_bytes).hexdigest(),
+        }
+    return files
+
+
+def _write_extra_files(
+    staging: Path, extra_files: Mapping[str, bytes]
+) -> dict[str, dict[str, Any]]:
+    """Extra files (report, plots) under plain names that no model file uses; their
+    manifest ``extras`` records (bytes, sha256)."""
+    extras: dict[str, dict[str, Any]] = {}
+    reserved = {spec[0] for spec in ARRAY_SPECS.values()} | {MANIFEST_FILE, INDEX_FILE}
+    for name, data in extra_files.items():
+        if name in reserved or Path(name).name != name or name.startswith("."):
+            raise ArtifactError(f"extra file name {name!r} is reserved or not a plain file name")
+        _write_bytes_synced(staging / name, data)
+        extras[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    return extras
+
+
+def _check_shapes(shapes: Mapping[str, tuple[int, ...]], dims: Mapping[str, int]) -> None:
+    for name, shape in shapes.items():
+        file_name, _, symbols = ARRAY_SPECS[name]
+        expected = tuple(dims[s] for s in symbols)
+        if tuple(shape) != expected:
+            described = ", ".join(f"{s}={dims[s]}" for s in symbols)
+            raise ArtifactError(
+                f"{file_name}: expected shape {expected} ({described}), got {tuple(shape)}"
+            )
+
+
+def rewrite_artifact(
+    artifact: Artifact,
+    path: str | os.PathLike,
+    *,
+    index_bytes: bytes | None,
+    metadata: Mapping[str, Any],
+) -> Path:
+    """Write ``artifact`` again at ``path`` (atomically, as ``write_artifact`` does) with
+    another prebuilt index and ``metadata`` merged over its manifest's own."""
+    kept = {k: v for k, v in artifact.manifest.items() if k not in OWNED_MANIFEST_KEYS}
+    explicit_ids = "ids" in artifact.manifest["files"]
+    return write_artifact(
+        path,
+        projection=artifact.projection,
+        offset=artifact.offset,
+        embeddings=artifact.embeddings,
+        labels=artifact.labels,
+        classes=artifact.classes,
+        mean=artifact.mean,
+        scale=artifact.scale,
+        default_k=artifact.default_k,
+        decision_rule=artifact.decision_rule,
+        ids=artifact.ids if explicit_ids else None,
+        validation_embeddings=artifact.validation_embeddings,
+        validation_labels=artifact.validation_labels,
+        index_bytes=index_bytes,
+        extra_files=read_extras(artifact),
+        metadata={**kept, **metadata},
+    )
