@@ -297,7 +297,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     _install_openapi(app, state)
     routes = set(build_openapi(app, _limits(state), secured=False)["paths"])
     routes |= {"/openapi.json", "/docs", "/redoc"}
-    app.direct_routes = {route.path: route.endpoint for route in inference.router.routes}
+    app.direct_routes = dict(inference.DIRECT_LANE)
     app.service_middleware = ServiceMiddleware(app.dispatch, state=state, routes=routes)
     return app
 

@@ -50,6 +50,11 @@ class AppState:
         return await batching.run(self.batcher, model, rows, query)
 
 
+def state_of(request) -> AppState:
+    """The state of the app serving ``request`` (a Starlette request of any wire)."""
+    return request.app.state.ncaknn
+
+
 def check_key(authorization: str | None, key) -> None:
     """401 unless the Authorization value carries ``key``; no check when ``key`` is None."""
     if key is not None:

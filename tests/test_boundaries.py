@@ -219,3 +219,10 @@ def test_the_service_code_stays_small():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and size > 60:
                 offenders.append(f"{path.name}: {node.name}, {size} lines")
     assert offenders == []
+
+
+def test_the_direct_lane_serves_exactly_the_declared_inference_routes():
+    from service.http.routes import inference
+
+    declared = {route.path: route.endpoint for route in inference.router.routes}
+    assert inference.DIRECT_LANE == declared

@@ -58,12 +58,10 @@ class LoadedModel:
     labels: np.ndarray  # (N,) int64 class indices
     ids: np.ndarray  # (N,) int64 reference ids
     classes: list
-    index_type: str
     loaded_at: float
     load_seconds: float
     norm_limit: float  # queries with a larger norm are searched exactly (see service.search.index)
     input_abs_max: float  # inputs within [-input_abs_max, input_abs_max] embed finitely
-    index_params: dict = field(default_factory=dict)
     search_plan: IndexParams = field(default_factory=IndexParams)  # incl. the recheck stage
     # called with (far rows, under-filled rows) after a search that used the exact fallback
     on_fallback: Callable[[int, int], None] | None = None
@@ -77,6 +75,15 @@ class LoadedModel:
     @property
     def version(self) -> str:
         return self.artifact.version
+
+    @property
+    def index_type(self) -> str:
+        return self.search_plan.kind
+
+    @property
+    def index_params(self) -> dict:
+        """The search plan as GET /v1/model shows it."""
+        return self.search_plan.describe()
 
     @cached_property
     def class_names(self) -> list[str]:
@@ -246,12 +253,10 @@ def load_model(
         labels=labels,
         ids=np.asarray(artifact.ids, dtype=np.int64),
         classes=artifact.classes,
-        index_type=params.kind,
         loaded_at=time.time(),
         load_seconds=0.0,
         norm_limit=reference_norm_limit(embeddings),
         input_abs_max=input_abs_max(artifact.projection, artifact.offset),
-        index_params=params.describe(),
         search_plan=params,
         on_fallback=on_fallback,
         outlier_quantiles=quantiles,

@@ -7,14 +7,14 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from service.config import Settings
-from service.state import AppState, check_key
+from service.state import AppState, check_key, state_of
 
 # Dependencies are `async def` on purpose: FastAPI runs plain `def` dependencies in its thread
 # pool, one thread hop each per request.
 
 
 async def get_state(request: Request) -> AppState:
-    return request.app.state.ncaknn
+    return state_of(request)
 
 
 State = Annotated[AppState, Depends(get_state)]

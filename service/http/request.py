@@ -27,7 +27,7 @@ from service.errors import InvalidInput, PayloadTooLarge
 from service.http.deps import check_api_key
 from service.http.payload import InstancesBody, parse_json, parse_npy
 from service.ops import memory
-from service.state import AppState
+from service.state import AppState, state_of
 from service.wire.bodies import (
     JSON,
     NPY,
@@ -58,10 +58,6 @@ class InferenceRequest:
     options: dict[str, Any]  # strict query options
     response_type: str  # negotiated media type of the answer
     body_bytes: int
-
-
-def app_state(request: Request) -> AppState:
-    return request.app.state.ncaknn
 
 
 def query_options(request: Request, allowed: tuple[str, ...]) -> dict[str, Any]:
@@ -116,7 +112,7 @@ async def receive(
     query: tuple[str, ...],
     offered: tuple[str, ...] = (JSON,),
 ) -> InferenceRequest:
-    state = app_state(request)
+    state = state_of(request)
     check_api_key(request, state.settings.api_key)
     model = state.engine.current()
     response_type = negotiate(request.headers.get("accept"), offered)

@@ -33,7 +33,7 @@ from service.errors import (
     status_of,
 )
 from service.oip import tensors as oip
-from service.state import AppState, check_key
+from service.state import check_key, state_of
 from service.wire.bodies import (
     JSON,
     THREAD_PARSE_BYTES,
@@ -87,14 +87,10 @@ def v2_errors(endpoint):
         try:
             return await endpoint(request, *args, **kwargs)
         except ServiceError as exc:
-            request.app.state.ncaknn.metrics.errors.labels(exc.error_type).inc()
+            state_of(request).metrics.errors.labels(exc.error_type).inc()
             return error_body(exc)
 
     return wrapped
-
-
-def state_of(request: Request) -> AppState:
-    return request.app.state.ncaknn
 
 
 def served_model(request: Request, name: str, version: str | None):

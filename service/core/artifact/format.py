@@ -118,23 +118,11 @@ class Artifact:
         return str(self.manifest["decision_rule"])
 
     @property
-    def outlier_calibration(self) -> dict | None:
-        """The manifest's ``outlier_calibration`` (``training.outliers.calibrate``), checked:
-        ``quantiles`` maps q in (0, 1) (as a string) to the q-quantile of held-out points'
-        squared distance to their nearest reference, at least two of them, non-decreasing in
-        q and finite. None when the model was trained without a validation split."""
-        return parse_outlier_calibration(self.manifest.get("outlier_calibration"))
-
-    @property
     def version(self) -> str:
         """A short content hash naming everything that can change this model's answers
         (``model_version_of``): the arrays, the index and every field but the descriptive
         ones. Computed when the artifact is read."""
         return str(self.manifest["model_version"])
-
-    def components_in_standardized_space(self) -> np.ndarray:
-        """A (d, D) with W = A / scale, i.e. the map learned on standardised inputs."""
-        return np.asarray(self.projection, dtype=np.float64) * self.scale[None, :]
 
 
 STANDARDIZATION_RECORD = {
@@ -146,7 +134,7 @@ STANDARDIZATION_RECORD = {
 
 
 def parse_outlier_calibration(record: Any) -> dict | None:
-    """``outlier_calibration`` checked (see ``Artifact.outlier_calibration``), with its
+    """``outlier_calibration`` checked (the record ``training.outliers.calibrate`` writes), with its
     quantiles as a sorted {float q: float distance}; ArtifactError naming what is wrong."""
     if record is None:
         return None

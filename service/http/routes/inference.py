@@ -114,3 +114,13 @@ async def neighbors(request: Request) -> Response:
             req, n_values, lambda: neighbors_npy(model, answer), NPY
         )
     return await pipeline.json_response(req, n_values, lambda: neighbors_json(model, answer))
+
+
+# The direct lane: a POST to these paths calls the endpoint with the raw Request, past
+# FastAPI's routing and dependencies (``service.app.ServiceApp``); the decorators above give
+# their OpenAPI description and the 405 for other methods. This table is what serves them.
+DIRECT_LANE = {
+    "/v1/classify": classify,
+    "/v1/embed": embed_route,
+    "/v1/neighbors": neighbors,
+}
