@@ -49,7 +49,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     MPLCONFIGDIR=/tmp/matplotlib \
     NCA_KNN_CACHE=/tmp/nca-knn \
     PATH=/opt/venv/bin:$PATH
-# gcc builds the native exact-NCA kernel on first use (training/native.py: -march=native, so
+# gcc builds the native exact-NCA kernel on first use (training/objectives/native.py: -march=native, so
 # it is built on the machine that trains, into NCA_KNN_CACHE); without it training falls back
 # to the torch path, about half as fast in exact mode.
 # CUDA base images have no Python: install it there (skipped on the Python base image).

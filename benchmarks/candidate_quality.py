@@ -43,7 +43,7 @@ from common import RESULTS, USPS_PATH, machine, print_table, save_json
 
 from service.core.knn import decide, exact_knn
 from training import NCA
-from training.data import fit_standardizer
+from training.data.datasets import fit_standardizer
 
 NOISE = 0.25
 

@@ -48,8 +48,8 @@ def train(out: Path, X, y, X_val, y_val) -> Path:
     and the outlier calibration (as the training job writes it)."""
     from service.core.artifact import write_artifact
     from training import NCA
-    from training.evaluate import K_VALUES, choose_k, knn_accuracies
-    from training.outliers import calibrate
+    from training.evaluation.calibration import calibrate
+    from training.evaluation.evaluate import K_VALUES, choose_k, knn_accuracies
 
     classes = np.unique(y)
     y_idx, yv_idx = np.searchsorted(classes, y), np.searchsorted(classes, y_val)
@@ -76,7 +76,7 @@ def condense_grid(
     name: str, model: Path, X_test, y_test, seeds: int, tmp: Path, methods: set[str]
 ) -> list[dict]:
     from service.core.artifact import read_artifact
-    from training.references import condense_references
+    from training.references.versions import condense_references
 
     k = read_artifact(model).default_k
     rows = []

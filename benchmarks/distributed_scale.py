@@ -1,4 +1,4 @@
-"""Data-parallel evaluation (training.distributed) on this machine: P = 1 and 2 processes.
+"""Data-parallel evaluation (training.distributed.ranks) on this machine: P = 1 and 2 processes.
 
 Each rank is one process with one torch thread, pinned to its own core, holding only its row
 shard of a synthetic 784-dim set (read from a memory-mapped .npy). One evaluation is the
@@ -50,8 +50,8 @@ def _worker(rank, world_size, rendezvous, data_path, labels_path, mode, repeats,
     import torch
     import torch.distributed as dist
 
-    from training.distributed import ProcessGroup, ShardedProblem, shard_bounds
-    from training.objective_registry import make_objective
+    from training.distributed.ranks import ProcessGroup, ShardedProblem, shard_bounds
+    from training.objectives.registry import make_objective
 
     os.sched_setaffinity(0, {rank % os.cpu_count()})
     torch.set_num_threads(1)
@@ -108,7 +108,7 @@ GPU_FP32_FLOPS = 19.5e12
 GPU_MEMORY_BYTES_PER_S = 2.039e12
 NVLINK_BUS_BYTES_PER_S = 230e9
 # the exact kernel's passes over each (row, point) float: GEMM write, max, subtract, floor, exp,
-# sum, scale, the same-class block, two GEMM reads, column sums (training/nca_kernel.py)
+# sum, scale, the same-class block, two GEMM reads, column sums (training/objectives/nca_kernel.py)
 PASSES_PER_PAIR = 12
 
 

@@ -28,7 +28,7 @@ def epoch_seconds(z, y, objective, candidates, repeats=7):
     """Median seconds of one evaluation with its gradient, after one untimed warm-up run (the
     first run in a process pays for first allocations and thread start-up: measured 0.046 s
     against 0.027-0.030 s for NCA's epoch, which inflated its cost and shrank every ratio)."""
-    from training.neighbourhood import objective_sum
+    from training.objectives.neighbourhood import objective_sum
 
     times = []
     for repeat in range(repeats + 1):
@@ -50,8 +50,8 @@ def projected(X: np.ndarray) -> torch.Tensor:
 
 def exact_rows(n: int) -> list[dict]:
     """Exact NCA and kNCA (every other point a neighbour) at N = n on the synthetic set."""
-    from training.knca import KNCAObjective
-    from training.objectives import NCAObjective
+    from training.objectives.knca import KNCAObjective
+    from training.objectives.nca import NCAObjective
 
     X, y = synthetic(n)
     z, yt = projected(X), torch.tensor(y)
@@ -74,9 +74,9 @@ def main() -> None:
     parser.add_argument("--exact-n", type=int, default=5000, help="N of the exact part (0: skip)")
     parser.add_argument("--no-save", action="store_true", help="print only")
     args = parser.parse_args()
-    from training.knca import KNCAObjective
-    from training.neighbourhood import nearest_candidates
-    from training.objectives import NCAObjective
+    from training.objectives.knca import KNCAObjective
+    from training.objectives.nca import NCAObjective
+    from training.objectives.neighbourhood import nearest_candidates
 
     if USPS_PATH.is_file():
         with np.load(USPS_PATH, allow_pickle=False) as d:

@@ -1,7 +1,7 @@
 """The reference set as data: adding rows without retraining, and what condensing buys.
 
 1. add: a 60k-reference model (``http_load.build_models``: D = 64, d = 32), 10k new labelled
-   rows added with ``training.references.add_references`` (project, append, recalibrate,
+   rows added with ``training.references.versions.add_references`` (project, append, recalibrate,
    write a new version atomically); then a running server (``python -m service``, pinned to
    core 1) told to reload (``POST /v1/admin/reload``) until it answers from the new version.
    Seconds for each step, median of ``--repeats``.
@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def add_and_serve(directory: Path, repeats: int) -> dict:
-    from training.references import add_references
+    from training.references.versions import add_references
 
     model, _ = build_models(directory)
     X_new, y_new = synthetic(10_000, n_features=64, seed=9)

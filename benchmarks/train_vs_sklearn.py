@@ -70,8 +70,8 @@ def exact_objective(X: np.ndarray, y: np.ndarray, A: np.ndarray) -> float:
     """f(A) = sum_i p_i, exactly, in float64 (memory O(chunk x N))."""
     import torch
 
-    from training.neighbourhood import objective_sum
-    from training.objectives import NCAObjective
+    from training.objectives.nca import NCAObjective
+    from training.objectives.neighbourhood import objective_sum
 
     z = torch.tensor(np.asarray(X, dtype=np.float64) @ np.asarray(A, dtype=np.float64).T)
     return float(objective_sum(z, torch.tensor(y), NCAObjective(False)))
@@ -306,8 +306,8 @@ def part_kernel() -> list[dict]:
     """Seconds per exact evaluation (value and gradient with respect to A) on both paths."""
     import torch
 
-    from training import native
-    from training.nca_kernel import nca_value_and_grad
+    from training.objectives import native
+    from training.objectives.nca_kernel import nca_value_and_grad
 
     rows = []
     a = torch.randn(4096, 4096)

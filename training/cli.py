@@ -8,20 +8,20 @@ import torch.distributed as dist
 
 from service.core.artifact import ArtifactError
 from training.config import parse_config
-from training.data import DataError
-from training.distributed import init_from_environment
+from training.data.datasets import DataError
+from training.distributed.ranks import init_from_environment
 from training.job import ConfigError, run
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the job; exit status 0, or 2 with one line on stderr for bad input.
 
-    Under ``torchrun`` the job is data-parallel (``training.distributed``): every rank runs
+    Under ``torchrun`` the job is data-parallel (``training.distributed.ranks``): every rank runs
     this, only rank 0 logs, and an error names the rank that met it. torchrun ends the
     other ranks when one fails, and the job's exit status is non-zero."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["references"]:
-        from training.references_cli import main as references_main
+        from training.references.cli import main as references_main
 
         return references_main(argv[1:])
     config = parse_config(argv)

@@ -16,7 +16,7 @@ import inspect
 from dataclasses import MISSING, asdict, dataclass, field, fields
 
 from service.core.vocabulary import NEIGHBOUR_RULES, DecisionRule
-from training.estimator import NCA
+from training.model.estimator import NCA
 
 ESTIMATOR_DEFAULTS = {
     name: parameter.default

@@ -15,9 +15,8 @@ import torch.distributed as dist
 from service.core.artifact import write_artifact
 from service.core.knn import project
 from service.core.vocabulary import NEIGHBOUR_RULES
-from training.baselines import BASELINES
 from training.config import TrainConfig
-from training.data import (
+from training.data.datasets import (
     DataError,
     Dataset,
     Split,
@@ -28,12 +27,13 @@ from training.data import (
     row_digests,
     take_rows,
 )
-from training.distributed import ProcessGroup, current_group, shard_bounds
-from training.estimator import NCA
-from training.evaluate import K_VALUES, choose_k, knn_accuracies, knn_predictions
-from training.outliers import calibrate, outlier_report
-from training.report import json_bytes, plot_embedding, plot_objective
-from training.sharded_stats import gather_array
+from training.distributed.ranks import ProcessGroup, current_group, shard_bounds
+from training.distributed.sharded_stats import gather_array
+from training.evaluation.baselines import BASELINES
+from training.evaluation.calibration import calibrate, outlier_report
+from training.evaluation.evaluate import K_VALUES, choose_k, knn_accuracies, knn_predictions
+from training.evaluation.report import json_bytes, plot_embedding, plot_objective
+from training.model.estimator import NCA
 
 
 class ConfigError(ValueError):
@@ -248,7 +248,7 @@ def run(config: TrainConfig, *, log=print) -> dict:
 
 def _data_name(config: TrainConfig) -> str:
     """The data set's name: the built-in set's, or the file's stem."""
-    from training.data import BUILTIN_DATASETS
+    from training.data.datasets import BUILTIN_DATASETS
 
     return config.data if config.data in BUILTIN_DATASETS else Path(config.data).stem
 
@@ -324,9 +324,11 @@ class Evaluation:
     test_accuracy: dict  # k -> accuracy
     default_k: int  # the k with the best validation accuracy: the artifact's default
     test_predictions: np.ndarray  # (n_test,) class indices at default_k
-    baselines: dict  # name -> accuracies (training.baselines)
+    baselines: dict  # name -> accuracies (training.evaluation.baselines)
     train_digests: np.ndarray  # (n_train, 32) uint8: sha256 of each training row
-    outlier_calibration: dict | None = None  # training.outliers.calibrate on validation
+    outlier_calibration: dict | None = (
+        None  # training.evaluation.calibration.calibrate on validation
+    )
 
 
 BASELINES_SKIPPED = (

@@ -15,7 +15,7 @@ pytest.importorskip("torch")
 
 from training import NCA
 from training.config import TrainConfig
-from training.data import load_dataset, make_split
+from training.data.datasets import load_dataset, make_split
 from training.job import run
 
 DIGITS_CONFIG = dict(data="digits", n_components=16, max_iter=40, quiet=True, plots=False, seed=0)
@@ -81,8 +81,8 @@ def test_far_away_offline_equals_online(trained_digits):
     give what the service serves; on a trained model the prior rule is the soft rule for
     typical queries (the learned scale puts the threshold far beyond them)."""
     from service.core.knn import outlier_flags
-    from training.evaluate import knn_predictions
-    from training.outliers import threshold_of
+    from training.evaluation.calibration import threshold_of
+    from training.evaluation.evaluate import knn_predictions
 
     path, report, split = trained_digits
     model = load_model(path, settings_for(path))

@@ -64,7 +64,7 @@ CALIBRATION_QUANTILES = (0.5, 0.9, 0.95, 0.99, 0.995, 0.999)
 
 
 def outlier_calibration(z_train: np.ndarray, z_val: np.ndarray) -> dict:
-    """The manifest's outlier_calibration as the training job writes it (training.outliers;
+    """The manifest's outlier_calibration as the training job writes it (training.evaluation.calibration;
     not imported: these tests need only the serve extra): quantiles of the validation points'
     squared distance to their nearest reference."""
     nearest = exact_knn(z_val, z_train, 1)[0][:, 0]

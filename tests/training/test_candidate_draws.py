@@ -12,16 +12,16 @@ import torch
 
 from tests.training.test_candidate_audit import candidate_gaps, fit_history, hard_noisy
 from training import NCA
-from training.estimator import DEFAULT_L2
-from training.nca_kernel import nca_value_and_grad_candidates
-from training.neighbourhood import (
+from training.model.estimator import DEFAULT_L2
+from training.objectives.nca_kernel import nca_value_and_grad_candidates
+from training.objectives.neighbourhood import (
     nearest_candidates,
     objective_sum,
     sampled_candidates,
     with_sampled_candidates,
 )
-from training.objective_registry import make_objective
-from training.optimize import Problem
+from training.objectives.registry import make_objective
+from training.optim.optimize import Problem
 
 
 def blobs(n=240, n_classes=4, seed=0):

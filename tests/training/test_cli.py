@@ -66,7 +66,7 @@ def test_the_artifact_keeps_the_projected_validation_split(tmp_path):
     assert art.validation_embeddings.shape == (n_val, 8)
     assert art.validation_labels.shape == (n_val,)
     # the stored embeddings are the validation rows projected by the artifact's own map
-    from training.data import load_dataset, make_split
+    from training.data.datasets import load_dataset, make_split
 
     config = art.manifest["training"]["config"]
     split = make_split(
@@ -372,7 +372,7 @@ def test_the_cli_help_shows_the_shared_defaults():
 @pytest.mark.parametrize("rule", ["majority", "soft"])
 def test_the_job_validates_with_the_rule_and_ks_it_serves(rule):
     from training.config import TrainConfig
-    from training.evaluate import K_VALUES
+    from training.evaluation.evaluate import K_VALUES
     from training.job import build_estimator
 
     estimator = build_estimator(TrainConfig(decision_rule=rule), n_features=64)

@@ -1,4 +1,4 @@
-"""Data editing (training.condense) and the ``references condense`` operation."""
+"""Data editing (training.references.condense) and the ``references condense`` operation."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 
 from service.core.artifact import read_artifact
 from training.cli import main as cli_main
-from training.condense import (
+from training.references.condense import (
     _nearest,
     condense,
     condensed_keep,
@@ -18,7 +18,7 @@ from training.condense import (
     refine_prototypes,
     wilson_keep,
 )
-from training.references import ReferenceError, condense_references
+from training.references.versions import ReferenceError, condense_references
 
 
 def overlapping_blobs(n=600, n_classes=4, d=3, seed=0):

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from training import NCA
-from training.neighbourhood import nearest_candidates, objective_sum
-from training.objective_registry import make_objective
+from training.objectives.neighbourhood import nearest_candidates, objective_sum
+from training.objectives.registry import make_objective
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -81,7 +81,7 @@ def _nccl_worker(rank: int, rendezvous: str, result_path: str) -> None:
     import torch.distributed as dist
 
     from tests.training.test_distributed import data, evaluate_all
-    from training.distributed import current_group
+    from training.distributed.ranks import current_group
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=rendezvous, rank=rank, world_size=2)

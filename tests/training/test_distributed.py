@@ -1,4 +1,4 @@
-"""Data-parallel evaluation (training.distributed) against one process: 2 ranks on gloo.
+"""Data-parallel evaluation (training.distributed.ranks) against one process: 2 ranks on gloo.
 
 One spawn of two processes computes every case (spawning costs ~3 s); rank 0 saves its
 answers and the test process compares them with a single-process Problem on the same data.
@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from training.distributed import ProcessGroup, ShardedProblem, current_group, shard_bounds
-from training.objective_registry import make_objective
-from training.optimize import Monitor, Problem, run_adam, run_lbfgs
+from training.distributed.ranks import ProcessGroup, ShardedProblem, current_group, shard_bounds
+from training.objectives.registry import make_objective
+from training.optim.optimize import Monitor, Problem, run_adam, run_lbfgs
 
 OBJECTIVES = ["nca", "nca-log", "knca-majority", "knca-all"]
 MODES = {"exact": None, "candidates": 4}
@@ -144,7 +144,7 @@ def fit_estimators(group):
 
 def sharded_statistics(group):
     """Merged k-NN lists and the standardisation choice, from this rank's digits rows."""
-    from training import sharded_stats
+    from training.distributed import sharded_stats
 
     X, y, X_val, _ = digits_split()
     start, stop = shard_bounds(len(X), group.rank, group.world_size)
@@ -319,7 +319,7 @@ def test_merged_knn_lists_equal_one_search_over_all_rows(two_ranks):
 
 
 def test_standardisation_choice_over_shards_scores_as_one_process(two_ranks):
-    from training.data import choose_standardizer
+    from training.data.datasets import choose_standardizer
 
     X, y, _, _ = digits_split()
     _, scores = choose_standardizer(X, y, 10)
@@ -331,8 +331,8 @@ def test_pca_and_lda_from_scatter_matrices_span_scikit_learns_axes():
     from sklearn.decomposition import PCA
     from sklearn.discriminant_analysis import LinearDiscriminantAnalysis
 
-    from training import sharded_stats
-    from training.data import fit_standardizer
+    from training.data.datasets import fit_standardizer
+    from training.distributed import sharded_stats
 
     X, y, _, _ = digits_split()
     mean, scale = fit_standardizer(X)

@@ -17,7 +17,7 @@ from sklearn.utils.estimator_checks import check_estimator
 from service.core.artifact import write_artifact
 from service.core.knn import project
 from training import NCA
-from training.initialization import initial_components
+from training.model.initialization import initial_components
 
 
 def test_passes_scikit_learn_check_estimator():
@@ -58,8 +58,8 @@ def test_matches_scikit_learn_on_the_same_problem():
     # same init, same objective, same optimiser (scipy L-BFGS-B): same objective reached
     import torch
 
-    from training.neighbourhood import objective_sum
-    from training.objectives import NCAObjective
+    from training.objectives.nca import NCAObjective
+    from training.objectives.neighbourhood import objective_sum
 
     def f(A):
         Z = torch.tensor(Xs @ A.T)
@@ -123,9 +123,9 @@ def test_bad_parameters_are_named_in_the_error(params, pattern):
 
 
 def test_l2_auto_is_the_cross_validated_penalty_exactly_and_zero_on_candidates():
-    from training.estimator import DEFAULT_L2
-    from training.neighbourhood import objective_sum
-    from training.objectives import NCAObjective
+    from training.model.estimator import DEFAULT_L2
+    from training.objectives.nca import NCAObjective
+    from training.objectives.neighbourhood import objective_sum
 
     X, y = load_iris(return_X_y=True)
     params = dict(n_components=2, max_iter=30, random_state=0)
@@ -190,7 +190,7 @@ def test_adam_and_candidates_paths_reach_a_good_solution():
 
 
 def test_auto_picks_candidates_for_large_n(monkeypatch):
-    import training.estimator as est
+    import training.model.estimator as est
 
     monkeypatch.setattr(est, "AUTO_EXACT_MAX_SAMPLES", 100)
     X, y = load_iris(return_X_y=True)
@@ -387,7 +387,7 @@ def test_a_non_finite_gradient_stops_the_fit_with_an_error_not_a_nan_map(monkeyp
     kNCA overflow once produced a NaN map this way, reported as stop reason 'precision')."""
     from sklearn.exceptions import NotFittedError
 
-    from training.optimize import Problem
+    from training.optim.optimize import Problem
 
     real = Problem.loss_and_grad
     calls = {"n": 0}
@@ -413,16 +413,16 @@ def test_a_non_finite_map_from_any_solver_is_refused(monkeypatch):
     """Whatever the optimiser returns, a map with NaN entries is not a fit."""
     from sklearn.exceptions import NotFittedError
 
-    import training.estimator
+    import training.model.estimator
 
-    real = training.estimator.run_adam
+    real = training.model.estimator.run_adam
 
     def nan_result(problem, theta0, **kwargs):
         result = real(problem, theta0, **kwargs)
         result.theta = np.full_like(result.theta, np.nan)
         return result
 
-    monkeypatch.setattr(training.estimator, "run_adam", nan_result)
+    monkeypatch.setattr(training.model.estimator, "run_adam", nan_result)
     X, y = load_iris(return_X_y=True)
     model = NCA(n_components=2, solver="adam", max_iter=2, random_state=0)
     with pytest.raises(FloatingPointError, match=r"A has 8 non-finite entries after 2 iterations"):

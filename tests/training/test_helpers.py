@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from training import NCA
-from training.data import fit_standardizer, stratified_split
-from training.evaluate import choose_k
-from training.initialization import initial_components, resolve_auto
-from training.optimize import EarlyStop, Monitor, audit_disagreement, audit_rows
+from training.data.datasets import fit_standardizer, stratified_split
+from training.evaluation.evaluate import choose_k
+from training.model.initialization import initial_components, resolve_auto
+from training.optim.optimize import EarlyStop, Monitor, audit_disagreement, audit_rows
 
 # ------------------------------------------------------------------ resolve_auto
 
@@ -287,7 +287,7 @@ def test_audit_rows_are_spread_and_distinct():
 
 
 def test_global_standardizer_centres_and_shares_one_scale():
-    from training.data import fit_global_standardizer
+    from training.data.datasets import fit_global_standardizer
 
     X = np.random.default_rng(0).normal(size=(500, 3)) * [1.0, 2.0, 0.0] + [5.0, -1.0, 7.0]
     mean, scale = fit_global_standardizer(X)
@@ -312,7 +312,7 @@ def pixels_with_quiet_border(n=1200, seed=0):
 def test_auto_standardisation_picks_a_shared_scale_for_pixels_and_per_feature_for_units():
     from sklearn.datasets import load_wine
 
-    from training.data import choose_standardizer
+    from training.data.datasets import choose_standardizer
 
     X, y = pixels_with_quiet_border()
     chosen, scores = choose_standardizer(X, y, 4)

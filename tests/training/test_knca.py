@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-import training.knca
-from training.knca import (
+import training.objectives.knca
+from training.objectives.knca import (
     KNCAObjective,
     class_polynomials,
     in_linear_range,
@@ -18,8 +18,8 @@ from training.knca import (
     poly_mul,
     present_classes,
 )
-from training.neighbourhood import nearest_candidates, objective_sum
-from training.objectives import NCAObjective
+from training.objectives.nca import NCAObjective
+from training.objectives.neighbourhood import nearest_candidates, objective_sum
 
 
 def brute_force(dists, labels, own, k, variant):
@@ -48,9 +48,9 @@ def fast_path(request, monkeypatch):
 
 @pytest.mark.parametrize("block", [64, 3, 1])  # one block; blocks and a tree; all tree
 def test_class_polynomials_equal_expanded_products(block, monkeypatch):
-    import training.knca
+    import training.objectives.knca
 
-    monkeypatch.setattr(training.knca, "RECURRENCE_BLOCK", block)
+    monkeypatch.setattr(training.objectives.knca, "RECURRENCE_BLOCK", block)
     rng = np.random.default_rng(0)
     w = rng.uniform(0.1, 2.0, size=(3, 7))
     labels = rng.integers(0, 3, size=(3, 7))
@@ -111,7 +111,7 @@ def test_k1_equals_nca(variant, fast_path):
 
 @pytest.mark.parametrize("name", ["knca-majority", "knca-all", "knca-majority-log", "knca-all-log"])
 def test_gradcheck_float64(name, fast_path):
-    from training.objective_registry import make_objective
+    from training.objectives.registry import make_objective
 
     rng = np.random.default_rng(2)
     X = torch.tensor(rng.normal(size=(12, 4)))
@@ -231,7 +231,7 @@ def test_classes_absent_from_candidates_are_dropped_without_changing_anything(lo
 def log_programme_only(obj, neg, labels, own, valid, monkeypatch):
     """The same log P_i with the float64 fast path switched off (every row in log space)."""
     with monkeypatch.context() as m:
-        m.setattr(training.knca, "in_linear_range", lambda logits, k: (torch.zeros(
+        m.setattr(training.objectives.knca, "in_linear_range", lambda logits, k: (torch.zeros(
             logits.shape[0], dtype=torch.bool), torch.zeros(logits.shape[0], 1)))  # fmt: skip
         return obj.log_probabilities(neg, labels, own, valid)
 

@@ -1,4 +1,4 @@
-"""kNCA's fast path in C (training/knca_native.py, training/native/knca_linear.c).
+"""kNCA's fast path in C (training/objectives/knca_native.py, training/objectives/kernels/knca_linear.c).
 
 Its log P_i and Jacobian against the torch float64 programme (which test_knca.py checks
 against the log programme and against enumerating every k-subset) on rows with padding,
@@ -16,15 +16,15 @@ import numpy as np
 import pytest
 import torch
 
-from training import knca_native, native
-from training.knca import (
+from training.objectives import knca_native, native
+from training.objectives.knca import (
     KNCAObjective,
     NativeLinearLogProb,
     in_linear_range,
     linear_log_prob,
     present_classes,
 )
-from training.neighbourhood import nearest_candidates, objective_sum
+from training.objectives.neighbourhood import nearest_candidates, objective_sum
 
 
 @pytest.fixture(scope="module", autouse=True)

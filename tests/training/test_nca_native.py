@@ -1,4 +1,4 @@
-"""The native exact-NCA kernel (training/native.py, training/native/nca_exact.c).
+"""The native exact-NCA kernel (training/objectives/native.py, training/objectives/kernels/nca_exact.c).
 
 Its values and gradients against brute-force numpy (eqs 1-2 of the paper with an explicit
 N x N matrix), against the torch path, against central finite differences, across thread
@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from tests.training.test_objectives import brute_force_p
-from training import native
-from training.nca_kernel import nca_value_and_grad
+from training.objectives import native
+from training.objectives.nca_kernel import nca_value_and_grad
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from training.neighbourhood import nearest_candidates, objective_sum
-from training.objective_registry import make_objective
-from training.objectives import NCAObjective
+from training.objectives.nca import NCAObjective
+from training.objectives.neighbourhood import nearest_candidates, objective_sum
+from training.objectives.registry import make_objective
 
 
 def problem(seed=0, n=24, D=5, d=3, n_classes=3, scale=0.5):
@@ -182,7 +182,7 @@ def test_fused_candidate_kernel_equals_autograd(log_form):
 
 
 def test_fused_method_refuses_other_objectives():
-    from training.objectives import Objective
+    from training.objectives.nca import Objective
 
     z = torch.zeros(4, 2)
     y = torch.tensor([0, 0, 1, 1])
@@ -272,7 +272,7 @@ def test_candidates_of_chosen_rows_equal_those_rows_of_all_candidates():
 
 
 def test_candidate_distance_backward_passes_gradcheck():
-    from training.neighbourhood import CandidateNegSqDist
+    from training.objectives.neighbourhood import CandidateNegSqDist
 
     rng = np.random.default_rng(11)
     z = torch.tensor(rng.normal(size=(9, 3)), requires_grad=True)

@@ -1,4 +1,4 @@
-"""Calibrated "far away" (training.outliers): quantiles, rates, the job's record, and
+"""Calibrated "far away" (training.evaluation.calibration): quantiles, rates, the job's record, and
 recalibration when the reference set changes."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 from service.core.artifact import read_artifact
 from tests.service.conftest import build_model_artifact, digits_like_split
 from training.cli import main as cli_main
-from training.outliers import QUANTILES, calibrate, outlier_report
-from training.references import add_references
+from training.evaluation.calibration import QUANTILES, calibrate, outlier_report
+from training.references.versions import add_references
 
 
 def gaussian(n, seed, d=4):

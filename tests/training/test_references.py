@@ -1,4 +1,4 @@
-"""Reference-set changes (training.references): add and remove without retraining, each a
+"""Reference-set changes (training.references.versions): add and remove without retraining, each a
 new artifact version with its lineage, served by reload."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from service.core.artifact import read_artifact, write_artifact
 from service.core.knn import project
 from tests.service.conftest import settings_for
 from training.cli import main as cli_main
+from training.evaluation.calibration import calibrate
 from training.job import publish
-from training.outliers import calibrate
-from training.references import ReferenceError, add_references, remove_references
+from training.references.versions import ReferenceError, add_references, remove_references
 
 
 @pytest.fixture(scope="module")

@@ -142,7 +142,7 @@ def test_a_rank_killed_mid_fit_fails_the_job_and_the_previous_artifact_stays(tmp
 
 
 def test_bad_rows_on_one_rank_fail_the_job_with_a_message_naming_that_rank(tmp_path):
-    from training.data import Dataset, plan_split
+    from training.data.datasets import Dataset, plan_split
 
     rng = np.random.default_rng(1)
     X = rng.normal(size=(400, 5))

@@ -134,7 +134,7 @@ STANDARDIZATION_RECORD = {
 
 
 def parse_outlier_calibration(record: Any) -> dict | None:
-    """``outlier_calibration`` checked (the record ``training.outliers.calibrate`` writes), with its
+    """``outlier_calibration`` checked (the record ``training.evaluation.calibration.calibrate`` writes), with its
     quantiles as a sorted {float q: float distance}; ArtifactError naming what is wrong."""
     if record is None:
         return None

@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import torch
 
-from training import native as native_kernel
 from training.numerics import EXP_FLOOR, PrecomputedGradient, chunk_rows, class_runs
+from training.objectives import native as native_kernel
 
 
 def _block_weights(
@@ -85,7 +85,7 @@ def nca_value_and_grad(
 
     z: (N, d) embeddings, labels: (N,) class ids, rows: (B,) query rows (default: all).
     Rows whose class has no other member score 0 and contribute no gradient.
-    native: evaluate with the C kernel of :mod:`training.native` (True), with torch (False), or
+    native: evaluate with the C kernel of :mod:`training.objectives.native` (True), with torch (False), or
     with the C kernel whenever it can (None). ``chunk_size`` applies to the torch path.
     """
     n = z.shape[0]
@@ -163,7 +163,7 @@ def nca_value_and_grad_candidates(
     """The same value and gradient with each row's neighbours restricted to its candidates.
 
     candidates: (N, M) with same-class indices in the first half and other-class indices in
-    the second, -1 for padding (:func:`training.neighbourhood.nearest_candidates`, possibly
+    the second, -1 for padding (:func:`training.objectives.neighbourhood.nearest_candidates`, possibly
     with drawn candidates). log_weights: (N, M) log w_ic added to the logits, L'_ic = L_ic +
     log w_ic: a candidate standing for w points. W = d score / d L' is then also d score /
     d L (the offset is constant), so the gradient below is unchanged in form. Per chunk of

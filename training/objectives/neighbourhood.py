@@ -4,7 +4,7 @@ above the two evaluation paths.
 ``objective_sum(z, labels, objective)`` picks the path:
 
 * NCA's objectives (``nca``, ``nca-log``) take the fused closed-form kernel by default
-  (``training.nca_kernel.FusedNCA``: value and gradient in one pass, no autograd graph);
+  (``training.objectives.nca_kernel.FusedNCA``: value and gradient in one pass, no autograd graph);
   ``method="autograd"`` forces the generic path, which the tests use to check the kernel.
 * every other objective (kNCA) takes the generic chunked autograd path below.
 
@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import torch
 
-from training.nca_kernel import FusedNCA
 from training.numerics import PrecomputedGradient, chunk_rows, class_runs
-from training.objectives import NCAObjective, Objective
+from training.objectives.nca import NCAObjective, Objective
+from training.objectives.nca_kernel import FusedNCA
 
 
 def pairwise_sq_dist(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

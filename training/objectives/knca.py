@@ -27,7 +27,7 @@ cancellation; nothing overflows or underflows in float32):
   instead of log-add-exps, products of polynomials as one matrix product -- and rows outside
   the range, or whose P_i is below exp(-600), take the log programme. Both give P_i to
   float64's precision (test: values within 1e-11, gradients within 1e-9). On the CPU the fast
-  path runs in C (:mod:`training.knca_native`: the same programme a row at a time, with its
+  path runs in C (:mod:`training.objectives.knca_native`: the same programme a row at a time, with its
   reverse mode written out); ``NCA_KNN_NATIVE=0``, CUDA or a missing compiler keep it in torch.
 * Gradients of the torch programmes flow through by autograd. Inside the programme "log 0"
   is the finite LOG_ZERO = -1e30 rather than -inf, so torch's fused logsumexp needs no
@@ -42,9 +42,9 @@ from typing import NamedTuple
 
 import torch
 
-from training import knca_native
 from training.numerics import LOG_ZERO, NEG_INF, floored_logsumexp
-from training.objectives import Objective
+from training.objectives import knca_native
+from training.objectives.nca import Objective
 
 _ANTI_DIAGONALS: dict[tuple[int, int, int, str], torch.Tensor] = {}
 
@@ -321,7 +321,7 @@ def linear_log_prob(
     labels (B, M) and own (B,) in 0..n_classes-1 -> (B,) float64. For "all", labels are 0
     (i's class) and 1 (any other) and n_classes is 2.
 
-    native: the C programme of :mod:`training.knca_native` (True), the torch one (False), or
+    native: the C programme of :mod:`training.objectives.knca_native` (True), the torch one (False), or
     the C one where it can run (None)."""
     if native is None:
         native = knca_native.usable(logits)

@@ -39,8 +39,8 @@ from service.core.artifact import (
     write_artifact,
 )
 from service.core.knn import project
-from training.data import DataError, validate_xy
-from training.outliers import calibrate
+from training.data.datasets import DataError, validate_xy
+from training.evaluation.calibration import calibrate
 
 
 class ReferenceError(ValueError):
@@ -249,7 +249,7 @@ def remove_references(model: str | Path, ids, *, out: str | Path) -> dict:
 
 
 def _accuracies(z_refs, y_refs, z_queries, y_queries, n_classes, ks, rule) -> dict:
-    from training.evaluate import knn_accuracies
+    from training.evaluation.evaluate import knn_accuracies
 
     return {
         str(k): v
@@ -301,7 +301,7 @@ def _condense_settings(parent, method, check_k, edit_k, reduction, refine_epochs
 
 def _condensed(parent, z, y, settings, unchanged) -> tuple:
     """(embeddings, labels, ids, counts) of the condensed set; the parent's when unchanged."""
-    from training.condense import condense, prototypes
+    from training.references.condense import condense, prototypes
 
     if unchanged:
         return z, y, parent.ids, {"removed_by_editing": 0, "removed_by_condensing": 0}
@@ -331,7 +331,7 @@ def condense_references(
     X_test: np.ndarray | None = None,
     y_test: np.ndarray | None = None,
 ) -> dict:
-    """Keep the references the k-NN decision needs (``training.condense``); write ``out``.
+    """Keep the references the k-NN decision needs (``training.references.condense``); write ``out``.
 
     check_k defaults to the model's default k + 2. Accuracy before and after is measured on
     the artifact's validation split and, when given, on X_test / y_test (raw inputs,
@@ -341,7 +341,7 @@ def condense_references(
     judge the kept references without the removed ones that they vouch for.
 
     method "prototypes" replaces each class's references by round(N_c / reduction) k-means
-    prototypes, then moves them for ``refine_epochs`` GLVQ steps (``training.condense.
+    prototypes, then moves them for ``refine_epochs`` GLVQ steps (``training.references.condense.
     prototypes``; reduction defaults to 3, refine_epochs to 30): the embeddings become
     prototypes, each with the id of the member of its cluster nearest it."""
     parent = load_model(model)

@@ -44,7 +44,7 @@ class Split:
     X_test: np.ndarray  # (n_test, D), possibly empty
     y_test: np.ndarray
     classes: np.ndarray  # (C,) original labels, sorted
-    # data-parallel (training.distributed): X_train, X_val (and their labels) are this rank's
+    # data-parallel (training.distributed.ranks): X_train, X_val (and their labels) are this rank's
     # rows [start, stop) of the splits, shard_bounds(n_train / n_val, rank, P); X_test is
     # held by rank 0 only. None in a single process: the arrays are the whole splits.
     n_train_total: int | None = None
@@ -430,7 +430,7 @@ def choose_standardizer(
     features to the weight of informative ones and kNN suffers (USPS 1-NN: 0.928 against
     0.944). Returns (name, {name: score}). O(CHOICE_QUERIES x N x D).
     """
-    from training.evaluate import knn_accuracies
+    from training.evaluation.evaluate import knn_accuracies
     from training.numerics import evenly_spaced_rows
 
     n = len(X)

@@ -33,19 +33,19 @@ from threadpoolctl import threadpool_limits
 
 from service.core.knn import project
 from service.core.vocabulary import NEIGHBOUR_RULES
-from training import sharded_stats
-from training.data import STANDARDIZERS, choose_standardizer, stratified_split
-from training.distributed import (
+from training.data.datasets import STANDARDIZERS, choose_standardizer, stratified_split
+from training.distributed import sharded_stats
+from training.distributed.ranks import (
     ShardedProblem,
     broadcast_from_rank0,
     current_group,
     shard_bounds,
 )
-from training.evaluate import knn_accuracies
-from training.initialization import INIT_NAMES, initial_components, resolve_auto
+from training.evaluation.evaluate import knn_accuracies
+from training.model.initialization import INIT_NAMES, initial_components, resolve_auto
 from training.numerics import evenly_spaced_rows
-from training.objective_registry import OBJECTIVES, make_objective
-from training.optimize import (
+from training.objectives.registry import OBJECTIVES, make_objective
+from training.optim.optimize import (
     FitResult,
     Monitor,
     Problem,
@@ -122,7 +122,7 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
     objective : {"nca", "nca-log", "knca-majority", "knca-majority-log", "knca-all", "knca-all-log"}
         "nca" maximises f(A) = sum_i p_i (expected number correct, eq 3); "nca-log"
         maximises g(A) = sum_i log p_i (eq 6). "knca-*" maximise the exact expected accuracy
-        of a kNN vote with k neighbours (Tarlow et al. 2013; see ``training.knca``):
+        of a kNN vote with k neighbours (Tarlow et al. 2013; see ``training.objectives.knca``):
         "majority" (i's class wins the vote outright) or "all" (all k neighbours agree).
     k : int
         The k of the kNN rule the objective trains for (1 for NCA).
@@ -221,7 +221,7 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         this); "global" centres and divides by one shared scale (features keep their
         relative scales, as pixels should); "none" (False) leaves them. "auto" picks
         "feature" or "global" by the kNN accuracy of evenly spaced training rows among the
-        others in each (``training.data.choose_standardizer``); ``standardization_`` says
+        others in each (``training.data.datasets.choose_standardizer``); ``standardization_`` says
         which, ``standardization_scores_`` by what.
     warm_start : bool
         If fitted before, start from the previous ``components_`` instead of ``init``
@@ -487,9 +487,9 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
 
         Data-parallel: when a ``torch.distributed`` process group is initialised (``torchrun``),
         every rank calls fit with its own row shard: X, y (and X_val, y_val, if any) are rows
-        [start, stop) of the global sets in rank order, as ``training.distributed.shard_bounds``
+        [start, stop) of the global sets in rank order, as ``training.distributed.ranks.shard_bounds``
         cuts them. The standardisation, the initial map, the objective, the gradient and the
-        validation accuracy are those of all rows together (``training.sharded_stats``), and
+        validation accuracy are those of all rows together (``training.distributed.sharded_stats``), and
         every rank ends with the same fitted attributes. No rank holds another's rows.
         """
         group = current_group()
@@ -640,7 +640,7 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
 
     def _prepare_shards(self, X, y, X_val, y_val, group) -> _Prepared:
         """Data-parallel: the same steps from this rank's rows and summaries of the others'
-        (``training.sharded_stats``). Returns the standardised shard and all N labels."""
+        (``training.distributed.sharded_stats``). Returns the standardised shard and all N labels."""
         X, y = validate_data(self, X, y, ensure_min_samples=1, dtype=np.float64)
         check_classification_targets(y)
         classes = sharded_stats.union_classes(y, group)
@@ -651,7 +651,7 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
             raise ValueError(
                 f"rank {group.rank} of {group.world_size}: X has {len(X)} rows, but a "
                 f"data-parallel fit takes rows [{start}, {stop}) of the N = {n} training rows "
-                "(training.distributed.shard_bounds)"
+                "(training.distributed.ranks.shard_bounds)"
             )
         d = self._validate_params_against(n, X.shape[1], len(classes))
         rng = self._seeded_rng()

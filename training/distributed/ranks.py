@@ -36,8 +36,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from training.neighbourhood import nearest_candidates
-from training.optimize import Problem
+from training.objectives.neighbourhood import nearest_candidates
+from training.optim.optimize import Problem
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
-from training.data import DataError, load_dataset
+from training.data.datasets import DataError, load_dataset
 from training.job import ConfigError, check_publish_link, publish
-from training.references import (
+from training.references.versions import (
     ReferenceError,
     add_references,
     condense_references,

@@ -1,11 +1,11 @@
-"""kNCA's fast path in C (``training/native/knca_linear.c``): log P_i and its Jacobian in one pass.
+"""kNCA's fast path in C (``training/objectives/kernels/knca_linear.c``): log P_i and its Jacobian in one pass.
 
-:func:`training.knca.linear_log_prob` runs the float64 polynomial programme as some hundred
+:func:`training.objectives.knca.linear_log_prob` runs the float64 polynomial programme as some hundred
 small torch operations a row block (a 64-step recurrence, then the products of the classes'
 polynomials) and leaves the backward to autograd, which records every one of them. The C
 source runs the same programme a row at a time and writes its reverse mode out by hand, so
 one call returns log P_i (B,) and d log P_i / d logit_ij (B, M); the source's comment has the
-mathematics. Built and cached like the exact-NCA kernel (:mod:`training.native`); when it
+mathematics. Built and cached like the exact-NCA kernel (:mod:`training.objectives.native`); when it
 cannot be built, ``NCA_KNN_NATIVE=0`` is set or the tensors are not on the CPU, callers use
 the torch programme.
 """
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from training import native
+from training.objectives import native
 
-SOURCE = Path(__file__).resolve().parent / "native" / "knca_linear.c"
+SOURCE = Path(__file__).resolve().parent / "kernels" / "knca_linear.c"
 ROWS_PER_THREAD = 128  # fewer rows than this per thread are not worth a thread
 
 

@@ -28,7 +28,7 @@ def knn_predictions(
 
     z_ref: (N, d) reference embeddings, y_ref: (N,) class indices, z_query: (n, d).
     Values of k above N are dropped. One neighbour search serves every k. The
-    ``soft_prior`` rule needs the outlier threshold (``training.outliers.threshold_of``);
+    ``soft_prior`` rule needs the outlier threshold (``training.evaluation.calibration.threshold_of``);
     its component is built from the references as the service builds it.
     """
     ks = tuple(k for k in ks if k <= len(z_ref))

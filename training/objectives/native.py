@@ -1,8 +1,8 @@
-"""The native kernels (``training/native/*.c``): built on first use, loaded with ctypes.
+"""The native kernels (``training/objectives/kernels/*.c``): built on first use, loaded with ctypes.
 
 This module builds and loads them and holds the exact-NCA entry point; kNCA's fast path is
-in :mod:`training.knca_native`. The exact-NCA source (``nca_exact.c``) computes exactly what
-:func:`training.nca_kernel.nca_value_and_grad` computes (its docstring has the mathematics),
+in :mod:`training.objectives.knca_native`. The exact-NCA source (``nca_exact.c``) computes exactly what
+:func:`training.objectives.nca_kernel.nca_value_and_grad` computes (its docstring has the mathematics),
 but keeps each block of logits in cache from the GEMM to the last use of W instead of making
 a dozen passes over a (chunk, N) buffer in memory.
 
@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 import torch
 
-SOURCE = Path(__file__).resolve().parent / "native" / "nca_exact.c"  # the exact-NCA kernel
+SOURCE = Path(__file__).resolve().parent / "kernels" / "nca_exact.c"  # the exact-NCA kernel
 TILE = 16  # padding multiple of the embedding width and of N (TILE in the C source)
 ROWS_PER_THREAD = 64  # fewer query rows than this per thread are not worth a thread
 FLAVOURS = {torch.float32: ("f32", []), torch.float64: ("f64", ["-DNCA_DOUBLE"])}

@@ -4,7 +4,7 @@ Both minimise the loss
 
     L(A) = -(1 / |rows|) sum_{i in rows} score_i(A) + l2 * ||A||_F^2
 
-where score_i is the objective's per-point score (see ``training.objectives``) evaluated
+where score_i is the objective's per-point score (see ``training.objectives.nca``) evaluated
 exactly (chunks against all points) or on candidate sets. With candidate sets the
 optimisation runs in rounds: candidates are recomputed in the current projection, then the
 optimiser runs until the :class:`CandidateWatch` finds them stale, or for at most
@@ -27,14 +27,14 @@ import torch
 from scipy.optimize import minimize
 
 from service.core.knn import decide
-from training.neighbourhood import (
+from training.numerics import EXP_FLOOR, evenly_spaced_rows
+from training.objectives.nca import NCAObjective, Objective
+from training.objectives.neighbourhood import (
     nearest_candidates,
     objective_sum,
     sampled_candidates,
     with_sampled_candidates,
 )
-from training.numerics import EXP_FLOOR, evenly_spaced_rows
-from training.objectives import NCAObjective, Objective
 
 
 def _logsumexp_at(log_p: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from training.knca import KNCAObjective
-from training.objectives import NCAObjective, Objective
+from training.objectives.knca import KNCAObjective
+from training.objectives.nca import NCAObjective, Objective
 
 # name -> (k, n_classes) -> objective
 OBJECTIVES: dict[str, Callable[[int, int | None], Objective]] = {

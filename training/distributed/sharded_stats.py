@@ -1,6 +1,6 @@
 """The statistics a fit needs besides the objective, computed from row shards.
 
-In a data-parallel fit (``training.distributed``) each rank holds rows [start, stop) of the
+In a data-parallel fit (``training.distributed.ranks``) each rank holds rows [start, stop) of the
 training set; these functions give every rank the same standardisation, initial map,
 class list and k-NN accuracies that a single process would compute from all the rows, by
 reducing small per-shard summaries (sums, D x D scatter matrices, k-NN lists), never the rows:
@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from service.core.knn import decide, exact_knn
-from training.data import global_scale, per_feature_scale
-from training.distributed import ProcessGroup, broadcast_from_rank0, gather_rows
+from training.data.datasets import global_scale, per_feature_scale
+from training.distributed.ranks import ProcessGroup, broadcast_from_rank0, gather_rows
 from training.numerics import evenly_spaced_rows
 
 
@@ -139,9 +139,9 @@ def choose_standardizer(
     group: ProcessGroup,
     ks: tuple[int, ...] = (1, 5),
 ) -> tuple[str, dict[str, float]]:
-    """``training.data.choose_standardizer`` over all ranks' rows: the same evenly spaced
+    """``training.data.datasets.choose_standardizer`` over all ranks' rows: the same evenly spaced
     query rows (gathered: CHOICE_QUERIES x D), references everywhere else, the same scores."""
-    from training.data import CHOICE_MARGIN, CHOICE_QUERIES
+    from training.data.datasets import CHOICE_MARGIN, CHOICE_QUERIES
 
     n = len(y_all)
     stop = start + len(X_shard)
@@ -238,7 +238,7 @@ def knn_accuracy(
 ) -> dict[int, float]:
     """k-NN accuracy over every rank's queries (each rank's own (Q_r, d) against the same
     (N, d) references): the per-rank counts of correct answers are summed."""
-    from training.evaluate import knn_predictions
+    from training.evaluation.evaluate import knn_predictions
 
     ks = tuple(k for k in ks if k <= len(z_references))
     predictions = knn_predictions(z_references, y_references, z_queries, n_classes, ks, rule)
