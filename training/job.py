@@ -398,6 +398,7 @@ def build_report(
         "n_candidates": estimator.n_candidates_,
         "l2": estimator.l2_,
         "exact_finish_iter": int(estimator.exact_finish_iter_),
+        "plan": estimator.plan_.describe(),  # every "auto" as the fit resolved it
         "init": estimator.init_used_,
         "standardization": estimator.standardization_,
         "standardization_scores": estimator.standardization_scores_,

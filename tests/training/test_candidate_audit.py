@@ -13,7 +13,7 @@ from service.core.knn import decide
 from training import NCA
 from training.objectives.neighbourhood import objective_sum
 from training.objectives.registry import make_objective
-from training.optim.optimize import Problem
+from training.optim.problem import Problem
 
 
 def blobs(n: int, seed: int = 0):
@@ -135,7 +135,7 @@ class ScriptedProblem:
 
 
 def test_candidate_watch_refreshes_when_the_inside_mass_falls_past_the_tolerance():
-    from training.optim.optimize import CandidateWatch
+    from training.optim.candidates import CandidateWatch
 
     # outside masses: refresh (inside 0.90), three iterations, inside 0.89, 0.86, 0.84; the
     # third lost 6.7% of 0.90 > 5%; refresh (inside 0.70: a low level that stays is not a
@@ -152,7 +152,7 @@ def test_candidate_watch_refreshes_when_the_inside_mass_falls_past_the_tolerance
 
 
 def test_candidate_watch_refreshes_on_the_count_alone_without_a_tolerance():
-    from training.optim.optimize import CandidateWatch
+    from training.optim.candidates import CandidateWatch
 
     watch = CandidateWatch(ScriptedProblem([]), rows=None, refresh_every=3, refresh_tol=None)
     watch.refresh(np.array([0.0]))  # asks for no mass: the script is empty
@@ -185,7 +185,7 @@ class LadderProblem(ScriptedProblem):
     ],
 )
 def test_candidate_watch_chooses_the_smallest_k_that_holds_the_target_mass(fresh_masses, chosen):
-    from training.optim.optimize import CandidateWatch
+    from training.optim.candidates import CandidateWatch
 
     problem = LadderProblem(fresh_masses)
     watch = CandidateWatch(problem, None, refresh_every=5, refresh_tol=0.05, target_mass=0.9)
@@ -259,7 +259,7 @@ def test_a_penalty_on_candidate_sets_is_what_l2_auto_avoids_and_the_audit_report
     small, the neighbourhoods stay wide, and even K grown from the data holds too little of
     the neighbour mass; the candidate objective then runs far above the exact one on the
     audit sample. The same fit with "auto" (0 here) stays faithful."""
-    from training.model.estimator import DEFAULT_L2
+    from training.model.plan import DEFAULT_L2
 
     X, y = hard_noisy(n_features=20, n_informative=4)
     penalised = fit_history(X, y, l2=DEFAULT_L2)

@@ -12,7 +12,7 @@ import torch
 
 from tests.training.test_candidate_audit import candidate_gaps, fit_history, hard_noisy
 from training import NCA
-from training.model.estimator import DEFAULT_L2
+from training.model.plan import DEFAULT_L2
 from training.objectives.nca_kernel import nca_value_and_grad_candidates
 from training.objectives.neighbourhood import (
     nearest_candidates,
@@ -21,7 +21,7 @@ from training.objectives.neighbourhood import (
     with_sampled_candidates,
 )
 from training.objectives.registry import make_objective
-from training.optim.optimize import Problem
+from training.optim.problem import Problem
 
 
 def blobs(n=240, n_classes=4, seed=0):

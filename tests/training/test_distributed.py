@@ -19,7 +19,10 @@ import torch.multiprocessing as mp
 
 from training.distributed.ranks import ProcessGroup, ShardedProblem, current_group, shard_bounds
 from training.objectives.registry import make_objective
-from training.optim.optimize import Monitor, Problem, run_adam, run_lbfgs
+from training.optim.adam import run_adam
+from training.optim.lbfgs import run_lbfgs
+from training.optim.monitor import Monitor
+from training.optim.problem import Problem
 
 OBJECTIVES = ["nca", "nca-log", "knca-majority", "knca-all"]
 MODES = {"exact": None, "candidates": 4}

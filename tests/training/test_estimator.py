@@ -75,10 +75,13 @@ def test_matches_scikit_learn_on_the_same_problem():
         (dict(n_components=0), r"n_components=0 must be an integer >= 1"),
         (dict(objective="lmnn"), r"objective='lmnn' must be one of"),
         (dict(objective=["nca"]), r"objective=\['nca'\] must be one of"),
-        (dict(validation_fraction=[0.1]), r"validation_fraction=\[0.1\] must be a real number"),
+        (
+            dict(validation_fraction=[0.1]),
+            r"validation_fraction=\[0.1\] must be a finite real number in \(0, 1\)",
+        ),
         (
             dict(validation_fraction=1.0),
-            r"validation_fraction=1.0 must be a real number in \(0, 1\)",
+            r"validation_fraction=1.0 must be a finite real number in \(0, 1\)",
         ),
         (dict(callback="print"), r"callback='print' must be None or a callable"),
         (dict(random_state=-1), r"random_state=-1 must be None, an integer >= 0"),
@@ -97,10 +100,22 @@ def test_matches_scikit_learn_on_the_same_problem():
         (dict(learning_rate=float("inf")), r"learning_rate=inf must be a finite real number > 0"),
         (dict(n_candidates=0), r"n_candidates=0 must be 'auto', None or an integer >= 1"),
         (dict(standardize="yes"), r"standardize='yes' must be one of \('auto', 'feature'"),
-        (dict(refresh_tol=0.0), r"refresh_tol=0.0 must be a finite real number > 0"),
-        (dict(refresh_tol=1.5), r"refresh_tol=1.5 must be below 1"),
-        (dict(candidate_mass="most"), r"candidate_mass='most' must be a finite real number > 0"),
-        (dict(candidate_mass=1.2), r"candidate_mass=1.2 must be at most 1"),
+        (
+            dict(refresh_tol=0.0),
+            r"refresh_tol=0.0 must be None or a finite real number in \(0, 1\)",
+        ),
+        (
+            dict(refresh_tol=1.5),
+            r"refresh_tol=1.5 must be None or a finite real number in \(0, 1\)",
+        ),
+        (
+            dict(candidate_mass="most"),
+            r"candidate_mass='most' must be None or a finite real number in \(0, 1\]",
+        ),
+        (
+            dict(candidate_mass=1.2),
+            r"candidate_mass=1.2 must be None or a finite real number in \(0, 1\]",
+        ),
         (dict(init="nonsense"), r"init='nonsense' must be one of"),
         (
             dict(init=np.zeros((2, 3)), n_components=2),
@@ -123,7 +138,7 @@ def test_bad_parameters_are_named_in_the_error(params, pattern):
 
 
 def test_l2_auto_is_the_cross_validated_penalty_exactly_and_zero_on_candidates():
-    from training.model.estimator import DEFAULT_L2
+    from training.model.plan import DEFAULT_L2
     from training.objectives.nca import NCAObjective
     from training.objectives.neighbourhood import objective_sum
 
@@ -190,7 +205,7 @@ def test_adam_and_candidates_paths_reach_a_good_solution():
 
 
 def test_auto_picks_candidates_for_large_n(monkeypatch):
-    import training.model.estimator as est
+    import training.model.plan as est
 
     monkeypatch.setattr(est, "AUTO_EXACT_MAX_SAMPLES", 100)
     X, y = load_iris(return_X_y=True)
@@ -387,7 +402,7 @@ def test_a_non_finite_gradient_stops_the_fit_with_an_error_not_a_nan_map(monkeyp
     kNCA overflow once produced a NaN map this way, reported as stop reason 'precision')."""
     from sklearn.exceptions import NotFittedError
 
-    from training.optim.optimize import Problem
+    from training.optim.problem import Problem
 
     real = Problem.loss_and_grad
     calls = {"n": 0}
@@ -429,3 +444,21 @@ def test_a_non_finite_map_from_any_solver_is_refused(monkeypatch):
         model.fit(X, y)
     with pytest.raises(NotFittedError):
         model.transform(X)
+
+
+def test_the_plan_records_what_every_auto_resolved_to(monkeypatch):
+    """plan_: exact below the size limit (penalty on, no finish); candidate sets above it,
+    with no penalty on them and the finish carrying it; Adam gets no finish."""
+    import training.model.plan as plan
+
+    X, y = load_iris(return_X_y=True)
+    exact = NCA(n_components=2, max_iter=3).fit(X, y).plan_
+    assert (exact.n_candidates, exact.finish_iter, exact.l2) == (None, 0, plan.DEFAULT_L2)
+    monkeypatch.setattr(plan, "AUTO_EXACT_MAX_SAMPLES", 100)
+    candidates = NCA(n_components=2, max_iter=3).fit(X, y).plan_
+    assert candidates.n_candidates == plan.AUTO_N_CANDIDATES and candidates.solver == "lbfgs"
+    assert (candidates.l2, candidates.finish_l2) == (0.0, plan.DEFAULT_L2)
+    assert candidates.finish_iter == plan.AUTO_EXACT_FINISH_ITER
+    adam = NCA(n_components=2, max_iter=2, solver="adam").fit(X, y).plan_
+    assert adam.finish_iter == 0 and adam.solver == "adam"
+    assert NCA(n_components=2, max_iter=2, l2=0.5).fit(X, y).plan_.describe()["l2"] == 0.5

@@ -11,8 +11,8 @@ import pytest
 from tests.training.test_candidate_audit import blobs, hard_noisy
 from tests.training.test_knca import brute_force
 from training import NCA
-from training.model import estimator
-from training.model.estimator import AUTO_EXACT_FINISH_ITER, AUTO_KNCA_FINISH_ITER, DEFAULT_L2
+from training.model import plan as estimator
+from training.model.plan import AUTO_EXACT_FINISH_ITER, AUTO_KNCA_FINISH_ITER, DEFAULT_L2
 
 
 def penalised_exact_loss(model, X, y, l2, rows=None) -> float:

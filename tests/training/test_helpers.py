@@ -12,7 +12,8 @@ from training import NCA
 from training.data.datasets import fit_standardizer, stratified_split
 from training.evaluation.evaluate import choose_k
 from training.model.initialization import initial_components, resolve_auto
-from training.optim.optimize import EarlyStop, Monitor, audit_disagreement, audit_rows
+from training.optim.candidates import audit_disagreement, audit_rows
+from training.optim.monitor import EarlyStop, Monitor
 
 # ------------------------------------------------------------------ resolve_auto
 

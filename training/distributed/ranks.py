@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from training.objectives.neighbourhood import nearest_candidates
-from training.optim.optimize import Problem
+from training.optim.problem import Problem
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,6 @@ L-BFGS iterations on the exact objective (``exact_finish``).
 
 from __future__ import annotations
 
-import math
 import numbers
 import os
 import time
@@ -32,7 +31,6 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 from threadpoolctl import threadpool_limits
 
 from service.core.knn import project
-from service.core.vocabulary import NEIGHBOUR_RULES
 from training.data.datasets import STANDARDIZERS, choose_standardizer, stratified_split
 from training.distributed import sharded_stats
 from training.distributed.ranks import (
@@ -42,40 +40,19 @@ from training.distributed.ranks import (
     shard_bounds,
 )
 from training.evaluation.evaluate import knn_accuracies
+from training.model import parameters
 from training.model.initialization import INIT_NAMES, initial_components, resolve_auto
+from training.model.plan import FitPlan, is_knca, resolve_plan
 from training.numerics import evenly_spaced_rows
-from training.objectives.registry import OBJECTIVES, make_objective
-from training.optim.optimize import (
-    FitResult,
-    Monitor,
-    Problem,
-    audit_disagreement,
-    audit_rows,
-    run_adam,
-    run_lbfgs,
-    single_class_result,
-)
+from training.objectives.registry import make_objective
+from training.optim.adam import run_adam
+from training.optim.candidates import audit_disagreement, audit_rows
+from training.optim.lbfgs import run_lbfgs
+from training.optim.monitor import FitResult, Monitor, single_class_result
+from training.optim.problem import Problem
 
-AUTO_EXACT_MAX_SAMPLES = 8192
-AUTO_N_CANDIDATES = 32
-# exact_finish="auto": L-BFGS iterations on the exact objective after a fit on candidate sets
-# (benchmarks/README.md, "Finishing on the exact objective"), averaged over at most this many
-# evenly spaced query rows, so that a finishing iteration costs O(min(N, rows) N d). An exact
-# kNCA pair costs ~20x an NCA one, so kNCA's finish averages over fewer rows and runs longer
-# (measured in benchmarks/candidate_quality.py --knca and benchmarks/exact_finish.py
-# --objective knca-majority).
-AUTO_EXACT_FINISH_ITER = 10
-EXACT_FINISH_MAX_ROWS = 65536
-AUTO_KNCA_FINISH_ITER = 20
-KNCA_FINISH_MAX_ROWS = 2048
-# what l2="auto" means on the exact objective (0 on candidate sets); the l2 parameter's
-# docstring says why, benchmarks/default_l2.py how it was chosen
-DEFAULT_L2 = 0.03
-SOLVERS = ("auto", "lbfgs", "adam")
-TRANSFORMS = ("linear", "diagonal")
 # standardize= values: booleans keep their meaning from before "global" and "auto" existed
 STANDARDIZE_MODES = {True: "feature", False: "none"}
-STANDARDIZE_CHOICES = ("auto", "feature", "global", "none", True, False)
 INIT_MESSAGES = {
     "pca": "Finding principal components",
     "lda": "Finding most discriminative components",
@@ -155,9 +132,7 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         At most this many iterations between candidate refreshes: a backstop for the
         signal ``refresh_tol`` watches, which bounds what stale candidates can cost (the
         candidate objective differs from the exact one only through the mass outside the
-        candidates). On 60k x 784 points an exact refresh costs as much as ~15 iterations,
-        and refreshing every 10 instead of every 50 iterations cost 1.7x the time for the
-        same accuracy (``benchmarks/README.md``).
+        candidates); the cost of other counts is measured in ``benchmarks/README.md``.
     refresh_tol : float or None
         Refresh the candidates sooner, after any iteration in which the neighbour mass
         inside them, sum_{j in C_i} p_ij averaged over a fixed sample of 512 training rows,
@@ -180,8 +155,8 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         objective then sees an unbiased estimate of the neighbour mass the nearest
         candidates leave out, and stays faithful where neighbourhoods are too wide for any
         K to hold them; with it, ``l2="auto"`` applies the penalty on candidate sets too.
-        Costs 2S more candidates per point. 0 (the default) draws none: measured, it pays on
-        small hard data and not at N = 60k (``benchmarks/README.md``).
+        Costs 2S more candidates per point. 0 (the default) draws none (when it pays:
+        ``benchmarks/README.md``).
     exact_finish : "auto" or int
         After a fit on candidate sets, this many L-BFGS iterations on the exact objective
         (every training point a neighbour; l2 as on the exact objective, so "auto" is
@@ -193,13 +168,8 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         candidate set can be gamed into, and carries the penalty that nearest candidates
         cannot. "auto" is AUTO_EXACT_FINISH_ITER = 10 for NCA's objectives and
         AUTO_KNCA_FINISH_ITER = 20 for kNCA's after L-BFGS, 0 after Adam; 0 turns it off.
-        Measured on 20k and 60k x 784 points (``benchmarks/exact_finish.py``): 10 finishing
-        iterations gain 1.0-3.1 points of NCA's kNN accuracy over candidate sets alone and
-        end level with the exact fit (0.2-0.5 points above it), at 1.5-2.6x the candidate
-        fit's time and a third of the exact fit's at 60k. For kNCA at 20k the finish gains
-        2.0 / 0.4 points (1-NN / 5-NN) at 2.0x the candidate fit's time and closes about
-        half the gap to the exact kNCA fit, which takes 10x longer; on hard data, digits and
-        USPS up to 7,291 points it ends within 1 point of exact kNCA.
+        What it gains and costs is measured in ``benchmarks/README.md`` ("Finishing on the
+        exact objective").
         Ignored by exact fits. ``exact_finish_iter_`` is the number run.
     chunk_size : int or None
         Query rows per chunk (None: sized to a 256 MiB working set).
@@ -256,7 +226,7 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         On candidate sets, every ``validation_interval`` iterations ``history_`` also records
         the objective on a fixed sample of 512 training rows exactly and on the candidates,
         and their leave-one-out k-NN accuracy. When the candidate objective rose while the
-        exact measure fell from its best, or ends more than ``optimize.AUDIT_GAP`` above the
+        exact measure fell from its best, or ends more than ``training.optim.candidates.AUDIT_GAP`` above the
         exact objective, this says so (and a UserWarning is raised).
     """
 
@@ -328,139 +298,55 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
     # ------------------------------------------------------------------ validation
 
     def _validate_params_against(self, n_samples: int, n_features: int, n_classes: int) -> int:
-        def positive_int(name, value, minimum=1):
-            if (
-                not isinstance(value, numbers.Integral)
-                or isinstance(value, bool)
-                or value < minimum
-            ):
-                raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
+        """Every parameter against its constraints (``training.model.parameters``), then the
+        checks that need the data; returns d (``n_components`` resolved)."""
+        parameters.check(self.get_params())
+        return self._checked_against_data(n_samples, n_features)
 
-        def positive_real(name, value, allow_zero=False):
-            if (
-                not isinstance(value, numbers.Real)
-                or isinstance(value, bool)
-                or not math.isfinite(value)
-                or not (value > 0 or (allow_zero and value == 0))
-            ):
-                limit = ">= 0" if allow_zero else "> 0"
-                raise ValueError(f"{name}={value!r} must be a finite real number {limit}")
-
+    def _checked_against_data(self, n_samples: int, n_features: int) -> int:
         d = self.n_components
         if d is None:  # as scikit-learn: the rows of an array init, else the input dimension
             # (an init with more rows than X has columns is then refused by initial_components)
             rows = self.init.shape[0] if isinstance(self.init, np.ndarray) else n_features
             d = min(rows, n_features)
-        positive_int("n_components", d)
+        if not parameters.Integer(1).accepts(d):
+            raise ValueError(f"n_components={d!r} must be an integer >= 1")
         if d > n_features:
             raise ValueError(
                 f"The preferred dimensionality of the projected space `n_components` ({d}) "
                 f"cannot be greater than the given data dimensionality ({n_features})!"
             )
-        if self.transformation not in TRANSFORMS:
-            raise ValueError(f"transformation={self.transformation!r} must be one of {TRANSFORMS}")
         if self.transformation == "diagonal" and d != n_features:
             raise ValueError(
                 f"transformation='diagonal' needs n_components = n_features = {n_features}, got {d}"
             )
-        if not isinstance(self.objective, str) or self.objective not in OBJECTIVES:
-            raise ValueError(f"objective={self.objective!r} must be one of {sorted(OBJECTIVES)}")
-        positive_int("k", self.k)
+        if n_samples < 2:
+            raise ValueError(f"NCA needs at least 2 samples, got n_samples={n_samples}")
         if self.k > n_samples - 1:
             raise ValueError(f"k={self.k} must be <= n_samples - 1 = {n_samples - 1}")
         if (
-            self._is_knca()
-            and isinstance(self.n_candidates, numbers.Integral)
+            is_knca(self.objective)
+            and isinstance(self.n_candidates, int)
             and self.n_candidates < self.k
         ):
             raise ValueError(
                 f"n_candidates={self.n_candidates} must be >= k={self.k}: each point needs k "
                 "same-class candidates"
             )
-        if self.solver not in SOLVERS:
-            raise ValueError(f"solver={self.solver!r} must be one of {SOLVERS}")
-        positive_int("max_iter", self.max_iter)
-        positive_real("tol", self.tol, allow_zero=True)
-        if not (isinstance(self.l2, str) and self.l2 == "auto"):
-            try:
-                positive_real("l2", self.l2, allow_zero=True)
-            except ValueError:
-                raise ValueError(
-                    f"l2={self.l2!r} must be 'auto' or a finite real number >= 0"
-                ) from None
-        if not (
-            self.n_candidates in ("auto", None)
-            or (isinstance(self.n_candidates, numbers.Integral) and self.n_candidates >= 1)
-        ):
+        if self.candidate_draws and is_knca(self.objective):
             raise ValueError(
-                f"n_candidates={self.n_candidates!r} must be 'auto', None or an integer >= 1"
+                f"candidate_draws={self.candidate_draws!r} weights the candidates of NCA's "
+                f"objectives ('nca', 'nca-log'), not objective={self.objective!r}; use 0"
             )
-        positive_int("refresh_every", self.refresh_every)
-        draws = self.candidate_draws
-        if not isinstance(draws, numbers.Integral) or isinstance(draws, bool) or draws < 0:
-            raise ValueError(f"candidate_draws={draws!r} must be an integer >= 0")
-        if draws and self._is_knca():
-            raise ValueError(
-                f"candidate_draws={draws!r} weights the candidates of NCA's objectives "
-                f"('nca', 'nca-log'), not objective={self.objective!r}; use 0"
-            )
-        finish = self.exact_finish
-        if not (isinstance(finish, str) and finish == "auto") and (
-            not isinstance(finish, numbers.Integral) or isinstance(finish, bool) or finish < 0
-        ):
-            raise ValueError(f"exact_finish={finish!r} must be 'auto' or an integer >= 0")
-        if not any(
-            self.standardize is c or (isinstance(c, str) and self.standardize == c)
-            for c in STANDARDIZE_CHOICES
-        ):
-            raise ValueError(
-                f"standardize={self.standardize!r} must be one of {STANDARDIZE_CHOICES}"
-            )
-        if self.refresh_tol is not None:
-            positive_real("refresh_tol", self.refresh_tol)
-            if self.refresh_tol >= 1:
-                raise ValueError(
-                    f"refresh_tol={self.refresh_tol!r} must be below 1 (a fraction of the "
-                    "neighbour mass) or None"
-                )
-        if self.candidate_mass is not None:
-            positive_real("candidate_mass", self.candidate_mass)
-            if self.candidate_mass > 1:
-                raise ValueError(
-                    f"candidate_mass={self.candidate_mass!r} must be at most 1 (a fraction of "
-                    "the neighbour mass) or None"
-                )
-        if self.chunk_size is not None:
-            positive_int("chunk_size", self.chunk_size)
-        positive_int("batch_size", self.batch_size)
-        positive_real("learning_rate", self.learning_rate)
-        fraction = self.validation_fraction
-        if (
-            not isinstance(fraction, numbers.Real)
-            or isinstance(fraction, bool)
-            or not 0 < fraction < 1
-        ):
-            raise ValueError(f"validation_fraction={fraction!r} must be a real number in (0, 1)")
-        if self.callback is not None and not callable(self.callback):
-            raise ValueError(
-                f"callback={self.callback!r} must be None or a callable(transformation, n_iter)"
-            )
-        positive_int("n_iter_no_change", self.n_iter_no_change)
         for vk in self._validation_ks(n_samples):
-            positive_int("validation_k", vk)
-        if self.validation_rule not in NEIGHBOUR_RULES:
-            raise ValueError(
-                f"validation_rule={self.validation_rule!r} must be one of {NEIGHBOUR_RULES}"
-            )
-        positive_int("validation_interval", self.validation_interval)
+            if not parameters.Integer(1).accepts(vk):
+                raise ValueError(f"validation_k={vk!r} must be an integer >= 1")
         if isinstance(self.init, (str, os.PathLike)) and str(self.init) not in INIT_NAMES:
             if not os.path.isdir(self.init):
                 raise ValueError(
                     f"init={str(self.init)!r} must be one of {INIT_NAMES}, an array of shape "
                     "(n_components, n_features) or an existing artifact directory"
                 )
-        if n_samples < 2:
-            raise ValueError(f"NCA needs at least 2 samples, got n_samples={n_samples}")
         return int(d)
 
     def _validation_ks(self, n_references: int) -> tuple:
@@ -497,53 +383,61 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
             prep = self._prepare_shards(X, y, X_val, y_val, group)
         else:
             prep = self._prepare(X, y, X_val, y_val)
-        Xs, y_tr, d, rng, device = prep.X, prep.y, prep.d, prep.rng, prep.device
-        mean, scale, theta0, init_used, classes = (
-            prep.mean,
-            prep.scale,
-            prep.theta0,
-            prep.init_used,
-            prep.classes,
-        )
-        n_total = len(y_tr)  # all ranks' rows; the problem's labels are all of them
+        self.plan_ = plan = resolve_plan(self.get_params(), len(prep.y))
+        make_problem = self._problem_factory(prep, plan, group)
+        problem = make_problem()
+        monitor = self._monitor(problem, prep.validate(problem), group)
+        # numpy/scipy's BLAS threads (OpenBLAS) spin after each small call of the optimiser and
+        # steal the cores from torch's kernels: measured 3x slower fits. One BLAS thread here.
+        with threadpool_limits(1, user_api="blas"):
+            if len(prep.classes) == 1:  # every neighbour is of the same class: nothing to learn
+                result = single_class_result(problem, prep.theta0, monitor)
+            else:
+                result = self._optimise(problem, prep.theta0, monitor, plan.solver, prep.rng)
+            candidate_history, finished_iter = result.history, 0
+            if plan.finish_iter and result.stop_reason != "single_class":
+                exact = make_problem(l2=plan.finish_l2, n_candidates=None, n_draws=0)
+                result, finished_iter = self._finish_exactly(
+                    exact, result, plan.finish_iter, prep.validate(exact), monitor, group
+                )
+        self._store_fit(problem, result, prep, plan, finished_iter, group)
+        self._warn_about(result, plan, candidate_history, len(prep.y), group)
+        return self
 
-        n_candidates = self.n_candidates
-        if n_candidates == "auto":
-            n_candidates = None if n_total <= AUTO_EXACT_MAX_SAMPLES else AUTO_N_CANDIDATES
-        n_draws = 0 if n_candidates is None else int(self.candidate_draws)
-        l2 = self.l2
-        if isinstance(l2, str):  # "auto": where the candidate objective stays faithful under it
-            l2 = DEFAULT_L2 if n_candidates is None or n_draws else 0.0
-        # a seed only when drawing: the generator's stream (Adam's batches) stays as it was
-        draw_seed = int(rng.integers(2**31 - 1)) if n_draws else 0
-        if n_draws and group.is_distributed:  # every rank draws the same candidates
-            seed_tensor = torch.tensor([draw_seed], dtype=torch.int64, device=device)
-            draw_seed = int(broadcast_from_rank0(seed_tensor, group)[0])
-        solver = "lbfgs" if self.solver == "auto" else self.solver
-        finish_iter = self._exact_finish_iterations(n_candidates, solver)
-        problem_kwargs = dict(
+    def _problem_factory(self, prep: _Prepared, plan: FitPlan, group):
+        """problem(**overrides) -> the objective over the training points as the plan says
+        (sharded across ranks under torchrun), with ``overrides`` for the exact finish."""
+        draw_seed = 0  # a seed only when drawing: the generator's stream (Adam's) stays as it was
+        if plan.candidate_draws:
+            draw_seed = int(prep.rng.integers(2**31 - 1))
+            if group.is_distributed:  # every rank draws the same candidates
+                seed = torch.tensor([draw_seed], dtype=torch.int64, device=prep.device)
+                draw_seed = int(broadcast_from_rank0(seed, group)[0])
+        defaults = dict(
             transform=self.transformation,
-            n_components=d,
-            l2=l2,
-            n_candidates=n_candidates,
-            n_draws=n_draws,
+            n_components=prep.d,
+            l2=plan.l2,
+            n_candidates=plan.n_candidates,
+            n_draws=plan.candidate_draws,
             seed=draw_seed,
             chunk_size=self.chunk_size,
         )
-        X_problem = torch.as_tensor(Xs, dtype=torch.float32, device=device)
-        labels = torch.as_tensor(y_tr, dtype=torch.long, device=device)
-        objective = make_objective(self.objective, self.k, n_classes=len(classes))
+        X = torch.as_tensor(prep.X, dtype=torch.float32, device=prep.device)
+        labels = torch.as_tensor(prep.y, dtype=torch.long, device=prep.device)
+        objective = make_objective(self.objective, self.k, n_classes=len(prep.classes))
 
         def make_problem(**overrides):
-            kwargs = {**problem_kwargs, **overrides}
+            kwargs = {**defaults, **overrides}
             if group.is_distributed:
-                return ShardedProblem(X_problem, labels, objective, group=group, **kwargs)
-            return Problem(X_problem, labels, objective, **kwargs)
+                return ShardedProblem(X, labels, objective, group=group, **kwargs)
+            return Problem(X, labels, objective, **kwargs)
 
-        problem = make_problem()
-        monitor = Monitor(
+        return make_problem
+
+    def _monitor(self, problem, validate, group) -> Monitor:
+        return Monitor(
             max_iter=self.max_iter,
-            validate=prep.validate(problem),
+            validate=validate,
             early_stopping=self.early_stopping,
             interval=self.validation_interval,
             patience=self.n_iter_no_change,
@@ -553,68 +447,57 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
             components=problem.components,
             audit=self._candidate_audit(problem),
         )
-        # numpy/scipy's BLAS threads (OpenBLAS) spin after each small call of the optimiser and
-        # steal the cores from torch's kernels: measured 3x slower fits. One BLAS thread here.
-        with threadpool_limits(1, user_api="blas"):
-            if len(classes) == 1:  # every neighbour is of the same class: nothing to learn
-                result = single_class_result(problem, theta0, monitor)
-            else:
-                result = self._optimise(problem, theta0, monitor, solver, rng)
-        candidate_history = result.history
-        finished_iter = 0
-        if finish_iter and result.stop_reason != "single_class":
-            l2 = DEFAULT_L2 if isinstance(self.l2, str) else float(self.l2)
-            exact = make_problem(l2=l2, n_candidates=None, n_draws=0)
-            with threadpool_limits(1, user_api="blas"):
-                result, finished_iter = self._finish_exactly(
-                    exact, result, finish_iter, prep.validate(exact), monitor, group
-                )
 
+    def _store_fit(self, problem, result, prep: _Prepared, plan: FitPlan, finished_iter, group):
+        """The fitted attributes; FloatingPointError instead of a map that is not finite."""
         A = problem.components(result.theta)  # (d, D)
         if not np.isfinite(A).all():  # never hand out a NaN map as a fitted one
             raise FloatingPointError(
                 f"[{type(self).__name__}] the learned map A has {int((~np.isfinite(A)).sum())} "
-                f"non-finite entries after {result.n_iter} iterations (solver={solver!r}, "
+                f"non-finite entries after {result.n_iter} iterations (solver={plan.solver!r}, "
                 f"objective={self.objective!r}); nothing was fitted"
             )
+        mean, scale = prep.mean, prep.scale
         self.components_ = A
-        self.mean_ = mean
-        self.scale_ = scale
+        self.mean_, self.scale_ = mean, scale
         self.projection_ = (A / scale[None, :]).astype(np.float32)
         self.offset_ = (-(mean / scale) @ A.T).astype(np.float32)
-        self.classes_ = classes
+        self.classes_ = prep.classes
         self.n_iter_ = result.n_iter
         self.converged_ = result.converged
         self.stop_reason_ = result.stop_reason
         self.objective_value_ = result.objective
         self.history_ = result.history
         self.best_val_accuracy_ = result.best_val_accuracy
-        self.init_used_ = init_used
+        self.init_used_ = prep.init_used
         self.n_candidates_ = problem.n_candidates  # K at the end (the watch may change it)
-        self.l2_ = float(l2)
+        finished = plan.finish_iter and result.stop_reason != "single_class"
+        self.l2_ = float(plan.finish_l2 if finished else plan.l2)  # of the objective optimised last
         self.exact_finish_iter_ = finished_iter
-        self.solver_ = solver
-        self.device_ = str(device)
+        self.solver_ = plan.solver
+        self.device_ = str(prep.device)
         self.fit_seconds_ = result.seconds
         self.n_evaluations_ = result.n_evaluations
-        self.candidate_warning_ = None
-        if n_candidates is not None:
-            self.candidate_warning_ = audit_disagreement(
-                candidate_history, len(audit_rows(n_total)), objective.name
-            )
-            if self.candidate_warning_ and group.rank == 0:
-                warnings.warn(self.candidate_warning_, UserWarning, stacklevel=2)
         self.world_size_ = group.world_size
         self.distributed_backend_ = group.backend
+
+    def _warn_about(self, result, plan: FitPlan, candidate_history, n_total: int, group):
+        """The candidate audit's verdict (``candidate_warning_``) and non-convergence, as
+        warnings on rank 0."""
+        self.candidate_warning_ = None
+        if plan.n_candidates is not None:
+            self.candidate_warning_ = audit_disagreement(
+                candidate_history, len(audit_rows(n_total)), self.objective
+            )
+            if self.candidate_warning_ and group.rank == 0:
+                warnings.warn(self.candidate_warning_, UserWarning, stacklevel=3)
         if not result.converged and group.rank == 0:
             warnings.warn(
                 f"[{type(self).__name__}] NCA did not converge in max_iter={self.max_iter} "
-                "iterations "
-                f"(stop reason: {result.stop_reason}); increase max_iter or tol",
+                f"iterations (stop reason: {result.stop_reason}); increase max_iter or tol",
                 ConvergenceWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
-        return self
 
     def _prepare(self, X, y, X_val, y_val) -> _Prepared:
         """One process: validate, seed, split, standardise and initialise from all rows."""
@@ -843,40 +726,18 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
 
         return validate
 
-    def _exact_finish_iterations(self, n_candidates, solver: str) -> int:
-        """How many exact iterations follow the fit: none after an exact fit; "auto" is
-        AUTO_EXACT_FINISH_ITER (NCA's objectives) or AUTO_KNCA_FINISH_ITER (kNCA's) after
-        L-BFGS on candidate sets, none after Adam (its users asked for mini-batches)."""
-        if n_candidates is None:
-            return 0
-        if isinstance(self.exact_finish, str):  # "auto"
-            if solver != "lbfgs":
-                return 0
-            return AUTO_KNCA_FINISH_ITER if self._is_knca() else AUTO_EXACT_FINISH_ITER
-        return int(self.exact_finish)
-
-    def _is_knca(self) -> bool:
-        """Whether the objective is one of kNCA's (``knca-*``) rather than NCA's."""
-        return self.objective.startswith("knca")
-
-    def _finish_max_rows(self) -> int:
-        """The most query rows a finishing iteration averages over: EXACT_FINISH_MAX_ROWS
-        for NCA's objectives, KNCA_FINISH_MAX_ROWS for kNCA's (an exact kNCA pair costs
-        ~20x an NCA one: benchmarks/README.md, "kNCA cost")."""
-        return KNCA_FINISH_MAX_ROWS if self._is_knca() else EXACT_FINISH_MAX_ROWS
-
     def _finish_exactly(self, exact, first, n_iter: int, validate, first_monitor, group):
         """(result, iterations run): ``n_iter`` L-BFGS iterations on the exact objective from
         the candidate fit's map, every training point a neighbour,
 
             max_A  (1/B) sum_{i in rows} score_i(A) - l2 ||A||_F^2,   p_ij over all j != i,
 
-        with rows every training point, or ``_finish_max_rows()`` evenly spaced ones when N
+        with rows every training point, or ``plan_.finish_max_rows`` evenly spaced ones when N
         is larger (the same on every rank; a finishing iteration costs O(B N d)). Candidate
         sets cannot be gamed here: what the map improves is what it is judged by. The
         history goes on from the first stage's, its records tagged ``stage: exact finish``;
         with early stopping the best validated map of either stage is kept."""
-        n, max_rows = exact.n_samples, self._finish_max_rows()
+        n, max_rows = exact.n_samples, self.plan_.finish_max_rows
         if n > max_rows:
             rows = evenly_spaced_rows(n, max_rows)
             exact.query_rows = torch.as_tensor(rows, device=exact.X.device)
@@ -900,11 +761,11 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
             components=exact.components,
             first_iteration=first.n_iter + 1,
             tags={"stage": "exact finish"},
+            continues=first_monitor,
+            best_so_far=(
+                None if first.best_val_accuracy is None else (first.best_val_accuracy, first.theta)
+            ),
         )
-        monitor.start = first_monitor.start  # seconds in the history run on from the fit's
-        monitor.header_printed = first_monitor.header_printed
-        if monitor.early_stopping and first.best_val_accuracy is not None:
-            monitor.best_acc, monitor.best_theta = first.best_val_accuracy, first.theta.copy()
         finish = run_lbfgs(exact, first.theta, max_iter=n_iter, tol=self.tol, monitor=monitor)
         merged = FitResult(
             theta=finish.theta,

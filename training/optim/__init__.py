@@ -1,7 +1,25 @@
-"""Optimisation: the objective as a function of the map, candidate sets kept honest, the
-monitor and the optimisers (full-batch L-BFGS, mini-batch Adam).
+"""Optimisers for neighbourhood objectives: full-batch L-BFGS and mini-batch Adam.
 
-* ``optimize.py``: ``Problem``, candidate diagnostics, ``Monitor``, ``run_lbfgs`` and
-  ``run_adam`` (``tests/training/test_estimator.py``, ``test_candidate_audit.py``,
-  ``test_exact_finish.py``).
+Both minimise the loss
+
+    L(A) = -(1 / |rows|) sum_{i in rows} score_i(A) + l2 * ||A||_F^2
+
+where score_i is the objective's per-point score (see ``training.objectives.nca``) evaluated
+exactly (chunks against all points) or on candidate sets. With candidate sets the
+optimisation runs in rounds: candidates are recomputed in the current projection, then the
+optimiser runs until the :class:`CandidateWatch` finds them stale, or for at most
+``refresh_every`` iterations (L-BFGS restarts each round, since its curvature pairs belong
+to the previous objective).
+
+A :class:`Monitor` sees every iteration: it prints the verbose table, records the history,
+and implements early stopping on validation kNN accuracy (keeping the best parameters).
+
+* ``problem.py``: ``Problem``, the loss and gradient of the flattened map on all rows or a
+  batch, exactly or on candidate sets.
+* ``candidates.py``: the audit of candidate sets on fixed rows, and ``CandidateWatch``.
+* ``monitor.py``: ``Monitor`` (verbose table, history, early stopping) and ``FitResult``.
+* ``lbfgs.py``, ``adam.py``: the two optimisers.
+
+Tests: ``tests/training/test_estimator.py``, ``test_helpers.py``, ``test_candidate_audit.py``,
+``test_candidate_draws.py``, ``test_exact_finish.py``, ``test_distributed.py``.
 """

@@ -1,0 +1,138 @@
+"""The estimator's parameters as a table of constraints, in the manner of scikit-learn's
+``_parameter_constraints``: each parameter lists what it accepts, and :func:`check` refuses
+any other value with one message naming the parameter, the value and what is accepted
+(``n_candidates=0 must be 'auto', None or an integer >= 1``). Checks that need the data
+(n_components <= D, k < N, ...) are the estimator's (``NCA._checked_against_data``).
+Tested by the bad-parameter table of ``tests/training/test_estimator.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+from service.core.vocabulary import NEIGHBOUR_RULES
+from training.objectives.registry import OBJECTIVES
+
+SOLVERS = ("auto", "lbfgs", "adam")
+TRANSFORMS = ("linear", "diagonal")
+# standardize= values: booleans keep their meaning from before "global" and "auto" existed
+STANDARDIZE_CHOICES = ("auto", "feature", "global", "none", True, False)
+
+
+@dataclass(frozen=True)
+class Integer:
+    """An integer (not a bool) >= minimum."""
+
+    minimum: int
+
+    def accepts(self, value: Any) -> bool:
+        return (
+            isinstance(value, numbers.Integral)
+            and not isinstance(value, bool)
+            and value >= self.minimum
+        )
+
+    def __str__(self) -> str:
+        return f"an integer >= {self.minimum}"
+
+
+@dataclass(frozen=True)
+class Real:
+    """A finite real number (not a bool) in an interval; ``None`` bounds are open-ended."""
+
+    low: float | None = None
+    high: float | None = None
+    low_closed: bool = True
+    high_closed: bool = True
+
+    def accepts(self, value: Any) -> bool:
+        if not isinstance(value, numbers.Real) or isinstance(value, bool):
+            return False
+        if not math.isfinite(value):
+            return False
+        above = self.low is None or value > self.low or (self.low_closed and value == self.low)
+        below = self.high is None or value < self.high or (self.high_closed and value == self.high)
+        return above and below
+
+    def __str__(self) -> str:
+        if self.high is None:
+            return f"a finite real number {'>=' if self.low_closed else '>'} {self.low:g}"
+        left, right = "[" if self.low_closed else "(", "]" if self.high_closed else ")"
+        return f"a finite real number in {left}{self.low:g}, {self.high:g}{right}"
+
+
+@dataclass(frozen=True)
+class OneOf:
+    """One of the given values (booleans by identity: True is not 1)."""
+
+    values: tuple
+
+    def accepts(self, value: Any) -> bool:
+        return any(
+            value is option or (not isinstance(option, bool) and _equal(value, option))
+            for option in self.values
+        )
+
+    def __str__(self) -> str:
+        return f"one of {self.values}"
+
+
+class Callable_:
+    def accepts(self, value: Any) -> bool:
+        return callable(value)
+
+    def __str__(self) -> str:
+        return "a callable(transformation, n_iter)"
+
+
+def _equal(value: Any, option: Any) -> bool:
+    try:
+        return isinstance(value, type(option)) and bool(value == option)
+    except (TypeError, ValueError):  # arrays and other values without a truth value
+        return False
+
+
+AUTO = OneOf(("auto",))
+NONE = OneOf((None,))
+
+CONSTRAINTS: dict[str, list] = {
+    "objective": [OneOf(tuple(sorted(OBJECTIVES)))],
+    "k": [Integer(1)],
+    "transformation": [OneOf(TRANSFORMS)],
+    "solver": [OneOf(SOLVERS)],
+    "max_iter": [Integer(1)],
+    "tol": [Real(0)],
+    "l2": [AUTO, Real(0)],
+    "n_candidates": [AUTO, NONE, Integer(1)],
+    "refresh_every": [Integer(1)],
+    "refresh_tol": [NONE, Real(0, 1, low_closed=False, high_closed=False)],
+    "candidate_mass": [NONE, Real(0, 1, low_closed=False)],
+    "candidate_draws": [Integer(0)],
+    "exact_finish": [AUTO, Integer(0)],
+    "chunk_size": [NONE, Integer(1)],
+    "batch_size": [Integer(1)],
+    "learning_rate": [Real(0, low_closed=False)],
+    "validation_fraction": [Real(0, 1, low_closed=False, high_closed=False)],
+    "n_iter_no_change": [Integer(1)],
+    "validation_interval": [Integer(1)],
+    "validation_rule": [OneOf(NEIGHBOUR_RULES)],
+    "standardize": [OneOf(STANDARDIZE_CHOICES)],
+    "callback": [NONE, Callable_()],
+}
+
+
+def describe(constraints: list) -> str:
+    """'a', 'a or b', 'a, b or c'."""
+    words = ["None" if c is NONE else "'auto'" if c is AUTO else str(c) for c in constraints]
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
+
+
+def check(params: dict[str, Any]) -> None:
+    """ValueError naming the first parameter whose value no constraint of its row accepts."""
+    for name, constraints in CONSTRAINTS.items():
+        value = params[name]
+        if not any(c.accepts(value) for c in constraints):
+            raise ValueError(f"{name}={value!r} must be {describe(constraints)}")

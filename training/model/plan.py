@@ -1,0 +1,85 @@
+"""The fit plan: every "auto" of the estimator resolved once, from the parameters and the
+size of the data, into what the fit then does. The estimator keeps it as ``plan_`` and the
+training report reads it from there. Tested by ``tests/training/test_estimator.py`` and
+``test_exact_finish.py`` (what "auto" means) through the fitted attributes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+AUTO_EXACT_MAX_SAMPLES = 8192  # n_candidates="auto": exact up to this many points
+AUTO_N_CANDIDATES = 32  # ... and K nearest candidates per kind above
+# exact_finish="auto": L-BFGS iterations on the exact objective after a fit on candidate sets
+# (benchmarks/README.md, "Finishing on the exact objective"), averaged over at most this many
+# evenly spaced query rows, so that a finishing iteration costs O(min(N, rows) N d). An exact
+# kNCA pair costs ~20x an NCA one, so kNCA's finish averages over fewer rows and runs longer
+# (measured in benchmarks/candidate_quality.py --knca and benchmarks/exact_finish.py
+# --objective knca-majority).
+AUTO_EXACT_FINISH_ITER = 10
+EXACT_FINISH_MAX_ROWS = 65536
+AUTO_KNCA_FINISH_ITER = 20
+KNCA_FINISH_MAX_ROWS = 2048
+# what l2="auto" means on the exact objective (0 on candidate sets); the l2 parameter's
+# docstring says why, benchmarks/default_l2.py how it was chosen
+DEFAULT_L2 = 0.03
+
+
+@dataclass(frozen=True)
+class FitPlan:
+    """What one fit does, "auto" resolved."""
+
+    solver: str  # "lbfgs" or "adam"
+    n_candidates: int | None  # K nearest candidates per kind; None: the exact objective
+    candidate_draws: int  # weighted uniform draws per point and kind (0 without candidates)
+    l2: float  # the penalty of the first stage's objective
+    finish_iter: int  # exact L-BFGS iterations after a candidate fit (0: none)
+    finish_l2: float  # the penalty of the exact finish
+    finish_max_rows: int  # query rows a finishing iteration averages over, at most
+
+    def describe(self) -> dict:
+        return asdict(self)
+
+
+def is_knca(objective: str) -> bool:
+    """Whether the objective is one of kNCA's (``knca-*``) rather than NCA's."""
+    return objective.startswith("knca")
+
+
+def resolve_plan(params: dict, n_samples: int) -> FitPlan:
+    """The plan for the estimator's ``params`` (``get_params()``) on ``n_samples`` points.
+
+    n_candidates "auto": exact up to AUTO_EXACT_MAX_SAMPLES points, else AUTO_N_CANDIDATES.
+    l2 "auto": DEFAULT_L2 where the objective stays faithful under it (exact, or candidates
+    with draws), else 0; the exact finish always carries DEFAULT_L2. exact_finish "auto":
+    none after an exact fit or after Adam, else AUTO_EXACT_FINISH_ITER (NCA's objectives)
+    or AUTO_KNCA_FINISH_ITER (kNCA's).
+    """
+    n_candidates = params["n_candidates"]
+    if n_candidates == "auto":
+        n_candidates = None if n_samples <= AUTO_EXACT_MAX_SAMPLES else AUTO_N_CANDIDATES
+    draws = 0 if n_candidates is None else int(params["candidate_draws"])
+    solver = "lbfgs" if params["solver"] == "auto" else params["solver"]
+    knca = is_knca(params["objective"])
+    if isinstance(params["l2"], str):  # "auto"
+        l2 = DEFAULT_L2 if n_candidates is None or draws else 0.0
+        finish_l2 = DEFAULT_L2
+    else:
+        l2 = finish_l2 = float(params["l2"])
+    finish = params["exact_finish"]
+    if n_candidates is None:
+        finish_iter = 0
+    elif isinstance(finish, str):  # "auto"
+        auto = AUTO_KNCA_FINISH_ITER if knca else AUTO_EXACT_FINISH_ITER
+        finish_iter = auto if solver == "lbfgs" else 0
+    else:
+        finish_iter = int(finish)
+    return FitPlan(
+        solver=solver,
+        n_candidates=n_candidates,
+        candidate_draws=draws,
+        l2=l2,
+        finish_iter=finish_iter,
+        finish_l2=finish_l2,
+        finish_max_rows=KNCA_FINISH_MAX_ROWS if knca else EXACT_FINISH_MAX_ROWS,
+    )

@@ -1,0 +1,237 @@
+"""The objective as a function of the flattened map: ``Problem`` evaluates the mean
+loss (and its gradient) on all rows or a batch, exactly or on candidate sets."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from service.core.knn import decide
+from training.numerics import EXP_FLOOR
+from training.objectives.nca import NCAObjective, Objective
+from training.objectives.neighbourhood import (
+    nearest_candidates,
+    objective_sum,
+    sampled_candidates,
+    with_sampled_candidates,
+)
+
+SAMPLE_BLOCK_ROWS = 64
+
+
+def _logsumexp_at(log_p: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """log sum_{j in index_i} exp(log_p[i, j]): log_p (B, N), index (B, M) with -1 padding
+    -> (B,)."""
+    picked = log_p.gather(1, index.clamp_min(0)).masked_fill(index < 0, float("-inf"))
+    return torch.logsumexp(picked, dim=1)
+
+
+def _log_neighbour_probabilities(z: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """log p_ij (B, N) for sample rows (B,) of embeddings z (N, d): log softmax over j != i
+    of -||z_i - z_j||^2.
+
+    Computed as the softmax of L'_ij = 2 z_i.z_j - ||z_j||^2 (L_ij plus the per-row constant
+    ||z_i||^2, which softmax ignores): one GEMM with a bias row, then in-place passes, with
+    the exponents floored at EXP_FLOOR (exp's subnormal path is ~8x slower on CPU, and a
+    trained map puts most points far beyond exp's range). Entries below the floor come out
+    as log p_ij >= EXP_FLOOR - log-sum, about 1e-35 too large, far below float precision of
+    any mass these are summed into."""
+    log_p = torch.addmm(-(z * z).sum(1)[None, :], z[rows], z.T, alpha=2.0)  # (B, N)
+    log_p[torch.arange(rows.shape[0], device=z.device), rows] = float("-inf")
+    m = log_p.amax(1, keepdim=True)  # (B, 1)
+    log_p.sub_(m)
+    total = torch.cat(  # (B, 1); row blocks keep the exp temporaries small (cache, no mmap)
+        [
+            block.clamp_min(EXP_FLOOR).exp_().sum(1, keepdim=True)
+            for block in log_p.split(SAMPLE_BLOCK_ROWS)
+        ]
+    )
+    return log_p.sub_(torch.log(total))
+
+
+class Problem:
+    """Data, objective and parametrisation: theta (flat float64) -> loss and gradient.
+
+    X: (N, D) standardised inputs on ``device``; labels: (N,) int64 class indices.
+    transform 'linear': theta holds A (d, D), Z = X A^T; 'diagonal': theta holds a (D,), Z = X * a.
+    """
+
+    def __init__(
+        self,
+        X: torch.Tensor,
+        labels: torch.Tensor,
+        objective: Objective,
+        *,
+        transform: str,
+        n_components: int,
+        l2: float = 0.0,
+        n_candidates: int | None = None,
+        n_draws: int = 0,
+        seed: int = 0,
+        chunk_size: int | None = None,
+    ):
+        self.X = X
+        self.labels = labels
+        self.objective = objective
+        self.transform = transform
+        self.n_components = n_components
+        self.l2 = float(l2)
+        self.n_candidates = n_candidates
+        # per kind and point, uniform draws beyond the nearest candidates that estimate the
+        # mass those leave out (NCA objectives; 0: the nearest candidates only)
+        self.n_draws = n_draws
+        if n_draws and not isinstance(objective, NCAObjective):
+            raise ValueError(
+                f"n_draws={n_draws}: drawn candidates weight NCA's objectives only, "
+                f"not {objective!r}"
+            )
+        self.generator = torch.Generator(device=X.device).manual_seed(seed)
+        self.chunk_size = chunk_size
+        self.nearest: torch.Tensor | None = None  # (N, 2K) nearest candidates
+        self.candidates: torch.Tensor | None = None  # (N, M) what the objective reads
+        self.candidate_log_weights: torch.Tensor | None = None  # (N, M) or None
+        # (B,) the query rows the loss averages over (None: all N); neighbours are all points
+        self.query_rows: torch.Tensor | None = None
+        n_features = X.shape[1]
+        self.shape = (n_features,) if transform == "diagonal" else (n_components, n_features)
+
+    @property
+    def n_samples(self) -> int:
+        return self.X.shape[0]
+
+    def to_tensor(self, theta: np.ndarray, requires_grad: bool = False) -> torch.Tensor:
+        t = torch.as_tensor(np.asarray(theta).reshape(self.shape), dtype=self.X.dtype)
+        return t.to(self.X.device).requires_grad_(requires_grad)
+
+    def embed(self, params: torch.Tensor) -> torch.Tensor:
+        """Z = X A^T (N, d), or X * a for the diagonal transform."""
+        if self.transform == "diagonal":
+            return self.X * params[None, :]
+        return self.X @ params.T
+
+    def components(self, theta: np.ndarray) -> np.ndarray:
+        """The (d, D) matrix A for parameters theta."""
+        theta = np.asarray(theta, dtype=np.float64).reshape(self.shape)
+        return np.diag(theta) if self.transform == "diagonal" else theta
+
+    def find_candidates(self, z: torch.Tensor) -> torch.Tensor:
+        """Every point's candidate set in the embedding z (N, d): (N, 2K)."""
+        return nearest_candidates(z, self.labels, self.n_candidates)
+
+    def refresh_candidates(self, theta: np.ndarray) -> float:
+        """Recompute candidate sets in the current projection, and draw the candidates beyond
+        them afresh when ``n_draws``; return the fraction of nearest sets that changed."""
+        with torch.no_grad():
+            new = self.find_candidates(self.embed(self.to_tensor(theta)))
+        old, self.nearest = self.nearest, new
+        self.candidates, self.candidate_log_weights = new, None
+        if self.n_draws:
+            drawn, log_w = sampled_candidates(self.labels, new, self.n_draws, self.generator)
+            self.candidates, self.candidate_log_weights = with_sampled_candidates(
+                new, drawn, log_w, self.X.dtype
+            )
+        if old is None or old.shape != new.shape:
+            return 1.0
+        return float((torch.sort(old, 1).values != torch.sort(new, 1).values).any(1).float().mean())
+
+    def outside_mass(self, theta: np.ndarray, rows: torch.Tensor) -> float:
+        """What the candidate objective cannot see, on sample rows (B,): the mean over the
+        rows of the neighbour-probability mass that falls outside their candidates,
+
+            1 - sum_{j in C_i} p_ij,   p_ij = softmax_{j != i}(-||z_i - z_j||^2)  (all N points),
+
+        the same weights NCA and kNCA draw neighbours with. Small right after a refresh (the
+        candidates are the nearest points); it grows when the map moves points that are
+        nobody's candidates into neighbourhoods. O(B N d)."""
+        with torch.no_grad():
+            z = self.embed(self.to_tensor(theta))
+            log_p = _log_neighbour_probabilities(z, rows)  # (B, N)
+            inside = torch.exp(_logsumexp_at(log_p, self.nearest[rows]))  # (B,)
+        return float((1.0 - inside).clamp_min(0.0).mean())
+
+    def fresh_inside_mass(self, theta: np.ndarray, rows: torch.Tensor, ks: list[int]):
+        """For each K in ``ks`` (ascending), the mean over sample rows (B,) of the neighbour
+        mass held by their K nearest same-class and K nearest other-class points in the
+        current projection: what fresh candidate sets of that size would hold."""
+        with torch.no_grad():
+            z = self.embed(self.to_tensor(theta))
+            log_p = _log_neighbour_probabilities(z, rows)  # (B, N)
+            k_max = ks[-1]
+            fresh = nearest_candidates(z, self.labels, k_max, rows=rows)  # (B, 2 K_max)
+            k_max = fresh.shape[1] // 2  # fewer when N is small
+            masses = []
+            for k in ks:
+                k = min(k, k_max)
+                prefix = torch.cat([fresh[:, :k], fresh[:, k_max : k_max + k]], dim=1)
+                masses.append(float(torch.exp(_logsumexp_at(log_p, prefix)).mean()))
+        return masses
+
+    def audit(self, theta: np.ndarray, rows: torch.Tensor) -> dict[str, float]:
+        """What the optimiser improves against what it stands for, on a fixed sample of
+        query rows (B,): the objective on the current candidate sets, the exact objective
+        (every point a neighbour; NCA objectives, whose fused kernel makes it O(B N d)), and
+        the leave-one-out k-NN accuracy of the rows among all training points (majority
+        vote, the objective's k). Mean scores per row."""
+        n, k = rows.shape[0], self.objective.k
+        with torch.no_grad():
+            z = self.embed(self.to_tensor(theta))
+            out = {
+                "sample_candidate_objective": float(
+                    objective_sum(
+                        z,
+                        self.labels,
+                        self.objective,
+                        rows=rows,
+                        candidates=self.candidates,
+                        log_weights=self.candidate_log_weights,
+                    )
+                )
+                / n
+            }
+            if isinstance(self.objective, NCAObjective):
+                exact = objective_sum(z, self.labels, self.objective, rows=rows)
+                out["sample_exact_objective"] = float(exact) / n
+            zq = z[rows]  # (B, d)
+            closeness = torch.addmm(-(z * z).sum(1)[None, :], zq, z.T, alpha=2.0)  # (B, N)
+            closeness[torch.arange(n, device=z.device), rows] = float("-inf")  # leave i out
+            top, idx = torch.topk(closeness, k, dim=1)  # (B, k) nearest first
+            dist = ((zq * zq).sum(1, keepdim=True) - top).clamp_min(0.0)  # ||z_i - z_j||^2
+        labels = self.labels.cpu().numpy()
+        n_classes = int(labels.max()) + 1
+        predicted, _ = decide(
+            labels[idx.cpu().numpy()], dist.double().cpu().numpy(), n_classes, "majority"
+        )
+        out["sample_loo_accuracy"] = float(np.mean(predicted == labels[rows.cpu().numpy()]))
+        return out
+
+    def objective_total(self, z: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """sum_{i in rows} score_i of embeddings z (N, d) under this problem's objective,
+        candidates and chunking; differentiable in z."""
+        return objective_sum(
+            z,
+            self.labels,
+            self.objective,
+            rows=rows,
+            candidates=self.candidates,
+            log_weights=self.candidate_log_weights,
+            chunk_size=self.chunk_size,
+        )
+
+    def mean_score(self, params: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        total = self.objective_total(self.embed(params), rows)
+        return total / (self.n_samples if rows is None else rows.shape[0])
+
+    def loss(self, params: torch.Tensor, rows: torch.Tensor | None = None):
+        """(loss tensor, mean score as float)."""
+        score = self.mean_score(params, rows)
+        loss = -score
+        if self.l2:
+            loss = loss + self.l2 * (params * params).sum()
+        return loss, float(score.detach())
+
+    def loss_and_grad(self, theta: np.ndarray) -> tuple[float, np.ndarray, float]:
+        params = self.to_tensor(theta, requires_grad=True)
+        loss, score = self.loss(params, self.query_rows)
+        loss.backward()
+        grad = params.grad.detach().cpu().numpy().astype(np.float64).ravel()
+        return float(loss.detach()), grad, score
