@@ -7,7 +7,7 @@ import sys
 import torch.distributed as dist
 
 from service.core.artifact import ArtifactError
-from training.config import parse_config
+from training.config import TrainConfig, parse_command
 from training.data.datasets import DataError
 from training.distributed.ranks import init_from_environment
 from training.job import ConfigError, run
@@ -20,11 +20,11 @@ def main(argv: list[str] | None = None) -> int:
     this, only rank 0 logs, and an error names the rank that met it. torchrun ends the
     other ranks when one fails, and the job's exit status is non-zero."""
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["references"]:
+    config = parse_command(argv)
+    if not isinstance(config, TrainConfig):  # python -m training references ...
         from training.references.cli import main as references_main
 
-        return references_main(argv[1:])
-    config = parse_config(argv)
+        return references_main(config)
     group = init_from_environment(config.device)
     where = f" (rank {group.rank} of {group.world_size})" if group.is_distributed else ""
 

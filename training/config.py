@@ -64,7 +64,10 @@ class TrainConfig:
         "n_components", "embedding dimension d (default: min(32, D))"
     )
     objective: str = _shared(
-        "objective", "objective: nca (expected accuracy f) or nca-log (log-likelihood g)"
+        "objective",
+        "nca (expected number correct, f) or nca-log (log-likelihood, g); knca-majority, "
+        "knca-all (kNCA: the exact expected accuracy of a --k vote won outright, or with all "
+        "k neighbours agreeing) and their -log forms",
     )
     k: int = _shared("k", "k of the kNN rule the objective trains for (1 for NCA)")
     transformation: str = _shared("transformation", "linear (full or low-rank d x D) or diagonal")
@@ -151,6 +154,18 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    commands = parser.add_subparsers(
+        dest="command",
+        title="commands",
+        description="without a command, train; with one, work on a trained model",
+    )
+    references = commands.add_parser(
+        "references",
+        help="add, remove or condense the references of a trained model: "
+        "python -m training references {add,remove,condense} --help",
+        add_help=False,
+    )
+    references.add_argument("arguments", nargs=argparse.REMAINDER)
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not MISSING else None
@@ -180,6 +195,22 @@ def _or_none(kind):
     return parse
 
 
+def parse_command(argv: list[str] | None = None) -> TrainConfig | list[str]:
+    """The training run's TrainConfig, or for ``references ...`` the arguments that follow
+    (the references command parses them: ``training.references.cli``)."""
+    parser = build_parser()
+    namespace, unparsed = parser.parse_known_args(argv)
+    args = vars(namespace)
+    if args.pop("command") == "references":  # its options (--help too) are its own
+        return [*args["arguments"], *unparsed]
+    if unparsed:
+        parser.error(f"unrecognized arguments: {' '.join(unparsed)}")
+    args.pop("arguments", None)
+    return TrainConfig(**args)
+
+
 def parse_config(argv: list[str] | None = None) -> TrainConfig:
-    args = build_parser().parse_args(argv)
-    return TrainConfig(**vars(args))
+    config = parse_command(argv)
+    if not isinstance(config, TrainConfig):
+        raise SystemExit("parse_config: expected training options, got the references command")
+    return config

@@ -420,3 +420,27 @@ def test_optional_numbers_take_none_on_the_command_line():
     assert parse_config(["--refresh-tol", "0.1"]).refresh_tol == 0.1
     with pytest.raises(SystemExit):
         parse_config(["--candidate-mass", "most"])
+
+
+def test_the_help_names_every_objective_and_the_references_command(capsys):
+    from training.objectives.registry import OBJECTIVES
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    objective_help = text[text.index("--objective OBJECTIVE") : text.index("--k K ")]
+    for name in OBJECTIVES:
+        stem = name.removesuffix("-log")
+        assert stem in objective_help, name
+    assert "-log forms" in objective_help
+    assert "references add, remove or condense the references" in text
+
+
+def test_references_is_a_declared_command_whose_options_are_its_own(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["references", "--help"])
+    assert exit_info.value.code == 0
+    assert "{add,remove,condense}" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--bogus-option"])
+    assert exit_info.value.code == 2

@@ -247,12 +247,6 @@ def fingerprint_from_row_digests(digests: np.ndarray, y: np.ndarray) -> str:
     return digest.hexdigest()
 
 
-def fingerprint(X: np.ndarray, y: np.ndarray) -> str:
-    """sha256 over each row's sha256 (features as float64) and the labels' text: the same
-    value whether one process holds the rows or P ranks hold shards of them."""
-    return fingerprint_from_row_digests(row_digests(X), y)
-
-
 # --------------------------------------------------------------------------- splitting
 
 

@@ -47,7 +47,7 @@ class ReferenceError(ValueError):
     """A reference-set change cannot be made; the message says what and why."""
 
 
-def load_model(model: str | Path) -> Artifact:
+def read_parent(model: str | Path) -> Artifact:
     try:
         return read_artifact(model)
     except ArtifactError as exc:
@@ -154,7 +154,7 @@ def add_references(
 
     Returns a summary: rows before / added / after, the ids given to the new rows (first and
     last), new classes and warnings."""
-    parent = load_model(model)
+    parent = read_parent(model)
     X, y = _checked_rows(parent, X, y)
     if len(X) == 0:
         raise ReferenceError("--data has no rows to add")
@@ -205,7 +205,7 @@ def add_references(
 
 def remove_references(model: str | Path, ids, *, out: str | Path) -> dict:
     """Drop the references with ``ids`` (distinct int64) from the model; write ``out``."""
-    parent = load_model(model)
+    parent = read_parent(model)
     array = np.asarray(ids)
     drop = _checked_ids(array, len(array), "--ids")
     if len(drop) == 0:
@@ -344,7 +344,7 @@ def condense_references(
     prototypes, then moves them for ``refine_epochs`` GLVQ steps (``training.references.condense.
     prototypes``; reduction defaults to 3, refine_epochs to 30): the embeddings become
     prototypes, each with the id of the member of its cluster nearest it."""
-    parent = load_model(model)
+    parent = read_parent(model)
     settings = _condense_settings(parent, method, check_k, edit_k, reduction, refine_epochs, seed)
     classes = parent.classes
     z, y = np.asarray(parent.embeddings), np.asarray(parent.labels, dtype=np.int64)
