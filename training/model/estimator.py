@@ -17,76 +17,31 @@ from __future__ import annotations
 
 import numbers
 import os
-import time
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 from sklearn.base import BaseEstimator, ClassNamePrefixFeaturesOutMixin, TransformerMixin
 from sklearn.exceptions import ConvergenceWarning
-from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import check_is_fitted, validate_data
 from threadpoolctl import threadpool_limits
 
 from service.core.knn import project
-from training.data.datasets import STANDARDIZERS, choose_standardizer, stratified_split
-from training.distributed import sharded_stats
 from training.distributed.ranks import (
     ShardedProblem,
     broadcast_from_rank0,
     current_group,
-    shard_bounds,
 )
-from training.evaluation.evaluate import knn_accuracies
-from training.model import parameters
-from training.model.initialization import INIT_NAMES, initial_components, resolve_auto
+from training.model import parameters, preparation
+from training.model.initialization import INIT_NAMES
 from training.model.plan import FitPlan, is_knca, resolve_plan
-from training.numerics import evenly_spaced_rows
 from training.objectives.registry import make_objective
 from training.optim.adam import run_adam
 from training.optim.candidates import audit_disagreement, audit_rows
+from training.optim.finish import finish_exactly
 from training.optim.lbfgs import run_lbfgs
-from training.optim.monitor import FitResult, Monitor, single_class_result
+from training.optim.monitor import Monitor, single_class_result
 from training.optim.problem import Problem
-
-# standardize= values: booleans keep their meaning from before "global" and "auto" existed
-STANDARDIZE_MODES = {True: "feature", False: "none"}
-INIT_MESSAGES = {
-    "pca": "Finding principal components",
-    "lda": "Finding most discriminative components",
-}
-
-
-@dataclass
-class _Prepared:
-    """What the optimisation starts from: the standardised rows this process holds (N, D) or
-    its shard (N_r, D), every training label (N,), and the rest of the set-up."""
-
-    X: np.ndarray
-    y: np.ndarray
-    d: int
-    rng: np.random.Generator
-    device: torch.device
-    mean: np.ndarray
-    scale: np.ndarray
-    theta0: np.ndarray
-    init_used: str
-    classes: np.ndarray
-    validate: Callable  # problem -> (theta -> validation accuracy) or None
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        resolved = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"device={device!r} is not a valid torch device ({exc})") from exc
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} was requested but CUDA is not available here")
-    return resolved
 
 
 class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
@@ -379,10 +334,7 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         every rank ends with the same fitted attributes. No rank holds another's rows.
         """
         group = current_group()
-        if group.is_distributed:
-            prep = self._prepare_shards(X, y, X_val, y_val, group)
-        else:
-            prep = self._prepare(X, y, X_val, y_val)
+        prep = preparation.prepare(self, X, y, X_val, y_val, group)
         self.plan_ = plan = resolve_plan(self.get_params(), len(prep.y))
         make_problem = self._problem_factory(prep, plan, group)
         problem = make_problem()
@@ -397,14 +349,21 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
             candidate_history, finished_iter = result.history, 0
             if plan.finish_iter and result.stop_reason != "single_class":
                 exact = make_problem(l2=plan.finish_l2, n_candidates=None, n_draws=0)
-                result, finished_iter = self._finish_exactly(
-                    exact, result, plan.finish_iter, prep.validate(exact), monitor, group
+                result, finished_iter = finish_exactly(
+                    exact,
+                    result,
+                    monitor,
+                    n_iter=plan.finish_iter,
+                    max_rows=plan.finish_max_rows,
+                    tol=self.tol,
+                    validate=prep.validate(exact),
+                    monitor_options=self._monitor_options(group),
                 )
         self._store_fit(problem, result, prep, plan, finished_iter, group)
         self._warn_about(result, plan, candidate_history, len(prep.y), group)
         return self
 
-    def _problem_factory(self, prep: _Prepared, plan: FitPlan, group):
+    def _problem_factory(self, prep: preparation.Prepared, plan: FitPlan, group):
         """problem(**overrides) -> the objective over the training points as the plan says
         (sharded across ranks under torchrun), with ``overrides`` for the exact finish."""
         draw_seed = 0  # a seed only when drawing: the generator's stream (Adam's) stays as it was
@@ -438,17 +397,25 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         return Monitor(
             max_iter=self.max_iter,
             validate=validate,
+            components=problem.components,
+            audit=self._candidate_audit(problem),
+            **self._monitor_options(group),
+        )
+
+    def _monitor_options(self, group) -> dict:
+        """What every stage's Monitor shares: early stopping, the table, the callback."""
+        return dict(
             early_stopping=self.early_stopping,
             interval=self.validation_interval,
             patience=self.n_iter_no_change,
             verbose=bool(self.verbose) and group.rank == 0,
             name=type(self).__name__,
             callback=self.callback,
-            components=problem.components,
-            audit=self._candidate_audit(problem),
         )
 
-    def _store_fit(self, problem, result, prep: _Prepared, plan: FitPlan, finished_iter, group):
+    def _store_fit(
+        self, problem, result, prep: preparation.Prepared, plan: FitPlan, finished_iter, group
+    ):
         """The fitted attributes; FloatingPointError instead of a map that is not finite."""
         A = problem.components(result.theta)  # (d, D)
         if not np.isfinite(A).all():  # never hand out a NaN map as a fitted one
@@ -499,139 +466,6 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
                 stacklevel=3,
             )
 
-    def _prepare(self, X, y, X_val, y_val) -> _Prepared:
-        """One process: validate, seed, split, standardise and initialise from all rows."""
-        X, y = validate_data(self, X, y, ensure_min_samples=2, dtype=np.float64)
-        check_classification_targets(y)
-        classes, y_idx = np.unique(y, return_inverse=True)
-        d = self._validate_params_against(X.shape[0], X.shape[1], len(classes))
-        rng = self._seeded_rng()
-        device = resolve_device(self.device)
-        X_tr, y_tr, X_val, y_val_idx = self._split_validation(X, y_idx, classes, X_val, y_val, rng)
-        mean, scale = self._standardizer(X_tr, y_tr, len(classes))
-        Xs = (X_tr - mean) / scale  # (n, D) standardised training inputs
-        theta0, init_used = self._initialize(Xs, y_tr, d, scale, rng)
-
-        def validate(problem):
-            return self._validation_score(
-                problem, Xs, y_tr, X_val, y_val_idx, mean, scale, len(classes)
-            )
-
-        return _Prepared(
-            Xs, y_tr, d, rng, device, mean, scale, theta0, init_used, classes, validate
-        )
-
-    def _prepare_shards(self, X, y, X_val, y_val, group) -> _Prepared:
-        """Data-parallel: the same steps from this rank's rows and summaries of the others'
-        (``training.distributed.sharded_stats``). Returns the standardised shard and all N labels."""
-        X, y = validate_data(self, X, y, ensure_min_samples=1, dtype=np.float64)
-        check_classification_targets(y)
-        classes = sharded_stats.union_classes(y, group)
-        y_idx = np.searchsorted(classes, y)
-        n = sharded_stats.total_rows(len(X), group)
-        start, stop = shard_bounds(n, group.rank, group.world_size)
-        if stop - start != len(X):
-            raise ValueError(
-                f"rank {group.rank} of {group.world_size}: X has {len(X)} rows, but a "
-                f"data-parallel fit takes rows [{start}, {stop}) of the N = {n} training rows "
-                "(training.distributed.ranks.shard_bounds)"
-            )
-        d = self._validate_params_against(n, X.shape[1], len(classes))
-        rng = self._seeded_rng()
-        device = resolve_device(self.device)
-        y_all = sharded_stats.gather_labels(y_idx, n, group)  # (N,)
-        if X_val is None and self.early_stopping:
-            raise ValueError(
-                "early_stopping=True in a data-parallel fit needs an explicit validation set: "
-                "pass each rank's rows of it as X_val, y_val"
-            )
-        X_val, y_val_idx, n_val = self._validation_shard(X_val, y_val, classes, X.shape[1], group)
-
-        self.standardization_scores_ = None
-        name = STANDARDIZE_MODES.get(self.standardize, self.standardize)
-        if name == "auto":
-            name, self.standardization_scores_ = sharded_stats.choose_standardizer(
-                X, y_all, start, len(classes), group
-            )
-        self.standardization_ = name
-        if name == "none":
-            mean, scale = np.zeros(X.shape[1]), np.ones(X.shape[1])
-        else:
-            mean, scale = sharded_stats.standardizer(name, X, n, group)
-        Xs = (X - mean) / scale  # (N_r, D)
-        theta0, init_used = self._initialize_shards(
-            Xs, y_idx, n, len(classes), d, scale, rng, group
-        )
-        Xv_s = (X_val - mean) / scale
-        ks = self._validation_ks(n)
-
-        def validate(problem):
-            if n_val == 0:
-                return None
-
-            def score(theta):
-                A = problem.components(theta)  # (d, D)
-                z_tr = sharded_stats.gather_array((Xs @ A.T).astype(np.float32), n, group)
-                z_va = (Xv_s @ A.T).astype(np.float32)
-                accuracies = sharded_stats.knn_accuracy(
-                    z_tr,
-                    y_all,
-                    z_va,
-                    y_val_idx,
-                    len(classes),
-                    ks,
-                    self.validation_rule,
-                    n_val,
-                    group,
-                )
-                return max(accuracies.values())
-
-            return score
-
-        return _Prepared(
-            Xs, y_all, d, rng, device, mean, scale, theta0, init_used, classes, validate
-        )
-
-    def _validation_shard(self, X_val, y_val, classes, n_features, group):
-        """This rank's validation rows (possibly none), their class indices, and the number
-        of validation rows over all ranks (0: no validation)."""
-        if X_val is None or len(X_val) == 0:
-            X_val, y_val_idx = np.empty((0, n_features)), np.empty(0, dtype=np.int64)
-        else:
-            X_val = validate_data(self, X_val, reset=False, dtype=np.float64)
-            y_val = np.asarray(y_val)
-            unknown = np.setdiff1d(np.unique(y_val), classes)
-            if unknown.size:
-                raise ValueError(f"y_val has labels not present in y: {unknown.tolist()}")
-            y_val_idx = np.searchsorted(classes, y_val)
-        return X_val, y_val_idx, sharded_stats.total_rows(len(X_val), group)
-
-    def _initialize_shards(self, Xs, y_idx, n, n_classes, d, scale, rng, group):
-        """``_initialize`` for shards: PCA and LDA from reduced scatter matrices; the rules
-        that need no data (identity, random, an array, an artifact, warm start) as usual."""
-        init = self.init
-        if self.warm_start and hasattr(self, "components_"):
-            init = self.components_
-        name = str(init) if isinstance(init, str) else None
-        if name == "auto":
-            name = resolve_auto(d, Xs.shape[1], n, n_classes)
-        if name == "pca":
-            A0 = sharded_stats.pca_components(Xs, n, d, group)
-        elif name == "lda":
-            if d > min(Xs.shape[1], n_classes - 1) or n <= n_classes:
-                raise ValueError(
-                    f"init='lda' gives at most min(n_features, n_classes - 1) = "
-                    f"{min(Xs.shape[1], n_classes - 1)} components and needs more samples "
-                    f"than classes; got n_components={d}, {n} samples, {n_classes} classes"
-                )
-            A0 = sharded_stats.lda_components(Xs, y_idx, n, n_classes, d, group)
-        else:
-            A0, name = initial_components(
-                init if name is None else name, Xs, y_idx, d, random_state=rng, scale=scale
-            )
-        theta0 = np.diag(A0).copy() if self.transformation == "diagonal" else A0
-        return theta0, name
-
     @staticmethod
     def _candidate_audit(problem):
         """theta -> the audit figures (``Problem.audit``) on a fixed sample of training rows,
@@ -640,147 +474,6 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
             return None
         rows = torch.as_tensor(audit_rows(problem.n_samples), device=problem.X.device)
         return lambda theta: problem.audit(theta, rows)
-
-    def _standardizer(self, X_tr, y_tr, n_classes) -> tuple[np.ndarray, np.ndarray]:
-        """mean (D,) and scale (D,) of the chosen standardisation; sets standardization_ and
-        standardization_scores_ (the kNN scores "auto" chose by, else None)."""
-        self.standardization_scores_ = None
-        name = STANDARDIZE_MODES.get(self.standardize, self.standardize)
-        if name == "auto":
-            name, self.standardization_scores_ = choose_standardizer(X_tr, y_tr, n_classes)
-        self.standardization_ = name
-        if name == "none":
-            return np.zeros(X_tr.shape[1]), np.ones(X_tr.shape[1])
-        return STANDARDIZERS[name](X_tr)
-
-    def _seeded_rng(self) -> np.random.Generator:
-        """numpy's generator from random_state; torch seeded from it (candidate ties, SGD)."""
-        seed = self.random_state
-        if isinstance(seed, np.random.RandomState):
-            seed = seed.randint(2**31 - 1)
-        try:
-            rng = np.random.default_rng(seed)
-        except (TypeError, ValueError) as error:
-            raise ValueError(
-                f"random_state={self.random_state!r} must be None, an integer >= 0, a numpy "
-                f"Generator or RandomState ({error})"
-            ) from None
-        torch.manual_seed(int(rng.integers(2**31 - 1)))
-        return rng
-
-    def _split_validation(self, X, y_idx, classes, X_val, y_val, rng):
-        """(X_train, y_train, X_val or None, y_val class indices or None).
-
-        An explicit validation set is used as given (its labels must occur in y); otherwise,
-        with early stopping, a stratified ``validation_fraction`` of X is held out.
-        """
-        if X_val is not None:
-            X_val = validate_data(self, X_val, reset=False, dtype=np.float64)
-            y_val = np.asarray(y_val)
-            unknown = np.setdiff1d(np.unique(y_val), classes)
-            if unknown.size:
-                raise ValueError(f"y_val has labels not present in y: {unknown.tolist()}")
-            return X, y_idx, X_val, np.searchsorted(classes, y_val)
-        if self.early_stopping:
-            tr, va = stratified_split(y_idx, (self.validation_fraction,), int(rng.integers(2**31)))
-            if len(va) == 0:
-                return X[tr], y_idx[tr], None, None
-            return X[tr], y_idx[tr], X[va], y_idx[va]
-        return X, y_idx, None, None
-
-    def _initialize(self, Xs, y, d, scale, rng):
-        """(theta0, the init used): the initial A (d, D) from ``init``, or the previous
-        components with ``warm_start``; its diagonal when the transformation is diagonal."""
-        init = self.init
-        if self.warm_start and hasattr(self, "components_"):
-            if self.components_.shape[1] != Xs.shape[1]:
-                raise ValueError(
-                    f"The new inputs dimensionality ({Xs.shape[1]}) does not match the input "
-                    "dimensionality of the previously learned transformation "
-                    f"({self.components_.shape[1]})."
-                )
-            init = self.components_
-        started = time.perf_counter()
-        A0, init_used = initial_components(init, Xs, y, d, random_state=rng, scale=scale)
-        if self.verbose and init_used in INIT_MESSAGES:  # scikit-learn's line, after the fact
-            print(f"{INIT_MESSAGES[init_used]}... done in {time.perf_counter() - started:5.2f}s")
-        theta0 = np.diag(A0).copy() if self.transformation == "diagonal" else A0
-        return theta0, init_used
-
-    def _validation_score(self, problem, Xs, y_tr, X_val, y_val_idx, mean, scale, n_classes):
-        """theta -> validation kNN accuracy with the rule and (best of the) k to be served,
-        the training points as references; None without a validation set."""
-        if X_val is None or not len(X_val):
-            return None
-        Xv_s = (X_val - mean) / scale
-        ks = self._validation_ks(len(Xs))
-
-        def validate(theta):
-            A = problem.components(theta)  # (d, D)
-            z_tr = (Xs @ A.T).astype(np.float32)
-            z_va = (Xv_s @ A.T).astype(np.float32)
-            accuracies = knn_accuracies(
-                z_tr, y_tr, z_va, y_val_idx, n_classes, ks, self.validation_rule
-            )
-            return max(accuracies.values())
-
-        return validate
-
-    def _finish_exactly(self, exact, first, n_iter: int, validate, first_monitor, group):
-        """(result, iterations run): ``n_iter`` L-BFGS iterations on the exact objective from
-        the candidate fit's map, every training point a neighbour,
-
-            max_A  (1/B) sum_{i in rows} score_i(A) - l2 ||A||_F^2,   p_ij over all j != i,
-
-        with rows every training point, or ``plan_.finish_max_rows`` evenly spaced ones when N
-        is larger (the same on every rank; a finishing iteration costs O(B N d)). Candidate
-        sets cannot be gamed here: what the map improves is what it is judged by. The
-        history goes on from the first stage's, its records tagged ``stage: exact finish``;
-        with early stopping the best validated map of either stage is kept."""
-        n, max_rows = exact.n_samples, self.plan_.finish_max_rows
-        if n > max_rows:
-            rows = evenly_spaced_rows(n, max_rows)
-            exact.query_rows = torch.as_tensor(rows, device=exact.X.device)
-        n_rows = n if exact.query_rows is None else len(exact.query_rows)
-        verbose = bool(self.verbose) and group.rank == 0
-        if verbose:
-            print(
-                f"[{type(self).__name__}] Finishing on the exact objective: {n_iter} "
-                f"iterations over {n_rows} of {n} query rows, l2={exact.l2:g}",
-                flush=True,
-            )
-        monitor = Monitor(
-            max_iter=n_iter,
-            validate=validate,
-            early_stopping=self.early_stopping,
-            interval=self.validation_interval,
-            patience=self.n_iter_no_change,
-            verbose=verbose,
-            name=type(self).__name__,
-            callback=self.callback,
-            components=exact.components,
-            first_iteration=first.n_iter + 1,
-            tags={"stage": "exact finish"},
-            continues=first_monitor,
-            best_so_far=(
-                None if first.best_val_accuracy is None else (first.best_val_accuracy, first.theta)
-            ),
-        )
-        finish = run_lbfgs(exact, first.theta, max_iter=n_iter, tol=self.tol, monitor=monitor)
-        merged = FitResult(
-            theta=finish.theta,
-            n_iter=first.n_iter + finish.n_iter,
-            # the first stage's verdict: the finish runs a fixed budget by design
-            converged=first.converged,
-            stop_reason=first.stop_reason,
-            objective=finish.objective,
-            history=first.history + finish.history,
-            best_val_accuracy=finish.best_val_accuracy,
-            n_evaluations=first.n_evaluations + finish.n_evaluations,
-            seconds=finish.seconds,  # the finish's clock started with the fit's
-            n_refreshes=first.n_refreshes,
-        )
-        return merged, finish.n_iter
 
     def _optimise(self, problem, theta0, monitor, solver, rng):
         if solver == "lbfgs":

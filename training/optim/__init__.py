@@ -18,7 +18,8 @@ and implements early stopping on validation kNN accuracy (keeping the best param
   batch, exactly or on candidate sets.
 * ``candidates.py``: the audit of candidate sets on fixed rows, and ``CandidateWatch``.
 * ``monitor.py``: ``Monitor`` (verbose table, history, early stopping) and ``FitResult``.
-* ``lbfgs.py``, ``adam.py``: the two optimisers.
+* ``lbfgs.py``, ``adam.py``: the two optimisers; ``finish.py``: the exact finish after
+  candidate sets.
 
 Tests: ``tests/training/test_estimator.py``, ``test_helpers.py``, ``test_candidate_audit.py``,
 ``test_candidate_draws.py``, ``test_exact_finish.py``, ``test_distributed.py``.
