@@ -387,11 +387,9 @@ def evaluate(
     )
 
 
-def build_report(
-    config: TrainConfig, data_name: str, split, estimator: NCA, ev: Evaluation, warns: list[str]
-) -> dict:
-    """report.json: data, training record (with the history), metrics, test predictions."""
-    training_record = {
+def training_record_of(config: TrainConfig, estimator: NCA, warns: list[str]) -> dict:
+    """What the fit did: the plan, where it stopped, how long it took, what it warned."""
+    return {
         "objective": config.objective,
         "k": config.k,
         "solver": estimator.solver_,
@@ -417,6 +415,13 @@ def build_report(
         "candidate_warning": getattr(estimator, "candidate_warning_", None),
         "config": config.to_dict(),
     }
+
+
+def build_report(
+    config: TrainConfig, data_name: str, split, estimator: NCA, ev: Evaluation, warns: list[str]
+) -> dict:
+    """report.json: data, training record (with the history), metrics, test predictions."""
+    training_record = training_record_of(config, estimator, warns)
     metrics = {
         "val_accuracy": ev.val_accuracy,
         "test_accuracy": ev.test_accuracy,

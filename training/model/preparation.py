@@ -114,17 +114,7 @@ def prepare_shards(est, X, y, X_val, y_val, group) -> Prepared:
         )
     X_val, y_val_idx, n_val = validation_shard(est, X_val, y_val, classes, X.shape[1], group)
 
-    est.standardization_scores_ = None
-    name = STANDARDIZE_MODES.get(est.standardize, est.standardize)
-    if name == "auto":
-        name, est.standardization_scores_ = sharded_stats.choose_standardizer(
-            X, y_all, start, len(classes), group
-        )
-    est.standardization_ = name
-    if name == "none":
-        mean, scale = np.zeros(X.shape[1]), np.ones(X.shape[1])
-    else:
-        mean, scale = sharded_stats.standardizer(name, X, n, group)
+    mean, scale = sharded_standardizer(est, X, y_all, start, n, len(classes), group)
     Xs = (X - mean) / scale  # (N_r, D)
     theta0, init_used = initialize_shards(est, Xs, y_idx, n, len(classes), d, scale, rng, group)
     Xv_s = (X_val - mean) / scale
@@ -154,6 +144,23 @@ def prepare_shards(est, X, y, X_val, y_val, group) -> Prepared:
         return score
 
     return Prepared(Xs, y_all, d, rng, device, mean, scale, theta0, init_used, classes, validate)
+
+
+def sharded_standardizer(est, X, y_all, start: int, n: int, n_classes: int, group):
+    """``standardizer`` for shards: mean (D,) and scale (D,) from all ranks' statistics;
+    sets standardization_ and standardization_scores_."""
+    est.standardization_scores_ = None
+    name = STANDARDIZE_MODES.get(est.standardize, est.standardize)
+    if name == "auto":
+        name, est.standardization_scores_ = sharded_stats.choose_standardizer(
+            X, y_all, start, n_classes, group
+        )
+    est.standardization_ = name
+    if name == "none":
+        mean, scale = np.zeros(X.shape[1]), np.ones(X.shape[1])
+    else:
+        mean, scale = sharded_stats.standardizer(name, X, n, group)
+    return mean, scale
 
 
 def validation_shard(est, X_val, y_val, classes, n_features, group):

@@ -24,11 +24,10 @@ def run_lbfgs(
     target_mass: float | None = None,
     candidate_change_tol: float = 0.01,
 ) -> FitResult:
-    """Full-batch L-BFGS-B (scipy) on the problem's loss; rounds when using candidates.
-
-    With candidates, a round ends (and L-BFGS restarts on fresh candidates) when the
-    :class:`CandidateWatch` says so; the fit ends when a round converges with candidates
-    that hardly changed at its start (fewer than ``candidate_change_tol`` of the points)."""
+    """Full-batch L-BFGS-B (scipy) on the problem's loss, in rounds with candidates: a round
+    ends (L-BFGS restarts on fresh candidates) when the :class:`CandidateWatch` says so; the
+    fit ends when a round converges with candidates that hardly changed at its start (fewer
+    than ``candidate_change_tol`` of the points)."""
     theta = np.asarray(theta0, dtype=np.float64).ravel().copy()
     state = {"iter": 0, "score": math.nan, "n_eval": 0, "refresh": False}
     watch = candidate_watch(problem, refresh_every, refresh_tol, target_mass)
@@ -37,13 +36,7 @@ def run_lbfgs(
         loss, grad, score = problem.loss_and_grad(t)
         state["score"] = score
         state["n_eval"] += 1
-        if not (math.isfinite(loss) and np.isfinite(grad).all()):
-            # L-BFGS would carry a NaN into the parameters and return it as a map
-            raise FloatingPointError(
-                f"the loss ({loss}) or its gradient ({int((~np.isfinite(grad)).sum())} of "
-                f"{grad.size} entries not finite) at evaluation {state['n_eval']} (iteration "
-                f"{state['iter']}) of {problem.objective!r} is not finite; nothing was fitted"
-            )
+        _check_finite(loss, grad, state, problem)
         return loss, grad
 
     def on_iteration(intermediate_result):
@@ -67,30 +60,18 @@ def run_lbfgs(
             changed = watch.refresh(theta)
         state["refresh"] = False
         iter_before = state["iter"]
+        options = {"maxiter": max_iter - state["iter"]}
         result = minimize(
-            fun,
-            theta,
-            jac=True,
-            method="L-BFGS-B",
-            tol=tol,
-            callback=on_iteration,
-            options={"maxiter": max_iter - state["iter"]},
+            fun, theta, jac=True, method="L-BFGS-B", tol=tol, callback=on_iteration, options=options
         )
         theta = result.x
         if state["refresh"]:
             continue
-        if result.status == 99 or "StopIteration" in str(result.message):
-            stop_reason = "early_stopping"
+        reason = _round_end(result)
+        if reason == "early_stopping":
+            stop_reason = reason
             break
-        if result.status == 0:
-            round_converged = True
-            reason = "converged"
-        elif result.status == 2 or "ABNORMAL" in str(result.message):
-            round_converged = True  # the line search cannot improve at this precision
-            reason = "precision"
-        else:
-            round_converged = False
-            reason = "max_iter"
+        round_converged = reason in ("converged", "precision")
         if watch is None:
             stop_reason = reason
             break
@@ -102,3 +83,25 @@ def run_lbfgs(
     )
     result.n_refreshes = 0 if watch is None else watch.n_refreshes
     return result
+
+
+def _round_end(result) -> str:
+    """Why scipy's L-BFGS-B round ended: early_stopping (the monitor stopped it),
+    converged, precision (the line search cannot improve at this precision) or max_iter."""
+    if result.status == 99 or "StopIteration" in str(result.message):
+        return "early_stopping"
+    if result.status == 0:
+        return "converged"
+    if result.status == 2 or "ABNORMAL" in str(result.message):
+        return "precision"
+    return "max_iter"
+
+
+def _check_finite(loss: float, grad: np.ndarray, state: dict, problem) -> None:
+    """L-BFGS would carry a NaN into the parameters and return it as a map: refuse first."""
+    if not (math.isfinite(loss) and np.isfinite(grad).all()):
+        raise FloatingPointError(
+            f"the loss ({loss}) or its gradient ({int((~np.isfinite(grad)).sum())} of "
+            f"{grad.size} entries not finite) at evaluation {state['n_eval']} (iteration "
+            f"{state['iter']}) of {problem.objective!r} is not finite; nothing was fitted"
+        )

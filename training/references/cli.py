@@ -51,6 +51,15 @@ def build_parser() -> argparse.ArgumentParser:
     condense = commands.add_parser(
         "condense", help="keep only the references the k-NN decision needs (data editing)"
     )
+    add_condense_options(condense)
+    for command in (add, remove, condense):
+        command.add_argument("--out", required=True, help="where to write the new version")
+        command.add_argument("--publish", help="symlink to repoint at --out afterwards")
+    return parser
+
+
+def add_condense_options(condense: argparse.ArgumentParser) -> None:
+    """The options of ``references condense``."""
     condense.add_argument("--model", required=True, help="the artifact directory to start from")
     condense.add_argument(
         "--check-k",
@@ -88,10 +97,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     condense.add_argument("--labels", help="label file (.npy) when --data is a .npy file")
     condense.add_argument("--label-column", help="CSV label column")
-    for command in (add, remove, condense):
-        command.add_argument("--out", required=True, help="where to write the new version")
-        command.add_argument("--publish", help="symlink to repoint at --out afterwards")
-    return parser
 
 
 def _ids_from_text(values: list[str], what: str) -> np.ndarray:

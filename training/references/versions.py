@@ -318,6 +318,25 @@ def _condensed(parent, z, y, settings, unchanged) -> tuple:
     return z[keep], y[keep], parent.ids[keep], counts
 
 
+def _evaluation_sets(parent: Artifact, X_test, y_test) -> dict:
+    """{name: (embeddings, class indices)}: the artifact's validation split and, when given,
+    the test rows projected with the model's map (labels the model must know)."""
+    evaluations = {}
+    if parent.validation_embeddings is not None and len(parent.validation_embeddings):
+        evaluations["validation"] = (parent.validation_embeddings, parent.validation_labels)
+    if X_test is not None:
+        X_test, y_test = _checked_rows(parent, X_test, y_test)
+        unknown = [v for v in dict.fromkeys(y_test.tolist()) if v not in parent.classes]
+        if unknown:
+            raise ReferenceError(f"--data has labels the model does not know: {unknown[:10]}")
+        index_of = {c: i for i, c in enumerate(parent.classes)}
+        evaluations["test"] = (
+            project(X_test, parent.projection, parent.offset),
+            np.array([index_of[v] for v in y_test.tolist()]),
+        )
+    return evaluations
+
+
 def condense_references(
     model: str | Path,
     *,
@@ -353,25 +372,12 @@ def condense_references(
     new_z, new_y, new_ids, counts = _condensed(parent, z, y, settings, unchanged)
     check_k = settings.get("check_k", parent.default_k)
     ks = tuple(sorted({1, parent.default_k, check_k}))
-    evaluations = {}
-    if parent.validation_embeddings is not None and len(parent.validation_embeddings):
-        evaluations["validation"] = (parent.validation_embeddings, parent.validation_labels)
-    if X_test is not None:
-        X_test, y_test = _checked_rows(parent, X_test, y_test)
-        unknown = [v for v in dict.fromkeys(y_test.tolist()) if v not in classes]
-        if unknown:
-            raise ReferenceError(f"--data has labels the model does not know: {unknown[:10]}")
-        index_of = {c: i for i, c in enumerate(classes)}
-        evaluations["test"] = (
-            project(X_test, parent.projection, parent.offset),
-            np.array([index_of[v] for v in y_test.tolist()]),
-        )
     accuracy = {
         name: {
             "before": _accuracies(z, y, zq, yq, len(classes), ks, parent.decision_rule),
             "after": _accuracies(new_z, new_y, zq, yq, len(classes), ks, parent.decision_rule),
         }
-        for name, (zq, yq) in evaluations.items()
+        for name, (zq, yq) in _evaluation_sets(parent, X_test, y_test).items()
     }
     n_after = len(new_y)
     entry = {
@@ -385,13 +391,7 @@ def condense_references(
     }
     default_k = _default_k_for(parent, n_after, entry)
     path = write_version(
-        parent,
-        out,
-        embeddings=new_z,
-        labels=new_y,
-        ids=new_ids,
-        classes=classes,
-        entry=entry,
+        parent, out, embeddings=new_z, labels=new_y, ids=new_ids, classes=classes, entry=entry,
         default_k=default_k,
-    )
+    )  # fmt: skip
     return {**entry, "artifact": str(path)}
