@@ -32,10 +32,10 @@ from http_load import LUA, free_port, wrk
 ROOT = Path(__file__).resolve().parents[1]
 WRITE_MODEL = """
 import numpy as np, sys
-try:
-    from service.core.artifact import write_artifact
-except ImportError:
+try:  # the tree before the restructure first: the editable install finds the newer package
     from service.artifact import write_artifact
+except ImportError:
+    from service.core.artifact import write_artifact
 rng = np.random.default_rng(3)
 X = rng.normal(size=(20000, 64)).astype(np.float32); y = rng.integers(0, 10, 20000)
 W = (rng.normal(size=(16, 64)) / 8).astype(np.float32)

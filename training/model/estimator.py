@@ -16,7 +16,6 @@ L-BFGS iterations on the exact objective (``exact_finish``).
 from __future__ import annotations
 
 import numbers
-import os
 import warnings
 
 import numpy as np
@@ -33,11 +32,10 @@ from training.distributed.ranks import (
     current_group,
 )
 from training.model import parameters, preparation
-from training.model.initialization import INIT_NAMES
-from training.model.plan import FitPlan, is_knca, resolve_plan
+from training.model.plan import FitPlan, resolve_plan
 from training.objectives.registry import make_objective
 from training.optim.adam import run_adam
-from training.optim.candidates import audit_disagreement, audit_rows
+from training.optim.candidates import audit_disagreement, audit_rows, candidate_audit
 from training.optim.finish import finish_exactly
 from training.optim.lbfgs import run_lbfgs
 from training.optim.monitor import Monitor, single_class_result
@@ -47,178 +45,83 @@ from training.optim.problem import Problem
 class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
     """Neighbourhood Components Analysis (Goldberger et al. 2004), memory-bounded, in PyTorch.
 
-    Parameters
+    Parameters (what "auto" resolves to, and why, is in ``training.model.plan``; what each
+    default costs and gains is measured in ``benchmarks/README.md``)
     ----------
     n_components : int or None
-        d, the embedding dimension; None means d = D (a full transform).
+        d, the embedding dimension; None means d = D.
     objective : {"nca", "nca-log", "knca-majority", "knca-majority-log", "knca-all", "knca-all-log"}
-        "nca" maximises f(A) = sum_i p_i (expected number correct, eq 3); "nca-log"
-        maximises g(A) = sum_i log p_i (eq 6). "knca-*" maximise the exact expected accuracy
-        of a kNN vote with k neighbours (Tarlow et al. 2013; see ``training.objectives.knca``):
-        "majority" (i's class wins the vote outright) or "all" (all k neighbours agree).
+        nca maximises f(A) = sum_i p_i (eq 3), nca-log g(A) = sum_i log p_i (eq 6); knca-*
+        the exact expected accuracy of a k-NN vote won outright ("majority") or with all k
+        neighbours agreeing ("all") (Tarlow et al. 2013; ``training.objectives.knca``).
     k : int
         The k of the kNN rule the objective trains for (1 for NCA).
     transformation : {"linear", "diagonal"}
-        "linear": A is (d, D) (full when d = D, low-rank when d < D). "diagonal": A = diag(a),
-        an axis-aligned scaling (requires d = D).
+        A (d, D), full or low-rank; or diag(a), an axis-aligned scaling (d = D).
     init : {"auto", "pca", "lda", "identity", "random"}, ndarray (d, D) or artifact path
     solver : {"auto", "lbfgs", "adam"}
-        "auto" is L-BFGS (full batch). "adam" runs mini-batches of ``batch_size`` query rows.
-    max_iter : int
-        L-BFGS iterations, or Adam epochs.
-    tol : float
-        Convergence tolerance (L-BFGS ftol/gtol; Adam: relative change of the epoch objective).
+        Full-batch L-BFGS ("auto"), or Adam over mini-batches of ``batch_size`` query rows.
+    max_iter, tol : L-BFGS iterations or Adam epochs; the convergence tolerance.
     l2 : "auto" or float
-        Penalty l2 * ||A||_F^2 added to the (per-point mean) loss; 0 gives scikit-learn's
-        unpenalised objective. "auto" is DEFAULT_L2 = 0.03 on the exact objective, chosen by
-        cross-validation across data sets (``benchmarks/default_l2.py``): it shrinks the
-        directions that do not separate the classes and keeps the map from sharpening
-        neighbourhoods on noise. On candidate sets "auto" is 0 unless ``candidate_draws`` >
-        0: a penalty widens the neighbourhoods until K nearest candidates per kind hold too
-        little of the neighbour mass for the candidate objective to be faithful
-        (``history_``'s audit figures show the gap; drawn candidates close it).
-        ``l2_`` is the value used.
+        Penalty l2 ||A||_F^2 on the per-point mean loss (0: scikit-learn's objective). "auto"
+        is DEFAULT_L2 where the objective stays faithful under it (exact, drawn candidates,
+        the exact finish), else 0. ``l2_`` is the value of the objective optimised last.
     n_candidates : "auto", int or None
-        None: exact objective (chunks against all points). int K: each point's K nearest
-        same-class and K nearest other-class points in the current projection, recomputed
-        when they go stale (see ``refresh_tol``). "auto": None up to AUTO_EXACT_MAX_SAMPLES
-        points, else AUTO_N_CANDIDATES (32).
-    refresh_every : int
-        At most this many iterations between candidate refreshes: a backstop for the
-        signal ``refresh_tol`` watches, which bounds what stale candidates can cost (the
-        candidate objective differs from the exact one only through the mass outside the
-        candidates); the cost of other counts is measured in ``benchmarks/README.md``.
-    refresh_tol : float or None
-        Refresh the candidates sooner, after any iteration in which the neighbour mass
-        inside them, sum_{j in C_i} p_ij averaged over a fixed sample of 512 training rows,
-        has fallen by more than this fraction of its value at the last refresh: the map has
-        moved points that are nobody's candidates into neighbourhoods, where the candidate
-        objective cannot see them. None refreshes on the count only. ``history_`` records
-        the mass outside (``candidate_outside_mass``).
+        None: the exact objective (chunks against all points). K: each point's K nearest
+        same-class and other-class points in the current projection, recomputed when stale.
+    refresh_every, refresh_tol : int, float or None
+        Recompute candidates at least every ``refresh_every`` iterations, and sooner when the
+        neighbour mass inside them (on 512 fixed rows) has fallen by ``refresh_tol``.
     candidate_mass : float or None
-        Choose K from the data: at each refresh, K per kind is the smallest of
-        n_candidates x 1, 2, 4, 8 whose fresh candidate sets hold at least this fraction of
-        the neighbour mass on the sample rows (the largest when none does). Overlapping
-        classes and label noise keep neighbourhoods wide; a K that leaves most of a point's
-        neighbours out optimises something else. None keeps K = n_candidates. ``history_``
-        records K (``n_candidates``); ``n_candidates_`` is the K at the end.
+        At each refresh, K per kind is the smallest of n_candidates x 1, 2, 4, 8 whose sets
+        hold this fraction of the neighbour mass; None keeps K fixed.
     candidate_draws : int
-        On candidate sets with NCA's objectives (nca, nca-log): S uniform draws per point and
-        kind (same class, other classes) beyond the nearest candidates, redrawn at every
-        refresh, each weighted by the number of points it stands for ((n_c - 1) / S or
-        (N - n_c) / S; a draw that lands on a nearest candidate is dropped). The candidate
-        objective then sees an unbiased estimate of the neighbour mass the nearest
-        candidates leave out, and stays faithful where neighbourhoods are too wide for any
-        K to hold them; with it, ``l2="auto"`` applies the penalty on candidate sets too.
-        Costs 2S more candidates per point. 0 (the default) draws none (when it pays:
-        ``benchmarks/README.md``).
+        NCA's objectives on candidates: S weighted uniform draws per point and kind beyond
+        the nearest, an unbiased estimate of the mass they leave out (2S more candidates).
     exact_finish : "auto" or int
-        After a fit on candidate sets, this many L-BFGS iterations on the exact objective
-        (every training point a neighbour; l2 as on the exact objective, so "auto" is
-        DEFAULT_L2), from the candidate fit's map, averaged over all training rows or, above
-        a row limit, that many evenly spaced query rows: EXACT_FINISH_MAX_ROWS = 65,536 for
-        NCA's objectives, KNCA_FINISH_MAX_ROWS = 2,048 for kNCA's (an exact kNCA pair costs
-        ~20x an NCA one), so an iteration costs O(min(N, rows) N d). Candidate sets make the
-        first, long stage cheap; the finish optimises what the map is judged by, which no
-        candidate set can be gamed into, and carries the penalty that nearest candidates
-        cannot. "auto" is AUTO_EXACT_FINISH_ITER = 10 for NCA's objectives and
-        AUTO_KNCA_FINISH_ITER = 20 for kNCA's after L-BFGS, 0 after Adam; 0 turns it off.
-        What it gains and costs is measured in ``benchmarks/README.md`` ("Finishing on the
-        exact objective").
-        Ignored by exact fits. ``exact_finish_iter_`` is the number run.
-    chunk_size : int or None
-        Query rows per chunk (None: sized to a 256 MiB working set).
-    batch_size, learning_rate : Adam's mini-batch size and step size.
-    early_stopping : bool
-        Hold out ``validation_fraction`` of the data (stratified) unless ``fit`` gets
-        ``X_val``/``y_val``; stop after ``n_iter_no_change`` checks (one every
-        ``validation_interval`` iterations) without a better validation kNN accuracy, and
-        keep the best transformation.
-    validation_k : int, tuple of int or None
-        The k of the kNN rule that scores validation: None means ``k``; a tuple scores the
-        best accuracy over those k (the training job passes the k values it chooses the
-        served k from, so validation scores what will be served).
-    validation_rule : {"majority", "soft"}
-        The decision rule that scores validation (the rule that will be served).
+        After a candidate fit, this many L-BFGS iterations on the exact objective (over at
+        most ``plan_.finish_max_rows`` query rows): what the map is judged by, which no
+        candidate set can be gamed into. Ignored by exact fits.
+    chunk_size, batch_size, learning_rate : rows per chunk (None: a 256 MiB working set);
+        Adam's mini-batch and step size.
+    early_stopping, validation_fraction, n_iter_no_change, validation_interval :
+        Hold out a stratified fraction (or use ``fit``'s X_val, y_val); stop after
+        ``n_iter_no_change`` checks without a better validation kNN accuracy; keep the best.
+    validation_k, validation_rule : the k (or best of several) and the rule validation
+        scores with: those that will be served.
     standardize : {"auto", "feature", "global", "none"} or bool
-        How inputs are standardised with statistics of the training data: "feature" centres
-        and scales every feature to unit variance (constant features kept; True means
-        this); "global" centres and divides by one shared scale (features keep their
-        relative scales, as pixels should); "none" (False) leaves them. "auto" picks
-        "feature" or "global" by the kNN accuracy of evenly spaced training rows among the
-        others in each (``training.data.datasets.choose_standardizer``); ``standardization_`` says
-        which, ``standardization_scores_`` by what.
+        Per feature, one shared scale (pixels), or none; "auto" picks feature or global by
+        kNN accuracy on training rows (``standardization_``, ``standardization_scores_``).
     warm_start : bool
-        If fitted before, start from the previous ``components_`` instead of ``init``
-        (the inputs' dimension must match; ``components_`` act on standardised inputs).
-    device : "auto", "cpu", "cuda", ...
-    random_state : int, Generator or None
-    verbose : int
-        > 0 prints scikit-learn's verbose table: a line per iteration with the objective
-        and the seconds it took (and the validation accuracy when it was measured), then the
-        total training time; PCA and LDA initialisations say how long they took.
-    callback : callable(transformation, n_iter) or None
-        Called after every iteration with the current A raveled, shape (d * D,), and the
-        iteration number (scikit-learn's form). ``history_`` keeps the objective, time and
-        validation accuracy of every iteration.
+        Start from the previous ``components_`` (same D).
+    device, random_state, verbose, callback
+        "auto" is CUDA when available; seed; scikit-learn's verbose table; called after
+        every iteration with A raveled (d * D,) and the iteration number.
 
     Attributes
     ----------
-    components_ : (d, D) the learned A, acting on standardised inputs
+    components_ : (d, D) A, acting on standardised inputs
     projection_, offset_ : (d, D), (d,) the same map on raw inputs, z = x @ W.T + b
     mean_, scale_ : (D,) the standardisation
-    classes_, n_features_in_, n_iter_, converged_, stop_reason_, objective_value_,
-    history_, init_used_, best_val_accuracy_, n_candidates_, solver_
-    l2_ : float
-        The penalty of the objective the map optimised last (``l2="auto"`` resolved:
-        DEFAULT_L2 exact, in the exact finish or with drawn candidates, 0 on nearest
-        candidates alone without a finish).
-    exact_finish_iter_ : int
-        Iterations of the exact finish (0 when there was none); included in ``n_iter_``.
-        ``converged_`` and ``stop_reason_`` are the candidate stage's (the finish runs a
-        fixed budget).
+    plan_ : ``training.model.plan.FitPlan``, every "auto" as this fit resolved it
+    classes_, n_features_in_, n_iter_, converged_, stop_reason_, objective_value_, history_,
+    init_used_, best_val_accuracy_, n_candidates_, solver_, l2_, exact_finish_iter_
+        (the finish's iterations are in ``n_iter_``; ``converged_`` is the first stage's)
     candidate_warning_ : str or None
-        On candidate sets, every ``validation_interval`` iterations ``history_`` also records
-        the objective on a fixed sample of 512 training rows exactly and on the candidates,
-        and their leave-one-out k-NN accuracy. When the candidate objective rose while the
-        exact measure fell from its best, or ends more than ``training.optim.candidates.AUDIT_GAP`` above the
-        exact objective, this says so (and a UserWarning is raised).
+        On candidates, when the candidate objective rose while the exact one on 512 fixed
+        rows fell, or ends above it by more than ``training.optim.candidates.AUDIT_GAP``.
     """
 
     def __init__(
-        self,
-        n_components=None,
-        *,
-        objective="nca",
-        k=1,
-        transformation="linear",
-        init="auto",
-        solver="auto",
-        max_iter=100,
-        tol=1e-5,
-        l2="auto",
-        n_candidates="auto",
-        refresh_every=50,
-        refresh_tol=0.05,
-        candidate_mass=0.9,
-        candidate_draws=0,
-        exact_finish="auto",
-        chunk_size=None,
-        batch_size=1024,
-        learning_rate=0.01,
-        early_stopping=False,
-        validation_fraction=0.1,
-        validation_k=None,
-        validation_rule="majority",
-        n_iter_no_change=5,
-        validation_interval=5,
-        standardize="auto",
-        warm_start=False,
-        device="auto",
-        random_state=None,
-        verbose=0,
+        self, n_components=None, *, objective="nca", k=1, transformation="linear",
+        init="auto", solver="auto", max_iter=100, tol=1e-5, l2="auto", n_candidates="auto",
+        refresh_every=50, refresh_tol=0.05, candidate_mass=0.9, candidate_draws=0,
+        exact_finish="auto", chunk_size=None, batch_size=1024, learning_rate=0.01,
+        early_stopping=False, validation_fraction=0.1, validation_k=None,
+        validation_rule="majority", n_iter_no_change=5, validation_interval=5,
+        standardize="auto", warm_start=False, device="auto", random_state=None, verbose=0,
         callback=None,
-    ):
+    ):  # fmt: skip
         self.n_components = n_components
         self.objective = objective
         self.k = k
@@ -256,53 +159,7 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         """Every parameter against its constraints (``training.model.parameters``), then the
         checks that need the data; returns d (``n_components`` resolved)."""
         parameters.check(self.get_params())
-        return self._checked_against_data(n_samples, n_features)
-
-    def _checked_against_data(self, n_samples: int, n_features: int) -> int:
-        d = self.n_components
-        if d is None:  # as scikit-learn: the rows of an array init, else the input dimension
-            # (an init with more rows than X has columns is then refused by initial_components)
-            rows = self.init.shape[0] if isinstance(self.init, np.ndarray) else n_features
-            d = min(rows, n_features)
-        if not parameters.Integer(1).accepts(d):
-            raise ValueError(f"n_components={d!r} must be an integer >= 1")
-        if d > n_features:
-            raise ValueError(
-                f"The preferred dimensionality of the projected space `n_components` ({d}) "
-                f"cannot be greater than the given data dimensionality ({n_features})!"
-            )
-        if self.transformation == "diagonal" and d != n_features:
-            raise ValueError(
-                f"transformation='diagonal' needs n_components = n_features = {n_features}, got {d}"
-            )
-        if n_samples < 2:
-            raise ValueError(f"NCA needs at least 2 samples, got n_samples={n_samples}")
-        if self.k > n_samples - 1:
-            raise ValueError(f"k={self.k} must be <= n_samples - 1 = {n_samples - 1}")
-        if (
-            is_knca(self.objective)
-            and isinstance(self.n_candidates, int)
-            and self.n_candidates < self.k
-        ):
-            raise ValueError(
-                f"n_candidates={self.n_candidates} must be >= k={self.k}: each point needs k "
-                "same-class candidates"
-            )
-        if self.candidate_draws and is_knca(self.objective):
-            raise ValueError(
-                f"candidate_draws={self.candidate_draws!r} weights the candidates of NCA's "
-                f"objectives ('nca', 'nca-log'), not objective={self.objective!r}; use 0"
-            )
-        for vk in self._validation_ks(n_samples):
-            if not parameters.Integer(1).accepts(vk):
-                raise ValueError(f"validation_k={vk!r} must be an integer >= 1")
-        if isinstance(self.init, (str, os.PathLike)) and str(self.init) not in INIT_NAMES:
-            if not os.path.isdir(self.init):
-                raise ValueError(
-                    f"init={str(self.init)!r} must be one of {INIT_NAMES}, an array of shape "
-                    "(n_components, n_features) or an existing artifact directory"
-                )
-        return int(d)
+        return parameters.check_against_data(self, n_samples, n_features)
 
     def _validation_ks(self, n_references: int) -> tuple:
         """The k values validation scores (at most the number of references)."""
@@ -398,7 +255,7 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
             max_iter=self.max_iter,
             validate=validate,
             components=problem.components,
-            audit=self._candidate_audit(problem),
+            audit=candidate_audit(problem),
             **self._monitor_options(group),
         )
 
@@ -465,15 +322,6 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
                 ConvergenceWarning,
                 stacklevel=3,
             )
-
-    @staticmethod
-    def _candidate_audit(problem):
-        """theta -> the audit figures (``Problem.audit``) on a fixed sample of training rows,
-        when the objective is evaluated on candidate sets; None in exact mode."""
-        if problem.n_candidates is None:
-            return None
-        rows = torch.as_tensor(audit_rows(problem.n_samples), device=problem.X.device)
-        return lambda theta: problem.audit(theta, rows)
 
     def _optimise(self, problem, theta0, monitor, solver, rng):
         if solver == "lbfgs":

@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from service.core.vocabulary import NEIGHBOUR_RULES
+from training.model.initialization import INIT_NAMES
+from training.model.plan import is_knca
 from training.objectives.registry import OBJECTIVES
 
 SOLVERS = ("auto", "lbfgs", "adam")
@@ -136,3 +141,49 @@ def check(params: dict[str, Any]) -> None:
         value = params[name]
         if not any(c.accepts(value) for c in constraints):
             raise ValueError(f"{name}={value!r} must be {describe(constraints)}")
+
+
+def check_against_data(est, n_samples: int, n_features: int) -> int:
+    """The checks that need the data: n_components (None resolved) within D, the diagonal
+    transform's shape, k < N, kNCA's candidates and draws, validation_k, an init path.
+    Returns d."""
+    d = est.n_components
+    if d is None:  # as scikit-learn: the rows of an array init, else the input dimension
+        # (an init with more rows than X has columns is then refused by initial_components)
+        rows = est.init.shape[0] if isinstance(est.init, np.ndarray) else n_features
+        d = min(rows, n_features)
+    if not Integer(1).accepts(d):
+        raise ValueError(f"n_components={d!r} must be an integer >= 1")
+    if d > n_features:
+        raise ValueError(
+            f"The preferred dimensionality of the projected space `n_components` ({d}) "
+            f"cannot be greater than the given data dimensionality ({n_features})!"
+        )
+    if est.transformation == "diagonal" and d != n_features:
+        raise ValueError(
+            f"transformation='diagonal' needs n_components = n_features = {n_features}, got {d}"
+        )
+    if n_samples < 2:
+        raise ValueError(f"NCA needs at least 2 samples, got n_samples={n_samples}")
+    if est.k > n_samples - 1:
+        raise ValueError(f"k={est.k} must be <= n_samples - 1 = {n_samples - 1}")
+    if is_knca(est.objective) and isinstance(est.n_candidates, int) and est.n_candidates < est.k:
+        raise ValueError(
+            f"n_candidates={est.n_candidates} must be >= k={est.k}: each point needs k "
+            "same-class candidates"
+        )
+    if est.candidate_draws and is_knca(est.objective):
+        raise ValueError(
+            f"candidate_draws={est.candidate_draws!r} weights the candidates of NCA's "
+            f"objectives ('nca', 'nca-log'), not objective={est.objective!r}; use 0"
+        )
+    for vk in est._validation_ks(n_samples):
+        if not Integer(1).accepts(vk):
+            raise ValueError(f"validation_k={vk!r} must be an integer >= 1")
+    if isinstance(est.init, (str, os.PathLike)) and str(est.init) not in INIT_NAMES:
+        if not os.path.isdir(est.init):
+            raise ValueError(
+                f"init={str(est.init)!r} must be one of {INIT_NAMES}, an array of shape "
+                "(n_components, n_features) or an existing artifact directory"
+            )
+    return int(d)

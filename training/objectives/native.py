@@ -203,15 +203,24 @@ def run_in_threads(work: Callable[[int, int, int], None], n: int, threads: int) 
         raise errors[0]
 
 
+def _padded(zs: torch.Tensor):
+    """(z (N, dp) and its transpose (dp, N padded), squared norms (N padded,)), the
+    coordinates and rows zero-padded to multiples of TILE for the kernel's register tiles."""
+    n, d = zs.shape
+    dp, npad = -(-d // TILE) * TILE, -(-n // TILE) * TILE
+    z = torch.zeros((n, dp), dtype=zs.dtype)
+    z[:, :d] = zs
+    zt = torch.zeros((dp, npad), dtype=zs.dtype)
+    zt[:, :n] = z.T
+    sq = torch.zeros(npad, dtype=zs.dtype)
+    sq[:n] = (zs * zs).sum(1)
+    return z, zt, sq
+
+
 def exact_value_and_grad(
-    zs: torch.Tensor,
-    query: torch.Tensor,
-    run_start: torch.Tensor,
-    run_end: torch.Tensor,
-    *,
-    log_form: bool,
-    threads: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    zs: torch.Tensor, query: torch.Tensor, run_start: torch.Tensor, run_end: torch.Tensor, *,
+    log_form: bool, threads: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(sum of the query rows' scores, its gradient with respect to zs (N, d)).
 
     zs: (N, d) embeddings sorted by class; query: (Q,) positions in zs, in class order;
@@ -226,14 +235,8 @@ def exact_value_and_grad(
     fn, block = native
     n, d = zs.shape
     dtype = zs.dtype
-    dp = -(-d // TILE) * TILE
-    npad = -(-n // TILE) * TILE
-    z = torch.zeros((n, dp), dtype=dtype)  # (N, dp) zero-padded coordinates
-    z[:, :d] = zs
-    zt = torch.zeros((dp, npad), dtype=dtype)  # (dp, N padded)
-    zt[:, :n] = z.T
-    sq = torch.zeros(npad, dtype=dtype)
-    sq[:n] = (zs * zs).sum(1)
+    z, zt, sq = _padded(zs)  # (N, dp), (dp, N padded), (N padded,)
+    dp, npad = zt.shape
     query = query.to(torch.int64).contiguous()
     run_start = run_start.to(torch.int64).contiguous()
     run_end = run_end.to(torch.int64).contiguous()
@@ -247,14 +250,8 @@ def exact_value_and_grad(
     totals = [0.0] * threads
     # per thread, its own (grad (N, dp), grad_t (dp, N padded), col (N padded,)): a row listed
     # in two parts is summed, not raced
-    shares = [
-        (
-            torch.zeros((n, dp), dtype=dtype),
-            torch.zeros((dp, npad), dtype=dtype),
-            torch.zeros(npad, dtype=dtype),
-        )
-        for _ in range(threads)
-    ]
+    shape = [(n, dp), (dp, npad), (npad,)]
+    shares = [[torch.zeros(s, dtype=dtype) for s in shape] for _ in range(threads)]
 
     def run(t: int, a: int, b: int) -> None:
         grad, grad_t, col = shares[t]

@@ -117,16 +117,26 @@ def nca_value_and_grad(
         )
         return total, grad_s[inverse]
 
+    total, grad_s = _torch_value_and_grad(
+        zs, runs, query_sorted, run_of_query, log_form, chunk_size
+    )
+    return total, grad_s[inverse]
+
+
+def _torch_value_and_grad(zs, runs, query_sorted, run_of_query, log_form: bool, chunk_size):
+    """The torch path on class-sorted embeddings zs (N, d): chunks of each class run's query
+    rows against all points, one GEMM for the logits; (value, gradient (N, d) sorted)."""
+    n = zs.shape[0]
     sq = (zs * zs).sum(1)  # (N,)
     neg_sq = -sq[None, :]  # (1, N)
     grad_s = torch.zeros_like(zs)  # (N, d)
-    col_total = torch.zeros(n, dtype=z.dtype, device=z.device)  # sum_i W_ij over all chunks
-    total = torch.zeros((), dtype=z.dtype, device=z.device)
+    col_total = torch.zeros(n, dtype=zs.dtype, device=zs.device)  # sum_i W_ij over all chunks
+    total = torch.zeros((), dtype=zs.dtype, device=zs.device)
     if chunk_size is None:
         chunk_size = min(256, chunk_rows(n))  # small blocks stay in cache (measured)
     # one (chunk, N) buffer for every chunk's logits (then its weights, in place): a fresh
     # one per chunk costs page faults on every new mapping
-    buffer = torch.empty((min(chunk_size, n), n), dtype=z.dtype, device=z.device)
+    buffer = torch.empty((min(chunk_size, n), n), dtype=zs.dtype, device=zs.device)
     for r, (s, e) in enumerate(runs):
         if e - s < 2:
             continue  # no same-class neighbour: p_i = 0 whatever A is
@@ -137,7 +147,7 @@ def nca_value_and_grad(
             zq = zs[q]  # (B, d)
             logits = buffer[:b]  # (B, N) = L_ij + ||z_i||^2
             torch.addmm(neg_sq, zq, zs.T, alpha=2.0, out=logits)
-            local = torch.arange(b, device=z.device)
+            local = torch.arange(b, device=zs.device)
             logits[local, q] = float("-inf")
             value, weights = _block_weights(logits, s, e, log_form)
             weights[local, q] = 0.0
@@ -147,7 +157,7 @@ def nca_value_and_grad(
             grad_s.addmm_(weights.T, zq, alpha=2.0)
             col_total += weights.sum(0)
     grad_s.sub_(2.0 * col_total[:, None] * zs)
-    return total, grad_s[inverse]
+    return total, grad_s
 
 
 def nca_value_and_grad_candidates(

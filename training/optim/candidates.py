@@ -171,3 +171,12 @@ def candidate_watch(
         return None
     rows = torch.as_tensor(audit_rows(problem.n_samples), device=problem.X.device)
     return CandidateWatch(problem, rows, refresh_every, refresh_tol, target_mass)
+
+
+def candidate_audit(problem: Problem):
+    """theta -> the audit figures (``Problem.audit``) on a fixed sample of training rows,
+    when the objective is evaluated on candidate sets; None in exact mode."""
+    if problem.n_candidates is None:
+        return None
+    rows = torch.as_tensor(audit_rows(problem.n_samples), device=problem.X.device)
+    return lambda theta: problem.audit(theta, rows)

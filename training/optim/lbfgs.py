@@ -29,60 +29,62 @@ def run_lbfgs(
     fit ends when a round converges with candidates that hardly changed at its start (fewer
     than ``candidate_change_tol`` of the points)."""
     theta = np.asarray(theta0, dtype=np.float64).ravel().copy()
-    state = {"iter": 0, "score": math.nan, "n_eval": 0, "refresh": False}
     watch = candidate_watch(problem, refresh_every, refresh_tol, target_mass)
-
-    def fun(t):
-        loss, grad, score = problem.loss_and_grad(t)
-        state["score"] = score
-        state["n_eval"] += 1
-        _check_finite(loss, grad, state, problem)
-        return loss, grad
-
-    def on_iteration(intermediate_result):
-        state["iter"] += 1
-        theta_now = intermediate_result.x
-        figures = {}
-        if watch is not None:
-            state["refresh"], figures = watch.after_iteration(theta_now)
-        try:
-            monitor(state["iter"], theta_now, state["score"], figures)
-        except EarlyStop:
-            state["refresh"] = False
-            raise StopIteration from None
-        if state["refresh"] and state["iter"] < max_iter:
-            raise StopIteration  # end the round: the candidates are stale
-
+    rounds = _Rounds(problem, monitor, watch, max_iter)
     stop_reason = "max_iter"
-    while state["iter"] < max_iter:
-        changed = 1.0
-        if watch is not None:
-            changed = watch.refresh(theta)
-        state["refresh"] = False
-        iter_before = state["iter"]
-        options = {"maxiter": max_iter - state["iter"]}
+    while rounds.iter < max_iter:
+        changed = watch.refresh(theta) if watch is not None else 1.0
+        rounds.refresh, iter_before = False, rounds.iter
+        options = {"maxiter": max_iter - rounds.iter}
         result = minimize(
-            fun, theta, jac=True, method="L-BFGS-B", tol=tol, callback=on_iteration, options=options
-        )
+            rounds.loss_and_grad, theta, jac=True, method="L-BFGS-B", tol=tol,
+            callback=rounds.on_iteration, options=options,
+        )  # fmt: skip
         theta = result.x
-        if state["refresh"]:
-            continue
+        if rounds.refresh:
+            continue  # the candidates went stale: a new round on fresh ones
         reason = _round_end(result)
-        if reason == "early_stopping":
-            stop_reason = reason
-            break
         round_converged = reason in ("converged", "precision")
-        if watch is None:
+        if reason == "early_stopping" or watch is None:
             stop_reason = reason
             break
-        if round_converged and (changed < candidate_change_tol or state["iter"] == iter_before):
+        if round_converged and (changed < candidate_change_tol or rounds.iter == iter_before):
             stop_reason = reason
             break
     result = finished_result(
-        problem, monitor, theta, state["iter"], stop_reason, state["score"], state["n_eval"]
+        problem, monitor, theta, rounds.iter, stop_reason, rounds.score, rounds.n_eval
     )
     result.n_refreshes = 0 if watch is None else watch.n_refreshes
     return result
+
+
+class _Rounds:
+    """What scipy's callbacks share across the rounds of one L-BFGS fit: the iteration and
+    evaluation counts, the last objective, and whether the watch asked for a refresh."""
+
+    def __init__(self, problem: Problem, monitor: Monitor, watch, max_iter: int):
+        self.problem, self.monitor, self.watch, self.max_iter = problem, monitor, watch, max_iter
+        self.iter, self.n_eval, self.score, self.refresh = 0, 0, math.nan, False
+
+    def loss_and_grad(self, theta: np.ndarray):
+        loss, grad, self.score = self.problem.loss_and_grad(theta)
+        self.n_eval += 1
+        _check_finite(loss, grad, {"n_eval": self.n_eval, "iter": self.iter}, self.problem)
+        return loss, grad
+
+    def on_iteration(self, intermediate_result) -> None:
+        self.iter += 1
+        theta = intermediate_result.x
+        figures = {}
+        if self.watch is not None:
+            self.refresh, figures = self.watch.after_iteration(theta)
+        try:
+            self.monitor(self.iter, theta, self.score, figures)
+        except EarlyStop:
+            self.refresh = False
+            raise StopIteration from None
+        if self.refresh and self.iter < self.max_iter:
+            raise StopIteration  # end the round: the candidates are stale
 
 
 def _round_end(result) -> str:
