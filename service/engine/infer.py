@@ -88,7 +88,7 @@ def resolve(
     InvalidInput outside the calibrated range, or given to a model without a calibration.
     soft_prior needs a calibration.
     """
-    k = model.artifact.default_k if k is None else k
+    k = model.default_k if k is None else k
     if k > max_k:
         raise InvalidInput(f"k={k} is over the limit max_k={max_k}")
     if not 1 <= k <= model.n_references:
@@ -103,7 +103,7 @@ def resolve(
         )
     if not decides:
         return Query(k, None, threshold)
-    rule = rule or model.artifact.decision_rule
+    rule = rule or model.decision_rule
     if rule not in RULES:
         raise InvalidInput(f"rule must be one of {list(RULES)}, got {rule!r}")
     if rule == SOFT_PRIOR and (threshold is None or model.far_prior is None):

@@ -71,10 +71,9 @@ class LoadedModel:
     default_outlier_quantile: float = 0.99  # the setting outlier_quantile
     default_outlier_threshold: float | None = None  # its threshold (computed once, at load)
     far_prior: FarPrior | None = None  # the soft_prior rule's component (service.core.knn)
-
-    @property
-    def version(self) -> str:
-        return self.artifact.version
+    version: str = ""  # the artifact's model version, read once at load
+    default_k: int = 1  # the artifact's, read once at load
+    decision_rule: str = "majority"
 
     @property
     def index_type(self) -> str:
@@ -263,6 +262,9 @@ def load_model(
         default_outlier_quantile=settings.outlier_quantile,
         default_outlier_threshold=default_threshold,
         far_prior=FarPrior.of(embeddings, labels, len(artifact.classes)),
+        version=artifact.version,
+        default_k=artifact.default_k,
+        decision_rule=artifact.decision_rule,
     )
     # warm-up: one query through the whole path (page in the arrays, start FAISS)
     infer_one(model, np.zeros((1, model.n_features), np.float32), Query(1, "majority"))

@@ -24,10 +24,9 @@ from service.engine.infer import Query, resolve
 from service.engine.model import LoadedModel
 from service.engine.rows import to_rows
 from service.errors import InvalidInput, PayloadTooLarge
-from service.http.deps import check_api_key
 from service.http.payload import InstancesBody, parse_json, parse_npy
 from service.ops import memory
-from service.state import AppState, state_of
+from service.state import AppState, check_key, state_of
 from service.wire.bodies import (
     JSON,
     NPY,
@@ -113,7 +112,7 @@ async def receive(
     offered: tuple[str, ...] = (JSON,),
 ) -> InferenceRequest:
     state = state_of(request)
-    check_api_key(request, state.settings.api_key)
+    check_key(request.headers.get("authorization"), state.settings.api_key)
     model = state.engine.current()
     response_type = negotiate(request.headers.get("accept"), offered)
     kind = check_media(request.headers.get("content-type"), (JSON, NPY))
