@@ -1,4 +1,15 @@
-"""The dependency rules of DESIGN.md, checked on the source (AST) and at run time."""
+"""The architecture's rules, checked on the source (AST) and at run time:
+
+1. ``service/core`` (vocabulary, the kNN rule, the artifact format) imports numpy and the
+   standard library only; ``training`` imports nothing else from ``service``.
+2. ``service`` never imports ``training`` or ``torch``; importing ``service.app`` leaves both
+   out of ``sys.modules``.
+3. The engine, search and the core import no web framework; the two wires (``service/http``
+   for /v1, ``service/oip`` for the Open Inference Protocol) never import each other.
+4. No import cycles; rule and index names are spelled only in the vocabulary.
+5. Every package folder holds at most 8 modules; no module over 600 lines, class over 350 or
+   function over 60 (README, "Layout").
+"""
 
 from __future__ import annotations
 
