@@ -26,8 +26,8 @@ from service.config import Settings
 from service.engine.infer import Query, infer_one, resolve
 from service.engine.model import Engine
 from service.engine.rows import to_rows
-from service.http.answers import classify_json, classify_npy
 from service.http.payload import ClassifyBody, parse_json, parse_npy
+from service.http.render import classify_json, classify_npy
 from service.http.request import json_encoder
 
 

@@ -5,7 +5,7 @@
   (``tests/service/test_api.py``, ``test_bad_input_corpus.py``).
 * ``payload.py``: JSON (msgspec) and ``.npy`` bodies parsed strictly
   (``test_bad_input_corpus.py``).
-* ``answers.py``: answers rendered as JSON or structured ``.npy`` (``test_answers.py``).
+* ``render.py``: answers rendered as JSON or structured ``.npy`` (``test_render.py``).
 * ``schemas.py``: the response models the OpenAPI document shows.
 * ``deps.py``: FastAPI dependencies: the state and the API-key checks.
 * ``routes/``: one module per resource: ``inference`` (classify, embed, neighbors),
