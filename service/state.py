@@ -4,6 +4,7 @@ No web framework here."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -11,13 +12,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from service.config import Settings
-from service.engine import batcher as batching
 from service.engine.batcher import Batcher
-from service.engine.infer import Answer, Query
+from service.engine.infer import Answer, Query, infer_one
 from service.engine.model import Engine
 from service.errors import Overloaded, Unauthorized
 from service.ops.metrics import Metrics
 from service.ops.workers import ReloadGeneration
+
+INLINE_EMBED_ROWS = 64  # below this, projection runs on the event loop
 
 
 @dataclass
@@ -46,10 +48,18 @@ class AppState:
             self.metrics.in_flight.dec()
 
     async def infer(self, model, rows: np.ndarray, query: Query) -> Answer:
-        """The inference path for one request, through the batcher when batching is on."""
-        if self.batcher is not None:  # the hot path: one await into the batcher
+        """The inference path for one request: merged with others by the batcher when
+        batching is on, else computed alone in a worker thread."""
+        if self.batcher is not None:
             return await self.batcher.submit(model, rows, query)
-        return await batching.run(None, model, rows, query)
+        return await asyncio.get_running_loop().run_in_executor(None, infer_one, model, rows, query)
+
+    async def embed(self, model, rows: np.ndarray) -> np.ndarray:
+        """rows (n, D) -> embeddings (n, d): on the event loop up to INLINE_EMBED_ROWS rows
+        (a thread hop costs more), else in a worker thread."""
+        if len(rows) <= INLINE_EMBED_ROWS:
+            return model.embed(rows)
+        return await asyncio.get_running_loop().run_in_executor(None, model.embed, rows)
 
 
 def state_of(request) -> AppState:

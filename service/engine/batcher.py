@@ -6,8 +6,7 @@ have passed, groups the jobs by (model, k), and calls ``service.engine.infer.inf
 group with the jobs' rows and queries, in a worker thread, off the event loop (or, for
 groups of at most ``inline_rows`` rows, on the event loop itself: on one core that saves
 two thread hand-offs a batch and nothing runs in parallel anyway). Each job gets its own
-part of the answers. ``run`` is how a request reaches the inference path: through the
-batcher when there is one, else in a worker thread.
+part of the answers.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from service.engine.infer import Answer, Query, infer, infer_one
+from service.engine.infer import Answer, Query, infer
 
 
 @dataclass
@@ -30,14 +29,6 @@ class Job:
     query: Query
     future: asyncio.Future
     enqueued: float = field(default_factory=time.perf_counter)
-
-
-async def run(batcher: Batcher | None, model, rows: np.ndarray, query: Query) -> Answer:
-    """The answer to ``query`` for ``rows`` (n, D): merged with other requests by the
-    batcher when there is one, else computed alone in a worker thread."""
-    if batcher is not None:
-        return await batcher.submit(model, rows, query)
-    return await asyncio.get_running_loop().run_in_executor(None, infer_one, model, rows, query)
 
 
 class Batcher:

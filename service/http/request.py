@@ -38,7 +38,6 @@ from service.wire.bodies import (
 )
 from service.wire.integers import parse_count
 
-INLINE_ROWS = 64  # below this, projection runs on the event loop (a thread hop costs more)
 THREAD_ENCODE_VALUES = 32 * 1024  # answers with more numbers are encoded in a worker thread
 BOOL_VALUES = {"true": True, "false": False}
 DECIMAL = re.compile(r"[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?")  # unsigned, finite, no "nan"
@@ -169,13 +168,6 @@ def check_answer_size(request: InferenceRequest, values_per_row: int) -> None:
             f"{values_per_row}); the limit max_response_values is {limit}: send fewer rows, "
             "a smaller k, or leave out the neighbours"
         )
-
-
-async def embed(request: InferenceRequest) -> np.ndarray:
-    model, rows = request.model, request.rows
-    if len(rows) <= INLINE_ROWS:
-        return model.embed(rows)
-    return await run_in_threadpool(model.embed, rows)
 
 
 async def json_response(request: InferenceRequest, n_values: int, build) -> Response:

@@ -32,7 +32,6 @@ The model (name: the setting ``v2_model_name``; version: the artifact's version)
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -324,8 +323,6 @@ def output_tensors(
 
 # ------------------------------------------------------------------ running a call
 
-INLINE_EMBED_ROWS = 64  # below this, an embedding output is computed on the event loop
-
 
 def query_of(model: LoadedModel, max_k: int, call: InferCall) -> Query:
     """The call's k, rule and outlier quantile resolved by the inference path's ``resolve``
@@ -348,11 +345,7 @@ async def run_call(
         if needs_search(model, call):
             answer = await state.infer(model, call.rows, query)
         if "embedding" in wants:
-            if len(call.rows) <= INLINE_EMBED_ROWS:
-                embedding = model.embed(call.rows)
-            else:
-                loop = asyncio.get_running_loop()
-                embedding = await loop.run_in_executor(None, model.embed, call.rows)
+            embedding = await state.embed(model, call.rows)
     if answer is not None and query.threshold is not None and "outlier" in wants:
         state.metrics.outliers.inc(int(outlier_flags(answer.distances, query.threshold).sum()))
     return output_tensors(model, call, answer, embedding, query.threshold)

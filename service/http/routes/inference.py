@@ -80,7 +80,7 @@ async def embed_route(request: Request) -> Response:
         pipeline.check_answer_size(req, req.model.n_components)
     with req.state.admit():
         req.state.metrics.request_rows.labels("/v1/embed").observe(len(req.rows))
-        z = await pipeline.embed(req)
+        z = await req.state.embed(req.model, req.rows)
     model = req.model
     if req.response_type == NPY:
         return Response(npy_bytes(z), media_type=NPY, headers={"x-model-version": model.version})
