@@ -244,7 +244,7 @@ def test_condensing_to_prototypes_writes_cluster_means_with_real_ids(model, tmp_
     path, split = model
     parent = read_artifact(path)
     summary = condense_references(
-        path, out=tmp_path / "p1", method="prototypes", reduction=3,
+        path, out=tmp_path / "p1", method="prototypes", reduction=3, refine="glvq",
         X_test=split.X_test, y_test=split.classes[split.y_test],
     )  # fmt: skip
     first = read_artifact(tmp_path / "p1")
@@ -254,27 +254,34 @@ def test_condensing_to_prototypes_writes_cluster_means_with_real_ids(model, tmp_
     assert len(np.unique(first.ids)) == len(first.ids) and np.isin(first.ids, parent.ids).all()
     entry = first.manifest["lineage"][-1]
     assert entry["settings"] == {
-        "method": "prototypes", "reduction": 3.0, "refine_epochs": 30, "seed": 0
+        "method": "prototypes", "refine": "glvq", "reduction": 3.0, "refine_epochs": 30,
+        "seed": 0,
     }  # fmt: skip
     assert "prototypes" in entry["method"] and set(summary["accuracy"]) == {"validation", "test"}
     # each prototype carries the label of the reference whose id it has
     parent_label = dict(zip(parent.ids.tolist(), np.asarray(parent.labels).tolist(), strict=True))
     assert [parent_label[i] for i in first.ids.tolist()] == np.asarray(first.labels).tolist()
-    condense_references(tmp_path / "p1", out=tmp_path / "p2", method="prototypes", reduction=3)
+    condense_references(
+        tmp_path / "p1", out=tmp_path / "p2", method="prototypes", reduction=3, refine="glvq"
+    )
     assert read_artifact(tmp_path / "p2").version == first.version  # idempotent
 
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"method": "prototypes", "reduction": 0.5}, "--reduction must be a number >= 1"),
+        ({"method": "prototypes", "reduction": 0.5}, "--reduction must be a number > 1"),
+        ({"method": "prototypes", "reduction": 1}, "--reduction must be a number > 1"),
+        ({"method": "prototypes", "reduction": 10**6}, "is above the size of class"),
+        ({"method": "prototypes", "refine": "lvq"}, "--refine must be one of nca, glvq, none"),
         ({"method": "prototypes", "reduction": float("nan")}, "--reduction must be a number"),
         ({"method": "prototypes", "check_k": 3}, "apply to --method hart only"),
         ({"method": "prototypes", "edit_k": 3}, "apply to --method hart only"),
         ({"method": "prototypes", "refine_epochs": -1}, "--refine-epochs must be an integer"),
         ({"method": "prototypes", "refine_epochs": 2.5}, "--refine-epochs must be an integer"),
-        ({"reduction": 3}, "--reduction and --refine-epochs apply to --method prototypes only"),
-        ({"refine_epochs": 3}, "--reduction and --refine-epochs apply to --method prototypes"),
+        ({"reduction": 3}, "--reduction, --refine and --refine-epochs apply to --method protot"),
+        ({"refine_epochs": 3}, "--reduction, --refine and --refine-epochs apply to --method"),
+        ({"refine": "nca"}, "--reduction, --refine and --refine-epochs apply to --method"),
         ({"method": "kmeans"}, "--method must be one of hart, prototypes"),
     ],
 )
@@ -289,7 +296,9 @@ def test_condense_cli_prototypes_and_a_bad_reduction(model, tmp_path, capsys):
     path, _ = model
     base = ["references", "condense", "--model", str(path), "--method", "prototypes"]
     assert cli_main([*base, "--reduction", "0", "--out", str(tmp_path / "x")]) == 2
-    assert "--reduction must be a number >= 1, got 0.0" in capsys.readouterr().err
+    assert "--reduction must be a number > 1 (rows per prototype), got 0.0" in (
+        capsys.readouterr().err
+    )
     assert not (tmp_path / "x").exists()
     assert cli_main([*base, "--out", str(tmp_path / "p")]) == 0
     assert read_artifact(tmp_path / "p").manifest["lineage"][-1]["settings"]["method"] == (

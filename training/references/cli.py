@@ -75,17 +75,26 @@ def add_condense_options(condense: argparse.ArgumentParser) -> None:
         choices=("hart", "prototypes"),
         default="hart",
         help="hart: keep a subset (Hart's condensing, Wilson editing); prototypes: replace "
-        "each class by k-means prototypes refined by GLVQ",
+        "the references by prototypes learned with NCA's objective (see --refine)",
     )
     condense.add_argument(
         "--reduction",
         type=float,
-        help="prototypes: references per prototype within each class (default 3)",
+        help="prototypes: training rows per prototype within each class, above 1 and at most "
+        "the smallest class's size (default 20: 5%% kept)",
+    )
+    condense.add_argument(
+        "--refine",
+        choices=("nca", "glvq", "none"),
+        help="prototypes: how they move from the per-class k-means centres: nca (default) "
+        "learns them with NCA's objective, the map fixed; glvq refines them by generalised "
+        "LVQ; none keeps the cluster means",
     )
     condense.add_argument(
         "--refine-epochs",
         type=int,
-        help="prototypes: GLVQ steps after k-means (default 30; 0: the cluster means)",
+        help="prototypes: at most this many L-BFGS iterations (nca, default 200) or GLVQ "
+        "steps (glvq, default 30)",
     )
     condense.add_argument(
         "--seed", type=int, default=0, help="the order of the passes / the k-means seeding"
@@ -142,6 +151,7 @@ def run(args: argparse.Namespace) -> dict:
             check_k=args.check_k,
             edit_k=args.edit_k,
             reduction=args.reduction,
+            refine=args.refine,
             refine_epochs=args.refine_epochs,
             seed=args.seed,
             X_test=X_test,

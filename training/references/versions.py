@@ -18,6 +18,17 @@ time, warnings), which ``GET /v1/model`` shows.
   Removing every reference of a class is allowed and recorded. When fewer references remain
   than the default k, the default k comes down to their number (recorded).
 
+* condense: keep a subset (Hart's condensing, after Wilson editing with ``edit_k``), or
+  replace the references by round(N_c / reduction) prototypes per class (method
+  "prototypes"; reduction defaults to 20, 5% kept), starting at per-class k-means centres.
+  ``refine`` "nca" (the default) learns them with NCA's objective and the map fixed
+  (``training.references.learned``, at most ``refine_epochs`` L-BFGS iterations, 200);
+  "glvq" moves them for ``refine_epochs`` GLVQ steps (30); "none" keeps the cluster means.
+  Prototypes are not training rows: each carries the id of the training row of its class
+  nearest it, and the manifest's ``reference_set`` says what the references are. With
+  "nca" the default k becomes the one the prototypes serve best on the validation split
+  (recorded in the lineage; usually 1).
+
 A prebuilt FAISS index of the parent no longer matches the references and is not carried
 over: the service builds its index at load. Bad input raises :class:`ReferenceError` (the CLI
 exits 2) and writes nothing.
@@ -88,13 +99,14 @@ def _checked_rows(parent: Artifact, X, y) -> tuple[np.ndarray, np.ndarray]:
     return X, y
 
 
-def _default_k_for(parent: Artifact, n_after: int, entry: dict) -> int:
-    """The parent's default k, lowered to the number of references left when fewer remain
-    (recorded in the lineage entry)."""
-    if n_after < parent.default_k:
-        entry["default_k_lowered"] = [parent.default_k, n_after]
+def _default_k_for(parent: Artifact, n_after: int, entry: dict, k: int | None = None) -> int:
+    """``k`` (the parent's default k when None), lowered to the number of references left
+    when fewer remain (recorded in the lineage entry)."""
+    k = parent.default_k if k is None else k
+    if n_after < k:
+        entry["default_k_lowered"] = [k, n_after]
         return n_after
-    return parent.default_k
+    return k
 
 
 def write_version(
@@ -107,6 +119,7 @@ def write_version(
     classes: list,
     entry: dict,
     default_k: int | None = None,
+    reference_set: dict | None = None,
 ) -> Path:
     """The parent with another reference set, written atomically at ``out``; ``entry`` (the
     operation and its counts) is appended to the lineage with the parent's version and the
@@ -115,6 +128,8 @@ def write_version(
     if parent.validation_embeddings is not None and len(parent.validation_embeddings):
         # "far" is measured against the references: recalibrate on the new set
         kept["outlier_calibration"] = calibrate(embeddings, parent.validation_embeddings)
+    if reference_set is not None:
+        kept["reference_set"] = reference_set
     lineage = [
         *parent.manifest.get("lineage", []),
         {**entry, "parent_version": parent.version, "at": _now()},
@@ -262,17 +277,60 @@ def _accuracies(z_refs, y_refs, z_queries, y_queries, n_classes, ks, rule) -> di
 CONDENSE_METHODS = {
     "hart": "k-NN condensing (Hart)",
     "wilson+hart": "Wilson editing then k-NN condensing",
-    "prototypes": "per-class k-means prototypes refined by GLVQ (embeddings are prototypes, "
-    "not references; each id is the member of its cluster nearest it)",
+    "prototypes-nca": "per-class k-means prototypes learned with NCA's objective, the map fixed "
+    "(embeddings are prototypes, not references; each id is the training row of its class "
+    "nearest it)",
+    "prototypes-glvq": "per-class k-means prototypes refined by GLVQ (embeddings are "
+    "prototypes, not references; each id is the member of its cluster nearest it)",
+    "prototypes-none": "per-class k-means prototypes, the cluster means (each id is the member "
+    "of its cluster nearest it)",
 }
+PROTOTYPE_REFINERS = ("nca", "glvq", "none")
+DEFAULT_REDUCTION = 20.0  # 5% of the rows kept
+DEFAULT_REFINE_EPOCHS = {"nca": 200, "glvq": 30, "none": 0}
 
 
-def _condense_settings(parent, method, check_k, edit_k, reduction, refine_epochs, seed) -> dict:
+def _is_prototypes(parent: Artifact) -> bool:
+    return (parent.manifest.get("reference_set") or {}).get("kind") == "prototypes"
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
+
+
+def _prototype_settings(parent, reduction, refine, refine_epochs, seed) -> dict:
+    if refine not in PROTOTYPE_REFINERS:
+        raise ReferenceError(
+            f"--refine must be one of {', '.join(PROTOTYPE_REFINERS)}; got {refine!r}"
+        )
+    from training.references.learned import check_budget
+
+    reduction = DEFAULT_REDUCTION if reduction is None else reduction
+    if _is_prototypes(parent):  # checked against the training rows when they were learned
+        reduction = float(reduction) if isinstance(reduction, int | float) else reduction
+    else:
+        try:
+            reduction = check_budget(parent.labels, len(parent.classes), reduction, parent.classes)
+        except ValueError as exc:
+            raise ReferenceError(str(exc)) from None
+    refine_epochs = DEFAULT_REFINE_EPOCHS[refine] if refine_epochs is None else refine_epochs
+    if not _whole(refine_epochs) or refine_epochs < 0:
+        raise ReferenceError(f"--refine-epochs must be an integer >= 0, got {refine_epochs!r}")
+    return {
+        "method": "prototypes",
+        "refine": refine,
+        "reduction": reduction,
+        "refine_epochs": int(refine_epochs),
+        "seed": int(seed),
+    }
+
+
+def _condense_settings(parent, method, check_k, edit_k, reduction, refine, refine_epochs, seed):
     """The operation's settings, checked; they are recorded in the lineage."""
     if method == "hart":
-        if reduction is not None or refine_epochs is not None:
+        if reduction is not None or refine_epochs is not None or refine is not None:
             raise ReferenceError(
-                "--reduction and --refine-epochs apply to --method prototypes only"
+                "--reduction, --refine and --refine-epochs apply to --method prototypes only"
             )
         check_k = parent.default_k + 2 if check_k is None else int(check_k)
         if check_k < 1 or edit_k < 0:
@@ -283,39 +341,82 @@ def _condense_settings(parent, method, check_k, edit_k, reduction, refine_epochs
     if method == "prototypes":
         if check_k is not None or edit_k:
             raise ReferenceError("--check-k and --edit-k apply to --method hart only")
-        reduction = 3.0 if reduction is None else float(reduction)
-        if not np.isfinite(reduction) or reduction < 1:
-            raise ReferenceError(f"--reduction must be a number >= 1, got {reduction}")
-        refine_epochs = 30 if refine_epochs is None else refine_epochs
-        whole = isinstance(refine_epochs, int | np.integer) and not isinstance(refine_epochs, bool)
-        if not whole or refine_epochs < 0:
-            raise ReferenceError(f"--refine-epochs must be an integer >= 0, got {refine_epochs!r}")
-        return {
-            "method": "prototypes",
-            "reduction": reduction,
-            "refine_epochs": int(refine_epochs),
-            "seed": int(seed),
-        }
+        return _prototype_settings(parent, reduction, refine or "nca", refine_epochs, seed)
     raise ReferenceError(f"--method must be one of hart, prototypes; got {method!r}")
 
 
+def _learned(parent, z, y, settings) -> tuple:
+    """Prototypes learned with NCA's objective, the map fixed: (prototypes, labels, ids,
+    counts, served k or None, reference_set record)."""
+    from training.references.learned import (
+        learn_prototypes,
+        reference_set_record,
+        representatives,
+        served_k,
+    )
+
+    fit = learn_prototypes(
+        z, y, reduction=settings["reduction"], x_val=parent.validation_embeddings,
+        y_val=parent.validation_labels, max_iter=settings["refine_epochs"],
+        seed=settings["seed"],
+    )  # fmt: skip
+    rows = representatives(z, y, fit.prototypes, fit.labels)
+    k, _ = served_k(
+        fit.prototypes, fit.labels, parent.validation_embeddings, parent.validation_labels,
+        len(parent.classes), parent.decision_rule,
+    )  # fmt: skip
+    record = reference_set_record(
+        method="nca, map fixed", reduction=settings["reduction"], fit=fit, n_rows=len(z),
+        loss="f",
+    )  # fmt: skip
+    counts = {"prototypes": len(fit.labels)}
+    return fit.prototypes, fit.labels, parent.ids[rows], counts, k, record
+
+
 def _condensed(parent, z, y, settings, unchanged) -> tuple:
-    """(embeddings, labels, ids, counts) of the condensed set; the parent's when unchanged."""
+    """(embeddings, labels, ids, counts, served k or None, reference_set or None) of the
+    condensed set; the parent's when unchanged."""
     from training.references.condense import condense, prototypes
 
     if unchanged:
-        return z, y, parent.ids, {"removed_by_editing": 0, "removed_by_condensing": 0}
+        counts = {"removed_by_editing": 0, "removed_by_condensing": 0}
+        return z, y, parent.ids, counts, None, parent.manifest.get("reference_set")
+    if settings.get("method") == "prototypes" and settings["refine"] == "nca":
+        return _learned(parent, z, y, settings)
     if settings.get("method") == "prototypes":
         centres, labels, representative, _ = prototypes(
-            z,
-            y,
-            reduction=settings["reduction"],
-            seed=settings["seed"],
-            refine_epochs=settings["refine_epochs"],
+            z, y, reduction=settings["reduction"], seed=settings["seed"],
+            refine_epochs=settings["refine_epochs"] if settings["refine"] == "glvq" else 0,
+        )  # fmt: skip
+        record = {
+            "kind": "prototypes",
+            "method": f"k-means, {settings['refine']} refinement",
+            "reduction": settings["reduction"],
+            "n_prototypes": len(labels),
+            "n_training_rows": len(z),
+        }
+        return (
+            centres,
+            labels,
+            parent.ids[representative],
+            {"prototypes": len(labels)},
+            None,
+            record,
         )
-        return centres, labels, parent.ids[representative], {"prototypes": len(labels)}
     keep, counts = condense(z, y, len(parent.classes), **settings)
-    return z[keep], y[keep], parent.ids[keep], counts
+    return z[keep], y[keep], parent.ids[keep], counts, None, None
+
+
+def _before_and_after(parent, before, after, ks, X_test, y_test) -> dict:
+    """{split: {"before": {k: accuracy}, "after": ...}} on the validation and test rows."""
+    n_classes, rule = len(parent.classes), parent.decision_rule
+    return {
+        name: {
+            "before": _accuracies(*before, zq, yq, n_classes, ks, rule),
+            "after": _accuracies(*after, zq, yq, n_classes, ks, rule),
+        }
+        for name, (zq, yq) in _evaluation_sets(parent, X_test, y_test).items()
+    }
 
 
 def _evaluation_sets(parent: Artifact, X_test, y_test) -> dict:
@@ -345,6 +446,7 @@ def condense_references(
     check_k: int | None = None,
     edit_k: int = 0,
     reduction: float | None = None,
+    refine: str | None = None,
     refine_epochs: int | None = None,
     seed: int = 0,
     X_test: np.ndarray | None = None,
@@ -359,39 +461,40 @@ def condense_references(
     changed since, returns it unchanged (the operation is idempotent): a second pass would
     judge the kept references without the removed ones that they vouch for.
 
-    method "prototypes" replaces each class's references by round(N_c / reduction) k-means
-    prototypes, then moves them for ``refine_epochs`` GLVQ steps (``training.references.condense.
-    prototypes``; reduction defaults to 3, refine_epochs to 30): the embeddings become
-    prototypes, each with the id of the member of its cluster nearest it."""
+    method "prototypes": see the module's docstring."""
     parent = read_parent(model)
-    settings = _condense_settings(parent, method, check_k, edit_k, reduction, refine_epochs, seed)
+    settings = _condense_settings(
+        parent, method, check_k, edit_k, reduction, refine, refine_epochs, seed
+    )
     classes = parent.classes
     z, y = np.asarray(parent.embeddings), np.asarray(parent.labels, dtype=np.int64)
     last = (parent.manifest.get("lineage") or [{}])[-1]
     unchanged = last.get("operation") == "condense" and last.get("settings") == settings
-    new_z, new_y, new_ids, counts = _condensed(parent, z, y, settings, unchanged)
+    if method == "prototypes" and _is_prototypes(parent) and not unchanged:
+        raise ReferenceError(
+            "the model's references are already prototypes: learn prototypes from the version "
+            f"with the training rows instead (parent {last.get('parent_version')})"
+        )
+    new_z, new_y, new_ids, counts, k, record = _condensed(parent, z, y, settings, unchanged)
     check_k = settings.get("check_k", parent.default_k)
-    ks = tuple(sorted({1, parent.default_k, check_k}))
-    accuracy = {
-        name: {
-            "before": _accuracies(z, y, zq, yq, len(classes), ks, parent.decision_rule),
-            "after": _accuracies(new_z, new_y, zq, yq, len(classes), ks, parent.decision_rule),
-        }
-        for name, (zq, yq) in _evaluation_sets(parent, X_test, y_test).items()
-    }
+    ks = tuple(sorted({1, parent.default_k, check_k} | ({k} if k else set())))
+    accuracy = _before_and_after(parent, (z, y), (new_z, new_y), ks, X_test, y_test)
     n_after = len(new_y)
+    name = f"prototypes-{settings['refine']}" if method == "prototypes" else method
     entry = {
         "operation": "condense",
-        "method": CONDENSE_METHODS["wilson+hart" if method == "hart" and edit_k else method],
+        "method": CONDENSE_METHODS["wilson+hart" if method == "hart" and edit_k else name],
         "settings": settings,
         "rows_before": len(z),
         "rows_after": n_after,
         **counts,
         "accuracy": accuracy,
     }
-    default_k = _default_k_for(parent, n_after, entry)
+    if k is not None and k != parent.default_k:  # the k the prototypes serve best
+        entry["default_k_chosen_on_validation"] = [parent.default_k, k]
+    default_k = _default_k_for(parent, n_after, entry, k)
     path = write_version(
         parent, out, embeddings=new_z, labels=new_y, ids=new_ids, classes=classes, entry=entry,
-        default_k=default_k,
+        default_k=default_k, reference_set=record,
     )  # fmt: skip
     return {**entry, "artifact": str(path)}

@@ -72,6 +72,7 @@ DESCRIPTIVE_MANIFEST_KEYS = frozenset(
         "metrics",
         "training",
         "lineage",
+        "reference_set",  # what the references are (training rows or learned prototypes)
     }
 )
 
