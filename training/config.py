@@ -128,6 +128,12 @@ class TrainConfig:
     validation_interval: int = _shared(
         "validation_interval", "iterations between validation checks"
     )
+    prototypes: float | None = _shared(
+        "prototypes",
+        "learned reference set: after the fit, learn round(N_c / PROTOTYPES) prototypes per "
+        "class together with the map (NCA's objective) and serve them instead of the training "
+        "rows (e.g. 20 keeps 5%%; above 1, at most the smallest class's size)",
+    )
     test_size: float = _opt(
         0.2, "fraction of each class held out for testing (ignored if the data has a test set)"
     )

@@ -34,6 +34,7 @@ from training.evaluation.calibration import calibrate, outlier_report
 from training.evaluation.evaluate import K_VALUES, choose_k, knn_accuracies, knn_predictions
 from training.evaluation.report import json_bytes, plot_embedding, plot_objective
 from training.model.estimator import NCA
+from training.references.learned import check_budget, reference_set_record
 
 
 class ConfigError(ValueError):
@@ -115,6 +116,7 @@ def build_estimator(config: TrainConfig, n_features: int) -> NCA:
         device=config.device,
         random_state=config.seed,
         verbose=0 if config.quiet else 1,
+        prototypes=config.prototypes,
     )
 
 
@@ -201,14 +203,10 @@ def run(config: TrainConfig, *, log=print) -> dict:
         label_column=config.label_column,
         memory_map=group.is_distributed,
     )
-    if group.is_distributed:
-        split = shard_split(data, config, group)
-    else:
-        split = make_split(
-            data, test_size=config.test_size, val_size=config.val_size, seed=config.seed
-        )
+    split = shard_split(data, config, group) if group.is_distributed else _split(data, config)
     del data  # a data-parallel rank keeps only its rows
     out = resolve_out(config.out, _data_name(config))
+    _check_prototypes(config, split, group)
     estimator = build_estimator(config, split.X_train.shape[1])
     parallel = f", {group.world_size} ranks ({group.backend})" if group.is_distributed else ""
     log(
@@ -244,6 +242,27 @@ def run(config: TrainConfig, *, log=print) -> dict:
     if group.is_distributed:
         dist.barrier()  # the other ranks end after the artifact exists
     return report
+
+
+def _split(data: Dataset, config: TrainConfig) -> Split:
+    return make_split(data, test_size=config.test_size, val_size=config.val_size, seed=config.seed)
+
+
+def _check_prototypes(config: TrainConfig, split, group: ProcessGroup) -> None:
+    """--prototypes (when given) against the training split, before the fit (ConfigError)."""
+    if config.prototypes is None:
+        return
+    if group.is_distributed:
+        raise ConfigError(
+            "--prototypes learns the prototypes from every training row in one process; a "
+            "data-parallel run holds a shard per rank: train without it, then run "
+            "`python -m training references condense --method prototypes` on the artifact"
+        )
+    try:
+        check_budget(split.y_train, len(split.classes), config.prototypes, split.classes.tolist(),
+                     name="--prototypes")  # fmt: skip
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _data_name(config: TrainConfig) -> str:
@@ -329,6 +348,9 @@ class Evaluation:
     outlier_calibration: dict | None = (
         None  # training.evaluation.calibration.calibrate on validation
     )
+    z_ref: np.ndarray | None = None  # (M, d) the references served: z_train or prototypes
+    y_ref: np.ndarray | None = None  # (M,)
+    ref_ids: np.ndarray | None = None  # (M,) prototypes: the training row nearest each
 
 
 BASELINES_SKIPPED = (
@@ -361,10 +383,14 @@ def evaluate(
         if group.rank != 0:
             return None
     n_classes, rule = len(split.classes), config.decision_rule
-    val_acc = knn_accuracies(z_train, y_train, z_val, y_val, n_classes, K_VALUES, rule)
-    test_acc = knn_accuracies(z_train, y_train, z_test, split.y_test, n_classes, K_VALUES, rule)
-    default_k = choose_k(val_acc, fallback=min(config.k, len(z_train)))
-    predictions = knn_predictions(z_train, y_train, z_test, n_classes, (default_k,), rule)
+    z_ref, y_ref, ref_ids, k = z_train, y_train, None, config.k  # the references served
+    if getattr(estimator, "prototypes_", None) is not None:  # learned prototypes instead
+        z_ref, y_ref, k = estimator.prototypes_, estimator.prototype_labels_.astype(np.int64), 1
+        ref_ids = estimator.prototype_rows_  # the training row of its class nearest each
+    val_acc = knn_accuracies(z_ref, y_ref, z_val, y_val, n_classes, K_VALUES, rule)
+    test_acc = knn_accuracies(z_ref, y_ref, z_test, split.y_test, n_classes, K_VALUES, rule)
+    default_k = choose_k(val_acc, fallback=min(k, len(z_ref)))
+    predictions = knn_predictions(z_ref, y_ref, z_test, n_classes, (default_k,), rule)
     if group.is_distributed:
         baselines = {"skipped": BASELINES_SKIPPED}
     else:
@@ -383,7 +409,10 @@ def evaluate(
         predictions[default_k],
         baselines,
         digests,
-        calibrate(z_train, z_val),
+        calibrate(z_ref, z_val),
+        z_ref,
+        y_ref,
+        ref_ids,
     )
 
 
@@ -432,8 +461,8 @@ def build_report(
         # test points farther from every reference than the calibrated 0.99-quantile
         "outliers": outlier_report(
             ev.outlier_calibration,
-            ev.z_train,
-            ev.y_train,
+            ev.z_ref,
+            ev.y_ref,
             ev.z_test,
             split.y_test,
             len(split.classes),
@@ -485,8 +514,9 @@ def save_artifact(
         out,
         projection=estimator.projection_,
         offset=estimator.offset_,
-        embeddings=ev.z_train,
-        labels=ev.y_train.astype(np.int32),
+        embeddings=ev.z_ref,
+        labels=ev.y_ref.astype(np.int32),
+        ids=ev.ref_ids,
         classes=split.classes.tolist(),
         mean=estimator.mean_,
         scale=estimator.scale_,
@@ -500,8 +530,21 @@ def save_artifact(
             "metrics": report["metrics"],
             "data": report["data"],
             "outlier_calibration": ev.outlier_calibration,
+            **_reference_set_of(estimator, config),
         },
     )
+
+
+def _reference_set_of(estimator: NCA, config: TrainConfig) -> dict:
+    """{"reference_set": ...} when the artifact serves learned prototypes, else {}."""
+    fit = getattr(estimator, "prototype_fit_", None)
+    if estimator.prototypes_ is None or fit is None:
+        return {}
+    record = reference_set_record(
+        method="nca, learned jointly with the map", reduction=float(config.prototypes),
+        fit=fit, loss="log",
+    )  # fmt: skip
+    return {"reference_set": record}
 
 
 __all__ = ["ConfigError", "DataError", "run"]

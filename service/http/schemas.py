@@ -65,6 +65,13 @@ class ModelInfo(BaseModel):
         description="reference-set changes since training, oldest first (operation, parent "
         "version, row counts, time)",
     )
+    reference_set: dict = Field(
+        default_factory=lambda: {"kind": "training_rows"},
+        description="what the references are: the projected training rows (kind "
+        "'training_rows'), or learned prototypes (kind 'prototypes', with the method, the "
+        "reduction and counts): a prototype is not a training example; its id names the "
+        "training row of its class nearest it, and neighbour distances are to the prototype",
+    )
     outliers: dict | None = Field(
         None,
         description="the outlier calibration (quantiles of held-out nearest squared "

@@ -114,3 +114,25 @@ def test_two_gpus_on_nccl_give_the_single_process_values(tmp_path):
             np.testing.assert_allclose(
                 got, expected[key.replace("__", "/")], rtol=rtol, atol=rtol * 10
             )
+
+
+@pytest.mark.parametrize("joint", [False, True])
+def test_prototype_objective_on_cuda_equals_the_cpu(joint):
+    from training.references.learned import PrototypeProblem
+
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 4, 500)
+    x = rng.normal(size=(500, 12)) + y[:, None]
+    a = rng.normal(size=(3, 12)) * 0.3
+    labels = np.repeat(np.arange(4), 5)
+    z = rng.normal(size=(20, 3))
+    theta = np.concatenate([z.ravel(), a.ravel() if joint else [0.2]])
+    data = x if joint else x @ a.T
+    answers = [
+        PrototypeProblem(
+            data, y, labels, n_components=3, joint=joint, device=device, dtype=torch.float64
+        ).loss_and_grad(theta)
+        for device in ("cpu", "cuda")
+    ]
+    assert answers[1][0] == pytest.approx(answers[0][0], rel=1e-10)
+    np.testing.assert_allclose(answers[1][1], answers[0][1], rtol=1e-8, atol=1e-12)

@@ -40,6 +40,7 @@ from training.optim.finish import finish_exactly
 from training.optim.lbfgs import run_lbfgs
 from training.optim.monitor import Monitor, single_class_result
 from training.optim.problem import Problem
+from training.references.learned import learn_prototypes, representatives
 
 
 class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
@@ -94,6 +95,10 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         kNN accuracy on training rows (``standardization_``, ``standardization_scores_``).
     warm_start : bool
         Start from the previous ``components_`` (same D).
+    prototypes : None or float
+        The joint mode of learned reference sets: after the NCA fit, round(N_c / prototypes)
+        prototypes per class and the map are learned together with NCA's objective
+        (``training.references.learned``); above 1 and at most the smallest class's size.
     device, random_state, verbose, callback
         "auto" is CUDA when available; seed; scikit-learn's verbose table; called after
         every iteration with A raveled (d * D,) and the iteration number.
@@ -107,6 +112,10 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
     classes_, n_features_in_, n_iter_, converged_, stop_reason_, objective_value_, history_,
     init_used_, best_val_accuracy_, n_candidates_, solver_, l2_, exact_finish_iter_
         (the finish's iterations are in ``n_iter_``; ``converged_`` is the first stage's)
+    prototypes_, prototype_labels_, prototype_rows_ : (M, d) float32 in the learned space,
+        (M,) labels, (M,) for each prototype the index in X of the row of its class nearest
+        it; None unless ``prototypes`` is set. A 1-NN classifier on them is the compressed
+        model: ``KNeighborsClassifier(1).fit(nca.prototypes_, nca.prototype_labels_)``.
     candidate_warning_ : str or None
         On candidates, when the candidate objective rose while the exact one on 512 fixed
         rows fell, or ends above it by more than ``training.optim.candidates.AUDIT_GAP``.
@@ -120,7 +129,7 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         early_stopping=False, validation_fraction=0.1, validation_k=None,
         validation_rule="majority", n_iter_no_change=5, validation_interval=5,
         standardize="auto", warm_start=False, device="auto", random_state=None, verbose=0,
-        callback=None,
+        callback=None, prototypes=None,
     ):  # fmt: skip
         self.n_components = n_components
         self.objective = objective
@@ -152,6 +161,7 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         self.random_state = random_state
         self.verbose = verbose
         self.callback = callback
+        self.prototypes = prototypes
 
     # ------------------------------------------------------------------ validation
 
@@ -218,6 +228,9 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
                 )
         self._store_fit(problem, result, prep, plan, finished_iter, group)
         self._warn_about(result, plan, candidate_history, len(prep.y), group)
+        self.prototypes_ = self.prototype_labels_ = self.prototype_rows_ = None
+        if self.prototypes is not None:
+            _fit_prototypes(self, prep, X, y)
         return self
 
     def _problem_factory(self, prep: preparation.Prepared, plan: FitPlan, group):
@@ -281,11 +294,7 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
                 f"non-finite entries after {result.n_iter} iterations (solver={plan.solver!r}, "
                 f"objective={self.objective!r}); nothing was fitted"
             )
-        mean, scale = prep.mean, prep.scale
-        self.components_ = A
-        self.mean_, self.scale_ = mean, scale
-        self.projection_ = (A / scale[None, :]).astype(np.float32)
-        self.offset_ = (-(mean / scale) @ A.T).astype(np.float32)
+        self._set_map(A, prep.mean, prep.scale)
         self.classes_ = prep.classes
         self.n_iter_ = result.n_iter
         self.converged_ = result.converged
@@ -304,6 +313,13 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         self.n_evaluations_ = result.n_evaluations
         self.world_size_ = group.world_size
         self.distributed_backend_ = group.backend
+
+    def _set_map(self, A: np.ndarray, mean: np.ndarray, scale: np.ndarray) -> None:
+        """components_ (d, D) and the same map on raw inputs: z = x @ projection_.T + offset_."""
+        self.components_ = A
+        self.mean_, self.scale_ = mean, scale
+        self.projection_ = (A / scale[None, :]).astype(np.float32)
+        self.offset_ = (-(mean / scale) @ A.T).astype(np.float32)
 
     def _warn_about(self, result, plan: FitPlan, candidate_history, n_total: int, group):
         """The candidate audit's verdict (``candidate_warning_``) and non-convergence, as
@@ -364,3 +380,21 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
     @property
     def _n_features_out(self):
         return self.components_.shape[0]
+
+
+def _fit_prototypes(est: NCA, prep: preparation.Prepared, X, y) -> None:
+    """The joint mode: round(N_c / prototypes) prototypes per class and the map, learned
+    together from the NCA map (``training.references.learned``, log loss, the iteration
+    with the best validation 1-NN accuracy kept when there is a validation set)."""
+    fit = learn_prototypes(
+        prep.X, prep.y, reduction=float(est.prototypes), projection=est.components_,
+        joint=True, x_val=prep.X_val, y_val=prep.y_val, loss="log",
+        seed=int(prep.rng.integers(2**31 - 1)), device=str(prep.device),
+    )  # fmt: skip
+    est._set_map(fit.projection, prep.mean, prep.scale)
+    z = est.transform(X)  # (N, d): every row given, so prototype_rows_ index X
+    y_idx = np.searchsorted(est.classes_, np.asarray(y))
+    est.prototypes_ = fit.prototypes
+    est.prototype_labels_ = est.classes_[fit.labels]
+    est.prototype_rows_ = representatives(z, y_idx, fit.prototypes, fit.labels)
+    est.prototype_fit_ = fit

@@ -126,6 +126,7 @@ CONSTRAINTS: dict[str, list] = {
     "validation_rule": [OneOf(NEIGHBOUR_RULES)],
     "standardize": [OneOf(STANDARDIZE_CHOICES)],
     "callback": [NONE, Callable_()],
+    "prototypes": [NONE, Real(1, low_closed=False)],
 }
 
 

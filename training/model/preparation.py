@@ -23,6 +23,7 @@ from training.distributed import sharded_stats
 from training.distributed.ranks import shard_bounds
 from training.evaluation.evaluate import knn_accuracies
 from training.model.initialization import initial_components, resolve_auto
+from training.references.learned import check_budget
 
 # standardize= values: booleans keep their meaning from before "global" and "auto" existed
 STANDARDIZE_MODES = {True: "feature", False: "none"}
@@ -35,6 +36,11 @@ INIT_MESSAGES = {
 def prepare(est, X, y, X_val, y_val, group) -> Prepared:
     """The fit's starting point from this process's rows (all of them, or its shard)."""
     if group.is_distributed:
+        if est.prototypes is not None:
+            raise ValueError(
+                f"prototypes={est.prototypes!r} learns the prototypes from every training row in "
+                "one process; a data-parallel fit holds a shard per rank: use prototypes=None"
+            )
         return prepare_shards(est, X, y, X_val, y_val, group)
     return prepare_local(est, X, y, X_val, y_val)
 
@@ -55,6 +61,8 @@ class Prepared:
     init_used: str
     classes: np.ndarray
     validate: Callable  # problem -> (theta -> validation accuracy) or None
+    X_val: np.ndarray | None = None  # (V, D) standardised validation rows (one process)
+    y_val: np.ndarray | None = None  # (V,) their class indices
 
 
 def resolve_device(device: str) -> torch.device:
@@ -78,6 +86,8 @@ def prepare_local(est, X, y, X_val, y_val) -> Prepared:
     rng = seeded_rng(est)
     device = resolve_device(est.device)
     X_tr, y_tr, X_val, y_val_idx = split_validation(est, X, y_idx, classes, X_val, y_val, rng)
+    if est.prototypes is not None:  # the budget is checked before the fit, not after it
+        check_budget(y_tr, len(classes), est.prototypes, classes.tolist(), name="prototypes")
     mean, scale = standardizer(est, X_tr, y_tr, len(classes))
     Xs = (X_tr - mean) / scale  # (n, D) standardised training inputs
     theta0, init_used = initialize(est, Xs, y_tr, d, scale, rng)
@@ -85,7 +95,10 @@ def prepare_local(est, X, y, X_val, y_val) -> Prepared:
     def validate(problem):
         return validation_score(est, problem, Xs, y_tr, X_val, y_val_idx, mean, scale, len(classes))
 
-    return Prepared(Xs, y_tr, d, rng, device, mean, scale, theta0, init_used, classes, validate)
+    Xv_s = None if X_val is None else (X_val - mean) / scale
+    return Prepared(
+        Xs, y_tr, d, rng, device, mean, scale, theta0, init_used, classes, validate, Xv_s, y_val_idx
+    )
 
 
 def prepare_shards(est, X, y, X_val, y_val, group) -> Prepared:

@@ -65,6 +65,7 @@ class PrototypeFit:
     history: list = field(default_factory=list)
     best_iter: int = 0
     seconds: float = 0.0
+    n_rows: int = 0  # the training rows it learned from
 
 
 def class_budget(y: np.ndarray, reduction: float) -> dict[int, int]:
@@ -92,7 +93,7 @@ class PrototypeProblem:
 
     A fixed: theta = [Z (M*d), s]; u = the given embeddings (N, d), g = exp(s).
     Joint:   theta = [Z (M*d), A (d*D)]; u = X A^T for standardised X (N, D), g = 1.
-    l2 adds l2 * ||A||_F^2 (joint) to the mean loss. ``fixed_scale`` keeps s where it is.
+    ``fixed_scale`` keeps s where it is (its gradient is reported as 0).
 
     The gradient is the closed form (checked against autograd and finite differences in the
     tests). With G_ij = dL/d logit_ij, logit_ij = -g ||u_i - z_j||^2:
@@ -115,7 +116,6 @@ class PrototypeProblem:
         n_components: int,
         joint: bool,
         loss: str = "log",
-        l2: float = 0.0,
         fixed_scale: bool = False,
         chunk_rows: int = 1024,
         device: str = "cpu",
@@ -127,7 +127,7 @@ class PrototypeProblem:
         y = np.asarray(y, dtype=np.int64)
         if not np.isin(y, labels).all():
             raise ValueError("every class of the training rows needs a prototype")
-        self.device, self.dtype, self.loss, self.l2 = torch.device(device), dtype, loss, l2
+        self.device, self.dtype, self.loss = torch.device(device), dtype, loss
         order = np.argsort(y, kind="stable")  # rows class by class
         self.x = torch.as_tensor(np.asarray(x)[order], dtype=dtype, device=self.device)
         classes, first = np.unique(y[order], return_index=True)
@@ -180,9 +180,6 @@ class PrototypeProblem:
             tail = [0.0 if self.fixed_scale else grad_s]
         else:
             tail = grad_a.cpu().numpy().ravel()
-            if self.l2:
-                total += self.l2 * float(a_np.ravel() @ a_np.ravel())
-                tail = tail + 2.0 * self.l2 * a_np.ravel()
         return total, np.concatenate([grad_z.cpu().numpy().ravel(), tail])
 
 
@@ -236,7 +233,6 @@ def learn_prototypes(
     x_val: np.ndarray | None = None,
     y_val: np.ndarray | None = None,
     loss: str = "f",
-    l2: float = 0.0,
     scale_factor: float = 3.0,
     max_iter: int = 200,
     check_every: int = 10,
@@ -259,8 +255,8 @@ def learn_prototypes(
         raise ValueError("the joint mode needs the starting projection (d, D)")
     z0, labels, theta0 = _starting_point(x, y, reduction, projection, joint, scale_factor, seed)
     problem = PrototypeProblem(
-        x, y, labels, n_components=z0.shape[1], joint=joint, loss=loss, l2=l2,
-        fixed_scale=True, device=device, dtype=dtype,
+        x, y, labels, n_components=z0.shape[1], joint=joint, loss=loss, fixed_scale=True,
+        device=device, dtype=dtype,
     )  # fmt: skip
     tracker = _BestOnValidation(problem, x_val, y_val, labels, check_every, patience)
     tracker.check(theta0, 0)
@@ -285,6 +281,7 @@ def learn_prototypes(
         history=tracker.history,
         best_iter=tracker.best_iter,
         seconds=time.perf_counter() - started,
+        n_rows=len(y),
     )
 
 
@@ -355,7 +352,9 @@ class _BestOnValidation:
             self.stale += 1
 
 
-def check_budget(y: np.ndarray, n_classes: int, reduction, classes=None) -> float:
+def check_budget(
+    y: np.ndarray, n_classes: int, reduction, classes=None, name: str = "--reduction"
+) -> float:
     """reduction as a float, or ValueError naming the problem: it must be a number above 1
     and at most the size of the smallest class (each class keeps at least one prototype and
     fewer prototypes than rows), and every class must have rows (a class without rows cannot
@@ -363,9 +362,9 @@ def check_budget(y: np.ndarray, n_classes: int, reduction, classes=None) -> floa
     try:
         value = float(reduction)
     except (TypeError, ValueError):
-        raise ValueError(f"--reduction must be a number > 1, got {reduction!r}") from None
+        raise ValueError(f"{name} must be a number > 1, got {reduction!r}") from None
     if not np.isfinite(value) or value <= 1:
-        raise ValueError(f"--reduction must be a number > 1 (rows per prototype), got {reduction}")
+        raise ValueError(f"{name} must be a number > 1 (rows per prototype), got {reduction}")
     counts = np.bincount(np.asarray(y, dtype=np.int64), minlength=n_classes)
     names = list(range(n_classes)) if classes is None else list(classes)
     empty = [names[c] for c in np.flatnonzero(counts == 0)]
@@ -377,7 +376,7 @@ def check_budget(y: np.ndarray, n_classes: int, reduction, classes=None) -> floa
     smallest = int(np.argmin(counts))
     if value > counts[smallest]:
         raise ValueError(
-            f"--reduction {value:g} is above the size of class {names[smallest]!r} "
+            f"{name}={value:g} is above the size of class {names[smallest]!r} "
             f"({counts[smallest]} rows): at most {counts[smallest]} keeps one prototype for it"
         )
     return value
@@ -410,9 +409,7 @@ def served_k(prototypes, labels, z_val, y_val, n_classes: int, rule: str) -> tup
     return choose_k(accuracy, fallback=1), accuracy
 
 
-def reference_set_record(
-    *, method: str, reduction: float, fit: PrototypeFit, n_rows: int, loss: str
-) -> dict:
+def reference_set_record(*, method: str, reduction: float, fit: PrototypeFit, loss: str) -> dict:
     """The manifest's ``reference_set``: what the references are and how they were made."""
     return {
         "kind": "prototypes",
@@ -421,7 +418,7 @@ def reference_set_record(
         "reduction": reduction,
         "budget": "proportional: round(N_c / reduction) per class, at least 1",
         "n_prototypes": len(fit.labels),
-        "n_training_rows": int(n_rows),
+        "n_training_rows": fit.n_rows,
         "iterations": int(fit.n_iter),
         "kept_iteration": int(fit.best_iter),
         "seconds": round(float(fit.seconds), 3),

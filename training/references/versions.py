@@ -366,8 +366,7 @@ def _learned(parent, z, y, settings) -> tuple:
         len(parent.classes), parent.decision_rule,
     )  # fmt: skip
     record = reference_set_record(
-        method="nca, map fixed", reduction=settings["reduction"], fit=fit, n_rows=len(z),
-        loss="f",
+        method="nca, map fixed", reduction=settings["reduction"], fit=fit, loss="f",
     )  # fmt: skip
     counts = {"prototypes": len(fit.labels)}
     return fit.prototypes, fit.labels, parent.ids[rows], counts, k, record

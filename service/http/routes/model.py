@@ -35,6 +35,7 @@ async def model_info(state: State) -> ModelInfo:
         metrics=manifest.get("metrics", {}),
         training={k: v for k, v in manifest.get("training", {}).items() if k != "config"},
         lineage=manifest.get("lineage", []),
+        reference_set=manifest.get("reference_set") or {"kind": "training_rows"},
         outliers=None
         if model.outlier_quantiles is None
         else {

@@ -1,0 +1,189 @@
+"""Learned reference sets: test accuracy of the k-NN rule on a fraction of the references.
+
+For each data set (clean, and with 25% of the training and validation labels replaced by
+another class; test labels stay clean), one NCA map is fitted with the estimator's defaults,
+then the references are reduced to 1%, 2%, 5% and 10% of the training rows by:
+
+* hart: Hart's condensing (check_k = the served k + 2; it keeps what it keeps, one row);
+* kmeans+glvq: per-class k-means prototypes refined by GLVQ (``--refine glvq``);
+* learned, map fixed: ``references condense --method prototypes`` (the default, NCA's f
+  objective on the prototypes; ``training.references.learned``);
+* learned jointly: the joint mode (``NCA(prototypes=R)`` / ``python -m training
+  --prototypes R``): the prototypes and the map together from the fitted map, log loss.
+
+Every method's served k is chosen on the validation split (K_VALUES; prototypes fall back to
+1), as the command and the job choose it. Accuracy is on the test split at that k and at
+k = 1; seconds are the compression's alone.
+
+Sets: usps (7,291 - 700 validation rows, 256 pixels, d = 32; USPS's own 2,007 test rows),
+usps784 (``common.usps_784``: 60,000 references of 784 pixels, d = 32), letters26
+(scikit-learn's make_classification: 20,000 rows, 16 features, 26 classes, two clusters
+each, class_sep 3; 16,400 / 1,600 / 2,000; d = 12).
+
+Usage: python benchmarks/learned_references.py [--sets usps,letters26,usps784]
+       [--noise 0,0.25] [--fractions 0.01,0.02,0.05,0.1]
+Writes benchmarks/results/learned_references.json (sets not run keep their last rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, USPS_PATH, machine, print_table, save_json, usps_784
+
+METHODS = ("full", "hart", "kmeans+glvq", "learned, map fixed", "learned jointly")
+
+
+def usps():
+    if not USPS_PATH.exists():
+        return None
+    data = np.load(USPS_PATH)
+    X, y = data["X"].astype(np.float32), data["y"].astype(np.int64)
+    order = np.random.default_rng(0).permutation(len(y))
+    val, train = order[:700], order[700:]
+    X_test, y_test = data["X_test"].astype(np.float32), data["y_test"].astype(np.int64)
+    return X[train], y[train], X[val], y[val], X_test, y_test
+
+
+def letters26():
+    from sklearn.datasets import make_classification
+
+    X, y = make_classification(
+        n_samples=20000, n_features=16, n_informative=14, n_redundant=2, n_classes=26,
+        n_clusters_per_class=2, class_sep=3.0, random_state=0,
+    )  # fmt: skip
+    X = X.astype(np.float32)
+    order = np.random.default_rng(0).permutation(len(y))
+    test, val, train = order[:2000], order[2000:3600], order[3600:]
+    return X[train], y[train], X[val], y[val], X[test], y[test]
+
+
+def usps784():
+    return usps_784(60000, 1000, 2007)
+
+
+SETS = {"usps": (usps, 32), "letters26": (letters26, 12), "usps784": (usps784, 32)}
+
+
+def with_noise(y: np.ndarray, n_classes: int, fraction: float, seed: int) -> np.ndarray:
+    """y with ``fraction`` of the labels replaced by another class, drawn uniformly."""
+    if fraction == 0:
+        return y
+    rng = np.random.default_rng(seed)
+    y = y.copy()
+    flip = rng.random(len(y)) < fraction
+    y[flip] = (y[flip] + rng.integers(1, n_classes, flip.sum())) % n_classes
+    return y
+
+
+def scores(refs, ref_labels, z_val, y_val, z_test, y_test, n_classes, fallback) -> dict:
+    """The served k (best on validation) and test accuracy at it and at k = 1."""
+    from training.evaluation.evaluate import K_VALUES, choose_k, knn_accuracies
+
+    ks = tuple(k for k in K_VALUES if k <= len(refs))
+    val = knn_accuracies(refs, ref_labels, z_val, y_val, n_classes, ks)
+    k = choose_k(val, fallback=min(fallback, len(refs)))
+    test = knn_accuracies(refs, ref_labels, z_test, y_test, n_classes, ks)
+    return {"served_k": k, "test_at_served_k": test[k], "test_at_1": test[1]}
+
+
+def run_set(name: str, noise: float, fractions: list[float]) -> list[dict]:
+    from training import NCA
+    from training.references.condense import condense, prototypes
+    from training.references.learned import learn_prototypes
+
+    loaded = SETS[name][0]()
+    if loaded is None:
+        print(f"{name}: data absent, skipped")
+        return []
+    X, y, X_val, y_val, X_test, y_test = loaded
+    n_classes = int(y.max()) + 1
+    y, y_val = with_noise(y, n_classes, noise, 1), with_noise(y_val, n_classes, noise, 2)
+    started = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        nca = NCA(n_components=SETS[name][1], random_state=0).fit(X, y)
+    fit_seconds = time.perf_counter() - started
+    z, z_val, z_test = nca.transform(X), nca.transform(X_val), nca.transform(X_test)
+    xs = ((X - nca.mean_) / nca.scale_).astype(np.float32)
+    xs_val = ((X_val - nca.mean_) / nca.scale_).astype(np.float32)
+    common = (z_val, y_val, z_test, y_test, n_classes)
+    base = {"set": name, "noise": noise, "n_train": len(y), "nca_fit_seconds": fit_seconds}
+    full = scores(z, y, *common, fallback=3)
+    rows = [{**base, "fraction": 1.0, "method": "full", "references": len(y), **full}]
+    print(f"{name} noise={noise}: NCA fit {fit_seconds:.1f} s; full set {full}", flush=True)
+
+    started = time.perf_counter()
+    keep, _ = condense(z, y, n_classes, check_k=full["served_k"] + 2)
+    seconds = time.perf_counter() - started
+    hart = scores(z[keep], y[keep], *common, fallback=full["served_k"])
+    rows.append({**base, "fraction": float(keep.mean()), "method": "hart",
+                 "references": int(keep.sum()), "seconds": seconds, **hart})  # fmt: skip
+    smallest = int(np.bincount(y).min())
+    for fraction in fractions:
+        reduction = 1.0 / fraction
+        if reduction > smallest:
+            print(f"  {fraction:.0%}: above the smallest class ({smallest} rows), skipped")
+            continue
+        started = time.perf_counter()
+        centres, labels, _, _ = prototypes(z, y, reduction=reduction, refine_epochs=30)
+        rows.append(_row(base, fraction, "kmeans+glvq", centres, labels, started, common))
+        started = time.perf_counter()
+        fit = learn_prototypes(z, y, reduction=reduction, x_val=z_val, y_val=y_val)
+        rows.append(_row(base, fraction, "learned, map fixed", fit.prototypes, fit.labels,
+                         started, common, iterations=fit.n_iter))  # fmt: skip
+        started = time.perf_counter()
+        fit = learn_prototypes(
+            xs, y, reduction=reduction, projection=nca.components_, joint=True,
+            x_val=xs_val, y_val=y_val, loss="log",
+        )  # fmt: skip
+        a = fit.projection.astype(np.float32)
+        z_val_j = xs_val @ a.T
+        z_test_j = ((X_test - nca.mean_) / nca.scale_).astype(np.float32) @ a.T
+        rows.append(_row(base, fraction, "learned jointly", fit.prototypes, fit.labels, started,
+                         (z_val_j, y_val, z_test_j, y_test, n_classes), iterations=fit.n_iter))  # fmt: skip
+        for row in rows[-3:]:
+            print(f"  {fraction:.0%} {row['method']:20s} {row['references']:6d} refs: "
+                  f"test {row['test_at_served_k']:.4f} at k={row['served_k']} "
+                  f"({row['test_at_served_k'] - full['test_at_served_k']:+.4f}), "
+                  f"{row['seconds']:.1f} s", flush=True)  # fmt: skip
+    return rows
+
+
+def _row(base, fraction, method, refs, labels, started, common, **extra) -> dict:
+    seconds = time.perf_counter() - started
+    return {**base, "fraction": fraction, "method": method, "references": len(labels),
+            "seconds": seconds, **scores(refs, labels, *common, fallback=1), **extra}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sets", default="usps,letters26,usps784")
+    parser.add_argument("--noise", default="0,0.25")
+    parser.add_argument("--fractions", default="0.01,0.02,0.05,0.1")
+    args = parser.parse_args()
+    fractions = [float(f) for f in args.fractions.split(",")]
+    path = RESULTS / "learned_references.json"
+    previous = json.loads(path.read_text())["rows"] if path.exists() else []
+    sets = args.sets.split(",")
+    rows = []
+    for name in sets:
+        for noise in (float(n) for n in args.noise.split(",")):
+            rows += run_set(name, noise, fractions)
+    ran = {(r["set"], r["noise"]) for r in rows}
+    rows = [r for r in previous if (r["set"], r["noise"]) not in ran] + rows
+    print_table(rows, ["set", "noise", "method", "fraction", "references", "served_k",
+                       "test_at_served_k", "test_at_1", "seconds"])  # fmt: skip
+    save_json("learned_references.json", {"machine": machine(), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
