@@ -34,7 +34,8 @@ from training.evaluation.calibration import calibrate, outlier_report
 from training.evaluation.evaluate import K_VALUES, choose_k, knn_accuracies, knn_predictions
 from training.evaluation.report import json_bytes, plot_embedding, plot_objective
 from training.model.estimator import NCA
-from training.references.learned import check_budget, reference_set_record
+from training.references.compress import reference_set_record
+from training.references.learned import check_budget
 
 
 class ConfigError(ValueError):
@@ -542,7 +543,7 @@ def _reference_set_of(estimator: NCA, config: TrainConfig) -> dict:
         return {}
     record = reference_set_record(
         method="nca, learned jointly with the map", reduction=float(config.prototypes),
-        fit=fit, loss="log",
+        compressed=fit, loss="log",
     )  # fmt: skip
     return {"reference_set": record}
 

@@ -383,3 +383,31 @@ def test_training_job_refuses_a_bad_prototype_budget_with_exit_2(tmp_path, capsy
     assert main(["--data", "iris", "--prototypes", "1000", "--out", str(out), "--quiet"]) == 2
     assert "--prototypes=1000 is above the size of class" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_editing_is_chosen_on_validation_when_labels_are_noisy():
+    from training.references.compress import compress
+
+    def noisy(y, seed):
+        rng = np.random.default_rng(seed)
+        flip = rng.random(len(y)) < 0.25
+        y = y.copy()
+        y[flip] = (y[flip] + rng.integers(1, 4, flip.sum())) % 4
+        return y
+
+    u_all, y_all, _ = gaussian_classes(n_per_class=500, spread=1.5, seed=8)
+    order = np.random.default_rng(0).permutation(len(y_all))
+    u, y = u_all[order[:1200]], y_all[order[:1200]]
+    u_val, y_val = u_all[order[1200:1600]], y_all[order[1200:1600]]
+    u_test, y_test = u_all[order[1600:]], y_all[order[1600:]]
+    result = compress(u, noisy(y, 1), reduction=10, n_classes=4, rule="majority", edit_k=5,
+                      x_val=u_val, y_val=noisy(y_val, 2))  # fmt: skip
+    assert result.editing["edited"] and result.editing["rows_removed"] > 0.15 * len(y)
+    scores = result.editing["validation_accuracy"]
+    assert scores["edited"] >= scores["all rows"]
+    assert len(result.fit.labels) == sum(class_budget(noisy(y, 1), 10).values())
+    nearest = ((u_test[:, None] - result.fit.prototypes[None]) ** 2).sum(-1).argmin(1)
+    assert (result.fit.labels[nearest] == y_test).mean() > 0.9
+    # no validation split: nothing is edited
+    plain = compress(u, noisy(y, 1), reduction=30, n_classes=4, rule="majority", edit_k=5)
+    assert plain.editing == {"edited": False} and plain.k == 1

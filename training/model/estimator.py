@@ -40,7 +40,8 @@ from training.optim.finish import finish_exactly
 from training.optim.lbfgs import run_lbfgs
 from training.optim.monitor import Monitor, single_class_result
 from training.optim.problem import Problem
-from training.references.learned import learn_prototypes, representatives
+from training.references.compress import compress, edit_k_for
+from training.references.learned import representatives, served_k
 
 
 class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
@@ -384,17 +385,26 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
 
 def _fit_prototypes(est: NCA, prep: preparation.Prepared, X, y) -> None:
     """The joint mode: round(N_c / prototypes) prototypes per class and the map, learned
-    together from the NCA map (``training.references.learned``, log loss, the iteration
-    with the best validation 1-NN accuracy kept when there is a validation set)."""
-    fit = learn_prototypes(
-        prep.X, prep.y, reduction=float(est.prototypes), projection=est.components_,
-        joint=True, x_val=prep.X_val, y_val=prep.y_val, loss="log",
+    together from the NCA map (``training.references.compress``: log loss, the iteration
+    with the best validation 1-NN accuracy kept, Wilson editing when validation prefers it)."""
+    u = prep.X @ est.components_.T  # (N, d) the NCA embedding editing looks at
+    edit_k = 0
+    if prep.X_val is not None and len(prep.X_val):
+        rule = est.validation_rule
+        full_k, _ = served_k(u, prep.y, prep.X_val @ est.components_.T, prep.y_val,
+                             len(est.classes_), rule)  # fmt: skip
+        edit_k = edit_k_for(full_k)
+    result = compress(
+        prep.X, prep.y, reduction=float(est.prototypes), n_classes=len(est.classes_),
+        rule=est.validation_rule, edit_k=edit_k, x_val=prep.X_val, y_val=prep.y_val, u=u,
+        projection=est.components_, joint=True, loss="log",
         seed=int(prep.rng.integers(2**31 - 1)), device=str(prep.device),
     )  # fmt: skip
+    fit = result.fit
     est._set_map(fit.projection, prep.mean, prep.scale)
     z = est.transform(X)  # (N, d): every row given, so prototype_rows_ index X
     y_idx = np.searchsorted(est.classes_, np.asarray(y))
     est.prototypes_ = fit.prototypes
     est.prototype_labels_ = est.classes_[fit.labels]
     est.prototype_rows_ = representatives(z, y_idx, fit.prototypes, fit.labels)
-    est.prototype_fit_ = fit
+    est.prototype_fit_ = result

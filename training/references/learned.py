@@ -75,12 +75,15 @@ def class_budget(y: np.ndarray, reduction: float) -> dict[int, int]:
 
 
 def initial_prototypes(
-    u: np.ndarray, y: np.ndarray, reduction: float, seed: int = 0
+    u: np.ndarray, y: np.ndarray, reduction: float | dict, seed: int = 0
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per-class k-means centres: u (N, d), y (N,) -> (prototypes (M, d) float64, labels (M,)).
-    A class with no more rows than its budget starts from its rows as they are."""
+    ``reduction`` is rows per prototype, or the budget itself ({class: prototypes}, every
+    class of y in it). A class with no more rows than its budget starts from its rows."""
+    budget = reduction if isinstance(reduction, dict) else class_budget(y, reduction)
     centres, labels = [], []
-    for c, m in class_budget(y, reduction).items():
+    for c in np.unique(y):
+        m = budget[int(c)]
         members = u[y == c]
         mu = members.astype(np.float64) if m >= len(members) else kmeans(members, m, seed=seed)[0]
         centres.append(mu)
@@ -227,7 +230,7 @@ def learn_prototypes(
     x: np.ndarray,
     y: np.ndarray,
     *,
-    reduction: float,
+    reduction: float | dict,
     projection: np.ndarray | None = None,
     joint: bool = False,
     x_val: np.ndarray | None = None,
@@ -241,7 +244,7 @@ def learn_prototypes(
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> PrototypeFit:
-    """Learn round(N_c / reduction) prototypes per class by minimising the loss above.
+    """Learn round(N_c / reduction) prototypes per class (or a budget {class: count}).
 
     A fixed (joint=False): x (N, d) are the embeddings u; projection is unused.
     Joint: x (N, D) standardised inputs, projection (d, D) the starting map A (the fitted
@@ -407,21 +410,3 @@ def served_k(prototypes, labels, z_val, y_val, n_classes: int, rule: str) -> tup
     ks = tuple(k for k in K_VALUES if k <= len(labels))
     accuracy = knn_accuracies(prototypes, labels, z_val, y_val, n_classes, ks, rule)
     return choose_k(accuracy, fallback=1), accuracy
-
-
-def reference_set_record(*, method: str, reduction: float, fit: PrototypeFit, loss: str) -> dict:
-    """The manifest's ``reference_set``: what the references are and how they were made."""
-    return {
-        "kind": "prototypes",
-        "method": method,
-        "objective": f"NCA {loss} loss of the training rows against the prototypes",
-        "reduction": reduction,
-        "budget": "proportional: round(N_c / reduction) per class, at least 1",
-        "n_prototypes": len(fit.labels),
-        "n_training_rows": fit.n_rows,
-        "iterations": int(fit.n_iter),
-        "kept_iteration": int(fit.best_iter),
-        "seconds": round(float(fit.seconds), 3),
-        "ids": "each prototype's id is the training row of its class nearest it; neighbour "
-        "distances are to the prototype, not to that row",
-    }

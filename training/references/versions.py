@@ -347,29 +347,23 @@ def _condense_settings(parent, method, check_k, edit_k, reduction, refine, refin
 
 def _learned(parent, z, y, settings) -> tuple:
     """Prototypes learned with NCA's objective, the map fixed: (prototypes, labels, ids,
-    counts, served k or None, reference_set record)."""
-    from training.references.learned import (
-        learn_prototypes,
-        reference_set_record,
-        representatives,
-        served_k,
-    )
+    counts, served k, reference_set record)."""
+    from training.references.compress import compress, edit_k_for, reference_set_record
+    from training.references.learned import representatives
 
-    fit = learn_prototypes(
-        z, y, reduction=settings["reduction"], x_val=parent.validation_embeddings,
-        y_val=parent.validation_labels, max_iter=settings["refine_epochs"],
-        seed=settings["seed"],
+    result = compress(
+        z, y, reduction=settings["reduction"], n_classes=len(parent.classes),
+        rule=parent.decision_rule, edit_k=edit_k_for(parent.default_k),
+        x_val=parent.validation_embeddings, y_val=parent.validation_labels,
+        max_iter=settings["refine_epochs"], seed=settings["seed"],
     )  # fmt: skip
+    fit = result.fit
     rows = representatives(z, y, fit.prototypes, fit.labels)
-    k, _ = served_k(
-        fit.prototypes, fit.labels, parent.validation_embeddings, parent.validation_labels,
-        len(parent.classes), parent.decision_rule,
-    )  # fmt: skip
     record = reference_set_record(
-        method="nca, map fixed", reduction=settings["reduction"], fit=fit, loss="f",
+        method="nca, map fixed", reduction=settings["reduction"], compressed=result, loss="f",
     )  # fmt: skip
     counts = {"prototypes": len(fit.labels)}
-    return fit.prototypes, fit.labels, parent.ids[rows], counts, k, record
+    return fit.prototypes, fit.labels, parent.ids[rows], counts, result.k, record
 
 
 def _condensed(parent, z, y, settings, unchanged) -> tuple:
