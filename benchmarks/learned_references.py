@@ -7,9 +7,11 @@ then the references are reduced to 1%, 2%, 5% and 10% of the training rows by:
 * hart: Hart's condensing (check_k = the served k + 2; it keeps what it keeps, one row);
 * kmeans+glvq: per-class k-means prototypes refined by GLVQ (``--refine glvq``);
 * learned, map fixed: ``references condense --method prototypes`` (the default, NCA's f
-  objective on the prototypes; ``training.references.learned``);
+  objective on the prototypes; ``training.references.compress``: Wilson editing first when
+  validation prefers it);
 * learned jointly: the joint mode (``NCA(prototypes=R)`` / ``python -m training
-  --prototypes R``): the prototypes and the map together from the fitted map, log loss.
+  --prototypes R``): the prototypes and the map together from the fitted map, log loss,
+  the same editing choice.
 
 Every method's served k is chosen on the validation split (K_VALUES; prototypes fall back to
 1), as the command and the job choose it. Accuracy is on the test split at that k and at
@@ -97,8 +99,8 @@ def scores(refs, ref_labels, z_val, y_val, z_test, y_test, n_classes, fallback) 
 
 def run_set(name: str, noise: float, fractions: list[float]) -> list[dict]:
     from training import NCA
+    from training.references.compress import compress, edit_k_for
     from training.references.condense import condense, prototypes
-    from training.references.learned import learn_prototypes
 
     loaded = SETS[name][0]()
     if loaded is None:
@@ -137,24 +139,30 @@ def run_set(name: str, noise: float, fractions: list[float]) -> list[dict]:
         centres, labels, _, _ = prototypes(z, y, reduction=reduction, refine_epochs=30)
         rows.append(_row(base, fraction, "kmeans+glvq", centres, labels, started, common))
         started = time.perf_counter()
-        fit = learn_prototypes(z, y, reduction=reduction, x_val=z_val, y_val=y_val)
+        edit_k = edit_k_for(full["served_k"])
+        fixed = compress(z, y, reduction=reduction, n_classes=n_classes, rule="majority",
+                         edit_k=edit_k, x_val=z_val, y_val=y_val)  # fmt: skip
+        fit = fixed.fit
         rows.append(_row(base, fraction, "learned, map fixed", fit.prototypes, fit.labels,
-                         started, common, iterations=fit.n_iter))  # fmt: skip
+                         started, common, iterations=fit.n_iter,
+                         edited=fixed.editing["edited"]))  # fmt: skip
         started = time.perf_counter()
-        fit = learn_prototypes(
-            xs, y, reduction=reduction, projection=nca.components_, joint=True,
-            x_val=xs_val, y_val=y_val, loss="log",
+        joint = compress(
+            xs, y, reduction=reduction, n_classes=n_classes, rule="majority", edit_k=edit_k,
+            x_val=xs_val, y_val=y_val, u=z, projection=nca.components_, joint=True, loss="log",
         )  # fmt: skip
+        fit = joint.fit
         a = fit.projection.astype(np.float32)
         z_val_j = xs_val @ a.T
         z_test_j = ((X_test - nca.mean_) / nca.scale_).astype(np.float32) @ a.T
         rows.append(_row(base, fraction, "learned jointly", fit.prototypes, fit.labels, started,
-                         (z_val_j, y_val, z_test_j, y_test, n_classes), iterations=fit.n_iter))  # fmt: skip
+                         (z_val_j, y_val, z_test_j, y_test, n_classes), iterations=fit.n_iter,
+                         edited=joint.editing["edited"]))  # fmt: skip
         for row in rows[-3:]:
             print(f"  {fraction:.0%} {row['method']:20s} {row['references']:6d} refs: "
                   f"test {row['test_at_served_k']:.4f} at k={row['served_k']} "
                   f"({row['test_at_served_k'] - full['test_at_served_k']:+.4f}), "
-                  f"{row['seconds']:.1f} s", flush=True)  # fmt: skip
+                  f"{row['seconds']:.1f} s, edited: {row.get('edited')}", flush=True)  # fmt: skip
     return rows
 
 

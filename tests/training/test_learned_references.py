@@ -385,7 +385,7 @@ def test_training_job_refuses_a_bad_prototype_budget_with_exit_2(tmp_path, capsy
     assert not out.exists()
 
 
-def test_editing_is_chosen_on_validation_when_labels_are_noisy():
+def test_noisy_labels_are_edited_before_the_prototypes_and_clean_ones_are_not():
     from training.references.compress import compress
 
     def noisy(y, seed):
@@ -398,16 +398,19 @@ def test_editing_is_chosen_on_validation_when_labels_are_noisy():
     u_all, y_all, _ = gaussian_classes(n_per_class=500, spread=1.5, seed=8)
     order = np.random.default_rng(0).permutation(len(y_all))
     u, y = u_all[order[:1200]], y_all[order[:1200]]
-    u_val, y_val = u_all[order[1200:1600]], y_all[order[1200:1600]]
     u_test, y_test = u_all[order[1600:]], y_all[order[1600:]]
-    result = compress(u, noisy(y, 1), reduction=10, n_classes=4, rule="majority", edit_k=5,
-                      x_val=u_val, y_val=noisy(y_val, 2))  # fmt: skip
-    assert result.editing["edited"] and result.editing["rows_removed"] > 0.15 * len(y)
-    scores = result.editing["validation_accuracy"]
-    assert scores["edited"] >= scores["all rows"]
+    options = dict(reduction=10, n_classes=4, rule="majority", edit_k=5)
+    plain = compress(u, noisy(y, 1), **{**options, "edit_k": 0})
+    result = compress(u, noisy(y, 1), **options)
+    assert result.editing["edited"] and result.editing["outvoted_rows"] > 0.15 * len(y)
+    assert not plain.editing["edited"] and result.k == plain.k == 1  # no validation split
+    # the budget is counted on the rows before editing
     assert len(result.fit.labels) == sum(class_budget(noisy(y, 1), 10).values())
-    nearest = ((u_test[:, None] - result.fit.prototypes[None]) ** 2).sum(-1).argmin(1)
-    assert (result.fit.labels[nearest] == y_test).mean() > 0.9
-    # no validation split: nothing is edited
-    plain = compress(u, noisy(y, 1), reduction=30, n_classes=4, rule="majority", edit_k=5)
-    assert plain.editing == {"edited": False} and plain.k == 1
+
+    def accuracy(fit):
+        nearest = ((u_test[:, None] - fit.prototypes[None]) ** 2).sum(-1).argmin(1)
+        return (fit.labels[nearest] == y_test).mean()
+
+    assert accuracy(result.fit) > accuracy(plain.fit) + 0.05
+    clean = compress(u, y, **options)
+    assert not clean.editing["edited"] and clean.editing["outvoted_rows"] < 0.05 * len(y)
