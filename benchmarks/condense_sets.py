@@ -38,8 +38,9 @@ SETTINGS = [
     {"edit_k": 5},
     {"edit_k": 5, "check_k": 6},
     {"edit_k": 7},
-    {"method": "prototypes", "reduction": 3.0, "refine_epochs": 0},
-    {"method": "prototypes", "reduction": 3.0},
+    {"method": "prototypes", "reduction": 3.0, "refine": "none"},
+    {"method": "prototypes", "reduction": 3.0, "refine": "glvq"},
+    {"method": "prototypes", "reduction": 3.0, "refine": "nca"},
 ]
 
 

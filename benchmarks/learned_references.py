@@ -97,7 +97,7 @@ def scores(refs, ref_labels, z_val, y_val, z_test, y_test, n_classes, fallback) 
     return {"served_k": k, "test_at_served_k": test[k], "test_at_1": test[1]}
 
 
-def run_set(name: str, noise: float, fractions: list[float]) -> list[dict]:
+def run_set(name: str, noise: float, fractions: list[float], save: str | None) -> list[dict]:
     from training import NCA
     from training.references.compress import compress, edit_k_for
     from training.references.condense import condense, prototypes
@@ -120,6 +120,10 @@ def run_set(name: str, noise: float, fractions: list[float]) -> list[dict]:
     common = (z_val, y_val, z_test, y_test, n_classes)
     base = {"set": name, "noise": noise, "n_train": len(y), "nca_fit_seconds": fit_seconds}
     full = scores(z, y, *common, fallback=3)
+    if save and noise == 0:  # the clean model as an artifact, for compressed_serving.py
+        from compressed_serving import write_model
+
+        write_model(Path(save) / name, nca, X, y, X_val, y_val, full["served_k"])
     rows = [{**base, "fraction": 1.0, "method": "full", "references": len(y), **full}]
     print(f"{name} noise={noise}: NCA fit {fit_seconds:.1f} s; full set {full}", flush=True)
 
@@ -172,12 +176,39 @@ def _row(base, fraction, method, refs, labels, started, common, **extra) -> dict
             "seconds": seconds, **scores(refs, labels, *common, fallback=1), **extra}  # fmt: skip
 
 
+def markdown(rows: list[dict]) -> str:
+    """The README's table: per set and noise, each method's test accuracy at its served k
+    (k = 1 in brackets when it differs), the change from the full set, seconds."""
+    out = ["| set | noise | kept | references | method | test acc. (served k) | vs full | "
+           "at k = 1 | seconds |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for key in dict.fromkeys((r["set"], r["noise"]) for r in rows):
+        group = [r for r in rows if (r["set"], r["noise"]) == key]
+        full = next(r for r in group if r["method"] == "full")
+        order = sorted(group, key=lambda r: (r["method"] != "full", r["method"] != "hart",
+                                             r["fraction"], METHODS.index(r["method"])))  # fmt: skip
+        for r in order:
+            delta = r["test_at_served_k"] - full["test_at_served_k"]
+            out.append(
+                f"| {key[0]} | {key[1]:.0%} | {r['fraction']:.1%} | {r['references']:,} | "
+                f"{r['method']}{' (edited)' if r.get('edited') else ''} | "
+                f"{r['test_at_served_k']:.4f} ({r['served_k']}) | "
+                f"{'' if r['method'] == 'full' else f'{100 * delta:+.2f}'} | "
+                f"{r['test_at_1']:.4f} | {r.get('seconds', r.get('nca_fit_seconds', 0)):.1f} |"
+            )
+    return "\n".join(out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sets", default="usps,letters26,usps784")
     parser.add_argument("--noise", default="0,0.25")
     parser.add_argument("--fractions", default="0.01,0.02,0.05,0.1")
+    parser.add_argument("--save-models", help="write each clean model as an artifact here")
+    parser.add_argument("--table", action="store_true", help="print the saved table, run none")
     args = parser.parse_args()
+    if args.table:
+        print(markdown(json.loads((RESULTS / "learned_references.json").read_text())["rows"]))
+        return
     fractions = [float(f) for f in args.fractions.split(",")]
     path = RESULTS / "learned_references.json"
     previous = json.loads(path.read_text())["rows"] if path.exists() else []
@@ -185,7 +216,7 @@ def main() -> None:
     rows = []
     for name in sets:
         for noise in (float(n) for n in args.noise.split(",")):
-            rows += run_set(name, noise, fractions)
+            rows += run_set(name, noise, fractions, args.save_models)
     ran = {(r["set"], r["noise"]) for r in rows}
     rows = [r for r in previous if (r["set"], r["noise"]) not in ran] + rows
     print_table(rows, ["set", "noise", "method", "fraction", "references", "served_k",

@@ -14,6 +14,10 @@ validation split instead was tried and was unreliable (on 700 noisy USPS validat
 kept the unedited set, 2.7 points worse on test, at one budget). The budget is counted on
 the rows before editing: round(N_c / reduction) prototypes per class either way.
 
+Measured (``benchmarks/learned_references.py``): with 25% of the USPS labels replaced,
+editing turns learned prototypes at 5% from 1.4 points below the full set's test accuracy
+to 0.05 below it; on a 26-class set with the same noise they end 5 points above it.
+
 Tests: ``tests/training/test_learned_references.py``.
 """
 
