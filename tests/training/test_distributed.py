@@ -180,11 +180,26 @@ def _worker(rank: int, world_size: int, rendezvous: str, result_path: str) -> No
         dist.destroy_process_group()
 
 
-def _spawn(tmp_path_factory, world_size):
-    tmp = tmp_path_factory.mktemp(f"ddp{world_size}")
-    result_path = str(tmp / "rank0.npz")
-    rendezvous = f"file://{tmp / 'rendezvous'}"
-    mp.spawn(_worker, args=(world_size, rendezvous, result_path), nprocs=world_size, join=True)
+def _spawn(tmp_path_factory, world_size, attempts: int = 2):
+    """Run the ranks; a rank killed by SIGABRT is retried once from a fresh rendezvous.
+
+    On a 2-core machine gloo has been seen to abort a rank now and then ("terminate called
+    without an active exception", once in four runs of the suite in one session; the rerun
+    passed):
+    a crash of the transport, not a wrong value, so one retry; any other failure, or a
+    second abort, fails the fixture."""
+    for attempt in range(attempts):
+        tmp = tmp_path_factory.mktemp(f"ddp{world_size}")
+        result_path = str(tmp / "rank0.npz")
+        rendezvous = f"file://{tmp / 'rendezvous'}"
+        try:
+            mp.spawn(
+                _worker, args=(world_size, rendezvous, result_path), nprocs=world_size, join=True
+            )
+            break
+        except mp.ProcessExitedException as exc:
+            if exc.signal_name != "SIGABRT" or attempt == attempts - 1:
+                raise
     with np.load(result_path) as saved:
         return {k.replace("__", "/"): saved[k] for k in saved.files}
 
