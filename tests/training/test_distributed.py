@@ -183,11 +183,10 @@ def _worker(rank: int, world_size: int, rendezvous: str, result_path: str) -> No
 def _spawn(tmp_path_factory, world_size, attempts: int = 2):
     """Run the ranks; a rank killed by SIGABRT is retried once from a fresh rendezvous.
 
-    On a 2-core machine gloo has been seen to abort a rank now and then ("terminate called
-    without an active exception", once in four runs of the suite in one session; the rerun
-    passed):
-    a crash of the transport, not a wrong value, so one retry; any other failure, or a
-    second abort, fails the fixture."""
+    On a 2-core machine gloo has been seen to abort a rank ("terminate called without an
+    active exception", once in four runs of the suite in one session; the rerun passed): a
+    crash of the transport, not a wrong value, so one retry; any other failure, or a second
+    abort, fails the fixture."""
     for attempt in range(attempts):
         tmp = tmp_path_factory.mktemp(f"ddp{world_size}")
         result_path = str(tmp / "rank0.npz")
