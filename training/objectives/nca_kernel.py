@@ -33,6 +33,7 @@ import torch
 
 from training.numerics import EXP_FLOOR, PrecomputedGradient, chunk_rows, class_runs
 from training.objectives import native as native_kernel
+from training.objectives import nca_flex
 
 
 def _block_weights(
@@ -80,13 +81,16 @@ def nca_value_and_grad(
     rows: torch.Tensor | None = None,
     chunk_size: int | None = None,
     native: bool | None = None,
+    flex: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum_{i in rows} score_i, d/dz of that sum (N, d)) for f (or g when log_form).
 
     z: (N, d) embeddings, labels: (N,) class ids, rows: (B,) query rows (default: all).
     Rows whose class has no other member score 0 and contribute no gradient.
-    native: evaluate with the C kernel of :mod:`training.objectives.native` (True), with torch (False), or
-    with the C kernel whenever it can (None). ``chunk_size`` applies to the torch path.
+    flex: the fused attention passes of :mod:`training.objectives.nca_flex` (True), or
+    whenever they can run (None: float32 on CUDA). native: the C kernel of
+    :mod:`training.objectives.native` (True), torch (False), or the C kernel whenever it can
+    (None). ``chunk_size`` applies to the torch path.
     """
     n = z.shape[0]
     z = z.detach()
@@ -106,12 +110,17 @@ def nca_value_and_grad(
     run_starts = torch.tensor([s for s, _ in runs], device=z.device)
     run_of_query = torch.searchsorted(run_starts, query_sorted, right=True) - 1
 
+    run_ends = torch.tensor([e for _, e in runs], device=z.device)
+    query_start, query_end = run_starts[run_of_query], run_ends[run_of_query]
+    keep = query_end - query_start >= 2  # no same-class neighbour: p_i = 0 whatever A is
+    fused = None
+    if flex or (flex is None and nca_flex.usable(zs)):
+        fused = nca_flex.try_exact_value_and_grad(zs, ys, query_sorted[keep], log_form=log_form)
+    if fused is not None:
+        return fused[0], fused[1][inverse]
     if native is None:
         native = native_kernel.usable(zs)
     if native:
-        run_ends = torch.tensor([e for _, e in runs], device=z.device)
-        query_start, query_end = run_starts[run_of_query], run_ends[run_of_query]
-        keep = query_end - query_start >= 2  # no same-class neighbour: p_i = 0 whatever A is
         total, grad_s = native_kernel.exact_value_and_grad(
             zs, query_sorted[keep], query_start[keep], query_end[keep], log_form=log_form
         )

@@ -30,6 +30,11 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__SSE__)
+#include <xmmintrin.h>
+/* MXCSR's flush-to-zero (bit 15) and denormals-are-zero (bit 6) */
+#define SUBNORMALS_AS_ZERO 0x8040u
+#endif
 
 #ifdef NCA_DOUBLE
 typedef double real;
@@ -267,6 +272,16 @@ double ENTRY(const real *z, const real *zt, const real *sq, int64_t n, int64_t n
              real *grad, real *grad_t, real *col) {
     double total = 0.0;
     int64_t a = 0;
+#if defined(SUBNORMALS_AS_ZERO)
+    /* Subnormal operands and results take a microcode assist of ~100 cycles per vector op.
+       They arise where a far point's floored exp (>= 1.8e-35 in float) meets a small
+       coordinate in the gradient's products; counting them as 0 changes sums by less than
+       1e-37. Measured: 0.44 -> 0.32 s an evaluation at N = 20k, d = 32, where half the
+       coordinates are 1e-3 of the others. Set for this call, on this thread only, and
+       restored on return. */
+    unsigned int saved_csr = _mm_getcsr();
+    _mm_setcsr(saved_csr | SUBNORMALS_AS_ZERO);
+#endif
     while (a < n_query) {
         int64_t b = a + 1;
         while (b < n_query && b - a < BLOCK && run_start[b] == run_start[a]) b++;
@@ -274,6 +289,9 @@ double ENTRY(const real *z, const real *zt, const real *sq, int64_t n, int64_t n
                        log_form, w, w_same, zq2, gi, grad, grad_t, col);
         a = b;
     }
+#if defined(SUBNORMALS_AS_ZERO)
+    _mm_setcsr(saved_csr);
+#endif
     return total;
 }
 
