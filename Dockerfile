@@ -2,8 +2,9 @@
 # Two images from one file:
 #   docker build --target serve -t nca-knn:serve .
 #   docker build --target train -t nca-knn:train .                       # CPU training
-#   docker build --target train --build-arg TRAIN_BASE=nvidia/cuda:12.6.3-cudnn-runtime-ubuntu24.04 \
-#                --build-arg TORCH_INDEX_URL= -t nca-knn:train-gpu .     # CUDA training
+#   docker build --target train --build-arg TORCH_INDEX_URL= -t nca-knn:train-gpu .  # CUDA training
+# (PyPI's torch wheel brings the CUDA libraries; the node's driver is mounted by the NVIDIA
+# container toolkit, so no CUDA base image is needed: deploy/README.md)
 # The train image's torch: TORCH_SPEC (a requirement, default torch==2.13.0) from
 # TORCH_INDEX_URL (default PyTorch's CPU wheel index: no CUDA libraries, a much smaller
 # image; empty = PyPI, whose Linux wheels bring CUDA). A private mirror is one more
