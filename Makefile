@@ -15,7 +15,7 @@ $(BIN)/python:
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install $(TORCH)
-	$(BIN)/pip install -e '.[serve,train,dev]'
+	$(BIN)/pip install -e '.[serve,train,dev,tracing]'
 	touch $@
 
 install: $(VENV)/.installed

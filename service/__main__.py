@@ -48,9 +48,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValidationError as exc:
         print(f"error: invalid settings: {exc}", file=sys.stderr)
         return 2
+    from service.ops.tracing import TracingUnavailable, check_available
+
     try:
         check_open_files(settings.max_connections, listeners=2 if settings.grpc_port else 1)
-    except ValueError as exc:
+        check_available()
+    except (ValueError, TracingUnavailable) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     has = importlib.util.find_spec

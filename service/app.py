@@ -45,13 +45,15 @@ from service.errors import (
     body_of,
     status_of,
 )
+from service.http.card import ModelCard
 from service.http.deps import check_api_key
 from service.http.routes import health, inference, model
 from service.oip import grpc_server
 from service.oip import rest as v2
 from service.openapi import build_openapi
-from service.ops import connections
+from service.ops import connections, tracing
 from service.ops.metrics import Metrics
+from service.ops.tracing import REQUEST_ID_HEADER, current_span, trace_id_of
 from service.ops.workers import ReloadGeneration
 from service.search.index import available_cores
 from service.state import AppState
@@ -87,17 +89,24 @@ class ServiceMiddleware:
         started = time.perf_counter()
         status = 500
         response_started = False
+        tracing = self.state.tracing
+        span = token = None
+        if tracing.enabled:
+            span = tracing.start_request(f"{scope['method']} {scope['path']}", _carrier(scope))
+            token = current_span.set(span)
 
         async def send_wrapped(message):
             nonlocal status, response_started
             if message["type"] == "http.response.start":
                 status = message["status"]
                 response_started = True
+                extra = []
                 if self.state.engine.draining:
-                    message = {
-                        **message,
-                        "headers": [*message.get("headers", []), (b"connection", b"close")],
-                    }
+                    extra.append((b"connection", b"close"))
+                if span is not None:
+                    extra.append((REQUEST_ID_HEADER.encode(), trace_id_of(span).encode()))
+                if extra:
+                    message = {**message, "headers": [*message.get("headers", []), *extra]}
             await send(message)
 
         try:
@@ -119,9 +128,11 @@ class ServiceMiddleware:
             )
             await send({"type": "http.response.body", "body": SHUTDOWN_BODY})
         finally:
-            self.state.metrics.request_done(
-                self.route_label(scope.get("path", "")), status, time.perf_counter() - started
-            )
+            route, seconds = self.route_label(scope.get("path", "")), time.perf_counter() - started
+            self.state.metrics.request_done(route, status, seconds)
+            if span is not None:
+                current_span.reset(token)
+                tracing.finish_request(span, f"{scope['method']} {route}", status, seconds)
 
     def route_label(self, path: str) -> str:
         """The metrics' route label: a route of the app (a /v2 path as its template), else
@@ -131,6 +142,12 @@ class ServiceMiddleware:
             return path
         template = v2.route_template(path)
         return template if template in self.routes else UNMATCHED_ROUTE
+
+
+def _carrier(scope) -> dict[str, str]:
+    """The request's traceparent and tracestate headers, for the trace propagator."""
+    wanted = (b"traceparent", b"tracestate")
+    return {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"] if k in wanted}
 
 
 class ServiceApp(FastAPI):
@@ -275,6 +292,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             on_load_failure=lambda exc: metrics.model_load_failures.inc(),
         ),
         metrics=metrics,
+        tracing=tracing.from_environment(),
     )
     app = ServiceApp(
         title="nca-knn",
@@ -296,7 +314,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(v2.router)
     _install_openapi(app, state)
     routes = set(build_openapi(app, _limits(state), secured=False)["paths"])
-    routes |= {"/openapi.json", "/docs", "/redoc"}
+    routes |= {"/openapi.json", "/docs", "/redoc", "/"}
     app.direct_routes = dict(inference.DIRECT_LANE)
     app.service_middleware = ServiceMiddleware(app.dispatch, state=state, routes=routes)
     return app
@@ -344,6 +362,7 @@ def _lifespan(state: AppState):
                     await sync
             if state.batcher is not None:
                 await state.batcher.stop()
+            state.tracing.shutdown()  # exports the spans still buffered
             gc.unfreeze()
             log.info("stopped")
 
@@ -482,6 +501,18 @@ def _install_openapi(app: FastAPI, state: AppState) -> None:
     async def redoc(request: Request) -> HTMLResponse:
         guard(request)
         return get_redoc_html(openapi_url="/openapi.json", title="nca-knn")
+
+    card = ModelCard()
+
+    @app.get("/", include_in_schema=False)
+    async def model_card(request: Request) -> HTMLResponse:
+        """The model card (service.http.card), rendered in a worker thread."""
+        guard(request)
+        model = state.engine.current()
+        page = await run_in_threadpool(
+            card.render, model, state.metrics.registry, state.engine.last_error
+        )
+        return HTMLResponse(page)
 
 
 def create_app_from_env() -> FastAPI:

@@ -68,8 +68,8 @@ class Settings(BaseSettings):
     metrics_require_api_key: bool = Field(False, description="protect /metrics with the key too")
     docs: Literal["public", "protected", "off"] = Field(
         "protected",
-        description="/docs, /redoc and /openapi.json: public, protected (need api_key when one "
-        "is set) or off",
+        description="/docs, /redoc, /openapi.json and the model card at /: public, protected "
+        "(need api_key when one is set) or off",
     )
     log_level: str = Field("info", description="debug, info, warning, error")
     log_json: bool = Field(True, description="structured JSON log lines")

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -17,6 +18,7 @@ from service.engine.infer import Answer, Query, infer_one
 from service.engine.model import Engine
 from service.errors import Overloaded, Unauthorized
 from service.ops.metrics import Metrics
+from service.ops.tracing import NoTracing, Tracing, record_inference
 from service.ops.workers import ReloadGeneration
 
 INLINE_EMBED_ROWS = 64  # below this, projection runs on the event loop
@@ -30,6 +32,7 @@ class AppState:
     batcher: Batcher | None = None
     generation: ReloadGeneration | None = None  # shared with the other workers, if any
     in_flight: int = 0
+    tracing: Tracing | NoTracing = field(default_factory=NoTracing)
 
     @contextmanager
     def admit(self):
@@ -49,10 +52,19 @@ class AppState:
 
     async def infer(self, model, rows: np.ndarray, query: Query) -> Answer:
         """The inference path for one request: merged with others by the batcher when
-        batching is on, else computed alone in a worker thread."""
+        batching is on, else computed alone in a worker thread. With tracing on, the
+        request's parse / queue / search / decide spans are recorded from its timings."""
+        called = time.time_ns() if self.tracing.enabled else 0
         if self.batcher is not None:
-            return await self.batcher.submit(model, rows, query)
-        return await asyncio.get_running_loop().run_in_executor(None, infer_one, model, rows, query)
+            answer = await self.batcher.submit(model, rows, query)
+        else:
+            loop = asyncio.get_running_loop()
+            answer = await loop.run_in_executor(None, infer_one, model, rows, query)
+            if called and "search" in answer.timings:  # the hop to the worker thread
+                answer.timings.setdefault("queue", (called, answer.timings["search"][0]))
+        if self.tracing.enabled:
+            record_inference(self.tracing, called, answer.timings)
+        return answer
 
     async def embed(self, model, rows: np.ndarray) -> np.ndarray:
         """rows (n, D) -> embeddings (n, d): on the event loop up to INLINE_EMBED_ROWS rows

@@ -7,7 +7,7 @@ import sys
 import torch.distributed as dist
 
 from service.core.artifact import ArtifactError
-from training.config import TrainConfig, parse_command
+from training.config import ReportCommand, TrainConfig, parse_command
 from training.data.datasets import DataError
 from training.distributed.ranks import init_from_environment
 from training.job import ConfigError, run
@@ -21,6 +21,8 @@ def main(argv: list[str] | None = None) -> int:
     other ranks when one fails, and the job's exit status is non-zero."""
     argv = sys.argv[1:] if argv is None else argv
     config = parse_command(argv)
+    if isinstance(config, ReportCommand):
+        return report_main(config)
     if not isinstance(config, TrainConfig):  # python -m training references ...
         from training.references.cli import main as references_main
 
@@ -40,6 +42,19 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if group.is_distributed and dist.is_initialized():
             dist.destroy_process_group()
+    return 0
+
+
+def report_main(command: ReportCommand) -> int:
+    """``python -m training report MODEL_DIR``: 0 and the page's path, or 2 and why not."""
+    from training.evaluation.report_page import write_report_page
+
+    try:
+        page = write_report_page(command.model_dir)
+    except (ArtifactError, ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    print(page)
     return 0
 
 

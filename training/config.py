@@ -172,6 +172,14 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     references.add_argument("arguments", nargs=argparse.REMAINDER)
+    report = commands.add_parser(
+        "report",
+        help="write report.html for a trained model from its report.json and plots: "
+        "python -m training report MODEL_DIR",
+        description="Render MODEL_DIR/report.html (a temporary file, then a rename) from the "
+        "artifact's manifest, report.json and plots.",
+    )
+    report.add_argument("model_dir", help="an artifact directory written by python -m training")
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not MISSING else None
@@ -201,14 +209,27 @@ def _or_none(kind):
     return parse
 
 
-def parse_command(argv: list[str] | None = None) -> TrainConfig | list[str]:
-    """The training run's TrainConfig, or for ``references ...`` the arguments that follow
-    (the references command parses them: ``training.references.cli``)."""
+@dataclass(frozen=True)
+class ReportCommand:
+    """``python -m training report MODEL_DIR``."""
+
+    model_dir: str
+
+
+def parse_command(argv: list[str] | None = None) -> TrainConfig | ReportCommand | list[str]:
+    """The training run's TrainConfig, ``report``'s ReportCommand, or for ``references ...``
+    the arguments that follow (the references command parses them:
+    ``training.references.cli``)."""
     parser = build_parser()
     namespace, unparsed = parser.parse_known_args(argv)
     args = vars(namespace)
-    if args.pop("command") == "references":  # its options (--help too) are its own
+    command = args.pop("command")
+    if command == "references":  # its options (--help too) are its own
         return [*args["arguments"], *unparsed]
+    if command == "report":
+        if unparsed:
+            parser.error(f"unrecognized arguments: {' '.join(unparsed)}")
+        return ReportCommand(args["model_dir"])
     if unparsed:
         parser.error(f"unrecognized arguments: {' '.join(unparsed)}")
     args.pop("arguments", None)

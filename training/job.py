@@ -32,7 +32,13 @@ from training.distributed.sharded_stats import gather_array
 from training.evaluation.baselines import BASELINES
 from training.evaluation.calibration import calibrate, outlier_report
 from training.evaluation.evaluate import K_VALUES, choose_k, knn_accuracies, knn_predictions
-from training.evaluation.report import json_bytes, plot_embedding, plot_objective
+from training.evaluation.report import (
+    json_bytes,
+    peak_memory_mib,
+    plot_embedding,
+    plot_objective,
+)
+from training.evaluation.report_page import write_report_page
 from training.model.estimator import NCA
 from training.references.compress import reference_set_record
 from training.references.learned import check_budget
@@ -440,6 +446,7 @@ def training_record_of(config: TrainConfig, estimator: NCA, warns: list[str]) ->
         "final_objective": float(estimator.objective_value_),
         "best_val_accuracy": estimator.best_val_accuracy_,
         "fit_seconds": float(estimator.fit_seconds_),
+        **peak_memory_mib(estimator.device_),
         "warnings": warns,
         # candidate mode: the exact objective on a sample disagreed with the candidate one
         "candidate_warning": getattr(estimator, "candidate_warning_", None),
@@ -534,6 +541,7 @@ def save_artifact(
             **_reference_set_of(estimator, config),
         },
     )
+    write_report_page(out)
 
 
 def _reference_set_of(estimator: NCA, config: TrainConfig) -> dict:

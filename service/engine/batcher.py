@@ -29,6 +29,7 @@ class Job:
     query: Query
     future: asyncio.Future
     enqueued: float = field(default_factory=time.perf_counter)
+    enqueued_ns: int = field(default_factory=time.time_ns)  # for the request's trace
 
 
 class Batcher:
@@ -93,6 +94,7 @@ class Batcher:
                 rows += len(job.rows)
             waited = time.perf_counter() - first.enqueued
             for group in _groups(jobs):
+                group_started = time.time_ns()
                 try:
                     if sum(len(j.rows) for j in group) <= self.inline_rows:
                         results = _run_group(group)
@@ -109,6 +111,7 @@ class Batcher:
                     if isinstance(result, Exception):
                         job.future.set_exception(result)
                     else:
+                        result.timings["queue"] = (job.enqueued_ns, group_started)
                         job.future.set_result(result)
                 if self.on_batch is not None:
                     self.on_batch(sum(len(j.rows) for j in group), waited)

@@ -17,8 +17,9 @@ the answer the request gets alone.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -56,18 +57,23 @@ class Answer:
     indices: np.ndarray  # (n, k) reference row indices
     predicted: np.ndarray | None = None  # (n,) class indices
     probabilities: np.ndarray | None = None  # (n, C)
+    # where the time went, {"search" | "decide" | "queue": (start, end)} in epoch nanoseconds,
+    # for the request's trace (service.ops.tracing); shared by every part of a merged batch
+    timings: dict = field(default_factory=dict, compare=False)
 
     def rows(self, start: int, stop: int, decided: bool = True) -> Answer:
         """The answer of rows [start, stop) (views, no copies), without the decision when
         ``decided`` is False."""
         part = slice(start, stop)
+        timings = dict(self.timings)
         if not decided or self.predicted is None:
-            return Answer(self.distances[part], self.indices[part])
+            return Answer(self.distances[part], self.indices[part], timings=timings)
         return Answer(
             self.distances[part],
             self.indices[part],
             self.predicted[part],
             self.probabilities[part],
+            timings=timings,
         )
 
 
@@ -134,6 +140,7 @@ def infer(model, parts: Sequence[tuple[np.ndarray, Query]]) -> list[Answer | Ser
     answered without it."""
     k = parts[0][1].k
     assert all(query.k == k for _, query in parts), "infer: one k per call"
+    started = time.time_ns()
     rows = parts[0][0] if len(parts) == 1 else np.concatenate([r for r, _ in parts])
     with np.errstate(over="ignore", invalid="ignore"):
         z = project(rows, model.projection, model.offset)  # (n, d)
@@ -155,7 +162,9 @@ def infer(model, parts: Sequence[tuple[np.ndarray, Query]]) -> list[Answer | Ser
         if not spans:
             return out  # type: ignore[return-value]
     distances, indices = model.search_embedded(z, k)  # (m, k), (m, k)
+    searched = time.time_ns()
     answer = _decided(model, z, distances, indices, [(parts[i][1], a, b) for i, a, b in spans])
+    answer.timings.update(search=(started, searched), decide=(searched, time.time_ns()))
     for i, a, b in spans:
         out[i] = answer.rows(a, b, decided=parts[i][1].rule is not None)
     return out  # type: ignore[return-value]

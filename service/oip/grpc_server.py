@@ -23,6 +23,7 @@ from service import __version__
 from service.errors import InvalidInput, ServiceError, status_of
 from service.oip import tensors as oip
 from service.oip.protocol import HEALTH_SERVICE, INFERENCE_SERVICE, message
+from service.ops.tracing import REQUEST_ID_HEADER, current_span, trace_id_of
 from service.state import AppState, check_bearer
 
 log = logging.getLogger("service.grpc")
@@ -106,6 +107,13 @@ class InferenceService:
         metrics as the HTTP status it stands for."""
         started = time.perf_counter()
         status = 200
+        tracing = self.state.tracing
+        span = token = None
+        if tracing.enabled:
+            carrier = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+            span = tracing.start_request(f"grpc {INFERENCE_SERVICE}/{name}", carrier)
+            token = current_span.set(span)
+            await context.send_initial_metadata(((REQUEST_ID_HEADER, trace_id_of(span)),))
         try:
             self.check_key(context)
             if isinstance(request, Undecodable):
@@ -125,9 +133,11 @@ class InferenceService:
                 grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); it was logged"
             )
         finally:
-            self.state.metrics.request_done(
-                f"grpc {INFERENCE_SERVICE}/{name}", status, time.perf_counter() - started
-            )
+            route, seconds = f"grpc {INFERENCE_SERVICE}/{name}", time.perf_counter() - started
+            self.state.metrics.request_done(route, status, seconds)
+            if span is not None:
+                current_span.reset(token)
+                tracing.finish_request(span, route, status, seconds)
 
     def model(self, name: str, version: str):
         model = self.state.engine.current()

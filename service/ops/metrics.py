@@ -96,6 +96,13 @@ class Metrics:
             registry=r,
             multiprocess_mode="liveall",
         )
+        self.model_created_at = Gauge(
+            "ncaknn_model_created_timestamp_seconds",
+            "when the loaded model's artifact was written (its manifest's created_at); "
+            "time() minus this is the model's age",
+            registry=r,
+            multiprocess_mode="liveall",
+        )
         self.model_load_seconds = Gauge(
             "ncaknn_model_load_duration_seconds",
             "how long the last successful load took",
@@ -178,5 +185,22 @@ class Metrics:
         self._model_labels = labels
         self.model_info.labels(*labels).set(1)
         self.model_loaded_at.set(model.loaded_at)
+        created = created_timestamp(model.artifact.manifest.get("created_at"))
+        if created is not None:
+            self.model_created_at.set(created)
         self.model_load_seconds.set(model.load_seconds)
         self.model_loads.inc()
+
+
+def created_timestamp(created_at) -> float | None:
+    """A manifest's created_at (ISO 8601 with a zone) as Unix seconds; None when absent or
+    not a time (an artifact written by hand)."""
+    import datetime
+
+    try:
+        moment = datetime.datetime.fromisoformat(str(created_at))
+    except ValueError:
+        return None
+    if moment.tzinfo is None:
+        return None
+    return moment.timestamp()

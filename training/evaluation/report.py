@@ -27,6 +27,24 @@ def _json_default(value):
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 
+def peak_memory_mib(device: str) -> dict:
+    """{"peak_memory_mib": this process's peak resident memory so far (VmHWM, Linux), and
+    "peak_gpu_memory_mib" when the fit ran on CUDA}; what cannot be read is left out."""
+    out = {}
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    out["peak_memory_mib"] = int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    if device.startswith("cuda"):
+        import torch
+
+        out["peak_gpu_memory_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
+    return out
+
+
 def plot_objective(history: list[dict], objective_name: str) -> bytes:
     """Objective per iteration, with validation accuracy on a second axis when recorded."""
     import matplotlib

@@ -270,6 +270,7 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
             validate=validate,
             components=problem.components,
             audit=candidate_audit(problem),
+            penalty=problem.penalty,
             **self._monitor_options(group),
         )
 

@@ -45,6 +45,7 @@ def finish_exactly(
         tags={"stage": "exact finish"},
         continues=first_monitor,
         best_so_far=best,
+        penalty=exact.penalty,
         **monitor_options,
     )
     finish = run_lbfgs(exact, first.theta, max_iter=n_iter, tol=tol, monitor=monitor)

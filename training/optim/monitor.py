@@ -59,10 +59,13 @@ class Monitor:
         tags: dict | None = None,
         continues: Monitor | None = None,
         best_so_far: tuple[float, np.ndarray] | None = None,
+        penalty: Callable[[np.ndarray], float] | None = None,
     ):
         """``continues``: the monitor of an earlier stage of the same fit; its clock and
         table go on (history seconds count from the fit's start, the header is not printed
-        again). ``best_so_far``: (validation accuracy, map) that early stopping must beat."""
+        again). ``best_so_far``: (validation accuracy, map) that early stopping must beat.
+        ``penalty``: theta -> the loss's penalty, recorded beside the (unpenalised) mean
+        score, so that the penalised objective is objective - penalty."""
         self.clock = clock  # seconds, for the history (injectable for tests)
         # a later stage of one fit numbers its iterations on from the earlier one's and tags
         # its history records (the exact finish after candidate sets: {"stage": ...})
@@ -70,6 +73,7 @@ class Monitor:
         self.tags = dict(tags or {})
         # theta -> extra figures recorded on the validation schedule (candidate-mode audit)
         self.audit = audit
+        self.penalty = penalty
         self.validate = validate
         self.early_stopping = early_stopping and validate is not None
         self.interval = max(1, interval)
@@ -101,6 +105,8 @@ class Monitor:
             **self.tags,
             **(figures or {}),
         }
+        if self.penalty is not None:
+            record["penalty"] = self.penalty(theta)
         scheduled = iteration % self.interval == 0 or iteration == 1
         if self.audit is not None and scheduled:
             record.update(self.audit(theta))

@@ -109,6 +109,11 @@ class Problem:
             return self.X * params[None, :]
         return self.X @ params.T
 
+    def penalty(self, theta: np.ndarray) -> float:
+        """l2 ||theta||^2: what the loss adds to -mean score (0 without a penalty)."""
+        theta = np.asarray(theta, dtype=np.float64).ravel()
+        return self.l2 * float(theta @ theta)
+
     def components(self, theta: np.ndarray) -> np.ndarray:
         """The (d, D) matrix A for parameters theta."""
         theta = np.asarray(theta, dtype=np.float64).reshape(self.shape)
