@@ -94,7 +94,11 @@ class Tracing:
         span.end(end_time=max(end_ns, start_ns))
 
     def finish_request(self, span, route: str, status: int, seconds: float) -> None:
-        """End the server span and write the request's log line with its trace id."""
+        """End the server span and, when it is sampled (OTEL_TRACES_SAMPLER), write the
+        request's log line with its trace id."""
+        if not span.is_recording():  # not sampled: nothing to name, export or log
+            span.end()
+            return
         span.update_name(route)
         span.set_attribute("http.route", route)
         span.set_attribute("http.response.status_code", status)
@@ -160,7 +164,7 @@ def record_inference(tracing, called_ns: int, timings: dict | None) -> None:
     """The current request's parse / queue / search / decide spans, from the inference
     path's ``timings`` ({name: (start_ns, end_ns)}) and the time it was called."""
     span = current_span.get()
-    if span is None or not tracing.enabled:
+    if span is None or not tracing.enabled or not span.is_recording():
         return
     start = getattr(span, "start_time", None) or called_ns
     tracing.child(span, "parse", start, called_ns)
