@@ -26,9 +26,10 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     NCAKNN_MODEL_PATH=/models/current
 WORKDIR /app
 COPY pyproject.toml README.md ./
-# the serve extra only (no torch), read from pyproject.toml
+COPY requirements/lock.txt ./requirements/lock.txt
+# the serve extra only (no torch), read from pyproject.toml, at the lock's versions
 RUN python -c "import tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['serve']; open('/tmp/serve.txt', 'w').write(chr(10).join(deps))" \
-    && pip install --no-cache-dir -r /tmp/serve.txt \
+    && pip install --no-cache-dir -c requirements/lock.txt -r /tmp/serve.txt \
     && rm /tmp/serve.txt
 COPY service ./service
 RUN pip install --no-cache-dir --no-deps . \
@@ -70,8 +71,9 @@ COPY pyproject.toml README.md ./
 # hadolint ignore=DL3013
 RUN pip install --no-cache-dir ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "$TORCH_SPEC"
 # hadolint ignore=DL3013
+COPY requirements/lock.txt ./requirements/lock.txt
 RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; open('/tmp/train.txt', 'w').write(chr(10).join(p['dependencies'] + p['optional-dependencies']['train']))" \
-    && pip install --no-cache-dir -r /tmp/train.txt \
+    && pip install --no-cache-dir -c requirements/lock.txt -r /tmp/train.txt \
     && rm /tmp/train.txt
 COPY service ./service
 COPY training ./training

@@ -7,16 +7,31 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 MODEL ?= models/digits
 
-.PHONY: install run train serve test test-slow lint format bench bench-serve protos clean
+.PHONY: install run train serve test test-slow lint format bench bench-serve protos clean lock docs
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip
 
-$(VENV)/.installed: pyproject.toml | $(BIN)/python
+# Every package but torch is pinned by requirements/lock.txt (a constraints file: the extras
+# in pyproject.toml say what is installed, the lock at which version). `make lock` refreshes it.
+EXTRAS := serve,train,dev,tracing
+$(VENV)/.installed: pyproject.toml requirements/lock.txt | $(BIN)/python
 	$(BIN)/pip install $(TORCH)
-	$(BIN)/pip install -e '.[serve,train,dev,tracing]'
+	$(BIN)/pip install -c requirements/lock.txt -e '.[$(EXTRAS)]'
 	touch $@
+
+## lock: re-resolve every extra in a fresh virtualenv and write requirements/lock.txt
+lock: $(BIN)/python
+	rm -rf build/lock-venv && $(PYTHON) -m venv build/lock-venv
+	build/lock-venv/bin/pip install -q --upgrade pip
+	build/lock-venv/bin/pip install -q $(TORCH)
+	build/lock-venv/bin/pip install -q '.[$(EXTRAS)]'
+	$(BIN)/python tools/write_lock.py build/lock-venv/bin/python requirements/lock.txt
+
+## docs: the documentation site in build/site (fails on a broken link or an orphan page)
+docs: install
+	$(BIN)/mkdocs build --strict --quiet
 
 install: $(VENV)/.installed
 
@@ -40,6 +55,7 @@ serve: install
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mkdocs build --strict --quiet
 	$(BIN)/python -m pytest
 
 ## test-slow: the slow tests only

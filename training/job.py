@@ -38,7 +38,7 @@ from training.evaluation.report import (
     plot_embedding,
     plot_objective,
 )
-from training.evaluation.report_page import write_report_page
+from training.evaluation.report_page import warnings_of, write_report_page
 from training.model.estimator import NCA
 from training.references.compress import reference_set_record
 from training.references.learned import check_budget
@@ -246,6 +246,9 @@ def run(config: TrainConfig, *, log=print) -> dict:
             f"k={k} ({baseline}); {estimator.n_iter_} iterations, {estimator.stop_reason_}, "
             f"{time.perf_counter() - started:.1f} s"
         )
+        for warning in warnings_of(report):  # what report.html puts first, on screen too
+            log(f"warning: {warning}")
+        log(f"report: {out / 'report.html'}")
     if group.is_distributed:
         dist.barrier()  # the other ranks end after the artifact exists
     return report

@@ -70,7 +70,9 @@ def test_dockerfile_targets_and_rules():
     assert "torch" not in serve.replace("no torch", "")
     assert "USER 10001" in serve and "HEALTHCHECK" in serve and "/readyz" in serve
     # dependencies before code: the first COPY of service/ comes after the pip install of deps
-    assert serve.index("pip install --no-cache-dir -r") < serve.index("COPY service")
+    assert serve.index("pip install --no-cache-dir -c requirements/lock.txt -r") < serve.index(
+        "COPY service"
+    )
 
 
 @pytest.fixture(scope="module")

@@ -51,7 +51,9 @@ def exported_series() -> dict[str, set[str]]:
 
 
 def rule_list() -> list[dict]:
-    return [rule for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"]]
+    return [
+        rule for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"]
+    ]
 
 
 def dashboard_queries() -> list[str]:
@@ -121,5 +123,7 @@ def test_the_alerts_cover_what_operators_page_on():
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed")
 def test_promtool_accepts_the_rules():
-    done = subprocess.run(["promtool", "check", "rules", str(RULES)], capture_output=True, text=True)
+    done = subprocess.run(
+        ["promtool", "check", "rules", str(RULES)], capture_output=True, text=True
+    )
     assert done.returncode == 0, done.stdout + done.stderr

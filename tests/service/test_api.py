@@ -373,12 +373,12 @@ def test_batched_answers_equal_single_request_answers(model_artifact, on_loop):
     assert [r.json() for r in batched] == [r.json() for r in single]
 
 
-def test_every_setting_is_documented_in_the_readme():
+def test_every_setting_is_documented_in_the_settings_page():
     from pathlib import Path
 
     from service.config import Settings, settings_table
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "settings.md").read_text()
     for name in Settings.model_fields:
         assert f"`NCAKNN_{name.upper()}`" in readme, name
     assert settings_table() in readme, "regenerate with: python -m service.config --markdown"

@@ -103,3 +103,16 @@ def test_warnings_stand_before_every_section():
     page = render_page(report, {"classes": [0, 1]}, {})
     assert page.index('class="warning"') < page.index("<h2>")
     assert "No warnings" in render_page({"training": history(0.9, 0.95)}, {}, {})
+
+
+def test_the_job_prints_the_pages_warnings_and_where_the_page_is(tmp_path, capsys, monkeypatch):
+    import training.job
+
+    monkeypatch.setattr(training.job, "warnings_of", lambda report: ["the kept map is iteration 1's"])  # fmt: skip
+    out = tmp_path / "m"
+    assert (
+        main(["--data", "iris", "--n-components", "2", "--out", str(out), "--max-iter", "5"]) == 0
+    )
+    err = capsys.readouterr().err
+    assert "warning: the kept map is iteration 1's" in err
+    assert f"report: {out / 'report.html'}" in err
