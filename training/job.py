@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch.distributed as dist
 
-from service.core.artifact import write_artifact
+from service.core.artifact import ArtifactError, write_artifact
 from service.core.knn import project
 from service.core.vocabulary import NEIGHBOUR_RULES
 from training.config import TrainConfig
@@ -232,6 +232,7 @@ def run(config: TrainConfig, *, log=print) -> dict:
             ),
         }
         save_artifact(out, config, _data_name(config), split, estimator, evaluation, report)
+        _write_page(out, log)
         if config.publish:
             publish(config.publish, out)
             log(f"published {config.publish} -> {out}")
@@ -252,6 +253,17 @@ def run(config: TrainConfig, *, log=print) -> dict:
     if group.is_distributed:
         dist.barrier()  # the other ranks end after the artifact exists
     return report
+
+
+def _write_page(out: Path, log) -> None:
+    """report.html beside the artifact; the model is written whether or not this works."""
+    try:
+        write_report_page(out)
+    except (ArtifactError, ValueError, KeyError, TypeError, AttributeError, OSError) as exc:
+        log(
+            f"warning: report.html not written ({type(exc).__name__}: {exc}); the model is; "
+            f"python -m training report {out} tries again"
+        )
 
 
 def _split(data: Dataset, config: TrainConfig) -> Split:
@@ -544,7 +556,6 @@ def save_artifact(
             **_reference_set_of(estimator, config),
         },
     )
-    write_report_page(out)
 
 
 def _reference_set_of(estimator: NCA, config: TrainConfig) -> dict:

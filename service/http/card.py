@@ -54,7 +54,10 @@ def model_section(model, images: dict[str, bytes]) -> str:
     k = str(model.default_k)
     accuracy = [("NCA (ours)", (metrics.get("test_accuracy") or {}).get(k))]
     for name, record in sorted((metrics.get("baselines") or {}).items()):
-        accuracy.append((name, (record.get("test_accuracy") or {}).get(k, record.get("error"))))
+        if isinstance(record, dict):  # a data-parallel run records {"skipped": reason}
+            accuracy.append((name, (record.get("test_accuracy") or {}).get(k, record.get("error"))))
+        else:
+            accuracy.append((f"baselines {name}", record))
     plan = training.get("plan") or {}
     pictures = "".join(
         f'<img alt="{name}" src="data:image/png;base64,{base64.b64encode(images[name]).decode()}">'

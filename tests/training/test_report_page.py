@@ -116,3 +116,27 @@ def test_the_job_prints_the_pages_warnings_and_where_the_page_is(tmp_path, capsy
     err = capsys.readouterr().err
     assert "warning: the kept map is iteration 1's" in err
     assert f"report: {out / 'report.html'}" in err
+
+
+def test_a_data_parallel_runs_skipped_baselines_render_as_a_row():
+    """torchrun records {"skipped": why} instead of baselines (no rank holds every raw row)."""
+    metrics = {"default_k": 1, "test_accuracy": {"1": 0.9}, "baselines": {"skipped": "no rank holds the rows"}}  # fmt: skip
+    page = render_page({"training": history(0.9, 0.95), "metrics": metrics}, {}, {})
+    assert "baselines skipped" in page and "no rank holds the rows" in page
+
+
+def test_a_page_that_cannot_be_written_is_a_warning_not_a_failed_run(tmp_path, capsys, monkeypatch):
+    import training.job
+
+    def broken(model_dir):
+        raise ValueError("a report the page does not understand")
+
+    monkeypatch.setattr(training.job, "write_report_page", broken)
+    out = tmp_path / "m"
+    assert (
+        main(["--data", "iris", "--n-components", "2", "--out", str(out), "--max-iter", "5"]) == 0
+    )
+    assert read_artifact(out).n_components == 2
+    assert (
+        "warning: report.html not written (ValueError: a report the page" in capsys.readouterr().err
+    )

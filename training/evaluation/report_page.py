@@ -129,7 +129,7 @@ def _accuracy_chart(metrics: dict) -> str:
         return sorted((float(k), float(v)) for k, v in (by_k or {}).items())
 
     series = [Series("NCA (ours)", points(metrics.get("test_accuracy")), markers=True)]
-    for name, record in sorted((metrics.get("baselines") or {}).items()):
+    for name, record in _baselines(metrics):
         if "test_accuracy" in record:
             series.append(Series(name, points(record["test_accuracy"]), dashed=True, markers=True))
     default_k = metrics.get("default_k")
@@ -137,12 +137,26 @@ def _accuracy_chart(metrics: dict) -> str:
     return line_chart(Chart("test accuracy against k", "k", "test accuracy", series, markers))
 
 
+def _baselines(metrics: dict) -> list[tuple[str, dict]]:
+    """The baselines that were scored; a data-parallel run records only why they were not
+    ({"skipped": reason}), which _baseline_table shows as a row of its own."""
+    found = metrics.get("baselines") or {}
+    return [(name, record) for name, record in sorted(found.items()) if isinstance(record, dict)]
+
+
 def _baseline_table(metrics: dict) -> str:
     k = str(metrics.get("default_k"))
-    rows = [("NCA (ours)", (metrics.get("test_accuracy") or {}).get(k))]
-    for name, record in sorted((metrics.get("baselines") or {}).items()):
-        rows.append((name, record.get("test_accuracy", {}).get(k, record.get("error"))))
-    return _table([(f"{name}, test accuracy at k = {k}", value) for name, value in rows])
+    rows = [(f"NCA (ours), test accuracy at k = {k}", (metrics.get("test_accuracy") or {}).get(k))]
+    for name, record in _baselines(metrics):
+        value = (record.get("test_accuracy") or {}).get(k, record.get("error"))
+        rows.append((f"{name}, test accuracy at k = {k}", value))
+    found = metrics.get("baselines") or {}
+    rows += [
+        (f"baselines {name}", value)
+        for name, value in sorted(found.items())
+        if not isinstance(value, dict)
+    ]
+    return _table(rows)
 
 
 def _image(images: dict[str, bytes], name: str, alt: str) -> str:
