@@ -3,7 +3,8 @@
 Every query parses (promql-parser, Prometheus's grammar) and names only series the service
 exports (service/ops/metrics.py) with labels they carry; the route regexes match the route
 labels the service writes; the dashboard JSON is what its generator writes; and where
-promtool is installed, `promtool check rules` passes.
+promtool is installed (Debian: apt-get install prometheus), `promtool check rules` passes
+and the alerts' unit tests (alert-rules.test.yaml) fire as stated.
 """
 
 from __future__ import annotations
@@ -126,4 +127,16 @@ def test_promtool_accepts_the_rules():
     done = subprocess.run(
         ["promtool", "check", "rules", str(RULES)], capture_output=True, text=True
     )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed")
+def test_the_alerts_fire_on_synthetic_series_and_stay_quiet_below_their_thresholds():
+    """alert-rules.test.yaml: an error rate, a failed reload, slow requests (with /healthz
+    traffic that must not count) and an outlier rate, each with the alert it must raise
+    and when; and a low error rate that must raise none."""
+    done = subprocess.run(
+        ["promtool", "test", "rules", "alert-rules.test.yaml"],
+        cwd=MONITORING, capture_output=True, text=True,
+    )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
