@@ -29,16 +29,13 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-
-import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, median, print_table, save_json
 from connection_guard import build_model
-from http_load import LUA, SERVER_CORE, free_port, stop, wrk
+from http_load import LUA, SERVER_CORE, free_port, stop, wait_ready, wrk
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -76,16 +73,9 @@ def start(tree: Path, model: Path, **env) -> tuple[subprocess.Popen, int]:
     cmd += ["service.app:create_app_from_env", "--factory", "--host", "127.0.0.1"]
     cmd += ["--port", str(port), "--workers", "1", "--loop", "uvloop", "--no-access-log"]
     cmd += ["--log-level", "warning"]
-    proc = subprocess.Popen(cmd, cwd=tree, env=environment)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
-                return proc, port
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    stop(proc)
-    raise RuntimeError(f"server from {tree} did not get ready")
+    proc = subprocess.Popen(cmd, cwd=tree, env=environment, stderr=subprocess.PIPE)
+    wait_ready(proc, port)
+    return proc, port
 
 
 def main() -> None:

@@ -98,16 +98,25 @@ def model_section(model, images: dict[str, bytes]) -> str:
     )
 
 
-def _samples(registry: CollectorRegistry, name: str) -> list:
-    return [s for metric in registry.collect() for s in metric.samples if s.name == name]
+def samples_by_name(registry: CollectorRegistry) -> dict[str, list]:
+    """Every sample of the registry, collected once, by sample name."""
+    found: dict[str, list] = {}
+    for metric in registry.collect():
+        for sample in metric.samples:
+            found.setdefault(sample.name, []).append(sample)
+    return found
 
 
-def latency_percentiles(registry: CollectorRegistry, quantiles=(0.5, 0.9, 0.99)) -> dict:
+def latency_percentiles(
+    registry: CollectorRegistry, quantiles=(0.5, 0.9, 0.99), samples=None
+) -> dict:
     """Request latency quantiles (seconds) over every route, from the histogram's buckets:
     the upper bound of the bucket where the cumulative count crosses q (as Prometheus's
-    histogram_quantile does, without its interpolation). {} before the first request."""
+    histogram_quantile does, without its interpolation). {} before the first request.
+    ``samples``: samples_by_name(registry), when the caller has collected them already."""
+    samples = samples_by_name(registry) if samples is None else samples
     buckets: dict[float, float] = {}
-    for sample in _samples(registry, "ncaknn_request_latency_seconds_bucket"):
+    for sample in samples.get("ncaknn_request_latency_seconds_bucket", []):
         bound = float(sample.labels["le"])
         buckets[bound] = buckets.get(bound, 0.0) + sample.value
     total = buckets.get(float("inf"), 0.0)
@@ -118,12 +127,13 @@ def latency_percentiles(registry: CollectorRegistry, quantiles=(0.5, 0.9, 0.99))
 
 
 def live_section(registry: CollectorRegistry) -> str:
-    """This worker's request figures, read from its registry now."""
-    requests = _samples(registry, "ncaknn_requests_total")
+    """This worker's request figures, read from its registry now (collected once)."""
+    samples = samples_by_name(registry)
+    requests = samples.get("ncaknn_requests_total", [])
     total = sum(s.value for s in requests)
     failed = sum(s.value for s in requests if s.labels["status"].startswith("5"))
     refused = sum(s.value for s in requests if s.labels["status"] == "429")
-    errors = {s.labels["error_type"]: s.value for s in _samples(registry, "ncaknn_errors_total")}
+    errors = {s.labels["error_type"]: s.value for s in samples.get("ncaknn_errors_total", [])}
     rows = [
         ("requests", int(total)),
         ("server errors (5xx)", int(failed)),
@@ -132,7 +142,7 @@ def live_section(registry: CollectorRegistry) -> str:
     ]
     rows += [
         (f"latency p{round(q * 100)}", "—" if v == float("inf") else f"{v * 1000:g} ms")
-        for q, v in latency_percentiles(registry).items()
+        for q, v in latency_percentiles(registry, samples=samples).items()
     ]
     return "<h2>Live (this worker, since it started)</h2>" + _rows(rows)
 
