@@ -170,9 +170,12 @@ def run_set(name: str, noise: float, fractions: list[float], save: str | None) -
     return rows
 
 
-def seed_medians(name: str, noise: float, fractions: list[float], seeds: int) -> list[dict]:
+def seed_medians(
+    name: str, noise: float, fractions: list[float], seeds: int, loss: str | None = None
+) -> list[dict]:
     """The default (map fixed) over ``seeds`` k-means seeds: the change from the full set's
-    test accuracy at each seed, the median and the range (one NCA map, as above)."""
+    test accuracy at each seed, the median and the range (one NCA map, as above). ``loss``
+    overrides the learner's loss (None: its default)."""
     from training import NCA
     from training.references.compress import compress, edit_k_for
 
@@ -191,11 +194,12 @@ def seed_medians(name: str, noise: float, fractions: list[float], seeds: int) ->
         for seed in range(seeds):
             result = compress(z, y, reduction=1 / fraction, n_classes=n_classes,
                               rule="majority", edit_k=edit_k_for(full["served_k"]),
-                              x_val=z_val, y_val=y_val, seed=seed)  # fmt: skip
+                              x_val=z_val, y_val=y_val, seed=seed,
+                              **({} if loss is None else {"loss": loss}))  # fmt: skip
             got = scores(result.fit.prototypes, result.fit.labels, *common, fallback=1)
             changes.append(100 * (got["test_at_served_k"] - full["test_at_served_k"]))
         rows.append({"set": name, "noise": noise, "fraction": fraction, "seeds": seeds,
-                     "full": full["test_at_served_k"], "change_points": changes,
+                     "loss": loss or "default", "full": full["test_at_served_k"], "change_points": changes,
                      "median": float(np.median(changes))})  # fmt: skip
         print(rows[-1], flush=True)
     return rows
@@ -240,8 +244,10 @@ def main() -> None:
         "--seeds",
         type=int,
         help="only the default method over this many seeds, written to "
-        "learned_references_seeds.json (rows of the sets run replace their previous ones)",
+        "learned_references_seeds.json (rows of the sets and loss run replace their previous "
+        "ones)",
     )
+    parser.add_argument("--loss", choices=("f", "log"), help="with --seeds: the learner's loss")
     args = parser.parse_args()
     if args.table:
         print(markdown(json.loads((RESULTS / "learned_references.json").read_text())["rows"]))
@@ -254,9 +260,11 @@ def main() -> None:
         path = RESULTS / "learned_references_seeds.json"
         previous = json.loads(path.read_text())["rows"] if path.exists() else []
         rows = [row for name in sets for noise in (float(n) for n in args.noise.split(","))
-                for row in seed_medians(name, noise, fractions, args.seeds)]  # fmt: skip
-        ran = {(r["set"], r["noise"]) for r in rows}
-        rows = [r for r in previous if (r["set"], r["noise"]) not in ran] + rows
+                for row in seed_medians(name, noise, fractions, args.seeds, args.loss)]  # fmt: skip
+        ran = {(r["set"], r["noise"], r["loss"]) for r in rows}
+        rows = [
+            r for r in previous if (r["set"], r["noise"], r.get("loss", "default")) not in ran
+        ] + rows
         save_json("learned_references_seeds.json", {"machine": machine(), "rows": rows})
         return
     rows = []

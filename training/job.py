@@ -565,7 +565,7 @@ def _reference_set_of(estimator: NCA, config: TrainConfig) -> dict:
         return {}
     record = reference_set_record(
         method="nca, learned jointly with the map", reduction=float(config.prototypes),
-        compressed=fit, loss="log",
+        compressed=fit,
     )  # fmt: skip
     return {"reference_set": record}
 

@@ -179,6 +179,46 @@ def test_the_kept_iteration_is_the_best_on_validation():
     assert (fit.labels[nearest] == yv).mean() == pytest.approx(best)
 
 
+@pytest.mark.parametrize("seed, kept", [(7, "log"), (8, "f"), (12, "f")])  # 12: a tie
+def test_auto_loss_keeps_the_loss_better_on_validation(seed, kept):
+    from training.references.compress import compress
+
+    u_all, y_all, _ = gaussian_classes(n_per_class=200, spread=2.5, seed=seed)
+    order = np.random.default_rng(0).permutation(len(y_all))
+    u, y = u_all[order[:560]], y_all[order[:560]]
+    uv, yv = u_all[order[560:]], y_all[order[560:]]
+    options = dict(reduction=15, n_classes=4, rule="majority", edit_k=0, x_val=uv, y_val=yv,
+                   max_iter=40, check_every=2, seed=1)  # fmt: skip
+    auto = compress(u, y, **options)
+    single = {loss: compress(u, y, loss=loss, **options) for loss in ("f", "log")}
+    accuracy = {loss: c.validation[c.k] for loss, c in single.items()}
+    assert auto.tried == pytest.approx(accuracy)
+    # the larger validation accuracy at the served k wins; f among equals
+    expected = "log" if accuracy["log"] > accuracy["f"] else "f"
+    assert auto.loss == expected == kept
+    np.testing.assert_array_equal(auto.fit.prototypes, single[expected].fit.prototypes)
+    assert auto.k == single[expected].k and single["f"].tried.keys() == {"f"}
+    # the two losses do reach different prototypes here, so the choice is not vacuous
+    assert not np.array_equal(single["f"].fit.prototypes, single["log"].fit.prototypes)
+
+
+def test_auto_loss_without_validation_learns_f_and_bad_losses_are_refused():
+    from training.references.compress import compress, reference_set_record
+
+    u, y, _ = gaussian_classes(spread=2.0, seed=2)
+    options = dict(reduction=20, n_classes=4, rule="majority", edit_k=0, max_iter=20)
+    auto = compress(u, y, **options)
+    plain = compress(u, y, loss="f", **options)
+    assert auto.loss == "f" and list(auto.tried) == ["f"]
+    np.testing.assert_array_equal(auto.fit.prototypes, plain.fit.prototypes)
+    record = reference_set_record(method="m", reduction=20.0, compressed=auto)
+    assert record["objective"].startswith("NCA f loss") and record["losses_tried"] == {"f": None}
+    with pytest.raises(
+        ValueError, match="loss must be 'auto' or one of \\('log', 'f'\\), got 'l2'"
+    ):
+        compress(u, y, loss="l2", **options)
+
+
 def test_budget_is_proportional_and_bad_budgets_name_the_problem():
     y = np.r_[np.zeros(100, int), np.ones(30, int), np.full(7, 2)]
     assert class_budget(y, 10) == {0: 10, 1: 3, 2: 1}
@@ -230,6 +270,10 @@ def test_condense_learns_prototypes_and_says_so(learned):
     assert record["kind"] == "prototypes" and record["reduction"] == 10.0
     assert record["n_prototypes"] == len(child.ids)
     assert record["n_training_rows"] == len(parent.ids)
+    # both losses were tried on validation and the record names the one kept
+    assert record["losses_tried"].keys() == {"f", "log"}
+    kept = max(("f", "log"), key=lambda loss: record["losses_tried"][loss])
+    assert record["objective"] == f"NCA {kept} loss of the training rows against the prototypes"
     entry = child.manifest["lineage"][-1]
     assert entry["settings"]["refine"] == "nca" and entry["parent_version"] == parent.version
     # ids are real training rows of the prototype's own class

@@ -360,7 +360,7 @@ def _learned(parent, z, y, settings) -> tuple:
     fit = result.fit
     rows = representatives(z, y, fit.prototypes, fit.labels)
     record = reference_set_record(
-        method="nca, map fixed", reduction=settings["reduction"], compressed=result, loss="f",
+        method="nca, map fixed", reduction=settings["reduction"], compressed=result,
     )  # fmt: skip
     counts = {"prototypes": len(fit.labels)}
     return fit.prototypes, fit.labels, parent.ids[rows], counts, result.k, record
