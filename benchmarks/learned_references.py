@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pickle
 import sys
 import time
 import warnings
@@ -97,23 +98,45 @@ def scores(refs, ref_labels, z_val, y_val, z_test, y_test, n_classes, fallback) 
     return {"served_k": k, "test_at_served_k": test[k], "test_at_1": test[1]}
 
 
-def run_set(name: str, noise: float, fractions: list[float], save: str | None) -> list[dict]:
+def fitted(name: str, noise: float, cache: str | None):
+    """(data with noisy labels, the NCA map fitted with the defaults, its fit seconds), or
+    None when the set's data is absent. With ``cache``, the map is pickled there by set and
+    noise and read back by later runs (the fit is seeded, so the map is the same)."""
     from training import NCA
-    from training.references.compress import compress, edit_k_for
-    from training.references.condense import condense, prototypes
 
     loaded = SETS[name][0]()
     if loaded is None:
-        print(f"{name}: data absent, skipped")
-        return []
+        return None
     X, y, X_val, y_val, X_test, y_test = loaded
     n_classes = int(y.max()) + 1
     y, y_val = with_noise(y, n_classes, noise, 1), with_noise(y_val, n_classes, noise, 2)
-    started = time.perf_counter()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        nca = NCA(n_components=SETS[name][1], random_state=0).fit(X, y)
-    fit_seconds = time.perf_counter() - started
+    path = Path(cache) / f"{name}-noise{noise:g}.pkl" if cache else None
+    if path is not None and path.exists():
+        nca, fit_seconds = pickle.loads(path.read_bytes())
+    else:
+        started = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            nca = NCA(n_components=SETS[name][1], random_state=0).fit(X, y)
+        fit_seconds = time.perf_counter() - started
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(pickle.dumps((nca, fit_seconds)))
+    return (X, y, X_val, y_val, X_test, y_test), nca, fit_seconds
+
+
+def run_set(
+    name: str, noise: float, fractions: list[float], save: str | None, methods, cache
+) -> list[dict]:
+    from training.references.compress import compress, edit_k_for
+    from training.references.condense import condense, prototypes
+
+    loaded = fitted(name, noise, cache)
+    if loaded is None:
+        print(f"{name}: data absent, skipped")
+        return []
+    (X, y, X_val, y_val, X_test, y_test), nca, fit_seconds = loaded
+    n_classes = int(y.max()) + 1
     z, z_val, z_test = nca.transform(X), nca.transform(X_val), nca.transform(X_test)
     xs = ((X - nca.mean_) / nca.scale_).astype(np.float32)
     xs_val = ((X_val - nca.mean_) / nca.scale_).astype(np.float32)
@@ -127,42 +150,51 @@ def run_set(name: str, noise: float, fractions: list[float], save: str | None) -
     rows = [{**base, "fraction": 1.0, "method": "full", "references": len(y), **full}]
     print(f"{name} noise={noise}: NCA fit {fit_seconds:.1f} s; full set {full}", flush=True)
 
-    started = time.perf_counter()
-    keep, _ = condense(z, y, n_classes, check_k=full["served_k"] + 2)
-    seconds = time.perf_counter() - started
-    hart = scores(z[keep], y[keep], *common, fallback=full["served_k"])
-    rows.append({**base, "fraction": float(keep.mean()), "method": "hart",
-                 "references": int(keep.sum()), "seconds": seconds, **hart})  # fmt: skip
+    if "hart" in methods:
+        started = time.perf_counter()
+        keep, _ = condense(z, y, n_classes, check_k=full["served_k"] + 2)
+        seconds = time.perf_counter() - started
+        hart = scores(z[keep], y[keep], *common, fallback=full["served_k"])
+        rows.append({**base, "fraction": float(keep.mean()), "method": "hart",
+                     "references": int(keep.sum()), "seconds": seconds, **hart})  # fmt: skip
     smallest = int(np.bincount(y).min())
     for fraction in fractions:
         reduction = 1.0 / fraction
         if reduction > smallest:
             print(f"  {fraction:.0%}: above the smallest class ({smallest} rows), skipped")
             continue
-        started = time.perf_counter()
-        centres, labels, _, _ = prototypes(z, y, reduction=reduction, refine_epochs=30)
-        rows.append(_row(base, fraction, "kmeans+glvq", centres, labels, started, common))
-        started = time.perf_counter()
         edit_k = edit_k_for(full["served_k"])
-        fixed = compress(z, y, reduction=reduction, n_classes=n_classes, rule="majority",
-                         edit_k=edit_k, x_val=z_val, y_val=y_val)  # fmt: skip
-        fit = fixed.fit
-        rows.append(_row(base, fraction, "learned, map fixed", fit.prototypes, fit.labels,
-                         started, common, iterations=fit.n_iter,
-                         edited=fixed.editing["edited"]))  # fmt: skip
-        started = time.perf_counter()
-        joint = compress(
-            xs, y, reduction=reduction, n_classes=n_classes, rule="majority", edit_k=edit_k,
-            x_val=xs_val, y_val=y_val, u=z, projection=nca.components_, joint=True, loss="log",
-        )  # fmt: skip
-        fit = joint.fit
-        a = fit.projection.astype(np.float32)
-        z_val_j = xs_val @ a.T
-        z_test_j = ((X_test - nca.mean_) / nca.scale_).astype(np.float32) @ a.T
-        rows.append(_row(base, fraction, "learned jointly", fit.prototypes, fit.labels, started,
-                         (z_val_j, y_val, z_test_j, y_test, n_classes), iterations=fit.n_iter,
-                         edited=joint.editing["edited"]))  # fmt: skip
-        for row in rows[-3:]:
+        ran = 0
+        if "kmeans+glvq" in methods:
+            started = time.perf_counter()
+            centres, labels, _, _ = prototypes(z, y, reduction=reduction, refine_epochs=30)
+            rows.append(_row(base, fraction, "kmeans+glvq", centres, labels, started, common))
+            ran += 1
+        if "learned, map fixed" in methods:
+            started = time.perf_counter()
+            fixed = compress(z, y, reduction=reduction, n_classes=n_classes, rule="majority",
+                             edit_k=edit_k, x_val=z_val, y_val=y_val)  # fmt: skip
+            fit = fixed.fit
+            rows.append(_row(base, fraction, "learned, map fixed", fit.prototypes, fit.labels,
+                             started, common, iterations=fit.n_iter, loss=fixed.loss,
+                             edited=fixed.editing["edited"]))  # fmt: skip
+            ran += 1
+        if "learned jointly" in methods:
+            started = time.perf_counter()
+            joint = compress(
+                xs, y, reduction=reduction, n_classes=n_classes, rule="majority",
+                edit_k=edit_k, x_val=xs_val, y_val=y_val, u=z, projection=nca.components_,
+                joint=True, loss="log",
+            )  # fmt: skip
+            fit = joint.fit
+            a = fit.projection.astype(np.float32)
+            z_val_j = xs_val @ a.T
+            z_test_j = ((X_test - nca.mean_) / nca.scale_).astype(np.float32) @ a.T
+            rows.append(_row(base, fraction, "learned jointly", fit.prototypes, fit.labels,
+                             started, (z_val_j, y_val, z_test_j, y_test, n_classes),
+                             iterations=fit.n_iter, edited=joint.editing["edited"]))  # fmt: skip
+            ran += 1
+        for row in rows[len(rows) - ran :]:
             print(f"  {fraction:.0%} {row['method']:20s} {row['references']:6d} refs: "
                   f"test {row['test_at_served_k']:.4f} at k={row['served_k']} "
                   f"({row['test_at_served_k'] - full['test_at_served_k']:+.4f}), "
@@ -171,35 +203,30 @@ def run_set(name: str, noise: float, fractions: list[float], save: str | None) -
 
 
 def seed_medians(
-    name: str, noise: float, fractions: list[float], seeds: int, loss: str | None = None
+    name: str, noise: float, fractions: list[float], seeds: int, loss: str, cache: str | None
 ) -> list[dict]:
     """The default (map fixed) over ``seeds`` k-means seeds: the change from the full set's
-    test accuracy at each seed, the median and the range (one NCA map, as above). ``loss``
-    overrides the learner's loss (None: its default)."""
-    from training import NCA
+    test accuracy at each seed, the median and the range (one NCA map, as above), and the
+    loss each seed kept. ``loss`` is the learner's ("auto": its default)."""
     from training.references.compress import compress, edit_k_for
 
-    X, y, X_val, y_val, X_test, y_test = SETS[name][0]()
+    (X, y, X_val, y_val, X_test, y_test), nca, _ = fitted(name, noise, cache)
     n_classes = int(y.max()) + 1
-    y, y_val = with_noise(y, n_classes, noise, 1), with_noise(y_val, n_classes, noise, 2)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        nca = NCA(n_components=SETS[name][1], random_state=0).fit(X, y)
     z, z_val, z_test = nca.transform(X), nca.transform(X_val), nca.transform(X_test)
     common = (z_val, y_val, z_test, y_test, n_classes)
     full = scores(z, y, *common, fallback=3)
     rows = []
     for fraction in fractions:
-        changes = []
+        changes, kept = [], []
         for seed in range(seeds):
             result = compress(z, y, reduction=1 / fraction, n_classes=n_classes,
                               rule="majority", edit_k=edit_k_for(full["served_k"]),
-                              x_val=z_val, y_val=y_val, seed=seed,
-                              **({} if loss is None else {"loss": loss}))  # fmt: skip
+                              x_val=z_val, y_val=y_val, seed=seed, loss=loss)  # fmt: skip
             got = scores(result.fit.prototypes, result.fit.labels, *common, fallback=1)
             changes.append(100 * (got["test_at_served_k"] - full["test_at_served_k"]))
+            kept.append(result.loss)
         rows.append({"set": name, "noise": noise, "fraction": fraction, "seeds": seeds,
-                     "loss": loss or "default", "full": full["test_at_served_k"], "change_points": changes,
+                     "loss": loss, "kept_losses": kept, "full": full["test_at_served_k"], "change_points": changes,
                      "median": float(np.median(changes))})  # fmt: skip
         print(rows[-1], flush=True)
     return rows
@@ -225,7 +252,8 @@ def markdown(rows: list[dict]) -> str:
             delta = r["test_at_served_k"] - full["test_at_served_k"]
             out.append(
                 f"| {key[0]} | {key[1]:.0%} | {r['fraction']:.1%} | {r['references']:,} | "
-                f"{r['method']}{' (edited)' if r.get('edited') else ''} | "
+                f"{r['method']}{', ' + r['loss'] + ' loss' if r.get('loss') else ''}"
+                f"{' (edited)' if r.get('edited') else ''} | "
                 f"{r['test_at_served_k']:.4f} ({r['served_k']}) | "
                 f"{'' if r['method'] == 'full' else f'{100 * delta:+.2f}'} | "
                 f"{r['test_at_1']:.4f} | {r.get('seconds', r.get('nca_fit_seconds', 0)):.1f} |"
@@ -247,7 +275,16 @@ def main() -> None:
         "learned_references_seeds.json (rows of the sets and loss run replace their previous "
         "ones)",
     )
-    parser.add_argument("--loss", choices=("f", "log"), help="with --seeds: the learner's loss")
+    parser.add_argument(
+        "--loss", choices=("auto", "f", "log"), default="auto",
+        help="with --seeds: the learner's loss (auto, the default: chosen on validation)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--methods", default=",".join(METHODS[1:]),
+        help="the table's methods to run besides the full set (comma-separated; rows of "
+        "methods not run are kept from the last run)",
+    )  # fmt: skip
+    parser.add_argument("--cache", help="keep the fitted NCA maps here and reuse them")
     args = parser.parse_args()
     if args.table:
         print(markdown(json.loads((RESULTS / "learned_references.json").read_text())["rows"]))
@@ -259,20 +296,32 @@ def main() -> None:
     if args.seeds:
         path = RESULTS / "learned_references_seeds.json"
         previous = json.loads(path.read_text())["rows"] if path.exists() else []
-        rows = [row for name in sets for noise in (float(n) for n in args.noise.split(","))
-                for row in seed_medians(name, noise, fractions, args.seeds, args.loss)]  # fmt: skip
-        ran = {(r["set"], r["noise"], r["loss"]) for r in rows}
-        rows = [
-            r for r in previous if (r["set"], r["noise"], r.get("loss", "default")) not in ran
-        ] + rows
+        rows_run = [row for name in sets for noise in (float(n) for n in args.noise.split(","))
+                for row in seed_medians(name, noise, fractions, args.seeds, args.loss,
+                                        args.cache)]  # fmt: skip
+        ran = {(r["set"], r["noise"], r["loss"]) for r in rows_run}
+        # rows from before the loss was recorded were learned with f
+        rows = [r for r in previous if (r["set"], r["noise"], r.get("loss", "f")) not in ran]
+        rows += rows_run
         save_json("learned_references_seeds.json", {"machine": machine(), "rows": rows})
         return
+    methods = {"full", *args.methods.split(",")}
+    unknown = methods - set(METHODS)
+    if unknown:
+        parser.error(f"--methods: unknown {sorted(unknown)}; choose from {METHODS[1:]}")
     rows = []
     for name in sets:
         for noise in (float(n) for n in args.noise.split(",")):
-            rows += run_set(name, noise, fractions, args.save_models)
-    ran = {(r["set"], r["noise"]) for r in rows}
-    rows = [r for r in previous if (r["set"], r["noise"]) not in ran] + rows
+            rows += run_set(name, noise, fractions, args.save_models, methods, args.cache)
+    ran = {(r["set"], r["noise"], r["method"], r["fraction"]) for r in rows}
+    ran |= {(r["set"], r["noise"], "hart") for r in rows if r["method"] == "hart"}
+
+    def replaced(r: dict) -> bool:
+        if r["method"] == "hart":
+            return (r["set"], r["noise"], "hart") in ran
+        return (r["set"], r["noise"], r["method"], r["fraction"]) in ran
+
+    rows = [r for r in previous if not replaced(r)] + rows
     print_table(rows, ["set", "noise", "method", "fraction", "references", "served_k",
                        "test_at_served_k", "test_at_1", "seconds"])  # fmt: skip
     save_json("learned_references.json", {"machine": machine(), "rows": rows})
