@@ -43,6 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, USPS_PATH, machine, print_table, save_json, usps_784
 
 METHODS = ("full", "hart", "kmeans+glvq", "learned, map fixed", "learned jointly")
+METHOD_KEYS = {"hart": "hart", "glvq": "kmeans+glvq", "fixed": "learned, map fixed",
+               "joint": "learned jointly"}  # --methods' names  # fmt: skip
 
 
 def usps():
@@ -261,6 +263,19 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def seeds_markdown(rows: list[dict]) -> str:
+    """The README's seeds table: per set, noise, fraction and loss setting, the change at each
+    seed, the median and (with "auto") the loss each seed kept."""
+    out = ["| set | noise | kept | loss | change at each seed (points) | median | kept loss |",
+           "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        changes = ", ".join(f"{c:+.2f}" for c in r["change_points"])
+        kept = ", ".join(r.get("kept_losses", []))
+        out.append(f"| {r['set']} | {r['noise']:.0%} | {r['fraction']:.0%} | "
+                   f"{r.get('loss', 'f')} | {changes} | {r['median']:+.2f} | {kept} |")  # fmt: skip
+    return "\n".join(out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sets", default="usps,letters26,usps784")
@@ -280,14 +295,17 @@ def main() -> None:
         help="with --seeds: the learner's loss (auto, the default: chosen on validation)",
     )  # fmt: skip
     parser.add_argument(
-        "--methods", default=",".join(METHODS[1:]),
-        help="the table's methods to run besides the full set (comma-separated; rows of "
-        "methods not run are kept from the last run)",
+        "--methods", default=",".join(METHOD_KEYS),
+        help="the table's methods to run besides the full set, comma-separated, of "
+        f"{', '.join(METHOD_KEYS)} (rows of methods not run are kept from the last run)",
     )  # fmt: skip
     parser.add_argument("--cache", help="keep the fitted NCA maps here and reuse them")
     args = parser.parse_args()
     if args.table:
         print(markdown(json.loads((RESULTS / "learned_references.json").read_text())["rows"]))
+        seeds = RESULTS / "learned_references_seeds.json"
+        if seeds.exists():
+            print("\n" + seeds_markdown(json.loads(seeds.read_text())["rows"]))
         return
     fractions = [float(f) for f in args.fractions.split(",")]
     path = RESULTS / "learned_references.json"
@@ -305,10 +323,11 @@ def main() -> None:
         rows += rows_run
         save_json("learned_references_seeds.json", {"machine": machine(), "rows": rows})
         return
-    methods = {"full", *args.methods.split(",")}
-    unknown = methods - set(METHODS)
+    keys = args.methods.split(",")
+    unknown = [key for key in keys if key not in METHOD_KEYS]
     if unknown:
-        parser.error(f"--methods: unknown {sorted(unknown)}; choose from {METHODS[1:]}")
+        parser.error(f"--methods: unknown {unknown}; choose from {', '.join(METHOD_KEYS)}")
+    methods = {"full", *(METHOD_KEYS[key] for key in keys)}
     rows = []
     for name in sets:
         for noise in (float(n) for n in args.noise.split(",")):
