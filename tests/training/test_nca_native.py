@@ -124,6 +124,33 @@ def test_thread_splits_give_the_same_answer(threads, monkeypatch):
     torch.testing.assert_close(many[1], one[1], rtol=1e-12, atol=1e-13)
 
 
+@pytest.mark.parametrize("min_rows, budget", [(8, 0), (16, 0), (24, 0), (16, 2**30)])
+def test_block_sizes_give_the_same_answer(min_rows, budget, monkeypatch):
+    """Blocks of 8, 16, 24 and the most rows (256) per block: class runs of 171 and 129 rows
+    cut at different places, one answer, equal to the torch path's."""
+    z, labels = data(300, 9, 2, seed=5)
+    expected = nca_value_and_grad(z, labels, log_form=False, native=False)
+    monkeypatch.setattr(native, "MIN_BLOCK_ROWS", min_rows)
+    monkeypatch.setattr(native, "SCRATCH_BYTES", budget)
+    got = nca_value_and_grad(z, labels, log_form=False, native=True)
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-12, atol=0)
+    torch.testing.assert_close(got[1], expected[1], rtol=1e-10, atol=1e-12)
+
+
+def test_block_rows_fill_the_scratch_budget_within_bounds():
+    mib = 2**20
+    # 60k float32 references, classes of 6k: 32 MiB / (4 x 66k) = 127 -> 120 rows
+    assert native.block_rows_for(60000, 6000, 4, 256) == 120
+    assert native.block_rows_for(1000, 500, 8, 256) == 256  # small N: the most allowed
+    assert native.block_rows_for(10**7, 10**6, 4, 256) == native.MIN_BLOCK_ROWS  # huge N
+    rows = native.block_rows_for(200_000, 20_000, 4, 256)
+    assert (
+        rows % native.ROWS == 0
+        and rows * 4 * 220_000 <= native.SCRATCH_BYTES < (rows + 8) * 4 * 220_000
+    )
+    assert native.SCRATCH_BYTES == 32 * mib
+
+
 def test_float32_agrees_with_float64():
     z, labels = data(500, 32, 10, seed=4)
     for log_form in (False, True):

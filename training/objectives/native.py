@@ -39,6 +39,9 @@ import torch
 SOURCE = Path(__file__).resolve().parent / "kernels" / "nca_exact.c"  # the exact-NCA kernel
 TILE = 16  # padding multiple of the embedding width and of N (TILE in the C source)
 ROWS_PER_THREAD = 64  # fewer query rows than this per thread are not worth a thread
+ROWS = 8  # query rows per register tile (ROWS in the C source): blocks are multiples of it
+MIN_BLOCK_ROWS = 16  # query rows per block at least ...
+SCRATCH_BYTES = 32 * 2**20  # ... and otherwise as many as fit this per thread (w and w_same)
 FLAVOURS = {torch.float32: ("f32", []), torch.float64: ("f64", ["-DNCA_DOUBLE"])}
 
 
@@ -121,10 +124,20 @@ def build(flavour: str, defines: list[str], cc: str, source: Path = SOURCE) -> P
 
 
 class Kernel(NamedTuple):
-    """The C entry point for one dtype and the rows per block its scratch buffers hold."""
+    """The C entry point for one dtype and the most query rows per block it takes."""
 
     fn: ctypes._CFuncPtr
-    block_rows: int
+    max_block_rows: int
+
+
+def block_rows_for(npad: int, longest: int, itemsize: int, max_rows: int) -> int:
+    """Query rows per block: as many as keep a thread's block scratch, the logits w
+    (rows, npad) and the same-class exps (rows, longest), within SCRATCH_BYTES, between
+    MIN_BLOCK_ROWS and ``max_rows``, a multiple of ROWS. Every block reads z, zt and
+    grad_t (N x d each) from memory, so at large N more rows per block cost less per row
+    (nca_exact.c's header has the figures); at small N the budget allows the most."""
+    fit = SCRATCH_BYTES // (itemsize * (npad + longest))
+    return int(max(MIN_BLOCK_ROWS, min(max_rows, fit // ROWS * ROWS)))
 
 
 def load_library(source: Path, flavour: str, defines: list[str]) -> ctypes.CDLL | None:
@@ -153,7 +166,7 @@ def _load(dtype: torch.dtype) -> Kernel | None:
     fn = getattr(lib, f"nca_exact_block_rows_{flavour}")
     fn.restype = ctypes.c_double
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [p, p, p, i64, i64, i64, p, p, p, i64, ctypes.c_int32, *[p] * 7]
+    fn.argtypes = [p, p, p, i64, i64, i64, p, p, p, i64, i64, ctypes.c_int32, *[p] * 7]
     lib.nca_exact_block_size.restype = ctypes.c_int64
     return Kernel(fn, int(lib.nca_exact_block_size()))
 
@@ -232,7 +245,7 @@ def exact_value_and_grad(
     native = kernel(zs.dtype)
     if native is None:
         raise RuntimeError("the native NCA kernel is not available")
-    fn, block = native
+    fn, max_block = native
     n, d = zs.shape
     dtype = zs.dtype
     z, zt, sq = _padded(zs)  # (N, dp), (dp, N padded), (N padded,)
@@ -241,6 +254,7 @@ def exact_value_and_grad(
     run_start = run_start.to(torch.int64).contiguous()
     run_end = run_end.to(torch.int64).contiguous()
     longest = int((run_end - run_start).max()) if query.numel() else 1
+    block = block_rows_for(npad, longest, zs.element_size(), max_block)
 
     n_query = query.shape[0]
     if threads is None:
@@ -262,7 +276,7 @@ def exact_value_and_grad(
         totals[t] = fn(
             _ptr(z), _ptr(zt), _ptr(sq), n, npad, dp,
             _ptr(query) + 8 * a, _ptr(run_start) + 8 * a, _ptr(run_end) + 8 * a,
-            b - a, int(log_form), _ptr(w), _ptr(w_same), _ptr(zq2), _ptr(gi),
+            b - a, block, int(log_form), _ptr(w), _ptr(w_same), _ptr(zq2), _ptr(gi),
             _ptr(grad), _ptr(grad_t), _ptr(col),
         )  # fmt: skip
 
