@@ -15,9 +15,9 @@ AUTO_N_CANDIDATES = 32  # ... and K nearest candidates per kind above
 # evenly spaced query rows, so that a finishing iteration costs O(min(N, rows) N d). An exact
 # kNCA pair costs ~20x an NCA one, so kNCA's finish averages over fewer rows and runs longer
 # (measured in benchmarks/candidate_quality.py --knca and benchmarks/exact_finish.py
-# --objective knca-majority). Halving NCA's row limit would cut the 60k x 784 digits fit from
-# 236 to 162 s but cost 0.3 / 0.7 points of 1-NN / 5-NN test accuracy on the synthetic 60k
-# set (10,000 test points; benchmarks/cpu_fit_60k.py), so it stays above 60k.
+# --objective knca-majority). Halving NCA's row limit would make the 60k x 784 digits fit
+# faster but cost 0.3 / 0.7 points of 1-NN / 5-NN test accuracy on the synthetic 60k set
+# (10,000 test points; benchmarks/cpu_fit_60k.py), so it stays above 60k.
 AUTO_EXACT_FINISH_ITER = 10
 EXACT_FINISH_MAX_ROWS = 65536
 AUTO_KNCA_FINISH_ITER = 20
