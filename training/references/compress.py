@@ -113,7 +113,7 @@ def compress(
             z_val = x_val @ fit.projection.T.astype(x_val.dtype)
         fits[name] = (fit, *served_k(fit.prototypes, fit.labels, z_val, y_val, n_classes, rule))
     tried = {name: float(acc.get(k, np.nan)) for name, (_, k, acc) in fits.items()}
-    chosen = max(losses, key=lambda name: -np.inf if np.isnan(tried[name]) else tried[name])
+    chosen = max(losses, key=tried.get)  # the first among equals; NaN only when one is tried
     fit, k, accuracy = fits[chosen]
     editing = {"edit_k": int(edit_k), "outvoted_rows": outvoted, "edited": bool(edited)}
     return Compressed(fit, k, accuracy, editing, n_rows=len(y), loss=chosen, tried=tried)

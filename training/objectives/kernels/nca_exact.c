@@ -22,7 +22,8 @@
    compiler vectorises. Each block streams z, zt and grad_t (N x d each) from memory once per
    step, so at large N that traffic is what a block costs and more rows per block amortise
    it: the caller sizes blocks to its scratch budget (native.block_rows_for; measured at
-   N = 60k, d = 32, 2 threads: 6.5 s an evaluation with 16 rows per block, 3.6 s with 128). Exponents are floored at EXP_FLOOR (-80) as in the torch path.
+   N = 60k, d = 32, 2 threads: 6.5 s an evaluation with 16 rows per block, 3.6 s with 128).
+   Exponents are floored at EXP_FLOOR (-80) as in the torch path.
 
    The caller guarantees: n >= 2, dp and np multiples of TILE, zero padding in z, zt and sq,
    every query row's class has at least two members, and |z| small enough that no logit
