@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import median, print_table
 
 from service.config import Settings
-from service.engine.infer import Query, infer_one, resolve
+from service.engine.infer import Query, embed, infer_one, resolve
 from service.engine.model import Engine
 from service.engine.rows import to_rows
 from service.http.payload import ClassifyBody, parse_json, parse_npy
@@ -72,7 +72,7 @@ def main() -> None:
     steps = [
         ("parse JSON body", lambda: parse_json_body()),
         ("parse npy body", lambda: parse_npy_body()),
-        ("project", lambda: model.embed(rows)),
+        ("project", lambda: embed(model, rows)),
         ("project + exact search + decision", lambda: infer_one(model, rows, Query(5, "majority"))),
         (
             "encode JSON answer",

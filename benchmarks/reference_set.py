@@ -91,15 +91,17 @@ def add_and_serve(directory: Path, repeats: int) -> dict:
 def search_rate(path: Path, queries: np.ndarray, k: int, repeats: int) -> tuple[int, float]:
     """(references, queries per second) of exact Flat search through the engine."""
     from service.config import Settings
+    from service.engine.infer import embed
     from service.engine.model import load_model
+    from service.search.index import search
 
     model = load_model(path, Settings(model_path=path, index_type="flat", grpc_port=0))
-    z = model.embed(queries)
+    z = embed(model, queries)
     rates = []
     for _ in range(repeats):
         started = time.perf_counter()
         for start in range(0, len(z), 256):
-            model.search_embedded(z[start : start + 256], k)
+            search(model, z[start : start + 256], k)
         rates.append(len(z) / (time.perf_counter() - started))
     return model.n_references, median(rates)
 

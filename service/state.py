@@ -14,7 +14,7 @@ import numpy as np
 
 from service.config import Settings
 from service.engine.batcher import Batcher
-from service.engine.infer import Answer, Query, infer_one
+from service.engine.infer import Answer, Query, embed, infer_one
 from service.engine.model import Engine
 from service.errors import Overloaded, Unauthorized
 from service.ops.metrics import Metrics
@@ -70,8 +70,8 @@ class AppState:
         """rows (n, D) -> embeddings (n, d): on the event loop up to INLINE_EMBED_ROWS rows
         (a thread hop costs more), else in a worker thread."""
         if len(rows) <= INLINE_EMBED_ROWS:
-            return model.embed(rows)
-        return await asyncio.get_running_loop().run_in_executor(None, model.embed, rows)
+            return embed(model, rows)
+        return await asyncio.get_running_loop().run_in_executor(None, embed, model, rows)
 
 
 def state_of(request) -> AppState:

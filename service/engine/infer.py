@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from service.core.knn import decide, project
+from service.core.knn import decide, outlier_threshold, project
 from service.core.vocabulary import RULES, DecisionRule
 from service.errors import InvalidInput, ServiceError
+from service.search.index import search
 
 SOFT_PRIOR = DecisionRule.SOFT_PRIOR.value
 FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -101,7 +102,7 @@ def resolve(
         raise InvalidInput(
             f"k={k} must lie in [1, {model.n_references}] (the number of reference points)"
         )
-    threshold = model.outlier_threshold(quantile)
+    threshold = threshold_at(model, quantile)
     if threshold is None and quantile is not None:
         raise InvalidInput(
             f"outlier_quantile={quantile!r}: this model has no outlier calibration (it was "
@@ -118,6 +119,31 @@ def resolve(
             "none (it was trained without a validation split); use 'majority' or 'soft'"
         )
     return Query(k, rule, threshold)
+
+
+def threshold_at(model, quantile: float | None = None) -> float | None:
+    """The squared nearest distance beyond which a query is an outlier at ``quantile``
+    (None: the setting's, computed at load), or None when the model has no calibration.
+    InvalidInput when the quantile is outside the calibrated range."""
+    if model.outlier_quantiles is None:
+        return None
+    if quantile is None or quantile == model.default_outlier_quantile:
+        return model.default_outlier_threshold
+    try:
+        return outlier_threshold(model.outlier_quantiles, quantile)
+    except ValueError as exc:
+        raise InvalidInput(str(exc)) from None
+
+
+def embed(model, x: np.ndarray) -> np.ndarray:
+    """x (n, D) -> z = x W^T + b (n, d) float32; InvalidInput naming the first row whose
+    embedding is not finite in float32."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        z = project(x, model.projection, model.offset)
+    bad = non_finite_rows(z)
+    if len(bad):
+        raise embedding_overflow(int(bad[0]))
+    return z
 
 
 def non_finite_rows(z: np.ndarray) -> np.ndarray:
@@ -161,7 +187,7 @@ def infer(model, parts: Sequence[tuple[np.ndarray, Query]]) -> list[Answer | Ser
         spans = _served_spans(parts, out)
         if not spans:
             return out  # type: ignore[return-value]
-    distances, indices = model.search_embedded(z, k)  # (m, k), (m, k)
+    distances, indices = search(model, z, k)  # (m, k), (m, k)
     searched = time.time_ns()
     answer = _decided(model, z, distances, indices, [(parts[i][1], a, b) for i, a, b in spans])
     answer.timings.update(search=(started, searched), decide=(searched, time.time_ns()))

@@ -15,7 +15,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import cached_property
 from pathlib import Path
 
 import faiss
@@ -30,17 +29,16 @@ from service.core.artifact import (
     parse_outlier_calibration,
     read_artifact,
 )
-from service.core.knn import FarPrior, outlier_threshold, project
+from service.core.knn import FarPrior, outlier_threshold
 from service.core.vocabulary import IVF_KINDS
-from service.engine.infer import Query, embedding_overflow, infer_one, non_finite_rows
-from service.errors import InvalidInput, NotReady
+from service.engine.infer import Query, infer_one
+from service.errors import NotReady
 from service.search.index import (
     IndexParams,
     build_index,
     configure,
     index_kind,
     reference_norm_limit,
-    search_with_recheck,
 )
 
 log = logging.getLogger("service.engine.model")
@@ -74,6 +72,11 @@ class LoadedModel:
     version: str = ""  # the artifact's model version, read once at load
     default_k: int = 1  # the artifact's, read once at load
     decision_rule: str = "majority"
+    # the shapes, set from the arrays: plain attributes, read on every request
+    n_features: int = field(init=False)  # D
+    n_components: int = field(init=False)  # d
+    n_references: int = field(init=False)  # N
+    class_names: list[str] = field(init=False)  # the keys of a classify answer's probabilities
 
     @property
     def index_type(self) -> str:
@@ -84,65 +87,11 @@ class LoadedModel:
         """The search plan as GET /v1/model shows it."""
         return self.search_plan.describe()
 
-    @cached_property
-    def class_names(self) -> list[str]:
-        """The classes as the keys of a classify answer's probabilities."""
-        return [str(c) for c in self.classes]
-
-    @property
-    def n_features(self) -> int:
-        return self.projection.shape[1]
-
-    @property
-    def n_components(self) -> int:
-        return self.projection.shape[0]
-
-    @property
-    def n_references(self) -> int:
-        return self.embeddings.shape[0]
-
-    def outlier_threshold(self, quantile: float | None = None) -> float | None:
-        """The squared nearest distance beyond which a query is an outlier at ``quantile``
-        (default: the setting), or None when the model has no calibration. InvalidInput
-        when the quantile is outside the calibrated range."""
-        if self.outlier_quantiles is None:
-            return None
-        if quantile is None or quantile == self.default_outlier_quantile:
-            return self.default_outlier_threshold
-        try:
-            return outlier_threshold(self.outlier_quantiles, quantile)
-        except ValueError as exc:
-            raise InvalidInput(str(exc)) from None
-
-    def embed(self, x: np.ndarray) -> np.ndarray:
-        """x (n, D) -> z (n, d) float32; InvalidInput naming the first row whose embedding
-        is not finite in float32."""
-        with np.errstate(over="ignore", invalid="ignore"):
-            z = project(x, self.projection, self.offset)
-        bad = non_finite_rows(z)
-        if len(bad):
-            raise embedding_overflow(int(bad[0]))
-        return z
-
-    def search_embedded(self, z: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """z (n, d) finite -> (squared distances (n, k) float64, reference rows (n, k)).
-
-        Always k real references per row (see ``service.search.index.search_references``); rows
-        with a close vote searched again, wider, when the plan has a recheck stage."""
-        result = search_with_recheck(
-            self.index,
-            self.embeddings,
-            self.labels,
-            len(self.classes),
-            z,
-            k,
-            self.search_plan,
-            threads=self.search_plan.search_threads,
-            norm_limit=self.norm_limit,
-        )
-        if self.on_fallback is not None and (result.far_rows or result.underfilled_rows):
-            self.on_fallback(result.far_rows, result.underfilled_rows)
-        return result.distances, result.indices
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "class_names", [str(c) for c in self.classes])
+        object.__setattr__(self, "n_features", self.projection.shape[1])  # D
+        object.__setattr__(self, "n_components", self.projection.shape[0])  # d
+        object.__setattr__(self, "n_references", self.embeddings.shape[0])  # N
 
 
 def class_array(classes: list) -> np.ndarray:

@@ -289,3 +289,28 @@ def search_with_recheck(
         len(unsure),
         exact,
     )
+
+
+def search(model, z: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """A loaded model's search: z (n, d) finite -> (squared distances (n, k) float64,
+    reference rows (n, k)).
+
+    ``model`` is a ``service.engine.model.LoadedModel``: its index, references, labels and
+    search plan. Always k real references per row (``search_references``); rows with a close
+    vote searched again, wider, when the plan has a recheck stage; ``model.on_fallback`` is
+    told how many rows took the exact fallback."""
+    plan = model.search_plan
+    result = search_with_recheck(
+        model.index,
+        model.embeddings,
+        model.labels,
+        len(model.classes),
+        z,
+        k,
+        plan,
+        threads=plan.search_threads,
+        norm_limit=model.norm_limit,
+    )
+    if model.on_fallback is not None and (result.far_rows or result.underfilled_rows):
+        model.on_fallback(result.far_rows, result.underfilled_rows)
+    return result.distances, result.indices

@@ -7,8 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from service.engine.infer import infer_one, resolve
+from service.engine.infer import embed, infer_one, resolve
 from service.engine.model import load_model
+from service.search.index import search
 from tests.service.conftest import settings_for
 
 pytest.importorskip("torch")
@@ -73,7 +74,7 @@ def test_service_projection_equals_estimator_transform(tmp_path):
         default_k=1,
     )
     model = load_model(path, settings_for(path))
-    np.testing.assert_array_equal(model.embed(X[500:]), nca.transform(X[500:]))
+    np.testing.assert_array_equal(embed(model, X[500:]), nca.transform(X[500:]))
 
 
 def test_far_away_offline_equals_online(trained_digits):
@@ -88,10 +89,10 @@ def test_far_away_offline_equals_online(trained_digits):
     model = load_model(path, settings_for(path))
     calibration = model.artifact.manifest["outlier_calibration"]
     threshold = threshold_of(calibration)
-    assert model.outlier_threshold() == threshold
+    assert model.default_outlier_threshold == threshold
     k = report["test_predictions"]["k"]
-    z_test = model.embed(split.X_test)
-    dist, _ = model.search_embedded(z_test, k)
+    z_test = embed(model, split.X_test)
+    dist, _ = search(model, z_test, k)
     assert int(outlier_flags(dist, threshold).sum()) == report["metrics"]["outliers"]["n_flagged"]
     offline = knn_predictions(
         model.embeddings,

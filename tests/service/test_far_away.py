@@ -25,7 +25,9 @@ from service.core.knn import (
     outlier_threshold,
     project,
 )
+from service.engine.infer import embed
 from service.engine.model import load_model
+from service.search.index import search
 from tests.service.conftest import build_model_artifact, digits_like_split, npy, settings_for
 from tests.service.test_api import _gather
 
@@ -207,9 +209,9 @@ def test_about_the_chosen_fraction_of_in_distribution_points_is_flagged(model_ar
     path, _, split = model_artifact
     for quantile in (0.9, 0.95):
         model = load_model(path, settings_for(path, outlier_quantile=quantile))
-        z = model.embed(split.X_test)
-        dist, _ = model.search_embedded(z, 1)
-        rate = outlier_flags(dist, model.outlier_threshold()).mean()
+        z = embed(model, split.X_test)
+        dist, _ = search(model, z, 1)
+        rate = outlier_flags(dist, model.default_outlier_threshold).mean()
         assert abs(rate - (1 - quantile)) < 0.06, (quantile, rate)
 
 

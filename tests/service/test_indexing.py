@@ -16,14 +16,14 @@ import service.search.tuning as indexing
 from service.core.artifact import ArtifactError, read_artifact, rewrite_artifact, write_artifact
 from service.core.knn import decide
 from service.engine.model import load_model
-from service.search.index import IndexParams, build_index
+from service.search.index import IndexParams, build_index, search
 
 from .conftest import manifest, model_arrays, settings_for
 
 
 def served_predictions(model, queries: np.ndarray) -> np.ndarray:
     art = model.artifact
-    dist, idx = model.search_embedded(queries, art.default_k)
+    dist, idx = search(model, queries, art.default_k)
     return decide(model.labels[idx], dist, len(model.classes), art.decision_rule)[0]
 
 
@@ -246,9 +246,7 @@ def test_the_service_serves_the_tuned_recheck_stage_unless_nprobe_is_set(model_d
     # a margin above k rechecks every row with every list probed: exact answers
     exact = load_model(out, settings_for(out, index_type="flat"))
     queries = art.validation_embeddings
-    np.testing.assert_array_equal(
-        model.search_embedded(queries, 5)[1], exact.search_embedded(queries, 5)[1]
-    )
+    np.testing.assert_array_equal(search(model, queries, 5)[1], search(exact, queries, 5)[1])
     # an explicit nprobe replaces the tuned plan, second stage included
     pinned = load_model(out, settings_for(out, nprobe=1))
     assert pinned.search_plan.recheck_parameters() is None

@@ -14,6 +14,7 @@ import pytest
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
+import service.engine.infer as infer_module
 from service.app import create_app
 from service.config import Settings
 from service.core.artifact import ArtifactError, read_artifact, write_artifact
@@ -138,12 +139,12 @@ def test_an_internal_error_has_the_error_body(model_artifact, monkeypatch):
     with TestClient(
         create_app(settings_for(model_artifact[0])), raise_server_exceptions=False
     ) as c:
-        model = c.app.state.ncaknn.engine.peek()
+        assert c.app.state.ncaknn.engine.peek() is not None
 
         def broken(*args, **kwargs):
             raise RuntimeError("boom")
 
-        monkeypatch.setattr(type(model), "search_embedded", broken)
+        monkeypatch.setattr(infer_module, "search", broken)
         r = c.post("/v1/classify", json={"instances": [[0.0] * D]})
     assert r.status_code == 500
     assert r.json() == {

@@ -41,7 +41,7 @@ async def model_info(state: State) -> ModelInfo:
         else {
             "calibration": manifest["outlier_calibration"],
             "quantile": model.default_outlier_quantile,
-            "threshold": model.outlier_threshold(),
+            "threshold": model.default_outlier_threshold,
         },
         loaded_at=model.loaded_at,
         load_seconds=model.load_seconds,
