@@ -23,8 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import median, print_table
 
 from service.config import Settings
-from service.engine.infer import Query, embed, infer_one, resolve
-from service.engine.model import Engine
+from service.engine.infer import Engine, Query, embed, infer_one, resolve
 from service.engine.rows import to_rows
 from service.http.payload import ClassifyBody, parse_json, parse_npy
 from service.http.render import classify_json, classify_npy

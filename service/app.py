@@ -34,8 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service import __version__
 from service.config import Settings
-from service.engine.batcher import Batcher
-from service.engine.model import Engine
+from service.engine.infer import Batcher, Engine
 from service.errors import (
     InvalidInput,
     MethodNotAllowed,
@@ -51,9 +50,16 @@ from service.http.routes import health, inference, model
 from service.oip import grpc_server
 from service.oip import rest as v2
 from service.openapi import build_openapi
-from service.ops import connections, tracing
+from service.ops import connections
 from service.ops.metrics import Metrics
-from service.ops.tracing import REQUEST_ID_HEADER, current_span, trace_id_of
+from service.ops.tracing import (
+    REQUEST_ID_HEADER,
+    NoTracing,
+    Tracing,
+    current_span,
+    from_environment,
+    trace_id_of,
+)
 from service.ops.workers import ReloadGeneration
 from service.search.index import available_cores
 from service.state import AppState
@@ -277,12 +283,16 @@ def _install_drain_on_sigterm(state: AppState) -> None:
     signal.signal(signal.SIGTERM, on_sigterm)
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def create_app(
+    settings: Settings | None = None, tracing: Tracing | NoTracing | None = None
+) -> FastAPI:
     """The service: state (engine, metrics), lifespan, error table, routes, OpenAPI, and the
-    direct lane for the inference routes."""
+    direct lane for the inference routes. ``tracing`` defaults to what the OpenTelemetry
+    environment variables ask for (``service.ops.tracing.from_environment``)."""
     settings = settings or Settings()
     metrics = Metrics()
     connections.set_observer(metrics.connection_refused, metrics.open_connections.set)
+    request_tracing = from_environment() if tracing is None else tracing
     state = AppState(
         settings=settings,
         engine=Engine(
@@ -290,9 +300,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             on_fallback=metrics.count_fallback,
             on_load=metrics.set_model,
             on_load_failure=lambda exc: metrics.model_load_failures.inc(),
+            in_flight_gauge=metrics.in_flight,
+            tracing=request_tracing,
         ),
         metrics=metrics,
-        tracing=tracing.from_environment(),
+        tracing=request_tracing,
     )
     app = ServiceApp(
         title="nca-knn",
@@ -333,7 +345,7 @@ def _lifespan(state: AppState):
         if state.settings.runtime_dir is not None:
             state.generation = ReloadGeneration(state.settings.runtime_dir)
         await _load_at_startup(state)
-        state.batcher = _start_batcher(state)
+        state.engine.batcher = _start_batcher(state)
         grpc = None
         if state.settings.grpc_port:
             grpc = await grpc_server.start(state)
@@ -360,8 +372,8 @@ def _lifespan(state: AppState):
                 sync.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await sync
-            if state.batcher is not None:
-                await state.batcher.stop()
+            if state.engine.batcher is not None:
+                await state.engine.batcher.stop()
             state.tracing.shutdown()  # exports the spans still buffered
             gc.unfreeze()
             log.info("stopped")

@@ -10,8 +10,6 @@ current model serving and is recorded in ``Engine.last_error``.
 
 from __future__ import annotations
 
-import logging
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,23 +23,20 @@ from service.core.artifact import (
     INDEX_FILE,
     Artifact,
     ArtifactError,
-    artifact_fingerprint,
     parse_outlier_calibration,
     read_artifact,
 )
 from service.core.knn import FarPrior, outlier_threshold
 from service.core.vocabulary import IVF_KINDS
-from service.engine.infer import Query, infer_one
-from service.errors import NotReady
 from service.search.index import (
     IndexParams,
     build_index,
     configure,
     index_kind,
     reference_norm_limit,
+    search,
 )
 
-log = logging.getLogger("service.engine.model")
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 INT64 = np.iinfo(np.int64)
 
@@ -215,103 +210,7 @@ def load_model(
         default_k=artifact.default_k,
         decision_rule=artifact.decision_rule,
     )
-    # warm-up: one query through the whole path (page in the arrays, start FAISS)
-    infer_one(model, np.zeros((1, model.n_features), np.float32), Query(1, "majority"))
+    # warm-up: one query through the search (page in the arrays, start FAISS's threads)
+    search(model, np.zeros((1, model.n_components), np.float32), 1)
     object.__setattr__(model, "load_seconds", time.perf_counter() - started)
     return model
-
-
-class Engine:
-    """Holds the current model; loads a new one off to the side and swaps it in.
-
-    Failed loads are remembered by the artifact's fingerprint (directory identity, manifest
-    hash, file sizes and times: ``artifact_fingerprint``), not by its version: a version that
-    failed while it was being written is retried as soon as its files change, and any failed
-    artifact again after ``retry_failed_seconds``.
-    """
-
-    def __init__(
-        self,
-        settings: Settings,
-        on_fallback: Callable[[int, int], None] | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        retry_failed_seconds: float = 60.0,
-        on_load: Callable[[LoadedModel], None] | None = None,
-        on_load_failure: Callable[[Exception], None] | None = None,
-    ):
-        self.settings = settings
-        self.on_fallback = on_fallback
-        # called after every load that swapped a model in / after every failed load, whoever
-        # asked for it (startup, the reload route, the poller): the one place metrics learn it
-        self.on_load = on_load
-        self.on_load_failure = on_load_failure
-        self.clock = clock
-        self.retry_failed_seconds = retry_failed_seconds
-        self._model: LoadedModel | None = None
-        self._load_lock = threading.Lock()
-        self.last_error: str | None = None
-        self.draining = False
-        self._loaded_fingerprint: tuple | None = None
-        self._failed_fingerprint: tuple | None = None
-        self._failed_at = 0.0
-
-    @property
-    def ready(self) -> bool:
-        return self._model is not None and not self.draining
-
-    def peek(self) -> LoadedModel | None:
-        """The loaded model, or None."""
-        return self._model
-
-    def current(self) -> LoadedModel:
-        model = self._model
-        if model is None:
-            raise NotReady(
-                "no model is loaded yet; "
-                + (f"the last load failed: {self.last_error}" if self.last_error else "loading")
-            )
-        return model
-
-    def load(self, path: str | Path | None = None) -> LoadedModel:
-        """Load the artifact at ``path`` (default: the configured one) and swap it in.
-
-        Raises the load error after recording it; the current model keeps serving.
-        """
-        path = Path(path or self.settings.model_path)
-        with self._load_lock:
-            fingerprint = artifact_fingerprint(path)
-            try:
-                model = load_model(path, self.settings, on_fallback=self.on_fallback)
-            except Exception as exc:
-                self._failed_fingerprint = fingerprint
-                self._failed_at = self.clock()
-                self.last_error = f"{type(exc).__name__}: {exc}"
-                log.error("model load failed", extra={"path": str(path), "error": self.last_error})
-                if self.on_load_failure is not None:
-                    self.on_load_failure(exc)
-                raise
-            self._model = model  # one reference assignment: the swap
-            self._loaded_fingerprint = fingerprint
-            self._failed_fingerprint = None
-            self.last_error = None
-            log.info(
-                "model loaded",
-                extra={
-                    "path": str(path),
-                    "model_version": model.version,
-                    "seconds": model.load_seconds,
-                },
-            )
-            if self.on_load is not None:
-                self.on_load(model)
-            return model
-
-    def changed_on_disk(self) -> bool:
-        """True when the model path holds an artifact other than the one loaded, and not one
-        that already failed unchanged (unless ``retry_failed_seconds`` have passed)."""
-        fingerprint = artifact_fingerprint(self.settings.model_path)
-        if fingerprint is None or fingerprint == self._loaded_fingerprint:
-            return False
-        if fingerprint == self._failed_fingerprint:
-            return self.clock() - self._failed_at >= self.retry_failed_seconds
-        return True

@@ -340,12 +340,12 @@ async def run_call(
     when asked, the metrics; its output tensors."""
     wants = {output.name for output in call.outputs}
     answer = embedding = None
-    with state.admit():
+    with state.engine.admit():
         state.metrics.request_rows.labels(route).observe(len(call.rows))
         if needs_search(model, call):
-            answer = await state.infer(model, call.rows, query)
+            answer = await state.engine.infer(model, call.rows, query)
         if "embedding" in wants:
-            embedding = await state.embed(model, call.rows)
+            embedding = await state.engine.embed(model, call.rows)
     if answer is not None and query.threshold is not None and "outlier" in wants:
         state.metrics.outliers.inc(int(outlier_flags(answer.distances, query.threshold).sum()))
     return output_tensors(model, call, answer, embedding, query.threshold)

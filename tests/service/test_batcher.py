@@ -8,8 +8,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from service.engine.batcher import Batcher
-from service.engine.infer import Query, infer_one
+from service.engine.infer import Batcher, Query, infer_one
 from service.engine.model import load_model
 from service.errors import InvalidInput
 

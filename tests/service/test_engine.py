@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from service.core.artifact import ArtifactError
-from service.engine.infer import Query, infer_one, resolve
-from service.engine.model import Engine, load_model
+from service.engine.infer import Engine, Query, infer_one, resolve
+from service.engine.model import load_model
 from service.errors import InvalidInput, NotReady
 from tests.service.conftest import republish_scaled, settings_for
 

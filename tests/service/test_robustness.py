@@ -20,7 +20,7 @@ from service.config import Settings
 from service.core.artifact import ArtifactError, read_artifact, write_artifact
 from service.core.artifact import read as artifact_reader
 from service.core.knn import decide
-from service.engine.model import Engine
+from service.engine.infer import Engine
 from tests.service.conftest import republish_scaled, settings_for
 
 D = 64

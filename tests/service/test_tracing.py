@@ -35,9 +35,11 @@ def traced(model_artifact):
     opened = []
 
     def make(**overrides):
-        app = create_app(settings_for(model_artifact[0], **overrides))
         exporter = InMemorySpanExporter()
-        app.state.ncaknn.tracing = tracing.Tracing(processor=SimpleSpanProcessor(exporter))
+        app = create_app(
+            settings_for(model_artifact[0], **overrides),
+            tracing=tracing.Tracing(processor=SimpleSpanProcessor(exporter)),
+        )
         client = TestClient(app)
         client.__enter__()
         opened.append(client)

@@ -45,9 +45,9 @@ async def classify(request: Request) -> Response:
     values_per_row = len(req.model.classes) + 2 + (3 * query.k if with_neighbors else 0)
     if req.response_type == JSON:
         pipeline.check_answer_size(req, values_per_row)
-    with req.state.admit():
+    with req.state.engine.admit():
         req.state.metrics.request_rows.labels("/v1/classify").observe(len(req.rows))
-        answer = await req.state.infer(req.model, req.rows, query)
+        answer = await req.state.engine.infer(req.model, req.rows, query)
     flags = None
     if query.threshold is not None:
         flags = outlier_flags(answer.distances, query.threshold)  # (n,)
@@ -78,9 +78,9 @@ async def embed_route(request: Request) -> Response:
     req = await pipeline.receive(request, EmbedBody, query=(), offered=(JSON, NPY))
     if req.response_type == JSON:
         pipeline.check_answer_size(req, req.model.n_components)
-    with req.state.admit():
+    with req.state.engine.admit():
         req.state.metrics.request_rows.labels("/v1/embed").observe(len(req.rows))
-        z = await req.state.embed(req.model, req.rows)
+        z = await req.state.engine.embed(req.model, req.rows)
     model = req.model
     if req.response_type == NPY:
         return Response(npy_bytes(z), media_type=NPY, headers={"x-model-version": model.version})
@@ -104,9 +104,9 @@ async def neighbors(request: Request) -> Response:
     query = pipeline.query_of(req, decides=False)
     if req.response_type == JSON:
         pipeline.check_answer_size(req, 3 * query.k)
-    with req.state.admit():
+    with req.state.engine.admit():
         req.state.metrics.request_rows.labels("/v1/neighbors").observe(len(req.rows))
-        answer = await req.state.infer(req.model, req.rows, query)
+        answer = await req.state.engine.infer(req.model, req.rows, query)
     model = req.model
     n_values = len(req.rows) * 3 * query.k
     if req.response_type == NPY:
