@@ -24,10 +24,10 @@ from common import median, print_table
 
 from service.config import Settings
 from service.engine.infer import Engine, Query, embed, infer_one, resolve
-from service.engine.rows import to_rows
-from service.http.payload import ClassifyBody, parse_json, parse_npy
+from service.http.payload import ClassifyBody
 from service.http.render import classify_json, classify_npy
 from service.http.request import json_encoder
+from service.wire import parse_json, parse_npy, to_rows
 
 
 def timed(fn, repeats: int) -> float:

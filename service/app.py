@@ -63,7 +63,7 @@ from service.ops.tracing import (
 from service.ops.workers import ReloadGeneration
 from service.search.index import available_cores
 from service.state import AppState
-from service.wire.bodies import JSON as JSON_TYPE
+from service.wire import JSON as JSON_TYPE
 
 log = logging.getLogger("service.app")
 GIL_SWITCH_INTERVAL = 0.0002  # seconds

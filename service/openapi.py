@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from service.core.vocabulary import RULES
-from service.wire.bodies import JSON, NPY
+from service.wire import JSON, NPY
 
 ERROR_DESCRIPTIONS = {
     400: "empty batch",

@@ -5,7 +5,8 @@
 2. ``service`` never imports ``training`` or ``torch``; importing ``service.app`` leaves both
    out of ``sys.modules``.
 3. The engine, search and the core import no web framework; the two wires (``service/http``
-   for /v1, ``service/oip`` for the Open Inference Protocol) never import each other.
+   for /v1, ``service/oip`` for the Open Inference Protocol) never import each other, and
+   what they share (``service/wire.py``) imports neither and no web framework.
 4. No import cycles; rule and index names are spelled only in the vocabulary.
 5. Every package folder holds at most 8 modules; no module over 600 lines, class over 350 or
    function over 60 (README, "Layout").
@@ -91,7 +92,6 @@ def test_engine_search_and_core_have_no_web_imports():
         *package_files("service/search"),
         ROOT / "service" / "errors.py",
         ROOT / "service" / "config.py",
-        ROOT / "service" / "wire" / "integers.py",
     ]
     for path in paths:
         for module in imported_modules(path):
@@ -99,6 +99,14 @@ def test_engine_search_and_core_have_no_web_imports():
             assert not module.startswith(("service.http", "service.oip", "service.app")), (
                 f"{path} imports a wire ({module})"
             )
+
+
+def test_what_the_wires_share_knows_no_framework_and_no_wire():
+    """service/wire.py (the caller, bodies, integers, rows) is shared by /v1, /v2 and gRPC: it
+    decodes JSON (msgspec) but imports no web framework or server, and no wire."""
+    for module in imported_modules(ROOT / "service" / "wire.py"):
+        assert module.split(".")[0] not in WEB - {"msgspec"}, f"wire.py imports {module}"
+        assert not module.startswith(("service.http", "service.oip", "service.app")), module
 
 
 def test_the_wires_never_import_each_other():

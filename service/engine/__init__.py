@@ -8,5 +8,4 @@
   requests grouped by (model, k)), and ``infer``: embed, overflow check, one search, one
   decision per rule, the only place the service decides (``tests/service/test_engine.py``,
   ``test_batcher.py``, ``test_robustness.py``).
-* ``rows.py``: input rows checked the same way for every wire (``test_bad_input_corpus.py``).
 """

@@ -3,8 +3,7 @@
 * ``request.py``: a request from the raw ASGI request to checked rows and a ``Query`` (key,
   media types, streamed body limit, strict parse, query options), and the encoded response
   (``tests/service/test_api.py``, ``test_bad_input_corpus.py``).
-* ``payload.py``: JSON (msgspec) and ``.npy`` bodies parsed strictly
-  (``test_bad_input_corpus.py``).
+* ``payload.py``: the JSON request bodies as msgspec structs (``test_bad_input_corpus.py``).
 * ``render.py``: answers rendered as JSON or structured ``.npy`` (``test_render.py``).
 * ``schemas.py``: the response models the OpenAPI document shows.
 * ``deps.py``: FastAPI dependencies: the state and the API-key checks.

@@ -7,7 +7,8 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from service.config import Settings
-from service.state import AppState, check_key, state_of
+from service.state import AppState
+from service.wire import check_key, state_of
 
 # Dependencies are `async def` on purpose: FastAPI runs plain `def` dependencies in its thread
 # pool, one thread hop each per request.

@@ -23,7 +23,7 @@ import numpy as np
 
 from service.engine.infer import Answer
 from service.engine.model import LoadedModel, class_array
-from service.http.payload import npy_bytes
+from service.wire import npy_bytes
 
 
 def neighbor_lists(

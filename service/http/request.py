@@ -22,21 +22,25 @@ from starlette.responses import Response
 from service.core.vocabulary import RULES
 from service.engine.infer import Query, resolve
 from service.engine.model import LoadedModel
-from service.engine.rows import to_rows
 from service.errors import InvalidInput, PayloadTooLarge
-from service.http.payload import InstancesBody, parse_json, parse_npy
+from service.http.payload import InstancesBody
 from service.ops import memory
-from service.state import AppState, check_key, state_of
-from service.wire.bodies import (
+from service.state import AppState
+from service.wire import (
     JSON,
     NPY,
     THREAD_PARSE_BYTES,
     body_limit,
+    check_key,
     check_media,
     negotiate,
+    parse_count,
+    parse_json,
+    parse_npy,
     read_body,
+    state_of,
+    to_rows,
 )
-from service.wire.integers import parse_count
 
 THREAD_ENCODE_VALUES = 32 * 1024  # answers with more numbers are encoded in a worker thread
 BOOL_VALUES = {"true": True, "false": False}

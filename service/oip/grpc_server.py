@@ -24,7 +24,8 @@ from service.errors import InvalidInput, ServiceError, status_of
 from service.oip import tensors as oip
 from service.oip.protocol import HEALTH_SERVICE, INFERENCE_SERVICE, message
 from service.ops.tracing import REQUEST_ID_HEADER, current_span, trace_id_of
-from service.state import AppState, check_bearer
+from service.state import AppState
+from service.wire import check_bearer
 
 log = logging.getLogger("service.grpc")
 

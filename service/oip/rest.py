@@ -33,15 +33,16 @@ from service.errors import (
     status_of,
 )
 from service.oip import tensors as oip
-from service.state import check_key, state_of
-from service.wire.bodies import (
+from service.wire import (
     JSON,
     THREAD_PARSE_BYTES,
     body_limit,
+    check_key,
     describe_unicode_error,
+    parse_count,
     read_body,
+    state_of,
 )
-from service.wire.integers import parse_count
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol (KServe V2)"])
 HEADER_LENGTH = "inference-header-content-length"

@@ -41,10 +41,9 @@ from service.core.knn import outlier_flags
 from service.core.vocabulary import RULES
 from service.engine.infer import Answer, Query, resolve
 from service.engine.model import LoadedModel, class_array
-from service.engine.rows import to_rows
 from service.errors import EmptyBatch, InvalidInput, NotFound, PayloadTooLarge
 from service.state import AppState
-from service.wire.integers import check_int_range, finite_number
+from service.wire import check_int_range, finite_number, to_rows
 
 INPUT_NAME = "input"
 PLATFORM = "nca-knn"

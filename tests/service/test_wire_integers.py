@@ -18,10 +18,10 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from service import wire
 from service.app import create_app
 from service.errors import InvalidInput
 from service.oip.protocol import message
-from service.wire import integers
 from tests.service.conftest import settings_for
 from tests.service.test_server import free_port, start_server, wait_ready
 from tests.service.test_server_robustness import stop_server
@@ -96,24 +96,24 @@ def assert_client_answer(response) -> None:
 
 
 def test_parse_count_accepts_exactly_short_ascii_digit_strings():
-    assert integers.parse_count("0", "x") == 0
-    assert integers.parse_count("9" * 18, "x") == 10**18 - 1
+    assert wire.parse_count("0", "x") == 0
+    assert wire.parse_count("9" * 18, "x") == 10**18 - 1
     for text in NASTY_TEXT:
         if text.isascii() and text.isdigit() and len(text) <= 18:
             continue
         with pytest.raises(InvalidInput, match="x must be an integer"):
-            integers.parse_count(text, "x")
+            wire.parse_count(text, "x")
     with pytest.raises(InvalidInput, match=">= 1, got 0"):
-        integers.parse_count("0", "x", minimum=1)
+        wire.parse_count("0", "x", minimum=1)
 
 
 def test_numbers_of_any_size_are_refused_by_value():
     with pytest.raises(InvalidInput, match="about 31 digits"):
-        integers.check_int_range(10**30, "k", minimum=1, maximum=256)
+        wire.check_int_range(10**30, "k", minimum=1, maximum=256)
     with pytest.raises(InvalidInput, match="finite"):
-        integers.finite_number(-(2**2000), "q")
-    assert integers.finite_number(2**64, "q") == float(2**64)
-    assert integers.check_int_range(5, "k", minimum=1) == 5
+        wire.finite_number(-(2**2000), "q")
+    assert wire.finite_number(2**64, "q") == float(2**64)
+    assert wire.check_int_range(5, "k", minimum=1) == 5
 
 
 @EXAMPLES

@@ -12,10 +12,10 @@ from fastapi.responses import Response
 
 from service.core.knn import outlier_flags
 from service.http import request as pipeline
-from service.http.payload import ClassifyBody, EmbedBody, NeighborsBody, npy_bytes
+from service.http.payload import ClassifyBody, EmbedBody, NeighborsBody
 from service.http.render import classify_json, classify_npy, neighbors_json, neighbors_npy
 from service.http.schemas import ClassifyResponse, EmbedResponse, NeighborsResponse
-from service.wire.bodies import JSON, NPY
+from service.wire import JSON, NPY, npy_bytes
 
 router = APIRouter(prefix="/v1", tags=["inference"])
 
