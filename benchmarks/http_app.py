@@ -1,6 +1,6 @@
 """Benchmark-only app: the real service plus POST /bench/noop, the ceiling of our own HTTP
 path. The route is served by the same direct lane as /v1/classify and runs the same
-``pipeline.receive`` (key, media type, streamed body limit, strict parse to a float32 array,
+``receive`` (key, media type, streamed body limit, strict parse to a float32 array,
 query options), then answers a constant: classify minus the search, the decision and the
 answer. It is not part of the public API.
 
@@ -13,14 +13,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from service.app import create_app_from_env
-from service.http import request as pipeline
-from service.http.payload import ClassifyBody
+from service.http.routes.inference import ClassifyBody, receive
 
 OK = b'{"ok":true}'
 
 
 async def noop(request: Request) -> Response:
-    await pipeline.receive(request, ClassifyBody, query=("k", "rule", "return_neighbors"))
+    await receive(request, ClassifyBody, query=("k", "rule", "return_neighbors"))
     return Response(OK, media_type="application/json")
 
 

@@ -24,9 +24,7 @@ from common import median, print_table
 
 from service.config import Settings
 from service.engine.infer import Engine, Query, embed, infer_one, resolve
-from service.http.payload import ClassifyBody
-from service.http.render import classify_json, classify_npy
-from service.http.request import json_encoder
+from service.http.routes.inference import ClassifyBody, classify_json, classify_npy, json_encoder
 from service.wire import parse_json, parse_npy, to_rows
 
 

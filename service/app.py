@@ -164,7 +164,7 @@ class ServiceApp(FastAPI):
     endpoint directly, past FastAPI's middleware stack, routing and dependency resolution:
     those cost about 140 us a request on one core of this machine, where a raw ASGI app
     answers in about 30 us, and more than a batched search. The endpoints take the raw
-    Request and do every check themselves (``service.http.request``); their errors go
+    Request and do every check themselves (``service.http.routes.inference``); their errors go
     through the one error table (``error_response``). Everything else takes FastAPI's path.
     ``ServiceMiddleware`` (metrics, draining) wraps both lanes.
     """

@@ -32,7 +32,7 @@ ERROR_DESCRIPTIONS = {
 }
 INFERENCE_ERRORS = (400, 401, 406, 413, 415, 422, 429, 503)
 V2_INFER_ERRORS = (400, 401, 404, 413, 415, 422, 429, 503)  # no Accept negotiation
-NPY_ANSWERS = {  # the 200 answer with Accept: application/x-npy (see service.http.render)
+NPY_ANSWERS = {  # the 200 answer with Accept: application/x-npy (see service.http.routes.inference)
     "embed": "float32 array (n, d)",
     "classify": "structured array (n,): label (int64, or a string when a class is not an "
     "integer), probabilities (C,) float64 in GET /v1/model's class order, nearest_distance "
