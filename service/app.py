@@ -135,7 +135,9 @@ class ServiceMiddleware:
             await send({"type": "http.response.body", "body": SHUTDOWN_BODY})
         finally:
             route, seconds = self.route_label(scope.get("path", "")), time.perf_counter() - started
-            self.state.metrics.request_done(route, status, seconds)
+            count, latency = self.state.metrics.request_series[route, status]
+            count.inc()
+            latency.observe(seconds)
             if span is not None:
                 current_span.reset(token)
                 tracing.finish_request(span, f"{scope['method']} {route}", status, seconds)

@@ -135,7 +135,9 @@ class InferenceService:
             )
         finally:
             route, seconds = f"grpc {INFERENCE_SERVICE}/{name}", time.perf_counter() - started
-            self.state.metrics.request_done(route, status, seconds)
+            count, latency = self.state.metrics.request_series[route, status]
+            count.inc()
+            latency.observe(seconds)
             if span is not None:
                 current_span.reset(token)
                 tracing.finish_request(span, route, status, seconds)

@@ -30,12 +30,32 @@ def multiprocess_mode() -> bool:
     return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
 
 
+class RequestSeries(dict):
+    """(route, status) -> (that route and status's request counter, that route's latency
+    histogram), each pair made on first use and then looked up: label children are cached
+    because every request counts itself here::
+
+        count, latency = metrics.request_series[route, status]
+        count.inc()
+        latency.observe(seconds)
+    """
+
+    def __init__(self, requests: Counter, latency: Histogram) -> None:
+        super().__init__()
+        self.requests = requests
+        self.latency = latency
+
+    def __missing__(self, key: tuple[str, int]) -> tuple:
+        route, status = key
+        series = self[key] = (self.requests.labels(route, str(status)), self.latency.labels(route))
+        return series
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self._model_labels: tuple[str, str] | None = None
-        self._request_children: dict[tuple[str, int], tuple] = {}
         self.requests = Counter(
             "ncaknn_requests", "HTTP requests by route and status", ["route", "status"], registry=r
         )
@@ -46,6 +66,7 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.request_series = RequestSeries(self.requests, self.latency)
         self.request_rows = Histogram(
             "ncaknn_request_rows",
             "instances per request by route",
@@ -146,17 +167,6 @@ class Metrics:
             registry=r,
             multiprocess_mode="livesum",
         )
-
-    def request_done(self, route: str, status: int, seconds: float) -> None:
-        """Count a finished request and observe its latency (label children cached: this
-        runs on every request)."""
-        key = (route, status)
-        children = self._request_children.get(key)
-        if children is None:
-            children = (self.requests.labels(route, str(status)), self.latency.labels(route))
-            self._request_children[key] = children
-        children[0].inc()
-        children[1].observe(seconds)
 
     def exposition(self) -> tuple[bytes, str]:
         """(the text exposition, its content type), of every worker in multiprocess mode."""

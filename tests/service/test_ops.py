@@ -61,3 +61,32 @@ def test_configure_logging_writes_service_logs_to_one_handler(monkeypatch, json_
     else:
         assert lines[0].endswith("INFO service.engine model loaded")
     configure_logging("warning", False)  # leave the logger quiet for the other tests
+
+
+def test_requests_are_counted_by_route_and_status_and_timed_by_route():
+    from service.ops.metrics import Metrics
+
+    metrics = Metrics()
+    for route, status, seconds in (
+        ("/v1/classify", 200, 0.002),
+        ("/v1/classify", 200, 0.004),
+        ("/v1/classify", 422, 0.001),
+        ("/readyz", 200, 0.0001),
+    ):
+        count, latency = metrics.request_series[route, status]
+        count.inc()
+        latency.observe(seconds)
+    assert (
+        metrics.request_series["/v1/classify", 200] is metrics.request_series["/v1/classify", 200]
+    )
+
+    def sample(name, **labels):
+        return metrics.registry.get_sample_value(name, labels)
+
+    assert sample("ncaknn_requests_total", route="/v1/classify", status="200") == 2
+    assert sample("ncaknn_requests_total", route="/v1/classify", status="422") == 1
+    assert sample("ncaknn_requests_total", route="/readyz", status="200") == 1
+    assert sample("ncaknn_request_latency_seconds_count", route="/v1/classify") == 3
+    assert sample("ncaknn_request_latency_seconds_sum", route="/v1/classify") == pytest.approx(
+        0.007
+    )
