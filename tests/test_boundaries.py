@@ -10,6 +10,8 @@
 4. No import cycles; rule and index names are spelled only in the vocabulary.
 5. Every package folder holds at most 8 modules; no module over 600 lines, class over 350 or
    function over 60 (README, "Layout").
+6. A JSON POST /v1/classify runs through six files: the middleware, the route, the wire, the
+   engine, the search and the kNN core (docs/layout.md).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import ast
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 STDLIB = set(sys.stdlib_module_names)
@@ -250,3 +254,26 @@ def test_the_direct_lane_serves_exactly_the_declared_inference_routes():
 
     declared = {route.path: route.endpoint for route in inference.router.routes}
     assert inference.DIRECT_LANE == declared
+
+
+REQUEST_PATH = [  # the files a JSON POST /v1/classify runs through, in the order entered
+    "service/app.py",
+    "service/http/routes/inference.py",
+    "service/wire.py",
+    "service/engine/infer.py",
+    "service/core/knn.py",
+    "service/search/index.py",
+]
+
+
+@pytest.mark.parametrize("batching", [True, False])
+def test_a_v1_classify_request_runs_through_six_files(tmp_path, batching):
+    """Every Python call of one warm request, profiled (benchmarks/request_path.py): the
+    middleware, the route, the wire, the engine, the search and the kNN core, nothing else."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from request_path import request_path, synthetic_model
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    files = [name for name, _ in request_path(synthetic_model(tmp_path), batching)]
+    assert files == REQUEST_PATH

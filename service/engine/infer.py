@@ -1,7 +1,7 @@
 """The engine at run time and the one inference path.
 
-A request reads top to bottom here, after its wire has parsed it into rows and a
-:class:`Query` (:func:`resolve`): :meth:`Engine.admit` (the in-flight gate, 429),
+Once its wire has parsed a request into rows and a :class:`Query` (:func:`resolve`), the
+request runs through this module: :meth:`Engine.admit` (the in-flight gate, 429),
 :meth:`Engine.infer` (the request joins the :class:`Batcher`, or runs alone in a worker
 thread) and :func:`infer`, the only place the service embeds, searches and decides. Every
 wire (/v1, /v2 REST, gRPC) calls :meth:`Engine.infer`; they differ only in how they parse
@@ -274,7 +274,7 @@ def _decided(model, z, distances, indices, spans: list[tuple[Query, int, int]]) 
 class Job:
     """One request waiting in the batcher's queue."""
 
-    model: object  # LoadedModel (kept generic: no engine import needed)
+    model: LoadedModel
     rows: np.ndarray  # (n, D) float32
     query: Query
     future: asyncio.Future
@@ -283,6 +283,9 @@ class Job:
 
 
 class Batcher:
+    """Concurrent requests merged into one :func:`infer` call per (model, k) (the module's
+    docstring says how a batch is collected)."""
+
     def __init__(
         self,
         *,
