@@ -160,7 +160,11 @@ def test_artifacts_replaced_continuously_under_load(model_artifact, tmp_path, wo
             t.join(30)
     finally:
         stop.set()
+        exited = proc.poll()  # not None: the server stopped by itself during the test
         stop_server(proc)
+        # shown by pytest when the test fails: how the server ended and its last log lines
+        print(f"server exit code before the test stopped it: {exited}; its log ends with:")
+        print(proc.stderr.read()[-6000:])
     print(f"reload race ({replace}, {workers} workers): {sent[0]} requests, {len(failures)} failed")
     assert failures == []
     assert sent[0] > 20 and len(seen) == 2
