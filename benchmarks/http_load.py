@@ -149,6 +149,7 @@ def start_service(model: Path, workers: int, cores: str | None) -> tuple:
         **os.environ,
         "NCAKNN_LOG_LEVEL": "warning",
         "NCAKNN_DRAIN_DELAY_SECONDS": "0",
+        "NCAKNN_PROBE_PORT": "0",
         "PYTHONPATH": str(ROOT),
     }
     cmd = [sys.executable, "-m", "service", "--model", str(model), "--port", str(port)]

@@ -52,6 +52,7 @@ def start_server(model: Path) -> tuple[subprocess.Popen, int, int]:
         "NCAKNN_LOG_LEVEL": "warning",
         "NCAKNN_DRAIN_DELAY_SECONDS": "0",
         "NCAKNN_GRPC_PORT": str(grpc_port),
+        "NCAKNN_PROBE_PORT": "0",
         "NCAKNN_MAX_IN_FLIGHT": "4096",
         "PYTHONPATH": str(ROOT),
     }

@@ -44,6 +44,7 @@ def add_and_serve(directory: Path, repeats: int) -> dict:
         **os.environ,
         "NCAKNN_LOG_LEVEL": "warning",
         "NCAKNN_GRPC_PORT": "0",
+        "NCAKNN_PROBE_PORT": "0",
         "NCAKNN_DRAIN_DELAY_SECONDS": "0",
     }
     link = directory / "current"

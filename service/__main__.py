@@ -17,6 +17,8 @@ from pathlib import Path
 
 from service.core.vocabulary import INDEX_KINDS
 from service.ops.connections import check_open_files
+from service.ops.logs import configure_logging, log_config
+from service.ops.probes import ProbeServer
 from service.ops.workers import METRICS_DIR
 
 
@@ -46,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = Settings()
     except ValidationError as exc:
-        print(f"error: invalid settings: {exc}", file=sys.stderr)
+        print(f"error: invalid settings: {settings_errors(exc)}", file=sys.stderr)
         return 2
     from service.ops.tracing import TracingUnavailable, check_available
 
@@ -56,20 +58,46 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TracingUnavailable) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    configure_logging(settings.log_level, settings.log_json)
     has = importlib.util.find_spec
     runtime_dir = None
-    if settings.workers > 1 and settings.runtime_dir is None:
-        # shared by the workers: the reload generation and Prometheus's multiprocess files
+    if settings.runtime_dir is None:
+        # shared by the workers: the probes' heartbeats and, with several workers, the reload
+        # generation and Prometheus's multiprocess files
         runtime_dir = Path(tempfile.mkdtemp(prefix="ncaknn-runtime-"))
-        (runtime_dir / METRICS_DIR).mkdir()
         os.environ["NCAKNN_RUNTIME_DIR"] = str(runtime_dir)
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(runtime_dir / METRICS_DIR)
+        if settings.workers > 1:
+            (runtime_dir / METRICS_DIR).mkdir()
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(runtime_dir / METRICS_DIR)
+    probes = None
     try:
+        if settings.probe_port:
+            try:
+                probes = ProbeServer(
+                    settings.host,
+                    settings.probe_port,
+                    runtime_dir or settings.runtime_dir,
+                    settings.liveness_stall_seconds,
+                ).start()
+            except OSError as exc:
+                print(f"error: {exc}; set NCAKNN_PROBE_PORT to a free port, or 0", file=sys.stderr)
+                return 2
         _run(settings, has)
     finally:
+        if probes is not None:
+            probes.close()
         if runtime_dir is not None:
             shutil.rmtree(runtime_dir, ignore_errors=True)
     return 0
+
+
+def settings_errors(exc) -> str:
+    """A pydantic ValidationError as 'field: message' lines, without the values given:
+    a secret (an API key) must never reach a log."""
+    return "; ".join(
+        f"NCAKNN_{'.'.join(map(str, error['loc'])).upper()}: {error['msg']}"
+        for error in exc.errors(include_url=False, include_input=False, include_context=False)
+    )
 
 
 def _run(settings, has) -> None:
@@ -82,10 +110,11 @@ def _run(settings, has) -> None:
         port=settings.port,
         workers=settings.workers,
         loop="uvloop" if has("uvloop") else "asyncio",
-        http="service.ops.connections:GuardedHttpProtocol",  # header timeout and limits, a cap
+        http="service.ops.connections:GuardedHttpProtocol",  # every phase of a connection bounded
         timeout_keep_alive=settings.keep_alive_timeout_seconds,
         timeout_graceful_shutdown=settings.graceful_shutdown_seconds,
         access_log=False,
+        log_config=log_config(settings.log_level, settings.log_json),
         log_level=settings.log_level,
         lifespan="on",
     )

@@ -30,6 +30,13 @@ class Settings(BaseSettings):
     reload_poll_seconds: float = Field(
         0.0, ge=0, description="check the model path for a new artifact this often (0: never)"
     )
+    reload_timeout_seconds: float = Field(
+        60.0,
+        gt=0,
+        description="POST /v1/admin/reload answers 409 when the load has not finished within "
+        "this many seconds (it goes on in the background); a reload asked for while another "
+        "load runs is refused at once instead of queueing behind it",
+    )
 
     # HTTP
     host: str = Field("127.0.0.1", description="interface to bind")
@@ -101,6 +108,40 @@ class Settings(BaseSettings):
     )
     max_headers: int = Field(
         100, ge=8, description="most header fields in one request; beyond it 431 and close"
+    )
+    body_timeout_seconds: float = Field(
+        30.0,
+        gt=0,
+        description="a request's whole body must arrive within this many seconds of its "
+        "headers; else 408 and close (at the default max_body_bytes a client must send "
+        "about 2.2 MB/s)",
+    )
+    send_timeout_seconds: float = Field(
+        60.0,
+        gt=0,
+        description="an answer the client stops reading is dropped, and the connection "
+        "reset, when it has not been taken within this many seconds",
+    )
+    max_body_bytes_in_flight: int = Field(
+        256 * 2**20,
+        ge=1024,
+        description="most bytes of request bodies one worker holds at once, being received "
+        "or parsed (a body reserves its Content-Length before it is read); a body that does "
+        "not fit is refused with 429 at once",
+    )
+    probe_port: int = Field(
+        8082,
+        ge=0,
+        le=65535,
+        description="port of the probe listener: GET /healthz and /readyz answered by a "
+        "thread of its own, whatever the load on the main port (0: off). Point Kubernetes' "
+        "probes here, and do not expose it",
+    )
+    liveness_stall_seconds: float = Field(
+        10.0,
+        gt=0,
+        description="the probe port's /healthz fails when a worker's event loop has not "
+        "turned for this long (a hung worker), and /readyz with it",
     )
 
     # limits and backpressure

@@ -68,7 +68,8 @@ class MalformedRequest(ServiceError):
 
 
 class RequestTimeout(ServiceError):
-    """The request line and headers did not arrive in time (header_timeout_seconds)."""
+    """The request line and headers, or the body, did not arrive in time
+    (header_timeout_seconds, body_timeout_seconds)."""
 
     error_type = "request_timeout"
 
@@ -83,6 +84,13 @@ class TooManyConnections(ServiceError):
     """The process holds max_connections open connections."""
 
     error_type = "too_many_connections"
+
+
+class ClientClosed(ServiceError):
+    """The client went away before its request was read: nothing can be answered. Counted
+    with nginx's status 499 (client closed request), never as a server error."""
+
+    error_type = "client_closed"
 
 
 STATUS: dict[type[ServiceError], int] = {
@@ -100,6 +108,7 @@ STATUS: dict[type[ServiceError], int] = {
     UnsupportedMediaType: 415,
     InvalidInput: 422,
     Overloaded: 429,
+    ClientClosed: 499,
     ServiceError: 500,
     NotReady: 503,
 }

@@ -1,6 +1,7 @@
 """The application's state, shared by every wire (HTTP /v1, /v2 REST, gRPC): settings, the
-engine (the model, the in-flight gate, the batcher), metrics and tracing. No web framework
-here; ``service.wire.state_of`` finds it from a request."""
+engine (the model, the in-flight gate, the batcher), metrics, tracing and the budget of
+request bodies in flight. No web framework here; ``service.wire.state_of`` finds it from a
+request."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from service.engine.infer import Engine
 from service.ops.metrics import Metrics
 from service.ops.tracing import NoTracing, Tracing
 from service.ops.workers import ReloadGeneration
+from service.wire import BodyBudget
 
 
 @dataclass
@@ -20,3 +22,8 @@ class AppState:
     metrics: Metrics
     generation: ReloadGeneration | None = None  # shared with the other workers, if any
     tracing: Tracing | NoTracing = field(default_factory=NoTracing)
+    bodies: BodyBudget | None = None  # request bodies in flight (set from the settings)
+
+    def __post_init__(self) -> None:
+        if self.bodies is None:
+            self.bodies = BodyBudget(self.settings.max_body_bytes_in_flight)

@@ -2,11 +2,13 @@
 and gRPC): who may call, what may come in, and how it becomes rows.
 
 * **The caller**: the app state of a request (``state_of``) and the API key
-  (``check_key``, ``check_bearer``: ``Authorization: Bearer <key>``, compared in constant time).
+  (``check_key``, ``check_bearer``: exactly one ``Authorization: Bearer <key>``, compared in
+  constant time).
 * **Media types and bodies**: Accept negotiation (RFC 9110), the Content-Type check, the
   body-size limit for a model (what ``max_batch_rows`` rows of D values can take in that
-  encoding, never more than ``max_body_bytes``), and reading a body while it streams in (413
-  as soon as it passes the limit).
+  encoding, never more than ``max_body_bytes``), the worker's budget for bodies in flight
+  (``BodyBudget``: 429 before a body that does not fit is read), and reading a body while it
+  streams in (413 as soon as it passes the limit).
 * **Integers off a wire**, strictly: Python's ``int(text)`` accepts ``"²"`` and other Unicode
   digits, underscores (``"1_000"``), signs and surrounding whitespace, and raises
   ``ValueError`` past 4,300 digits; ``parse_count`` accepts exactly ``[0-9]{1,MAX_DIGITS}``.
@@ -29,9 +31,12 @@ expected. No web framework is imported here (``tests/test_boundaries.py``). Test
 from __future__ import annotations
 
 import ast
+import asyncio
 import hmac
 import io
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -41,10 +46,12 @@ from service.errors import (
     EmptyBatch,
     InvalidInput,
     NotAcceptable,
+    Overloaded,
     PayloadTooLarge,
     Unauthorized,
     UnsupportedMediaType,
 )
+from service.ops import memory
 
 if TYPE_CHECKING:
     from service.state import AppState
@@ -57,10 +64,19 @@ def state_of(request) -> AppState:
     return request.app.state.ncaknn
 
 
-def check_key(authorization: str | None, key) -> None:
-    """401 unless the Authorization value carries ``key``; no check when ``key`` is None."""
-    if key is not None:
-        check_bearer(authorization or "", key)
+def check_key(authorizations: list[str], key) -> None:
+    """401 unless the request's one Authorization value carries ``key``; no check when
+    ``key`` is None. ``authorizations`` holds every Authorization value the request sent
+    (HTTP headers or gRPC metadata): more than one is refused as ambiguous, whichever a
+    proxy or a library would have picked."""
+    if key is None:
+        return
+    if len(authorizations) > 1:
+        raise Unauthorized(
+            f"the request carries {len(authorizations)} Authorization values; credentials "
+            "must be unambiguous: send exactly one 'Authorization: Bearer <key>'"
+        )
+    check_bearer(authorizations[0] if authorizations else "", key)
 
 
 def check_bearer(header: str, key) -> None:
@@ -167,19 +183,72 @@ def describe_unicode_error(exc: UnicodeDecodeError, what: str = "the JSON body")
 THREAD_PARSE_BYTES = 256 * 1024  # bodies larger than this are parsed in a worker thread
 
 
-async def read_body(request, limit: int, what: str) -> bytes:
+class BodyBudget:
+    """The bytes of request bodies one worker holds at once, received or being parsed, kept
+    within ``limit`` (the setting max_body_bytes_in_flight). A body reserves its declared
+    Content-Length before any of it is read (a chunked body reserves as it arrives), so a
+    body that cannot fit is refused at once (429) instead of being read. Used from the
+    event loop only, which needs no lock."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.held = 0  # bytes reserved by the bodies in flight
+
+    @contextmanager
+    def hold(self) -> Iterator[BodyHold]:
+        """A reservation for one request's body, released when the block ends."""
+        hold = BodyHold(self)
+        try:
+            yield hold
+        finally:
+            hold.release()
+
+
+class BodyHold:
+    """What one request's body has reserved from its :class:`BodyBudget`."""
+
+    def __init__(self, budget: BodyBudget):
+        self.budget = budget
+        self.bytes = 0
+
+    def reserve(self, n: int) -> None:
+        budget = self.budget
+        if budget.held + n > budget.limit:
+            raise Overloaded(
+                f"the server holds {budget.held} bytes of request bodies, and this one needs "
+                f"{n} more: the limit is {budget.limit} (max_body_bytes_in_flight); retry "
+                "shortly"
+            )
+        budget.held += n
+        self.bytes += n
+
+    def release(self) -> None:
+        """Give the reservation back; after a large body, free memory goes back to the OS."""
+        self.budget.held -= self.bytes
+        if self.bytes > memory.LARGE_REQUEST_BYTES:
+            asyncio.get_running_loop().run_in_executor(None, memory.trim)
+        self.bytes = 0
+
+
+async def read_body(request, limit: int, what: str, hold: BodyHold) -> bytes:
     """The body of ``request`` (a Starlette request: ``headers`` and ``stream()``), refused
-    with 413 as soon as it passes ``limit``."""
+    with 413 as soon as it passes ``limit``; its bytes are reserved in ``hold`` before they
+    are read (429 when they do not fit the worker's budget)."""
     declared = request.headers.get("content-length")
-    if declared is not None and parse_count(declared.strip(), "Content-Length") > limit:
-        raise PayloadTooLarge(
-            f"request body of {declared.strip()} bytes; the limit is {limit} {what}"
-        )
+    if declared is not None:
+        declared_bytes = parse_count(declared.strip(), "Content-Length")
+        if declared_bytes > limit:
+            raise PayloadTooLarge(
+                f"request body of {declared_bytes} bytes; the limit is {limit} {what}"
+            )
+        hold.reserve(declared_bytes)
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
             raise PayloadTooLarge(f"request body over {limit} bytes; the limit is {limit} {what}")
+        if size > hold.bytes:
+            hold.reserve(size - hold.bytes)  # a chunked body, reserved as it arrives
         chunks.append(chunk)
     return b"".join(chunks)
 

@@ -50,7 +50,7 @@ from service.core.artifact import artifact_fingerprint
 from service.core.knn import decide, outlier_threshold, project
 from service.core.vocabulary import RULES, DecisionRule
 from service.engine.model import LoadedModel, load_model
-from service.errors import InvalidInput, NotReady, Overloaded, ServiceError
+from service.errors import InvalidInput, NotReady, Overloaded, ReloadFailed, ServiceError
 from service.ops.tracing import NoTracing, Tracing, record_inference
 from service.search.index import search
 
@@ -415,7 +415,8 @@ class Engine:
         self.clock = clock
         self.retry_failed_seconds = retry_failed_seconds
         self._model: LoadedModel | None = None
-        self._load_lock = threading.Lock()
+        self._load_lock = threading.Lock()  # one load at a time; others are refused
+        self._load_started = 0.0
         self.last_error: str | None = None
         self.draining = False
         self._loaded_fingerprint: tuple | None = None
@@ -450,33 +451,59 @@ class Engine:
         Raises the load error after recording it; the current model keeps serving.
         """
         path = Path(path or self.settings.model_path)
-        with self._load_lock:
-            fingerprint = artifact_fingerprint(path)
-            try:
-                model = load_model(path, self.settings, on_fallback=self.on_fallback)
-            except Exception as exc:
-                self._failed_fingerprint = fingerprint
-                self._failed_at = self.clock()
-                self.last_error = f"{type(exc).__name__}: {exc}"
-                log.error("model load failed", extra={"path": str(path), "error": self.last_error})
-                if self.on_load_failure is not None:
-                    self.on_load_failure(exc)
-                raise
-            self._model = model  # one reference assignment: the swap
-            self._loaded_fingerprint = fingerprint
-            self._failed_fingerprint = None
-            self.last_error = None
-            log.info(
-                "model loaded",
-                extra={
-                    "path": str(path),
-                    "model_version": model.version,
-                    "seconds": model.load_seconds,
-                },
+        if not self._load_lock.acquire(blocking=False):
+            raise ReloadFailed(
+                f"another load of the model has been running for "
+                f"{time.monotonic() - self._load_started:.1f} s; a load does not queue behind "
+                "it: retry when it has finished (GET /v1/model shows the result)"
             )
-            if self.on_load is not None:
-                self.on_load(model)
-            return model
+        self._load_started = time.monotonic()
+        try:
+            return self._load(path)
+        finally:
+            self._load_lock.release()
+
+    def _load(self, path: Path) -> LoadedModel:
+        """Load ``path`` and swap it in, with the load lock held (:meth:`load`)."""
+        fingerprint = artifact_fingerprint(path)
+        try:
+            model = load_model(path, self.settings, on_fallback=self.on_fallback)
+        except Exception as exc:
+            self._failed_fingerprint = fingerprint
+            self._failed_at = self.clock()
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            log.error("model load failed", extra={"path": str(path), "error": self.last_error})
+            if self.on_load_failure is not None:
+                self.on_load_failure(exc)
+            raise
+        self._model = model  # one reference assignment: the swap
+        self._loaded_fingerprint = fingerprint
+        self._failed_fingerprint = None
+        self.last_error = None
+        log.info(
+            "model loaded",
+            extra={
+                "path": str(path),
+                "model_version": model.version,
+                "seconds": model.load_seconds,
+            },
+        )
+        if self.on_load is not None:
+            self.on_load(model)
+        return model
+
+    async def reload(self, timeout: float) -> LoadedModel:
+        """:meth:`load` in a worker thread, waited for at most ``timeout`` seconds: past it
+        ReloadFailed, while the load goes on in the background (a model it completes is
+        swapped in then; a failure is recorded as any other)."""
+        loop = asyncio.get_running_loop()
+        try:
+            return await asyncio.wait_for(loop.run_in_executor(None, self.load), timeout)
+        except TimeoutError:
+            raise ReloadFailed(
+                f"the load did not finish within {timeout:g} s (reload_timeout_seconds); it "
+                "goes on in the background, and GET /v1/model shows what it brought"
+            ) from None
 
     def changed_on_disk(self) -> bool:
         """True when the model path holds an artifact other than the one loaded, and not one

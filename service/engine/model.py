@@ -177,6 +177,12 @@ def load_model(
     # Every file is read once into memory and verified there (service.core.artifact): a file
     # changed under a memory map would crash the process (SIGBUS) instead of failing a load.
     artifact = read_artifact(path)
+    if artifact.default_k > settings.max_k:
+        raise ArtifactError(
+            f"{path}: the manifest's default_k={artifact.default_k} is above this service's "
+            f"max_k={settings.max_k} (NCAKNN_MAX_K): every request that leaves k out would "
+            "be refused; raise NCAKNN_MAX_K or write the artifact with a smaller default_k"
+        )
     embeddings = np.ascontiguousarray(artifact.embeddings, dtype=np.float32)  # (N, d)
     prebuilt = _prebuilt_index(path, artifact, embeddings)
     params = index_params(settings, artifact, prebuilt)

@@ -22,8 +22,9 @@ State = Annotated[AppState, Depends(get_state)]
 
 
 def check_api_key(request: Request, key) -> None:
-    """401 unless ``Authorization: Bearer <key>`` carries ``key`` (no check when None)."""
-    check_key(request.headers.get("authorization"), key)
+    """401 unless the one ``Authorization: Bearer <key>`` carries ``key`` (no check when
+    None)."""
+    check_key(request.headers.getlist("authorization"), key)
 
 
 def check_admin_key(request: Request, settings: Settings) -> None:

@@ -3,7 +3,8 @@ checking (``grpc.health.v1.Health``), on the HTTP server's event loop and engine
 
 Started by the app's lifespan when ``grpc_port`` is not 0, stopped (with the drain's grace)
 before the batcher. Every call goes through the same checks as REST: the API key (metadata
-``authorization: Bearer <key>``), the model name and version, the tensor checks of
+``authorization: Bearer <key>``, checked by :class:`KeyCheck` before the message is read),
+the model name and version, the tensor checks of
 ``service.oip.tensors``, and ``oip.run_call`` (limits, in-flight gate, the inference path, metrics).
 Errors carry the gRPC status matching the HTTP status of the one error table
 (:data:`GRPC_CODES`) and the same message.
@@ -20,12 +21,12 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from service import __version__
-from service.errors import InvalidInput, ServiceError, status_of
+from service.errors import InvalidInput, ServiceError, Unauthorized, status_of
 from service.oip import tensors as oip
 from service.oip.protocol import HEALTH_SERVICE, INFERENCE_SERVICE, message
 from service.ops.tracing import REQUEST_ID_HEADER, current_span, trace_id_of
 from service.state import AppState
-from service.wire import check_bearer
+from service.wire import check_key
 
 log = logging.getLogger("service.grpc")
 
@@ -96,13 +97,6 @@ class InferenceService:
 
     # -------------------------------------------------------------- plumbing
 
-    def check_key(self, context: grpc.aio.ServicerContext) -> None:
-        key = self.state.settings.api_key
-        if key is None:
-            return
-        metadata = dict(context.invocation_metadata() or ())
-        check_bearer(metadata.get("authorization", ""), key)
-
     async def run(self, name: str, handler, request, context):
         """Call ``handler``; a ServiceError becomes the matching gRPC status, counted in the
         metrics as the HTTP status it stands for."""
@@ -116,7 +110,6 @@ class InferenceService:
             token = current_span.set(span)
             await context.send_initial_metadata(((REQUEST_ID_HEADER, trace_id_of(span)),))
         try:
-            self.check_key(context)
             if isinstance(request, Undecodable):
                 raise InvalidInput(request.message)
             return await handler(request, context)
@@ -124,7 +117,10 @@ class InferenceService:
             status = status_of(exc)
             self.state.metrics.errors.labels(exc.error_type).inc()
             await context.abort(GRPC_CODES.get(status, grpc.StatusCode.INTERNAL), exc.message)
-        except (asyncio.CancelledError, grpc.aio.AbortError):
+        except asyncio.CancelledError:
+            status = 499  # the client cancelled the call or its deadline passed
+            raise
+        except grpc.aio.AbortError:
             raise
         except Exception as exc:
             status = 500
@@ -236,6 +232,43 @@ def infer_call(request, model, max_rows: int) -> oip.InferCall:
     )
 
 
+class KeyCheck(grpc.aio.ServerInterceptor):
+    """The API key, checked on a call's metadata before its message is read: a call without
+    a valid key gets UNAUTHENTICATED from a handler that never reads the request, so an
+    unauthenticated client costs neither the message's memory nor its parsing. Health
+    checking needs no key."""
+
+    def __init__(self, state: AppState):
+        self.state = state
+
+    async def intercept_service(self, continuation, details):
+        key = self.state.settings.api_key
+        if key is None or details.method.startswith(f"/{HEALTH_SERVICE}/"):
+            return await continuation(details)
+        values = [v for k, v in (details.invocation_metadata or ()) if k == "authorization"]
+        try:
+            check_key([v if isinstance(v, str) else "" for v in values], key)
+        except Unauthorized as exc:
+            return self.refusal(details.method, exc)
+        return await continuation(details)
+
+    def refusal(self, method: str, error: Unauthorized):
+        """A handler that answers ``error`` without reading the request; the call is counted
+        as the 401 it stands for."""
+        metrics = self.state.metrics
+        metrics.errors.labels(error.error_type).inc()
+        name = method.rsplit("/", 1)[-1]
+        route = f"grpc {INFERENCE_SERVICE}/{name if name in RPC_NAMES else 'unknown'}"
+
+        async def refuse(requests, context):
+            count, latency = metrics.request_series[route, status_of(error)]
+            count.inc()
+            latency.observe(0.0)
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, error.message)
+
+        return grpc.stream_unary_rpc_method_handler(refuse)
+
+
 class HealthService:
     """grpc.health.v1.Health: SERVING while a model is loaded and the server not draining;
     the overall server ("") and the inference service are known. A Watch stream gets the
@@ -301,6 +334,16 @@ def _unary(handler, request_type, response_type):
     )
 
 
+RPC_NAMES = (
+    "ServerLive",
+    "ServerReady",
+    "ModelReady",
+    "ServerMetadata",
+    "ModelMetadata",
+    "ModelInfer",
+)
+
+
 def handlers(state: AppState) -> list:
     service, health = InferenceService(state), HealthService(state)
     rpcs = {
@@ -336,16 +379,32 @@ def handlers(state: AppState) -> list:
     ]
 
 
-def server_options(settings) -> list[tuple[str, int]]:
-    """gRPC core's channel arguments: the message size limit, and the same connection limits
-    as HTTP (service.ops.connections): at most ``max_connections`` open connections (beyond it a
-    new one is refused, UNAVAILABLE), the HTTP/2 handshake within ``header_timeout_seconds``
-    (a connection that sends nothing is closed), metadata (headers) within
-    ``max_header_bytes``, and an idle connection closed after GRPC_IDLE_SECONDS."""
+MESSAGE_FRAMING_BYTES = 64 * 1024  # a ModelInferRequest's fields besides the values
+
+
+def message_limit(settings, model) -> int:
+    """The largest request message: ``max_batch_rows`` rows of the model's D values at 8
+    bytes (FP64 and INT64 raw contents; FP32 takes half) plus MESSAGE_FRAMING_BYTES, never
+    more than ``max_body_bytes``; ``max_body_bytes`` while no model is loaded. gRPC core
+    refuses a larger message from its length prefix, before buffering it."""
+    if model is None:
+        return settings.max_body_bytes
+    needed = settings.max_batch_rows * model.n_features * 8 + MESSAGE_FRAMING_BYTES
+    return min(settings.max_body_bytes, needed)
+
+
+def server_options(settings, model=None) -> list[tuple[str, int]]:
+    """gRPC core's channel arguments: the message size limit (``message_limit``), and the
+    same connection limits as HTTP (service.ops.connections): at most ``max_connections``
+    open connections (beyond it a new one is refused, UNAVAILABLE), the HTTP/2 handshake
+    within ``header_timeout_seconds`` (a connection that sends nothing is closed), metadata
+    (headers) within ``max_header_bytes``, and an idle connection closed after
+    GRPC_IDLE_SECONDS. The port is shared (SO_REUSEPORT) only between the workers of one
+    server; with one worker no other process can bind it while it serves."""
     return [
-        ("grpc.max_receive_message_length", settings.max_body_bytes),
+        ("grpc.max_receive_message_length", message_limit(settings, model)),
         ("grpc.max_send_message_length", -1),
-        ("grpc.so_reuseport", 1),
+        ("grpc.so_reuseport", 1 if settings.workers > 1 else 0),
         ("grpc.max_allowed_incoming_connections", settings.max_connections),
         ("grpc.server_handshake_timeout_ms", int(settings.header_timeout_seconds * 1000)),
         ("grpc.max_metadata_size", settings.max_header_bytes),
@@ -354,10 +413,15 @@ def server_options(settings) -> list[tuple[str, int]]:
 
 
 async def start(state: AppState) -> grpc.aio.Server:
-    """Bind ``grpc_port`` on ``host`` and serve; the caller stops it (``stop``). Several
-    workers may bind the same port (SO_REUSEPORT, gRPC's default on Linux)."""
+    """Bind ``grpc_port`` on ``host`` and serve; the caller stops it (``stop``). The workers
+    of one server share the port (SO_REUSEPORT). The message limit is sized by the model
+    loaded now: a model loaded later with a larger D takes full batches over gRPC after a
+    restart (until then a larger message is RESOURCE_EXHAUSTED, naming the limit)."""
     settings = state.settings
-    server = grpc.aio.server(options=server_options(settings))
+    server = grpc.aio.server(
+        options=server_options(settings, state.engine.peek()),
+        interceptors=[KeyCheck(state)],
+    )
     server.add_generic_rpc_handlers(handlers(state))
     address = f"{settings.host}:{settings.grpc_port}"
     if server.add_insecure_port(address) == 0:

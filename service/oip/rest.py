@@ -96,7 +96,7 @@ def v2_errors(endpoint):
 
 def served_model(request: Request, name: str, version: str | None):
     state = state_of(request)
-    check_key(request.headers.get("authorization"), state.settings.api_key)
+    check_key(request.headers.getlist("authorization"), state.settings.api_key)
     model = state.engine.current()
     oip.check_model(model, name, version, state.settings.v2_model_name)
     return state, model
@@ -108,7 +108,7 @@ def served_model(request: Request, name: str, version: str | None):
 @router.get("", summary="Server metadata: name, version, extensions")
 @v2_errors
 async def server_metadata(request: Request) -> Response:
-    check_key(request.headers.get("authorization"), state_of(request).settings.api_key)
+    check_key(request.headers.getlist("authorization"), state_of(request).settings.api_key)
     body = {"name": "nca-knn", "version": __version__, "extensions": oip.EXTENSIONS}
     return Response(encode(body), media_type=JSON)
 
@@ -331,16 +331,17 @@ async def infer(request: Request, model_name: str | None = None, model_version=N
         max_rows=settings.max_batch_rows,
         max_body_bytes=settings.max_body_bytes,
     )
-    body = await read_body(
-        request, limit, f"(max_body_bytes, or {settings.max_batch_rows} rows of JSON)"
-    )
-    header_length = request.headers.get(HEADER_LENGTH)
-    if len(body) > THREAD_PARSE_BYTES:
-        call = await run_in_threadpool(
-            parse_infer, body, header_length, model, settings.max_batch_rows
+    with state.bodies.hold() as hold:
+        body = await read_body(
+            request, limit, f"(max_body_bytes, or {settings.max_batch_rows} rows of JSON)", hold
         )
-    else:
-        call = parse_infer(body, header_length, model, settings.max_batch_rows)
+        header_length = request.headers.get(HEADER_LENGTH)
+        if len(body) > THREAD_PARSE_BYTES:
+            call = await run_in_threadpool(
+                parse_infer, body, header_length, model, settings.max_batch_rows
+            )
+        else:
+            call = parse_infer(body, header_length, model, settings.max_batch_rows)
     query = oip.query_of(model, settings.max_k, call)  # 422 before the answer's size
     json_values = _json_values(call, model, query.k)
     if json_values > settings.max_response_values:

@@ -1,27 +1,49 @@
-"""Connection-level limits for the HTTP server: no client can hold the server's memory or
-file descriptors by opening connections and sending little or nothing.
+"""Connection-level limits for the HTTP server: no client, with or without an API key, can
+hold the server's time, memory or file descriptors by sending little, slowly, or nothing.
 
-``GuardedHttpProtocol`` is uvicorn's httptools protocol with four limits added (``python -m
-service`` runs uvicorn with it; the settings are read from ``NCAKNN_*`` once per process):
+``GuardedHttpProtocol`` is uvicorn's httptools protocol with a bound on every phase of a
+connection (``python -m service`` runs uvicorn with it; the settings are read from
+``NCAKNN_*`` once per process):
 
-* **header timeout** (``header_timeout_seconds``): from the moment a connection opens, or
-  the first byte of a request on a kept-alive connection, the request line and all headers
-  must arrive within this time; otherwise ``408`` and the connection is closed. A client
-  that sends nothing, or trickles header bytes, is cut off after at most this long.
-* **idle keep-alive timeout** (``keep_alive_timeout_seconds``, uvicorn's own): a connection
-  idle between requests is closed.
-* **header size and count** (``max_header_bytes``, ``max_headers``): the request line plus
-  headers are counted as the bytes arrive, before the parser buffers them; past either
-  limit ``431`` and the connection is closed. Memory held per connection is at most the
-  limit plus one socket read.
-* **connection cap** (``max_connections``, per process): a connection opened while that
-  many are open is answered ``503`` at once and closed, without parsing its request, so a
-  fresh client is always served or refused quickly. ``check_open_files`` makes sure at
-  start-up that the open-files limit (RLIMIT_NOFILE) leaves room for the cap.
+* **accept: the connection cap** (``max_connections``, per process). A connection opened
+  while that many are open is answered ``503`` at once, without parsing its request.
+  ``check_open_files`` makes sure at start-up that the open-files limit (RLIMIT_NOFILE)
+  leaves room for the cap and for the lingering closes below.
+* **headers: a deadline and a size** (``header_timeout_seconds``, ``max_header_bytes``,
+  ``max_headers``). From the moment a connection opens, or the first byte of a request on a
+  kept-alive connection, the request line and all headers must arrive in time, else ``408``;
+  they are counted as the bytes arrive, before the parser buffers them, and past either
+  size limit the answer is ``431``.
+* **body: a deadline and a framing limit** (``body_timeout_seconds``). The whole body must
+  arrive within the deadline of its headers, else ``408``. Chunked framing (chunk sizes,
+  extensions, trailers) may not exceed ``max_header_bytes`` plus the body bytes it carried,
+  trailers count against ``max_headers``, and malformed framing is answered ``400``.
+  While a body streams in uvicorn holds at most 64 KiB of it per connection (it stops
+  reading until the application takes it); what the application holds is bounded by
+  ``service.wire.BodyBudget``.
+* **an early answer ends the connection.** When the application answers before the
+  request's body has arrived (a missing API key, a body over its limit, a route that reads
+  no body), no more of the body is read: the connection is closed after the answer, so a
+  client that keeps dripping the body it declared holds neither a slot nor memory.
+* **response: a send deadline** (``send_timeout_seconds``). When the client stops reading
+  an answer (the transport's buffer passes its high-water mark), it has this long to take
+  it; otherwise the connection is reset and the answer dropped.
+* **idle keep-alive** (``keep_alive_timeout_seconds``, uvicorn's own): a connection idle
+  between requests is closed.
 
 Every refusal carries the service's one error body (``{"error", "error_type"}``, statuses
 from ``service.errors.STATUS``) and ``Connection: close``, and is counted by reason through
-``set_observer`` (``ncaknn_connections_refused_total{reason}``; the reasons are fixed).
+``set_observer`` (``ncaknn_connections_refused_total{reason}``; the reasons are fixed). When
+the refusal answers a request whose application task is already running, the task sees the
+client as gone and the request is counted with the refusal's status (the scope key
+``ANSWERED_STATUS``).
+
+A connection closed while its client may still be sending gets a **lingering close**: the
+answer, then a FIN, then whatever the client still sends is read and dropped for
+``LINGER_SECONDS``, so the client reads the answer instead of a reset. A lingering
+connection no longer counts against ``max_connections``; at most ``MAX_LINGERING`` linger at
+once (within the files reserved beside the cap), and beyond that a connection is closed at
+once.
 """
 
 from __future__ import annotations
@@ -51,10 +73,22 @@ log = logging.getLogger("service.ops.connections")
 
 # file descriptors a worker needs besides its client connections: listening and gRPC
 # sockets, the event loop, thread pool, log files, Prometheus multiprocess files, the model's
-# files while it (re)loads
+# files while it (re)loads, and the lingering closes (MAX_LINGERING)
 RESERVED_FILES = 128
 LINGER_SECONDS = 2.0  # after a refusal, how long to drop input before closing
-REFUSAL_REASONS = ("header_timeout", "headers_too_large", "too_many_headers", "over_capacity")
+MAX_LINGERING = 64  # lingering closes at once per process (half of RESERVED_FILES)
+REFUSAL_REASONS = (
+    "header_timeout",
+    "headers_too_large",
+    "too_many_headers",
+    "over_capacity",
+    "body_timeout",
+    "malformed_request",
+    "send_timeout",
+)
+# the scope key under which the connection records the status it answered in place of the
+# application (the request's metrics read it)
+ANSWERED_STATUS = "ncaknn.answered_status"
 
 
 @dataclass(frozen=True)
@@ -63,6 +97,8 @@ class ConnectionLimits:
     header_timeout_seconds: float
     max_header_bytes: int
     max_headers: int
+    body_timeout_seconds: float
+    send_timeout_seconds: float
 
     @classmethod
     def from_settings(cls, settings) -> ConnectionLimits:
@@ -71,6 +107,8 @@ class ConnectionLimits:
             header_timeout_seconds=settings.header_timeout_seconds,
             max_header_bytes=settings.max_header_bytes,
             max_headers=settings.max_headers,
+            body_timeout_seconds=settings.body_timeout_seconds,
+            send_timeout_seconds=settings.send_timeout_seconds,
         )
 
 
@@ -132,9 +170,37 @@ class _HeaderLimit(Exception):
     """Raised inside a parser callback to stop parsing a request over a header limit."""
 
 
+class _Lingering:
+    """How many connections of this process are in a lingering close."""
+
+    count = 0
+
+
+class _Transport:
+    """A connection's transport as uvicorn's protocol and request cycles see it: every call
+    goes to the real transport, except ``close``, which becomes a lingering close while the
+    client may still be sending the request's body (``GuardedHttpProtocol.close``)."""
+
+    def __init__(self, inner: asyncio.Transport, protocol: GuardedHttpProtocol):
+        self.inner = inner
+        self.protocol = protocol
+        # the calls of the request path, bound once
+        self.write = inner.write
+        self.is_closing = inner.is_closing
+        self.pause_reading = inner.pause_reading
+        self.resume_reading = inner.resume_reading
+        self.get_extra_info = inner.get_extra_info
+
+    def close(self) -> None:
+        self.protocol.close()
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
 class GuardedHttpProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with the header timeout, header limits and connection
-    cap of this module (see the module docstring)."""
+    """uvicorn's httptools protocol with the bounds of this module on every phase of a
+    connection (see the module docstring)."""
 
     limits: ConnectionLimits | None = None  # read from the settings at the first connection
 
@@ -146,6 +212,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             GuardedHttpProtocol.limits = ConnectionLimits.from_settings(Settings())
         self.guard = GuardedHttpProtocol.limits
         self.header_timer: asyncio.TimerHandle | None = None
+        self.body_timer: asyncio.TimerHandle | None = None
+        self.send_timer: asyncio.TimerHandle | None = None
         self.linger_timer: asyncio.TimerHandle | None = None
         # while a request's headers are incomplete: the bytes received for them (None once
         # they are complete; the body is not counted) and what the parser has reported
@@ -153,13 +221,20 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self.parsed_header_bytes = 0
         self.header_count = 0
         self.began_in_this_read = False
+        # while a request's body is incomplete (its headers are complete): the body bytes
+        # the parser delivered, the bytes of chunked framing around them, and the deadline
+        self.in_body = False
+        self.body_bytes = 0
+        self.framing_bytes = 0
+        self.body_deadline = 0.0
         self.refusal: tuple[ServiceError, str] | None = None  # set by a parser callback
-        self.refused = False
+        self.refused = False  # no more input is parsed: it is read and dropped
+        self.lingering = False
 
     # ------------------------------------------------------------------ connection
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        super().connection_made(_Transport(transport, self))
         observer.open_connections(len(self.connections))
         if len(self.connections) > self.guard.max_connections:
             self.refuse(
@@ -173,9 +248,13 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self.arm_header_timer()
 
     def connection_lost(self, exc) -> None:
-        self.cancel_header_timer()
-        if self.linger_timer is not None:
-            self.linger_timer.cancel()
+        for timer in (self.header_timer, self.body_timer, self.send_timer, self.linger_timer):
+            if timer is not None:
+                timer.cancel()
+        self.header_timer = self.body_timer = self.send_timer = self.linger_timer = None
+        if self.lingering:
+            self.lingering = False
+            _Lingering.count -= 1
         super().connection_lost(exc)
         observer.open_connections(len(self.connections))
 
@@ -184,6 +263,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             return  # a refused connection's input is read and dropped until it closes
         self._unset_keepalive_if_required()
         self.began_in_this_read = False
+        whole_read_in_body = self.in_body
+        body_before = self.body_bytes
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -192,12 +273,15 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             else:
                 self._unsupported_upgrade_warning()
             return
-        except httptools.HttpParserError:
+        except httptools.HttpParserError as exc:
             if self.refusal is not None:
                 self.refuse(*self.refusal)
             else:
-                log.warning("invalid HTTP request received")
-                self.send_400_response("Invalid HTTP request received.")
+                what = "body framing" if self.in_body else "request"
+                self.refuse(
+                    MalformedRequest(f"invalid HTTP {what}: the parser refused it ({exc})"),
+                    "malformed_request",
+                )
             return
         if self.raw_header_bytes is not None:
             # headers still incomplete: a read that began the request holds its first
@@ -208,10 +292,28 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                 self.raw_header_bytes += len(data)
             if self.raw_header_bytes > self.guard.max_header_bytes:
                 self.refuse(self.headers_too_large(), "headers_too_large")
+        elif self.in_body:
+            if whole_read_in_body:
+                # every byte of this read belonged to the body phase: what the body did not
+                # get was chunked framing
+                self.framing_bytes += len(data) - (self.body_bytes - body_before)
+                if self.framing_bytes > self.guard.max_header_bytes + self.body_bytes:
+                    self.refuse(
+                        MalformedRequest(
+                            f"the chunked framing (chunk sizes, extensions, trailers) took "
+                            f"{self.framing_bytes} bytes for {self.body_bytes} bytes of body; "
+                            f"at most the body's size plus {self.guard.max_header_bytes} "
+                            "(max_header_bytes) is accepted"
+                        ),
+                        "malformed_request",
+                    )
+                    return
+            if self.body_timer is None:
+                self.arm_body_timer()
 
     def send_400_response(self, msg: str) -> None:
         """A request the parser cannot read: the one error body, then close."""
-        self.refuse(MalformedRequest(f"{msg} (the HTTP parser refused it)"), None)
+        self.refuse(MalformedRequest(f"{msg} (the HTTP parser refused it)"), "malformed_request")
 
     # ------------------------------------------------------------------ parser callbacks
 
@@ -233,11 +335,14 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if self.header_count > self.guard.max_headers:
             self.refusal = (
                 HeaderFieldsTooLarge(
-                    f"the request has more than {self.guard.max_headers} headers (max_headers)"
+                    f"the request has more than {self.guard.max_headers} header and trailer "
+                    "fields (max_headers)"
                 ),
                 "too_many_headers",
             )
             raise _HeaderLimit
+        if self.in_body:
+            return  # a trailer field: counted as framing, not added to the request's headers
         self.count_parsed(len(name) + len(value) + 4)  # "name: value\r\n"
         super().on_header(name, value)
 
@@ -245,11 +350,53 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self.cancel_header_timer()
         self.raw_header_bytes = None
         super().on_headers_complete()
+        self.in_body = True  # until on_message_complete, which follows at once without a body
+        self.body_bytes = 0
+        self.framing_bytes = 0
+        self.body_deadline = self.loop.time() + self.guard.body_timeout_seconds
+
+    def on_body(self, body: bytes) -> None:
+        self.body_bytes += len(body)
+        super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self.in_body = False
+        if self.body_timer is not None:
+            self.body_timer.cancel()
+            self.body_timer = None
 
     def on_response_complete(self) -> None:
+        if self.in_body and not self.pipeline:
+            # answered before its body arrived (a refusal: no key, too large...): read no
+            # more of it, so the client's declared body holds neither a slot nor memory
+            self.server_state.total_requests += 1
+            self.linger_close()
+            return
         super().on_response_complete()
         if self.raw_header_bytes is None:
             self.raw_header_bytes = 0  # waiting for the next request's headers
+
+    # ------------------------------------------------------------------ writing
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self.send_timer is None and not self.refused:
+            self.send_timer = self.loop.call_later(
+                self.guard.send_timeout_seconds, self.on_send_timeout
+            )
+
+    def on_send_timeout(self) -> None:
+        self.send_timer = None
+        transport = self.transport.inner
+        if transport.get_write_buffer_size():
+            observer.refused("send_timeout")
+            log.info(
+                "an answer was not taken in time: connection reset",
+                extra={"send_timeout_seconds": self.guard.send_timeout_seconds},
+            )
+            self.refused = True
+            transport.abort()
 
     # ------------------------------------------------------------------ limits
 
@@ -288,23 +435,83 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             "header_timeout",
         )
 
+    def arm_body_timer(self) -> None:
+        remaining = max(0.0, self.body_deadline - self.loop.time())
+        self.body_timer = self.loop.call_later(remaining, self.on_body_timeout)
+
+    def on_body_timeout(self) -> None:
+        self.body_timer = None
+        if not self.in_body or self.refused:
+            return
+        self.refuse(
+            RequestTimeout(
+                f"the request body did not arrive within {self.guard.body_timeout_seconds:g} s "
+                f"of its headers (body_timeout_seconds); {self.body_bytes} bytes arrived"
+            ),
+            "body_timeout",
+        )
+
+    # ------------------------------------------------------------------ ending
+
     def refuse(self, error: ServiceError, reason: str | None) -> None:
-        """Answer ``error`` with the one error body and stop reading: send it, half-close
-        (FIN), drop whatever the client still sends, and close after LINGER_SECONDS (or
-        when the client closes), so the client reads the answer instead of a reset."""
+        """Answer ``error`` with the one error body and stop reading. A refusal during a
+        request's body answers that request: its application task sees the client as gone
+        and its answer, if any, is dropped. A refusal while an earlier answer is pending (a
+        pipelined request over a limit) leaves no room for an answer: the connection closes."""
         self.refused = True
         self.cancel_header_timer()
+        if self.body_timer is not None:
+            self.body_timer.cancel()
+            self.body_timer = None
         self._unset_keepalive_if_required()
         if reason is not None:
             observer.refused(reason)
         if self.transport.is_closing():
             return
-        if self.cycle is not None and not self.cycle.response_complete:
-            self.transport.close()  # a pipelined request over a limit: no room for an answer
-            return
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            if not (self.in_body and not cycle.response_started and not self.pipeline):
+                self.transport.inner.close()
+                return
+            cycle.scope[ANSWERED_STATUS] = status_of(error)  # type: ignore[literal-required]
+            cycle.disconnected = True
+            cycle.message_event.set()
         self.transport.write(refusal_bytes(error))
-        if self.transport.can_write_eof():
-            self.transport.write_eof()
-            self.linger_timer = self.loop.call_later(LINGER_SECONDS, self.transport.close)
+        self.linger_close()
+
+    def close(self) -> None:
+        """Close the connection: a lingering close while the client may still be sending
+        the request's body or more requests after a refusal, else at once."""
+        if self.in_body or self.refused:
+            self.linger_close()
         else:
-            self.transport.close()
+            self.transport.inner.close()
+
+    def linger_close(self) -> None:
+        """Send what is buffered and a FIN, then read and drop the client's input for up to
+        LINGER_SECONDS before closing. The connection leaves the count of open ones at
+        once; beyond MAX_LINGERING lingering connections it is closed at once."""
+        self.refused = True
+        if self.lingering:
+            return
+        self.connections.discard(self)
+        observer.open_connections(len(self.connections))
+        transport = self.transport.inner
+        if transport.is_closing():
+            return
+        if _Lingering.count >= MAX_LINGERING or not transport.can_write_eof():
+            transport.close()
+            return
+        self.lingering = True
+        _Lingering.count += 1
+        transport.write_eof()
+        transport.resume_reading()
+        self.linger_timer = self.loop.call_later(LINGER_SECONDS, self.end_linger)
+
+    def end_linger(self) -> None:
+        self.linger_timer = None
+        transport = self.transport.inner
+        if transport.get_write_buffer_size():
+            transport.abort()  # the client took nothing: do not wait for it
+        else:
+            transport.close()

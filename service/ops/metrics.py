@@ -154,8 +154,10 @@ class Metrics:
         """Connections refused before any route, by reason; open connections."""
         self.connections_refused = Counter(
             "ncaknn_connections_refused",
-            "HTTP connections refused before any route by reason: header_timeout (408), "
-            "headers_too_large or too_many_headers (431), over_capacity (503)",
+            "HTTP connections refused by the connection guard, by reason: header_timeout and "
+            "body_timeout (408), headers_too_large or too_many_headers (431), "
+            "malformed_request (400), over_capacity (503), send_timeout (an answer not taken "
+            "in time: reset)",
             ["reason"],
             registry=r,
         )

@@ -24,9 +24,11 @@ from __future__ import annotations
 import contextvars
 import logging
 import os
+import threading
 import time
 
 REQUEST_ID_HEADER = "x-request-id"
+SHUTDOWN_SECONDS = 2.0  # the longest a stop waits for the exporter to send what is buffered
 log = logging.getLogger("service.requests")
 
 # the server span of the request being handled (the inference path reads it)
@@ -55,7 +57,7 @@ class NoTracing:
 
     enabled = False
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float = 0.0) -> None:
         pass
 
 
@@ -70,8 +72,11 @@ class Tracing:
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-        resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", "nca-knn")})  # fmt: skip
-        self.provider = TracerProvider(resource=resource)
+        name = os.environ.get("OTEL_SERVICE_NAME", "nca-knn")
+        # shut down by the app's lifespan, for a bounded time (shutdown), not at exit
+        self.provider = TracerProvider(
+            resource=Resource.create({"service.name": name}), shutdown_on_exit=False
+        )
         self.provider.add_span_processor(processor or _default_processor())
         self.tracer = self.provider.get_tracer("nca-knn")
         self.propagator = TraceContextTextMapPropagator()
@@ -119,8 +124,18 @@ class Tracing:
             },
         )
 
-    def shutdown(self) -> None:
-        self.provider.shutdown()
+    def shutdown(self, timeout: float = SHUTDOWN_SECONDS) -> None:
+        """Export the spans still buffered, for at most ``timeout`` seconds: an exporter
+        whose collector does not answer cannot hold the server's exit (the spans it had
+        not sent are dropped, and a warning says so)."""
+        done = threading.Thread(target=self.provider.shutdown, name="tracing-shutdown", daemon=True)
+        done.start()
+        done.join(timeout)
+        if done.is_alive():
+            log.warning(
+                "spans not exported within the shutdown bound were dropped",
+                extra={"timeout_seconds": timeout},
+            )
 
 
 def trace_id_of(span) -> str:

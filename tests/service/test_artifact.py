@@ -117,7 +117,10 @@ def test_wrong_schema_version_is_refused(tmp_path, rng):
     [
         (lambda m: m.pop("classes"), r"missing keys \['classes'\]"),
         (lambda m: m.__setitem__("format", "other"), r"format is 'other'"),
-        (lambda m: m.__setitem__("decision_rule", "vote"), r"decision_rule is 'vote'"),
+        (
+            lambda m: m.__setitem__("decision_rule", "vote"),
+            r"decision_rule: expected one of .*got 'vote'",
+        ),
         (lambda m: m.__setitem__("n_components", 4), r"projection\.npy: expected shape \(4, 5\)"),
     ],
 )
@@ -148,8 +151,11 @@ def test_missing_directory_and_manifest_are_refused(tmp_path):
         (dict(offset=np.zeros(4, np.float32)), r"offset\.npy: expected shape \(3,\)"),
         (dict(labels=np.full(20, 5, np.int32)), r"labels\.npy: label indices must lie in \[0, 2\)"),
         (dict(scale=np.zeros(5)), r"scale\.npy: every standardisation scale must be > 0"),
-        (dict(default_k=0), r"default_k must be an integer in \[1, 20\]"),
-        (dict(classes=["a", "a"]), "classes must be distinct"),
+        (dict(default_k=0), r"default_k: expected an integer in \[1, 20\]"),
+        (dict(classes=["a", "a"]), r"classes: expected distinct classes .*\['a'\]"),
+        (dict(classes=[0, "0"]), r"classes: expected distinct classes .*\['0'\]"),
+        (dict(classes=[0.5, 1]), r"classes\[0\]: expected an integer or a string"),
+        (dict(projection=np.full((3, 5), 1e300)), r"projection\.npy: expected finite values"),
         (dict(projection=np.full((3, 5), np.nan, np.float32)), r"projection\.npy: contains NaN"),
     ],
 )

@@ -301,7 +301,12 @@ def test_a_server_whose_file_limit_cannot_hold_the_cap_refuses_to_start(model_ar
     result = subprocess.run(
         [sys.executable, "-m", "service", "--model", str(model_artifact[0]), "--port", "0"],
         cwd=ROOT,
-        env={**__import__("os").environ, "NCAKNN_MAX_CONNECTIONS": "1000", "NCAKNN_GRPC_PORT": "1"},
+        env={
+            **__import__("os").environ,
+            "NCAKNN_MAX_CONNECTIONS": "1000",
+            "NCAKNN_GRPC_PORT": "1",
+            "NCAKNN_PROBE_PORT": "0",
+        },
         preexec_fn=low_limit,
         capture_output=True,
         text=True,
@@ -324,7 +329,12 @@ def test_a_server_raises_its_soft_file_limit_for_the_cap(model_artifact):
     proc = subprocess.Popen(
         [sys.executable, "-m", "service", "--model", str(model_artifact[0]), "--port", str(port)],
         cwd=ROOT,
-        env={**os.environ, "NCAKNN_MAX_CONNECTIONS": "1000", "NCAKNN_GRPC_PORT": "0"},
+        env={
+            **os.environ,
+            "NCAKNN_MAX_CONNECTIONS": "1000",
+            "NCAKNN_GRPC_PORT": "0",
+            "NCAKNN_PROBE_PORT": "0",
+        },
         preexec_fn=low_soft_limit,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

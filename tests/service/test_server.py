@@ -35,6 +35,7 @@ def start_server(model: Path, port: int, **env) -> subprocess.Popen:
         "NCAKNN_LOG_JSON": "true",
         "NCAKNN_DRAIN_DELAY_SECONDS": "0.5",
         "NCAKNN_GRPC_PORT": "0",
+        "NCAKNN_PROBE_PORT": "0",
         **{k: str(v) for k, v in env.items()},
     }
     return subprocess.Popen(

@@ -8,6 +8,7 @@ import hashlib
 import io
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,6 @@ import numpy as np
 from service import __version__
 from service.core.artifact.format import (
     ARRAY_SPECS,
-    DECISION_RULES,
     FORMAT_NAME,
     MANIFEST_FILE,
     OPTIONAL_ARRAYS,
@@ -26,8 +26,8 @@ from service.core.artifact.format import (
     ArtifactError,
     legacy_model_version_of,
     model_version_of,
-    parse_outlier_calibration,
 )
+from service.core.artifact.invariants import check_arrays, check_manifest
 
 
 class _PinnedDirectory:
@@ -56,13 +56,32 @@ class _PinnedDirectory:
                 f"{self.root / MANIFEST_FILE}: {what} path {name!r} is not a plain file name"
             )
         try:
-            fd = os.open(name, os.O_RDONLY, dir_fd=self.fd)
+            # O_NONBLOCK: opening a FIFO for reading must not wait for a writer
+            fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK, dir_fd=self.fd)
         except FileNotFoundError:
             raise ArtifactError(f"{self.root / name}: missing ({what})") from None
         except OSError as exc:
             raise ArtifactError(f"{self.root / name}: cannot be opened ({exc.strerror})") from None
         with os.fdopen(fd, "rb") as fh:
+            kind = os.fstat(fh.fileno()).st_mode
+            if not stat.S_ISREG(kind):
+                raise ArtifactError(
+                    f"{self.root / name}: expected a regular file ({what}), got a "
+                    f"{_file_kind(kind)}"
+                )
+            os.set_blocking(fh.fileno(), True)
             return fh.read()
+
+
+def _file_kind(mode: int) -> str:
+    kinds = (
+        (stat.S_ISDIR, "directory"),
+        (stat.S_ISFIFO, "FIFO"),
+        (stat.S_ISCHR, "character device"),
+        (stat.S_ISBLK, "block device"),
+        (stat.S_ISSOCK, "socket"),
+    )
+    return next((name for test, name in kinds if test(mode)), "special file")
 
 
 def _parse_manifest(root: Path, data: bytes) -> dict[str, Any]:
@@ -87,15 +106,12 @@ def _parse_manifest(root: Path, data: bytes) -> dict[str, Any]:
             f"{manifest_path}: schema_version is {manifest['schema_version']!r}, this nca-knn "
             f"{__version__} reads schema_version {SCHEMA_VERSION}"
         )
-    if manifest["decision_rule"] not in DECISION_RULES:
-        raise ArtifactError(
-            f"{manifest_path}: decision_rule is {manifest['decision_rule']!r}, "
-            f"expected one of {DECISION_RULES}"
-        )
-    if not isinstance(manifest["files"], dict):
-        raise ArtifactError(f"{manifest_path}: 'files' must be an object")
+    if not isinstance(manifest["files"], dict) or not all(
+        isinstance(entry, dict) for entry in manifest["files"].values()
+    ):
+        raise ArtifactError(f"{manifest_path}: 'files' must be an object of objects")
     try:
-        parse_outlier_calibration(manifest.get("outlier_calibration"))
+        check_manifest(manifest)
     except ArtifactError as exc:
         raise ArtifactError(f"{manifest_path}: {exc}") from None
     return manifest
@@ -125,12 +141,7 @@ def read_artifact(path: str | os.PathLike) -> Artifact:
     with _PinnedDirectory(root) as directory:
         manifest = _parse_manifest(root, directory.read(MANIFEST_FILE, "the manifest"))
         files = manifest["files"]
-        dims = {
-            "d": int(manifest["n_components"]),
-            "D": int(manifest["n_features_in"]),
-            "N": int(manifest["n_references"]),
-            "V": int(manifest.get("n_validation", 0)),
-        }
+        dims = check_manifest(manifest)
         arrays: dict[str, np.ndarray] = {}
         for name in ARRAY_SPECS:
             array = _read_array(root, directory, files, name, dims)
@@ -149,7 +160,10 @@ def read_artifact(path: str | os.PathLike) -> Artifact:
             f"lists hash to {expected_version!r} (a manifest from another artifact, or edited)"
         )
     manifest = {**manifest, "model_version": expected_version}
-    _check_consistency(root, arrays, len(manifest["classes"]))
+    try:
+        check_arrays(arrays, len(manifest["classes"]))
+    except ArtifactError as exc:
+        raise ArtifactError(f"{root}/{exc}") from None
     if "ids" not in arrays:
         arrays["ids"] = np.arange(dims["N"], dtype=np.int64)
     return Artifact(path=root, manifest=manifest, index_bytes=index_bytes, **arrays)
@@ -177,20 +191,6 @@ def _read_array(root: Path, directory, files: dict, name: str, dims: dict) -> np
             f"(manifest says {tuple(entry.get('shape', ()))})"
         )
     return array
-
-
-def _check_consistency(root: Path, arrays: dict[str, np.ndarray], n_classes: int) -> None:
-    """Label indices within the classes; validation embeddings and labels together."""
-    for name in ("labels", "validation_labels"):
-        labels = arrays.get(name)
-        if labels is not None and labels.size and (labels.min() < 0 or labels.max() >= n_classes):
-            raise ArtifactError(
-                f"{root / ARRAY_SPECS[name][0]}: label indices must lie in [0, {n_classes})"
-            )
-    if ("validation_embeddings" in arrays) != ("validation_labels" in arrays):
-        raise ArtifactError(
-            f"{root / MANIFEST_FILE}: validation_embeddings and validation_labels go together"
-        )
 
 
 def _check_sha256(file_path: Path, data: bytes, expected: Any) -> None:

@@ -1,4 +1,5 @@
-"""Writing an artifact atomically: validate the pieces, write every file into a staging
+"""Writing an artifact atomically: validate the pieces (``invariants``, the checks the
+reader makes again), write every file into a staging
 sibling directory, fsync each file and the directory, then rename it into place (exchanged
 with an existing artifact in one step where the OS allows it). A writer killed half-way
 leaves a ``.NAME.tmp-HOST-PID-*`` sibling that the next write to the same path removes."""
@@ -26,7 +27,6 @@ import numpy as np
 from service import __version__
 from service.core.artifact.format import (
     ARRAY_SPECS,
-    DECISION_RULES,
     FORMAT_NAME,
     INDEX_FILE,
     MANIFEST_FILE,
@@ -36,6 +36,13 @@ from service.core.artifact.format import (
     Artifact,
     ArtifactError,
     model_version_of,
+)
+from service.core.artifact.invariants import (
+    check_arrays,
+    check_classes,
+    check_decision_rule,
+    check_default_k,
+    check_records,
 )
 from service.core.artifact.read import read_extras
 
@@ -67,23 +74,21 @@ def _npy_bytes(array: np.ndarray) -> bytes:
 
 
 def _to_json_label(label: Any) -> Any:
-    if isinstance(label, np.generic):
-        label = label.item()
-    if isinstance(label, bool) or not isinstance(label, (int, str)):
-        raise ArtifactError(
-            f"class labels must be integers or strings, got {label!r} ({type(label).__name__})"
-        )
-    return label
+    """A numpy scalar as its Python value (``check_classes`` says what is allowed)."""
+    return label.item() if isinstance(label, np.generic) else label
 
 
 def _coerce(name: str, array: Any) -> np.ndarray:
+    """``array`` in its file's dtype (the invariants, finiteness included, are checked after
+    the conversion: a float64 beyond float32 becomes inf)."""
     file_name, dtype, _ = ARRAY_SPECS[name]
     array = np.asarray(array)
     if array.dtype.kind not in "biuf":
         raise ArtifactError(f"{file_name}: expected a numeric array, got dtype {array.dtype}")
-    if not np.all(np.isfinite(array)):
+    if array.dtype.kind == "f" and not np.all(np.isfinite(array)):
         raise ArtifactError(f"{file_name}: contains NaN or Inf")
-    return np.ascontiguousarray(array, dtype=dtype)
+    with np.errstate(over="ignore"):
+        return np.ascontiguousarray(array, dtype=dtype)
 
 
 _RENAME_EXCHANGE = 2
@@ -253,13 +258,12 @@ def write_artifact(
 def _manifest_fields(arrays, classes, default_k, decision_rule, metadata) -> dict[str, Any]:
     """The manifest without files, extras and version: ``metadata`` (which may not set the
     keys this package owns) and the checked classes, default k and rule, and the shapes."""
-    classes_json = _validated_classes(classes, arrays)
-    if decision_rule not in DECISION_RULES:
-        raise ArtifactError(f"decision_rule must be one of {DECISION_RULES}, got {decision_rule!r}")
+    classes_json = check_classes([_to_json_label(c) for c in classes])
+    check_arrays(arrays, len(classes_json))
+    check_decision_rule(decision_rule)
     d, n_features = arrays["projection"].shape
     n_refs = arrays["embeddings"].shape[0]
-    if not (isinstance(default_k, (int, np.integer)) and 1 <= int(default_k) <= n_refs):
-        raise ArtifactError(f"default_k must be an integer in [1, {n_refs}], got {default_k!r}")
+    default_k = check_default_k(default_k, n_refs)
     manifest: dict[str, Any] = dict(metadata or {})
     clash = OWNED_MANIFEST_KEYS & set(manifest)
     if clash:
@@ -280,6 +284,7 @@ def _manifest_fields(arrays, classes, default_k, decision_rule, metadata) -> dic
             "package_version": __version__,
         }
     )
+    check_records(manifest)
     return manifest
 
 
@@ -307,29 +312,7 @@ def _validated_arrays(
     _check_shapes({name: a.shape for name, a in arrays.items()}, dims)
     if n_refs < 1:
         raise ArtifactError("embeddings.npy: an artifact needs at least one reference point")
-    if np.any(arrays["scale"] <= 0):
-        raise ArtifactError("scale.npy: every standardisation scale must be > 0")
     return arrays
-
-
-def _validated_classes(classes: list, arrays: Mapping[str, np.ndarray]) -> list:
-    """The classes as JSON values (distinct integers or strings); every label index in
-    ``arrays`` must point into them."""
-    classes_json = [_to_json_label(c) for c in classes]
-    if len(set(classes_json)) != len(classes_json):
-        raise ArtifactError(f"classes must be distinct, got {classes_json!r}")
-    for name in ("labels", "validation_labels"):
-        found = arrays.get(name)
-        if (
-            found is not None
-            and found.size
-            and (found.min() < 0 or found.max() >= len(classes_json))
-        ):
-            raise ArtifactError(
-                f"{name}.npy: label indices must lie in [0, {len(classes_json)}), got range "
-                f"[{found.min()}, {found.max()}]"
-            )
-    return classes_json
 
 
 def _write_model_files(

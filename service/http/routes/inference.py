@@ -278,7 +278,7 @@ async def receive(
     offered: tuple[str, ...] = (JSON,),
 ) -> InferenceRequest:
     state = state_of(request)
-    check_key(request.headers.get("authorization"), state.settings.api_key)
+    check_key(request.headers.getlist("authorization"), state.settings.api_key)
     model = state.engine.current()
     response_type = negotiate(request.headers.get("accept"), offered)
     kind = check_media(request.headers.get("content-type"), (JSON, NPY))
@@ -289,19 +289,21 @@ async def receive(
         max_rows=settings.max_batch_rows,
         max_body_bytes=settings.max_body_bytes,
     )
-    body = await read_body(
-        request,
-        limit,
-        f"for {kind} bodies (max_body_bytes, or {settings.max_batch_rows} rows of "
-        f"{model.n_features} features)",
-    )
-    options = query_options(request, query)
-    if len(body) > THREAD_PARSE_BYTES:
-        parsed, rows = await run_in_threadpool(
-            _parse, body, kind, schema, model, settings.max_batch_rows
+    with state.bodies.hold() as hold:
+        body = await read_body(
+            request,
+            limit,
+            f"for {kind} bodies (max_body_bytes, or {settings.max_batch_rows} rows of "
+            f"{model.n_features} features)",
+            hold,
         )
-    else:
-        parsed, rows = _parse(body, kind, schema, model, settings.max_batch_rows)
+        options = query_options(request, query)
+        if len(body) > THREAD_PARSE_BYTES:
+            parsed, rows = await run_in_threadpool(
+                _parse, body, kind, schema, model, settings.max_batch_rows
+            )
+        else:
+            parsed, rows = _parse(body, kind, schema, model, settings.max_batch_rows)
     return InferenceRequest(state, model, rows, parsed, options, response_type, len(body))
 
 

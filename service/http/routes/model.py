@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends
-from starlette.concurrency import run_in_threadpool
 
 from service.errors import ReloadFailed
 from service.http.deps import State, require_admin_key, require_api_key
@@ -66,14 +65,19 @@ async def model_info(state: State) -> ModelInfo:
     response_model=ReloadResponse,
     summary="Load the artifact at the model path again and swap it in atomically",
     description="Loads in the worker that answers; with several workers the others follow "
-    "within worker_sync_seconds (the answer says how many workers there are and that bound).",
+    "within worker_sync_seconds (the answer says how many workers there are and that bound). "
+    "409 when the artifact is refused (the old model keeps serving), when another load is "
+    "running, or when the load takes longer than reload_timeout_seconds (it goes on in the "
+    "background).",
     dependencies=[Depends(require_admin_key)],
 )
 async def reload(state: State) -> ReloadResponse:
     loaded = state.engine.peek()
     before = loaded.version if loaded is not None else None
     try:
-        model = await run_in_threadpool(state.engine.load)
+        model = await state.engine.reload(state.settings.reload_timeout_seconds)
+    except ReloadFailed:
+        raise
     except Exception as exc:
         raise ReloadFailed(
             f"cannot load the artifact at {state.settings.model_path}: {exc}; "
