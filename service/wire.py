@@ -31,7 +31,6 @@ expected. No web framework is imported here (``tests/test_boundaries.py``). Test
 from __future__ import annotations
 
 import ast
-import asyncio
 import hmac
 import io
 import math
@@ -226,7 +225,7 @@ class BodyHold:
         """Give the reservation back; after a large body, free memory goes back to the OS."""
         self.budget.held -= self.bytes
         if self.bytes > memory.LARGE_REQUEST_BYTES:
-            asyncio.get_running_loop().run_in_executor(None, memory.trim)
+            memory.trim_soon()
         self.bytes = 0
 
 

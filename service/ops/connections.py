@@ -6,7 +6,9 @@ connection (``python -m service`` runs uvicorn with it; the settings are read fr
 ``NCAKNN_*`` once per process):
 
 * **accept: the connection cap** (``max_connections``, per process). A connection opened
-  while that many are open is answered ``503`` at once, without parsing its request.
+  while that many are open is answered ``503`` at once, without parsing its request. New
+  connections are accepted in batches (``service.ops.accept``), so under a flood they reach
+  the cap, and its 503, in one turn of the event loop instead of one per turn.
   ``check_open_files`` makes sure at start-up that the open-files limit (RLIMIT_NOFILE)
   leaves room for the cap and for the lingering closes below.
 * **headers: a deadline and a size** (``header_timeout_seconds``, ``max_header_bytes``,
@@ -68,6 +70,7 @@ from service.errors import (
     body_of,
     status_of,
 )
+from service.ops import accept, memory
 
 log = logging.getLogger("service.ops.connections")
 
@@ -76,6 +79,9 @@ log = logging.getLogger("service.ops.connections")
 # files while it (re)loads, and the lingering closes (MAX_LINGERING)
 RESERVED_FILES = 128
 LINGER_SECONDS = 2.0  # after a refusal, how long to drop input before closing
+# over the cap the client has sent at most its request: a shorter linger serves more 503s
+# from the MAX_LINGERING slots when a flood keeps the server at its cap
+OVER_CAPACITY_LINGER_SECONDS = 0.5
 MAX_LINGERING = 64  # lingering closes at once per process (half of RESERVED_FILES)
 REFUSAL_REASONS = (
     "header_timeout",
@@ -236,6 +242,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(_Transport(transport, self))
         observer.open_connections(len(self.connections))
+        if self.server is not None:
+            accept.batch.accept(self.loop, self.server[1], self.new_protocol)
         if len(self.connections) > self.guard.max_connections:
             self.refuse(
                 TooManyConnections(
@@ -243,9 +251,23 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                     "connections (max_connections); retry shortly or on another replica"
                 ),
                 "over_capacity",
+                linger=OVER_CAPACITY_LINGER_SECONDS,
             )
             return
         self.arm_header_timer()
+
+    def new_protocol(self) -> GuardedHttpProtocol:
+        """A protocol for a connection accepted in a batch (service.ops.accept)."""
+        return type(self)(
+            config=self.config,
+            server_state=self.server_state,
+            app_state=self.app_state,
+            _loop=self.loop,
+        )
+
+    def shutdown(self) -> None:
+        accept.batch.close()  # the server stops accepting
+        super().shutdown()
 
     def connection_lost(self, exc) -> None:
         for timer in (self.header_timer, self.body_timer, self.send_timer, self.linger_timer):
@@ -397,6 +419,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             )
             self.refused = True
             transport.abort()
+            memory.trim_soon()  # the answer's memory goes back
 
     # ------------------------------------------------------------------ limits
 
@@ -453,7 +476,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     # ------------------------------------------------------------------ ending
 
-    def refuse(self, error: ServiceError, reason: str | None) -> None:
+    def refuse(
+        self, error: ServiceError, reason: str | None, linger: float = LINGER_SECONDS
+    ) -> None:
         """Answer ``error`` with the one error body and stop reading. A refusal during a
         request's body answers that request: its application task sees the client as gone
         and its answer, if any, is dropped. A refusal while an earlier answer is pending (a
@@ -477,7 +502,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             cycle.disconnected = True
             cycle.message_event.set()
         self.transport.write(refusal_bytes(error))
-        self.linger_close()
+        self.linger_close(linger)
 
     def close(self) -> None:
         """Close the connection: a lingering close while the client may still be sending
@@ -487,10 +512,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         else:
             self.transport.inner.close()
 
-    def linger_close(self) -> None:
+    def linger_close(self, seconds: float = LINGER_SECONDS) -> None:
         """Send what is buffered and a FIN, then read and drop the client's input for up to
-        LINGER_SECONDS before closing. The connection leaves the count of open ones at
-        once; beyond MAX_LINGERING lingering connections it is closed at once."""
+        ``seconds`` before closing. The connection leaves the count of open ones at once;
+        beyond MAX_LINGERING lingering connections it is closed at once."""
         self.refused = True
         if self.lingering:
             return
@@ -506,7 +531,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         _Lingering.count += 1
         transport.write_eof()
         transport.resume_reading()
-        self.linger_timer = self.loop.call_later(LINGER_SECONDS, self.end_linger)
+        self.linger_timer = self.loop.call_later(seconds, self.end_linger)
 
     def end_linger(self) -> None:
         self.linger_timer = None

@@ -95,8 +95,14 @@ def log_config(level: str = "info", json_lines: bool = True) -> dict:
         },
         "root": {"handlers": ["stderr"], "level": "WARNING"},
         "loggers": {
-            name: {"handlers": [], "level": level.upper(), "propagate": True}
-            for name in ("service", "uvicorn", "uvicorn.error", "uvicorn.access")
+            **{
+                name: {"handlers": [], "level": level.upper(), "propagate": True}
+                for name in ("service", "uvicorn", "uvicorn.error")
+            },
+            # no access log: requests are counted in /metrics and, when traced, logged by
+            # service.requests with their trace id (uvicorn writes access lines whenever
+            # this logger has a handler, its own or an ancestor's)
+            "uvicorn.access": {"handlers": [], "level": "WARNING", "propagate": False},
         },
     }
 

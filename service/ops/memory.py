@@ -2,12 +2,16 @@
 
 glibc keeps freed heap pages for reuse; after a request that parsed tens of megabytes the
 process would otherwise stay at its peak RSS. ``malloc_trim(0)`` returns free pages at the
-top and inside the heap. It is called off the event loop, at most once per
-``MIN_INTERVAL_SECONDS``, and is a no-op where glibc is absent.
+top and inside the heap. It runs off the event loop, at most once per
+``MIN_INTERVAL_SECONDS``, and is a no-op where glibc is absent. ``trim_soon`` asks for one
+from the event loop: within the interval of the last trim, the request is not dropped but
+runs when the interval ends, so the memory of a burst of large requests (several stalled
+bodies cut off at once) comes back after the last of them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import ctypes.util
 import threading
@@ -18,6 +22,7 @@ LARGE_REQUEST_BYTES = 4 * 2**20  # requests with bodies or answers this large tr
 
 _lock = threading.Lock()
 _last = 0.0
+_scheduled = False  # a trim_soon is pending
 _trim = None
 try:  # pragma: no branch
     _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
@@ -40,3 +45,20 @@ def trim() -> bool:
         _last = now
     _trim(0)
     return True
+
+
+def trim_soon() -> None:
+    """Ask for a trim from the event loop: in a worker thread now, or when MIN_INTERVAL_SECONDS
+    have passed since the last one; one pending trim covers every request made meanwhile."""
+    global _scheduled
+    if _trim is None or _scheduled:
+        return
+    _scheduled = True
+    loop = asyncio.get_running_loop()
+
+    def run() -> None:
+        global _scheduled
+        _scheduled = False
+        loop.run_in_executor(None, trim)
+
+    loop.call_later(max(0.0, MIN_INTERVAL_SECONDS - (time.monotonic() - _last)), run)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from service.core.artifact import read_artifact
-from tests.service.test_server import free_port, start_server, wait_ready
+from tests.service.servers import free_port, start_server, wait_ready
 from training.cli import main as train
 
 BROWSER = next((shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)  # fmt: skip

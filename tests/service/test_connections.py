@@ -15,8 +15,19 @@ import httpx
 import pytest
 
 from service.ops import connections
-from tests.service.test_server import ROOT, free_port, start_server, wait_ready
-from tests.service.test_server_robustness import rss_mib, stop_server
+from tests.service.servers import (
+    ROOT,
+    closed_by_server,
+    connect,
+    error_type,
+    free_port,
+    read_response,
+    refused_count,
+    rss_mib,
+    start_server,
+    stop_server,
+    wait_ready,
+)
 
 KEY = "conn-key"
 MAX_CONNECTIONS = 64
@@ -49,66 +60,10 @@ def server(model_artifact):
         stop_server(proc)
 
 
-def connect(port: int) -> socket.socket:
-    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return sock
-
-
-def read_response(sock: socket.socket, timeout: float = 10) -> tuple[int, bytes, bytes]:
-    """(status, head, body) of one response read to the end of its Content-Length."""
-    sock.settimeout(timeout)
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        if not chunk:
-            raise ConnectionError(f"closed before a full response: {data[:200]!r}")
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    length = 0
-    for line in head.split(b"\r\n")[1:]:
-        name, _, value = line.partition(b":")
-        if name.strip().lower() == b"content-length":
-            length = int(value)
-    while len(body) < length:
-        chunk = sock.recv(65536)
-        if not chunk:
-            break
-        body += chunk
-    return int(head.split()[1]), head, body
-
-
-def closed_by_server(sock: socket.socket, timeout: float = 5) -> bool:
-    sock.settimeout(timeout)
-    try:
-        while sock.recv(65536):
-            pass
-        return True
-    except ConnectionResetError:
-        return True
-    except TimeoutError:
-        return False
-
-
 def get(port: int, path: str, extra: bytes = b"") -> tuple[int, bytes, bytes]:
     with connect(port) as sock:
         sock.sendall(b"GET " + path.encode() + b" HTTP/1.1\r\nhost: t\r\n" + extra + b"\r\n")
         return read_response(sock)
-
-
-def error_type(body: bytes) -> str:
-    import json
-
-    payload = json.loads(body)
-    assert set(payload) == {"error", "error_type"}, payload
-    return payload["error_type"]
-
-
-def refused_count(url: str, reason: str) -> float:
-    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
-        if line.startswith(f'ncaknn_connections_refused_total{{reason="{reason}"}}'):
-            return float(line.split()[-1])
-    raise AssertionError(f"no refusal counter for {reason}")
 
 
 def test_idle_connections_do_not_starve_a_fresh_client(server):

@@ -15,8 +15,7 @@ from fastapi.testclient import TestClient
 
 from service.app import create_app
 from tests.service.conftest import settings_for
-from tests.service.test_server import free_port, start_server, wait_ready
-from tests.service.test_server_robustness import stop_server
+from tests.service.servers import free_port, start_server, stop_server, wait_ready
 
 KEY = "labels-key"
 N_PATHS = 2000

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -19,64 +15,9 @@ from fastapi.testclient import TestClient
 from service.app import create_app
 from service.core.artifact import read_artifact
 from tests.service.conftest import republish_scaled, settings_for
+from tests.service.servers import free_port, in_flight, server_log, start_server, wait_ready
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(model: Path, port: int, **env) -> subprocess.Popen:
-    environment = {
-        **os.environ,
-        "NCAKNN_LOG_JSON": "true",
-        "NCAKNN_DRAIN_DELAY_SECONDS": "0.5",
-        "NCAKNN_GRPC_PORT": "0",
-        "NCAKNN_PROBE_PORT": "0",
-        **{k: str(v) for k, v in env.items()},
-    }
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "service",
-            "--model",
-            str(model),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-        ],
-        cwd=ROOT,
-        env=environment,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited early: {proc.stderr.read()}")
-        try:
-            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError("server did not become ready")
-
-
-def in_flight(url: str) -> float:
-    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
-        if line.startswith("ncaknn_in_flight_requests "):
-            return float(line.split()[1])
-    return 0.0
 
 
 def test_real_server_answers_and_drains_on_sigterm(model_artifact):
@@ -118,7 +59,7 @@ def test_real_server_answers_and_drains_on_sigterm(model_artifact):
 def test_real_server_refuses_to_start_without_a_model(tmp_path):
     proc = start_server(tmp_path / "missing", free_port())
     assert proc.wait(60) != 0
-    assert "failed to load" in proc.stderr.read()
+    assert "failed to load" in server_log(proc)
 
 
 def test_reload_under_a_request_loop_loses_no_request(model_dir):

@@ -23,7 +23,14 @@ from service.core.artifact import read_artifact, rewrite_artifact
 from service.engine.infer import Query, infer_one
 from service.engine.model import load_model
 from tests.service.conftest import republish_scaled
-from tests.service.test_server import free_port, start_server, wait_ready
+from tests.service.servers import (
+    free_port,
+    rss_mib,
+    server_log,
+    start_server,
+    stop_server,
+    wait_ready,
+)
 
 D = 64
 CONVERGENCE_BOUND_SECONDS = 5.0  # poll/sync interval (0.1-1 s) + a load of the digits model
@@ -50,16 +57,6 @@ def publish_copy(source: Path, target: Path) -> None:
 
 def answer_of(body: dict) -> list:
     return [(p["label"], list(p["probabilities"].values())) for p in body["predictions"]]
-
-
-def stop_server(proc) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except Exception:
-            proc.kill()
-            proc.wait()
 
 
 # both ways of replacing and both worker counts by default; the other two pairings are slow
@@ -164,7 +161,7 @@ def test_artifacts_replaced_continuously_under_load(model_artifact, tmp_path, wo
         stop_server(proc)
         # shown by pytest when the test fails: how the server ended and its last log lines
         print(f"server exit code before the test stopped it: {exited}; its log ends with:")
-        print(proc.stderr.read()[-6000:])
+        print(server_log(proc)[-6000:])
     print(f"reload race ({replace}, {workers} workers): {sent[0]} requests, {len(failures)} failed")
     assert failures == []
     assert sent[0] > 20 and len(seen) == 2
@@ -262,13 +259,6 @@ def test_sigterm_readiness_first_then_nothing_lost(model_artifact):
     assert ready.headers["connection"] == "close"
     assert statuses == [200] * 65
     assert code in (0, -signal.SIGTERM)
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
 
 
 @pytest.mark.slow  # 12 s: a real server taking several 100 MB requests

@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 from service.app import create_app
 from service.ops import tracing
 from tests.service.conftest import settings_for
-from tests.service.test_server import free_port
+from tests.service.servers import free_port
 
 pytest.importorskip("opentelemetry.sdk.trace")
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor

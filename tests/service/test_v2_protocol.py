@@ -20,7 +20,7 @@ from tritonclient.utils import InferenceServerException
 from service.app import create_app
 from service.core.artifact import read_artifact, write_artifact
 from tests.service.conftest import model_arrays, settings_for
-from tests.service.test_server import free_port, start_server, wait_ready
+from tests.service.servers import free_port, in_flight, start_server, wait_ready
 
 KEY = "test-key"
 AUTH = {"authorization": f"Bearer {KEY}"}
@@ -737,8 +737,6 @@ def test_sigterm_under_grpc_load_finishes_every_accepted_call(model_artifact):
     import signal
     import threading
     import time
-
-    from tests.service.test_server import in_flight
 
     port, grpc_port = free_port(), free_port()
     # a 2 s batching window keeps calls in flight when SIGTERM arrives

@@ -23,8 +23,7 @@ from service.app import create_app
 from service.errors import InvalidInput
 from service.oip.protocol import message
 from tests.service.conftest import settings_for
-from tests.service.test_server import free_port, start_server, wait_ready
-from tests.service.test_server_robustness import stop_server
+from tests.service.servers import free_port, start_server, stop_server, wait_ready
 
 D = 64
 ROW = [0.5] * D

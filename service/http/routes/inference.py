@@ -355,7 +355,7 @@ async def encoded_response(
     large = n_values > THREAD_ENCODE_VALUES
     content = await run_in_threadpool(encode) if large else encode()
     if large or request.body_bytes > memory.LARGE_REQUEST_BYTES:
-        await run_in_threadpool(memory.trim)
+        memory.trim_soon()
     return Response(
         content, media_type=media_type, headers={"x-model-version": request.model.version}
     )
