@@ -23,6 +23,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     NCAKNN_HOST=0.0.0.0 \
     NCAKNN_PORT=8000 \
     NCAKNN_GRPC_PORT=8081 \
+    NCAKNN_PROBE_PORT=8082 \
     NCAKNN_MODEL_PATH=/models/current
 WORKDIR /app
 COPY pyproject.toml README.md ./
@@ -35,9 +36,10 @@ COPY service ./service
 RUN pip install --no-cache-dir --no-deps . \
     && useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin ncaknn
 USER 10001
-EXPOSE 8000 8081
+EXPOSE 8000 8081 8082
+# readiness from the probe listener (the main port's when it is off)
 HEALTHCHECK --interval=10s --timeout=3s --start-period=30s --retries=3 \
-    CMD ["python", "-c", "import os, sys, urllib.request; port = os.environ.get('NCAKNN_PORT', '8000'); sys.exit(urllib.request.urlopen('http://127.0.0.1:' + port + '/readyz', timeout=2).status != 200)"]
+    CMD ["python", "-c", "import os, sys, urllib.request; probe = os.environ.get('NCAKNN_PROBE_PORT', '8082'); port = probe if probe != '0' else os.environ.get('NCAKNN_PORT', '8000'); sys.exit(urllib.request.urlopen('http://127.0.0.1:' + port + '/readyz', timeout=2).status != 200)"]
 ENTRYPOINT ["python", "-m", "service"]
 
 # ----------------------------------------------------------------------------- train

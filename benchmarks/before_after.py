@@ -71,7 +71,7 @@ def start_server(root: Path, model: Path) -> tuple[subprocess.Popen, int]:
         "PYTHONPATH": str(root),
         "NCAKNN_LOG_LEVEL": "warning",
         "NCAKNN_GRPC_PORT": "0",
-        "NCAKNN_PROBE_PORT": "0",
+        "NCAKNN_PROBE_PORT": str(free_port()),  # on, as shipped (a tree without it ignores it)
         "NCAKNN_DRAIN_DELAY_SECONDS": "0",
     }
     cmd = ["taskset", "-c", "1", sys.executable, "-m", "service", "--model", str(model)]

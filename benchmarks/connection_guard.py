@@ -1,5 +1,5 @@
 """What the connection limits cost on the hot path: the service under uvicorn's plain
-httptools protocol against the same service under ``service.ops.connections.GuardedHttpProtocol``
+httptools protocol against the same service under ``service.server.connections.GuardedHttpProtocol``
 (header timeout, header size and count, connection cap), side by side.
 
 Model: D = 64, N = 20k references at d = 16 (synthetic, a PCA map; no training). Both servers
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, median, print_table, save_json, synthetic
 from http_load import LUA, start_uvicorn, stop, wrk
 
-GUARDED = "service.ops.connections:GuardedHttpProtocol"
+GUARDED = "service.server.connections:GuardedHttpProtocol"
 GET_LUA = 'wrk.method = "GET"\n'
 
 

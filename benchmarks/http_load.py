@@ -112,6 +112,7 @@ def start_uvicorn(
         "NCAKNN_LOG_LEVEL": "warning",
         "NCAKNN_MAX_BATCH_ROWS": "4096",
         "NCAKNN_DRAIN_DELAY_SECONDS": "0",
+        "NCAKNN_GRPC_PORT": "0",  # several servers at once: the gRPC port is not shared
         "PYTHONPATH": str(ROOT),
     }
     cmd = [

@@ -16,31 +16,24 @@ import tempfile
 from pathlib import Path
 
 from service.core.vocabulary import INDEX_KINDS
-from service.ops.connections import check_open_files
 from service.ops.logs import configure_logging, log_config
-from service.ops.probes import ProbeServer
-from service.ops.workers import METRICS_DIR
+from service.server.connections import check_open_files
+from service.server.probes import ProbeServer
+from service.server.workers import METRICS_DIR
+
+OPTIONS = (  # command-line option -> the NCAKNN_* variable it sets
+    ("model", "NCAKNN_MODEL_PATH"),
+    ("host", "NCAKNN_HOST"),
+    ("port", "NCAKNN_PORT"),
+    ("workers", "NCAKNN_WORKERS"),
+    ("index", "NCAKNN_INDEX_TYPE"),
+)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m service", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", help="artifact directory (NCAKNN_MODEL_PATH)")
-    parser.add_argument("--host", help="interface to bind (NCAKNN_HOST)")
-    parser.add_argument("--port", type=int, help="TCP port (NCAKNN_PORT)")
-    parser.add_argument("--workers", type=int, help="worker processes (NCAKNN_WORKERS)")
-    parser.add_argument("--index", choices=list(INDEX_KINDS), help="index type (NCAKNN_INDEX_TYPE)")
-    args = parser.parse_args(argv)
-    for option, variable in (
-        ("model", "NCAKNN_MODEL_PATH"),
-        ("host", "NCAKNN_HOST"),
-        ("port", "NCAKNN_PORT"),
-        ("workers", "NCAKNN_WORKERS"),
-        ("index", "NCAKNN_INDEX_TYPE"),
-    ):
-        value = getattr(args, option)
-        if value is not None:
-            os.environ[variable] = str(value)
-
+    """Read the options and settings, check what the server needs, then serve: the runtime
+    directory the workers share, the probe listener, and uvicorn."""
+    apply_options(argv)
     from pydantic import ValidationError
 
     from service.config import Settings
@@ -59,16 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level, settings.log_json)
-    has = importlib.util.find_spec
-    runtime_dir = None
-    if settings.runtime_dir is None:
-        # shared by the workers: the probes' heartbeats and, with several workers, the reload
-        # generation and Prometheus's multiprocess files
-        runtime_dir = Path(tempfile.mkdtemp(prefix="ncaknn-runtime-"))
-        os.environ["NCAKNN_RUNTIME_DIR"] = str(runtime_dir)
-        if settings.workers > 1:
-            (runtime_dir / METRICS_DIR).mkdir()
-            os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(runtime_dir / METRICS_DIR)
+    runtime_dir = make_runtime_dir(settings)
     probes = None
     try:
         if settings.probe_port:
@@ -82,13 +66,43 @@ def main(argv: list[str] | None = None) -> int:
             except OSError as exc:
                 print(f"error: {exc}; set NCAKNN_PROBE_PORT to a free port, or 0", file=sys.stderr)
                 return 2
-        _run(settings, has)
+        _run(settings, importlib.util.find_spec)
     finally:
         if probes is not None:
             probes.close()
         if runtime_dir is not None:
             shutil.rmtree(runtime_dir, ignore_errors=True)
     return 0
+
+
+def apply_options(argv: list[str] | None) -> None:
+    """The command line's options, written into the NCAKNN_* environment (uvicorn's workers
+    read their settings from it)."""
+    parser = argparse.ArgumentParser(prog="python -m service", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="artifact directory (NCAKNN_MODEL_PATH)")
+    parser.add_argument("--host", help="interface to bind (NCAKNN_HOST)")
+    parser.add_argument("--port", type=int, help="TCP port (NCAKNN_PORT)")
+    parser.add_argument("--workers", type=int, help="worker processes (NCAKNN_WORKERS)")
+    parser.add_argument("--index", choices=list(INDEX_KINDS), help="index type (NCAKNN_INDEX_TYPE)")
+    args = parser.parse_args(argv)
+    for option, variable in OPTIONS:
+        value = getattr(args, option)
+        if value is not None:
+            os.environ[variable] = str(value)
+
+
+def make_runtime_dir(settings) -> Path | None:
+    """The directory the workers share, made here unless the settings name one (returned,
+    to be removed at exit): the probes' heartbeats and, with several workers, the reload
+    generation and Prometheus's multiprocess files."""
+    if settings.runtime_dir is not None:
+        return None
+    runtime_dir = Path(tempfile.mkdtemp(prefix="ncaknn-runtime-"))
+    os.environ["NCAKNN_RUNTIME_DIR"] = str(runtime_dir)
+    if settings.workers > 1:
+        (runtime_dir / METRICS_DIR).mkdir()
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(runtime_dir / METRICS_DIR)
+    return runtime_dir
 
 
 def settings_errors(exc) -> str:
@@ -110,7 +124,7 @@ def _run(settings, has) -> None:
         port=settings.port,
         workers=settings.workers,
         loop="uvloop" if has("uvloop") else "asyncio",
-        http="service.ops.connections:GuardedHttpProtocol",  # every phase of a connection bounded
+        http="service.server.connections:GuardedHttpProtocol",  # every phase of a connection bounded
         timeout_keep_alive=settings.keep_alive_timeout_seconds,
         timeout_graceful_shutdown=settings.graceful_shutdown_seconds,
         access_log=False,

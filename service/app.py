@@ -52,9 +52,7 @@ from service.http.routes import health, inference, model
 from service.oip import grpc_server
 from service.oip import rest as v2
 from service.openapi import build_openapi
-from service.ops import connections
 from service.ops.metrics import Metrics
-from service.ops.probes import Heartbeat
 from service.ops.tracing import (
     REQUEST_ID_HEADER,
     NoTracing,
@@ -63,8 +61,10 @@ from service.ops.tracing import (
     from_environment,
     trace_id_of,
 )
-from service.ops.workers import ReloadGeneration
 from service.search.index import available_cores
+from service.server import connections
+from service.server.probes import Heartbeat
+from service.server.workers import ReloadGeneration
 from service.state import AppState
 from service.wire import JSON as JSON_TYPE
 
@@ -414,7 +414,7 @@ def _lifespan(state: AppState):
 
 
 def _probe_state(state: AppState) -> str:
-    """What this worker's heartbeat tells the probe listener (service.ops.probes)."""
+    """What this worker's heartbeat tells the probe listener (service.server.probes)."""
     if state.engine.draining:
         return "draining"
     return "ready" if state.engine.ready else "unready"

@@ -81,7 +81,7 @@ class Settings(BaseSettings):
     log_level: str = Field("info", description="debug, info, warning, error")
     log_json: bool = Field(True, description="structured JSON log lines")
 
-    # connections (per worker process; see service/ops/connections.py)
+    # connections (per worker process; see service/server/connections.py)
     max_connections: int = Field(
         1000,
         ge=1,

@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 
 from service.config import Settings
 from service.engine.infer import Engine
+from service.ops.bodies import BodyBudget
 from service.ops.metrics import Metrics
 from service.ops.tracing import NoTracing, Tracing
-from service.ops.workers import ReloadGeneration
-from service.wire import BodyBudget
+from service.server.workers import ReloadGeneration
 
 
 @dataclass

@@ -6,9 +6,9 @@ and gRPC): who may call, what may come in, and how it becomes rows.
   constant time).
 * **Media types and bodies**: Accept negotiation (RFC 9110), the Content-Type check, the
   body-size limit for a model (what ``max_batch_rows`` rows of D values can take in that
-  encoding, never more than ``max_body_bytes``), the worker's budget for bodies in flight
-  (``BodyBudget``: 429 before a body that does not fit is read), and reading a body while it
-  streams in (413 as soon as it passes the limit).
+  encoding, never more than ``max_body_bytes``), and reading a body while it streams in (413
+  as soon as it passes the limit), its bytes reserved first in the worker's budget of bodies
+  in flight (``service.ops.bodies``: 429 before a body that does not fit is read).
 * **Integers off a wire**, strictly: Python's ``int(text)`` accepts ``"²"`` and other Unicode
   digits, underscores (``"1_000"``), signs and surrounding whitespace, and raises
   ``ValueError`` past 4,300 digits; ``parse_count`` accepts exactly ``[0-9]{1,MAX_DIGITS}``.
@@ -34,8 +34,6 @@ import ast
 import hmac
 import io
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -45,14 +43,13 @@ from service.errors import (
     EmptyBatch,
     InvalidInput,
     NotAcceptable,
-    Overloaded,
     PayloadTooLarge,
     Unauthorized,
     UnsupportedMediaType,
 )
-from service.ops import memory
 
 if TYPE_CHECKING:
+    from service.ops.bodies import BodyHold
     from service.state import AppState
 
 # ------------------------------------------------------------ the caller
@@ -180,53 +177,6 @@ def describe_unicode_error(exc: UnicodeDecodeError, what: str = "the JSON body")
 
 
 THREAD_PARSE_BYTES = 256 * 1024  # bodies larger than this are parsed in a worker thread
-
-
-class BodyBudget:
-    """The bytes of request bodies one worker holds at once, received or being parsed, kept
-    within ``limit`` (the setting max_body_bytes_in_flight). A body reserves its declared
-    Content-Length before any of it is read (a chunked body reserves as it arrives), so a
-    body that cannot fit is refused at once (429) instead of being read. Used from the
-    event loop only, which needs no lock."""
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self.held = 0  # bytes reserved by the bodies in flight
-
-    @contextmanager
-    def hold(self) -> Iterator[BodyHold]:
-        """A reservation for one request's body, released when the block ends."""
-        hold = BodyHold(self)
-        try:
-            yield hold
-        finally:
-            hold.release()
-
-
-class BodyHold:
-    """What one request's body has reserved from its :class:`BodyBudget`."""
-
-    def __init__(self, budget: BodyBudget):
-        self.budget = budget
-        self.bytes = 0
-
-    def reserve(self, n: int) -> None:
-        budget = self.budget
-        if budget.held + n > budget.limit:
-            raise Overloaded(
-                f"the server holds {budget.held} bytes of request bodies, and this one needs "
-                f"{n} more: the limit is {budget.limit} (max_body_bytes_in_flight); retry "
-                "shortly"
-            )
-        budget.held += n
-        self.bytes += n
-
-    def release(self) -> None:
-        """Give the reservation back; after a large body, free memory goes back to the OS."""
-        self.budget.held -= self.bytes
-        if self.bytes > memory.LARGE_REQUEST_BYTES:
-            memory.trim_soon()
-        self.bytes = 0
 
 
 async def read_body(request, limit: int, what: str, hold: BodyHold) -> bytes:

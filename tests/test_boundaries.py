@@ -261,15 +261,17 @@ REQUEST_PATH = [  # the files a JSON POST /v1/classify runs through, in the orde
     "service/http/routes/inference.py",
     "service/wire.py",
     "service/engine/infer.py",
+    "service/ops/bodies.py",
     "service/core/knn.py",
     "service/search/index.py",
 ]
 
 
 @pytest.mark.parametrize("batching", [True, False])
-def test_a_v1_classify_request_runs_through_six_files(tmp_path, batching):
+def test_a_v1_classify_request_runs_through_seven_files(tmp_path, batching):
     """Every Python call of one warm request, profiled (benchmarks/request_path.py): the
-    middleware, the route, the wire, the engine, the search and the kNN core, nothing else."""
+    middleware, the route, the wire, the engine, the body budget, the search and the kNN
+    core, nothing else."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         from request_path import request_path, synthetic_model

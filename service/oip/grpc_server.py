@@ -130,6 +130,8 @@ class InferenceService:
                 grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); it was logged"
             )
         finally:
+            if status == 200 and _deadline_passed(context):
+                status = 499  # answered after the client's deadline: it never arrives
             route, seconds = f"grpc {INFERENCE_SERVICE}/{name}", time.perf_counter() - started
             count, latency = self.state.metrics.request_series[route, status]
             count.inc()
@@ -230,6 +232,11 @@ def infer_call(request, model, max_rows: int) -> oip.InferCall:
         id=request.id,
         **ours,
     )
+
+
+def _deadline_passed(context) -> bool:
+    remaining = context.time_remaining()
+    return remaining is not None and remaining <= 0
 
 
 class KeyCheck(grpc.aio.ServerInterceptor):
@@ -395,7 +402,7 @@ def message_limit(settings, model) -> int:
 
 def server_options(settings, model=None) -> list[tuple[str, int]]:
     """gRPC core's channel arguments: the message size limit (``message_limit``), and the
-    same connection limits as HTTP (service.ops.connections): at most ``max_connections``
+    same connection limits as HTTP (service.server.connections): at most ``max_connections``
     open connections (beyond it a new one is refused, UNAVAILABLE), the HTTP/2 handshake
     within ``header_timeout_seconds`` (a connection that sends nothing is closed), metadata
     (headers) within ``max_header_bytes``, and an idle connection closed after

@@ -1,10 +1,9 @@
-"""Operations: what keeps the service observable and standing.
+"""Operations: what keeps the service observable and within its resources.
 
 * ``metrics.py``: Prometheus metrics with labels from fixed sets, per app, multiprocess-aware
   (``tests/service/test_metric_labels.py``).
-* ``connections.py``: uvicorn's HTTP protocol with a header timeout, header limits and a
-  connection cap; the open-files check (``tests/service/test_connections.py``).
+* ``tracing.py``: OpenTelemetry spans per request (``tests/service/test_tracing.py``).
+* ``logs.py``: one JSON object per log line, repeats rate-limited (``test_logging.py``).
+* ``bodies.py``: the budget of request bodies a worker holds at once (``test_body_phase.py``).
 * ``memory.py``: handing freed memory back to the OS after large requests.
-* ``workers.py``: the reload generation several workers share (``test_server.py``).
-* ``logs.py``: structured JSON log lines (``tests/service/test_ops.py``).
 """

@@ -9,7 +9,8 @@ again when it is built from the environment.
 A line repeated by a client cannot flood the log: :class:`RepeatFilter` lets the first
 ``REPEAT_BURST`` lines of one (logger, message template) through in each
 ``REPEAT_WINDOW_SECONDS``, then drops the rest of that window and reports how many it
-dropped on the next line it lets through (``"repeated": n``).
+dropped on the next line it lets through (``"repeated": n``). The request log of traced
+requests (``service.requests``) is never limited.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {
 }
 REPEAT_WINDOW_SECONDS = 10.0
 REPEAT_BURST = 5
+# loggers whose every line is wanted: one line per traced request (service.ops.tracing)
+UNLIMITED_LOGGERS = frozenset({"service.requests"})
 
 
 class JsonFormatter(logging.Formatter):
@@ -54,6 +57,8 @@ class RepeatFilter(logging.Filter):
         self.windows: dict[tuple[str, str], list] = {}  # key -> [window start, seen, dropped]
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.name in UNLIMITED_LOGGERS:
+            return True
         key = (record.name, str(record.msg))
         now = time.monotonic()
         with self.lock:

@@ -20,7 +20,7 @@ from prometheus_client import (
     multiprocess,
 )
 
-from service.ops.connections import REFUSAL_REASONS
+from service.server.connections import REFUSAL_REASONS
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)

@@ -87,20 +87,22 @@ def test_probes_port_and_settings_match_the_service(overlay, routes):
     (deployment,) = of_kind(docs, "Deployment")
     spec = deployment["spec"]
     (container,) = spec["template"]["spec"]["containers"]
-    for probe in ("startupProbe", "livenessProbe"):
-        assert container[probe]["httpGet"]["path"] in routes
-    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
-    port, grpc_port = container["ports"]
+    port, grpc_port, probe_port = container["ports"]
     (configmap,) = of_kind(docs, "ConfigMap")
     data = configmap["data"]
     assert port["containerPort"] == int(data["NCAKNN_PORT"])
-    # readiness over gRPC health checking, on the gRPC port, for the service we register
-    from service.oip.protocol import INFERENCE_SERVICE
-
     assert grpc_port["name"] == "grpc"
     assert grpc_port["containerPort"] == int(data["NCAKNN_GRPC_PORT"])
-    readiness = container["readinessProbe"]["grpc"]
-    assert readiness == {"port": grpc_port["containerPort"], "service": INFERENCE_SERVICE}
+    # every probe on the probe listener (service.server.probes), which serves these two paths
+    assert probe_port["name"] == "probes"
+    assert probe_port["containerPort"] == int(data["NCAKNN_PROBE_PORT"])
+    expected = {
+        "startupProbe": "/healthz",
+        "livenessProbe": "/healthz",
+        "readinessProbe": "/readyz",
+    }
+    for probe, path in expected.items():
+        assert container[probe]["httpGet"] == {"path": path, "port": "probes"}
     fields = {f"NCAKNN_{name.upper()}" for name in Settings.model_fields}
     assert set(data) <= fields, set(data) - fields
     Settings(**{k.removeprefix("NCAKNN_").lower(): v for k, v in data.items()})  # values parse
@@ -118,9 +120,14 @@ def test_probes_port_and_settings_match_the_service(overlay, routes):
     http, grpc = service["spec"]["ports"]
     assert http["targetPort"] in ("http", port["containerPort"])
     assert grpc["targetPort"] == "grpc" and grpc["appProtocol"] == "kubernetes.io/h2c"
+    assert {p["port"] for p in service["spec"]["ports"]} & {probe_port["containerPort"]} == set()
     (policy,) = of_kind(docs, "NetworkPolicy")
     allowed = {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}
-    assert allowed == {port["containerPort"], grpc_port["containerPort"]}
+    assert allowed == {
+        port["containerPort"],
+        grpc_port["containerPort"],
+        probe_port["containerPort"],
+    }
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -238,8 +245,6 @@ def test_kserve_overlay_serves_the_v2_protocol_from_the_model_volume(tmp_path):
     assert str(settings.model_path).startswith("/mnt/models/")  # where KServe mounts the PVC
     (port,) = container["ports"]
     assert port["containerPort"] == settings.port
-    app = create_app(settings.model_copy(update={"require_model_at_startup": False}))
-    paths = set(app.openapi()["paths"])
-    for probe in ("readinessProbe", "livenessProbe"):
-        assert container[probe]["httpGet"]["path"] in paths
-        assert container[probe]["httpGet"]["port"] == settings.port
+    expected = {"readinessProbe": "/readyz", "livenessProbe": "/healthz"}
+    for probe, path in expected.items():  # the probe listener's two paths
+        assert container[probe]["httpGet"] == {"path": path, "port": settings.probe_port}

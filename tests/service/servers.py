@@ -27,9 +27,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: Path, port: int, **env) -> subprocess.Popen:
-    """``python -m service`` on ``port``, its stdout and stderr in a temporary file
-    (``server_log`` reads it): a pipe nobody reads would block the server once full."""
+def start_server(model: Path, port: int, *, preexec_fn=None, **env) -> subprocess.Popen:
+    """``python -m service`` on ``port`` with ``env`` added to the environment, its stdout
+    and stderr in a temporary file (``server_log`` reads it): a pipe nobody reads would block
+    the server once full. ``preexec_fn`` runs in the child before it starts (limits)."""
     environment = {
         **os.environ,
         "NCAKNN_LOG_JSON": "true",
@@ -55,6 +56,7 @@ def start_server(model: Path, port: int, **env) -> subprocess.Popen:
         env=environment,
         stdout=log,
         stderr=subprocess.STDOUT,
+        preexec_fn=preexec_fn,
     )
     log.close()
     proc.log_path = Path(log.name)  # type: ignore[attr-defined]

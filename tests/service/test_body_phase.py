@@ -35,7 +35,7 @@ MAX_CONNECTIONS = 32
 BODY_TIMEOUT = 2.0
 SEND_TIMEOUT = 2.0
 BODY_BUDGET = 48 * 2**20  # max_body_bytes_in_flight
-LINGER = 2.0  # service.ops.connections.LINGER_SECONDS
+LINGER = 2.0  # service.server.connections.LINGER_SECONDS
 D = 64
 ROW = [0.5] * D
 

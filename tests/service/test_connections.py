@@ -1,9 +1,10 @@
-"""Connection-level limits against a real ``python -m service`` (service.ops.connections): idle
+"""Connection-level limits against a real ``python -m service`` (service.server.connections): idle
 and silent connections, slow headers, header bombs, the connection cap and the open-files
 check. Each bound a test states is printed with what it measured."""
 
 from __future__ import annotations
 
+import os
 import resource
 import socket
 import subprocess
@@ -14,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from service.ops import connections
+from service.server import connections
 from tests.service.servers import (
     ROOT,
     closed_by_server,
@@ -24,6 +25,7 @@ from tests.service.servers import (
     read_response,
     refused_count,
     rss_mib,
+    server_log,
     start_server,
     stop_server,
     wait_ready,
@@ -368,3 +370,63 @@ def test_grpc_has_the_same_connection_limits(model_artifact):
                 time.sleep(0.2)
     finally:
         stop_server(proc)
+
+
+def test_a_flood_at_the_file_limit_never_exhausts_the_files(model_artifact):
+    """RLIMIT_NOFILE 400 and the largest cap it allows (400 - RESERVED_FILES = 272): the cap
+    held by silent connections, then 200 more clients at once. Refused connections linger
+    within the reserve (at most MAX_LINGERING), so the server never runs out of descriptors
+    (no EMFILE), refuses with 503 (or closes), and serves a fresh client once the silent
+    connections go."""
+    limit = 400
+    cap = limit - connections.RESERVED_FILES
+
+    def low_limit():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+
+    port = free_port()
+    proc = start_server(
+        model_artifact[0],
+        port,
+        preexec_fn=low_limit,
+        NCAKNN_MAX_CONNECTIONS=cap,
+        NCAKNN_HEADER_TIMEOUT_SECONDS=30,
+    )
+    url = f"http://127.0.0.1:{port}"
+    silent: list[socket.socket] = []
+    try:
+        wait_ready(url, proc)
+        silent = [connect(port) for _ in range(cap)]
+        time.sleep(0.5)
+        flood = [connect(port) for _ in range(200)]
+        for sock in flood:
+            try:
+                sock.sendall(b"GET /healthz HTTP/1.1\r\nhost: t\r\nconnection: close\r\n\r\n")
+            except OSError:
+                pass
+        outcomes: dict[str, int] = {}
+        for sock in flood:
+            try:
+                status = str(read_response(sock, timeout=10)[0])
+            except (ConnectionError, OSError) as exc:
+                status = type(exc).__name__
+            outcomes[status] = outcomes.get(status, 0) + 1
+            sock.close()
+        files = len(os.listdir(f"/proc/{proc.pid}/fd"))
+        for sock in silent:
+            sock.close()
+        silent = []
+        time.sleep(0.5)
+        started = time.perf_counter()
+        fresh = httpx.get(f"{url}/healthz", timeout=5)
+        took = time.perf_counter() - started
+    finally:
+        for sock in silent:
+            sock.close()
+        stop_server(proc)
+    log = server_log(proc)
+    print(f"flood at the file limit: {outcomes}; {files} files open after it; fresh {took:.3f} s")
+    assert "Too many open files" not in log and "EMFILE" not in log
+    assert outcomes.get("503", 0) >= connections.MAX_LINGERING
+    assert set(outcomes) <= {"503", "ConnectionResetError", "ConnectionError"}
+    assert fresh.status_code == 200 and took < 1.0

@@ -1,4 +1,4 @@
-"""The probe listener (service.ops.probes): what it answers from the workers' heartbeats, a
+"""The probe listener (service.server.probes): what it answers from the workers' heartbeats, a
 real server's probe port through start, drain and a stalled worker, and (slow) probes on
 fresh connections answered within 1 s while wrk drives 990 and 1,300 connections."""
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.ops.probes import PROBES_DIR, ProbeServer, probe_answer, worker_states
+from service.server.probes import PROBES_DIR, ProbeServer, probe_answer, worker_states
 from tests.service.servers import (
     free_port,
     start_server,

@@ -62,14 +62,14 @@ class _PinnedDirectory:
             raise ArtifactError(f"{self.root / name}: missing ({what})") from None
         except OSError as exc:
             raise ArtifactError(f"{self.root / name}: cannot be opened ({exc.strerror})") from None
+        kind = os.fstat(fd).st_mode
+        if not stat.S_ISREG(kind):
+            os.close(fd)
+            raise ArtifactError(
+                f"{self.root / name}: expected a regular file ({what}), got a {_file_kind(kind)}"
+            )
+        os.set_blocking(fd, True)
         with os.fdopen(fd, "rb") as fh:
-            kind = os.fstat(fh.fileno()).st_mode
-            if not stat.S_ISREG(kind):
-                raise ArtifactError(
-                    f"{self.root / name}: expected a regular file ({what}), got a "
-                    f"{_file_kind(kind)}"
-                )
-            os.set_blocking(fh.fileno(), True)
             return fh.read()
 
 

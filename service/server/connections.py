@@ -7,7 +7,7 @@ connection (``python -m service`` runs uvicorn with it; the settings are read fr
 
 * **accept: the connection cap** (``max_connections``, per process). A connection opened
   while that many are open is answered ``503`` at once, without parsing its request. New
-  connections are accepted in batches (``service.ops.accept``), so under a flood they reach
+  connections are accepted in batches (``service.server.accept``), so under a flood they reach
   the cap, and its 503, in one turn of the event loop instead of one per turn.
   ``check_open_files`` makes sure at start-up that the open-files limit (RLIMIT_NOFILE)
   leaves room for the cap and for the lingering closes below.
@@ -70,9 +70,10 @@ from service.errors import (
     body_of,
     status_of,
 )
-from service.ops import accept, memory
+from service.ops import memory
+from service.server import accept
 
-log = logging.getLogger("service.ops.connections")
+log = logging.getLogger("service.server.connections")
 
 # file descriptors a worker needs besides its client connections: listening and gRPC
 # sockets, the event loop, thread pool, log files, Prometheus multiprocess files, the model's
@@ -228,11 +229,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self.header_count = 0
         self.began_in_this_read = False
         # while a request's body is incomplete (its headers are complete): the body bytes
-        # the parser delivered, the bytes of chunked framing around them, and the deadline
+        # the parser delivered and the bytes of chunked framing around them
         self.in_body = False
         self.body_bytes = 0
         self.framing_bytes = 0
-        self.body_deadline = 0.0
         self.refusal: tuple[ServiceError, str] | None = None  # set by a parser callback
         self.refused = False  # no more input is parsed: it is read and dropped
         self.lingering = False
@@ -257,7 +257,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self.arm_header_timer()
 
     def new_protocol(self) -> GuardedHttpProtocol:
-        """A protocol for a connection accepted in a batch (service.ops.accept)."""
+        """A protocol for a connection accepted in a batch (service.server.accept)."""
         return type(self)(
             config=self.config,
             server_state=self.server_state,
@@ -375,7 +375,6 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self.in_body = True  # until on_message_complete, which follows at once without a body
         self.body_bytes = 0
         self.framing_bytes = 0
-        self.body_deadline = self.loop.time() + self.guard.body_timeout_seconds
 
     def on_body(self, body: bytes) -> None:
         self.body_bytes += len(body)
@@ -459,8 +458,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         )
 
     def arm_body_timer(self) -> None:
-        remaining = max(0.0, self.body_deadline - self.loop.time())
-        self.body_timer = self.loop.call_later(remaining, self.on_body_timeout)
+        """The body deadline, armed at the end of the read that completed the headers when
+        the body did not come with them (most requests arrive whole in one read)."""
+        self.body_timer = self.loop.call_later(
+            self.guard.body_timeout_seconds, self.on_body_timeout
+        )
 
     def on_body_timeout(self) -> None:
         self.body_timer = None

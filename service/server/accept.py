@@ -26,7 +26,7 @@ import os
 import socket
 from collections.abc import Callable
 
-log = logging.getLogger("service.ops.accept")
+log = logging.getLogger("service.server.accept")
 
 BATCH = 32  # pending connections taken per new connection (workers share the queue)
 

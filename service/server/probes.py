@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-log = logging.getLogger("service.ops.probes")
+log = logging.getLogger("service.server.probes")
 
 PROBES_DIR = "probes"
 HEARTBEAT_SECONDS = 0.5
