@@ -109,6 +109,16 @@ class TrainConfig:
         "a neighbour, at most 65,536 query rows for nca/nca-log, 2,048 for knca-*): auto (10 "
         "for nca/nca-log, 20 for knca-*, 0 with adam), or an integer >= 0",
     )
+    candidate_search: str = _shared(
+        "candidate_search",
+        "how candidate sets are found: auto (an IVF index from 50,000 points on the CPU, "
+        "exact below), exact, or ivf",
+    )
+    select_stages: bool = _shared(
+        "select_stages",
+        "keep each stage's end only when it scores at least as well as its start on the "
+        "validation split (or on left-out training rows); false keeps the optimiser's result",
+    )
     standardize: str = _shared(
         "standardize",
         "auto (per-feature or one shared scale, whichever kNN on the inputs prefers), "

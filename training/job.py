@@ -124,6 +124,8 @@ def build_estimator(config: TrainConfig, n_features: int) -> NCA:
         random_state=config.seed,
         verbose=0 if config.quiet else 1,
         prototypes=config.prototypes,
+        candidate_search=config.candidate_search,
+        select_stages=config.select_stages,
     )
 
 

@@ -336,10 +336,11 @@ def test_merged_knn_lists_equal_one_search_over_all_rows(two_ranks):
 
 
 def test_standardisation_choice_over_shards_scores_as_one_process(two_ranks):
-    from training.data.datasets import choose_standardizer
+    from training.distributed.ranks import ProcessGroup
+    from training.distributed.sharded_stats import choose_standardizer
 
     X, y, _, _ = digits_split()
-    _, scores = choose_standardizer(X, y, 10)
+    _, scores = choose_standardizer(X, y, 0, 10, ProcessGroup())
     np.testing.assert_allclose(two_ranks["choice/scores"], [scores["feature"], scores["global"]])
 
 

@@ -313,13 +313,14 @@ def pixels_with_quiet_border(n=1200, seed=0):
 def test_auto_standardisation_picks_a_shared_scale_for_pixels_and_per_feature_for_units():
     from sklearn.datasets import load_wine
 
-    from training.data.datasets import choose_standardizer
+    from training.distributed.ranks import ProcessGroup
+    from training.distributed.sharded_stats import choose_standardizer
 
     X, y = pixels_with_quiet_border()
-    chosen, scores = choose_standardizer(X, y, 4)
+    chosen, scores = choose_standardizer(X, y, 0, 4, ProcessGroup())
     assert chosen == "global" and scores["global"] > scores["feature"] + 0.05
     X, y = load_wine(return_X_y=True)  # features in different units (proline ~ 1000)
-    chosen, scores = choose_standardizer(X, y, 3)
+    chosen, scores = choose_standardizer(X, y, 0, 3, ProcessGroup())
     assert chosen == "feature" and scores["feature"] > scores["global"] + 0.05
 
 

@@ -408,37 +408,7 @@ def fit_global_standardizer(X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 STANDARDIZERS = {"feature": fit_standardizer, "global": fit_global_standardizer}
-CHOICE_QUERIES = 2048  # training rows that score each standardisation (the rest are references)
-CHOICE_MARGIN = 0.005  # "global" must beat "feature" by this much accuracy to be chosen
-
-
-def choose_standardizer(
-    X: np.ndarray, y_idx: np.ndarray, n_classes: int, ks: tuple[int, ...] = (1, 5)
-) -> tuple[str, dict[str, float]]:
-    """Per-feature or one shared scale, whichever kNN on the inputs does better with.
-
-    Evenly spaced training rows (CHOICE_QUERIES, at most half) are classified by the mean
-    over ``ks`` of k-NN accuracy among the other rows, once per standardisation; "global"
-    is chosen only when it beats "feature" by CHOICE_MARGIN. Per-feature scaling suits
-    features in different units; when they share one (pixels), it inflates near-constant
-    features to the weight of informative ones and kNN suffers (USPS 1-NN: 0.928 against
-    0.944). Returns (name, {name: score}). O(CHOICE_QUERIES x N x D).
-    """
-    from training.evaluation.evaluate import knn_accuracies
-    from training.numerics import evenly_spaced_rows
-
-    n = len(X)
-    n_queries = min(CHOICE_QUERIES, n // 2)
-    queries = evenly_spaced_rows(n, n_queries)
-    references = np.setdiff1d(np.arange(n), queries)
-    ks = tuple(k for k in ks if k <= len(references)) or (1,)
-    scores = {}
-    for name, fit in STANDARDIZERS.items():
-        mean, scale = fit(X[references])
-        z = ((X - mean) / scale).astype(np.float32)
-        accuracies = knn_accuracies(
-            z[references], y_idx[references], z[queries], y_idx[queries], n_classes, ks
-        )
-        scores[name] = float(np.mean(list(accuracies.values())))
-    chosen = "global" if scores["global"] >= scores["feature"] + CHOICE_MARGIN else "feature"
-    return chosen, scores
+# choosing between them (training.distributed.sharded_stats.choose_standardizer): training rows
+# that score each standardisation, and the margin "global" must beat "feature" by
+CHOICE_QUERIES = 2048
+CHOICE_MARGIN = 0.005

@@ -36,7 +36,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from training.objectives.neighbourhood import nearest_candidates
 from training.optim.problem import Problem
 
 
@@ -112,6 +111,16 @@ def broadcast_from_rank0(values: torch.Tensor, group: ProcessGroup) -> torch.Ten
     if group.is_distributed:
         dist.broadcast(values, src=0)
     return values
+
+
+def agreed(value: float, group: ProcessGroup, device=None) -> float:
+    """Rank 0's ``value`` on every rank: a figure that decides a branch (which map a stage
+    keeps) must be the same on every rank, whatever the rounding. ``device``: where the
+    group's collectives run (CUDA for NCCL)."""
+    if not group.is_distributed:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    return float(broadcast_from_rank0(t, group)[0])
 
 
 class ShardedScore(torch.autograd.Function):
@@ -196,12 +205,15 @@ class ShardedProblem(Problem):
         """Each rank finds its own rows' candidates against the gathered Z (N, d); the
         (N, 2K) table is all-gathered, the same on every rank."""
         own = torch.arange(self.start, self.stop, device=z.device)
-        mine = nearest_candidates(z, self.labels, self.n_candidates, rows=own)  # (N_r, 2K)
+        mine = self.search.find(z, self.labels, self.n_candidates, rows=own)  # (N_r, 2K)
         return gather_rows(mine, self._n, self.group)
 
     def _rank0(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.X.device)
         return broadcast_from_rank0(t, self.group).tolist()
+
+    def agreed(self, value: float) -> float:
+        return self._rank0([value])[0]
 
     def outside_mass(self, theta: np.ndarray, rows: torch.Tensor) -> float:
         return self._rank0([super().outside_mass(theta, rows)])[0]

@@ -39,9 +39,18 @@ def knn_predictions(
         if outlier_threshold is None:
             raise ValueError("rule 'soft_prior' needs outlier_threshold")
         background = FarPrior.of(z_ref, y_ref, n_classes).background(z_query, outlier_threshold)
-    dist, idx = exact_knn(z_query, z_ref, max(ks))
+    dist, idx = exact_knn(z_query, z_ref, max(ks), chunk_size=query_chunk(len(z_ref)))
     labels = y_ref[idx]
     return {k: decide(labels[:, :k], dist[:, :k], n_classes, rule, background)[0] for k in ks}
+
+
+SCORES_PER_CHUNK = 1 << 25  # query x reference distances held at once (256 MiB in float64)
+
+
+def query_chunk(n_refs: int) -> int:
+    """Queries searched at once against ``n_refs`` references: at most SCORES_PER_CHUNK
+    distances (a chunk of 1,024 queries against 1M references would hold 8 GB)."""
+    return max(8, min(1024, SCORES_PER_CHUNK // max(1, n_refs)))
 
 
 def knn_accuracies(

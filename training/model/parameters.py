@@ -127,6 +127,8 @@ CONSTRAINTS: dict[str, list] = {
     "standardize": [OneOf(STANDARDIZE_CHOICES)],
     "callback": [NONE, Callable_()],
     "prototypes": [NONE, Real(1, low_closed=False)],
+    "candidate_search": [OneOf(("auto", "exact", "ivf"))],
+    "select_stages": [OneOf((True, False))],
 }
 
 

@@ -20,6 +20,14 @@ AUTO_N_CANDIDATES = 32  # ... and K nearest candidates per kind above
 # (10,000 test points; benchmarks/cpu_fit_60k.py), so it stays above 60k.
 AUTO_EXACT_FINISH_ITER = 10
 EXACT_FINISH_MAX_ROWS = 65536
+# ... and at most this many (query row, point) pairs per finishing evaluation: the finish's
+# rows shrink as N grows (65,536 rows up to N = 65,536; 4,294 at 1M), so an evaluation costs
+# O(FINISH_PAIRS d) whatever N, with never fewer than FINISH_MIN_ROWS rows (within the limit)
+FINISH_PAIRS = 2**32
+FINISH_MIN_ROWS = 1024
+# the finish's L-BFGS evaluations are bounded too (a line search that overshoots cannot make
+# it cost more): at most FINISH_EVALUATIONS_PER_ITER per iteration, plus one
+FINISH_EVALUATIONS_PER_ITER = 2
 AUTO_KNCA_FINISH_ITER = 20
 KNCA_FINISH_MAX_ROWS = 2048
 # what l2="auto" means on the exact objective (0 on candidate sets); the l2 parameter's
@@ -38,6 +46,7 @@ class FitPlan:
     finish_iter: int  # exact L-BFGS iterations after a candidate fit (0: none)
     finish_l2: float  # the penalty of the exact finish
     finish_max_rows: int  # query rows a finishing iteration averages over, at most
+    finish_max_evaluations: int  # the finish's objective evaluations, at most
 
     def describe(self) -> dict:
         return asdict(self)
@@ -76,6 +85,7 @@ def resolve_plan(params: dict, n_samples: int) -> FitPlan:
         finish_iter = auto if solver == "lbfgs" else 0
     else:
         finish_iter = int(finish)
+    max_rows = KNCA_FINISH_MAX_ROWS if knca else EXACT_FINISH_MAX_ROWS
     return FitPlan(
         solver=solver,
         n_candidates=n_candidates,
@@ -83,5 +93,6 @@ def resolve_plan(params: dict, n_samples: int) -> FitPlan:
         l2=l2,
         finish_iter=finish_iter,
         finish_l2=finish_l2,
-        finish_max_rows=KNCA_FINISH_MAX_ROWS if knca else EXACT_FINISH_MAX_ROWS,
+        finish_max_rows=min(max_rows, max(FINISH_MIN_ROWS, FINISH_PAIRS // max(1, n_samples))),
+        finish_max_evaluations=FINISH_EVALUATIONS_PER_ITER * finish_iter + 1,
     )

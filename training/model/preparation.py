@@ -1,10 +1,22 @@
-"""What a fit starts from, prepared from the data the process holds: the parameters checked
-against the data, the seed, the validation split, the standardisation, the initial map and
-the validation score. One process holds all rows (``prepare_local``); a data-parallel rank
-holds its shard and summaries of the others' (``prepare_shards``, through
-``training.distributed.sharded_stats``); both return the same ``Prepared``, so the rest of the
-fit does not know which. Tested by ``tests/training/test_estimator.py`` and
-``test_distributed.py`` (sharded fits equal the single-process one).
+"""What a fit starts from, prepared from the rows this process holds: the parameters
+checked against the data, the seed, the held-out rows, the standardisation, the initial map
+and the scores that judge the fit. One code path: a single process is a group of one
+(``training.distributed.ranks.ProcessGroup``), whose shard is every row; a data-parallel
+rank holds its shard and reduces summaries with the others'
+(``training.distributed.sharded_stats``), so every rank prepares what one process would.
+
+Memory: the rows are read a block at a time (a memory-mapped ``.npy`` stays mapped); the
+one full copy made is the standardised float32 training rows the objective reads (N, D).
+Statistics (moments, PCA and LDA scatter matrices, the choice of standardisation on a
+sample) accumulate in float64 over blocks.
+
+Held-out rows: an explicit validation set, or with early stopping a stratified
+``validation_fraction``; otherwise, with ``select_stages`` on more than
+``HOLDOUT_MIN_SAMPLES`` rows, a stratified sample of ``min(SELECTION_ROWS, N / 10)`` rows is
+held out of the fit to judge its stages on (``training.optim.stages``): rows the map was
+trained on cannot tell an overfit stage from a better one.
+
+Tested by ``tests/training/test_estimator.py`` and ``test_distributed.py``.
 """
 
 from __future__ import annotations
@@ -18,13 +30,17 @@ import torch
 from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import validate_data
 
-from training.data.datasets import STANDARDIZERS, choose_standardizer, stratified_split
+from training.data.datasets import stratified_split
 from training.distributed import sharded_stats
 from training.distributed.ranks import shard_bounds
-from training.evaluation.evaluate import knn_accuracies
 from training.model.initialization import initial_components, resolve_auto
+from training.model.plan import AUTO_EXACT_MAX_SAMPLES
+from training.numerics import evenly_spaced_rows
+from training.optim.stages import SELECTION_ROWS
 from training.references.learned import check_budget
 
+VALIDATION_MAX_ROWS = 8192  # validation rows a check during the fit classifies
+HOLDOUT_MIN_SAMPLES = AUTO_EXACT_MAX_SAMPLES  # below, a fit without validation holds none out
 # standardize= values: booleans keep their meaning from before "global" and "auto" existed
 STANDARDIZE_MODES = {True: "feature", False: "none"}
 INIT_MESSAGES = {
@@ -33,22 +49,11 @@ INIT_MESSAGES = {
 }
 
 
-def prepare(est, X, y, X_val, y_val, group) -> Prepared:
-    """The fit's starting point from this process's rows (all of them, or its shard)."""
-    if group.is_distributed:
-        if est.prototypes is not None:
-            raise ValueError(
-                f"prototypes={est.prototypes!r} learns the prototypes from every training row in "
-                "one process; a data-parallel fit holds a shard per rank: use prototypes=None"
-            )
-        return prepare_shards(est, X, y, X_val, y_val, group)
-    return prepare_local(est, X, y, X_val, y_val)
-
-
 @dataclass
 class Prepared:
-    """What the optimisation starts from: the standardised rows this process holds (N, D) or
-    its shard (N_r, D), every training label (N,), and the rest of the set-up."""
+    """What the optimisation starts from: the standardised float32 training rows this process
+    holds (N, D), or its shard (N_r, D), every training label (N,), and the rest of the
+    set-up."""
 
     X: np.ndarray
     y: np.ndarray
@@ -61,8 +66,64 @@ class Prepared:
     init_used: str
     classes: np.ndarray
     validate: Callable  # problem -> (theta -> validation accuracy) or None
-    X_val: np.ndarray | None = None  # (V, D) standardised validation rows (one process)
+    judge: Callable  # problem -> (theta -> held-out accuracy) or None (training.optim.stages)
+    n_judged: int = 0  # held-out rows the judge scores
+    X_val: np.ndarray | None = None  # (V, D) standardised validation rows (this process's)
     y_val: np.ndarray | None = None  # (V,) their class indices
+
+
+def prepare(est, X, y, X_val, y_val, group) -> Prepared:
+    """The fit's starting point from this process's rows: all of them, or its shard."""
+    if group.is_distributed and est.prototypes is not None:
+        raise ValueError(
+            f"prototypes={est.prototypes!r} learns the prototypes from every training row in "
+            "one process; a data-parallel fit holds a shard per rank: use prototypes=None"
+        )
+    X, y = validate_data(
+        est, X, y, ensure_min_samples=1 if group.is_distributed else 2, dtype=FLOAT_TYPES
+    )
+    check_classification_targets(y)
+    classes = sharded_stats.union_classes(y, group)
+    y_idx = np.searchsorted(classes, y)
+    rng = seeded_rng(est)
+    device = resolve_device(est.device)
+    rows, held, X_val, y_val_idx = held_out(est, X, y_idx, classes, X_val, y_val, rng, group)
+    n = sharded_stats.total_rows(len(rows), group)
+    check_shard(len(rows), n, group)
+    d = est._validate_params_against(n, X.shape[1], len(classes))
+    y_all = sharded_stats.gather_labels(y_idx[rows], n, group)  # (N,)
+    if est.prototypes is not None:  # the budget is checked before the fit, not after it
+        check_budget(y_all, len(classes), est.prototypes, classes.tolist(), name="prototypes")
+    start = shard_bounds(n, group.rank, group.world_size)[0]
+    mean, scale = standardizer(est, X, rows, y_all, start, n, len(classes), group)
+    Xs = sharded_stats.standardized(X, mean, scale, rows)  # (N_r, D) float32
+    theta0, init_used = initialize(est, Xs, y_idx[rows], n, len(classes), d, scale, rng, group)
+    Xv_s, yv = None, None
+    if X_val is not None:  # a validation split: its rows standardised here (one full pass)
+        Xv_s, yv = sharded_stats.standardized(X_val, mean, scale), y_val_idx
+    elif held is not None:  # rows held out of this fit to judge it
+        Xv_s, yv = sharded_stats.standardized(X, mean, scale, held), y_idx[held]
+    scores = HeldOutScores(est, Xs, y_all, Xv_s, yv, len(classes), n, group)
+    return Prepared(
+        X=Xs,
+        y=y_all,
+        d=d,
+        rng=rng,
+        device=device,
+        mean=mean,
+        scale=scale,
+        theta0=theta0,
+        init_used=init_used,
+        classes=classes,
+        validate=scores.validate if X_val is not None else (lambda problem: None),
+        judge=scores.validate,
+        n_judged=scores.n_rows,
+        X_val=Xv_s if X_val is not None else None,
+        y_val=yv if X_val is not None else None,
+    )
+
+
+FLOAT_TYPES = [np.float64, np.float32]  # float32 inputs stay float32: no float64 copy
 
 
 def resolve_device(device: str) -> torch.device:
@@ -75,160 +136,6 @@ def resolve_device(device: str) -> torch.device:
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={device!r} was requested but CUDA is not available here")
     return resolved
-
-
-def prepare_local(est, X, y, X_val, y_val) -> Prepared:
-    """One process: validate, seed, split, standardise and initialise from all rows."""
-    X, y = validate_data(est, X, y, ensure_min_samples=2, dtype=np.float64)
-    check_classification_targets(y)
-    classes, y_idx = np.unique(y, return_inverse=True)
-    d = est._validate_params_against(X.shape[0], X.shape[1], len(classes))
-    rng = seeded_rng(est)
-    device = resolve_device(est.device)
-    X_tr, y_tr, X_val, y_val_idx = split_validation(est, X, y_idx, classes, X_val, y_val, rng)
-    if est.prototypes is not None:  # the budget is checked before the fit, not after it
-        check_budget(y_tr, len(classes), est.prototypes, classes.tolist(), name="prototypes")
-    mean, scale = standardizer(est, X_tr, y_tr, len(classes))
-    Xs = (X_tr - mean) / scale  # (n, D) standardised training inputs
-    theta0, init_used = initialize(est, Xs, y_tr, d, scale, rng)
-
-    def validate(problem):
-        return validation_score(est, problem, Xs, y_tr, X_val, y_val_idx, mean, scale, len(classes))
-
-    Xv_s = None if X_val is None else (X_val - mean) / scale
-    return Prepared(
-        Xs, y_tr, d, rng, device, mean, scale, theta0, init_used, classes, validate, Xv_s, y_val_idx
-    )
-
-
-def prepare_shards(est, X, y, X_val, y_val, group) -> Prepared:
-    """Data-parallel: the same steps from this rank's rows and summaries of the others'
-    (``training.distributed.sharded_stats``). Returns the standardised shard and all N labels."""
-    X, y = validate_data(est, X, y, ensure_min_samples=1, dtype=np.float64)
-    check_classification_targets(y)
-    classes = sharded_stats.union_classes(y, group)
-    y_idx = np.searchsorted(classes, y)
-    n = sharded_stats.total_rows(len(X), group)
-    start, stop = shard_bounds(n, group.rank, group.world_size)
-    if stop - start != len(X):
-        raise ValueError(
-            f"rank {group.rank} of {group.world_size}: X has {len(X)} rows, but a "
-            f"data-parallel fit takes rows [{start}, {stop}) of the N = {n} training rows "
-            "(training.distributed.ranks.shard_bounds)"
-        )
-    d = est._validate_params_against(n, X.shape[1], len(classes))
-    rng = seeded_rng(est)
-    device = resolve_device(est.device)
-    y_all = sharded_stats.gather_labels(y_idx, n, group)  # (N,)
-    if X_val is None and est.early_stopping:
-        raise ValueError(
-            "early_stopping=True in a data-parallel fit needs an explicit validation set: "
-            "pass each rank's rows of it as X_val, y_val"
-        )
-    X_val, y_val_idx, n_val = validation_shard(est, X_val, y_val, classes, X.shape[1], group)
-
-    mean, scale = sharded_standardizer(est, X, y_all, start, n, len(classes), group)
-    Xs = (X - mean) / scale  # (N_r, D)
-    theta0, init_used = initialize_shards(est, Xs, y_idx, n, len(classes), d, scale, rng, group)
-    Xv_s = (X_val - mean) / scale
-    ks = est._validation_ks(n)
-
-    def validate(problem):
-        if n_val == 0:
-            return None
-
-        def score(theta):
-            A = problem.components(theta)  # (d, D)
-            z_tr = sharded_stats.gather_array((Xs @ A.T).astype(np.float32), n, group)
-            z_va = (Xv_s @ A.T).astype(np.float32)
-            accuracies = sharded_stats.knn_accuracy(
-                z_tr,
-                y_all,
-                z_va,
-                y_val_idx,
-                len(classes),
-                ks,
-                est.validation_rule,
-                n_val,
-                group,
-            )
-            return max(accuracies.values())
-
-        return score
-
-    return Prepared(Xs, y_all, d, rng, device, mean, scale, theta0, init_used, classes, validate)
-
-
-def sharded_standardizer(est, X, y_all, start: int, n: int, n_classes: int, group):
-    """``standardizer`` for shards: mean (D,) and scale (D,) from all ranks' statistics;
-    sets standardization_ and standardization_scores_."""
-    est.standardization_scores_ = None
-    name = STANDARDIZE_MODES.get(est.standardize, est.standardize)
-    if name == "auto":
-        name, est.standardization_scores_ = sharded_stats.choose_standardizer(
-            X, y_all, start, n_classes, group
-        )
-    est.standardization_ = name
-    if name == "none":
-        mean, scale = np.zeros(X.shape[1]), np.ones(X.shape[1])
-    else:
-        mean, scale = sharded_stats.standardizer(name, X, n, group)
-    return mean, scale
-
-
-def validation_shard(est, X_val, y_val, classes, n_features, group):
-    """This rank's validation rows (possibly none), their class indices, and the number
-    of validation rows over all ranks (0: no validation)."""
-    if X_val is None or len(X_val) == 0:
-        X_val, y_val_idx = np.empty((0, n_features)), np.empty(0, dtype=np.int64)
-    else:
-        X_val = validate_data(est, X_val, reset=False, dtype=np.float64)
-        y_val = np.asarray(y_val)
-        unknown = np.setdiff1d(np.unique(y_val), classes)
-        if unknown.size:
-            raise ValueError(f"y_val has labels not present in y: {unknown.tolist()}")
-        y_val_idx = np.searchsorted(classes, y_val)
-    return X_val, y_val_idx, sharded_stats.total_rows(len(X_val), group)
-
-
-def initialize_shards(est, Xs, y_idx, n, n_classes, d, scale, rng, group):
-    """``_initialize`` for shards: PCA and LDA from reduced scatter matrices; the rules
-    that need no data (identity, random, an array, an artifact, warm start) as usual."""
-    init = est.init
-    if est.warm_start and hasattr(est, "components_"):
-        init = est.components_
-    name = str(init) if isinstance(init, str) else None
-    if name == "auto":
-        name = resolve_auto(d, Xs.shape[1], n, n_classes)
-    if name == "pca":
-        A0 = sharded_stats.pca_components(Xs, n, d, group)
-    elif name == "lda":
-        if d > min(Xs.shape[1], n_classes - 1) or n <= n_classes:
-            raise ValueError(
-                f"init='lda' gives at most min(n_features, n_classes - 1) = "
-                f"{min(Xs.shape[1], n_classes - 1)} components and needs more samples "
-                f"than classes; got n_components={d}, {n} samples, {n_classes} classes"
-            )
-        A0 = sharded_stats.lda_components(Xs, y_idx, n, n_classes, d, group)
-    else:
-        A0, name = initial_components(
-            init if name is None else name, Xs, y_idx, d, random_state=rng, scale=scale
-        )
-    theta0 = np.diag(A0).copy() if est.transformation == "diagonal" else A0
-    return theta0, name
-
-
-def standardizer(est, X_tr, y_tr, n_classes) -> tuple[np.ndarray, np.ndarray]:
-    """mean (D,) and scale (D,) of the chosen standardisation; sets standardization_ and
-    standardization_scores_ (the kNN scores "auto" chose by, else None)."""
-    est.standardization_scores_ = None
-    name = STANDARDIZE_MODES.get(est.standardize, est.standardize)
-    if name == "auto":
-        name, est.standardization_scores_ = choose_standardizer(X_tr, y_tr, n_classes)
-    est.standardization_ = name
-    if name == "none":
-        return np.zeros(X_tr.shape[1]), np.ones(X_tr.shape[1])
-    return STANDARDIZERS[name](X_tr)
 
 
 def seeded_rng(est) -> np.random.Generator:
@@ -247,30 +154,73 @@ def seeded_rng(est) -> np.random.Generator:
     return rng
 
 
-def split_validation(est, X, y_idx, classes, X_val, y_val, rng):
-    """(X_train, y_train, X_val or None, y_val class indices or None).
+def check_shard(n_local: int, n: int, group) -> None:
+    """A data-parallel rank must hold exactly its rows of the N training rows."""
+    start, stop = shard_bounds(n, group.rank, group.world_size)
+    if stop - start != n_local:
+        raise ValueError(
+            f"rank {group.rank} of {group.world_size}: X has {n_local} rows, but a "
+            f"data-parallel fit takes rows [{start}, {stop}) of the N = {n} training rows "
+            "(training.distributed.ranks.shard_bounds)"
+        )
 
-    An explicit validation set is used as given (its labels must occur in y); otherwise,
-    with early stopping, a stratified ``validation_fraction`` of X is held out.
-    """
-    if X_val is not None:
-        X_val = validate_data(est, X_val, reset=False, dtype=np.float64)
+
+def held_out(est, X, y_idx, classes, X_val, y_val, rng, group):
+    """(training rows of X, rows of X held out to judge the fit or None, the validation set
+    or None, its class indices or None).
+
+    An explicit validation set is used as given (its labels must occur in y). Otherwise, in
+    one process: with early stopping a stratified ``validation_fraction`` of X becomes the
+    validation set; with ``select_stages`` and more than HOLDOUT_MIN_SAMPLES rows, a
+    stratified min(SELECTION_ROWS, N / 10) rows are held out to judge the stages. A
+    data-parallel fit holds nothing out (each rank's shard is fixed)."""
+    every = np.arange(len(X))
+    if X_val is not None and len(X_val):
+        X_val = validate_data(est, X_val, reset=False, dtype=FLOAT_TYPES)
         y_val = np.asarray(y_val)
         unknown = np.setdiff1d(np.unique(y_val), classes)
         if unknown.size:
             raise ValueError(f"y_val has labels not present in y: {unknown.tolist()}")
-        return X, y_idx, X_val, np.searchsorted(classes, y_val)
+        return every, None, X_val, np.searchsorted(classes, y_val)
+    if group.is_distributed:
+        if est.early_stopping:
+            raise ValueError(
+                "early_stopping=True in a data-parallel fit needs an explicit validation set: "
+                "pass each rank's rows of it as X_val, y_val"
+            )
+        return every, None, None, None
     if est.early_stopping:
         tr, va = stratified_split(y_idx, (est.validation_fraction,), int(rng.integers(2**31)))
         if len(va) == 0:
-            return X[tr], y_idx[tr], None, None
-        return X[tr], y_idx[tr], X[va], y_idx[va]
-    return X, y_idx, None, None
+            return tr, None, None, None
+        return tr, None, np.asarray(X[va]), y_idx[va]
+    if est.select_stages and len(X) > HOLDOUT_MIN_SAMPLES:
+        fraction = min(SELECTION_ROWS, len(X) // 10) / len(X)
+        tr, held = stratified_split(y_idx, (fraction,), int(rng.integers(2**31)))
+        return tr, held, None, None
+    return every, None, None, None
 
 
-def initialize(est, Xs, y, d, scale, rng):
+def standardizer(est, X, rows, y_all, start, n, n_classes, group):
+    """mean (D,) and scale (D,) of the chosen standardisation of the training rows; sets
+    standardization_ and standardization_scores_ (the kNN scores "auto" chose by)."""
+    est.standardization_scores_ = None
+    name = STANDARDIZE_MODES.get(est.standardize, est.standardize)
+    if name == "auto":
+        name, est.standardization_scores_ = sharded_stats.choose_standardizer(
+            X, y_all, start, n_classes, group, rows=rows
+        )
+    est.standardization_ = name
+    if name == "none":
+        return np.zeros(X.shape[1]), np.ones(X.shape[1])
+    return sharded_stats.standardizer(name, X, n, group, rows)
+
+
+def initialize(est, Xs, y_idx, n, n_classes, d, scale, rng, group):
     """(theta0, the init used): the initial A (d, D) from ``init``, or the previous
-    components with ``warm_start``; its diagonal when the transformation is diagonal."""
+    components with ``warm_start``; its diagonal when the transformation is diagonal. PCA
+    and LDA from D x D scatter matrices reduced over blocks (and ranks); the other rules
+    need no statistics."""
     init = est.init
     if est.warm_start and hasattr(est, "components_"):
         if est.components_.shape[1] != Xs.shape[1]:
@@ -280,27 +230,70 @@ def initialize(est, Xs, y, d, scale, rng):
                 f"({est.components_.shape[1]})."
             )
         init = est.components_
+    name = str(init) if isinstance(init, str) else None
+    if name == "auto":
+        name = resolve_auto(d, Xs.shape[1], n, n_classes)
     started = time.perf_counter()
-    A0, init_used = initial_components(init, Xs, y, d, random_state=rng, scale=scale)
-    if est.verbose and init_used in INIT_MESSAGES:  # scikit-learn's line, after the fact
-        print(f"{INIT_MESSAGES[init_used]}... done in {time.perf_counter() - started:5.2f}s")
+    if name == "pca":
+        A0 = sharded_stats.pca_components(Xs, n, d, group)
+    elif name == "lda":
+        if d > min(Xs.shape[1], n_classes - 1):
+            raise ValueError(
+                f"init='lda' gives at most min(n_features, n_classes - 1) = "
+                f"{min(Xs.shape[1], n_classes - 1)} components, n_components={d}"
+            )
+        if n <= n_classes:
+            raise ValueError(
+                f"init='lda' needs more samples than classes, got n_samples={n} and "
+                f"{n_classes} classes; use init='pca'"
+            )
+        A0 = sharded_stats.lda_components(Xs, y_idx, n, n_classes, d, group)
+    else:
+        A0, name = initial_components(
+            init if name is None else name, Xs, y_idx, d, random_state=rng, scale=scale
+        )
+    if est.verbose and name in INIT_MESSAGES and group.rank == 0:  # scikit-learn's line
+        print(f"{INIT_MESSAGES[name]}... done in {time.perf_counter() - started:5.2f}s")
     theta0 = np.diag(A0).copy() if est.transformation == "diagonal" else A0
-    return theta0, init_used
+    return theta0, name
 
 
-def validation_score(est, problem, Xs, y_tr, X_val, y_val_idx, mean, scale, n_classes):
-    """theta -> validation kNN accuracy with the rule and (best of the) k to be served,
-    the training points as references; None without a validation set."""
-    if X_val is None or not len(X_val):
-        return None
-    Xv_s = (X_val - mean) / scale
-    ks = est._validation_ks(len(Xs))
+class HeldOutScores:
+    """theta -> the k-NN accuracy of held-out rows (a validation split, or rows held out to
+    judge the stages) against every training row, with the rule and (best of the) k to be
+    served; at most VALIDATION_MAX_ROWS evenly spaced held-out rows, so a score costs
+    O(N d) whatever their number. Each rank scores its own held-out rows against all
+    training rows' embeddings and the correct answers are summed."""
 
-    def validate(theta):
-        A = problem.components(theta)  # (d, D)
-        z_tr = (Xs @ A.T).astype(np.float32)
-        z_va = (Xv_s @ A.T).astype(np.float32)
-        accuracies = knn_accuracies(z_tr, y_tr, z_va, y_val_idx, n_classes, ks, est.validation_rule)
-        return max(accuracies.values())
+    def __init__(self, est, Xs, y_all, X_held, y_held, n_classes, n, group):
+        self.Xs, self.y_all, self.n_classes, self.n, self.group = Xs, y_all, n_classes, n, group
+        self.ks = est._validation_ks(n)
+        self.rule = est.validation_rule
+        self.X_held = self.y_held = None
+        self.n_rows = 0
+        if X_held is not None:
+            keep = evenly_spaced_rows(len(X_held), VALIDATION_MAX_ROWS)
+            self.X_held, self.y_held = X_held[keep], y_held[keep]
+        self.n_rows = sharded_stats.total_rows(0 if X_held is None else len(self.X_held), group)
 
-    return validate
+    def validate(self, problem):
+        if self.n_rows == 0:
+            return None
+
+        def score(theta: np.ndarray) -> float:
+            A = problem.components(theta).astype(np.float32)  # (d, D)
+            z_tr = sharded_stats.gather_array(self.Xs @ A.T, self.n, self.group)  # (N, d)
+            accuracies = sharded_stats.knn_accuracy(
+                z_tr,
+                self.y_all,
+                self.X_held @ A.T,
+                self.y_held,
+                self.n_classes,
+                self.ks,
+                self.rule,
+                self.n_rows,
+                self.group,
+            )
+            return max(accuracies.values())
+
+        return score

@@ -19,13 +19,23 @@ from training.optim.monitor import FitResult, Monitor
 
 
 def finish_exactly(
-    exact, first: FitResult, first_monitor: Monitor, *, n_iter: int, max_rows: int, tol: float,
-    validate, monitor_options: dict,
-) -> tuple[FitResult, int]:  # fmt: skip
+    exact,
+    first: FitResult,
+    first_monitor: Monitor,
+    *,
+    n_iter: int,
+    max_rows: int,
+    tol: float,
+    validate,
+    monitor_options: dict,
+    max_evaluations: int | None = None,
+) -> tuple[FitResult, int]:
     """(the fit's result with the finish merged in, iterations the finish ran). The history
     goes on from the first stage's, its records tagged ``stage: exact finish``; with early
     stopping the best validated map of either stage is kept; converged and the stop reason
-    stay the first stage's (the finish runs a fixed budget by design)."""
+    stay the first stage's (the finish runs a fixed budget by design). ``max_evaluations``
+    bounds the objective evaluations, so a line search that overshoots cannot multiply the
+    finish's cost."""
     n = exact.n_samples
     if n > max_rows:
         exact.query_rows = torch.as_tensor(evenly_spaced_rows(n, max_rows), device=exact.X.device)
@@ -48,7 +58,14 @@ def finish_exactly(
         penalty=exact.penalty,
         **monitor_options,
     )
-    finish = run_lbfgs(exact, first.theta, max_iter=n_iter, tol=tol, monitor=monitor)
+    finish = run_lbfgs(
+        exact,
+        first.theta,
+        max_iter=n_iter,
+        tol=tol,
+        monitor=monitor,
+        max_evaluations=max_evaluations,
+    )
     merged = FitResult(
         theta=finish.theta,
         n_iter=first.n_iter + finish.n_iter,

@@ -23,11 +23,13 @@ def run_lbfgs(
     refresh_tol: float | None = 0.05,
     target_mass: float | None = None,
     candidate_change_tol: float = 0.01,
+    max_evaluations: int | None = None,
 ) -> FitResult:
     """Full-batch L-BFGS-B (scipy) on the problem's loss, in rounds with candidates: a round
     ends (L-BFGS restarts on fresh candidates) when the :class:`CandidateWatch` says so; the
     fit ends when a round converges with candidates that hardly changed at its start (fewer
-    than ``candidate_change_tol`` of the points)."""
+    than ``candidate_change_tol`` of the points), or when ``max_evaluations`` objective
+    evaluations are spent."""
     theta = np.asarray(theta0, dtype=np.float64).ravel().copy()
     watch = candidate_watch(problem, refresh_every, refresh_tol, target_mass)
     rounds = _Rounds(problem, monitor, watch, max_iter)
@@ -36,11 +38,16 @@ def run_lbfgs(
         changed = watch.refresh(theta) if watch is not None else 1.0
         rounds.refresh, iter_before = False, rounds.iter
         options = {"maxiter": max_iter - rounds.iter}
+        if max_evaluations is not None:  # a budget for the whole fit, across its rounds
+            options["maxfun"] = max(1, max_evaluations - rounds.n_eval)
         result = minimize(
             rounds.loss_and_grad, theta, jac=True, method="L-BFGS-B", tol=tol,
             callback=rounds.on_iteration, options=options,
         )  # fmt: skip
         theta = result.x
+        if max_evaluations is not None and rounds.n_eval >= max_evaluations:
+            stop_reason = "max_evaluations"
+            break
         if rounds.refresh:
             continue  # the candidates went stale: a new round on fresh ones
         reason = _round_end(result)

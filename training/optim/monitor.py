@@ -20,7 +20,8 @@ class FitResult:
     theta: np.ndarray
     n_iter: int
     converged: bool
-    stop_reason: str  # converged | precision | max_iter | early_stopping | single_class
+    # converged | precision | max_iter | max_evaluations | early_stopping | single_class
+    stop_reason: str
     objective: float  # mean score per point at the returned parameters' last evaluation
     history: list[dict] = field(default_factory=list)
     best_val_accuracy: float | None = None

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from service.core.knn import decide
-from training.numerics import EXP_FLOOR
+from training.numerics import EXP_FLOOR, evenly_spaced_rows
 from training.objectives.nca import NCAObjective, Objective
 from training.objectives.neighbourhood import (
     nearest_candidates,
@@ -15,8 +15,10 @@ from training.objectives.neighbourhood import (
     sampled_candidates,
     with_sampled_candidates,
 )
+from training.optim.candidate_search import CandidateSearch, held_mass
 
 SAMPLE_BLOCK_ROWS = 64
+SEARCH_AUDIT_ROWS = 512  # rows on which an approximate candidate search is measured
 
 
 def _logsumexp_at(log_p: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -69,6 +71,7 @@ class Problem:
         n_draws: int = 0,
         seed: int = 0,
         chunk_size: int | None = None,
+        search: CandidateSearch | None = None,
     ):
         self.X = X
         self.labels = labels
@@ -87,9 +90,12 @@ class Problem:
             )
         self.generator = torch.Generator(device=X.device).manual_seed(seed)
         self.chunk_size = chunk_size
+        # how candidate sets are searched: exact, or approximately (IVF) at scale
+        self.search = search if search is not None else CandidateSearch(seed=seed)
         self.nearest: torch.Tensor | None = None  # (N, 2K) nearest candidates
         self.candidates: torch.Tensor | None = None  # (N, M) what the objective reads
         self.candidate_log_weights: torch.Tensor | None = None  # (N, M) or None
+        self.search_mass_ratio: float | None = None  # measured at the last refresh
         # (B,) the query rows the loss averages over (None: all N); neighbours are all points
         self.query_rows: torch.Tensor | None = None
         n_features = X.shape[1]
@@ -120,14 +126,19 @@ class Problem:
         return np.diag(theta) if self.transform == "diagonal" else theta
 
     def find_candidates(self, z: torch.Tensor) -> torch.Tensor:
-        """Every point's candidate set in the embedding z (N, d): (N, 2K)."""
-        return nearest_candidates(z, self.labels, self.n_candidates)
+        """Every point's candidate set in the embedding z (N, d): (N, 2K), exact or by an
+        approximate search (``self.search``)."""
+        return self.search.find(z, self.labels, self.n_candidates)
 
     def refresh_candidates(self, theta: np.ndarray) -> float:
         """Recompute candidate sets in the current projection, and draw the candidates beyond
-        them afresh when ``n_draws``; return the fraction of nearest sets that changed."""
+        them afresh when ``n_draws``; return the fraction of nearest sets that changed. An
+        approximate search is measured on sample rows (``search_mass_ratio``)."""
         with torch.no_grad():
-            new = self.find_candidates(self.embed(self.to_tensor(theta)))
+            z = self.embed(self.to_tensor(theta))
+            new = self.find_candidates(z)
+            if self.search.approximate(z):
+                self.measure_search(z, new)
         old, self.nearest = self.nearest, new
         self.candidates, self.candidate_log_weights = new, None
         if self.n_draws:
@@ -138,6 +149,25 @@ class Problem:
         if old is None or old.shape != new.shape:
             return 1.0
         return float((torch.sort(old, 1).values != torch.sort(new, 1).values).any(1).float().mean())
+
+    def measure_search(self, z: torch.Tensor, found: torch.Tensor) -> float:
+        """The neighbour mass the approximately found sets hold over what exact sets of the
+        same size hold, averaged over SEARCH_AUDIT_ROWS sample rows (1: as good as exact);
+        the search raises its effort for the next refresh when it falls short."""
+        rows = torch.as_tensor(
+            evenly_spaced_rows(self.n_samples, SEARCH_AUDIT_ROWS), device=z.device
+        )
+        log_p = _log_neighbour_probabilities(z, rows)  # (B, N)
+        exact = nearest_candidates(z, self.labels, self.n_candidates, rows=rows)  # (B, 2K)
+        ratio = float(held_mass(log_p, found[rows]).mean() / held_mass(log_p, exact).mean())
+        ratio = self.agreed(ratio)
+        self.search_mass_ratio = ratio
+        self.search.tune(ratio, len(self.search.history) + 1)
+        return ratio
+
+    def agreed(self, value: float) -> float:
+        """The value every process uses for a figure that steers the fit (one process: it)."""
+        return value
 
     def outside_mass(self, theta: np.ndarray, rows: torch.Tensor) -> float:
         """What the candidate objective cannot see, on sample rows (B,): the mean over the

@@ -1,0 +1,144 @@
+"""Every stage keeps the better of its start and its end (training.optim.stages): the judge,
+the leave-one-out score it uses without a validation split, a stage forced to hurt being
+undone, and a property over seeded random problems: the default fit never ends below the
+better of its initial map and its first stage's map on held-out rows."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from training import NCA
+from training.data.synthetic import clustered_classes
+from training.evaluation.evaluate import knn_accuracies
+from training.model import plan, preparation
+from training.model.initialization import initial_components
+from training.optim.stages import StageJudge
+
+
+def test_the_judge_keeps_the_end_unless_it_scores_lower_by_more_than_one_row():
+    scores = {0: 0.90, 1: 0.90 - 0.9 / 100, 2: 0.90 - 1.6 / 100, 3: 0.95}
+    judge = StageJudge(lambda theta: scores[int(theta[0])], "test", n_rows=100)
+    assert judge.keep_better("a", np.array([0.0]), np.array([1.0]))[0] == 1  # within a row
+    assert judge.keep_better("b", np.array([0.0]), np.array([2.0]))[0] == 0  # two rows lower
+    assert judge.keep_better("c", np.array([0.0]), np.array([3.0]))[0] == 3
+    assert [r.kept for r in judge.records] == ["end", "start", "end"]
+    assert [r.stage for r in judge.undone()] == ["b"]
+
+
+def test_the_judge_scores_a_map_once():
+    calls = []
+
+    def score(theta):
+        calls.append(float(theta[0]))
+        return float(theta[0])
+
+    judge = StageJudge(score, "test", n_rows=10)
+    kept = judge.keep_better("first", np.array([1.0]), np.array([2.0]))
+    judge.keep_better("second", kept, np.array([3.0]))  # its start is the first's end
+    assert calls == [1.0, 2.0, 3.0]
+
+
+def problem(n: int, seed: int, n_features: int = 24):
+    X, y = clustered_classes(
+        n, n_features=n_features, n_classes=5, subspace_dim=6, overlap=0.8, noise=0.6, seed=seed
+    )
+    X_test, y_test = clustered_classes(
+        600, n_features=n_features, n_classes=5, subspace_dim=6, overlap=0.8, noise=0.6,
+        seed=seed, sample_seed=99,
+    )  # fmt: skip
+    return X.astype(np.float64), y, X_test.astype(np.float64), y_test
+
+
+def fit(X, y, **params):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return NCA(**{"n_components": 4, "random_state": 0, **params}).fit(X, y)
+
+
+@pytest.fixture
+def holdout_from_small_sizes(monkeypatch):
+    """Hold rows out to judge stages from 100 points (8,192 by default), so that small
+    problems exercise the path of large ones."""
+    monkeypatch.setattr(preparation, "HOLDOUT_MIN_SAMPLES", 100)
+
+
+def test_a_finish_forced_to_hurt_is_undone_and_the_first_stage_kept(
+    holdout_from_small_sizes, monkeypatch
+):
+    """A finish whose penalty (l2 = 50, the candidate stage's being 0) all but collapses the
+    map: its end scores far below its start on the held-out rows, so the fit returns the
+    map the finish started from."""
+    monkeypatch.setattr(plan, "DEFAULT_L2", 50.0)  # what l2="auto" gives the finish
+    X, y, _, _ = problem(600, seed=1)
+    forced = fit(X, y, n_candidates=6, exact_finish=5)
+    record = forced.stages_[-1]
+    assert record["stage"] == "exact finish" and record["kept"] == "start"
+    assert record["end_score"] < record["start_score"]
+    assert forced.stage_measure_.endswith("training rows held out of the fit")
+    unguarded = fit(X, y, n_candidates=6, exact_finish=5, select_stages=False)
+    norm = float(np.linalg.norm(forced.components_))
+    assert norm > 3 * float(np.linalg.norm(unguarded.components_))  # not the collapsed map
+    first = fit(X, y, n_candidates=6, exact_finish=0)
+    np.testing.assert_allclose(forced.components_, first.components_)
+
+
+def test_with_a_validation_set_the_stages_are_judged_on_it():
+    X, y, X_val, y_val = problem(400, seed=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = NCA(n_components=4, random_state=0, n_candidates=6).fit(X, y, X_val, y_val)
+    assert model.stage_measure_ == "validation accuracy"
+    assert [r["stage"] for r in model.stages_] == ["candidate stage", "exact finish"]
+
+
+def test_small_fits_without_validation_hold_nothing_out_and_are_not_judged():
+    X, y, _, _ = problem(300, seed=3)
+    model = fit(X, y)
+    assert model.stages_ == [] and model.stage_measure_ is None
+    assert fit(X, y, select_stages=False).stages_ == []
+
+
+def held_out_accuracy(model, A, X, y, X_test, y_test) -> float:
+    """5-NN accuracy of test rows against the training rows under the map A (d, D) on the
+    model's standardisation."""
+    z = ((X - model.mean_) / model.scale_) @ A.T
+    zt = ((X_test - model.mean_) / model.scale_) @ A.T
+    accuracies = knn_accuracies(z.astype(np.float32), y, zt.astype(np.float32), y_test, 5, ks=(5,))
+    return accuracies[5]
+
+
+HELD_OUT_TOLERANCE = 0.03  # 600 test rows: a stage judged on the training rows left out
+
+
+@pytest.mark.slow  # 12 fits
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(
+    seed=st.integers(0, 10_000), n=st.sampled_from([300, 500]), n_features=st.sampled_from([12, 40])
+)
+def test_the_default_fit_never_ends_below_its_start_or_its_first_stage(
+    holdout_from_small_sizes, seed, n, n_features
+):
+    """On held-out rows, the default structure of a large fit (candidate stage, then the
+    exact finish) ends within HELD_OUT_TOLERANCE of the better of its initial map and its
+    candidate stage's map, whatever the random problem."""
+    X, y, X_test, y_test = problem(n, seed, n_features)
+    full = fit(X, y, n_candidates=5)
+    first = fit(X, y, n_candidates=5, exact_finish=0)
+    Xs = (X - full.mean_) / full.scale_
+    A0, _ = initial_components(
+        full.init_used_, Xs, y, 4, random_state=np.random.default_rng(0), scale=full.scale_
+    )
+    scores = {
+        "initial": held_out_accuracy(full, A0, X, y, X_test, y_test),
+        "first stage": held_out_accuracy(first, first.components_, X, y, X_test, y_test),
+        "final": held_out_accuracy(full, full.components_, X, y, X_test, y_test),
+    }
+    assert scores["final"] >= max(scores["initial"], scores["first stage"]) - HELD_OUT_TOLERANCE, (
+        scores,
+        full.stages_,
+    )
