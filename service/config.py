@@ -126,8 +126,8 @@ class Settings(BaseSettings):
         256 * 2**20,
         ge=1024,
         description="most bytes of request bodies one worker holds at once, being received "
-        "or parsed (a body reserves its Content-Length before it is read); a body that does "
-        "not fit is refused with 429 at once",
+        "or parsed (HTTP bodies as their bytes arrive, gRPC calls their largest message "
+        "before it is read); a body that does not fit is refused with 429",
     )
     probe_port: int = Field(
         8082,

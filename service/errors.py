@@ -80,6 +80,12 @@ class HeaderFieldsTooLarge(ServiceError):
     error_type = "header_fields_too_large"
 
 
+class TooManyPipelined(ServiceError):
+    """More pipelined requests wait on a connection than it may queue."""
+
+    error_type = "too_many_pipelined"
+
+
 class TooManyConnections(ServiceError):
     """The process holds max_connections open connections."""
 
@@ -99,6 +105,7 @@ STATUS: dict[type[ServiceError], int] = {
     RequestTimeout: 408,
     HeaderFieldsTooLarge: 431,
     TooManyConnections: 503,
+    TooManyPipelined: 429,
     Unauthorized: 401,
     NotFound: 404,
     MethodNotAllowed: 405,

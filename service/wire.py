@@ -180,24 +180,22 @@ THREAD_PARSE_BYTES = 256 * 1024  # bodies larger than this are parsed in a worke
 
 
 async def read_body(request, limit: int, what: str, hold: BodyHold) -> bytes:
-    """The body of ``request`` (a Starlette request: ``headers`` and ``stream()``), refused
-    with 413 as soon as it passes ``limit``; its bytes are reserved in ``hold`` before they
-    are read (429 when they do not fit the worker's budget)."""
+    """The body of ``request`` (a Starlette request: ``headers`` and ``stream()``): refused
+    with 413 before any of it is read when its Content-Length passes ``limit``, and as soon
+    as what arrives passes it; every chunk reserved in ``hold`` as it arrives (429 when the
+    worker's budget of bodies in flight is spent). Bytes are reserved as they arrive, not as
+    declared: a client that declares a large body and sends nothing holds nothing."""
     declared = request.headers.get("content-length")
-    if declared is not None:
-        declared_bytes = parse_count(declared.strip(), "Content-Length")
-        if declared_bytes > limit:
-            raise PayloadTooLarge(
-                f"request body of {declared_bytes} bytes; the limit is {limit} {what}"
-            )
-        hold.reserve(declared_bytes)
+    if declared is not None and parse_count(declared.strip(), "Content-Length") > limit:
+        raise PayloadTooLarge(
+            f"request body of {declared.strip()} bytes; the limit is {limit} {what}"
+        )
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
             raise PayloadTooLarge(f"request body over {limit} bytes; the limit is {limit} {what}")
-        if size > hold.bytes:
-            hold.reserve(size - hold.bytes)  # a chunked body, reserved as it arrives
+        hold.reserve(len(chunk))
         chunks.append(chunk)
     return b"".join(chunks)
 

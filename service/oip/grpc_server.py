@@ -21,7 +21,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from service import __version__
-from service.errors import InvalidInput, ServiceError, Unauthorized, status_of
+from service.errors import InvalidInput, RequestTimeout, ServiceError, Unauthorized, status_of
 from service.oip import tensors as oip
 from service.oip.protocol import HEALTH_SERVICE, INFERENCE_SERVICE, message
 from service.ops.tracing import REQUEST_ID_HEADER, current_span, trace_id_of
@@ -35,6 +35,7 @@ GRPC_CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
     401: grpc.StatusCode.UNAUTHENTICATED,
     404: grpc.StatusCode.NOT_FOUND,
+    408: grpc.StatusCode.DEADLINE_EXCEEDED,
     406: grpc.StatusCode.INVALID_ARGUMENT,
     413: grpc.StatusCode.RESOURCE_EXHAUSTED,
     415: grpc.StatusCode.INVALID_ARGUMENT,
@@ -80,7 +81,9 @@ HealthCheckResponse = message("grpc.health.v1.HealthCheckResponse")
 SERVING, NOT_SERVING = 1, 2
 SERVICE_UNKNOWN = 3
 WATCH_POLL_SECONDS = 0.25
-GRPC_IDLE_SECONDS = 300  # gRPC clients keep channels open between calls: close after 5 min  # how soon a Watch stream sees a change of status
+GRPC_IDLE_SECONDS = 60  # a connection with no call for this long is closed
+GRPC_MAX_AGE_SECONDS = 300  # a connection is asked to go away (GOAWAY) after this long
+MAX_STREAMS_PER_CONNECTION = 16  # concurrent calls on one HTTP/2 connection
 
 
 def parameter(value) -> object:
@@ -109,7 +112,10 @@ class InferenceService:
             span = tracing.start_request(f"grpc {INFERENCE_SERVICE}/{name}", carrier)
             token = current_span.set(span)
             await context.send_initial_metadata(((REQUEST_ID_HEADER, trace_id_of(span)),))
+        incoming = request if isinstance(request, IncomingMessage) else None
         try:
+            if incoming is not None:
+                request = await incoming.read(context)
             if isinstance(request, Undecodable):
                 raise InvalidInput(request.message)
             return await handler(request, context)
@@ -130,6 +136,8 @@ class InferenceService:
                 grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); it was logged"
             )
         finally:
+            if incoming is not None:
+                incoming.release()
             if status == 200 and _deadline_passed(context):
                 status = 499  # answered after the client's deadline: it never arrives
             route, seconds = f"grpc {INFERENCE_SERVICE}/{name}", time.perf_counter() - started
@@ -232,6 +240,36 @@ def infer_call(request, model, max_rows: int) -> oip.InferCall:
         id=request.id,
         **ours,
     )
+
+
+class IncomingMessage:
+    """A call's request message, not read yet: :meth:`InferenceService.run` reads it,
+    within ``body_timeout_seconds``, after reserving the largest message the call may carry
+    from the worker's budget of bodies in flight (``service.ops.bodies``). So the messages
+    gRPC receives at once are bounded like HTTP bodies (429 -> UNAVAILABLE when the budget
+    is spent), and a stalled message is cut off at the deadline (408 -> DEADLINE_EXCEEDED)."""
+
+    def __init__(self, state: AppState, limit: int):
+        self.state, self.limit, self.hold = state, limit, None
+
+    async def read(self, context):
+        self.hold = self.state.bodies.hold()
+        self.hold.reserve(self.limit)
+        timeout = self.state.settings.body_timeout_seconds
+        try:
+            message = await asyncio.wait_for(context.read(), timeout)
+        except TimeoutError:
+            raise RequestTimeout(
+                f"the request message did not arrive within {timeout:g} s (body_timeout_seconds)"
+            ) from None
+        if message is grpc.aio.EOF:
+            raise InvalidInput("the call carries no request message")
+        return message
+
+    def release(self) -> None:
+        if self.hold is not None:
+            self.hold.release()
+            self.hold = None
 
 
 def _deadline_passed(context) -> bool:
@@ -351,7 +389,11 @@ RPC_NAMES = (
 )
 
 
-def handlers(state: AppState) -> list:
+def handlers(state: AppState, limit: int) -> list:
+    """The generic handlers of both services. Every RPC of the inference service reads its
+    one request message itself (a stream-unary handler: the wire is the same for a unary
+    client), so that the message is reserved for and given a deadline (IncomingMessage);
+    ``limit`` is the largest message a call may carry (``message_limit``)."""
     service, health = InferenceService(state), HealthService(state)
     rpcs = {
         "ServerLive": service.server_live,
@@ -363,13 +405,17 @@ def handlers(state: AppState) -> list:
     }
 
     def wrapped(name, method):
-        async def call(request, context):
-            return await service.run(name, method, request, context)
+        async def call(requests, context):
+            return await service.run(name, method, IncomingMessage(state, limit), context)
 
         return call
 
     table = {
-        name: _unary(wrapped(name, method), MESSAGES[f"{name}Request"], MESSAGES[f"{name}Response"])
+        name: grpc.stream_unary_rpc_method_handler(
+            wrapped(name, method),
+            request_deserializer=_decoder(MESSAGES[f"{name}Request"]),
+            response_serializer=MESSAGES[f"{name}Response"].SerializeToString,
+        )
         for name, method in rpcs.items()
     }
     health_table = {
@@ -411,6 +457,15 @@ def server_options(settings, model=None) -> list[tuple[str, int]]:
     return [
         ("grpc.max_receive_message_length", message_limit(settings, model)),
         ("grpc.max_send_message_length", -1),
+        # what a connection may have in flight before its messages are read: a few streams
+        # with small flow-control windows (no bandwidth probing that would grow them)
+        ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
+        ("grpc.http2.bdp_probe", 0),
+        ("grpc.http2.lookahead_bytes", 64 * 1024),
+        # a connection lives at most this long, and its calls then get the body deadline to
+        # finish: the backstop for a stream that stalls outside a call's own deadline
+        ("grpc.max_connection_age_ms", GRPC_MAX_AGE_SECONDS * 1000),
+        ("grpc.max_connection_age_grace_ms", int(settings.body_timeout_seconds * 1000)),
         ("grpc.so_reuseport", 1 if settings.workers > 1 else 0),
         ("grpc.max_allowed_incoming_connections", settings.max_connections),
         ("grpc.server_handshake_timeout_ms", int(settings.header_timeout_seconds * 1000)),
@@ -425,11 +480,11 @@ async def start(state: AppState) -> grpc.aio.Server:
     loaded now: a model loaded later with a larger D takes full batches over gRPC after a
     restart (until then a larger message is RESOURCE_EXHAUSTED, naming the limit)."""
     settings = state.settings
+    model = state.engine.peek()
     server = grpc.aio.server(
-        options=server_options(settings, state.engine.peek()),
-        interceptors=[KeyCheck(state)],
+        options=server_options(settings, model), interceptors=[KeyCheck(state)]
     )
-    server.add_generic_rpc_handlers(handlers(state))
+    server.add_generic_rpc_handlers(handlers(state, message_limit(settings, model)))
     address = f"{settings.host}:{settings.grpc_port}"
     if server.add_insecure_port(address) == 0:
         raise OSError(f"cannot bind the gRPC port {address}")

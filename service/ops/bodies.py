@@ -1,6 +1,7 @@
-"""The request bodies one worker holds at once, bounded: a body reserves its bytes before it
-is read, so a body that cannot fit is refused (429) instead of read (``service.wire.read_body``
-reserves; the routes hold the reservation while they read and parse)."""
+"""The request bodies one worker holds at once, bounded: a body's bytes are reserved as they
+arrive, and a body that would pass the budget is refused (429) (``service.wire.read_body``
+reserves; the routes hold the reservation while they read and parse; gRPC calls reserve
+their largest message before it is read)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,9 @@ from service.ops import memory
 
 class BodyBudget:
     """The bytes of request bodies one worker holds at once, received or being parsed, kept
-    within ``limit`` (the setting max_body_bytes_in_flight). A body reserves its declared
-    Content-Length before any of it is read (a chunked body reserves as it arrives), so a
-    body that cannot fit is refused at once (429) instead of being read. Used from the
-    event loop only, which needs no lock."""
+    within ``limit`` (the setting max_body_bytes_in_flight): what arrives is reserved, and
+    a body whose next bytes would pass the limit is refused (429). Used from the event loop
+    only, which needs no lock."""
 
     def __init__(self, limit: int):
         self.limit = limit

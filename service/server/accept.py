@@ -68,10 +68,24 @@ class AcceptBatch:
         self.listener: socket.socket | None = None
         self.searched = False
         self.closed = False
+        self.pending = 0  # accepted here, not yet handed to a protocol
 
-    def accept(self, loop: asyncio.AbstractEventLoop, port: int, protocol_factory: Callable) -> int:
-        """Accept up to BATCH pending connections on ``port``'s listener and start serving
-        them with ``protocol_factory``; the number accepted."""
+    def arrived(self) -> None:
+        """A connection reached its protocol (one accepted here, or by the event loop)."""
+        self.pending = max(0, self.pending - 1)
+
+    def accept(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        port: int,
+        protocol_factory: Callable,
+        room: int = BATCH,
+    ) -> int:
+        """Accept up to min(BATCH, ``room`` - those still pending) connections on ``port``'s
+        listener and start serving them with ``protocol_factory``; the number accepted.
+        ``room`` is what the connection cap and the lingering closes leave: connections are
+        taken from the kernel's queue no faster than the server can hold them, so batching
+        never runs the process out of file descriptors."""
         if self.closed:
             return 0
         if not self.searched:
@@ -80,7 +94,7 @@ class AcceptBatch:
         if self.listener is None:
             return 0
         accepted = 0
-        for _ in range(BATCH):
+        for _ in range(min(BATCH, room - self.pending)):
             try:
                 conn, _ = self.listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -93,6 +107,7 @@ class AcceptBatch:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             task = loop.create_task(loop.connect_accepted_socket(protocol_factory, conn))
             task.add_done_callback(_report)
+            self.pending += 1
             accepted += 1
         return accepted
 

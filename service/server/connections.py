@@ -62,11 +62,13 @@ import msgspec
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from service.errors import (
+    ClientClosed,
     HeaderFieldsTooLarge,
     MalformedRequest,
     RequestTimeout,
     ServiceError,
     TooManyConnections,
+    TooManyPipelined,
     body_of,
     status_of,
 )
@@ -80,6 +82,11 @@ log = logging.getLogger("service.server.connections")
 # files while it (re)loads, and the lingering closes (MAX_LINGERING)
 RESERVED_FILES = 128
 LINGER_SECONDS = 2.0  # after a refusal, how long to drop input before closing
+# requests a connection may queue behind an answer not yet sent (HTTP/1.1 pipelining): each
+# holds its headers (at most max_header_bytes); beyond, the connection is closed
+MAX_PIPELINED = 8
+# an answer the client is slow to take must shrink by this much every send_timeout_seconds
+MIN_SEND_PROGRESS_BYTES = 65536
 # over the cap the client has sent at most its request: a shorter linger serves more 503s
 # from the MAX_LINGERING slots when a flood keeps the server at its cap
 OVER_CAPACITY_LINGER_SECONDS = 0.5
@@ -92,10 +99,12 @@ REFUSAL_REASONS = (
     "body_timeout",
     "malformed_request",
     "send_timeout",
+    "too_many_pipelined",
 )
 # the scope key under which the connection records the status it answered in place of the
 # application (the request's metrics read it)
 ANSWERED_STATUS = "ncaknn.answered_status"
+CLIENT_CLOSED_STATUS = status_of(ClientClosed(""))  # 499: the client left mid-request
 
 
 @dataclass(frozen=True)
@@ -221,6 +230,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self.header_timer: asyncio.TimerHandle | None = None
         self.body_timer: asyncio.TimerHandle | None = None
         self.send_timer: asyncio.TimerHandle | None = None
+        self.unsent_bytes = 0  # of the answer in the transport's buffer at the last check
         self.linger_timer: asyncio.TimerHandle | None = None
         # while a request's headers are incomplete: the bytes received for them (None once
         # they are complete; the body is not counted) and what the parser has reported
@@ -236,14 +246,22 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self.refusal: tuple[ServiceError, str] | None = None  # set by a parser callback
         self.refused = False  # no more input is parsed: it is read and dropped
         self.lingering = False
+        self.from_batch = False  # accepted by service.server.accept, not by the event loop
 
     # ------------------------------------------------------------------ connection
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(_Transport(transport, self))
         observer.open_connections(len(self.connections))
-        if self.server is not None:
-            accept.batch.accept(self.loop, self.server[1], self.new_protocol)
+        if self.from_batch:
+            accept.batch.arrived()
+        # connections taken from the kernel's queue at most up to what the cap and the
+        # lingering closes can hold: file descriptors stay within the reserve
+        room = self.guard.max_connections + MAX_LINGERING - len(self.connections)
+        if self.server is not None and room - _Lingering.count > 0:
+            accept.batch.accept(
+                self.loop, self.server[1], self.new_protocol, room - _Lingering.count
+            )
         if len(self.connections) > self.guard.max_connections:
             self.refuse(
                 TooManyConnections(
@@ -258,12 +276,14 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def new_protocol(self) -> GuardedHttpProtocol:
         """A protocol for a connection accepted in a batch (service.server.accept)."""
-        return type(self)(
+        protocol = type(self)(
             config=self.config,
             server_state=self.server_state,
             app_state=self.app_state,
             _loop=self.loop,
         )
+        protocol.from_batch = True
+        return protocol
 
     def shutdown(self) -> None:
         accept.batch.close()  # the server stops accepting
@@ -277,6 +297,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if self.lingering:
             self.lingering = False
             _Lingering.count -= 1
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete and not self.refused:
+            # the client left before its answer: the request is counted as a client abort
+            cycle.scope.setdefault(ANSWERED_STATUS, CLIENT_CLOSED_STATUS)  # type: ignore[misc]
         super().connection_lost(exc)
         observer.open_connections(len(self.connections))
 
@@ -340,6 +364,16 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     # ------------------------------------------------------------------ parser callbacks
 
     def on_message_begin(self) -> None:
+        if len(self.pipeline) >= MAX_PIPELINED:
+            # requests queued behind an answer not yet sent hold their headers in memory
+            self.refusal = (
+                TooManyPipelined(
+                    f"more than {MAX_PIPELINED} pipelined requests are waiting for their "
+                    "answers on this connection; send the next request after an answer"
+                ),
+                "too_many_pipelined",
+            )
+            raise _HeaderLimit
         super().on_message_begin()
         self.raw_header_bytes = 0
         self.parsed_header_bytes = 0
@@ -403,14 +437,26 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def pause_writing(self) -> None:
         super().pause_writing()
         if self.send_timer is None and not self.refused:
-            self.send_timer = self.loop.call_later(
-                self.guard.send_timeout_seconds, self.on_send_timeout
-            )
+            self.arm_send_timer()
+
+    def arm_send_timer(self) -> None:
+        self.unsent_bytes = self.transport.inner.get_write_buffer_size()
+        self.send_timer = self.loop.call_later(
+            self.guard.send_timeout_seconds, self.on_send_timeout
+        )
 
     def on_send_timeout(self) -> None:
+        """A client slow to take its answer is given another send_timeout_seconds each time
+        it took MIN_SEND_PROGRESS_BYTES (or the rest) meanwhile; one that stalled is reset."""
         self.send_timer = None
         transport = self.transport.inner
-        if transport.get_write_buffer_size():
+        unsent = transport.get_write_buffer_size()
+        if not unsent or (transport.is_closing() and not unsent):
+            return
+        if self.unsent_bytes - unsent >= min(MIN_SEND_PROGRESS_BYTES, self.unsent_bytes):
+            self.arm_send_timer()  # it is reading: keep going
+            return
+        if unsent:
             observer.refused("send_timeout")
             log.info(
                 "an answer was not taken in time: connection reset",

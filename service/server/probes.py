@@ -20,9 +20,10 @@ several), reads them:
 * ``/readyz`` 200 while the workers are live and every one is ``ready``; 503 otherwise.
 
 The listener reads at most ``MAX_REQUEST_BYTES`` of a request within ``READ_TIMEOUT_SECONDS``
-and answers one connection at a time with ``Connection: close``: it is meant for the kubelet
-on a port the Service does not expose, and a client there can delay it by at most that
-timeout per connection.
+and answers with ``Connection: close``. One thread multiplexes every connection, so a client
+that opens connections and sends nothing delays no probe, and at most ``MAX_CONNECTIONS``
+are held (beyond, the oldest is dropped). It is meant for the kubelet, on a port the Service
+does not expose.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import asyncio
 import json
 import logging
 import os
+import selectors
 import socket
 import threading
 import time
@@ -43,6 +45,7 @@ PROBES_DIR = "probes"
 HEARTBEAT_SECONDS = 0.5
 READ_TIMEOUT_SECONDS = 1.0
 MAX_REQUEST_BYTES = 4096
+MAX_CONNECTIONS = 64  # open probe connections; beyond, the oldest is dropped
 STATES = ("ready", "unready", "draining")
 
 
@@ -121,7 +124,10 @@ def probe_answer(path: str, runtime_dir: Path, stall_seconds: float) -> tuple[in
 
 class ProbeServer:
     """The listener: bound at construction (a port in use fails the start), served by a
-    daemon thread from :meth:`start`."""
+    daemon thread from :meth:`start`. One thread multiplexes every connection (a selector):
+    a client that connects and sends nothing delays no probe; each connection gets
+    READ_TIMEOUT_SECONDS for its request, and beyond MAX_CONNECTIONS open ones the oldest
+    is dropped, so an attacker cannot hold the listener whatever it opens."""
 
     def __init__(self, host: str, port: int, runtime_dir: Path, stall_seconds: float):
         self.runtime_dir = Path(runtime_dir)
@@ -135,36 +141,92 @@ class ProbeServer:
             self.sock.close()
             raise OSError(f"cannot bind the probe port {host}:{port} ({exc.strerror})") from None
         self.sock.listen(64)
+        self.sock.setblocking(False)
         self.address = self.sock.getsockname()[:2]
+        self.closed = threading.Event()
+        self.selector = selectors.DefaultSelector()
+        self.pending: dict[socket.socket, tuple[float, bytearray]] = {}  # conn -> (since, read)
         self.thread = threading.Thread(target=self.serve, name="probes", daemon=True)
 
     def start(self) -> ProbeServer:
+        self.selector.register(self.sock, selectors.EVENT_READ)
         self.thread.start()
         log.info("probes serving", extra={"address": f"{self.address[0]}:{self.address[1]}"})
         return self
 
     def serve(self) -> None:
-        while True:
+        """Accept, read and answer until closed; an error on one connection (or running out
+        of file descriptors for a moment) never ends the thread."""
+        while not self.closed.is_set():
+            try:
+                events = self.selector.select(timeout=0.25)
+            except (OSError, ValueError):
+                if self.closed.is_set():
+                    return
+                time.sleep(0.05)
+                continue
+            for key, _ in events:
+                if key.fileobj is self.sock:
+                    self.accept_pending()
+                else:
+                    self.read(key.fileobj)
+            self.expire()
+
+    def accept_pending(self) -> None:
+        for _ in range(MAX_CONNECTIONS):
             try:
                 conn, _ = self.sock.accept()
-            except OSError:
-                return  # closed
-            with conn:
-                try:
-                    self.answer(conn)
-                except OSError:
-                    pass  # the client went away
-
-    def answer(self, conn: socket.socket) -> None:
-        conn.settimeout(READ_TIMEOUT_SECONDS)
-        request = b""
-        deadline = time.monotonic() + READ_TIMEOUT_SECONDS
-        while b"\r\n\r\n" not in request and len(request) < MAX_REQUEST_BYTES:
-            conn.settimeout(max(0.01, deadline - time.monotonic()))
-            chunk = conn.recv(MAX_REQUEST_BYTES)
-            if not chunk:
+            except BlockingIOError:
                 return
-            request += chunk
+            except OSError:  # out of file descriptors, or aborted: try again next turn
+                time.sleep(0.01)
+                return
+            conn.setblocking(False)
+            if len(self.pending) >= MAX_CONNECTIONS:
+                oldest = min(self.pending, key=lambda c: self.pending[c][0])
+                self.drop(oldest)
+            self.pending[conn] = (time.monotonic(), bytearray())
+            self.selector.register(conn, selectors.EVENT_READ)
+
+    def read(self, conn: socket.socket) -> None:
+        request = self.pending[conn][1]
+        try:
+            chunk = conn.recv(MAX_REQUEST_BYTES)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self.drop(conn)
+            return
+        request += chunk
+        if b"\r\n\r\n" in request or len(request) >= MAX_REQUEST_BYTES:
+            try:
+                conn.setblocking(True)
+                conn.settimeout(READ_TIMEOUT_SECONDS)
+                conn.sendall(self.answer(bytes(request)))
+            except OSError:
+                pass  # the client went away
+            self.drop(conn)
+
+    def expire(self) -> None:
+        """Close connections whose request has not arrived within READ_TIMEOUT_SECONDS."""
+        now = time.monotonic()
+        for conn in [
+            c for c, (since, _) in self.pending.items() if now - since > READ_TIMEOUT_SECONDS
+        ]:
+            self.drop(conn)
+
+    def drop(self, conn: socket.socket) -> None:
+        self.pending.pop(conn, None)
+        try:
+            self.selector.unregister(conn)
+        except (KeyError, ValueError):
+            pass
+        conn.close()
+
+    def answer(self, request: bytes) -> bytes:
+        """The HTTP answer to one request: /healthz or /readyz, else 404."""
         method, _, rest = request.partition(b" ")
         path = rest.partition(b" ")[0].split(b"?")[0].decode("latin-1")
         if method not in (b"GET", b"HEAD") or path not in ("/healthz", "/readyz"):
@@ -177,11 +239,12 @@ class ProbeServer:
             f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
             f"content-length: {len(payload)}\r\nconnection: close\r\n\r\n"
         ).encode()
-        conn.sendall(head if method == b"HEAD" else head + payload)
+        return head if method == b"HEAD" else head + payload
 
     def close(self) -> None:
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept()
-        except OSError:
-            pass
+        self.closed.set()
+        self.thread.join(timeout=2)
+        for conn in list(self.pending):
+            self.drop(conn)
+        self.selector.close()
         self.sock.close()

@@ -170,7 +170,24 @@ def _unreadable(path: Path) -> None:
     (path / "labels.npy").chmod(0)
 
 
+def _deep_manifest(path: Path) -> None:
+    (path / "manifest.json").write_text("[" * 200_000 + "]" * 200_000)
+
+
+def _huge_manifest(path: Path) -> None:
+    with open(path / "manifest.json", "ab") as fh:
+        fh.truncate(17 * 2**20)  # sparse: no memory or disk spent
+
+
+def _sparse_embeddings(path: Path) -> None:
+    with open(path / "embeddings.npy", "ab") as fh:
+        fh.truncate(3 * 2**30)  # 3 GiB the manifest's shape cannot hold
+
+
 UNREADABLE_CORPUS = {
+    "a manifest nested 200,000 deep": (_deep_manifest, "manifest.json: not valid JSON .*nested"),
+    "a 17 MiB manifest": (_huge_manifest, "manifest.json: .* more than the"),
+    "a sparse 3 GiB embeddings.npy": (_sparse_embeddings, "embeddings.npy: .* more than the"),
     "labels.npy a FIFO": (_fifo, "labels.npy: expected a regular file .* got a FIFO"),
     "labels.npy a directory": (_directory, "labels.npy: expected a regular file"),
     "labels.npy a socket": (_unix_socket, "labels.npy: cannot be opened"),
@@ -275,4 +292,26 @@ def test_a_reload_has_a_deadline_and_loads_do_not_queue(model_dir, monkeypatch):
         deadline = time.monotonic() + 10
         while client.get("/v1/model").json()["model_version"] != republished:
             assert time.monotonic() < deadline, "the slow load never swapped in"
+            time.sleep(0.1)
+
+
+def test_the_poller_outlives_an_artifact_it_cannot_parse(model_dir, tmp_path):
+    """A manifest nested 200,000 deep once stopped the model sync for good; the poller
+    now refuses it and picks up the valid artifact written after it."""
+    import shutil
+    import time
+
+    good = tmp_path / "good"
+    shutil.copytree(model_dir, good)
+    with TestClient(create_app(settings_for(model_dir, reload_poll_seconds=0.1))) as client:
+        before = client.get("/v1/model").json()["model_version"]
+        _deep_manifest(model_dir)
+        time.sleep(0.5)
+        assert client.get("/v1/model").json()["model_version"] == before
+        republished = republish_scaled(good, 1.3)
+        shutil.rmtree(model_dir)
+        shutil.copytree(good, model_dir)
+        deadline = time.monotonic() + 10
+        while client.get("/v1/model").json()["model_version"] != republished:
+            assert time.monotonic() < deadline, "the poller stopped"
             time.sleep(0.1)

@@ -385,3 +385,67 @@ def test_two_authorization_headers_are_refused(server):
         sock.sendall(post_head("/v1/classify", len(body))[:-2] + AUTH + b"\r\n" + body)
         status, _, answer = read_response(sock)
     assert status == 401 and b"Authorization values" in answer
+
+
+def test_a_slow_steady_reader_is_not_cut_off(server):
+    """A client that takes a 6 MB answer at about 1.3 MB/s (256 KiB every 0.2 s) makes
+    progress in every SEND_TIMEOUT window, so it gets its whole answer (an answer is cut
+    only when it stops draining)."""
+    port, url, _ = server
+    x = np.random.default_rng(2).uniform(0, 16, size=(4096, D)).astype(np.float32)
+    body = npy(x)
+    before = refused_count(url, "send_timeout")
+    sock = connect(port)
+    head = (
+        "POST /v1/neighbors?k=64 HTTP/1.1\r\nhost: t\r\ncontent-type: application/x-npy\r\n"
+        f"accept: application/x-npy\r\nconnection: close\r\ncontent-length: {len(body)}\r\n"
+    ).encode()
+    sock.sendall(head + AUTH + b"\r\n" + body)
+    received = 0
+    while chunk := sock.recv(256 * 1024):
+        received += len(chunk)
+        time.sleep(0.2)
+    sock.close()
+    print(f"a slow steady reader took {received} bytes")
+    assert received > 4096 * 64 * 24  # the whole answer (plus its head)
+    assert refused_count(url, "send_timeout") == before
+
+
+def test_bodies_declared_but_not_sent_hold_no_budget(server):
+    """Twenty-one authorised clients each declare a 12 MB body and send nothing: the budget
+    holds what arrives, not what is declared, so a normal request is still served."""
+    port, url, _ = server
+    sockets = [connect(port) for _ in range(21)]
+    try:
+        for sock in sockets:
+            sock.sendall(post_head("/v1/classify", 12_000_000))
+        time.sleep(0.3)
+        statuses = [fresh_classify(url)[0] for _ in range(5)]
+    finally:
+        for sock in sockets:
+            sock.close()
+    assert statuses == [200] * 5
+
+
+def test_a_client_that_leaves_before_its_answer_is_counted_as_a_client_abort(server):
+    """Requests whose clients close while they are computed: counted 499, not 200 (one
+    answered before the server saw its client go counts 200: every request once)."""
+    port, url, _ = server
+    x = np.random.default_rng(3).uniform(0, 16, size=(4096, D)).astype(np.float32)
+    body = npy(x)
+    before = (requests_with(url, "/v1/neighbors", 499), requests_with(url, "/v1/neighbors", 200))
+    for _ in range(3):
+        sock = connect(port)
+        sock.sendall(
+            "POST /v1/neighbors?k=256 HTTP/1.1\r\nhost: t\r\ncontent-type: application/x-npy\r\n"
+            f"accept: application/x-npy\r\ncontent-length: {len(body)}\r\n".encode()
+            + AUTH
+            + b"\r\n"
+            + body
+        )
+        sock.close()
+    time.sleep(2)
+    after = (requests_with(url, "/v1/neighbors", 499), requests_with(url, "/v1/neighbors", 200))
+    print(f"clients that left: 499s {before[0]} -> {after[0]}, 200s {before[1]} -> {after[1]}")
+    assert after[0] - before[0] >= 2
+    assert (after[0] - before[0]) + (after[1] - before[1]) == 3

@@ -160,3 +160,123 @@ def test_no_other_process_can_take_the_grpc_port(server):
         assert caught.value.errno == errno.EADDRINUSE
     finally:
         intruder.close()
+
+
+@pytest.fixture(scope="module")
+def tight_server(model_artifact):
+    """A key, a 2 s body deadline and a body budget of 2 MiB: ten of this model's largest
+    messages (MAX_ROWS x 64 x 8 bytes + 64 KiB = 192 KiB each)."""
+    port, grpc_port = free_port(), free_port()
+    proc = start_server(
+        model_artifact[0],
+        port,
+        NCAKNN_GRPC_PORT=grpc_port,
+        NCAKNN_API_KEY=KEY,
+        NCAKNN_MAX_BATCH_ROWS=MAX_ROWS,
+        NCAKNN_BODY_TIMEOUT_SECONDS=2,
+        NCAKNN_MAX_BODY_BYTES_IN_FLIGHT=10 * LIMIT + 1024,
+    )
+    try:
+        wait_ready(f"http://127.0.0.1:{port}", proc)
+        yield grpc_port
+    finally:
+        stop_server(proc)
+
+
+def stalled_call(grpc_port: int, results: list, release: threading.Event) -> None:
+    """A call whose message never comes (a client stream that yields nothing until
+    ``release``): the server holds its reservation until the body deadline."""
+
+    def nothing():
+        release.wait(10)
+        return
+        yield  # a generator that yields nothing
+
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+        stub = channel.stream_unary(INFER)
+        started = time.perf_counter()
+        try:
+            stub(nothing(), metadata=(("authorization", f"Bearer {KEY}"),), timeout=20)
+            results.append(("OK", time.perf_counter() - started))
+        except grpc.RpcError as exc:
+            results.append((exc.code().name, time.perf_counter() - started))
+
+
+def test_a_message_that_never_comes_meets_the_body_deadline(tight_server):
+    results: list = []
+    release = threading.Event()
+    try:
+        stalled_call(tight_server, results, release)
+    finally:
+        release.set()
+    ((code, seconds),) = results
+    print(f"a call whose message never came: {code} after {seconds:.2f} s")
+    assert code == "DEADLINE_EXCEEDED" and 1.9 <= seconds <= 4
+
+
+def test_calls_in_flight_are_bounded_by_the_body_budget(tight_server):
+    """Twelve calls hold their reservations (their messages never come): the budget takes
+    ten; a normal call meanwhile is refused UNAVAILABLE at once, and served once the
+    stalled ones met their deadline."""
+    results: list = []
+    release = threading.Event()
+    holders = [
+        threading.Thread(target=stalled_call, args=(tight_server, results, release))
+        for _ in range(12)
+    ]
+    for t in holders:
+        t.start()
+    time.sleep(0.5)
+    auth = (("authorization", f"Bearer {KEY}"),)
+    during = call(tight_server, infer_request(1), auth)
+    for t in holders:
+        t.join()
+    after = call(tight_server, infer_request(1), auth)
+    codes = sorted(code for code, _ in results)
+    print(f"12 stalled calls: {codes}; a call meanwhile: {during.name}, after: {after.name}")
+    assert during == grpc.StatusCode.UNAVAILABLE
+    assert codes.count("UNAVAILABLE") >= 2 and codes.count("DEADLINE_EXCEEDED") <= 10
+    assert after == grpc.StatusCode.OK
+
+
+def test_a_stop_finishes_both_wires_within_one_grace_period(model_artifact):
+    """SIGTERM while a keyed HTTP client trickles its body and a gRPC call's message never
+    comes: the process exits within the drain delay (1 s) + one grace period (3 s) + 2 s
+    (the wires stop side by side, not one after the other)."""
+    import signal
+
+    from tests.service.servers import connect
+
+    port, grpc_port = free_port(), free_port()
+    proc = start_server(
+        model_artifact[0],
+        port,
+        NCAKNN_GRPC_PORT=grpc_port,
+        NCAKNN_API_KEY=KEY,
+        NCAKNN_DRAIN_DELAY_SECONDS=1,
+        NCAKNN_GRACEFUL_SHUTDOWN_SECONDS=3,
+    )
+    results: list = []
+    release = threading.Event()
+    try:
+        wait_ready(f"http://127.0.0.1:{port}", proc)
+        trickler = connect(port)
+        trickler.sendall(
+            b"POST /v1/classify HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n"
+            + f"authorization: Bearer {KEY}\r\ncontent-length: 100000\r\n\r\n{{".encode()
+        )
+        stalled = threading.Thread(target=stalled_call, args=(grpc_port, results, release))
+        stalled.start()
+        time.sleep(0.5)
+        started = time.perf_counter()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(30)
+        took = time.perf_counter() - started
+    finally:
+        release.set()
+        stop_server(proc)
+    stalled.join()
+    trickler.close()
+    print(f"stop with a trickling HTTP body and a stalled gRPC message: {took:.2f} s")
+    assert code in (0, -signal.SIGTERM)
+    assert took <= 1 + 3 + 2

@@ -231,13 +231,13 @@ def test_the_reader_keeps_the_directory_it_opened(model_dir, tmp_path, monkeypat
     calls = {"n": 0}
     original = artifact_reader._PinnedDirectory.read
 
-    def read_and_flip(self, name, what):
+    def read_and_flip(self, name, what, max_bytes=None):
         calls["n"] += 1
         if calls["n"] == 3:  # after the manifest and two arrays
             tmp = tmp_path / "flip"
             tmp.symlink_to(v2)
             os.replace(tmp, link)
-        return original(self, name, what)
+        return original(self, name, what, max_bytes)
 
     monkeypatch.setattr(artifact_reader._PinnedDirectory, "read", read_and_flip)
     art = read_artifact(link)

@@ -49,8 +49,10 @@ class _PinnedDirectory:
     def __exit__(self, *exc_info) -> None:
         os.close(self.fd)
 
-    def read(self, name: str, what: str) -> bytes:
-        """The whole file ``name`` inside the directory, read once."""
+    def read(self, name: str, what: str, max_bytes: int | None = None) -> bytes:
+        """The whole file ``name`` inside the directory, read once; ArtifactError before
+        anything is read when it is larger than ``max_bytes`` (what the manifest says it
+        holds: a huge or sparse file is not read to find out that its checksum is wrong)."""
         if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
             raise ArtifactError(
                 f"{self.root / MANIFEST_FILE}: {what} path {name!r} is not a plain file name"
@@ -62,15 +64,26 @@ class _PinnedDirectory:
             raise ArtifactError(f"{self.root / name}: missing ({what})") from None
         except OSError as exc:
             raise ArtifactError(f"{self.root / name}: cannot be opened ({exc.strerror})") from None
-        kind = os.fstat(fd).st_mode
-        if not stat.S_ISREG(kind):
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
             os.close(fd)
             raise ArtifactError(
-                f"{self.root / name}: expected a regular file ({what}), got a {_file_kind(kind)}"
+                f"{self.root / name}: expected a regular file ({what}), got a "
+                f"{_file_kind(info.st_mode)}"
+            )
+        if max_bytes is not None and info.st_size > max_bytes:
+            os.close(fd)
+            raise ArtifactError(
+                f"{self.root / name}: {info.st_size} bytes, more than the {max_bytes} its "
+                f"manifest entry allows ({what})"
             )
         os.set_blocking(fd, True)
         with os.fdopen(fd, "rb") as fh:
             return fh.read()
+
+
+MAX_MANIFEST_BYTES = 16 * 2**20  # a manifest is metadata: a larger one is refused unread
+NPY_HEADER_MAX_BYTES = 65536 + 16  # the .npy header before an array's data, at most
 
 
 def _file_kind(mode: int) -> str:
@@ -90,6 +103,8 @@ def _parse_manifest(root: Path, data: bytes) -> dict[str, Any]:
         manifest = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ArtifactError(f"{manifest_path}: not valid JSON ({exc})") from exc
+    except RecursionError:
+        raise ArtifactError(f"{manifest_path}: not valid JSON (nested too deeply)") from None
     if not isinstance(manifest, dict):
         raise ArtifactError(
             f"{manifest_path}: expected a JSON object, got {type(manifest).__name__}"
@@ -121,7 +136,9 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     """Read and check manifest.json of the artifact at ``path`` (no array is opened)."""
     root = Path(path)
     with _PinnedDirectory(root) as directory:
-        return _parse_manifest(root, directory.read(MANIFEST_FILE, "the manifest"))
+        return _parse_manifest(
+            root, directory.read(MANIFEST_FILE, "the manifest", MAX_MANIFEST_BYTES)
+        )
 
 
 def _parse_npy(file_path: Path, data: bytes) -> np.ndarray:
@@ -139,7 +156,9 @@ def read_artifact(path: str | os.PathLike) -> Artifact:
     """
     root = Path(path)
     with _PinnedDirectory(root) as directory:
-        manifest = _parse_manifest(root, directory.read(MANIFEST_FILE, "the manifest"))
+        manifest = _parse_manifest(
+            root, directory.read(MANIFEST_FILE, "the manifest", MAX_MANIFEST_BYTES)
+        )
         files = manifest["files"]
         dims = check_manifest(manifest)
         arrays: dict[str, np.ndarray] = {}
@@ -150,7 +169,12 @@ def read_artifact(path: str | os.PathLike) -> Artifact:
         index_bytes = None
         if "index" in files:
             entry = files["index"]
-            index_bytes = directory.read(entry.get("path"), "listed in the manifest as index")
+            size = entry.get("bytes")
+            index_bytes = directory.read(
+                entry.get("path"),
+                "listed in the manifest as index",
+                size if isinstance(size, int) and not isinstance(size, bool) else 0,
+            )
             _check_sha256(root / entry["path"], index_bytes, entry.get("sha256"))
     expected_version = model_version_of(manifest)
     stored = manifest.get("model_version", expected_version)
@@ -178,13 +202,14 @@ def _read_array(root: Path, directory, files: dict, name: str, dims: dict) -> np
         if name in OPTIONAL_ARRAYS:
             return None
         raise ArtifactError(f"{root / MANIFEST_FILE}: no entry for required file {file_name}")
-    data = directory.read(entry.get("path"), f"listed in the manifest as {name}")
+    expected = tuple(dims[s] for s in symbols)
+    largest = NPY_HEADER_MAX_BYTES + int(np.prod(expected, dtype=np.int64)) * dtype.itemsize
+    data = directory.read(entry.get("path"), f"listed in the manifest as {name}", largest)
     file_path = root / entry["path"]
     _check_sha256(file_path, data, entry.get("sha256"))
     array = _parse_npy(file_path, data)
     if array.dtype != dtype:
         raise ArtifactError(f"{file_path}: expected dtype {dtype}, got {array.dtype}")
-    expected = tuple(dims[s] for s in symbols)
     if array.shape != expected or list(array.shape) != list(entry.get("shape", [])):
         raise ArtifactError(
             f"{file_path}: expected shape {expected}, got {array.shape} "
@@ -210,12 +235,12 @@ def artifact_fingerprint(path: str | os.PathLike) -> tuple | None:
     root = Path(path)
     try:
         with _PinnedDirectory(root) as directory:
-            manifest_bytes = directory.read(MANIFEST_FILE, "the manifest")
+            manifest_bytes = directory.read(MANIFEST_FILE, "the manifest", MAX_MANIFEST_BYTES)
             identity = os.fstat(directory.fd)
             stats = []
             try:
                 files = json.loads(manifest_bytes.decode("utf-8")).get("files", {})
-            except (UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+            except (UnicodeDecodeError, json.JSONDecodeError, AttributeError, RecursionError):
                 files = {}
             for name in sorted(files) if isinstance(files, dict) else ():
                 entry = files[name]
@@ -240,7 +265,12 @@ def read_extras(artifact: Artifact) -> dict[str, bytes]:
     out: dict[str, bytes] = {}
     with _PinnedDirectory(artifact.path) as directory:
         for name, entry in artifact.manifest.get("extras", {}).items():
-            data = directory.read(name, "listed in the manifest as an extra file")
+            size = entry.get("bytes")
+            data = directory.read(
+                name,
+                "listed in the manifest as an extra file",
+                size if isinstance(size, int) and not isinstance(size, bool) else 0,
+            )
             _check_sha256(artifact.path / name, data, entry.get("sha256"))
             out[name] = data
     return out
