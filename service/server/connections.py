@@ -228,6 +228,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             GuardedHttpProtocol.limits = ConnectionLimits.from_settings(Settings())
         self.guard = GuardedHttpProtocol.limits
         self.header_timer: asyncio.TimerHandle | None = None
+        # when the request being read must have its headers (a timer is armed only if a read
+        # ends before they are complete: most requests arrive whole in one read)
+        self.header_deadline: float | None = None
         self.body_timer: asyncio.TimerHandle | None = None
         self.send_timer: asyncio.TimerHandle | None = None
         self.unsent_bytes = 0  # of the answer in the transport's buffer at the last check
@@ -338,6 +341,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                 self.raw_header_bytes += len(data)
             if self.raw_header_bytes > self.guard.max_header_bytes:
                 self.refuse(self.headers_too_large(), "headers_too_large")
+            elif self.header_timer is None and self.header_deadline is not None:
+                # the request's headers did not come whole in this read: time them now
+                remaining = max(0.0, self.header_deadline - self.loop.time())
+                self.header_timer = self.loop.call_later(remaining, self.on_header_timeout)
         elif self.in_body:
             if whole_read_in_body:
                 # every byte of this read belonged to the body phase: what the body did not
@@ -379,8 +386,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self.parsed_header_bytes = 0
         self.header_count = 0
         self.began_in_this_read = True
-        if self.header_timer is None:
-            self.arm_header_timer()
+        if self.header_timer is None:  # timed from here; a timer only if this read ends early
+            self.header_deadline = self.loop.time() + self.guard.header_timeout_seconds
 
     def on_url(self, url: bytes) -> None:
         super().on_url(url)
@@ -399,11 +406,15 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             raise _HeaderLimit
         if self.in_body:
             return  # a trailer field: counted as framing, not added to the request's headers
-        self.count_parsed(len(name) + len(value) + 4)  # "name: value\r\n"
+        self.parsed_header_bytes += len(name) + len(value) + 4  # "name: value\r\n"
+        if self.parsed_header_bytes > self.guard.max_header_bytes:
+            self.refusal = (self.headers_too_large(), "headers_too_large")
+            raise _HeaderLimit
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
         self.cancel_header_timer()
+        self.header_deadline = None
         self.raw_header_bytes = None
         super().on_headers_complete()
         self.in_body = True  # until on_message_complete, which follows at once without a body
