@@ -134,7 +134,9 @@ def test_two_authorization_values_are_refused(server):
 
 def test_a_call_the_client_abandons_is_not_counted_as_served(server):
     """Calls whose deadline passes while they run (1 ms) are counted as 499, not 200 (a call
-    answered just as its deadline passes may count as 499 at the server's clock)."""
+    answered just as its deadline passes may count as 499 at the server's clock). A call the
+    client cancels before its handler starts is never seen by the server, so up to 20 are
+    counted, and at least one as 499."""
     url, grpc_port, _ = server
     auth = (("authorization", f"Bearer {KEY}"),)
     before = (grpc_requests(url, 200), grpc_requests(url, 499))
@@ -143,8 +145,9 @@ def test_a_call_the_client_abandons_is_not_counted_as_served(server):
     after = (grpc_requests(url, 200), grpc_requests(url, 499))
     served = sum(code == grpc.StatusCode.OK for code in codes)
     print(f"20 calls with a 1 ms deadline: {served} served; counts {before} -> {after}")
+    abandoned = after[1] - before[1]
     assert after[0] - before[0] <= served
-    assert (after[0] - before[0]) + (after[1] - before[1]) == 20
+    assert 1 <= abandoned and (after[0] - before[0]) + abandoned <= 20
     assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
