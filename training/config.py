@@ -46,11 +46,12 @@ def _shared(name: str, help: str):
 @dataclass
 class TrainConfig:
     data: str = _opt(
-        "digits", "built-in set (digits, iris, wine, breast_cancer) or a .npz / .npy / .csv path"
+        "digits",
+        "built-in set (digits, iris, wine, breast_cancer) or a .npz / .npy / .csv / .parquet path",
     )
     labels: str | None = _opt(None, "label file (.npy) when --data is a .npy feature file")
     label_column: str | None = _opt(
-        None, "CSV label column (default: 'label' if present, else the last)"
+        None, "CSV or Parquet label column ('label' if present, else the last)"
     )
     out: str | None = _opt(
         None,

@@ -210,7 +210,7 @@ def run(config: TrainConfig, *, log=print) -> dict:
         config.data,
         labels=config.labels,
         label_column=config.label_column,
-        memory_map=group.is_distributed,
+        memory_map=True,
     )
     split = shard_split(data, config, group) if group.is_distributed else _split(data, config)
     del data  # a data-parallel rank keeps only its rows

@@ -190,7 +190,8 @@ def write_npz(path, **arrays):
             "--test-size=1.5 must lie in",
         ),
         (lambda p, r: write_npz(p, Z=np.zeros(3)), [], r"missing arrays \['X', 'y'\]"),
-        (lambda p, r: str(p.with_suffix(".parquet")), [], "expected one of the built-in sets"),
+        (lambda p, r: str(p.with_suffix(".feather")), [], "expected one of the built-in sets"),
+        (lambda p, r: str(p.with_suffix(".parquet")), [], "no such file"),
         (lambda p, r: str(p.with_name("absent.npz")), [], "no such file"),
     ],
 )

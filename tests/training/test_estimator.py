@@ -249,6 +249,21 @@ def test_deterministic_for_a_seed():
     np.testing.assert_array_equal(a.components_, b.components_)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("n_candidates", [None, 8])
+def test_fit_leaves_the_callers_arrays_untouched(dtype, n_candidates):
+    """Standardisation, the held-out rows and the candidate stages work on copies: the
+    caller's X and y are bit for bit what they were (exact and candidate paths)."""
+    X, y = load_digits(return_X_y=True)
+    X, y = X[:400].astype(dtype), y[:400].copy()
+    X_before, y_before = X.copy(), y.copy()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        NCA(n_components=4, max_iter=3, n_candidates=n_candidates, random_state=0).fit(X, y)
+    np.testing.assert_array_equal(X, X_before)
+    np.testing.assert_array_equal(y, y_before)
+
+
 def test_warm_start_from_an_artifact_continues_the_same_map(tmp_path):
     X, y = load_iris(return_X_y=True)
     first = NCA(n_components=2, random_state=0).fit(X, y)

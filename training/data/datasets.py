@@ -2,7 +2,10 @@
 
 Sources: a built-in scikit-learn set (digits, iris, wine, breast_cancer: shipped with the
 package, no network), an ``.npz`` file (``X``, ``y``, optional ``X_test``, ``y_test``), an
-``.npy`` feature file with a separate ``.npy`` label file, or a CSV file with a label column.
+``.npy`` feature file with a separate ``.npy`` label file (memory-mapped: rows are read when
+taken), a CSV file with a label column, or a Parquet file (pyarrow) whose features are either
+one numeric column each or one list column of equal-length numeric lists, beside the label
+column. Labels may be integers or strings.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from training.data.parquet import ParquetError, read_parquet
 
 BUILTIN_DATASETS = ("digits", "iris", "wine", "breast_cancer")
 
@@ -77,10 +82,10 @@ def load_dataset(
         return _load_builtin(spec)
     path = Path(spec)
     suffix = path.suffix.lower()
-    if suffix not in (".npz", ".npy", ".csv"):
+    if suffix not in (".npz", ".npy", ".csv", ".parquet"):
         raise DataError(
             f"--data {spec!r}: expected one of the built-in sets {list(BUILTIN_DATASETS)} "
-            "or a path ending in .npz, .npy or .csv"
+            "or a path ending in .npz, .npy, .csv or .parquet"
         )
     if not path.is_file():
         raise DataError(f"--data {spec!r}: no such file")
@@ -88,6 +93,8 @@ def load_dataset(
         return _load_npz(path)
     if suffix == ".npy":
         return _load_npy_pair(path, labels, memory_map)
+    if suffix == ".parquet":
+        return load_parquet(path, label_column)
     return _load_csv(path, label_column)
 
 
@@ -145,6 +152,14 @@ def _load_npy_pair(path: Path, labels: str | None, memory_map: bool = False) -> 
         y=_load_npy(label_path, "labels"),
         name=path.stem,
     )
+
+
+def load_parquet(path: Path, label_column: str | None) -> Dataset:
+    try:
+        X, y, names = read_parquet(path, label_column)
+    except ParquetError as exc:
+        raise DataError(str(exc)) from exc
+    return Dataset(X=X, y=y, name=path.stem, feature_names=names)
 
 
 def _is_number(text: str) -> bool:

@@ -356,6 +356,7 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         self.device_ = str(prep.device)
         self.fit_seconds_ = result.seconds
         self.n_evaluations_ = result.n_evaluations
+        self.n_refreshes_ = result.n_refreshes  # candidate-set computations (0: exact)
         self.world_size_ = group.world_size
         self.distributed_backend_ = group.backend
 

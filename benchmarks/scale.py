@@ -1,0 +1,160 @@
+"""How the default fit's cost grows with N: fit seconds by phase, peak RSS and accuracy.
+
+Fits ``NCA(n_components=32, random_state=0)`` (the estimator's defaults) on samples of one
+synthetic distribution (``training.data.synthetic.clustered_classes``: 20 classes of 4
+Gaussian clusters in a 24-dimensional subspace of D features, overlap 0.75, noise 0.55; the
+setting on which the default was measured against Euclidean kNN in issue 44) at each N, and
+scores 1-NN and 5-NN on ``--test`` held-out rows of the same distribution, beside Euclidean
+kNN on the raw features and PCA to d = 32.
+
+Each (N, D) runs in a process of its own, alone, so its peak RSS (``ru_maxrss``) is its own;
+the training rows are generated into that process (float32, N x D x 4 bytes). The exponent
+between two sizes is log(t2 / t1) / log(N2 / N1) of the fit seconds.
+
+Usage: taskset -c 0,1 python benchmarks/scale.py [--sizes 60000,250000,1000000] [--features 128]
+                                                  [--test 5000]
+Writes benchmarks/results/scale.json and scale.png (fit seconds against N, log-log).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, machine, peak_rss_mib, print_table, save_json
+from cpu_fit_60k import PhaseClock
+
+DISTRIBUTION = dict(n_classes=20, clusters_per_class=4, subspace_dim=24, overlap=0.75, noise=0.55)
+N_COMPONENTS = 32
+
+
+def one_run(n: int, n_features: int, n_test: int) -> dict:
+    """The fit and its scores at one size, in this process."""
+    from sklearn.decomposition import PCA
+
+    from training import NCA
+    from training.data.synthetic import clustered_classes
+    from training.evaluation.evaluate import knn_accuracies
+
+    X, y = clustered_classes(n, n_features=n_features, sample_seed=1, **DISTRIBUTION)
+    Xt, yt = clustered_classes(n_test, n_features=n_features, sample_seed=2, **DISTRIBUTION)
+    n_classes = DISTRIBUTION["n_classes"]
+    with PhaseClock() as clock, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        started = time.perf_counter()
+        model = NCA(n_components=N_COMPONENTS, random_state=0).fit(X, y)
+        fit_s = time.perf_counter() - started
+    fit_rss = peak_rss_mib()
+    history = model.history_
+    first = [r for r in history if r.get("stage") != "exact finish"]
+    finish = [r for r in history if r.get("stage") == "exact finish"]
+    candidate_s = first[-1]["seconds"] if first else 0.0
+    learned = knn_accuracies(model.transform(X), y, model.transform(Xt), yt, n_classes, (1, 5))
+    raw = knn_accuracies(X, y, Xt, yt, n_classes, (1, 5))
+    pca = PCA(N_COMPONENTS, random_state=0).fit(X[: min(n, 200_000)])
+    projected = knn_accuracies(pca.transform(X), y, pca.transform(Xt), yt, n_classes, (1, 5))
+    return {
+        "n": n,
+        "features": n_features,
+        "fit_s": fit_s,
+        "prepare_s": clock.prepare_s,
+        "candidate_stage_s": candidate_s - clock.prepare_s,
+        "refreshes": len(clock.refresh_s),
+        "refresh_s": sum(clock.refresh_s),
+        "finish_s": (finish[-1]["seconds"] - candidate_s) if finish else 0.0,
+        "exact_evaluations": len(clock.exact_s),
+        "stages": model.stages_,
+        "n_iter": model.n_iter_,
+        "peak_rss_mib": fit_rss,
+        "data_mib": X.nbytes / 2**20,
+        "acc_1nn": learned[1],
+        "acc_5nn": learned[5],
+        "euclidean_1nn": raw[1],
+        "euclidean_5nn": raw[5],
+        "pca_1nn": projected[1],
+        "pca_5nn": projected[5],
+    }
+
+
+def exponents(rows: list[dict]) -> list[dict]:
+    """The growth exponent of the fit seconds between consecutive sizes of one D."""
+    out = []
+    for a, b in itertools.pairwise(rows):
+        if a["features"] == b["features"]:
+            exponent = math.log(b["fit_s"] / a["fit_s"]) / math.log(b["n"] / a["n"])
+            out.append(
+                {"features": a["features"], "from": a["n"], "to": b["n"], "exponent": exponent}
+            )
+    return out
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for features in sorted({r["features"] for r in rows}):
+        mine = [r for r in rows if r["features"] == features]
+        ns = [r["n"] for r in mine]
+        ax.loglog(ns, [r["fit_s"] for r in mine], "o-", label=f"fit, D = {features}")
+        ax.loglog(ns, [r["refresh_s"] for r in mine], "s--", label=f"refreshes, D = {features}")
+        ax.loglog(ns, [mine[0]["fit_s"] * n / ns[0] for n in ns], ":", color="grey")
+    ax.set_xlabel("training rows N")
+    ax.set_ylabel("seconds (2 cores)")
+    ax.set_title("Default NCA fit, d = 32 (dotted: linear in N)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="60000,250000,1000000")
+    parser.add_argument("--features", default="128")
+    parser.add_argument("--test", type=int, default=5000)
+    parser.add_argument("--one", nargs=2, type=int, metavar=("N", "D"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(one_run(*args.one, args.test)))
+        return
+    rows = []
+    for features in (int(f) for f in args.features.split(",")):
+        for n in (int(s) for s in args.sizes.split(",")):
+            command = [
+                sys.executable,
+                __file__,
+                "--one",
+                str(n),
+                str(features),
+                "--test",
+                str(args.test),
+            ]
+            done = subprocess.run(command, capture_output=True, text=True, check=True)
+            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(rows[-1], flush=True)
+    columns = [
+        "n", "features", "fit_s", "prepare_s", "candidate_stage_s", "refreshes", "refresh_s",
+        "finish_s", "exact_evaluations", "peak_rss_mib", "acc_1nn", "acc_5nn", "euclidean_5nn", "pca_5nn",
+    ]  # fmt: skip
+    print_table(rows, columns)
+    growth = exponents(rows)
+    for g in growth:
+        print(
+            f"D = {g['features']}: exponent {g['exponent']:.2f} from {g['from']} to {g['to']} rows"
+        )
+    save_json("scale.json", {"machine": machine(), "rows": rows, "exponents": growth})
+    plot(rows, RESULTS / "scale.png")
+
+
+if __name__ == "__main__":
+    main()
