@@ -7,9 +7,10 @@ accuracy reported here is the accuracy served.
 
 from __future__ import annotations
 
+import faiss
 import numpy as np
 
-from service.core.knn import FarPrior, decide, exact_knn
+from service.core.knn import RERANK_MARGIN, FarPrior, decide, exact_knn, rerank
 from service.core.vocabulary import DecisionRule
 
 K_VALUES = (1, 3, 5, 7, 9, 11, 13, 15)
@@ -39,9 +40,33 @@ def knn_predictions(
         if outlier_threshold is None:
             raise ValueError("rule 'soft_prior' needs outlier_threshold")
         background = FarPrior.of(z_ref, y_ref, n_classes).background(z_query, outlier_threshold)
-    dist, idx = exact_knn(z_query, z_ref, max(ks), chunk_size=query_chunk(len(z_ref)))
+    dist, idx = nearest_references(z_query, z_ref, max(ks))
     labels = y_ref[idx]
     return {k: decide(labels[:, :k], dist[:, :k], n_classes, rule, background)[0] for k in ks}
+
+
+FLAT_SEARCH_MIN_REFS = 65536  # from this many references the first pass is FAISS's
+
+
+def nearest_references(
+    z_query: np.ndarray, z_ref: np.ndarray, k: int, *, flat_search: bool | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """``service.core.knn.exact_knn``'s answer, (distances (n, k) float64, indices (n, k)):
+    the k + RERANK_MARGIN nearest by a float32 pass, re-ranked pair by pair in float64, ties
+    by smaller index. The float32 pass is FAISS's brute-force search (``IndexFlatL2``: BLAS
+    and a heap per query on every core) from FLAT_SEARCH_MIN_REFS references, where
+    numpy's single-threaded partition of an (n, N) block dominates (``flat_search``
+    overrides the choice); the re-rank makes both passes give the same neighbours."""
+    if flat_search is None:
+        flat_search = len(z_ref) >= FLAT_SEARCH_MIN_REFS
+    if not flat_search:
+        return exact_knn(z_query, z_ref, k, chunk_size=query_chunk(len(z_ref)))
+    references = np.ascontiguousarray(z_ref, dtype=np.float32)
+    index = faiss.IndexFlatL2(references.shape[1])
+    index.add(references)
+    m = min(len(references), k + RERANK_MARGIN)
+    _, candidates = index.search(np.ascontiguousarray(z_query, dtype=np.float32), m)
+    return rerank(z_query, references, candidates, k)
 
 
 SCORES_PER_CHUNK = 1 << 25  # query x reference distances held at once (256 MiB in float64)

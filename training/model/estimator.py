@@ -33,6 +33,7 @@ from training.distributed.ranks import (
 )
 from training.model import parameters, preparation
 from training.model.plan import FitPlan, resolve_plan
+from training.numerics import evenly_spaced_rows
 from training.objectives.registry import make_objective
 from training.optim.adam import run_adam
 from training.optim.candidate_search import CandidateSearch
@@ -283,9 +284,14 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         X = torch.as_tensor(prep.X, dtype=torch.float32, device=prep.device)
         labels = torch.as_tensor(prep.y, dtype=torch.long, device=prep.device)
         objective = make_objective(self.objective, self.k, n_classes=len(prep.classes))
+        if plan.candidate_rows is not None and not group.is_distributed:
+            rows = evenly_spaced_rows(len(prep.y), plan.candidate_rows)
+            defaults["candidate_rows"] = torch.as_tensor(rows, device=prep.device)
 
         def make_problem(**overrides):
             kwargs = {**defaults, **overrides}
+            if kwargs["n_candidates"] is None:  # the exact finish chooses its own rows
+                kwargs.pop("candidate_rows", None)
             if group.is_distributed:
                 return ShardedProblem(X, labels, objective, group=group, **kwargs)
             return Problem(X, labels, objective, **kwargs)

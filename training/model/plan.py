@@ -10,6 +10,13 @@ from dataclasses import asdict, dataclass
 
 AUTO_EXACT_MAX_SAMPLES = 8192  # n_candidates="auto": exact up to this many points
 AUTO_N_CANDIDATES = 32  # ... and K nearest candidates per kind above
+# an L-BFGS fit on candidate sets averages its loss over at most this many evenly spaced
+# query rows (every point still a neighbour), and keeps and searches candidate sets for them
+# only: an evaluation then costs O(CANDIDATE_QUERY_MAX_ROWS M d) and a refresh one index
+# build over N plus this many queries, so the candidate stage's cost stops growing with N
+# (benchmarks/scale.py). 2^17 query rows estimate a mean score to about 1e-3 and give a
+# d x D map 32 x 784 = 25,088 parameters five rows each.
+CANDIDATE_QUERY_MAX_ROWS = 2**17
 # exact_finish="auto": L-BFGS iterations on the exact objective after a fit on candidate sets
 # (benchmarks/README.md, "Finishing on the exact objective"), averaged over at most this many
 # evenly spaced query rows, so that a finishing iteration costs O(min(N, rows) N d). An exact
@@ -41,6 +48,7 @@ class FitPlan:
 
     solver: str  # "lbfgs" or "adam"
     n_candidates: int | None  # K nearest candidates per kind; None: the exact objective
+    candidate_rows: int | None  # query rows of the candidate stage, at most (None: all)
     candidate_draws: int  # weighted uniform draws per point and kind (0 without candidates)
     l2: float  # the penalty of the first stage's objective
     finish_iter: int  # exact L-BFGS iterations after a candidate fit (0: none)
@@ -61,6 +69,8 @@ def resolve_plan(params: dict, n_samples: int) -> FitPlan:
     """The plan for the estimator's ``params`` (``get_params()``) on ``n_samples`` points.
 
     n_candidates "auto": exact up to AUTO_EXACT_MAX_SAMPLES points, else AUTO_N_CANDIDATES.
+    candidate_rows: CANDIDATE_QUERY_MAX_ROWS for an L-BFGS fit on candidate sets without
+    draws on more points than that (draws and Adam's batches need every row's set), else None.
     l2 "auto": DEFAULT_L2 where the objective stays faithful under it (exact, or candidates
     with draws), else 0; the exact finish always carries DEFAULT_L2. exact_finish "auto":
     none after an exact fit or after Adam, else AUTO_EXACT_FINISH_ITER (NCA's objectives)
@@ -71,6 +81,10 @@ def resolve_plan(params: dict, n_samples: int) -> FitPlan:
         n_candidates = None if n_samples <= AUTO_EXACT_MAX_SAMPLES else AUTO_N_CANDIDATES
     draws = 0 if n_candidates is None else int(params["candidate_draws"])
     solver = "lbfgs" if params["solver"] == "auto" else params["solver"]
+    sampled = n_candidates is not None and solver == "lbfgs" and not draws
+    candidate_rows = CANDIDATE_QUERY_MAX_ROWS if sampled else None
+    if n_samples <= CANDIDATE_QUERY_MAX_ROWS:
+        candidate_rows = None
     knca = is_knca(params["objective"])
     if isinstance(params["l2"], str):  # "auto"
         l2 = DEFAULT_L2 if n_candidates is None or draws else 0.0
@@ -89,6 +103,7 @@ def resolve_plan(params: dict, n_samples: int) -> FitPlan:
     return FitPlan(
         solver=solver,
         n_candidates=n_candidates,
+        candidate_rows=candidate_rows,
         candidate_draws=draws,
         l2=l2,
         finish_iter=finish_iter,

@@ -34,6 +34,32 @@ from training.objectives.nca import NCAObjective, Objective
 from training.objectives.nca_kernel import FusedNCA
 
 
+class RowTable:
+    """Candidate sets kept for some of the points only: ``table`` (B, M) holds the sets of
+    the points ``rows`` (B,), in that order. It reads like the (N, M) table of every point
+    (``candidates[q]``, ``shape``), for query rows q among ``rows``; asking for another
+    row's set is an error, never another row's answer. A fit whose loss averages over a
+    sample of query rows keeps O(B M) candidates instead of O(N M)."""
+
+    def __init__(self, table: torch.Tensor, rows: torch.Tensor, n_points: int):
+        self.table = table  # (B, M)
+        self.rows = rows  # (B,)
+        self.slot = torch.full((n_points,), -1, dtype=torch.long, device=table.device)  # (N,)
+        self.slot[rows] = torch.arange(rows.shape[0], device=table.device)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.slot.shape[0], self.table.shape[1])
+
+    def __getitem__(self, points: torch.Tensor) -> torch.Tensor:
+        """(len(points), M): the sets of ``points``, each of which must be one of ``rows``."""
+        slots = self.slot[points]
+        if slots.numel() and int(slots.min()) < 0:
+            missing = points[slots < 0][:5].tolist()
+            raise IndexError(f"no candidate set is kept for rows {missing}")
+        return self.table[slots]
+
+
 def pairwise_sq_dist(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """||a_i - b_j||^2 = ||a_i||^2 + ||b_j||^2 - 2 a_i.b_j, clamped at 0.  (B, d), (M, d) -> (B, M)."""
     d2 = (a * a).sum(1)[:, None] + (b * b).sum(1)[None, :] - 2.0 * (a @ b.T)
@@ -154,7 +180,8 @@ def objective_sum(
     """sum_{i in rows} score_i for embeddings z (N, d) and labels (N,); differentiable in z.
 
     rows: (B,) query rows (default: all); candidates: (N, M) neighbour indices (-1 padding),
-    or None for exact evaluation against all points. log_weights: (N, M) log w_ic added to
+    or a ``RowTable`` that holds them for the query rows only, or None for exact evaluation
+    against all points. log_weights: (N, M) log w_ic added to
     the candidates' logits, so that p_ic = w_ic e^{-d_ic} / sum_c' w_ic' e^{-d_ic'} (a drawn
     candidate standing for w points; NCA objectives only). method: "fused" uses the
     closed-form NCA kernels (NCA objectives only), "autograd" the generic chunked autograd

@@ -169,7 +169,7 @@ def candidate_watch(
 ) -> CandidateWatch | None:
     if problem.n_candidates is None:
         return None
-    rows = torch.as_tensor(audit_rows(problem.n_samples), device=problem.X.device)
+    rows = problem.sample_rows(AUDIT_ROWS)
     return CandidateWatch(problem, rows, refresh_every, refresh_tol, target_mass)
 
 
@@ -178,5 +178,5 @@ def candidate_audit(problem: Problem):
     when the objective is evaluated on candidate sets; None in exact mode."""
     if problem.n_candidates is None:
         return None
-    rows = torch.as_tensor(audit_rows(problem.n_samples), device=problem.X.device)
+    rows = problem.sample_rows(AUDIT_ROWS)
     return lambda theta: problem.audit(theta, rows)

@@ -10,6 +10,7 @@ from service.core.knn import decide
 from training.numerics import EXP_FLOOR, evenly_spaced_rows
 from training.objectives.nca import NCAObjective, Objective
 from training.objectives.neighbourhood import (
+    RowTable,
     nearest_candidates,
     objective_sum,
     sampled_candidates,
@@ -19,6 +20,9 @@ from training.optim.candidate_search import CandidateSearch, held_mass
 
 SAMPLE_BLOCK_ROWS = 64
 SEARCH_AUDIT_ROWS = 512  # rows on which an approximate candidate search is measured
+# sample rows whose (rows, N) neighbour probabilities are held at once: 64 x 1M float32 is
+# 256 MiB, where all 512 audit rows at once would hold 2 GiB
+AUDIT_BLOCK_ROWS = 64
 
 
 def _logsumexp_at(log_p: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -51,11 +55,36 @@ def _log_neighbour_probabilities(z: torch.Tensor, rows: torch.Tensor) -> torch.T
     return log_p.sub_(torch.log(total))
 
 
+def _table(candidates):
+    """The tensor of candidate indices of a refresh: (N, M), or a RowTable's (B, M)."""
+    return candidates.table if isinstance(candidates, RowTable) else candidates
+
+
+def _leave_one_out_neighbours(z: torch.Tensor, rows: torch.Tensor, k: int):
+    """(squared distances (B, k), indices (B, k)) of the k nearest other points of each row
+    (B,) among z (N, d), nearest first; AUDIT_BLOCK_ROWS rows at a time."""
+    sq = (z * z).sum(1)  # (N,)
+    dists, indices = [], []
+    for block in rows.split(AUDIT_BLOCK_ROWS):
+        zq = z[block]  # (b, d)
+        closeness = torch.addmm(-sq[None, :], zq, z.T, alpha=2.0)  # (b, N)
+        closeness[torch.arange(block.shape[0], device=z.device), block] = float("-inf")
+        top, idx = torch.topk(closeness, k, dim=1)  # (b, k)
+        dists.append((sq[block][:, None] - top).clamp_min(0.0))  # ||z_i - z_j||^2
+        indices.append(idx)
+    return torch.cat(dists), torch.cat(indices)
+
+
 class Problem:
     """Data, objective and parametrisation: theta (flat float64) -> loss and gradient.
 
     X: (N, D) standardised inputs on ``device``; labels: (N,) int64 class indices.
     transform 'linear': theta holds A (d, D), Z = X A^T; 'diagonal': theta holds a (D,), Z = X * a.
+
+    candidate_rows: (B,) the query rows the loss averages over when it is evaluated on
+    candidate sets, which are then searched and kept for these rows only (a ``RowTable``):
+    each evaluation and refresh costs O(B M d) and the search of B queries, whatever N, and
+    every one of the N points is still a neighbour. None: every row.
     """
 
     def __init__(
@@ -72,6 +101,7 @@ class Problem:
         seed: int = 0,
         chunk_size: int | None = None,
         search: CandidateSearch | None = None,
+        candidate_rows: torch.Tensor | None = None,
     ):
         self.X = X
         self.labels = labels
@@ -83,6 +113,8 @@ class Problem:
         # per kind and point, uniform draws beyond the nearest candidates that estimate the
         # mass those leave out (NCA objectives; 0: the nearest candidates only)
         self.n_draws = n_draws
+        if n_draws and candidate_rows is not None:
+            raise ValueError("drawn candidates need every row's set: give no candidate_rows")
         if n_draws and not isinstance(objective, NCAObjective):
             raise ValueError(
                 f"n_draws={n_draws}: drawn candidates weight NCA's objectives only, "
@@ -97,7 +129,8 @@ class Problem:
         self.candidate_log_weights: torch.Tensor | None = None  # (N, M) or None
         self.search_mass_ratio: float | None = None  # measured at the last refresh
         # (B,) the query rows the loss averages over (None: all N); neighbours are all points
-        self.query_rows: torch.Tensor | None = None
+        self.query_rows: torch.Tensor | None = candidate_rows
+        self.candidate_rows = candidate_rows
         n_features = X.shape[1]
         self.shape = (n_features,) if transform == "diagonal" else (n_components, n_features)
 
@@ -125,10 +158,22 @@ class Problem:
         theta = np.asarray(theta, dtype=np.float64).reshape(self.shape)
         return np.diag(theta) if self.transform == "diagonal" else theta
 
-    def find_candidates(self, z: torch.Tensor) -> torch.Tensor:
-        """Every point's candidate set in the embedding z (N, d): (N, 2K), exact or by an
-        approximate search (``self.search``)."""
-        return self.search.find(z, self.labels, self.n_candidates)
+    def sample_rows(self, count: int) -> torch.Tensor:
+        """``count`` evenly spaced rows (all when fewer) among those with candidate sets: the
+        rows on which the candidates are audited and the search is measured."""
+        if self.candidate_rows is None:
+            rows = evenly_spaced_rows(self.n_samples, count)
+            return torch.as_tensor(rows, device=self.X.device)
+        picked = evenly_spaced_rows(self.candidate_rows.shape[0], count)
+        return self.candidate_rows[torch.as_tensor(picked, device=self.X.device)]
+
+    def find_candidates(self, z: torch.Tensor):
+        """The candidate sets in the embedding z (N, d), exact or by an approximate search
+        (``self.search``): (N, 2K) for every point, or a ``RowTable`` of the candidate rows'."""
+        if self.candidate_rows is None:
+            return self.search.find(z, self.labels, self.n_candidates)
+        found = self.search.find(z, self.labels, self.n_candidates, rows=self.candidate_rows)
+        return RowTable(found, self.candidate_rows, self.n_samples)
 
     def refresh_candidates(self, theta: np.ndarray) -> float:
         """Recompute candidate sets in the current projection, and draw the candidates beyond
@@ -146,6 +191,7 @@ class Problem:
             self.candidates, self.candidate_log_weights = with_sampled_candidates(
                 new, drawn, log_w, self.X.dtype
             )
+        old, new = _table(old), _table(new)
         if old is None or old.shape != new.shape:
             return 1.0
         return float((torch.sort(old, 1).values != torch.sort(new, 1).values).any(1).float().mean())
@@ -154,13 +200,13 @@ class Problem:
         """The neighbour mass the approximately found sets hold over what exact sets of the
         same size hold, averaged over SEARCH_AUDIT_ROWS sample rows (1: as good as exact);
         the search raises its effort for the next refresh when it falls short."""
-        rows = torch.as_tensor(
-            evenly_spaced_rows(self.n_samples, SEARCH_AUDIT_ROWS), device=z.device
-        )
-        log_p = _log_neighbour_probabilities(z, rows)  # (B, N)
-        exact = nearest_candidates(z, self.labels, self.n_candidates, rows=rows)  # (B, 2K)
-        ratio = float(held_mass(log_p, found[rows]).mean() / held_mass(log_p, exact).mean())
-        ratio = self.agreed(ratio)
+        held_found = held_exact = 0.0
+        for block in self.sample_rows(SEARCH_AUDIT_ROWS).split(AUDIT_BLOCK_ROWS):
+            log_p = _log_neighbour_probabilities(z, block)  # (b, N)
+            exact = nearest_candidates(z, self.labels, self.n_candidates, rows=block)  # (b, 2K)
+            held_found += float(held_mass(log_p, found[block]).sum())
+            held_exact += float(held_mass(log_p, exact).sum())
+        ratio = self.agreed(held_found / held_exact)
         self.search_mass_ratio = ratio
         self.search.tune(ratio, len(self.search.history) + 1)
         return ratio
@@ -178,28 +224,31 @@ class Problem:
         the same weights NCA and kNCA draw neighbours with. Small right after a refresh (the
         candidates are the nearest points); it grows when the map moves points that are
         nobody's candidates into neighbourhoods. O(B N d)."""
+        outside = 0.0
         with torch.no_grad():
             z = self.embed(self.to_tensor(theta))
-            log_p = _log_neighbour_probabilities(z, rows)  # (B, N)
-            inside = torch.exp(_logsumexp_at(log_p, self.nearest[rows]))  # (B,)
-        return float((1.0 - inside).clamp_min(0.0).mean())
+            for block in rows.split(AUDIT_BLOCK_ROWS):
+                log_p = _log_neighbour_probabilities(z, block)  # (b, N)
+                inside = torch.exp(_logsumexp_at(log_p, self.nearest[block]))  # (b,)
+                outside += float((1.0 - inside).clamp_min(0.0).sum())
+        return outside / rows.shape[0]
 
     def fresh_inside_mass(self, theta: np.ndarray, rows: torch.Tensor, ks: list[int]):
         """For each K in ``ks`` (ascending), the mean over sample rows (B,) of the neighbour
         mass held by their K nearest same-class and K nearest other-class points in the
         current projection: what fresh candidate sets of that size would hold."""
+        totals = [0.0] * len(ks)
         with torch.no_grad():
             z = self.embed(self.to_tensor(theta))
-            log_p = _log_neighbour_probabilities(z, rows)  # (B, N)
-            k_max = ks[-1]
-            fresh = nearest_candidates(z, self.labels, k_max, rows=rows)  # (B, 2 K_max)
-            k_max = fresh.shape[1] // 2  # fewer when N is small
-            masses = []
-            for k in ks:
-                k = min(k, k_max)
-                prefix = torch.cat([fresh[:, :k], fresh[:, k_max : k_max + k]], dim=1)
-                masses.append(float(torch.exp(_logsumexp_at(log_p, prefix)).mean()))
-        return masses
+            for block in rows.split(AUDIT_BLOCK_ROWS):
+                log_p = _log_neighbour_probabilities(z, block)  # (b, N)
+                fresh = nearest_candidates(z, self.labels, ks[-1], rows=block)  # (b, 2 K_max)
+                k_max = fresh.shape[1] // 2  # fewer than ks[-1] when N is small
+                for i, k in enumerate(ks):
+                    k = min(k, k_max)
+                    prefix = torch.cat([fresh[:, :k], fresh[:, k_max : k_max + k]], dim=1)
+                    totals[i] += float(torch.exp(_logsumexp_at(log_p, prefix)).sum())
+        return [total / rows.shape[0] for total in totals]
 
     def audit(self, theta: np.ndarray, rows: torch.Tensor) -> dict[str, float]:
         """What the optimiser improves against what it stands for, on a fixed sample of
@@ -226,11 +275,7 @@ class Problem:
             if isinstance(self.objective, NCAObjective):
                 exact = objective_sum(z, self.labels, self.objective, rows=rows)
                 out["sample_exact_objective"] = float(exact) / n
-            zq = z[rows]  # (B, d)
-            closeness = torch.addmm(-(z * z).sum(1)[None, :], zq, z.T, alpha=2.0)  # (B, N)
-            closeness[torch.arange(n, device=z.device), rows] = float("-inf")  # leave i out
-            top, idx = torch.topk(closeness, k, dim=1)  # (B, k) nearest first
-            dist = ((zq * zq).sum(1, keepdim=True) - top).clamp_min(0.0)  # ||z_i - z_j||^2
+            dist, idx = _leave_one_out_neighbours(z, rows, k)
         labels = self.labels.cpu().numpy()
         n_classes = int(labels.max()) + 1
         predicted, _ = decide(
