@@ -13,7 +13,8 @@ between two sizes is log(t2 / t1) / log(N2 / N1) of the fit seconds.
 
 Usage: taskset -c 0,1 python benchmarks/scale.py [--sizes 60000,250000,1000000] [--features 128]
                                                   [--test 5000]
-Writes benchmarks/results/scale.json and scale.png (fit seconds against N, log-log).
+Writes benchmarks/results/scale.json (rows of sizes not run this time are kept) and
+scale.png (fit seconds against N, log-log).
 """
 
 from __future__ import annotations
@@ -142,6 +143,15 @@ def main() -> None:
             done = subprocess.run(command, capture_output=True, text=True, check=True)
             rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
             print(rows[-1], flush=True)
+    previous = RESULTS / "scale.json"
+    if previous.exists():  # rows of sizes not run this time are kept
+        ran = {(r["n"], r["features"]) for r in rows}
+        kept = [
+            r
+            for r in json.loads(previous.read_text())["rows"]
+            if (r["n"], r["features"]) not in ran
+        ]
+        rows = sorted(kept + rows, key=lambda r: (r["features"], r["n"]))
     columns = [
         "n", "features", "fit_s", "prepare_s", "candidate_stage_s", "refreshes", "refresh_s",
         "finish_s", "exact_evaluations", "peak_rss_mib", "acc_1nn", "acc_5nn", "euclidean_5nn", "pca_5nn",

@@ -162,6 +162,17 @@ class TrainConfig:
         return asdict(self)
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" to an option's help unless the help already names its default
+    or the default is None (an option that is off, or chosen from the data)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default is None or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m training",
@@ -169,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
             "Learn a linear map A by NCA on a labelled data set, evaluate kNN in the learned "
             "space against baselines, and write a servable artifact (plus report.json and plots)."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_DefaultsFormatter,
     )
     commands = parser.add_subparsers(
         dest="command",

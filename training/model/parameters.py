@@ -2,7 +2,7 @@
 ``_parameter_constraints``: each parameter lists what it accepts, and :func:`check` refuses
 any other value with one message naming the parameter, the value and what is accepted
 (``n_candidates=0 must be 'auto', None or an integer >= 1``). Checks that need the data
-(n_components <= D, k < N, ...) are the estimator's (``NCA._checked_against_data``).
+(n_components <= D, k < N, ...) are :func:`check_against_data`'s.
 Tested by the bad-parameter table of ``tests/training/test_estimator.py``.
 """
 

@@ -17,10 +17,14 @@ and implements early stopping on validation kNN accuracy (keeping the best param
 * ``problem.py``: ``Problem``, the loss and gradient of the flattened map on all rows or a
   batch, exactly or on candidate sets.
 * ``candidates.py``: the audit of candidate sets on fixed rows, and ``CandidateWatch``.
+* ``candidate_search.py``: candidate sets by FAISS IVF indexes at scale, their held mass
+  measured against exact sets.
+* ``stages.py``: ``StageJudge``, which keeps the better of each stage's start and end.
 * ``monitor.py``: ``Monitor`` (verbose table, history, early stopping) and ``FitResult``.
 * ``lbfgs.py``, ``adam.py``: the two optimisers; ``finish.py``: the exact finish after
   candidate sets.
 
 Tests: ``tests/training/test_estimator.py``, ``test_helpers.py``, ``test_candidate_audit.py``,
-``test_candidate_draws.py``, ``test_exact_finish.py``, ``test_distributed.py``.
+``test_candidate_draws.py``, ``test_candidate_search.py``, ``test_candidate_rows.py``,
+``test_stages.py``, ``test_exact_finish.py``, ``test_distributed.py``.
 """

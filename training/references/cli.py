@@ -27,7 +27,7 @@ from training.references.versions import (
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m training references",
-        description="Add or remove references of a trained model without retraining.",
+        description="Add, remove or condense the references of a trained model without retraining.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
     add = commands.add_parser("add", help="project new labelled rows and append them")
@@ -49,7 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--ids-file", help="a .npy file of int64 ids, or a text file with one id per line"
     )
     condense = commands.add_parser(
-        "condense", help="keep only the references the k-NN decision needs (data editing)"
+        "condense",
+        help="shrink the reference set: keep the references the k-NN decision needs (Hart "
+        "condensing, Wilson editing) or replace them by learned prototypes (--method)",
     )
     add_condense_options(condense)
     for command in (add, remove, condense):
