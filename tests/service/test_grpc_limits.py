@@ -4,6 +4,7 @@ counted as such, and a port no other process can take over."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import socket
 import threading
@@ -27,8 +28,9 @@ Request = message("inference.ModelInferRequest")
 Response = message("inference.ModelInferResponse")
 
 
-@pytest.fixture(scope="module")
-def server(model_artifact):
+@contextlib.contextmanager
+def keyed_server(model_artifact, **env):
+    """A real server with a key and MAX_ROWS rows per call: (url, gRPC port, process)."""
     port, grpc_port = free_port(), free_port()
     proc = start_server(
         model_artifact[0],
@@ -36,6 +38,7 @@ def server(model_artifact):
         NCAKNN_GRPC_PORT=grpc_port,
         NCAKNN_API_KEY=KEY,
         NCAKNN_MAX_BATCH_ROWS=MAX_ROWS,
+        **env,
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -43,6 +46,12 @@ def server(model_artifact):
         yield url, grpc_port, proc
     finally:
         stop_server(proc)
+
+
+@pytest.fixture(scope="module")
+def server(model_artifact):
+    with keyed_server(model_artifact) as running:
+        yield running
 
 
 def infer_request(rows: int, raw_bytes: int | None = None) -> bytes:
@@ -169,21 +178,10 @@ def test_no_other_process_can_take_the_grpc_port(server):
 def tight_server(model_artifact):
     """A key, a 2 s body deadline and a body budget of 2 MiB: ten of this model's largest
     messages (MAX_ROWS x 64 x 8 bytes + 64 KiB = 192 KiB each)."""
-    port, grpc_port = free_port(), free_port()
-    proc = start_server(
-        model_artifact[0],
-        port,
-        NCAKNN_GRPC_PORT=grpc_port,
-        NCAKNN_API_KEY=KEY,
-        NCAKNN_MAX_BATCH_ROWS=MAX_ROWS,
-        NCAKNN_BODY_TIMEOUT_SECONDS=2,
-        NCAKNN_MAX_BODY_BYTES_IN_FLIGHT=10 * LIMIT + 1024,
-    )
-    try:
-        wait_ready(f"http://127.0.0.1:{port}", proc)
+    budget = 10 * LIMIT + 1024
+    env = dict(NCAKNN_BODY_TIMEOUT_SECONDS=2, NCAKNN_MAX_BODY_BYTES_IN_FLIGHT=budget)
+    with keyed_server(model_artifact, **env) as (_, grpc_port, _):
         yield grpc_port
-    finally:
-        stop_server(proc)
 
 
 def stalled_call(grpc_port: int, results: list, release: threading.Event) -> None:

@@ -44,13 +44,9 @@ def test_the_judge_scores_a_map_once():
 
 
 def problem(n: int, seed: int, n_features: int = 24):
-    X, y = clustered_classes(
-        n, n_features=n_features, n_classes=5, subspace_dim=6, overlap=0.8, noise=0.6, seed=seed
-    )
-    X_test, y_test = clustered_classes(
-        600, n_features=n_features, n_classes=5, subspace_dim=6, overlap=0.8, noise=0.6,
-        seed=seed, sample_seed=99,
-    )  # fmt: skip
+    law = dict(n_features=n_features, n_classes=5, subspace_dim=6, overlap=0.8, noise=0.6)
+    X, y = clustered_classes(n, seed=seed, **law)
+    X_test, y_test = clustered_classes(600, seed=seed, sample_seed=99, **law)
     return X.astype(np.float64), y, X_test.astype(np.float64), y_test
 
 
