@@ -76,9 +76,12 @@ def start_server(root: Path, model: Path) -> tuple[subprocess.Popen, int]:
     }
     cmd = ["taskset", "-c", "1", sys.executable, "-m", "service", "--model", str(model)]
     proc = subprocess.Popen(
-        [*cmd, "--port", str(port)], cwd=root, env=env, stdout=subprocess.DEVNULL,
+        [*cmd, "--port", str(port)],
+        cwd=root,
+        env=env,
+        stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
-    )  # fmt: skip
+    )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:

@@ -52,12 +52,19 @@ def write_model(out: Path, nca, X, y, X_val, y_val, default_k: int) -> Path:
 
     z, z_val = nca.transform(X), nca.transform(X_val)
     return write_artifact(
-        out, projection=nca.projection_, offset=nca.offset_, embeddings=z,
-        labels=y.astype(np.int32), classes=sorted(set(y.tolist())), mean=nca.mean_,
-        scale=nca.scale_, default_k=default_k, validation_embeddings=z_val,
+        out,
+        projection=nca.projection_,
+        offset=nca.offset_,
+        embeddings=z,
+        labels=y.astype(np.int32),
+        classes=sorted(set(y.tolist())),
+        mean=nca.mean_,
+        scale=nca.scale_,
+        default_k=default_k,
+        validation_embeddings=z_val,
         validation_labels=y_val.astype(np.int32),
         metadata={"outlier_calibration": calibrate(z, z_val)},
-    )  # fmt: skip
+    )
 
 
 def build(work: Path, dim: int, model784: str | None) -> tuple[Path, np.ndarray, np.ndarray]:
@@ -104,8 +111,9 @@ def test_accuracy(model: Path, X_test, y_test) -> tuple[int, float]:
     a = read_artifact(model)
     z = project(X_test, a.projection, a.offset)
     k = a.default_k
-    predicted = knn_predictions(a.embeddings, np.asarray(a.labels), z, len(a.classes), (k,),
-                                a.decision_rule)[k]  # fmt: skip
+    predicted = knn_predictions(
+        a.embeddings, np.asarray(a.labels), z, len(a.classes), (k,), a.decision_rule
+    )[k]
     return k, float(np.mean(predicted == y_test))
 
 
@@ -120,19 +128,25 @@ def serve_and_load(models: dict, dim: int, work: Path, seconds: int, rounds: int
     rng = np.random.default_rng(0)
     script = work / f"post-{dim}.lua"
     script.write_text(LUA % ",".join(f"{v:.4f}" for v in rng.random(dim)))
-    servers = {"naive FastAPI+FAISS (full set)": start_uvicorn("benchmarks.naive_app:create",
-                                                                models["full"]["path"])}  # fmt: skip
+    servers = {
+        "naive FastAPI+FAISS (full set)": start_uvicorn(
+            "benchmarks.naive_app:create", models["full"]["path"]
+        )
+    }
     for name, entry in models.items():
         servers[f"ours, {name}"] = start_uvicorn("benchmarks.http_app:create", entry["path"])
-    routes = {name: "/v1/classify-sync" if name.startswith("naive") else "/v1/classify"
-              for name in servers}  # fmt: skip
+    routes = {
+        name: "/v1/classify-sync" if name.startswith("naive") else "/v1/classify"
+        for name in servers
+    }
     runs: dict[tuple, list[float]] = {}
     try:
         for round_ in range(rounds):
             for connections in (16, 64):
                 for name, (_, port) in servers.items():
-                    result = wrk(f"http://127.0.0.1:{port}{routes[name]}", script, connections,
-                                 seconds)  # fmt: skip
+                    result = wrk(
+                        f"http://127.0.0.1:{port}{routes[name]}", script, connections, seconds
+                    )
                     runs.setdefault((name, connections), []).append(result["requests_per_second"])
                     print(round_, dim, name, connections, result, flush=True)
         memory = {name: rss_mib(proc.pid) for name, (proc, _) in servers.items()}
@@ -145,10 +159,19 @@ def serve_and_load(models: dict, dim: int, work: Path, seconds: int, rounds: int
         for name in servers:
             rps = median(runs[(name, connections)])
             entry = models.get(name.removeprefix("ours, "), models["full"])
-            rows.append({"D": dim, "connections": connections, "server": name,
-                         "references": entry["references"], "test_accuracy": entry["accuracy"],
-                         "served_k": entry["k"], "requests_per_second": rps,
-                         "over_naive_full": rps / naive, "rss_mib": memory[name]})  # fmt: skip
+            rows.append(
+                {
+                    "D": dim,
+                    "connections": connections,
+                    "server": name,
+                    "references": entry["references"],
+                    "test_accuracy": entry["accuracy"],
+                    "served_k": entry["k"],
+                    "requests_per_second": rps,
+                    "over_naive_full": rps / naive,
+                    "rss_mib": memory[name],
+                }
+            )
     return rows
 
 
@@ -172,8 +195,15 @@ def search_rates(n_values=(60000, 1000000), d: int = 32) -> list[dict]:
                     index.search(queries[start : start + per_call], 5)
                     done += per_call
                 rate = done / (time.perf_counter() - started)
-                rows.append({"N": n, "kept": label, "references": size, "per_call": per_call,
-                             "queries_per_second": rate})  # fmt: skip
+                rows.append(
+                    {
+                        "N": n,
+                        "kept": label,
+                        "references": size,
+                        "per_call": per_call,
+                        "queries_per_second": rate,
+                    }
+                )
                 print(rows[-1], flush=True)
     return rows
 
@@ -188,10 +218,17 @@ def plot(serving: list[dict], search: list[dict]) -> None:
     for dim in sorted({r["D"] for r in serving}):
         for connections, marker in ((16, "o"), (64, "s")):
             rows = [r for r in serving if r["D"] == dim and r["connections"] == connections]
-            left.plot([r["server"].replace("naive FastAPI+FAISS (full set)", "naive, full")
-                       .replace("ours, ", "ours ") for r in rows],
-                      [r["requests_per_second"] for r in rows], marker=marker,
-                      label=f"D={dim}, {connections} connections")  # fmt: skip
+            left.plot(
+                [
+                    r["server"]
+                    .replace("naive FastAPI+FAISS (full set)", "naive, full")
+                    .replace("ours, ", "ours ")
+                    for r in rows
+                ],
+                [r["requests_per_second"] for r in rows],
+                marker=marker,
+                label=f"D={dim}, {connections} connections",
+            )
     left.set_ylabel("requests/s (1 worker, pinned)")
     left.set_title("/v1/classify: compressed vs full references")
     left.legend(fontsize=8)
@@ -199,8 +236,13 @@ def plot(serving: list[dict], search: list[dict]) -> None:
     for per_call, style in ((1, "-"), (256, "--")):
         for n in sorted({r["N"] for r in search}):
             rows = [r for r in search if r["N"] == n and r["per_call"] == per_call]
-            right.loglog([r["references"] for r in rows], [r["queries_per_second"] for r in rows],
-                         style, marker="o", label=f"N={n:,}, {per_call}/call")  # fmt: skip
+            right.loglog(
+                [r["references"] for r in rows],
+                [r["queries_per_second"] for r in rows],
+                style,
+                marker="o",
+                label=f"N={n:,}, {per_call}/call",
+            )
     right.set_xlabel("references searched (full, 5%, 2%)")
     right.set_ylabel("queries/s (FAISS Flat, d=32, 1 thread)")
     right.legend(fontsize=8)
@@ -231,18 +273,40 @@ def main() -> None:
             started = time.perf_counter()
             summary = condense_references(full, out=out, method="prototypes", reduction=reduction)
             k, accuracy = test_accuracy(out, X_test, y_test)
-            models[name] = {"path": out, "k": k, "accuracy": accuracy,
-                            "references": summary["rows_after"],
-                            "condense_seconds": time.perf_counter() - started}  # fmt: skip
+            models[name] = {
+                "path": out,
+                "k": k,
+                "accuracy": accuracy,
+                "references": summary["rows_after"],
+                "condense_seconds": time.perf_counter() - started,
+            }
             print(dim, name, {k: v for k, v in models[name].items() if k != "path"}, flush=True)
         serving += serve_and_load(models, dim, work, args.seconds, args.rounds)
     search = search_rates()
-    print_table(serving, ["D", "connections", "server", "references", "test_accuracy",
-                          "requests_per_second", "over_naive_full", "rss_mib"])  # fmt: skip
+    print_table(
+        serving,
+        [
+            "D",
+            "connections",
+            "server",
+            "references",
+            "test_accuracy",
+            "requests_per_second",
+            "over_naive_full",
+            "rss_mib",
+        ],
+    )
     print_table(search, ["N", "kept", "references", "per_call", "queries_per_second"])
-    save_json("compressed_serving.json", {"machine": machine(), "serving": serving,
-                                          "search": search, "seconds": args.seconds,
-                                          "rounds": args.rounds})  # fmt: skip
+    save_json(
+        "compressed_serving.json",
+        {
+            "machine": machine(),
+            "serving": serving,
+            "search": search,
+            "seconds": args.seconds,
+            "rounds": args.rounds,
+        },
+    )
     plot(serving, search)
 
 

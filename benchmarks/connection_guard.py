@@ -98,10 +98,12 @@ def main() -> None:
     columns = ["route", "plain_rps", "guarded_rps", "guarded_over_plain"]
     columns += ["plain_p99_ms", "guarded_p99_ms", "errors"]
     print_table(
-        [{**c, "plain_rps": median(c["plain_rps"]), "guarded_rps": median(c["guarded_rps"])}
-         for c in cells],
+        [
+            {**c, "plain_rps": median(c["plain_rps"]), "guarded_rps": median(c["guarded_rps"])}
+            for c in cells
+        ],
         columns,
-    )  # fmt: skip
+    )
     save_json(
         "connection_guard.json",
         {

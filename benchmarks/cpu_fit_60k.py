@@ -164,9 +164,21 @@ def main() -> None:
             rows.append(row)
             print(row, flush=True)
     columns = [
-        "set", "finish_rows", "fit_s", "prepare_s", "candidate_stage_s", "refreshes",
-        "refresh_s", "finish_s", "exact_evaluations", "exact_evaluation_s", "n_iter", "n_evaluations", "test_acc_1nn", "test_acc_5nn",
-    ]  # fmt: skip
+        "set",
+        "finish_rows",
+        "fit_s",
+        "prepare_s",
+        "candidate_stage_s",
+        "refreshes",
+        "refresh_s",
+        "finish_s",
+        "exact_evaluations",
+        "exact_evaluation_s",
+        "n_iter",
+        "n_evaluations",
+        "test_acc_1nn",
+        "test_acc_5nn",
+    ]
     previous = RESULTS / "cpu_fit_60k.json"
     if previous.exists():  # rows of sets not run this time are kept
         ran = set(args.sets.split(","))

@@ -162,8 +162,17 @@ def main() -> None:
                 row[f"{k}-NN vs l2=0"] = f"{gain:+.4f} [{low:+.4f}, {high:+.4f}]"
                 row[f"gain {k}"], row[f"worse {k}"] = gain, bool(high < 0)
             rows.append(row)
-        columns = ["data", "N", "d", "setting", "fit s", "1-NN", "1-NN vs l2=0", "5-NN",
-                   "5-NN vs l2=0"]  # fmt: skip
+        columns = [
+            "data",
+            "N",
+            "d",
+            "setting",
+            "fit s",
+            "1-NN",
+            "1-NN vs l2=0",
+            "5-NN",
+            "5-NN vs l2=0",
+        ]
         print_table([r for r in rows if r["data"] == name], columns)
         print(flush=True)
     choice = choose(rows, l2_values)

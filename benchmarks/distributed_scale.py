@@ -50,8 +50,9 @@ def _worker(rank, world_size, rendezvous, data_path, labels_path, mode, repeats,
     import torch
     import torch.distributed as dist
 
-    from training.distributed.ranks import ProcessGroup, ShardedProblem, shard_bounds
+    from training.distributed.ranks import ProcessGroup, shard_bounds
     from training.objectives.registry import make_objective
+    from training.optim.sharded_problem import ShardedProblem
 
     os.sched_setaffinity(0, {rank % os.cpu_count()})
     torch.set_num_threads(1)

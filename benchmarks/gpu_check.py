@@ -2,7 +2,7 @@
 
 On a machine with a CUDA device it
 
-1. runs the CUDA tests (tests/training/test_cuda.py, test_nca_flex.py) under pytest and
+1. runs the CUDA tests (tests/training/objectives/test_cuda.py, test_nca_flex.py) under pytest and
    counts passed / failed / skipped;
 2. times the exact objective (value and gradient, the fused flex_attention path) at
    N = 250k and 1M (synthetic, D = 128, d = 32): seconds per evaluation after the first
@@ -58,7 +58,10 @@ DENSE_TFLOPS = {
     "A100": {"fp32": 19.5, "tf32": 156.0},
     "L4": {"fp32": 30.3, "tf32": 60.0},
 }
-CUDA_TESTS = ["tests/training/test_cuda.py", "tests/training/test_nca_flex.py"]
+CUDA_TESTS = [
+    "tests/training/objectives/test_cuda.py",
+    "tests/training/objectives/test_nca_flex.py",
+]
 
 
 def device_facts(device: torch.device) -> dict:
@@ -211,7 +214,11 @@ def guarded(entry: dict, budget: Budget, minimum_s: float, step) -> dict:
     try:
         return {**entry, **step()}
     except Exception as error:  # recorded, and the next step runs
-        return {**entry, "error": f"{type(error).__name__}: {error}", "trace": traceback.format_exc()[-2000:]}  # fmt: skip
+        return {
+            **entry,
+            "error": f"{type(error).__name__}: {error}",
+            "trace": traceback.format_exc()[-2000:],
+        }
 
 
 def main() -> None:
@@ -251,7 +258,9 @@ def main() -> None:
     entry = {"name": "default fit", "data": name, "n": len(y), "d": 32, "D": X.shape[1]}
     entry.update(objective="nca", exact=False)
     params = {"max_iter": 3} if args.smoke else {}
-    result["runs"].append(guarded(entry, budget, 90, lambda: fit_run(X, y, Xt, yt, device, **params)))  # fmt: skip
+    result["runs"].append(
+        guarded(entry, budget, 90, lambda: fit_run(X, y, Xt, yt, device, **params))
+    )
     save()
     for n in sizes:
         entry = {"name": "exact fit, 5 iterations", "n": n, "d": 32, "D": 128, "objective": "nca"}

@@ -83,8 +83,15 @@ def main() -> None:
                 times = time_evaluation(z, labels, args.repeats)
             finally:
                 native.MIN_BLOCK_ROWS, native.SCRATCH_BYTES = saved
-            rows.append({"n": n, "setting": name, "rows_per_block": block_rows or default,
-                         "seconds": statistics.median(times), "all": times})  # fmt: skip
+            rows.append(
+                {
+                    "n": n,
+                    "setting": name,
+                    "rows_per_block": block_rows or default,
+                    "seconds": statistics.median(times),
+                    "all": times,
+                }
+            )
             print(rows[-1], flush=True)
     print_table(rows, ["n", "setting", "rows_per_block", "seconds"])
     save_json("kernel_block_rows.json", {"machine": machine(), "rows": rows})

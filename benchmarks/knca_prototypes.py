@@ -47,8 +47,16 @@ def train_knca(z, y, prototypes, labels, k, z_val, y_val, n_classes, max_iter=10
 
     def loss_and_grad(theta):
         z_p = torch.tensor(theta.reshape(m, -1), requires_grad=True)
-        value = -objective_sum(torch.cat([rows_z, z_p]), all_labels, objective,
-                               rows=torch.arange(n), candidates=candidates) / n  # fmt: skip
+        value = (
+            -objective_sum(
+                torch.cat([rows_z, z_p]),
+                all_labels,
+                objective,
+                rows=torch.arange(n),
+                candidates=candidates,
+            )
+            / n
+        )
         value.backward()
         return float(value.detach()), z_p.grad.numpy().ravel().copy()
 
@@ -64,8 +72,14 @@ def train_knca(z, y, prototypes, labels, k, z_val, y_val, n_classes, max_iter=10
             best.update(accuracy=accuracy, theta=theta.copy())
 
     start = (prototypes * root).ravel()
-    result = minimize(loss_and_grad, start, jac=True, method="L-BFGS-B", callback=check,
-                      options={"maxiter": max_iter})  # fmt: skip
+    result = minimize(
+        loss_and_grad,
+        start,
+        jac=True,
+        method="L-BFGS-B",
+        callback=check,
+        options={"maxiter": max_iter},
+    )
     theta = best["theta"] if best["theta"] is not None else result.x
     return (theta.reshape(m, -1) / root).astype(np.float32), int(result.nit)
 
@@ -89,24 +103,48 @@ def main() -> None:
     z, z_val, z_test = nca.transform(X), nca.transform(X_val), nca.transform(X_test)
     common = (z_val, y_val, z_test, y_test, n_classes)
     full = scores(z, y, *common, fallback=3)
-    learned = compress(z, y, reduction=args.reduction, n_classes=n_classes, rule="majority",
-                       edit_k=edit_k_for(full["served_k"]), x_val=z_val, y_val=y_val)  # fmt: skip
+    learned = compress(
+        z,
+        y,
+        reduction=args.reduction,
+        n_classes=n_classes,
+        rule="majority",
+        edit_k=edit_k_for(full["served_k"]),
+        x_val=z_val,
+        y_val=y_val,
+    )
     prototypes, labels = learned.fit.prototypes.astype(np.float64), learned.fit.labels
-    rows = [{"method": "full set", **full},
-            {"method": "learned (f loss, 1-NN)", **scores(prototypes, labels, *common, 1)}]  # fmt: skip
+    rows = [
+        {"method": "full set", **full},
+        {"method": "learned (f loss, 1-NN)", **scores(prototypes, labels, *common, 1)},
+    ]
     for k in (3, 5):
         started = time.perf_counter()
         moved, iterations = train_knca(z, y, prototypes, labels, k, z_val, y_val, n_classes)
         test = knn_accuracies(moved, labels, z_test, y_test, n_classes, (1, k))
-        rows.append({"method": f"then knca-majority, k = {k}", "test_at_k": test[k],
-                     "test_at_1": test[1], **{f"served_{key}": v for key, v in
-                                              scores(moved, labels, *common, k).items()},
-                     "seconds": time.perf_counter() - started, "iterations": iterations})  # fmt: skip
+        rows.append(
+            {
+                "method": f"then knca-majority, k = {k}",
+                "test_at_k": test[k],
+                "test_at_1": test[1],
+                **{f"served_{key}": v for key, v in scores(moved, labels, *common, k).items()},
+                "seconds": time.perf_counter() - started,
+                "iterations": iterations,
+            }
+        )
     for row in rows:
         print(row)
-    save_json("knca_prototypes.json", {"machine": machine(), "set": args.set,
-                                       "noise": args.noise, "reduction": args.reduction,
-                                       "references": len(labels), "rows": rows})  # fmt: skip
+    save_json(
+        "knca_prototypes.json",
+        {
+            "machine": machine(),
+            "set": args.set,
+            "noise": args.noise,
+            "reduction": args.reduction,
+            "references": len(labels),
+            "rows": rows,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import median, print_table
 
 from service.config import Settings
-from service.engine.infer import Engine, Query, embed, infer_one, resolve
+from service.engine.engine import Engine
+from service.engine.infer import Query, embed, infer_one, resolve
 from service.http.routes.inference import ClassifyBody, classify_json, classify_npy, json_encoder
 from service.wire import parse_json, parse_npy, to_rows
 

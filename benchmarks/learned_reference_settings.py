@@ -60,15 +60,31 @@ def main() -> None:
         changes, seconds = [], []
         for seed in range(args.seeds):
             started = time.perf_counter()
-            result = compress(z, y, reduction=1 / args.fraction, n_classes=10, rule="majority",
-                              edit_k=edit_k_for(full["served_k"]), x_val=common[0],
-                              y_val=common[1], seed=seed, **VARIANTS[name])  # fmt: skip
+            result = compress(
+                z,
+                y,
+                reduction=1 / args.fraction,
+                n_classes=10,
+                rule="majority",
+                edit_k=edit_k_for(full["served_k"]),
+                x_val=common[0],
+                y_val=common[1],
+                seed=seed,
+                **VARIANTS[name],
+            )
             seconds.append(time.perf_counter() - started)
             got = scores(result.fit.prototypes, result.fit.labels, *common, fallback=1)
             changes.append(100 * (got["test_at_served_k"] - full["test_at_served_k"]))
-        rows.append({"variant": name, "fraction": args.fraction, "full": full["test_at_served_k"],
-                     "change_points": [round(c, 2) for c in changes],
-                     "median": float(np.median(changes)), "seconds": float(np.median(seconds))})  # fmt: skip
+        rows.append(
+            {
+                "variant": name,
+                "fraction": args.fraction,
+                "full": full["test_at_served_k"],
+                "change_points": [round(c, 2) for c in changes],
+                "median": float(np.median(changes)),
+                "seconds": float(np.median(seconds)),
+            }
+        )
         print(rows[-1], flush=True)
     print_table(rows, ["variant", "fraction", "full", "median", "seconds"])
     save_json("learned_reference_settings.json", {"machine": machine(), "rows": rows})

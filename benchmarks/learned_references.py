@@ -43,8 +43,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, USPS_PATH, machine, print_table, save_json, usps_784
 
 METHODS = ("full", "hart", "kmeans+glvq", "learned, map fixed", "learned jointly")
-METHOD_KEYS = {"hart": "hart", "glvq": "kmeans+glvq", "fixed": "learned, map fixed",
-               "joint": "learned jointly"}  # --methods' names  # fmt: skip
+METHOD_KEYS = {
+    "hart": "hart",
+    "glvq": "kmeans+glvq",
+    "fixed": "learned, map fixed",
+    "joint": "learned jointly",
+}  # --methods' names
 
 
 def usps():
@@ -62,9 +66,15 @@ def letters26():
     from sklearn.datasets import make_classification
 
     X, y = make_classification(
-        n_samples=20000, n_features=16, n_informative=14, n_redundant=2, n_classes=26,
-        n_clusters_per_class=2, class_sep=3.0, random_state=0,
-    )  # fmt: skip
+        n_samples=20000,
+        n_features=16,
+        n_informative=14,
+        n_redundant=2,
+        n_classes=26,
+        n_clusters_per_class=2,
+        class_sep=3.0,
+        random_state=0,
+    )
     X = X.astype(np.float32)
     order = np.random.default_rng(0).permutation(len(y))
     test, val, train = order[:2000], order[2000:3600], order[3600:]
@@ -157,8 +167,16 @@ def run_set(
         keep, _ = condense(z, y, n_classes, check_k=full["served_k"] + 2)
         seconds = time.perf_counter() - started
         hart = scores(z[keep], y[keep], *common, fallback=full["served_k"])
-        rows.append({**base, "fraction": float(keep.mean()), "method": "hart",
-                     "references": int(keep.sum()), "seconds": seconds, **hart})  # fmt: skip
+        rows.append(
+            {
+                **base,
+                "fraction": float(keep.mean()),
+                "method": "hart",
+                "references": int(keep.sum()),
+                "seconds": seconds,
+                **hart,
+            }
+        )
     smallest = int(np.bincount(y).min())
     for fraction in fractions:
         reduction = 1.0 / fraction
@@ -174,33 +192,74 @@ def run_set(
             ran += 1
         if "learned, map fixed" in methods:
             started = time.perf_counter()
-            fixed = compress(z, y, reduction=reduction, n_classes=n_classes, rule="majority",
-                             edit_k=edit_k, x_val=z_val, y_val=y_val)  # fmt: skip
+            fixed = compress(
+                z,
+                y,
+                reduction=reduction,
+                n_classes=n_classes,
+                rule="majority",
+                edit_k=edit_k,
+                x_val=z_val,
+                y_val=y_val,
+            )
             fit = fixed.fit
-            rows.append(_row(base, fraction, "learned, map fixed", fit.prototypes, fit.labels,
-                             started, common, iterations=fit.n_iter, loss=fixed.loss,
-                             edited=fixed.editing["edited"]))  # fmt: skip
+            rows.append(
+                _row(
+                    base,
+                    fraction,
+                    "learned, map fixed",
+                    fit.prototypes,
+                    fit.labels,
+                    started,
+                    common,
+                    iterations=fit.n_iter,
+                    loss=fixed.loss,
+                    edited=fixed.editing["edited"],
+                )
+            )
             ran += 1
         if "learned jointly" in methods:
             started = time.perf_counter()
             joint = compress(
-                xs, y, reduction=reduction, n_classes=n_classes, rule="majority",
-                edit_k=edit_k, x_val=xs_val, y_val=y_val, u=z, projection=nca.components_,
-                joint=True, loss="log",
-            )  # fmt: skip
+                xs,
+                y,
+                reduction=reduction,
+                n_classes=n_classes,
+                rule="majority",
+                edit_k=edit_k,
+                x_val=xs_val,
+                y_val=y_val,
+                u=z,
+                projection=nca.components_,
+                joint=True,
+                loss="log",
+            )
             fit = joint.fit
             a = fit.projection.astype(np.float32)
             z_val_j = xs_val @ a.T
             z_test_j = ((X_test - nca.mean_) / nca.scale_).astype(np.float32) @ a.T
-            rows.append(_row(base, fraction, "learned jointly", fit.prototypes, fit.labels,
-                             started, (z_val_j, y_val, z_test_j, y_test, n_classes),
-                             iterations=fit.n_iter, edited=joint.editing["edited"]))  # fmt: skip
+            rows.append(
+                _row(
+                    base,
+                    fraction,
+                    "learned jointly",
+                    fit.prototypes,
+                    fit.labels,
+                    started,
+                    (z_val_j, y_val, z_test_j, y_test, n_classes),
+                    iterations=fit.n_iter,
+                    edited=joint.editing["edited"],
+                )
+            )
             ran += 1
         for row in rows[len(rows) - ran :]:
-            print(f"  {fraction:.0%} {row['method']:20s} {row['references']:6d} refs: "
-                  f"test {row['test_at_served_k']:.4f} at k={row['served_k']} "
-                  f"({row['test_at_served_k'] - full['test_at_served_k']:+.4f}), "
-                  f"{row['seconds']:.1f} s, edited: {row.get('edited')}", flush=True)  # fmt: skip
+            print(
+                f"  {fraction:.0%} {row['method']:20s} {row['references']:6d} refs: "
+                f"test {row['test_at_served_k']:.4f} at k={row['served_k']} "
+                f"({row['test_at_served_k'] - full['test_at_served_k']:+.4f}), "
+                f"{row['seconds']:.1f} s, edited: {row.get('edited')}",
+                flush=True,
+            )
     return rows
 
 
@@ -221,35 +280,71 @@ def seed_medians(
     for fraction in fractions:
         changes, kept = [], []
         for seed in range(seeds):
-            result = compress(z, y, reduction=1 / fraction, n_classes=n_classes,
-                              rule="majority", edit_k=edit_k_for(full["served_k"]),
-                              x_val=z_val, y_val=y_val, seed=seed, loss=loss)  # fmt: skip
+            result = compress(
+                z,
+                y,
+                reduction=1 / fraction,
+                n_classes=n_classes,
+                rule="majority",
+                edit_k=edit_k_for(full["served_k"]),
+                x_val=z_val,
+                y_val=y_val,
+                seed=seed,
+                loss=loss,
+            )
             got = scores(result.fit.prototypes, result.fit.labels, *common, fallback=1)
             changes.append(100 * (got["test_at_served_k"] - full["test_at_served_k"]))
             kept.append(result.loss)
-        rows.append({"set": name, "noise": noise, "fraction": fraction, "seeds": seeds,
-                     "loss": loss, "kept_losses": kept, "full": full["test_at_served_k"], "change_points": changes,
-                     "median": float(np.median(changes))})  # fmt: skip
+        rows.append(
+            {
+                "set": name,
+                "noise": noise,
+                "fraction": fraction,
+                "seeds": seeds,
+                "loss": loss,
+                "kept_losses": kept,
+                "full": full["test_at_served_k"],
+                "change_points": changes,
+                "median": float(np.median(changes)),
+            }
+        )
         print(rows[-1], flush=True)
     return rows
 
 
 def _row(base, fraction, method, refs, labels, started, common, **extra) -> dict:
     seconds = time.perf_counter() - started
-    return {**base, "fraction": fraction, "method": method, "references": len(labels),
-            "seconds": seconds, **scores(refs, labels, *common, fallback=1), **extra}  # fmt: skip
+    return {
+        **base,
+        "fraction": fraction,
+        "method": method,
+        "references": len(labels),
+        "seconds": seconds,
+        **scores(refs, labels, *common, fallback=1),
+        **extra,
+    }
 
 
 def markdown(rows: list[dict]) -> str:
     """The README's table: per set and noise, each method's test accuracy at its served k
     (k = 1 in brackets when it differs), the change from the full set, seconds."""
-    out = ["| set | noise | kept | references | method | test acc. (served k) | vs full | "
-           "at k = 1 | seconds |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    out = [
+        "| set | noise | kept | references | method | test acc. (served k) | vs full | "
+        "at k = 1 | seconds |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for key in dict.fromkeys((r["set"], r["noise"]) for r in rows):
         group = [r for r in rows if (r["set"], r["noise"]) == key]
         full = next(r for r in group if r["method"] == "full")
-        order = sorted(group, key=lambda r: (r["method"] != "full", r["method"] != "hart",
-                                             r["fraction"], METHODS.index(r["method"])))  # fmt: skip
+        order = sorted(
+            group,
+            key=lambda r: (
+                r["method"] != "full",
+                r["method"] != "hart",
+                r["fraction"],
+                METHODS.index(r["method"]),
+            ),
+        )
         for r in order:
             delta = r["test_at_served_k"] - full["test_at_served_k"]
             out.append(
@@ -266,13 +361,17 @@ def markdown(rows: list[dict]) -> str:
 def seeds_markdown(rows: list[dict]) -> str:
     """The README's seeds table: per set, noise, fraction and loss setting, the change at each
     seed, the median and (with "auto") the loss each seed kept."""
-    out = ["| set | noise | kept | loss | change at each seed (points) | median | kept loss |",
-           "|---|---|---|---|---|---|---|"]  # fmt: skip
+    out = [
+        "| set | noise | kept | loss | change at each seed (points) | median | kept loss |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         changes = ", ".join(f"{c:+.2f}" for c in r["change_points"])
         kept = ", ".join(r.get("kept_losses", []))
-        out.append(f"| {r['set']} | {r['noise']:.0%} | {r['fraction']:.0%} | "
-                   f"{r.get('loss', 'f')} | {changes} | {r['median']:+.2f} | {kept} |")  # fmt: skip
+        out.append(
+            f"| {r['set']} | {r['noise']:.0%} | {r['fraction']:.0%} | "
+            f"{r.get('loss', 'f')} | {changes} | {r['median']:+.2f} | {kept} |"
+        )
     return "\n".join(out)
 
 
@@ -291,14 +390,17 @@ def main() -> None:
         "ones)",
     )
     parser.add_argument(
-        "--loss", choices=("auto", "f", "log"), default="auto",
+        "--loss",
+        choices=("auto", "f", "log"),
+        default="auto",
         help="with --seeds: the learner's loss (auto, the default: chosen on validation)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--methods", default=",".join(METHOD_KEYS),
+        "--methods",
+        default=",".join(METHOD_KEYS),
         help="the table's methods to run besides the full set, comma-separated, of "
         f"{', '.join(METHOD_KEYS)} (rows of methods not run are kept from the last run)",
-    )  # fmt: skip
+    )
     parser.add_argument("--cache", help="keep the fitted NCA maps here and reuse them")
     args = parser.parse_args()
     if args.table:
@@ -314,9 +416,12 @@ def main() -> None:
     if args.seeds:
         path = RESULTS / "learned_references_seeds.json"
         previous = json.loads(path.read_text())["rows"] if path.exists() else []
-        rows_run = [row for name in sets for noise in (float(n) for n in args.noise.split(","))
-                for row in seed_medians(name, noise, fractions, args.seeds, args.loss,
-                                        args.cache)]  # fmt: skip
+        rows_run = [
+            row
+            for name in sets
+            for noise in (float(n) for n in args.noise.split(","))
+            for row in seed_medians(name, noise, fractions, args.seeds, args.loss, args.cache)
+        ]
         ran = {(r["set"], r["noise"], r["loss"]) for r in rows_run}
         # rows from before the loss was recorded were learned with f
         rows = [r for r in previous if (r["set"], r["noise"], r.get("loss", "f")) not in ran]
@@ -341,8 +446,20 @@ def main() -> None:
         return (r["set"], r["noise"], r["method"], r["fraction"]) in ran
 
     rows = [r for r in previous if not replaced(r)] + rows
-    print_table(rows, ["set", "noise", "method", "fraction", "references", "served_k",
-                       "test_at_served_k", "test_at_1", "seconds"])  # fmt: skip
+    print_table(
+        rows,
+        [
+            "set",
+            "noise",
+            "method",
+            "fraction",
+            "references",
+            "served_k",
+            "test_at_served_k",
+            "test_at_1",
+            "seconds",
+        ],
+    )
     save_json("learned_references.json", {"machine": machine(), "rows": rows})
 
 

@@ -90,7 +90,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         before = tmp / "before"
-        subprocess.run(["git", "worktree", "add", "--detach", str(before), args.before], cwd=ROOT, check=True, capture_output=True)  # fmt: skip
+        subprocess.run(
+            ["git", "worktree", "add", "--detach", str(before), args.before],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+        )
         model = build_model(tmp)
         script = tmp / "post.lua"
         script.write_text(LUA % ", ".join(["0.5"] * 64))
@@ -100,9 +105,12 @@ def main() -> None:
             servers["off"] = start(ROOT, model)
             servers["on"] = start(ROOT, model, OTEL_EXPORTER_OTLP_ENDPOINT=endpoint)
             servers["on, 1% sampled"] = start(
-                ROOT, model, OTEL_EXPORTER_OTLP_ENDPOINT=endpoint,
-                OTEL_TRACES_SAMPLER="parentbased_traceidratio", OTEL_TRACES_SAMPLER_ARG="0.01",
-            )  # fmt: skip
+                ROOT,
+                model,
+                OTEL_EXPORTER_OTLP_ENDPOINT=endpoint,
+                OTEL_TRACES_SAMPLER="parentbased_traceidratio",
+                OTEL_TRACES_SAMPLER_ARG="0.01",
+            )
             runs: dict[str, list[dict]] = {name: [] for name in servers}
             for _ in range(args.rounds):
                 for name, (_, port) in servers.items():
@@ -111,7 +119,9 @@ def main() -> None:
         finally:
             for proc, _ in servers.values():
                 stop(proc)
-            subprocess.run(["git", "worktree", "remove", "--force", str(before)], cwd=ROOT, check=False)  # fmt: skip
+            subprocess.run(
+                ["git", "worktree", "remove", "--force", str(before)], cwd=ROOT, check=False
+            )
     sink.shutdown()
     base = median([r["requests_per_second"] for r in runs["before"]])
     rows = []

@@ -55,10 +55,14 @@ def main() -> None:
     for l2 in (0.0, 1e-4, 1e-3, 1e-2, 3e-2):
         part = NCA(n_components=32, random_state=0, l2=l2).fit(X_fit, y_fit)
         whole = NCA(n_components=32, random_state=0, l2=l2).fit(X, y)
-        val = [correct(part.transform(X_fit), y_fit, part.transform(X_val), y_val, k).mean()
-               for k in (1, 5)]  # fmt: skip
-        test = [correct(whole.transform(X), y, whole.transform(X_test), y_test, k).mean()
-                for k in (1, 5)]  # fmt: skip
+        val = [
+            correct(part.transform(X_fit), y_fit, part.transform(X_val), y_val, k).mean()
+            for k in (1, 5)
+        ]
+        test = [
+            correct(whole.transform(X), y, whole.transform(X_test), y_test, k).mean()
+            for k in (1, 5)
+        ]
         print(f"{l2:g} | {val[0]:.4f} | {val[1]:.4f} | {test[0]:.4f} | {test[1]:.4f}")
 
 

@@ -35,7 +35,8 @@ from starlette.requests import ClientDisconnect
 
 from service import __version__
 from service.config import Settings
-from service.engine.infer import Batcher, Engine
+from service.engine.batcher import Batcher
+from service.engine.engine import Engine
 from service.errors import (
     ClientClosed,
     InvalidInput,
@@ -327,14 +328,7 @@ def create_app(
     request_tracing = from_environment() if tracing is None else tracing
     state = AppState(
         settings=settings,
-        engine=Engine(
-            settings,
-            on_fallback=metrics.count_fallback,
-            on_load=metrics.set_model,
-            on_load_failure=lambda exc: metrics.model_load_failures.inc(),
-            in_flight_gauge=metrics.in_flight,
-            tracing=request_tracing,
-        ),
+        engine=Engine(settings, events=metrics, tracing=request_tracing),
         metrics=metrics,
         tracing=request_tracing,
     )
@@ -465,10 +459,7 @@ def _start_batcher(state: AppState) -> Batcher | None:
         max_rows=settings.batch_max_rows,
         max_wait_us=settings.batch_max_wait_us,
         inline_rows=INLINE_SEARCH_ROWS if inline else 0,
-        on_batch=lambda rows, waited: (
-            state.metrics.batch_rows.observe(rows),
-            state.metrics.queue_wait.observe(waited),
-        ),
+        on_batch=state.engine.events.batch_searched,
     )
     batcher.start()
     return batcher

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from service.config import Settings
-from service.engine.infer import Engine
+from service.engine.engine import Engine
 from service.ops.bodies import BodyBudget
 from service.ops.metrics import Metrics
 from service.ops.tracing import NoTracing, Tracing

@@ -24,7 +24,7 @@ and gRPC): who may call, what may come in, and how it becomes rows.
   embedding would overflow float32) (422), as a C-contiguous float32 array (n, D).
 
 Every refusal is one of ``service.errors``' types and names what was wrong and what was
-expected. No web framework is imported here (``tests/test_boundaries.py``). Tests: ``tests/service/test_bad_input_corpus.py``, ``test_wire_integers.py``,
+expected. No web framework is imported here (``tests/test_boundaries.py``). Tests: ``tests/service/http/test_bad_input_corpus.py``, ``test_wire_integers.py``,
 ``test_api.py``, ``test_v2_protocol.py``.
 """
 

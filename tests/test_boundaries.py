@@ -8,8 +8,8 @@
    for /v1, ``service/oip`` for the Open Inference Protocol) never import each other, and
    what they share (``service/wire.py``) imports neither and no web framework.
 4. No import cycles; rule and index names are spelled only in the vocabulary.
-5. A JSON POST /v1/classify runs through seven files, in order: the middleware, the route,
-   the wire, the engine, the body budget, the kNN core and the search (docs/layout.md).
+5. The wires reach the engine through its operations only (``Engine.classify``,
+   ``neighbors``, ``embed``); a POST /v1/classify never enters the other wire.
 
 The size signals (the longest module, class and function) are a report for reviewers,
 ``python benchmarks/code_shape.py``, not a test.
@@ -18,6 +18,7 @@ The size signals (the longest module, class and function) are a report for revie
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -188,6 +189,69 @@ def test_no_import_cycles_in_service_or_training():
     assert cycles(graph) == []
 
 
+TRAINING_FLOORS = [  # bottom to top; a module imports only its own floor and the ones below
+    {"numerics", "errors", "publish"},
+    {"data", "objectives"},
+    {"evaluation"},
+    {"distributed"},
+    {"optim"},
+    {"references"},
+    {"model"},
+    {"config"},
+    {"job"},
+    {"cli", "__main__", "__init__"},
+]
+
+
+def training_floor(module: str) -> int:
+    """The floor of ``training.<part>...`` (its sub-package or top-level module)."""
+    part = module.split(".")[1] if module.count(".") else "__init__"
+    return next(i for i, floor in enumerate(TRAINING_FLOORS) if part in floor)
+
+
+def test_no_training_module_imports_one_above_it():
+    """The job stands on its parts: numerics and errors at the bottom, then data and the
+    objectives, evaluation, the collectives, the optimisers, the reference sets, the
+    estimator, the configuration, the job, and the command line on top."""
+    graph = import_graph(("training",))
+    upward = [
+        f"{module} -> {target}"
+        for module, targets in graph.items()
+        for target in targets
+        if training_floor(target) > training_floor(module)
+    ]
+    assert upward == []
+
+
+# Imports a training module makes inside a function, and why they cannot be at its top.
+LAZY_IMPORTS = {
+    # flex attention exists only in some torch builds, and importing it starts the compiler
+    "training/objectives/nca_flex.py": {"torch.nn.attention", "torch.nn.attention.flex_attention"},
+    # pyplot takes its backend when first imported: Agg is chosen only when the job draws,
+    # so importing the report leaves matplotlib's global state to the caller
+    "training/evaluation/report.py": {"matplotlib", "matplotlib.pyplot"},
+}
+
+
+def test_training_imports_at_the_top_of_its_modules():
+    found = []
+    for path in package_files("training"):
+        allowed = LAZY_IMPORTS.get(str(path.relative_to(ROOT)), set())
+        for function in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(function):
+                if isinstance(node, ast.Import):
+                    names = {alias.name for alias in node.names}
+                elif isinstance(node, ast.ImportFrom):
+                    names = {node.module}
+                else:
+                    continue
+                if not names <= allowed:
+                    found.append(f"{path.name}:{node.lineno} {function.name} imports {names}")
+    assert found == []
+
+
 def test_the_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [["a", "b", "c", "a"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
@@ -227,26 +291,79 @@ def test_the_direct_lane_serves_exactly_the_declared_inference_routes():
     assert inference.DIRECT_LANE == declared
 
 
-REQUEST_PATH = [  # the files a JSON POST /v1/classify runs through, in the order entered
-    "service/app.py",
-    "service/http/routes/inference.py",
-    "service/wire.py",
-    "service/engine/infer.py",
-    "service/ops/bodies.py",
-    "service/core/knn.py",
-    "service/search/index.py",
-]
+ENGINE_PARTS = {"admit", "search", "project", "batcher", "in_flight", "events"}
+ENGINE_METRICS = {"request_rows", "outliers", "batch_rows", "queue_wait"}  # its events' series
+
+
+def test_the_wires_reach_the_engine_only_through_its_operations():
+    """/v1 and the OIP wires decode, call ``Engine.classify``, ``neighbors`` or ``embed``
+    (which own the in-flight gate, the batcher, the metrics and the outlier flags), and
+    encode: no wire touches those parts, the metrics the engine reports, or the kNN core."""
+    offenders = []
+    for path in [*package_files("service/http"), *package_files("service/oip")]:
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and (
+                node.attr in ENGINE_PARTS
+                or (
+                    node.attr in ENGINE_METRICS
+                    and isinstance(node.value, ast.Attribute)
+                    and node.value.attr == "metrics"
+                )
+            ):
+                offenders.append(f"{path.name}:{node.lineno} .{node.attr}")
+        for module in imported_modules(path):
+            if module.startswith(("service.core.knn", "service.search", "service.engine.batch")):
+                offenders.append(f"{path.name} imports {module}")
+    assert offenders == []
 
 
 @pytest.mark.parametrize("batching", [True, False])
-def test_a_v1_classify_request_runs_through_seven_files(tmp_path, batching):
-    """Every Python call of one warm request, profiled (benchmarks/request_path.py): the
-    middleware, the route, the wire, the engine, the body budget, the search and the kNN
-    core, nothing else."""
+def test_a_v1_classify_request_runs_through_the_engines_operation(tmp_path, batching):
+    """Every Python call of one warm request, profiled (benchmarks/request_path.py): it
+    passes through the engine's operation and the inference path, and never through the
+    other wire (the OIP) or a module outside the request's floors."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         from request_path import request_path, synthetic_model
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
     files = [name for name, _ in request_path(synthetic_model(tmp_path), batching)]
-    assert files == REQUEST_PATH
+    assert {"service/engine/engine.py", "service/engine/infer.py"} <= set(files)
+    assert files[:2] == ["service/app.py", "service/http/routes/inference.py"]
+    floors = ("service/app.py", "service/http/", "service/wire.py", "service/engine/")
+    floors += ("service/ops/", "service/core/", "service/search/")
+    assert [name for name in files if not name.startswith(floors)] == []
+
+
+FMT_SKIP = re.compile(r"#\s*fmt:\s*(skip|off)\s*$", re.MULTILINE)
+
+
+def test_no_code_is_packed_past_the_formatter():
+    """``# fmt: skip`` only where a table reads better aligned (the dashboard's panels):
+    code is never hand-packed to fit a size signal."""
+    allowed = {"deploy/monitoring/dashboard.py"}
+    marked = [
+        str(path.relative_to(ROOT))
+        for folder in ("service", "training", "tests", "benchmarks", "deploy", "tools")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        if FMT_SKIP.search(path.read_text()) and str(path.relative_to(ROOT)) not in allowed
+    ]
+    assert marked == []
+
+
+def test_the_tests_mirror_the_packages_and_share_helpers_in_one_place():
+    """tests/service/<package>/ and tests/training/<package>/ test that package; a test
+    module imports the shared helpers (conftest.py, servers.py, problems.py), never another
+    test module."""
+    for top in ("service", "training"):
+        for folder in sorted(p for p in (ROOT / "tests" / top).iterdir() if p.is_dir()):
+            if folder.name != "__pycache__":
+                assert (ROOT / top / folder.name / "__init__.py").is_file(), folder
+    crossing = [
+        f"{path.relative_to(ROOT)} imports {module}"
+        for path in sorted((ROOT / "tests").rglob("test_*.py"))
+        for module in imported_modules(path)
+        if module.startswith("tests.") and module.rsplit(".", 1)[-1].startswith("test_")
+    ]
+    assert crossing == []

@@ -31,8 +31,10 @@ def canonical(name: str) -> str:
 def main(python: str, out: str) -> None:
     frozen = subprocess.run(
         [python, "-m", "pip", "freeze", "--exclude-editable", "--all"],
-        capture_output=True, text=True, check=True,
-    ).stdout.splitlines()  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
     pins = []
     for line in frozen:
         name, sep, version = line.partition("==")

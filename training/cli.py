@@ -10,7 +10,10 @@ from service.core.artifact import ArtifactError
 from training.config import ReportCommand, TrainConfig, parse_command
 from training.data.datasets import DataError
 from training.distributed.ranks import init_from_environment
-from training.job import ConfigError, run
+from training.errors import ConfigError
+from training.evaluation.report_page import write_report_page
+from training.job import run
+from training.references.cli import main as references_main
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,8 +27,6 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(config, ReportCommand):
         return report_main(config)
     if not isinstance(config, TrainConfig):  # python -m training references ...
-        from training.references.cli import main as references_main
-
         return references_main(config)
     group = init_from_environment(config.device)
     where = f" (rank {group.rank} of {group.world_size})" if group.is_distributed else ""
@@ -47,8 +48,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def report_main(command: ReportCommand) -> int:
     """``python -m training report MODEL_DIR``: 0 and the page's path, or 2 and why not."""
-    from training.evaluation.report_page import write_report_page
-
     try:
         page = write_report_page(command.model_dir)
     except (ArtifactError, ValueError, OSError) as exc:

@@ -16,6 +16,7 @@ import inspect
 from dataclasses import MISSING, asdict, dataclass, field, fields
 
 from service.core.vocabulary import NEIGHBOUR_RULES, DecisionRule
+from training.errors import ConfigError
 from training.model.estimator import NCA
 
 ESTIMATOR_DEFAULTS = {
@@ -37,10 +38,54 @@ def _opt(default, help: str, **extra):
     return field(default=default, metadata={"help": help, **extra})
 
 
-def _shared(name: str, help: str):
-    """A setting the estimator has too: its default comes from the estimator."""
+def _shared(name: str, help: str, parse=None):
+    """A setting the estimator has too: its default comes from the estimator; ``parse``
+    turns the command line's text into the estimator's value (ConfigError when it cannot)."""
     default = JOB_DEFAULTS.get(name, ESTIMATOR_DEFAULTS[name])
-    return field(default=default, metadata={"help": help, "estimator": name})
+    return field(default=default, metadata={"help": help, "estimator": name, "parse": parse})
+
+
+def _n_candidates(value):
+    """'auto', 'exact' (None: every point a candidate) or an integer K >= 1."""
+    if value in ("auto", None):
+        return "auto"
+    if value in ("exact", "none", "None"):
+        return None
+    try:
+        k = int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(
+            f"--n-candidates={value!r} must be 'auto', 'exact' or an integer >= 1"
+        ) from None
+    if k < 1:
+        raise ConfigError(f"--n-candidates={value!r} must be 'auto', 'exact' or an integer >= 1")
+    return k
+
+
+def _l2(value):
+    """'auto' or a number >= 0."""
+    if value in ("auto", None):
+        return "auto"
+    try:
+        l2 = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"--l2={value!r} must be 'auto' or a number >= 0") from None
+    if not l2 >= 0 or l2 == float("inf"):
+        raise ConfigError(f"--l2={value!r} must be 'auto' or a number >= 0")
+    return l2
+
+
+def _exact_finish(value):
+    """'auto' or an integer >= 0."""
+    if value in ("auto", None):
+        return "auto"
+    try:
+        n = -1 if isinstance(value, (bool, float)) else int(value)
+    except (TypeError, ValueError):
+        n = -1
+    if n < 0:
+        raise ConfigError(f"--exact-finish={value!r} must be 'auto' or an integer >= 0")
+    return n
 
 
 @dataclass
@@ -83,10 +128,12 @@ class TrainConfig:
         "L2 penalty on A (added to the mean per-point loss): a number >= 0, or auto "
         "(0.03 on the exact objective, chosen by cross-validation, and with --candidate-draws; "
         "0 on nearest candidate sets alone)",
+        parse=_l2,
     )
-    n_candidates: str = _opt(
-        "auto",
+    n_candidates: str = _shared(
+        "n_candidates",
         "exact (all points), auto, or K: K nearest same- and other-class candidates per point",
+        parse=_n_candidates,
     )
     refresh_every: int = _shared(
         "refresh_every", "at most this many iterations between candidate refreshes"
@@ -109,6 +156,7 @@ class TrainConfig:
         "after candidate sets, this many L-BFGS iterations on the exact objective (every point "
         "a neighbour, at most 65,536 query rows for nca/nca-log, 2,048 for knca-*): auto (10 "
         "for nca/nca-log, 20 for knca-*, 0 with adam), or an integer >= 0",
+        parse=_exact_finish,
     )
     candidate_search: str = _shared(
         "candidate_search",
@@ -157,6 +205,34 @@ class TrainConfig:
     )
     plots: bool = _opt(True, "write PNG plots beside the artifact")
     quiet: bool = _opt(False, "no per-iteration table")
+
+    def estimator_params(self, n_features: int) -> dict:
+        """The estimator's parameters for a run on ``n_features`` inputs: every setting
+        tagged as the estimator's (parsed where the command line gives text), d = min(32, D)
+        when no --n-components is given, and the job's own settings under the estimator's
+        names (seed -> random_state, decision_rule -> validation_rule, quiet -> verbose).
+        ConfigError for a value the estimator cannot take from the command line."""
+        params = {}
+        for f in fields(self):
+            name = f.metadata.get("estimator")
+            if name is not None:
+                parse = f.metadata["parse"]
+                value = getattr(self, f.name)
+                params[name] = parse(value) if parse is not None else value
+        if params["n_components"] is None:
+            params["n_components"] = min(32, n_features)
+        if self.decision_rule not in NEIGHBOUR_RULES:
+            raise ConfigError(
+                f"--decision-rule={self.decision_rule!r} must be one of {list(NEIGHBOUR_RULES)} "
+                "(soft_prior needs the outlier calibration made after training: ask for it "
+                "per request)"
+            )
+        params.update(
+            validation_rule=self.decision_rule,
+            random_state=self.seed,
+            verbose=0 if self.quiet else 1,
+        )
+        return params
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 import warnings
@@ -14,9 +13,9 @@ import torch.distributed as dist
 
 from service.core.artifact import ArtifactError, write_artifact
 from service.core.knn import project
-from service.core.vocabulary import NEIGHBOUR_RULES
 from training.config import TrainConfig
 from training.data.datasets import (
+    BUILTIN_DATASETS,
     DataError,
     Dataset,
     Split,
@@ -29,6 +28,7 @@ from training.data.datasets import (
 )
 from training.distributed.ranks import ProcessGroup, current_group, shard_bounds
 from training.distributed.sharded_stats import gather_array
+from training.errors import ConfigError
 from training.evaluation.baselines import BASELINES
 from training.evaluation.calibration import calibrate, outlier_report
 from training.evaluation.evaluate import K_VALUES, choose_k, knn_accuracies, knn_predictions
@@ -40,93 +40,15 @@ from training.evaluation.report import (
 )
 from training.evaluation.report_page import warnings_of, write_report_page
 from training.model.estimator import NCA
+from training.publish import check_publish_link, publish
 from training.references.compress import reference_set_record
 from training.references.learned import check_budget
 
 
-class ConfigError(ValueError):
-    """An option has a value the job cannot use."""
-
-
-def _n_candidates(value: str):
-    if value in ("auto", None):
-        return "auto"
-    if value in ("exact", "none", "None"):
-        return None
-    try:
-        k = int(value)
-    except ValueError:
-        raise ConfigError(
-            f"--n-candidates={value!r} must be 'auto', 'exact' or an integer >= 1"
-        ) from None
-    if k < 1:
-        raise ConfigError(f"--n-candidates={value!r} must be 'auto', 'exact' or an integer >= 1")
-    return k
-
-
-def _l2(value):
-    if value in ("auto", None):
-        return "auto"
-    try:
-        l2 = float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"--l2={value!r} must be 'auto' or a number >= 0") from None
-    if not l2 >= 0 or l2 == float("inf"):
-        raise ConfigError(f"--l2={value!r} must be 'auto' or a number >= 0")
-    return l2
-
-
-def _exact_finish(value):
-    if value in ("auto", None):
-        return "auto"
-    try:
-        n = -1 if isinstance(value, (bool, float)) else int(value)
-    except (TypeError, ValueError):
-        n = -1
-    if n < 0:
-        raise ConfigError(f"--exact-finish={value!r} must be 'auto' or an integer >= 0")
-    return n
-
-
 def build_estimator(config: TrainConfig, n_features: int) -> NCA:
-    d = config.n_components if config.n_components is not None else min(32, n_features)
-    if config.decision_rule not in NEIGHBOUR_RULES:
-        raise ConfigError(
-            f"--decision-rule={config.decision_rule!r} must be one of {list(NEIGHBOUR_RULES)} "
-            "(soft_prior needs the outlier calibration made after training: ask for it per request)"
-        )
-    return NCA(
-        n_components=d,
-        objective=config.objective,
-        k=config.k,
-        transformation=config.transformation,
-        init=config.init,
-        solver=config.solver,
-        max_iter=config.max_iter,
-        tol=config.tol,
-        l2=_l2(config.l2),
-        n_candidates=_n_candidates(config.n_candidates),
-        refresh_every=config.refresh_every,
-        refresh_tol=config.refresh_tol,
-        candidate_mass=config.candidate_mass,
-        candidate_draws=config.candidate_draws,
-        exact_finish=_exact_finish(config.exact_finish),
-        chunk_size=config.chunk_size,
-        batch_size=config.batch_size,
-        learning_rate=config.learning_rate,
-        early_stopping=config.early_stopping,
-        validation_k=K_VALUES,  # the served k is chosen from these on validation (choose_k)
-        validation_rule=config.decision_rule,
-        n_iter_no_change=config.n_iter_no_change,
-        validation_interval=config.validation_interval,
-        standardize=config.standardize,
-        device=config.device,
-        random_state=config.seed,
-        verbose=0 if config.quiet else 1,
-        prototypes=config.prototypes,
-        candidate_search=config.candidate_search,
-        select_stages=config.select_stages,
-    )
+    """The estimator of the run: the configuration's settings, validated at the k values the
+    artifact may serve (the served k is chosen among them on validation: ``choose_k``)."""
+    return NCA(**config.estimator_params(n_features), validation_k=K_VALUES)
 
 
 def evaluate_baselines(split, mean, scale, d: int, rule: str) -> dict:
@@ -176,23 +98,6 @@ def resolve_out(out: str | None, data_name: str, now: float | None = None) -> Pa
         return Path("models") / data_name
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(time.time() if now is None else now))
     return Path(out.replace("{timestamp}", stamp))
-
-
-def check_publish_link(link: str | None) -> None:
-    if link and os.path.lexists(link) and not os.path.islink(link):
-        raise ConfigError(f"--publish {link!r} exists and is not a symlink; refusing to replace it")
-
-
-def publish(link: str, target: Path) -> None:
-    """Atomically (re)point the symlink ``link`` at ``target``, by a path relative to the link."""
-    link_path = Path(link).absolute()
-    link_path.parent.mkdir(parents=True, exist_ok=True)
-    destination = os.path.relpath(target.absolute(), link_path.parent)
-    temporary = link_path.with_name(f".{link_path.name}.tmp-{os.getpid()}")
-    if os.path.lexists(temporary):
-        os.unlink(temporary)
-    os.symlink(destination, temporary)
-    os.replace(temporary, link_path)
 
 
 def run(config: TrainConfig, *, log=print) -> dict:
@@ -283,16 +188,19 @@ def _check_prototypes(config: TrainConfig, split, group: ProcessGroup) -> None:
             "`python -m training references condense --method prototypes` on the artifact"
         )
     try:
-        check_budget(split.y_train, len(split.classes), config.prototypes, split.classes.tolist(),
-                     name="--prototypes")  # fmt: skip
+        check_budget(
+            split.y_train,
+            len(split.classes),
+            config.prototypes,
+            split.classes.tolist(),
+            name="--prototypes",
+        )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 
 
 def _data_name(config: TrainConfig) -> str:
     """The data set's name: the built-in set's, or the file's stem."""
-    from training.data.datasets import BUILTIN_DATASETS
-
     return config.data if config.data in BUILTIN_DATASETS else Path(config.data).stem
 
 
@@ -566,10 +474,11 @@ def _reference_set_of(estimator: NCA, config: TrainConfig) -> dict:
     if estimator.prototypes_ is None or fit is None:
         return {}
     record = reference_set_record(
-        method="nca, learned jointly with the map", reduction=float(config.prototypes),
+        method="nca, learned jointly with the map",
+        reduction=float(config.prototypes),
         compressed=fit,
-    )  # fmt: skip
+    )
     return {"reference_set": record}
 
 
-__all__ = ["ConfigError", "DataError", "run"]
+__all__ = ["run"]

@@ -2,10 +2,16 @@
 
 * ``model.py``: ``LoadedModel`` (projection, index, labels, calibration; immutable data)
   and ``load_model`` (read the artifact, build or read its index, warm it up)
-  (``tests/service/test_engine.py``, ``test_indexing.py``).
-* ``infer.py``: what a request runs through once its wire has parsed it: ``Engine`` (the
-  current model, swapped in one assignment; the in-flight gate), the ``Batcher`` (concurrent
-  requests grouped by (model, k)), and ``infer``: embed, overflow check, one search, one
-  decision per rule, the only place the service decides (``tests/service/test_engine.py``,
-  ``test_batcher.py``, ``test_robustness.py``).
+  (``tests/service/engine/test_engine.py``, ``test_indexing.py``).
+* ``engine.py``: ``Engine``: the current model (swapped in one assignment) and the
+  operations every wire calls, ``classify``, ``neighbors`` and ``embed``, each owning the
+  in-flight gate, the batcher or worker thread, the trace spans and the events the metrics
+  count (``tests/service/engine/test_engine.py``, ``test_robustness.py``).
+* ``events.py``: ``EngineEvents``, what the engine reports (loads, requests admitted,
+  outliers flagged, batches); ``service.ops.metrics.Metrics`` counts them.
+* ``batcher.py``: the ``Batcher``, concurrent requests grouped by (model, k) into one
+  search (``tests/service/engine/test_batcher.py``).
+* ``infer.py``: ``Query``, ``Answer``, ``resolve`` (a request's k, rule and outlier
+  threshold, the same for every wire) and ``infer``: embed, overflow check, one search, one
+  decision per rule, the only place the service decides.
 """

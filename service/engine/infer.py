@@ -1,11 +1,9 @@
-"""The engine at run time and the one inference path.
+"""The one inference path: the only place the service embeds, searches and decides.
 
-Once its wire has parsed a request into rows and a :class:`Query` (:func:`resolve`), the
-request runs through this module: :meth:`Engine.admit` (the in-flight gate, 429),
-:meth:`Engine.infer` (the request joins the :class:`Batcher`, or runs alone in a worker
-thread) and :func:`infer`, the only place the service embeds, searches and decides. Every
-wire (/v1, /v2 REST, gRPC) calls :meth:`Engine.infer`; they differ only in how they parse
-a request and render the :class:`Answer`.
+Once its wire has parsed a request into rows and a :class:`Query` (:func:`resolve`, the same
+checks and messages for every wire), the engine (``service.engine.engine``) runs it through
+:func:`infer`, directly or merged with other requests by the batcher
+(``service.engine.batcher``).
 
 For rows x (n, D) of one model and one k, :func:`infer` computes::
 
@@ -15,47 +13,23 @@ For rows x (n, D) of one model and one k, :func:`infer` computes::
     background = FarPrior(z, t)       the soft_prior rule's component, per threshold t
     (label, proba) = decide(...)      one decision per (rule, threshold) asked for
 
-The projection, the final distances and the decision are computed row by row (service.core.knn),
-so a part's answer does not depend on the parts searched with it: a batched answer equals
-the answer the request gets alone.
-
-The :class:`Batcher` merges concurrent requests: one worker task takes the first waiting
-job, keeps collecting until ``max_rows`` rows or ``max_wait_us`` have passed, groups the jobs
-by (model, k) and calls :func:`infer` once per group, in a search thread (or, for groups of
-at most ``inline_rows`` rows, on the event loop itself: on one core that saves two thread
-hand-offs a batch and nothing runs in parallel anyway). Each job gets its own part.
-
-The :class:`Engine` holds the current model (``service.engine.model.load_model`` reads and
-indexes one) and replaces it in one reference assignment after the new one has been fully
-loaded; a request that captured the old model finishes on it. A failed load leaves the
-current model serving and is recorded in ``Engine.last_error``.
+The projection, the final distances and the decision are computed row by row
+(service.core.knn), so a part's answer does not depend on the parts searched with it: a
+batched answer equals the answer the request gets alone.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import threading
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
-from service.config import Settings
-from service.core.artifact import artifact_fingerprint
 from service.core.knn import decide, outlier_threshold, project
 from service.core.vocabulary import RULES, DecisionRule
-from service.engine.model import LoadedModel, load_model
-from service.errors import InvalidInput, NotReady, Overloaded, ReloadFailed, ServiceError
-from service.ops.tracing import NoTracing, Tracing, record_inference
+from service.errors import InvalidInput, ServiceError
 from service.search.index import search
-
-log = logging.getLogger("service.engine")
-INLINE_EMBED_ROWS = 64  # below this, projection runs on the event loop
 
 SOFT_PRIOR = DecisionRule.SOFT_PRIOR.value
 FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -87,6 +61,8 @@ class Answer:
     indices: np.ndarray  # (n, k) reference row indices
     predicted: np.ndarray | None = None  # (n,) class indices
     probabilities: np.ndarray | None = None  # (n, C)
+    outliers: np.ndarray | None = None  # (n,) bool: nearest distance beyond the threshold
+    embedding: np.ndarray | None = None  # (n, d) float32, when the caller asked for it
     # where the time went, {"search" | "decide" | "queue": (start, end)} in epoch nanoseconds,
     # for the request's trace (service.ops.tracing); shared by every part of a merged batch
     timings: dict = field(default_factory=dict, compare=False)
@@ -265,293 +241,3 @@ def _decided(model, z, distances, indices, spans: list[tuple[Query, int, int]]) 
             model.labels[indices[selected]], distances[selected], n_classes, rule, background
         )
     return Answer(distances, indices, predicted, probabilities)
-
-
-# ---------------------------------------------------------------- batching
-
-
-@dataclass
-class Job:
-    """One request waiting in the batcher's queue."""
-
-    model: LoadedModel
-    rows: np.ndarray  # (n, D) float32
-    query: Query
-    future: asyncio.Future
-    enqueued: float = field(default_factory=time.perf_counter)
-    enqueued_ns: int = field(default_factory=time.time_ns)  # for the request's trace
-
-
-class Batcher:
-    """Concurrent requests merged into one :func:`infer` call per (model, k) (the module's
-    docstring says how a batch is collected)."""
-
-    def __init__(
-        self,
-        *,
-        max_rows: int,
-        max_wait_us: int,
-        on_batch: Callable[[int, float], None] | None = None,
-        inline_rows: int = 0,
-    ):
-        self.max_rows = max_rows
-        self.max_wait = max_wait_us / 1e6
-        # groups of at most this many rows run on the event loop, larger ones in the thread
-        self.inline_rows = inline_rows
-        self.on_batch = on_batch  # (rows in merged search, seconds the oldest job waited)
-        self._queue: asyncio.Queue[Job | None] = asyncio.Queue()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="search")
-        self._task: asyncio.Task | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="batcher")
-
-    async def stop(self) -> None:
-        """Finish every queued job, then stop the worker."""
-        if self._task is not None:
-            await self._queue.put(None)
-            await self._task
-            self._task = None
-        self._executor.shutdown(wait=True)
-
-    async def submit(self, model, rows: np.ndarray, query: Query) -> Answer:
-        """The answer to ``query`` for raw rows (n, D), computed with whatever else is
-        waiting for the same (model, k)."""
-        future = asyncio.get_running_loop().create_future()
-        self._queue.put_nowait(Job(model, rows, query, future))
-        return await future
-
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        stopping = False
-        while not stopping:
-            first = await self._queue.get()
-            if first is None:
-                break
-            jobs = [first]
-            rows = len(first.rows)
-            deadline = loop.time() + self.max_wait
-            while rows < self.max_rows:
-                if self._queue.empty():
-                    remaining = deadline - loop.time()
-                    if remaining <= 0:
-                        break
-                    await asyncio.sleep(remaining)  # wait out the window once, then drain
-                    if self._queue.empty():
-                        break
-                job = self._queue.get_nowait()
-                if job is None:
-                    stopping = True
-                    break
-                jobs.append(job)
-                rows += len(job.rows)
-            waited = time.perf_counter() - first.enqueued
-            for group in _groups(jobs):
-                group_started = time.time_ns()
-                try:
-                    if sum(len(j.rows) for j in group) <= self.inline_rows:
-                        results = _run_group(group)
-                    else:
-                        results = await loop.run_in_executor(self._executor, _run_group, group)
-                except Exception as exc:  # reported to every request of the group
-                    for job in group:
-                        if not job.future.done():
-                            job.future.set_exception(exc)
-                    continue
-                for job, result in zip(group, results, strict=True):
-                    if job.future.done():
-                        continue
-                    if isinstance(result, Exception):
-                        job.future.set_exception(result)
-                    else:
-                        result.timings["queue"] = (job.enqueued_ns, group_started)
-                        job.future.set_result(result)
-                if self.on_batch is not None:
-                    self.on_batch(sum(len(j.rows) for j in group), waited)
-
-
-def _groups(jobs: list[Job]) -> list[list[Job]]:
-    groups: dict[tuple[int, int], list[Job]] = {}
-    for job in jobs:
-        groups.setdefault((id(job.model), job.query.k), []).append(job)
-    return list(groups.values())
-
-
-def _run_group(group: list[Job]) -> list:
-    """One call of the inference path for jobs on the same (model, k)."""
-    return infer(group[0].model, [(job.rows, job.query) for job in group])
-
-
-# ---------------------------------------------------------------- the engine
-
-
-class Engine:
-    """Holds the current model (loads a new one off to the side and swaps it in) and runs
-    requests on it: the in-flight gate, then batched or alone through :func:`infer`.
-
-    Failed loads are remembered by the artifact's fingerprint (directory identity, manifest
-    hash, file sizes and times: ``artifact_fingerprint``), not by its version: a version that
-    failed while it was being written is retried as soon as its files change, and any failed
-    artifact again after ``retry_failed_seconds``.
-    """
-
-    def __init__(
-        self,
-        settings: Settings,
-        on_fallback: Callable[[int, int], None] | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        retry_failed_seconds: float = 60.0,
-        on_load: Callable[[LoadedModel], None] | None = None,
-        on_load_failure: Callable[[Exception], None] | None = None,
-        in_flight_gauge=None,
-        tracing: Tracing | NoTracing | None = None,
-    ):
-        self.settings = settings
-        self.on_fallback = on_fallback
-        # called after every load that swapped a model in / after every failed load, whoever
-        # asked for it (startup, the reload route, the poller): the one place metrics learn it
-        self.on_load = on_load
-        self.on_load_failure = on_load_failure
-        self.clock = clock
-        self.retry_failed_seconds = retry_failed_seconds
-        self._model: LoadedModel | None = None
-        self._load_lock = threading.Lock()  # one load at a time; others are refused
-        self._load_started = 0.0
-        self.last_error: str | None = None
-        self.draining = False
-        self._loaded_fingerprint: tuple | None = None
-        self._failed_fingerprint: tuple | None = None
-        self._failed_at = 0.0
-        # serving: the in-flight gate, the batcher (set by the app's lifespan), tracing
-        self.in_flight = 0
-        self.in_flight_gauge = in_flight_gauge  # a prometheus Gauge, or None
-        self.batcher: Batcher | None = None
-        self.tracing = tracing if tracing is not None else NoTracing()
-
-    @property
-    def ready(self) -> bool:
-        return self._model is not None and not self.draining
-
-    def peek(self) -> LoadedModel | None:
-        """The loaded model, or None."""
-        return self._model
-
-    def current(self) -> LoadedModel:
-        model = self._model
-        if model is None:
-            raise NotReady(
-                "no model is loaded yet; "
-                + (f"the last load failed: {self.last_error}" if self.last_error else "loading")
-            )
-        return model
-
-    def load(self, path: str | Path | None = None) -> LoadedModel:
-        """Load the artifact at ``path`` (default: the configured one) and swap it in.
-
-        Raises the load error after recording it; the current model keeps serving.
-        """
-        path = Path(path or self.settings.model_path)
-        if not self._load_lock.acquire(blocking=False):
-            raise ReloadFailed(
-                f"another load of the model has been running for "
-                f"{time.monotonic() - self._load_started:.1f} s; a load does not queue behind "
-                "it: retry when it has finished (GET /v1/model shows the result)"
-            )
-        self._load_started = time.monotonic()
-        try:
-            return self._load(path)
-        finally:
-            self._load_lock.release()
-
-    def _load(self, path: Path) -> LoadedModel:
-        """Load ``path`` and swap it in, with the load lock held (:meth:`load`)."""
-        fingerprint = artifact_fingerprint(path)
-        try:
-            model = load_model(path, self.settings, on_fallback=self.on_fallback)
-        except Exception as exc:
-            self._failed_fingerprint = fingerprint
-            self._failed_at = self.clock()
-            self.last_error = f"{type(exc).__name__}: {exc}"
-            log.error("model load failed", extra={"path": str(path), "error": self.last_error})
-            if self.on_load_failure is not None:
-                self.on_load_failure(exc)
-            raise
-        self._model = model  # one reference assignment: the swap
-        self._loaded_fingerprint = fingerprint
-        self._failed_fingerprint = None
-        self.last_error = None
-        log.info(
-            "model loaded",
-            extra={
-                "path": str(path),
-                "model_version": model.version,
-                "seconds": model.load_seconds,
-            },
-        )
-        if self.on_load is not None:
-            self.on_load(model)
-        return model
-
-    async def reload(self, timeout: float) -> LoadedModel:
-        """:meth:`load` in a worker thread, waited for at most ``timeout`` seconds: past it
-        ReloadFailed, while the load goes on in the background (a model it completes is
-        swapped in then; a failure is recorded as any other)."""
-        loop = asyncio.get_running_loop()
-        try:
-            return await asyncio.wait_for(loop.run_in_executor(None, self.load), timeout)
-        except TimeoutError:
-            raise ReloadFailed(
-                f"the load did not finish within {timeout:g} s (reload_timeout_seconds); it "
-                "goes on in the background, and GET /v1/model shows what it brought"
-            ) from None
-
-    def changed_on_disk(self) -> bool:
-        """True when the model path holds an artifact other than the one loaded, and not one
-        that already failed unchanged (unless ``retry_failed_seconds`` have passed)."""
-        fingerprint = artifact_fingerprint(self.settings.model_path)
-        if fingerprint is None or fingerprint == self._loaded_fingerprint:
-            return False
-        if fingerprint == self._failed_fingerprint:
-            return self.clock() - self._failed_at >= self.retry_failed_seconds
-        return True
-
-    @contextmanager
-    def admit(self):
-        """The in-flight gate: fail fast with 429 rather than queue without bound."""
-        if self.in_flight >= self.settings.max_in_flight:
-            raise Overloaded(
-                f"{self.in_flight} requests in flight, the limit is "
-                f"{self.settings.max_in_flight}; retry later"
-            )
-        self.in_flight += 1
-        if self.in_flight_gauge is not None:
-            self.in_flight_gauge.inc()
-        try:
-            yield
-        finally:
-            self.in_flight -= 1
-            if self.in_flight_gauge is not None:
-                self.in_flight_gauge.dec()
-
-    async def infer(self, model, rows: np.ndarray, query: Query) -> Answer:
-        """The inference path for one request: merged with others by the batcher when
-        batching is on, else computed alone in a worker thread. With tracing on, the
-        request's parse / queue / search / decide spans are recorded from its timings."""
-        called = time.time_ns() if self.tracing.enabled else 0
-        if self.batcher is not None:
-            answer = await self.batcher.submit(model, rows, query)
-        else:
-            loop = asyncio.get_running_loop()
-            answer = await loop.run_in_executor(None, infer_one, model, rows, query)
-            if called and "search" in answer.timings:  # the hop to the worker thread
-                answer.timings.setdefault("queue", (called, answer.timings["search"][0]))
-        if self.tracing.enabled:
-            record_inference(self.tracing, called, answer.timings)
-        return answer
-
-    async def embed(self, model, rows: np.ndarray) -> np.ndarray:
-        """rows (n, D) -> embeddings (n, d): on the event loop up to INLINE_EMBED_ROWS rows
-        (a thread hop costs more), else in a worker thread."""
-        if len(rows) <= INLINE_EMBED_ROWS:
-            return embed(model, rows)
-        return await asyncio.get_running_loop().run_in_executor(None, embed, model, rows)

@@ -10,7 +10,7 @@ The model's part is rendered once per model version and cached (the plots are re
 the artifact, each checked against its sha256); the live part is read from the registry on
 each request. The route (service/app.py) serves it with the same access rule as /docs, and
 renders it in a worker thread, never on the event loop. Tested by
-tests/service/test_model_card.py.
+tests/service/http/test_model_card.py.
 """
 
 from __future__ import annotations

@@ -7,6 +7,6 @@ auth, metrics and error table as ``/v1``. Imports nothing from ``service.http``.
 * ``grpc_server.py``: ``inference.GRPCInferenceService`` and ``grpc.health.v1.Health``.
 * ``protocol/``: the ``.proto`` files and the compiled descriptor set the server loads.
 
-Tests: ``tests/service/test_v2_protocol.py`` (tritonclient over both wires),
+Tests: ``tests/service/oip/test_v2_protocol.py`` (tritonclient over both wires),
 ``test_protocol_files.py``, ``test_wire_integers.py``.
 """

@@ -5,7 +5,7 @@ Started by the app's lifespan when ``grpc_port`` is not 0, stopped (with the dra
 before the batcher. Every call goes through the same checks as REST: the API key (metadata
 ``authorization: Bearer <key>``, checked by :class:`KeyCheck` before the message is read),
 the model name and version, the tensor checks of
-``service.oip.tensors``, and ``oip.run_call`` (limits, in-flight gate, the inference path, metrics).
+``service.oip.tensors``, and ``oip.run_call`` (one engine operation).
 Errors carry the gRPC status matching the HTTP status of the one error table
 (:data:`GRPC_CODES`) and the same message.
 """

@@ -37,7 +37,6 @@ from typing import Any
 
 import numpy as np
 
-from service.core.knn import outlier_flags
 from service.core.vocabulary import RULES
 from service.engine.infer import Answer, Query, resolve
 from service.engine.model import LoadedModel, class_array
@@ -285,7 +284,6 @@ def output_tensors(
     call: InferCall,
     answer: Answer | None,
     embedding: np.ndarray | None,
-    threshold: float | None,
 ) -> list[OutputTensor]:
     """The requested outputs from the engine's answer (and the embedding when asked)."""
     n = len(call.rows)
@@ -315,7 +313,7 @@ def output_tensors(
             nearest = np.ascontiguousarray(answer.distances[:, 0], dtype="<f8")
             tensors.append(OutputTensor(name, "FP64", [n], nearest))
         elif name == "outlier":
-            flags = np.ascontiguousarray(outlier_flags(answer.distances, threshold))
+            flags = np.ascontiguousarray(answer.outliers)
             tensors.append(OutputTensor(name, "BOOL", [n], flags))
     return tensors
 
@@ -334,17 +332,14 @@ def query_of(model: LoadedModel, max_k: int, call: InferCall) -> Query:
 async def run_call(
     state: AppState, model: LoadedModel, call: InferCall, query: Query, route: str
 ) -> list[OutputTensor]:
-    """An inference call on the engine, whatever the wire (REST or gRPC): the in-flight
-    gate, the inference path (batched) when an output needs the neighbours, the embedding
-    when asked, the metrics; its output tensors."""
-    wants = {output.name for output in call.outputs}
-    answer = embedding = None
-    with state.engine.admit():
-        state.metrics.request_rows.labels(route).observe(len(call.rows))
-        if needs_search(model, call):
-            answer = await state.engine.infer(model, call.rows, query)
-        if "embedding" in wants:
-            embedding = await state.engine.embed(model, call.rows)
-    if answer is not None and query.threshold is not None and "outlier" in wants:
-        state.metrics.outliers.inc(int(outlier_flags(answer.distances, query.threshold).sum()))
-    return output_tensors(model, call, answer, embedding, query.threshold)
+    """An inference call on the engine, whatever the wire (REST or gRPC): one engine
+    operation (``classify`` when an output needs the neighbours, with the embedding when it
+    is asked for too; else ``embed``), then its output tensors."""
+    wants_embedding = any(output.name == "embedding" for output in call.outputs)
+    if needs_search(model, call):
+        answer = await state.engine.classify(
+            model, call.rows, query, route, with_embedding=wants_embedding
+        )
+        return output_tensors(model, call, answer, answer.embedding)
+    embedding = await state.engine.embed(model, call.rows, route)
+    return output_tensors(model, call, None, embedding)

@@ -1,8 +1,8 @@
 """Operations: what keeps the service observable and within its resources.
 
 * ``metrics.py``: Prometheus metrics with labels from fixed sets, per app, multiprocess-aware
-  (``tests/service/test_metric_labels.py``).
-* ``tracing.py``: OpenTelemetry spans per request (``tests/service/test_tracing.py``).
+  (``tests/service/ops/test_metric_labels.py``).
+* ``tracing.py``: OpenTelemetry spans per request (``tests/service/ops/test_tracing.py``).
 * ``logs.py``: one JSON object per log line, repeats rate-limited (``test_logging.py``).
 * ``bodies.py``: the budget of request bodies a worker holds at once (``test_body_phase.py``).
 * ``memory.py``: handing freed memory back to the OS after large requests.

@@ -20,6 +20,7 @@ from prometheus_client import (
     multiprocess,
 )
 
+from service.engine.events import EngineEvents
 from service.server.connections import REFUSAL_REASONS
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -51,7 +52,9 @@ class RequestSeries(dict):
         return series
 
 
-class Metrics:
+class Metrics(EngineEvents):
+    """The service's Prometheus series; the engine's events (``EngineEvents``) land here."""
+
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
@@ -182,13 +185,32 @@ class Metrics:
         if reason in REFUSAL_REASONS:  # labels from the fixed set only
             self.connections_refused.labels(reason).inc()
 
-    def count_fallback(self, far_rows: int, underfilled_rows: int) -> None:
+    # ------------------------------------------------ the engine's events (EngineEvents)
+
+    def search_fell_back(self, far_rows: int, underfilled_rows: int) -> None:
         if far_rows:
             self.search_fallback_rows.labels("far").inc(far_rows)
         if underfilled_rows:
             self.search_fallback_rows.labels("underfilled").inc(underfilled_rows)
 
-    def set_model(self, model) -> None:
+    def model_load_failed(self, error: Exception) -> None:
+        self.model_load_failures.inc()
+
+    def request_admitted(self, route: str, rows: int) -> None:
+        self.in_flight.inc()
+        self.request_rows.labels(route).observe(rows)
+
+    def request_done(self) -> None:
+        self.in_flight.dec()
+
+    def outliers_flagged(self, count: int) -> None:
+        self.outliers.inc(count)
+
+    def batch_searched(self, rows: int, waited_seconds: float) -> None:
+        self.batch_rows.observe(rows)
+        self.queue_wait.observe(waited_seconds)
+
+    def model_loaded(self, model) -> None:
         labels = (model.version, model.index_type)
         if self._model_labels is not None and self._model_labels != labels:
             # set to 0 rather than removed: in multiprocess mode a removed child stays in

@@ -16,7 +16,7 @@ structured log line.
 
 Off, the only cost is ``Tracing.enabled`` checks and the perf counters the inference path
 reads anyway (benchmarks/tracing_cost.py measures both). Tested by
-tests/service/test_tracing.py with the SDK's in-memory exporter.
+tests/service/ops/test_tracing.py with the SDK's in-memory exporter.
 """
 
 from __future__ import annotations
@@ -93,9 +93,11 @@ class Tracing:
         from opentelemetry import trace
 
         span = self.tracer.start_span(
-            name, context=trace.set_span_in_context(parent), start_time=start_ns,
+            name,
+            context=trace.set_span_in_context(parent),
+            start_time=start_ns,
             attributes=attributes or None,
-        )  # fmt: skip
+        )
         span.end(end_time=max(end_ns, start_ns))
 
     def finish_request(self, span, route: str, status: int, seconds: float) -> None:

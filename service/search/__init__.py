@@ -2,7 +2,7 @@
 
 * ``index.py``: FAISS indexes at run time (flat, IVF, HNSW, IVF-PQ), exact re-ranking, the
   exact fallback for far queries and under-filled answers, the two-stage recheck
-  (``tests/service/test_index.py``).
+  (``tests/service/search/test_index.py``).
 * ``tuning.py``: ``nca-index``, the offline command that builds an index and tunes its search
-  parameter on the validation split by label agreement (``tests/service/test_indexing.py``).
+  parameter on the validation split by label agreement (``tests/service/engine/test_indexing.py``).
 """

@@ -405,9 +405,18 @@ def index_artifact(
     index = build_index(references, params)
     build_seconds = time.perf_counter() - started
     chosen, trials, exact = tune(
-        index, kind, references, labels, len(artifact.classes), queries, query_labels,
-        k=k, rule=rule, target=target, confidence=confidence,
-    )  # fmt: skip
+        index,
+        kind,
+        references,
+        labels,
+        len(artifact.classes),
+        queries,
+        query_labels,
+        k=k,
+        rule=rule,
+        target=target,
+        confidence=confidence,
+    )
     name = SEARCH_PARAMETER[kind][0]
     log(
         f"{kind} over {len(references)} references, {len(queries)} validation queries, "

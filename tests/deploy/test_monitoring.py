@@ -94,11 +94,19 @@ def test_the_route_regexes_match_the_routes_the_service_labels():
     generator = load_generator()
     inference = re.search(r'route=~"([^"]+)"', generator.INFERENCE).group(1)
     classify = re.search(r'route=~"([^"]+)"', generator.CLASSIFY).group(1)
-    for route in ("/v1/classify", "/v1/embed", "/v1/neighbors", "/v2/models/{model_name}/infer",
-                  "grpc inference.GRPCInferenceService/ModelInfer"):  # fmt: skip
+    for route in (
+        "/v1/classify",
+        "/v1/embed",
+        "/v1/neighbors",
+        "/v2/models/{model_name}/infer",
+        "grpc inference.GRPCInferenceService/ModelInfer",
+    ):
         assert re.fullmatch(inference, route), route  # PromQL regexes are anchored
-    for route in ("/v1/classify", "/v2/models/{model_name}/infer",
-                  "grpc inference.GRPCInferenceService/ModelInfer"):  # fmt: skip
+    for route in (
+        "/v1/classify",
+        "/v2/models/{model_name}/infer",
+        "grpc inference.GRPCInferenceService/ModelInfer",
+    ):
         assert re.fullmatch(classify, route), route
     for route in ("/healthz", "/metrics", "unmatched", "/v1/admin/reload"):
         assert not re.fullmatch(inference, route), route
@@ -137,6 +145,8 @@ def test_the_alerts_fire_on_synthetic_series_and_stay_quiet_below_their_threshol
     and when; and a low error rate that must raise none."""
     done = subprocess.run(
         ["promtool", "test", "rules", "alert-rules.test.yaml"],
-        cwd=MONITORING, capture_output=True, text=True,
-    )  # fmt: skip
+        cwd=MONITORING,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stdout + done.stderr

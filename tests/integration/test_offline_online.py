@@ -121,9 +121,17 @@ def test_every_manifest_field_of_a_trained_model_is_classified(trained_digits):
     from service.core.artifact import DESCRIPTIVE_MANIFEST_KEYS, read_artifact
 
     answering = {
-        "format", "schema_version", "n_features_in", "n_components", "n_references",
-        "n_validation", "classes", "default_k", "decision_rule", "standardization",
+        "format",
+        "schema_version",
+        "n_features_in",
+        "n_components",
+        "n_references",
+        "n_validation",
+        "classes",
+        "default_k",
+        "decision_rule",
+        "standardization",
         "outlier_calibration",
-    }  # fmt: skip
+    }
     manifest = read_artifact(trained_digits[0]).manifest
     assert set(manifest) - DESCRIPTIVE_MANIFEST_KEYS == answering

@@ -23,14 +23,24 @@ from service.core.artifact import read_artifact
 from tests.service.servers import free_port, start_server, wait_ready
 from training.cli import main as train
 
-BROWSER = next((shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)  # fmt: skip
+BROWSER = next(
+    (shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)),
+    None,
+)
 pytestmark = pytest.mark.skipif(BROWSER is None, reason="no Chromium installed")
 # the flags a sandboxed, offline machine needs (no background traffic of Chromium's own)
 FLAGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-    "--hide-scrollbars", "--disable-features=NetworkTimeServiceQuerying",
-]  # fmt: skip
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--hide-scrollbars",
+    "--disable-features=NetworkTimeServiceQuerying",
+]
 
 
 def render(url: str, work: Path, name: str, size: str = "1100,2600") -> tuple[str, set[str]]:
@@ -40,12 +50,17 @@ def render(url: str, work: Path, name: str, size: str = "1100,2600") -> tuple[st
     common = [BROWSER, *FLAGS, f"--user-data-dir={work / ('profile-' + name)}"]
     dom = subprocess.run(
         [*common, f"--log-net-log={netlog}", "--dump-dom", url],
-        capture_output=True, text=True, timeout=120, check=True,
-    ).stdout  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
     subprocess.run(
         [*common, f"--screenshot={work / (name + '.png')}", f"--window-size={size}", url],
-        capture_output=True, timeout=120, check=True,
-    )  # fmt: skip
+        capture_output=True,
+        timeout=120,
+        check=True,
+    )
     return dom, page_requests(netlog)
 
 
@@ -87,7 +102,19 @@ def keep(work: Path, name: str) -> None:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("browser") / "digits"
-    code = train(["--data", "digits", "--n-components", "8", "--out", str(out), "--max-iter", "40", "--quiet"])  # fmt: skip
+    code = train(
+        [
+            "--data",
+            "digits",
+            "--n-components",
+            "8",
+            "--out",
+            str(out),
+            "--max-iter",
+            "40",
+            "--quiet",
+        ]
+    )
     assert code == 0
     return out
 

@@ -5,10 +5,12 @@ tests/integration."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 from dataclasses import dataclass
 
+import httpx
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
@@ -194,3 +196,12 @@ def npy(array) -> bytes:
     buffer = io.BytesIO()
     np.save(buffer, array)
     return buffer.getvalue()
+
+
+async def post_all(app, bodies: list[dict], path: str = "/v1/classify") -> list:
+    """POST every JSON body to ``path`` of an in-process app at once (its lifespan
+    running), as concurrent clients do; the responses in the bodies' order."""
+    transport = httpx.ASGITransport(app=app)
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            return await asyncio.gather(*(c.post(path, json=b) for b in bodies))

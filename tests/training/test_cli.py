@@ -445,3 +445,34 @@ def test_references_is_a_declared_command_whose_options_are_its_own(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--bogus-option"])
     assert exit_info.value.code == 2
+
+
+@pytest.mark.parametrize(
+    "option, text, expected",
+    [
+        ("--n-candidates", "auto", "auto"),
+        ("--n-candidates", "exact", None),
+        ("--n-candidates", "12", 12),
+        ("--l2", "0.5", 0.5),
+        ("--exact-finish", "0", 0),
+    ],
+)
+def test_the_command_lines_text_reaches_the_estimator_parsed(option, text, expected):
+    from training.config import parse_config
+    from training.job import build_estimator
+
+    estimator = build_estimator(parse_config([option, text]), n_features=64)
+    assert getattr(estimator, option[2:].replace("-", "_")) == expected
+
+
+@pytest.mark.parametrize(
+    "option, text",
+    [("--n-candidates", "0"), ("--n-candidates", "many"), ("--l2", "-1"), ("--exact-finish", "x")],
+)
+def test_option_text_the_estimator_cannot_take_is_a_config_error(option, text):
+    from training.config import parse_config
+    from training.errors import ConfigError
+    from training.job import build_estimator
+
+    with pytest.raises(ConfigError, match=f"{option}={text!r} must be"):
+        build_estimator(parse_config([option, text]), n_features=64)

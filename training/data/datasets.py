@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from sklearn import datasets
 
 from training.data.parquet import ParquetError, read_parquet
 
@@ -99,8 +100,6 @@ def load_dataset(
 
 
 def _load_builtin(name: str) -> Dataset:
-    from sklearn import datasets
-
     loader = getattr(datasets, f"load_{name}")
     bunch = loader()
     return Dataset(

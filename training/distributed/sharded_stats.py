@@ -21,12 +21,14 @@ disagree by rounding.
 from __future__ import annotations
 
 import numpy as np
+import scipy.linalg
 import torch
 import torch.distributed as dist
 
 from service.core.knn import decide, exact_knn
-from training.data.datasets import global_scale, per_feature_scale
+from training.data.datasets import CHOICE_MARGIN, CHOICE_QUERIES, global_scale, per_feature_scale
 from training.distributed.ranks import ProcessGroup, broadcast_from_rank0, gather_rows
+from training.evaluation.evaluate import knn_predictions
 from training.numerics import evenly_spaced_rows
 
 
@@ -194,8 +196,6 @@ def choose_standardizer(
     (USPS 1-NN: 0.928 against 0.944). The cost does not grow with N:
     O(CHOICE_QUERIES x CHOICE_REFERENCES x D). Returns (name, {name: score}), the same on
     every rank."""
-    from training.data.datasets import CHOICE_MARGIN, CHOICE_QUERIES
-
     n = len(y_all)
     local = len(X_shard) if rows is None else len(rows)
     stop = start + local
@@ -264,8 +264,6 @@ def lda_components(
     S_w = sum_i (x_i - mu_{y_i})(x_i - mu_{y_i})^T reduced over ranks; scaled so that the
     within-class covariance S_w / N is the identity along them. S_w gets a ridge of 1e-6 of
     its mean eigenvalue, so rank-deficient data (D > N) still has a solution."""
-    import scipy.linalg
-
     n_features = Xs_shard.shape[1]
     counts = all_reduce_sum(np.bincount(y_shard, minlength=n_classes), group)  # (C,)
     sums = np.zeros((n_classes, n_features))
@@ -301,8 +299,6 @@ def knn_accuracy(
 ) -> dict[int, float]:
     """k-NN accuracy over every rank's queries (each rank's own (Q_r, d) against the same
     (N, d) references): the per-rank counts of correct answers are summed."""
-    from training.evaluation.evaluate import knn_predictions
-
     ks = tuple(k for k in ks if k <= len(z_references))
     predictions = knn_predictions(z_references, y_references, z_queries, n_classes, ks, rule)
     correct = np.array([float(np.sum(predictions[k] == y_queries)) for k in ks])

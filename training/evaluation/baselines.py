@@ -15,6 +15,7 @@ Inverse square roots use the eigendecomposition with eigenvalues floored at
 from __future__ import annotations
 
 import numpy as np
+from sklearn.discriminant_analysis import LinearDiscriminantAnalysis
 
 
 def inverse_sqrt(cov: np.ndarray, floor: float = 1e-6) -> np.ndarray:
@@ -39,8 +40,6 @@ def pca(X: np.ndarray, y: np.ndarray, d: int) -> np.ndarray:
 
 
 def lda(X: np.ndarray, y: np.ndarray, d: int) -> np.ndarray:
-    from sklearn.discriminant_analysis import LinearDiscriminantAnalysis
-
     n_out = min(d, len(np.unique(y)) - 1, X.shape[1])
     model = LinearDiscriminantAnalysis(n_components=n_out).fit(X, y)
     return np.asarray(model.scalings_.T[:n_out])

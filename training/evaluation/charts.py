@@ -2,7 +2,7 @@
 
 ``line_chart`` draws series of (x, y) points on shared axes, with optional vertical markers
 (an iteration kept, a stage boundary); ``confusion_table`` an HTML table shaded by row share.
-Tested through tests/training/test_report_page.py.
+Tested through tests/training/evaluation/test_report_page.py.
 """
 
 from __future__ import annotations
@@ -117,7 +117,9 @@ def _series_paths(series: list[Series], sx, sy) -> list[str]:
         finite = [(x, y) for x, y in s.points if math.isfinite(y)]
         if not finite:
             continue
-        path = " ".join(f"{'M' if j == 0 else 'L'}{sx(x):.1f},{sy(y):.1f}" for j, (x, y) in enumerate(finite))  # fmt: skip
+        path = " ".join(
+            f"{'M' if j == 0 else 'L'}{sx(x):.1f},{sy(y):.1f}" for j, (x, y) in enumerate(finite)
+        )
         dash = ' stroke-dasharray="6 4"' if s.dashed else ""
         parts.append(f'<path d="{path}" fill="none" stroke="{colour}" stroke-width="1.6"{dash}/>')
         if s.markers or len(finite) == 1:

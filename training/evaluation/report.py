@@ -6,10 +6,12 @@ directory in the same atomic rename as the model itself.
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
 import numpy as np
+import torch
 
 
 def json_bytes(payload: dict) -> bytes:
@@ -39,8 +41,6 @@ def peak_memory_mib(device: str) -> dict:
     except OSError:
         pass
     if device.startswith("cuda"):
-        import torch
-
         out["peak_gpu_memory_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
     return out
 
@@ -100,8 +100,6 @@ def plot_embedding(z: np.ndarray, y: np.ndarray, classes: list, title: str) -> b
 
 
 def _png(fig) -> bytes:
-    import io
-
     import matplotlib.pyplot as plt
 
     buffer = io.BytesIO()

@@ -6,7 +6,7 @@ those files from an artifact directory and writes ``report.html`` there (a tempo
 then a rename). The training job calls the latter after writing the artifact, and so does
 ``python -m training report MODEL_DIR``: one path for both. The page is a view, not part of
 the model: the manifest does not list it, so rewriting it never changes the model or its
-version. Tested by tests/training/test_report_page.py.
+version. Tested by tests/training/evaluation/test_report_page.py.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import json
 import os
 from pathlib import Path
 
+from service.core.artifact import read_artifact
+from service.core.artifact.read import read_extras
 from training.evaluation.charts import Chart, Marker, Series, confusion_table, line_chart
 
 PAGE_FILE = "report.html"
@@ -265,9 +267,6 @@ def _reference_rows(manifest: dict) -> list[tuple[str, object]]:
 
 def write_report_page(model_dir: str | os.PathLike) -> Path:
     """Render report.html from the artifact in ``model_dir`` and write it there atomically."""
-    from service.core.artifact import read_artifact
-    from service.core.artifact.read import read_extras
-
     root = Path(model_dir)
     artifact = read_artifact(root)
     extras = read_extras(artifact)

@@ -26,11 +26,7 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 from threadpoolctl import threadpool_limits
 
 from service.core.knn import project
-from training.distributed.ranks import (
-    ShardedProblem,
-    broadcast_from_rank0,
-    current_group,
-)
+from training.distributed.ranks import broadcast_from_rank0, current_group
 from training.model import parameters, preparation
 from training.model.plan import FitPlan, resolve_plan
 from training.numerics import evenly_spaced_rows
@@ -42,6 +38,7 @@ from training.optim.finish import finish_exactly
 from training.optim.lbfgs import run_lbfgs
 from training.optim.monitor import Monitor, single_class_result
 from training.optim.problem import Problem
+from training.optim.sharded_problem import ShardedProblem
 from training.optim.stages import StageJudge, keep_better
 from training.references.compress import compress, edit_k_for
 from training.references.learned import representatives, served_k
@@ -140,15 +137,42 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
     """
 
     def __init__(
-        self, n_components=None, *, objective="nca", k=1, transformation="linear",
-        init="auto", solver="auto", max_iter=100, tol=1e-5, l2="auto", n_candidates="auto",
-        refresh_every=50, refresh_tol=0.05, candidate_mass=0.9, candidate_draws=0,
-        exact_finish="auto", chunk_size=None, batch_size=1024, learning_rate=0.01,
-        early_stopping=False, validation_fraction=0.1, validation_k=None,
-        validation_rule="majority", n_iter_no_change=5, validation_interval=5,
-        standardize="auto", warm_start=False, device="auto", random_state=None, verbose=0,
-        callback=None, prototypes=None, candidate_search="auto", select_stages=True,
-    ):  # fmt: skip
+        self,
+        n_components=None,
+        *,
+        objective="nca",
+        k=1,
+        transformation="linear",
+        init="auto",
+        solver="auto",
+        max_iter=100,
+        tol=1e-5,
+        l2="auto",
+        n_candidates="auto",
+        refresh_every=50,
+        refresh_tol=0.05,
+        candidate_mass=0.9,
+        candidate_draws=0,
+        exact_finish="auto",
+        chunk_size=None,
+        batch_size=1024,
+        learning_rate=0.01,
+        early_stopping=False,
+        validation_fraction=0.1,
+        validation_k=None,
+        validation_rule="majority",
+        n_iter_no_change=5,
+        validation_interval=5,
+        standardize="auto",
+        warm_start=False,
+        device="auto",
+        random_state=None,
+        verbose=0,
+        callback=None,
+        prototypes=None,
+        candidate_search="auto",
+        select_stages=True,
+    ):
         self.n_components = n_components
         self.objective = objective
         self.k = k
@@ -442,15 +466,26 @@ def _fit_prototypes(est: NCA, prep: preparation.Prepared, X, y) -> None:
     edit_k = 0
     if prep.X_val is not None and len(prep.X_val):
         rule = est.validation_rule
-        full_k, _ = served_k(u, prep.y, prep.X_val @ est.components_.T, prep.y_val,
-                             len(est.classes_), rule)  # fmt: skip
+        full_k, _ = served_k(
+            u, prep.y, prep.X_val @ est.components_.T, prep.y_val, len(est.classes_), rule
+        )
         edit_k = edit_k_for(full_k)
     result = compress(
-        prep.X, prep.y, reduction=float(est.prototypes), n_classes=len(est.classes_),
-        rule=est.validation_rule, edit_k=edit_k, x_val=prep.X_val, y_val=prep.y_val, u=u,
-        projection=est.components_, joint=True, loss="log",
-        seed=int(prep.rng.integers(2**31 - 1)), device=str(prep.device),
-    )  # fmt: skip
+        prep.X,
+        prep.y,
+        reduction=float(est.prototypes),
+        n_classes=len(est.classes_),
+        rule=est.validation_rule,
+        edit_k=edit_k,
+        x_val=prep.X_val,
+        y_val=prep.y_val,
+        u=u,
+        projection=est.components_,
+        joint=True,
+        loss="log",
+        seed=int(prep.rng.integers(2**31 - 1)),
+        device=str(prep.device),
+    )
     fit = result.fit
     est._set_map(fit.projection, prep.mean, prep.scale)
     z = est.transform(X)  # (N, d): every row given, so prototype_rows_ index X

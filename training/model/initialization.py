@@ -16,6 +16,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+from sklearn.decomposition import PCA
+from sklearn.discriminant_analysis import LinearDiscriminantAnalysis
+
+from service.core.artifact import read_artifact
 
 INIT_NAMES = ("auto", "pca", "lda", "identity", "random")
 
@@ -86,15 +90,8 @@ def checked_array_init(init: np.ndarray, n_features: int, n_components: int) -> 
     return A.copy()
 
 
-def lda_components(
-    X: np.ndarray, y: np.ndarray, n_components: int, rng: np.random.Generator
-) -> np.ndarray:
-    """LDA's most discriminative directions (d, D), completed by ``complete_rows`` when LDA
-    finds fewer than d (rank-deficient data). Needs d <= min(D, C - 1) and N > C."""
-    from sklearn.discriminant_analysis import LinearDiscriminantAnalysis
-
-    n_samples, n_features = X.shape
-    n_classes = len(np.unique(y))
+def check_lda(n_components: int, n_samples: int, n_features: int, n_classes: int) -> None:
+    """ValueError unless LDA can give d components: d <= min(D, C - 1), and N > C."""
     if n_components > min(n_features, n_classes - 1):
         raise ValueError(
             f"init='lda' gives at most min(n_features, n_classes - 1) = "
@@ -105,6 +102,14 @@ def lda_components(
             f"init='lda' needs more samples than classes, got n_samples={n_samples} and "
             f"{n_classes} classes; use init='pca'"
         )
+
+
+def lda_components(
+    X: np.ndarray, y: np.ndarray, n_components: int, rng: np.random.Generator
+) -> np.ndarray:
+    """LDA's most discriminative directions (d, D), completed by ``complete_rows`` when LDA
+    finds fewer than d (rank-deficient data). Needs d <= min(D, C - 1) and N > C."""
+    check_lda(n_components, *X.shape, len(np.unique(y)))
     lda = LinearDiscriminantAnalysis(n_components=n_components).fit(X, y)
     found = np.asarray(lda.scalings_.T[:n_components], dtype=np.float64)  # may be < d rows
     return complete_rows(found, X, n_components, rng)
@@ -127,8 +132,6 @@ def initial_components(
     """
     n_samples, n_features = X.shape
     if isinstance(init, (str, Path)) and str(init) not in INIT_NAMES:
-        from service.core.artifact import read_artifact
-
         artifact = read_artifact(init)
         if artifact.n_features_in != n_features:
             raise ValueError(
@@ -152,8 +155,6 @@ def initial_components(
     if name == "random":
         return random_state.standard_normal((n_components, n_features)), name
     if name == "pca":
-        from sklearn.decomposition import PCA
-
         seed = int(random_state.integers(2**31 - 1))
         pca = PCA(n_components=min(n_components, n_samples, n_features), random_state=seed)
         found = pca.fit(X).components_

@@ -3,7 +3,7 @@
 any other value with one message naming the parameter, the value and what is accepted
 (``n_candidates=0 must be 'auto', None or an integer >= 1``). Checks that need the data
 (n_components <= D, k < N, ...) are :func:`check_against_data`'s.
-Tested by the bad-parameter table of ``tests/training/test_estimator.py``.
+Tested by the bad-parameter table of ``tests/training/model/test_estimator.py``.
 """
 
 from __future__ import annotations

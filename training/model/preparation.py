@@ -16,7 +16,7 @@ Held-out rows: an explicit validation set, or with early stopping a stratified
 held out of the fit to judge its stages on (``training.optim.stages``): rows the map was
 trained on cannot tell an overfit stage from a better one.
 
-Tested by ``tests/training/test_estimator.py`` and ``test_distributed.py``.
+Tested by ``tests/training/model/test_estimator.py`` and ``test_distributed.py``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from sklearn.utils.validation import validate_data
 from training.data.datasets import stratified_split
 from training.distributed import sharded_stats
 from training.distributed.ranks import shard_bounds
-from training.model.initialization import initial_components, resolve_auto
+from training.model.initialization import check_lda, initial_components, resolve_auto
 from training.model.plan import AUTO_EXACT_MAX_SAMPLES
 from training.numerics import evenly_spaced_rows
 from training.optim.stages import SELECTION_ROWS
@@ -237,16 +237,7 @@ def initialize(est, Xs, y_idx, n, n_classes, d, scale, rng, group):
     if name == "pca":
         A0 = sharded_stats.pca_components(Xs, n, d, group)
     elif name == "lda":
-        if d > min(Xs.shape[1], n_classes - 1):
-            raise ValueError(
-                f"init='lda' gives at most min(n_features, n_classes - 1) = "
-                f"{min(Xs.shape[1], n_classes - 1)} components, n_components={d}"
-            )
-        if n <= n_classes:
-            raise ValueError(
-                f"init='lda' needs more samples than classes, got n_samples={n} and "
-                f"{n_classes} classes; use init='pca'"
-            )
+        check_lda(d, n, Xs.shape[1], n_classes)
         A0 = sharded_stats.lda_components(Xs, y_idx, n, n_classes, d, group)
     else:
         A0, name = initial_components(

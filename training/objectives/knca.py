@@ -414,9 +414,14 @@ class KNCAObjective(Objective):
         if linear.any():
             rows = torch.nonzero(linear).squeeze(1)
             fast = linear_log_prob(
-                logits[rows], linear_shift[rows], labels[rows], own_c[rows], n_present, self.k,
+                logits[rows],
+                linear_shift[rows],
+                labels[rows],
+                own_c[rows],
+                n_present,
+                self.k,
                 self.variant,
-            )  # fmt: skip
+            )
             underflow = fast < LINEAR_LOG_FLOOR  # tiny P_i: the log programme resolves them
             log_p = log_p.index_put((rows,), fast.to(log_p.dtype))
             linear[rows[underflow]] = False

@@ -85,10 +85,19 @@ def log_prob_and_jacobian(
     def run(t: int, lo: int, hi: int) -> None:
         work = torch.empty(size, dtype=torch.float64)
         status[t] = rows_fn(
-            _ptr(logits) + 8 * lo * m, _ptr(shift) + 8 * lo, _ptr(labels) + 8 * lo * m,
-            _ptr(own) + 8 * lo, hi - lo, m, n_classes, k, int(variant == "all"),
-            _ptr(log_p) + 8 * lo, _ptr(jac) + 8 * lo * m, _ptr(work),
-        )  # fmt: skip
+            _ptr(logits) + 8 * lo * m,
+            _ptr(shift) + 8 * lo,
+            _ptr(labels) + 8 * lo * m,
+            _ptr(own) + 8 * lo,
+            hi - lo,
+            m,
+            n_classes,
+            k,
+            int(variant == "all"),
+            _ptr(log_p) + 8 * lo,
+            _ptr(jac) + 8 * lo * m,
+            _ptr(work),
+        )
 
     native.run_in_threads(run, b, threads)
     if any(status):

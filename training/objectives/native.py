@@ -231,9 +231,14 @@ def _padded(zs: torch.Tensor):
 
 
 def exact_value_and_grad(
-    zs: torch.Tensor, query: torch.Tensor, run_start: torch.Tensor, run_end: torch.Tensor, *,
-    log_form: bool, threads: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    zs: torch.Tensor,
+    query: torch.Tensor,
+    run_start: torch.Tensor,
+    run_end: torch.Tensor,
+    *,
+    log_form: bool,
+    threads: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of the query rows' scores, its gradient with respect to zs (N, d)).
 
     zs: (N, d) embeddings sorted by class; query: (Q,) positions in zs, in class order;
@@ -274,11 +279,26 @@ def exact_value_and_grad(
         zq2 = torch.empty((block, dp), dtype=dtype)
         gi = torch.empty((block, dp), dtype=dtype)
         totals[t] = fn(
-            _ptr(z), _ptr(zt), _ptr(sq), n, npad, dp,
-            _ptr(query) + 8 * a, _ptr(run_start) + 8 * a, _ptr(run_end) + 8 * a,
-            b - a, block, int(log_form), _ptr(w), _ptr(w_same), _ptr(zq2), _ptr(gi),
-            _ptr(grad), _ptr(grad_t), _ptr(col),
-        )  # fmt: skip
+            _ptr(z),
+            _ptr(zt),
+            _ptr(sq),
+            n,
+            npad,
+            dp,
+            _ptr(query) + 8 * a,
+            _ptr(run_start) + 8 * a,
+            _ptr(run_end) + 8 * a,
+            b - a,
+            block,
+            int(log_form),
+            _ptr(w),
+            _ptr(w_same),
+            _ptr(zq2),
+            _ptr(gi),
+            _ptr(grad),
+            _ptr(grad_t),
+            _ptr(col),
+        )
 
     run_in_threads(run, n_query, threads)
 

@@ -29,7 +29,7 @@ The same-class passes run on a block mask built from the class runs, so they cos
 about 1/C of a full pass for C balanced classes. Only forward attention is used, so the
 same code runs everywhere: compiled into fused Triton kernels on CUDA (``usable``), and as
 flex_attention's eager reference on the CPU, which materialises the scores and serves the
-tests at small N (tests/training/test_nca_flex.py, and its CUDA twin in test_cuda.py).
+tests at small N (tests/training/objectives/test_nca_flex.py, and its CUDA twin in test_cuda.py).
 """
 
 from __future__ import annotations

@@ -20,11 +20,13 @@ and implements early stopping on validation kNN accuracy (keeping the best param
 * ``candidate_search.py``: candidate sets by FAISS IVF indexes at scale, their held mass
   measured against exact sets.
 * ``stages.py``: ``StageJudge``, which keeps the better of each stage's start and end.
+* ``sharded_problem.py``: ``ShardedProblem``, the ``Problem`` of one rank's row shard under
+  torchrun, whose value and gradient equal one process's.
 * ``monitor.py``: ``Monitor`` (verbose table, history, early stopping) and ``FitResult``.
 * ``lbfgs.py``, ``adam.py``: the two optimisers; ``finish.py``: the exact finish after
   candidate sets.
 
-Tests: ``tests/training/test_estimator.py``, ``test_helpers.py``, ``test_candidate_audit.py``,
+Tests: ``tests/training/model/test_estimator.py``, ``test_helpers.py``, ``test_candidate_audit.py``,
 ``test_candidate_draws.py``, ``test_candidate_search.py``, ``test_candidate_rows.py``,
 ``test_stages.py``, ``test_exact_finish.py``, ``test_distributed.py``.
 """

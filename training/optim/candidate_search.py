@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import faiss
 import numpy as np
 import torch
 
@@ -47,8 +48,6 @@ MIN_MASS_RATIO = 0.95  # approximate sets must hold this fraction of the exact s
 def _ivf(vectors: np.ndarray, seed: int):
     """An IndexIVFFlat over ``vectors`` (n, d) float32 (ids 0..n-1), or a flat index when n
     is small; k-means on at most TRAIN_ROWS_PER_LIST points per list, seeded."""
-    import faiss
-
     n, d = vectors.shape
     if n <= FLAT_MAX_ROWS:
         index = faiss.IndexFlatL2(d)
@@ -71,8 +70,6 @@ def _ivf(vectors: np.ndarray, seed: int):
 
 def _search(index, queries: np.ndarray, k: int, nprobe: int, selector=None) -> np.ndarray:
     """(n, k) ids of the k nearest (-1 where fewer are found)."""
-    import faiss
-
     if k <= 0 or len(queries) == 0:
         return np.full((len(queries), max(k, 0)), -1, dtype=np.int64)
     if isinstance(index, faiss.IndexIVF):
@@ -123,8 +120,6 @@ def ivf_candidates(
 ) -> torch.Tensor:
     """``nearest_candidates`` by IVF search (see the module docstring): z (N, d) on the CPU,
     labels (N,) -> (N or B, 2K) int64."""
-    import faiss
-
     n = z.shape[0]
     k = min(k, n - 1)
     labels_np = labels.cpu().numpy()

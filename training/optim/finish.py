@@ -6,7 +6,7 @@ from the candidate fit's map, every training point a neighbour,
 with rows every training point, or ``max_rows`` evenly spaced ones when N is larger (the
 same on every rank; a finishing iteration costs O(B N d)). Candidate sets cannot be gamed
 here: what the map improves is what it is judged by. Tested by
-``tests/training/test_exact_finish.py``.
+``tests/training/optim/test_exact_finish.py``.
 """
 
 from __future__ import annotations

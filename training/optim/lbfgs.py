@@ -41,9 +41,14 @@ def run_lbfgs(
         if max_evaluations is not None:  # a budget for the whole fit, across its rounds
             options["maxfun"] = max(1, max_evaluations - rounds.n_eval)
         result = minimize(
-            rounds.loss_and_grad, theta, jac=True, method="L-BFGS-B", tol=tol,
-            callback=rounds.on_iteration, options=options,
-        )  # fmt: skip
+            rounds.loss_and_grad,
+            theta,
+            jac=True,
+            method="L-BFGS-B",
+            tol=tol,
+            callback=rounds.on_iteration,
+            options=options,
+        )
         theta = result.x
         if max_evaluations is not None and rounds.n_eval >= max_evaluations:
             stop_reason = "max_evaluations"

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np
+import torch
 
 SELECTION_ROWS = 4096
 
@@ -86,8 +87,6 @@ def keep_better(judge: StageJudge | None, stage: str, start: np.ndarray, result,
     """The optimiser's ``result`` (a FitResult) of a stage that started at ``start``, or,
     when the judge keeps the start, the same result at ``start``: its objective recomputed
     on ``problem`` (on fresh candidates for a candidate problem)."""
-    import torch
-
     if judge is None or not np.isfinite(result.theta).all():
         return result  # no selection, or not a map to judge (the fit refuses it)
     kept = judge.keep_better(stage, start, result.theta)

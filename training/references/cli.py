@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from training.data.datasets import DataError, load_dataset
-from training.job import ConfigError, check_publish_link, publish
+from training.errors import ConfigError
+from training.publish import check_publish_link, publish
 from training.references.versions import (
     ReferenceError,
     add_references,

@@ -26,7 +26,7 @@ with the better validation accuracy at its served k (f among equals); without a 
 split it learns f. It costs both fits (f is the faster: 20-25 s against 35-55 s at 60k
 digits, 5%).
 
-Tests: ``tests/training/test_learned_references.py``.
+Tests: ``tests/training/references/test_learned_references.py``.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def compress(
     for name in losses:
         fit = learn_prototypes(
             x[rows], y[rows], reduction=budget, x_val=x_val, y_val=y_val, loss=name, **learn
-        )  # fmt: skip
+        )
         z_val = x_val
         if has_validation and fit.projection is not None:
             z_val = x_val @ fit.projection.T.astype(x_val.dtype)

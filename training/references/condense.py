@@ -11,7 +11,7 @@ On the references' embeddings z (N, d) and labels y (N,):
    as it stands before the block (blocks of 1 are Hart's original order of additions; larger
    blocks keep a few more references and are much faster).
 
-Guarantee (checked by ``tests/training/test_condense.py`` on random data): every reference
+Guarantee (checked by ``tests/training/references/test_condense.py`` on random data): every reference
 that was removed by condensing has its ``check_k`` nearest kept references all of its own
 label, so the k-NN rule on the kept set classifies it correctly for every k <= check_k, by
 majority or soft vote. Hart's 1-NN rule (check_k = 1) keeps far fewer references and loses

@@ -31,7 +31,7 @@ the prototypes is measured and the best parameters are kept (the log loss can fa
 long after the 1-NN boundaries stop improving). The k to serve is chosen afterwards on
 validation (``training.evaluation.evaluate.choose_k``), where 1 usually wins.
 
-Tests: ``tests/training/test_learned_references.py``.
+Tests: ``tests/training/references/test_learned_references.py``.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ import numpy as np
 import torch
 from scipy.optimize import minimize
 
-from training.references.condense import kmeans
+from training.evaluation.evaluate import K_VALUES, choose_k, knn_accuracies
+from training.references.condense import _nearest, kmeans
 
 LOSSES = ("log", "f")
 
@@ -139,10 +140,12 @@ class PrototypeProblem:
         classes, first = np.unique(y[order], return_index=True)
         bounds = np.r_[first, len(y)]
         self.blocks = [  # (rows of class c, its prototype columns)
-            (slice(int(bounds[i]), int(bounds[i + 1])),
-             slice(int(np.searchsorted(labels, c)), int(np.searchsorted(labels, c, "right"))))
+            (
+                slice(int(bounds[i]), int(bounds[i + 1])),
+                slice(int(np.searchsorted(labels, c)), int(np.searchsorted(labels, c, "right"))),
+            )
             for i, c in enumerate(classes)
-        ]  # fmt: skip
+        ]
         self.n, self.m, self.d, self.joint = len(y), len(labels), n_components, joint
         self.chunk_rows, self.fixed_scale, self.n_eval = chunk_rows, fixed_scale, 0
 
@@ -222,8 +225,6 @@ def chunk_terms(u, z, same: slice, g: float, loss: str, n: int, *, want_u=True, 
 
 def nearest_accuracy(u: np.ndarray, y: np.ndarray, prototypes: np.ndarray, labels) -> float:
     """The 1-NN rule's accuracy on queries u (n, d), y (n,) against the prototypes."""
-    from training.references.condense import _nearest
-
     if len(u) == 0:
         return float("nan")
     return float(np.mean(labels[_nearest(np.asarray(u, np.float32), prototypes)] == y))
@@ -261,16 +262,27 @@ def learn_prototypes(
         raise ValueError("the joint mode needs the starting projection (d, D)")
     z0, labels, theta0 = _starting_point(x, y, reduction, projection, joint, scale_factor, seed)
     problem = PrototypeProblem(
-        x, y, labels, n_components=z0.shape[1], joint=joint, loss=loss, fixed_scale=True,
-        device=device, dtype=dtype,
-    )  # fmt: skip
+        x,
+        y,
+        labels,
+        n_components=z0.shape[1],
+        joint=joint,
+        loss=loss,
+        fixed_scale=True,
+        device=device,
+        dtype=dtype,
+    )
     tracker = _BestOnValidation(problem, x_val, y_val, labels, check_every, patience)
     tracker.check(theta0, 0)
     loss_start, _ = problem.loss_and_grad(theta0)
     result = minimize(
-        problem.loss_and_grad, theta0, jac=True, method="L-BFGS-B",
-        callback=tracker.on_iteration, options={"maxiter": max_iter, "maxfun": 2 * max_iter},
-    )  # fmt: skip
+        problem.loss_and_grad,
+        theta0,
+        jac=True,
+        method="L-BFGS-B",
+        callback=tracker.on_iteration,
+        options={"maxiter": max_iter, "maxfun": 2 * max_iter},
+    )
     tracker.check(result.x, tracker.iteration, final=True)
     theta = tracker.best_theta
     z, a, scale = problem.split(theta)
@@ -308,8 +320,6 @@ def _starting_point(x, y, reduction, projection, joint, scale_factor, seed):
 def _starting_log_scale(u: np.ndarray, prototypes: np.ndarray) -> float:
     """s with g = exp(s) = 1 / (the median squared distance from a point to its nearest
     prototype): the softmax starts neither flat nor hard."""
-    from training.references.condense import _nearest
-
     rng = np.random.default_rng(0)
     sample = np.asarray(u[rng.permutation(len(u))[:2000]], dtype=np.float64)
     nearest = prototypes[_nearest(sample.astype(np.float32), prototypes.astype(np.float32))]
@@ -393,8 +403,6 @@ def representatives(
 ) -> np.ndarray:
     """(M,) for each prototype, the index of the training row of its class nearest it: the
     real example a neighbour answer names. u (N, d), y (N,), prototypes (M, d), labels (M,)."""
-    from training.references.condense import _nearest
-
     rows = np.empty(len(labels), dtype=np.int64)
     for c in np.unique(labels):
         members = np.flatnonzero(y == c)
@@ -406,8 +414,6 @@ def representatives(
 def served_k(prototypes, labels, z_val, y_val, n_classes: int, rule: str) -> tuple[int, dict]:
     """(k, {k: validation accuracy}): the k the prototypes serve best on the validation rows
     with the model's rule (1 when it ties or there is no validation split)."""
-    from training.evaluation.evaluate import K_VALUES, choose_k, knn_accuracies
-
     if z_val is None or len(z_val) == 0:
         return 1, {}
     ks = tuple(k for k in K_VALUES if k <= len(labels))

@@ -52,6 +52,10 @@ from service.core.artifact import (
 from service.core.knn import project
 from training.data.datasets import DataError, validate_xy
 from training.evaluation.calibration import calibrate
+from training.evaluation.evaluate import knn_accuracies
+from training.references.compress import compress, edit_k_for, reference_set_record
+from training.references.condense import condense, prototypes
+from training.references.learned import check_budget, representatives
 
 
 class ReferenceError(ValueError):
@@ -264,8 +268,6 @@ def remove_references(model: str | Path, ids, *, out: str | Path) -> dict:
 
 
 def _accuracies(z_refs, y_refs, z_queries, y_queries, n_classes, ks, rule) -> dict:
-    from training.evaluation.evaluate import knn_accuracies
-
     return {
         str(k): v
         for k, v in knn_accuracies(
@@ -303,7 +305,6 @@ def _prototype_settings(parent, reduction, refine, refine_epochs, seed) -> dict:
         raise ReferenceError(
             f"--refine must be one of {', '.join(PROTOTYPE_REFINERS)}; got {refine!r}"
         )
-    from training.references.learned import check_budget
 
     reduction = DEFAULT_REDUCTION if reduction is None else reduction
     if _is_prototypes(parent):  # checked against the training rows when they were learned
@@ -348,20 +349,25 @@ def _condense_settings(parent, method, check_k, edit_k, reduction, refine, refin
 def _learned(parent, z, y, settings) -> tuple:
     """Prototypes learned with NCA's objective, the map fixed: (prototypes, labels, ids,
     counts, served k, reference_set record)."""
-    from training.references.compress import compress, edit_k_for, reference_set_record
-    from training.references.learned import representatives
-
     result = compress(
-        z, y, reduction=settings["reduction"], n_classes=len(parent.classes),
-        rule=parent.decision_rule, edit_k=edit_k_for(parent.default_k),
-        x_val=parent.validation_embeddings, y_val=parent.validation_labels,
-        max_iter=settings["refine_epochs"], seed=settings["seed"],
-    )  # fmt: skip
+        z,
+        y,
+        reduction=settings["reduction"],
+        n_classes=len(parent.classes),
+        rule=parent.decision_rule,
+        edit_k=edit_k_for(parent.default_k),
+        x_val=parent.validation_embeddings,
+        y_val=parent.validation_labels,
+        max_iter=settings["refine_epochs"],
+        seed=settings["seed"],
+    )
     fit = result.fit
     rows = representatives(z, y, fit.prototypes, fit.labels)
     record = reference_set_record(
-        method="nca, map fixed", reduction=settings["reduction"], compressed=result,
-    )  # fmt: skip
+        method="nca, map fixed",
+        reduction=settings["reduction"],
+        compressed=result,
+    )
     counts = {"prototypes": len(fit.labels)}
     return fit.prototypes, fit.labels, parent.ids[rows], counts, result.k, record
 
@@ -369,8 +375,6 @@ def _learned(parent, z, y, settings) -> tuple:
 def _condensed(parent, z, y, settings, unchanged) -> tuple:
     """(embeddings, labels, ids, counts, served k or None, reference_set or None) of the
     condensed set; the parent's when unchanged."""
-    from training.references.condense import condense, prototypes
-
     if unchanged:
         counts = {"removed_by_editing": 0, "removed_by_condensing": 0}
         return z, y, parent.ids, counts, None, parent.manifest.get("reference_set")
@@ -378,9 +382,12 @@ def _condensed(parent, z, y, settings, unchanged) -> tuple:
         return _learned(parent, z, y, settings)
     if settings.get("method") == "prototypes":
         centres, labels, representative, _ = prototypes(
-            z, y, reduction=settings["reduction"], seed=settings["seed"],
+            z,
+            y,
+            reduction=settings["reduction"],
+            seed=settings["seed"],
             refine_epochs=settings["refine_epochs"] if settings["refine"] == "glvq" else 0,
-        )  # fmt: skip
+        )
         record = {
             "kind": "prototypes",
             "method": f"k-means, {settings['refine']} refinement",
@@ -487,7 +494,14 @@ def condense_references(
         entry["default_k_chosen_on_validation"] = [parent.default_k, k]
     default_k = _default_k_for(parent, n_after, entry, k)
     path = write_version(
-        parent, out, embeddings=new_z, labels=new_y, ids=new_ids, classes=classes, entry=entry,
-        default_k=default_k, reference_set=record,
-    )  # fmt: skip
+        parent,
+        out,
+        embeddings=new_z,
+        labels=new_y,
+        ids=new_ids,
+        classes=classes,
+        entry=entry,
+        default_k=default_k,
+        reference_set=record,
+    )
     return {**entry, "artifact": str(path)}

@@ -3,8 +3,8 @@ request to the encoded answer. Imports nothing from ``service.oip``.
 
 Each handler reads top to bottom: :func:`receive` (below) checks and parses the request,
 :func:`query_of` resolves its k, rule and outlier quantile (``service.engine.infer.resolve``),
-the engine admits it and runs it (``Engine.admit``, ``Engine.infer``), and the answer is
-rendered as JSON or as a structured ``.npy`` array. The OpenAPI document
+one engine operation answers it (``Engine.classify``, ``neighbors`` or ``embed``: the
+in-flight gate, the search, the metrics and the outlier flags), and the answer is rendered as JSON or as a structured ``.npy`` array. The OpenAPI document
 (``service.openapi``) describes the bodies, the query options, the limits of the loaded
 model and every status.
 
@@ -44,7 +44,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from service.core.knn import outlier_flags
 from service.core.vocabulary import RULES
 from service.engine.infer import Answer, Query, resolve
 from service.engine.model import LoadedModel, class_array
@@ -131,23 +130,14 @@ async def classify(request: Request) -> Response:
     values_per_row = len(req.model.classes) + 2 + (3 * query.k if with_neighbors else 0)
     if req.response_type == JSON:
         check_answer_size(req, values_per_row)
-    with req.state.engine.admit():
-        req.state.metrics.request_rows.labels("/v1/classify").observe(len(req.rows))
-        answer = await req.state.engine.infer(req.model, req.rows, query)
-    flags = None
-    if query.threshold is not None:
-        flags = outlier_flags(answer.distances, query.threshold)  # (n,)
-        req.state.metrics.outliers.inc(int(flags.sum()))
+    answer = await req.state.engine.classify(req.model, req.rows, query, "/v1/classify")
     model = req.model
     n_values = len(req.rows) * values_per_row
     if req.response_type == NPY:
         return await encoded_response(
-            req, n_values, lambda: classify_npy(model, answer, with_neighbors, flags), NPY
+            req, n_values, lambda: classify_npy(model, answer, with_neighbors), NPY
         )
-
-    return await json_response(
-        req, n_values, lambda: classify_json(model, answer, with_neighbors, flags)
-    )
+    return await json_response(req, n_values, lambda: classify_json(model, answer, with_neighbors))
 
 
 @router.post(
@@ -164,9 +154,7 @@ async def embed_route(request: Request) -> Response:
     req = await receive(request, EmbedBody, query=(), offered=(JSON, NPY))
     if req.response_type == JSON:
         check_answer_size(req, req.model.n_components)
-    with req.state.engine.admit():
-        req.state.metrics.request_rows.labels("/v1/embed").observe(len(req.rows))
-        z = await req.state.engine.embed(req.model, req.rows)
+    z = await req.state.engine.embed(req.model, req.rows, "/v1/embed")
     model = req.model
     if req.response_type == NPY:
         return Response(npy_bytes(z), media_type=NPY, headers={"x-model-version": model.version})
@@ -190,9 +178,7 @@ async def neighbors(request: Request) -> Response:
     query = query_of(req, decides=False)
     if req.response_type == JSON:
         check_answer_size(req, 3 * query.k)
-    with req.state.engine.admit():
-        req.state.metrics.request_rows.labels("/v1/neighbors").observe(len(req.rows))
-        answer = await req.state.engine.infer(req.model, req.rows, query)
+    answer = await req.state.engine.neighbors(req.model, req.rows, query, "/v1/neighbors")
     model = req.model
     n_values = len(req.rows) * 3 * query.k
     if req.response_type == NPY:
@@ -381,12 +367,11 @@ def neighbor_lists(
     ]
 
 
-def classify_json(
-    model: LoadedModel, answer: Answer, with_neighbors: bool, flags: np.ndarray | None
-) -> dict:
+def classify_json(model: LoadedModel, answer: Answer, with_neighbors: bool) -> dict:
     """The JSON answer of /v1/classify: a label, a {class: probability}, the nearest
-    distance and the outlier flag per instance (``flags`` (n,) bool, None without a
-    calibration), and the neighbours when asked."""
+    distance and the outlier flag per instance (null without a calibration), and the
+    neighbours when asked."""
+    flags = answer.outliers  # (n,) bool, or None
     names, classes = model.class_names, model.classes
     proba = answer.probabilities.tolist()
     nearest = answer.distances[:, 0].tolist()
@@ -436,9 +421,8 @@ def _neighbour_columns(
     ]
 
 
-def classify_npy(
-    model: LoadedModel, answer: Answer, with_neighbors: bool, flags: np.ndarray | None
-) -> bytes:
+def classify_npy(model: LoadedModel, answer: Answer, with_neighbors: bool) -> bytes:
+    flags = answer.outliers  # (n,) bool, or None
     fields = [
         ("label", class_array(model.classes)[answer.predicted]),  # (n,)
         ("probabilities", np.asarray(answer.probabilities, dtype=np.float64)),  # (n, C)

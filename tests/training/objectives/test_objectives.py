@@ -1,0 +1,272 @@
+"""NCA objectives: gradients, closed forms, scikit-learn parity, chunking, candidate sets."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.training.problems import brute_force_p
+from training.objectives.nca import NCAObjective
+from training.objectives.neighbourhood import nearest_candidates, objective_sum
+from training.objectives.registry import make_objective
+
+
+def problem(seed=0, n=24, D=5, d=3, n_classes=3, scale=0.5):
+    rng = np.random.default_rng(seed)
+    X = rng.normal(size=(n, D))
+    y = np.arange(n) % n_classes
+    A = rng.normal(size=(d, D)) * scale
+    return X, y, A
+
+
+def value_and_grad(X, y, A, objective, **kw):
+    Xt = torch.tensor(X, dtype=torch.float64)
+    yt = torch.tensor(y)
+    At = torch.tensor(A, dtype=torch.float64, requires_grad=True)
+    value = objective_sum(Xt @ At.T, yt, objective, **kw)
+    value.backward()
+    return float(value.detach()), At.grad.numpy()
+
+
+def closed_form_gradient(X, y, A, log_form):
+    """Eq 5 (f) or eq 7 (g): 2A sum_i (...) with x_ij = x_i - x_j, in D x D outer products."""
+    p_ij, p_i, same = brute_force_p(X, y, A)
+    D = X.shape[1]
+    total = np.zeros((D, D))
+    for i in range(len(X)):
+        x_ik = X[i] - X  # (N, D)
+        all_term = (p_ij[i][:, None, None] * x_ik[:, :, None] * x_ik[:, None, :]).sum(0)
+        same_term = ((p_ij[i] * same[i])[:, None, None] * x_ik[:, :, None] * x_ik[:, None, :]).sum(
+            0
+        )
+        if log_form:
+            total += all_term - same_term / p_i[i]
+        else:
+            total += p_i[i] * all_term - same_term
+    return 2 * A @ total
+
+
+METHODS = ["fused", "autograd"]
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("log_form", [False, True])
+def test_gradcheck_float64(log_form, method):
+    X, y, A = problem(n=12, D=4, d=2)
+    Xt = torch.tensor(X)
+    yt = torch.tensor(y)
+    At = torch.tensor(A, requires_grad=True)
+    objective = NCAObjective(log_form)
+    assert torch.autograd.gradcheck(
+        lambda a: objective_sum(Xt @ a.T, yt, objective, chunk_size=5, method=method),
+        (At,),
+        eps=1e-6,
+        atol=1e-6,
+    )
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("log_form", [False, True])
+def test_value_and_gradient_equal_the_papers_closed_forms(log_form, method):
+    X, y, A = problem(seed=1)
+    value, grad = value_and_grad(X, y, A, NCAObjective(log_form), method=method)
+    _, p_i, _ = brute_force_p(X, y, A)
+    expected_value = np.log(p_i).sum() if log_form else p_i.sum()
+    assert value == pytest.approx(expected_value, rel=1e-12)
+    np.testing.assert_allclose(grad, closed_form_gradient(X, y, A, log_form), rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_objective_and_gradient_equal_scikit_learn(method):
+    from sklearn.neighbors import NeighborhoodComponentsAnalysis
+
+    X, y, A = problem(seed=2, n=30, D=6, d=4)
+    nca = NeighborhoodComponentsAnalysis(n_components=4)
+    nca.n_iter_, nca.verbose = 1, 0
+    same = y[:, None] == y[None, :]
+    sk_loss, sk_grad = nca._loss_grad_lbfgs(A.ravel(), X, same, -1.0)
+    value, grad = value_and_grad(X, y, A, NCAObjective(False), method=method)
+    assert value == pytest.approx(-sk_loss, rel=1e-12)
+    np.testing.assert_allclose(grad.ravel(), -sk_grad, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("objective", ["nca", "nca-log"])
+def test_chunked_equals_unchunked(objective, method):
+    X, y, A = problem(seed=3, n=37)
+    obj = make_objective(objective)
+    full_v, full_g = value_and_grad(X, y, A, obj, chunk_size=37, method=method)
+    for chunk in (1, 5, 16):
+        v, g = value_and_grad(X, y, A, obj, chunk_size=chunk, method=method)
+        assert v == pytest.approx(full_v, rel=1e-12)
+        np.testing.assert_allclose(g, full_g, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("log_form", [False, True])
+def test_subset_of_rows_sums_their_scores_and_methods_agree(log_form):
+    X, y, A = problem(seed=4)
+    y[3] = 9  # a class of one: no same-class neighbour, scores 0
+    _, p_i, _ = brute_force_p(X, y, A)
+    rows = torch.tensor([7, 0, 3, 5, 11])
+    v, g = value_and_grad(X, y, A, NCAObjective(log_form), rows=rows, method="fused", chunk_size=2)
+    v2, g2 = value_and_grad(X, y, A, NCAObjective(log_form), rows=rows, method="autograd")
+    keep = [7, 0, 5, 11]
+    expected = np.log(p_i[keep]).sum() if log_form else p_i[keep].sum()
+    assert v == pytest.approx(expected, rel=1e-12) and v2 == pytest.approx(expected, rel=1e-12)
+    np.testing.assert_allclose(g, g2, rtol=1e-10, atol=1e-12)
+
+
+def test_fused_kernel_is_finite_in_float32_for_far_apart_classes():
+    # every same-class point is ~1e4 further than the nearest other-class point
+    z = torch.tensor([[0.0], [100.0], [203.0], [300.0]], requires_grad=True)
+    y = torch.tensor([0, 1, 0, 1])
+    for log_form in (False, True):
+        value = objective_sum(z, y, NCAObjective(log_form), method="fused")
+        (grad,) = torch.autograd.grad(value, z)
+        assert torch.isfinite(value) and torch.isfinite(grad).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("log_form", [False, True])
+def test_fused_kernel_equals_autograd_when_rows_near_and_far_share_a_chunk(log_form, dtype):
+    # rows whose nearest point is close (exp of the logits in range) and far (every exp
+    # below float32's range without the row's own shift) in the same chunks of 5 rows:
+    # squared nearest distances from ~0.1 to ~400
+    rng = np.random.default_rng(3)
+    z = rng.normal(size=(40, 3))
+    z[::4] *= 12.0  # every fourth point far from the rest
+    y = rng.integers(0, 3, size=40)
+    zt = torch.tensor(z, dtype=dtype)
+    yt = torch.tensor(y)
+    results = []
+    for method in ("fused", "autograd"):
+        z_var = zt.clone().requires_grad_()
+        value = objective_sum(z_var, yt, NCAObjective(log_form), method=method, chunk_size=5)
+        (grad,) = torch.autograd.grad(value, z_var)
+        results.append((float(value.detach()), grad.double().numpy()))
+    nearest = ((z[:, None] - z[None]) ** 2).sum(-1) + np.diag(np.full(40, np.inf))
+    assert nearest.min(1).max() > 30 > nearest.min(1).min()
+    rtol = 1e-10 if dtype == torch.float64 else 2e-4
+    assert results[0][0] == pytest.approx(results[1][0], rel=rtol)
+    scale = np.abs(results[1][1]).max()
+    np.testing.assert_allclose(results[0][1], results[1][1], rtol=rtol, atol=rtol * scale)
+
+
+@pytest.mark.parametrize("log_form", [False, True])
+def test_fused_candidate_kernel_equals_autograd(log_form):
+    X, y, A = problem(seed=8, n=40, scale=1.0)
+    y[5] = 7  # a class of one: its same-class block is all padding
+    z = torch.tensor(X @ A.T)
+    cand = nearest_candidates(z, torch.tensor(y), 4)
+    obj = NCAObjective(log_form)
+    for rows in (None, torch.tensor([5, 0, 9, 33, 12])):
+        kw = dict(candidates=cand, rows=rows)
+        v, g = value_and_grad(X, y, A, obj, method="fused", chunk_size=3, **kw)
+        v2, g2 = value_and_grad(X, y, A, obj, method="autograd", **kw)
+        assert v == pytest.approx(v2, rel=1e-12)
+        np.testing.assert_allclose(g, g2, rtol=1e-10, atol=1e-12)
+
+
+def test_fused_method_refuses_other_objectives():
+    from training.objectives.nca import Objective
+
+    z = torch.zeros(4, 2)
+    y = torch.tensor([0, 0, 1, 1])
+    with pytest.raises(ValueError, match="fused kernel computes NCA objectives only"):
+        objective_sum(z, y, Objective(), method="fused")
+
+
+def test_candidate_objective_approaches_exact_as_k_grows():
+    X, y, A = problem(seed=5, n=60, D=6, d=3, scale=1.0)
+    Xt, yt = torch.tensor(X), torch.tensor(y)
+    At = torch.tensor(A)
+    obj = NCAObjective(False)
+    exact = float(objective_sum(Xt @ At.T, yt, obj))
+    errors = []
+    for k in (1, 4, 16, 59):
+        cand = nearest_candidates(Xt @ At.T, yt, k)
+        errors.append(abs(float(objective_sum(Xt @ At.T, yt, obj, candidates=cand)) - exact))
+    assert errors[-1] < 1e-10
+    assert errors[0] > errors[1] > errors[2] > errors[3]
+
+
+def test_candidates_are_nearest_same_and_other_class_points():
+    X, y, A = problem(seed=6, n=20)
+    z = torch.tensor(X @ A.T)
+    yt = torch.tensor(y)
+    cand = nearest_candidates(z, yt, 3, chunk_size=7).numpy()
+    d2 = ((X @ A.T)[:, None] - (X @ A.T)[None]) ** 2
+    d2 = d2.sum(-1)
+    for i in range(20):
+        same = [j for j in np.argsort(d2[i]) if j != i and y[j] == y[i]][:3]
+        other = [j for j in np.argsort(d2[i]) if y[j] != y[i]][:3]
+        assert cand[i, :3].tolist() == same
+        assert cand[i, 3:].tolist() == other
+
+
+def test_candidates_pad_small_classes_with_minus_one():
+    z = torch.tensor([[0.0], [1.0], [2.0], [3.0], [4.0]])
+    y = torch.tensor([0, 0, 1, 1, 1])
+    cand = nearest_candidates(z, y, 3)
+    assert cand[0].tolist() == [1, -1, -1, 2, 3, 4]
+    obj = NCAObjective(False)
+    assert float(objective_sum(z, y, obj, candidates=cand)) == pytest.approx(
+        float(objective_sum(z, y, obj)), rel=1e-6
+    )
+
+
+def test_point_without_same_class_neighbour_scores_zero_and_stays_finite():
+    z = torch.tensor([[0.0, 0.0], [1.0, 0.0], [5.0, 5.0]], requires_grad=True)
+    y = torch.tensor([0, 0, 1])
+    for log_form in (False, True):
+        value = objective_sum(z, y, NCAObjective(log_form))
+        (grad,) = torch.autograd.grad(value, z)
+        assert torch.isfinite(value) and torch.isfinite(grad).all()
+    assert float(objective_sum(z.detach(), y, NCAObjective(False))) == pytest.approx(
+        2 * 1.0, abs=1e-6
+    )
+
+
+def test_far_apart_points_do_not_underflow_in_log_form():
+    # distances of 1e4: exp(-d) underflows in any linear-space implementation.
+    z = torch.tensor([[0.0], [100.0], [203.0]], dtype=torch.float32, requires_grad=True)
+    y = torch.tensor([0, 1, 0])
+    value = objective_sum(z, y, NCAObjective(True))
+    (grad,) = torch.autograd.grad(value, z)
+    assert torch.isfinite(value) and torch.isfinite(grad).all()
+    # log p_0 = -203^2 - log(exp(-100^2) + exp(-203^2)) = -(203^2 - 100^2); likewise
+    # log p_2 = -(203^2 - 103^2); point 1 has no same-class neighbour and is left out.
+    expected = -(203.0**2 - 100.0**2) - (203.0**2 - 103.0**2)
+    assert float(value.detach()) == pytest.approx(expected, rel=1e-5)
+
+
+def test_make_objective_validates_names_and_k():
+    with pytest.raises(ValueError, match="objective must be one of"):
+        make_objective("lmnn")
+    with pytest.raises(ValueError, match="k must be 1"):
+        make_objective("nca", k=3)
+
+
+def test_candidates_of_chosen_rows_equal_those_rows_of_all_candidates():
+    X, y, A = problem(seed=9, n=50)
+    z, yt = torch.tensor(X @ A.T), torch.tensor(y)
+    every = nearest_candidates(z, yt, 4, chunk_size=5)
+    rows = torch.tensor([49, 3, 3, 17, 0, 28])  # any order, repeats allowed
+    np.testing.assert_array_equal(
+        nearest_candidates(z, yt, 4, rows=rows, chunk_size=2).numpy(), every[rows].numpy()
+    )
+
+
+def test_candidate_distance_backward_passes_gradcheck():
+    from training.objectives.neighbourhood import CandidateNegSqDist
+
+    rng = np.random.default_rng(11)
+    z = torch.tensor(rng.normal(size=(9, 3)), requires_grad=True)
+    rows = torch.tensor([4, 0, 7])
+    # repeated candidates and rows that are each other's candidates
+    cand = torch.tensor([[1, 1, 0, 8], [4, 2, 2, 7], [0, 4, 3, 1]])
+    assert torch.autograd.gradcheck(lambda zz: CandidateNegSqDist.apply(zz, rows, cand), (z,))
+    out = CandidateNegSqDist.apply(z, rows, cand)
+    expected = -((z.detach()[rows][:, None] - z.detach()[cand]) ** 2).sum(-1)
+    torch.testing.assert_close(out.detach(), expected)

@@ -1,0 +1,183 @@
+"""The exact finish: L-BFGS iterations on the exact objective (every training point a
+neighbour) after a fit on candidate sets (``exact_finish``)."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+from tests.training.problems import blobs, brute_force, hard_noisy
+from training import NCA
+from training.model import plan as estimator
+from training.model.plan import AUTO_EXACT_FINISH_ITER, AUTO_KNCA_FINISH_ITER, DEFAULT_L2
+
+
+def penalised_exact_loss(model, X, y, l2, rows=None) -> float:
+    """-(1/B) sum_{i in rows} p_i + l2 ||A||^2 of a fitted model, in float64, from scratch:
+    p_i = sum_{j: y_j = y_i} softmax_{j != i}(-||A x_i - A x_j||^2) over all N points."""
+    Xs = (X - model.mean_) / model.scale_
+    z = Xs @ model.components_.T  # (N, d)
+    rows = np.arange(len(y)) if rows is None else rows
+    d2 = ((z[rows, None, :] - z[None, :, :]) ** 2).sum(-1)  # (B, N)
+    d2[np.arange(len(rows)), rows] = np.inf
+    logits = -d2 - (-d2).max(1, keepdims=True)
+    p = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
+    p_correct = (p * (y[None, :] == y[rows, None])).sum(1)
+    return float(-p_correct.mean() + l2 * (model.components_**2).sum())
+
+
+def fit(X, y, **params):
+    # the finish itself, whatever it does to the score (the stage selection is tested in
+    # test_stages.py)
+    base = dict(
+        n_components=4, random_state=0, max_iter=30, standardize="feature", select_stages=False
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return NCA(**{**base, **params}).fit(X, y)
+
+
+def test_auto_finishes_a_candidate_fit_with_exact_iterations_tagged_in_the_history():
+    X, y = blobs(400)
+    model = fit(X, y, n_candidates=5)
+    assert 1 <= model.exact_finish_iter_ <= AUTO_EXACT_FINISH_ITER
+    assert model.l2_ == DEFAULT_L2  # the finish carries the penalty nearest candidates cannot
+    stages = [r.get("stage") for r in model.history_]
+    n_first = model.n_iter_ - model.exact_finish_iter_
+    assert stages == [None] * n_first + ["exact finish"] * model.exact_finish_iter_
+    assert [r["iteration"] for r in model.history_] == list(range(1, model.n_iter_ + 1))
+    seconds = [r["seconds"] for r in model.history_]
+    assert seconds == sorted(seconds)  # one clock for both stages
+    # the reported objective is the exact one at the returned map (no penalty)
+    assert model.objective_value_ == pytest.approx(
+        -penalised_exact_loss(model, X, y, l2=0.0), abs=1e-5
+    )
+
+
+def test_the_finish_converges_to_the_exact_fits_penalised_optimum():
+    """Given iterations enough, candidates + finish and the exact fit reach the same
+    penalised exact loss: the finish optimises the exact objective, not the candidates'."""
+    X, y = blobs(300, seed=1)
+    exact = fit(X, y, n_candidates=None, max_iter=500, tol=1e-10)
+    finished = fit(X, y, n_candidates=4, exact_finish=500, tol=1e-10)
+    unfinished = fit(X, y, n_candidates=4, exact_finish=0, l2=DEFAULT_L2, tol=1e-10)
+    target = penalised_exact_loss(exact, X, y, DEFAULT_L2)
+    assert penalised_exact_loss(finished, X, y, DEFAULT_L2) == pytest.approx(target, abs=1e-4)
+    # without the finish the same penalty on candidates lands elsewhere
+    assert penalised_exact_loss(unfinished, X, y, DEFAULT_L2) > target + 1e-3
+
+
+def test_exact_finish_zero_is_the_candidate_fit_alone():
+    X, y = blobs(400)
+    model = fit(X, y, n_candidates=5, exact_finish=0)
+    assert model.exact_finish_iter_ == 0 and model.l2_ == 0.0
+    assert all("stage" not in r for r in model.history_)
+
+
+def test_exact_fits_and_fits_that_auto_leaves_alone_have_no_finish():
+    X, y = blobs(200)
+    assert fit(X, y, n_candidates=None, exact_finish=5).exact_finish_iter_ == 0
+    adam = fit(X, y, n_candidates=5, solver="adam", max_iter=3, batch_size=64)
+    assert adam.exact_finish_iter_ == 0
+
+
+def test_auto_finishes_knca_with_its_own_budget():
+    """kNCA's "auto" finish runs up to AUTO_KNCA_FINISH_ITER iterations (more than NCA's,
+    over fewer rows) and carries the exact objective's penalty."""
+    X, y = blobs(200)
+    model = fit(X, y, n_candidates=5, objective="knca-majority", k=3, tol=1e-12)
+    assert AUTO_EXACT_FINISH_ITER < model.exact_finish_iter_ <= AUTO_KNCA_FINISH_ITER
+    assert model.l2_ == DEFAULT_L2
+    finish = [r for r in model.history_ if r.get("stage") == "exact finish"]
+    assert len(finish) == model.exact_finish_iter_
+
+
+def test_an_explicit_finish_applies_to_knca_and_to_adam():
+    X, y = blobs(150)
+    knca = fit(X, y, n_candidates=5, objective="knca-majority", k=3, exact_finish=2)
+    assert knca.exact_finish_iter_ == 2
+    adam = fit(X, y, n_candidates=5, solver="adam", max_iter=3, batch_size=64, exact_finish=2)
+    assert adam.exact_finish_iter_ == 2 and adam.n_iter_ == 3 + 2
+
+
+def test_above_the_row_limit_the_finish_averages_over_evenly_spaced_query_rows(monkeypatch):
+    X, y = blobs(300)
+    monkeypatch.setattr(estimator, "EXACT_FINISH_MAX_ROWS", 50)
+    model = fit(X, y, n_candidates=5, exact_finish=3)
+    rows = np.unique(np.linspace(0, 299, 50).astype(np.int64))
+    on_rows = -penalised_exact_loss(model, X, y, l2=0.0, rows=rows)
+    on_all = -penalised_exact_loss(model, X, y, l2=0.0)
+    assert model.objective_value_ == pytest.approx(on_rows, abs=1e-5)
+    assert abs(on_rows - on_all) > 1e-4  # the sample, not all rows, was averaged
+
+
+def test_knca_finish_averages_over_its_own_row_limit(monkeypatch):
+    """Above KNCA_FINISH_MAX_ROWS points (monkeypatched to 12), kNCA's finish averages the
+    exact kNCA-majority probability over that many evenly spaced rows; checked against an
+    enumeration of every k-subset of the other 39 points, in float64, at the fitted map."""
+    X, y = blobs(40, seed=2)
+    monkeypatch.setattr(estimator, "KNCA_FINISH_MAX_ROWS", 12)
+    monkeypatch.setattr(estimator, "EXACT_FINISH_MAX_ROWS", 10**6)  # NCA's limit is not kNCA's
+    model = fit(X, y, n_candidates=3, objective="knca-majority", k=3, exact_finish=2)
+    assert model.exact_finish_iter_ == 2
+    z = ((X - model.mean_) / model.scale_) @ model.components_.T  # (N, d)
+    probabilities = []
+    for i in range(len(y)):
+        others = np.delete(np.arange(len(y)), i)
+        d2 = ((z[others] - z[i]) ** 2).sum(1)  # (N - 1,)
+        probabilities.append(brute_force(d2, y[others], y[i], 3, "majority"))
+    rows = np.unique(np.linspace(0, len(y) - 1, 12).astype(np.int64))
+    on_rows = float(np.mean(np.array(probabilities)[rows]))
+    assert model.objective_value_ == pytest.approx(on_rows, abs=1e-5)
+    assert abs(on_rows - float(np.mean(probabilities))) > 1e-4  # the sample was averaged
+
+
+@pytest.mark.parametrize(
+    "n, seed, best_stage",
+    [(300, 0, "candidate"), (600, 1, "finish")],  # where each stage validated best (measured)
+)
+def test_early_stopping_keeps_the_best_validated_map_of_either_stage(n, seed, best_stage):
+    X, y = hard_noisy(n=n, seed=seed)
+    maps = {}
+    model = fit(
+        X,
+        y,
+        n_candidates=8,
+        exact_finish=5,
+        early_stopping=True,
+        validation_interval=1,
+        n_iter_no_change=50,
+        max_iter=15,
+        callback=lambda A, iteration: maps.__setitem__(iteration, A.copy()),
+    )
+    validated = [(r["val_accuracy"], r["iteration"], r.get("stage")) for r in model.history_]
+    best_accuracy = max(a for a, _, _ in validated)
+    first_best, stage = next((i, s) for a, i, s in validated if a == best_accuracy)
+    assert (stage is None) == (best_stage == "candidate")  # the case tests what it says
+    assert model.exact_finish_iter_ == 5
+    assert model.best_val_accuracy_ == best_accuracy
+    np.testing.assert_array_equal(model.components_.ravel(), maps[first_best])
+
+
+def test_the_finish_closes_most_of_the_gap_to_the_exact_fit_on_hard_noisy_data():
+    """The audit tests' hard noisy set: nearest candidates alone optimise another objective
+    (no penalty, neighbourhoods cut at K); 10 finishing iterations bring the map's penalised
+    exact loss most of the way to the exact fit's."""
+    X, y = hard_noisy(n=1200)
+    exact = fit(X, y, n_components=8, n_candidates=None, max_iter=40)
+    alone = fit(X, y, n_components=8, n_candidates=8, exact_finish=0, max_iter=40)
+    finished = fit(X, y, n_components=8, n_candidates=8, max_iter=40)
+    target = penalised_exact_loss(exact, X, y, DEFAULT_L2)
+    gap_alone = penalised_exact_loss(alone, X, y, DEFAULT_L2) - target
+    gap_finished = penalised_exact_loss(finished, X, y, DEFAULT_L2) - target
+    assert gap_alone > 0.01
+    assert gap_finished < 0.25 * gap_alone
+
+
+@pytest.mark.parametrize("value", ["lots", -1, 1.5, True, None])
+def test_bad_exact_finish_is_refused_naming_the_value(value):
+    X, y = blobs(50)
+    with pytest.raises(ValueError, match=rf"exact_finish={value!r} must be 'auto' or an integer"):
+        NCA(n_components=2, exact_finish=value).fit(X, y)

@@ -1,0 +1,171 @@
+"""Problems and references the training tests share, in one place (no test module imports
+another): small data sets with known structure, brute-force references for the objectives,
+and the cases the data-parallel and CUDA tests evaluate on every path."""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+
+import numpy as np
+import torch
+
+from training import NCA
+from training.distributed.ranks import shard_bounds
+from training.objectives.registry import make_objective
+from training.optim.adam import run_adam
+from training.optim.lbfgs import run_lbfgs
+from training.optim.monitor import Monitor
+from training.optim.problem import Problem
+from training.optim.sharded_problem import ShardedProblem
+
+# ---------------------------------------------------------------- data sets
+
+
+def blobs(n: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    means = rng.normal(0, 1.0, (4, 6))
+    y = rng.integers(0, 4, n)
+    return means[y] + rng.normal(0, 1.0, (n, 6)), y
+
+
+def hard_noisy(n=1500, n_features=40, n_informative=8, seed=0):
+    """Five overlapping classes, signal in ``n_informative`` of ``n_features`` dimensions,
+    25% of the labels resampled."""
+    rng = np.random.default_rng(seed)
+    means = np.zeros((5, n_features))
+    means[:, :n_informative] = rng.normal(0, 1.05, (5, n_informative))
+    truth = rng.integers(0, 5, n)
+    X = means[truth] + rng.normal(0, 1.0, (n, n_features))
+    y = np.where(rng.random(n) < 0.25, rng.integers(0, 5, n), truth)
+    return X, y
+
+
+def fit_history(X, y, **params):
+    """A candidate-set fit audited at every iteration, without the exact finish (these
+    tests study what the candidate objective does on its own)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = NCA(
+            n_components=8,
+            n_candidates=8,
+            max_iter=20,
+            validation_interval=1,
+            exact_finish=0,
+            random_state=0,
+        )
+        return model.set_params(**params).fit(X, y)
+
+
+def candidate_gaps(model) -> list[float]:
+    """Candidate minus exact objective on the audit sample, per iteration."""
+    return [r["sample_candidate_objective"] - r["sample_exact_objective"] for r in model.history_]
+
+
+# ---------------------------------------------------- brute-force references
+
+
+def brute_force(dists, labels, own, k, variant):
+    """Enumerate every k-subset of neighbours: P(event) under p(s) ∝ prod_{j in s} exp(-d_j)."""
+    w = np.exp(-(dists - dists.min()))
+    total = good = 0.0
+    n_classes = int(max(labels.max(), own)) + 1
+    for subset in itertools.combinations(range(len(w)), k):
+        weight = float(np.prod(w[list(subset)]))
+        total += weight
+        votes = np.bincount(labels[list(subset)], minlength=n_classes)
+        if variant == "all":
+            good += weight * (votes[own] == k)
+        else:
+            others = np.delete(votes, own)
+            good += weight * (votes[own] > others.max())
+    return good / total
+
+
+def brute_force_p(X, y, A):
+    """p_ij and p_i straight from eqs 1-2, in float64 with an explicit N x N matrix."""
+    Z = X @ A.T
+    d2 = ((Z[:, None, :] - Z[None, :, :]) ** 2).sum(-1)
+    logits = -d2
+    np.fill_diagonal(logits, -np.inf)
+    logits -= logits.max(1, keepdims=True)
+    p_ij = np.exp(logits)
+    p_ij /= p_ij.sum(1, keepdims=True)
+    same = y[:, None] == y[None, :]
+    p_i = (p_ij * same).sum(1)
+    return p_ij, p_i, same
+
+
+# ------------------------------------- the data-parallel and CUDA cases
+
+OBJECTIVES = ["nca", "nca-log", "knca-majority", "knca-all"]
+MODES = {"exact": None, "candidates": 4}
+DTYPES = {"float64": torch.float64, "float32": torch.float32}
+N, D, DIM, N_CLASSES = 37, 6, 2, 3
+
+
+def data():
+    rng = np.random.default_rng(5)
+    y = np.sort(rng.integers(0, N_CLASSES, N))
+    y[:3], y[-3:] = 0, 2  # classes 0 and 2 present, each on one rank only
+    X = rng.normal(size=(N, D)) + y[:, None] * 0.7
+    theta = rng.normal(size=(DIM, D)).ravel() * 0.6
+    return X, y, theta
+
+
+def problem_for(X, y, name, n_candidates, dtype, group=None, chunk_size=None, device="cpu"):
+    objective = make_objective(name, k=1 if name.startswith("nca") else 3, n_classes=N_CLASSES)
+    kwargs = dict(
+        transform="linear", n_components=DIM, n_candidates=n_candidates, chunk_size=chunk_size
+    )
+    labels = torch.as_tensor(y, device=device)
+    if group is None:
+        return Problem(torch.as_tensor(X, dtype=dtype, device=device), labels, objective, **kwargs)
+    start, stop = shard_bounds(len(X), group.rank, group.world_size)
+    shard = torch.as_tensor(X[start:stop], dtype=dtype, device=device)
+    return ShardedProblem(shard, labels, objective, group=group, **kwargs)
+
+
+def evaluate_all(X, y, theta, group=None, device="cpu"):
+    """{case: (loss, grad)} for every objective, mode and dtype; plus short fits."""
+    out = {}
+    for name in OBJECTIVES:
+        for mode, n_candidates in MODES.items():
+            for dtype_name, dtype in DTYPES.items():
+                # chunks of 5 rows: smaller than either shard, and than the chunk default
+                problem = problem_for(
+                    X, y, name, n_candidates, dtype, group, chunk_size=5, device=device
+                )
+                if n_candidates is not None:
+                    problem.refresh_candidates(theta)
+                loss, grad, _ = problem.loss_and_grad(theta)
+                out[f"{name}/{mode}/{dtype_name}"] = np.r_[loss, grad]
+            # the default chunk (256 rows and more) is larger than either shard
+            problem = problem_for(X, y, name, n_candidates, torch.float64, group, device=device)
+            if n_candidates is not None:
+                problem.refresh_candidates(theta)
+            loss, grad, _ = problem.loss_and_grad(theta)
+            out[f"{name}/{mode}/float64/default-chunk"] = np.r_[loss, grad]
+    for mode, n_candidates in MODES.items():
+        problem = problem_for(X, y, "nca", n_candidates, torch.float64, group, device=device)
+        monitor = Monitor(max_iter=12, validate=None, early_stopping=False)
+        result = run_lbfgs(problem, theta, max_iter=12, tol=1e-9, monitor=monitor, refresh_every=4)
+        out[f"fit/{mode}"] = np.r_[result.n_iter, result.theta]
+        # Adam on mini-batches of 8 rows: the same seeded batches on every rank, each rank
+        # scoring its share of a batch
+        problem = problem_for(
+            X, y, "knca-majority", n_candidates, torch.float64, group, device=device
+        )
+        monitor = Monitor(max_iter=4, validate=None, early_stopping=False)
+        result = run_adam(
+            problem,
+            theta,
+            max_iter=4,
+            tol=0.0,
+            monitor=monitor,
+            learning_rate=0.05,
+            batch_size=8,
+            rng=np.random.default_rng(0),
+        )
+        out[f"adam/{mode}"] = np.r_[result.n_iter, result.theta.ravel()]
+    return out
