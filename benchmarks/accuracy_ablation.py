@@ -21,7 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from candidate_quality import digits_set, knn_accuracy, usps_set
-from common import USPS_PATH, machine, print_table, save_json
+from harness.data import USPS_PATH
+from harness.report import machine, print_table, save_json
 
 from training import NCA
 

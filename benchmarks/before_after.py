@@ -22,12 +22,12 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, median, print_table, save_json
-from http_load import LUA, free_port, wrk
+from harness.load import LUA, wrk
+from harness.report import machine, median, print_table, save_json
+from harness.servers import free_port, start_service
 
 ROOT = Path(__file__).resolve().parents[1]
 WRITE_MODEL = """
@@ -63,34 +63,9 @@ def run_in(root: Path, code: str, *args: str, core: str = "1") -> str:
 
 
 def start_server(root: Path, model: Path) -> tuple[subprocess.Popen, int]:
-    import httpx
-
-    port = free_port()
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(root),
-        "NCAKNN_LOG_LEVEL": "warning",
-        "NCAKNN_GRPC_PORT": "0",
-        "NCAKNN_PROBE_PORT": str(free_port()),  # on, as shipped (a tree without it ignores it)
-        "NCAKNN_DRAIN_DELAY_SECONDS": "0",
-    }
-    cmd = ["taskset", "-c", "1", sys.executable, "-m", "service", "--model", str(model)]
-    proc = subprocess.Popen(
-        [*cmd, "--port", str(port)],
-        cwd=root,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
-                return proc, port
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"{root}: server did not start: {proc.stderr.read().decode()[-2000:]}")
+    """The tree at ``root`` serving ``model`` on core 1, its probe port on as shipped (a
+    tree without one ignores the setting)."""
+    return start_service(model, root=root, env={"NCAKNN_PROBE_PORT": str(free_port())})
 
 
 def http_cells(trees: dict[str, Path], model: Path, seconds: int, rounds: int, tmp: Path):

@@ -39,7 +39,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, USPS_PATH, machine, print_table, save_json
+from harness.data import USPS_PATH
+from harness.report import RESULTS, machine, print_table, save_json
 
 from service.core.knn import decide, exact_knn
 from training import NCA

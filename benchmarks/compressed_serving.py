@@ -3,9 +3,9 @@ against the naive FastAPI + FAISS app serving the full set, side by side in one 
 
 Models (each with its validation split; test rows never seen by the map or the prototypes):
 
-* D = 64: ``common.synthetic`` (10 classes), the NCA map (d = 32) fitted on 5k rows as in
+* D = 64: ``harness.data.synthetic`` (10 classes), the NCA map (d = 32) fitted on 5k rows as in
   ``http_load.py``; 60,000 references, 5,000 validation and 10,000 test rows;
-* D = 784: ``common.usps_784`` (60,000 references of real digits, 1,000 validation rows,
+* D = 784: ``harness.data.usps_784`` (60,000 references of real digits, 1,000 validation rows,
   USPS's 2,007 test images), the estimator's defaults at d = 32 (fitted once; pass
   ``--model784 DIR`` to reuse an artifact this script wrote before).
 
@@ -40,8 +40,10 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, machine, median, print_table, save_json, synthetic, usps_784
-from http_load import LUA, start_uvicorn, stop, wrk
+from harness.data import synthetic, usps_784
+from harness.load import LUA, wrk
+from harness.report import RESULTS, machine, median, print_table, save_json
+from harness.servers import start_uvicorn, stop
 
 FRACTIONS = {"2%": 50.0, "5%": 20.0}
 

@@ -2,7 +2,7 @@
 kept and test accuracy before and after, for editing and condensing settings, over seeds.
 
 Sets (the issue's two): USPS (the papers' data: 6,564 references, d = 32, the job's
-defaults) and a 60k x 784 set of real digits (``common.usps_784``: USPS at MNIST's size,
+defaults) and a 60k x 784 set of real digits (``harness.data.usps_784``: USPS at MNIST's size,
 augmented to 60,000 references; validation and test queries from held-out images).
 Each model is trained once with the estimator's defaults at d = 32; every setting is then
 condensed with ``--seeds`` seeds (the order in which candidates are visited); accuracy is
@@ -27,7 +27,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, USPS_PATH, machine, median, print_table, save_json, usps_784
+from harness.data import USPS_PATH, usps_784
+from harness.report import RESULTS, machine, median, print_table, save_json
 
 # condense_references keyword arguments: Hart's condensing (after Wilson editing when edit_k
 # > 0), then per-class k-means prototypes, as cluster means and refined by GLVQ (the default)

@@ -25,7 +25,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import machine, median, peak_rss_mib, print_table, save_json, synthetic
+from harness.data import synthetic
+from harness.report import machine, median, peak_rss_mib, print_table, save_json
 
 D, DIM = 784, 32
 FLOAT32 = 4

@@ -1,7 +1,7 @@
 """Candidate sets, then the exact objective: does a short exact finish close the gap between
 candidate-set training and exact training above AUTO_EXACT_MAX_SAMPLES?
 
-On the synthetic 784-dimensional set of ``common.synthetic`` (10 classes of 3 blobs each in a
+On the synthetic 784-dimensional set of ``harness.data.synthetic`` (10 classes of 3 blobs each in a
 40-dim subspace, 10,000 test points so that a point of accuracy is outside the noise),
 d = 32, the estimator's defaults otherwise (max_iter = 100, l2 = "auto", standardised
 inputs), for each N:
@@ -35,7 +35,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from candidate_quality import knn_accuracy
-from common import machine, print_table, save_json, synthetic
+from harness.data import synthetic
+from harness.report import machine, print_table, save_json
 
 from training import NCA
 

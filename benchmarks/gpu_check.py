@@ -8,7 +8,7 @@ On a machine with a CUDA device it
    N = 250k and 1M (synthetic, D = 128, d = 32): seconds per evaluation after the first
    (compiling) one, achieved TFLOP/s against the card's dense FP32 and TF32 rates, peak GPU
    memory; and, where time is left, a short exact fit (5 L-BFGS iterations) at each N;
-3. fits the estimator with its defaults on the 60k x 784 digits (``common.usps_784``, when
+3. fits the estimator with its defaults on the 60k x 784 digits (``harness.data.usps_784``, when
    ``--usps`` names usps.npz; else the 60k x 784 synthetic set) and records the fit time and
    test accuracy (the CPU's, on the same data and seed, is in cpu_fit_60k.json);
 4. with time left, the estimator's default fit at N = 1M (candidates and the exact finish).
@@ -43,7 +43,8 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 import torch  # noqa: E402
-from common import synthetic  # noqa: E402
+from harness import data  # noqa: E402
+from harness.data import synthetic  # noqa: E402
 
 from training import NCA  # noqa: E402
 from training.evaluation.evaluate import knn_accuracies  # noqa: E402
@@ -190,10 +191,8 @@ def digits_set(usps: Path | None, n: int):
     """(name, X, y, X_test, y_test): the 60k x 784 digits when usps.npz is given, else the
     synthetic 784-feature set of the same size."""
     if usps is not None and usps.is_file():
-        import common
-
-        common.USPS_PATH = usps
-        X, y, _, _, Xt, yt = common.usps_784(n, 1000, 2007)
+        data.USPS_PATH = usps  # usps_784 reads the path given on the command line
+        X, y, _, _, Xt, yt = data.usps_784(n, 1000, 2007)
         return "digits (usps_784)", X, y, Xt, yt
     X, y = synthetic(n + 2007)
     return "synthetic 784", X[:n], y[:n], X[n:], y[n:]

@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from service.app import create_app_from_env
-from service.http.routes.inference import ClassifyBody, receive
+from service.http.decode import ClassifyBody, receive
 
 OK = b'{"ok":true}'
 

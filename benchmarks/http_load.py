@@ -29,172 +29,19 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import os
-import re
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, median, print_table, save_json, synthetic
-
-ROOT = Path(__file__).resolve().parents[1]
-SERVER_CORE, LOAD_CORE = "1", "0"
-LUA = """
-wrk.method = "POST"
-wrk.body = '{"instances": [[%s]]}'
-wrk.headers["Content-Type"] = "application/json"
-"""
-
-
-def build_models(directory: Path) -> tuple[Path, Path]:
-    """(the plain artifact, the same with a tuned IVF index)."""
-    from service.core.artifact import write_artifact
-    from service.search.tuning import index_artifact
-    from training import NCA
-
-    X, y = synthetic(65000, n_features=64, seed=2)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        nca = NCA(n_components=32, max_iter=30, random_state=0).fit(X[:5000], y[:5000])
-    plain = write_artifact(
-        directory / "model",
-        projection=nca.projection_,
-        offset=nca.offset_,
-        embeddings=nca.transform(X[:60000]),
-        labels=y[:60000].astype(np.int32),
-        classes=list(range(10)),
-        mean=nca.mean_,
-        scale=nca.scale_,
-        default_k=5,
-        validation_embeddings=nca.transform(X[60000:]),
-        validation_labels=y[60000:].astype(np.int32),
-    )
-    indexed = directory / "model-ivf"
-    index_artifact(plain, "ivf", out=indexed)
-    return plain, indexed
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(proc: subprocess.Popen, port: int, path: str = "/readyz") -> None:
-    import httpx
-
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}{path}", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"server did not start: {proc.stderr.read().decode()[-2000:]}")
-
-
-def start_uvicorn(
-    app: str, model: Path, cores: str | None = SERVER_CORE, http: str = "httptools"
-) -> tuple:
-    port = free_port()
-    env = {
-        **os.environ,
-        "NCAKNN_MODEL_PATH": str(model),
-        "NCAKNN_LOG_LEVEL": "warning",
-        "NCAKNN_MAX_BATCH_ROWS": "4096",
-        "NCAKNN_DRAIN_DELAY_SECONDS": "0",
-        "NCAKNN_GRPC_PORT": "0",  # several servers at once: the gRPC port is not shared
-        "PYTHONPATH": str(ROOT),
-    }
-    cmd = [
-        sys.executable,
-        "-m",
-        "uvicorn",
-        app,
-        "--factory",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--workers",
-        "1",
-        "--loop",
-        "uvloop",
-        "--http",
-        http,
-        "--no-access-log",
-        "--log-level",
-        "warning",
-    ]
-    if cores is not None:
-        cmd = ["taskset", "-c", cores, *cmd]
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
-    wait_ready(proc, port)
-    return proc, port
-
-
-def start_service(model: Path, workers: int, cores: str | None) -> tuple:
-    port = free_port()
-    env = {
-        **os.environ,
-        "NCAKNN_LOG_LEVEL": "warning",
-        "NCAKNN_DRAIN_DELAY_SECONDS": "0",
-        "NCAKNN_PROBE_PORT": "0",
-        "PYTHONPATH": str(ROOT),
-    }
-    cmd = [sys.executable, "-m", "service", "--model", str(model), "--port", str(port)]
-    cmd += ["--workers", str(workers)]
-    if cores is not None:
-        cmd = ["taskset", "-c", cores, *cmd]
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
-    wait_ready(proc, port)
-    time.sleep(2)  # every worker up
-    return proc, port
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-
-
-def parse_wrk(text: str) -> dict:
-    def seconds(value: str, unit: str) -> float:
-        return float(value) * {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0}[unit]
-
-    out = {"requests_per_second": float(re.search(r"Requests/sec:\s+([\d.]+)", text).group(1))}
-    for pct in ("50", "99"):
-        m = re.search(rf"\s{pct}%\s+([\d.]+)(us|ms|s|m)\b", text)
-        out[f"p{pct}_ms"] = seconds(*m.groups()) * 1e3 if m else None
-    errors = 0
-    m = re.search(r"Non-2xx or 3xx responses: (\d+)", text)
-    errors += int(m.group(1)) if m else 0
-    m = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", text)
-    errors += sum(map(int, m.groups())) if m else 0
-    out["errors"] = errors
-    return out
-
-
-def wrk(url: str, script: Path, connections: int, seconds: int) -> dict:
-    cmd = ["taskset", "-c", LOAD_CORE, "wrk", "-t", "1", "-c", str(connections)]
-    cmd += ["-d", f"{seconds}s", "--latency", "-s", str(script), url]
-    result = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    return parse_wrk(result.stdout)
+from harness.load import LUA, wrk
+from harness.models import build_models
+from harness.report import machine, median, print_table, save_json
+from harness.servers import LOAD_CORE, SERVER_CORE, start_service, start_uvicorn, stop
 
 
 def large_request_rates(port: int, rows: np.ndarray, repeats: int = 5) -> dict:
@@ -317,7 +164,7 @@ def main() -> None:
     workers = []
     for label, cores in (("2 workers, core 1", SERVER_CORE), ("2 workers, cores 0-1", None)):
         for count in (1, 2) if cores == SERVER_CORE else (2,):
-            proc, port = start_service(plain, count, cores)
+            proc, port = start_service(plain, workers=count, cores=cores)
             try:
                 for connections in (16, 64):
                     results = [

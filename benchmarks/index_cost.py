@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,7 +34,9 @@ import faiss
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, median, print_table, save_json, synthetic
+from harness.data import synthetic
+from harness.report import machine, median, print_table, save_json
+from harness.servers import free_port
 
 from service.search.index import IndexParams, build_index, configure, search_with_recheck
 from service.search.tuning import answer_queries, tune
@@ -122,12 +123,6 @@ def measure(n: int) -> list[dict]:
         print(row, flush=True)
         del index
     return rows
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def seconds_to_ready(artifact: Path) -> float:

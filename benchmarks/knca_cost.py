@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import USPS_PATH, machine, median, print_table, save_json, synthetic
+from harness.data import USPS_PATH, synthetic
+from harness.report import machine, median, print_table, save_json
 
 
 def epoch_seconds(z, y, objective, candidates, repeats=7):

@@ -26,7 +26,7 @@ import torch
 from scipy.optimize import minimize
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, save_json
+from harness.report import machine, save_json
 from learned_references import letters26, scores, usps, with_noise
 
 

@@ -24,7 +24,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import HERE, USPS_PATH, machine, save_json
+from harness.data import USPS_PATH
+from harness.report import RESULTS, machine, save_json
 
 TEST_KS = tuple(range(1, 16))
 
@@ -135,7 +136,7 @@ def main() -> None:
         ("kNCA-all k=10", "knca-all", 10),
         ("LMNN (metric-learn)", "lmnn", 5),
     ]
-    out_path = HERE / "results" / "knca_usps_noise.json"
+    out_path = RESULTS / "knca_usps_noise.json"
     results = json.loads(out_path.read_text()) if out_path.is_file() else {}
     results["machine"] = machine()
     results.setdefault("runs", {})
@@ -222,7 +223,7 @@ def plot(results) -> None:
     for ax in axes[0]:
         ax.legend(fontsize=6)
     fig.tight_layout()
-    fig.savefig(HERE / "results" / "knca_usps_noise.png", dpi=100)
+    fig.savefig(RESULTS / "knca_usps_noise.png", dpi=100)
     plt.close(fig)
 
 

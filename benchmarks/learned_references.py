@@ -18,7 +18,7 @@ Every method's served k is chosen on the validation split (K_VALUES; prototypes 
 k = 1; seconds are the compression's alone.
 
 Sets: usps (7,291 - 700 validation rows, 256 pixels, d = 32; USPS's own 2,007 test rows),
-usps784 (``common.usps_784``: 60,000 references of 784 pixels, d = 32), letters26
+usps784 (``harness.data.usps_784``: 60,000 references of 784 pixels, d = 32), letters26
 (scikit-learn's make_classification: 20,000 rows, 16 features, 26 classes, two clusters
 each, class_sep 3; 16,400 / 1,600 / 2,000; d = 12).
 
@@ -40,7 +40,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, USPS_PATH, machine, print_table, save_json, usps_784
+from harness.data import USPS_PATH, usps_784
+from harness.report import RESULTS, machine, print_table, save_json
 
 METHODS = ("full", "hart", "kmeans+glvq", "learned, map fixed", "learned jointly")
 METHOD_KEYS = {

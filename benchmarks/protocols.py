@@ -36,8 +36,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, median, print_table, save_json
-from http_load import build_models, free_port, stop, wait_ready
+from harness.models import build_models
+from harness.report import machine, median, print_table, save_json
+from harness.servers import free_port, start_service, stop
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVER_CORE, LOAD_CORE = "1", 0
@@ -46,22 +47,10 @@ WIRES = ("v1 json", "v1 npy", "v2 json", "v2 binary", "grpc")
 
 
 def start_server(model: Path) -> tuple[subprocess.Popen, int, int]:
-    port, grpc_port = free_port(), free_port()
-    env = {
-        **os.environ,
-        "NCAKNN_LOG_LEVEL": "warning",
-        "NCAKNN_DRAIN_DELAY_SECONDS": "0",
-        "NCAKNN_GRPC_PORT": str(grpc_port),
-        "NCAKNN_PROBE_PORT": "0",
-        "NCAKNN_MAX_IN_FLIGHT": "4096",
-        "PYTHONPATH": str(ROOT),
-    }
-    cmd = ["taskset", "-c", SERVER_CORE, sys.executable, "-m", "service", "--model", str(model)]
-    cmd += ["--port", str(port)]
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
-    wait_ready(proc, port)
+    """The service on SERVER_CORE with gRPC on, and room for every request in flight."""
+    grpc_port = free_port()
+    env = {"NCAKNN_GRPC_PORT": str(grpc_port), "NCAKNN_MAX_IN_FLIGHT": "4096"}
+    proc, port = start_service(model, env=env)
     return proc, port, grpc_port
 
 

@@ -28,8 +28,10 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, median, print_table, save_json, synthetic
-from http_load import build_models, free_port, stop, wait_ready
+from harness.data import synthetic
+from harness.models import build_models
+from harness.report import machine, median, print_table, save_json
+from harness.servers import free_port, stop, wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -3,7 +3,7 @@ row, default k and rule) on an in-process app, every Python call recorded with
 ``sys.setprofile`` (and ``threading.setprofile`` for the search thread), after a warm-up
 request. Prints the files in the order first entered, with the number of calls into each,
 and the way the event loop's thread goes through the service's three floors: the
-application (``service/app.py``), the wire (``service/http``, ``service/wire.py``, the body
+application (``service/app.py``), the wire (``service/http``, ``service/wire/``, the body
 budget) and the engine (``service/engine``, the kNN core, the search, the metrics it
 reports to). The way is the floors in the order the thread is in them (a call into another
 floor or a return to one) and its returns to a floor it had left: decode -> engine ->
@@ -57,7 +57,8 @@ FLOORS = (  # (path prefix, floor), first match wins
     ("service/app.py", "app"),
     ("service/http/", "wire"),
     ("service/oip/", "wire"),
-    ("service/wire.py", "wire"),
+    ("service/wire.py", "wire"),  # the tree before service/wire/ was a package
+    ("service/wire/", "wire"),
     ("service/ops/bodies.py", "wire"),
     ("service/engine/", "engine"),
     ("service/core/", "engine"),

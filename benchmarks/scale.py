@@ -30,8 +30,8 @@ import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, machine, peak_rss_mib, print_table, save_json
-from cpu_fit_60k import PhaseClock
+from harness.phases import PhaseClock
+from harness.report import RESULTS, machine, peak_rss_mib, print_table, save_json
 
 DISTRIBUTION = dict(n_classes=20, clusters_per_class=4, subspace_dim=24, overlap=0.75, noise=0.55)
 N_COMPONENTS = 32

@@ -3,7 +3,7 @@ service's own search path (``service.search.index``: k + 8 FAISS candidates, exa
 
 Data (``--data``): ``usps`` (default when ../shared/data/usps.npz is present): real digits at
 MNIST's size, USPS resampled to 28 x 28 (D = 784) and augmented to N = 60k references, with 5k
-validation and 10k test queries drawn from held-out source images (``common.usps_784``);
+validation and 10k test queries drawn from held-out source images (``harness.data.usps_784``);
 ``synthetic``: the synthetic 784-dim set (Gaussian blobs in a 40-dim subspace plus isotropic
 noise, a hard case for partition and graph indexes). The projection is an NCA map learned on
 10k of the references. Everything runs on
@@ -35,7 +35,8 @@ import faiss
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import USPS_PATH, machine, median, print_table, save_json, synthetic, usps_784
+from harness.data import USPS_PATH, synthetic, usps_784
+from harness.report import machine, median, print_table, save_json
 
 from service.core.knn import decide
 from service.search.index import (

@@ -65,16 +65,20 @@ def train_tables(r):
                     [
                         ("N", lambda x: fmt(x.get("n", 7291))),
                         ("method", lambda x: x.get("label", x["method"])),
-                        ("fit s", lambda x: fmt(x["seconds"])),
+                        ("fit s", lambda x: fmt(x.get("seconds"))),
                         ("s to sklearn's f", lambda x: fmt(x.get("seconds_to_target"))),
                         ("speed-up to same f", lambda x: fmt(x.get("speedup_to_target"))),
-                        ("peak RSS MiB", lambda x: fmt(x["peak_rss_mib"])),
+                        ("peak RSS MiB", lambda x: fmt(x.get("peak_rss_mib"))),
                         (
                             "fit MiB (peak - before fit)",
-                            lambda x: fmt(x["peak_rss_mib"] - x["rss_before_fit_mib"]),
+                            lambda x: fmt(
+                                x["peak_rss_mib"] - x["rss_before_fit_mib"]
+                                if "rss_before_fit_mib" in x
+                                else None
+                            ),
                         ),
-                        ("f(A)", lambda x: f"{x['objective']:.1f}"),
-                        ("iters", lambda x: str(x["n_iter"])),
+                        ("f(A)", lambda x: fmt(x.get("objective"), digits=6)),
+                        ("iters", lambda x: fmt(x.get("n_iter"))),
                         ("1-NN test", lambda x: f"{x['test_acc_1nn']:.4f}"),
                         ("5-NN test", lambda x: f"{x['test_acc_5nn']:.4f}"),
                     ],

@@ -36,7 +36,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import USPS_PATH, machine, median, peak_rss_mib, print_table, save_json, synthetic
+from harness.data import USPS_PATH, synthetic
+from harness.report import machine, median, peak_rss_mib, print_table, save_json
 
 SMALL = {"digits": 32, "iris": 2, "wine": 6, "breast_cancer": 15}
 SEEDS = (0, 1, 2, 3, 4)

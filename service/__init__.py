@@ -10,13 +10,13 @@ The tree shows the layers; each package's docstring names its modules and their 
 * ``http/``: the ``/v1`` JSON and npy routes: parsing, rendering, OpenAPI bodies.
 * ``oip/``: the Open Inference Protocol: tensors, REST (``/v2``) and gRPC.
 * ``ops/``: metrics, connection limits, memory, worker sync, logs.
-* ``wire.py``: how every wire reads a request: the API key, media types, bodies, strict
+* ``wire/``: how every wire reads a request: the API key, media types, bodies, strict
   integers, input rows.
 * ``app.py`` composes the wires (lifespan, middleware, ``/v1`` and ``/v2``, OpenAPI,
   gRPC); ``state.py`` is what the wires share at run time; ``config.py`` the one Settings;
   ``errors.py`` the one error table; ``__main__.py`` runs it under uvicorn.
 
-``http`` and ``oip`` never import each other (``wire.py`` imports neither); ``engine``, ``search`` and ``core`` import no
+``http`` and ``oip`` never import each other (``wire/`` imports neither); ``engine``, ``search`` and ``core`` import no
 web framework. Importing this package (or ``service.core``) pulls in numpy and the standard
 library only (``tests/test_boundaries.py`` checks all of it).
 """

@@ -6,7 +6,7 @@
    out of ``sys.modules``.
 3. The engine, search and the core import no web framework; the two wires (``service/http``
    for /v1, ``service/oip`` for the Open Inference Protocol) never import each other, and
-   what they share (``service/wire.py``) imports neither and no web framework.
+   what they share (``service/wire/``) imports neither and no web framework.
 4. No import cycles; rule and index names are spelled only in the vocabulary.
 5. The wires reach the engine through its operations only (``Engine.classify``,
    ``neighbors``, ``embed``); a POST /v1/classify never enters the other wire.
@@ -108,11 +108,13 @@ def test_engine_search_and_core_have_no_web_imports():
 
 
 def test_what_the_wires_share_knows_no_framework_and_no_wire():
-    """service/wire.py (the caller, bodies, integers, rows) is shared by /v1, /v2 and gRPC: it
+    """service/wire/ (the caller, media types, bodies, integers, arrays, rows) is shared by
+    /v1, /v2 and gRPC: it
     decodes JSON (msgspec) but imports no web framework or server, and no wire."""
-    for module in imported_modules(ROOT / "service" / "wire.py"):
-        assert module.split(".")[0] not in WEB - {"msgspec"}, f"wire.py imports {module}"
-        assert not module.startswith(("service.http", "service.oip", "service.app")), module
+    for path in package_files("service/wire"):
+        for module in imported_modules(path):
+            assert module.split(".")[0] not in WEB - {"msgspec"}, f"{path.name} imports {module}"
+            assert not module.startswith(("service.http", "service.oip", "service.app")), module
 
 
 def test_the_wires_never_import_each_other():
@@ -331,7 +333,7 @@ def test_a_v1_classify_request_runs_through_the_engines_operation(tmp_path, batc
     files = [name for name, _ in request_path(synthetic_model(tmp_path), batching)]
     assert {"service/engine/engine.py", "service/engine/infer.py"} <= set(files)
     assert files[:2] == ["service/app.py", "service/http/routes/inference.py"]
-    floors = ("service/app.py", "service/http/", "service/wire.py", "service/engine/")
+    floors = ("service/app.py", "service/http/", "service/wire/", "service/engine/")
     floors += ("service/ops/", "service/core/", "service/search/")
     assert [name for name in files if not name.startswith(floors)] == []
 

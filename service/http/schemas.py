@@ -1,6 +1,6 @@
 """Response bodies (pydantic), for the OpenAPI document and /v1/model.
 
-Request bodies are the msgspec structs of ``service.http.routes.inference`` (one strict decode); their
+Request bodies are the msgspec structs of ``service.http.decode`` (one strict decode); their
 JSON schemas, with the live limits, are written by ``service.openapi``.
 """
 

@@ -15,7 +15,7 @@ back in the ``x-request-id`` response header (gRPC: initial metadata) and in the
 structured log line.
 
 Off, the only cost is ``Tracing.enabled`` checks and the perf counters the inference path
-reads anyway (benchmarks/tracing_cost.py measures both). Tested by
+reads anyway (benchmarks/results/tracing_cost.json measures both). Tested by
 tests/service/ops/test_tracing.py with the SDK's in-memory exporter.
 """
 

@@ -24,7 +24,7 @@ CANDIDATE_QUERY_MAX_ROWS = 2**17
 # (measured in benchmarks/candidate_quality.py --knca and benchmarks/exact_finish.py
 # --objective knca-majority). Halving NCA's row limit would make the 60k x 784 digits fit
 # faster but cost 0.3 / 0.7 points of 1-NN / 5-NN test accuracy on the synthetic 60k set
-# (10,000 test points; benchmarks/cpu_fit_60k.py), so it stays above 60k.
+# (10,000 test points; benchmarks/results/cpu_fit_60k.json), so it stays above 60k.
 AUTO_EXACT_FINISH_ITER = 10
 EXACT_FINISH_MAX_ROWS = 65536
 # ... and at most this many (query row, point) pairs per finishing evaluation: the finish's
@@ -38,7 +38,7 @@ FINISH_EVALUATIONS_PER_ITER = 2
 AUTO_KNCA_FINISH_ITER = 20
 KNCA_FINISH_MAX_ROWS = 2048
 # what l2="auto" means on the exact objective (0 on candidate sets); the l2 parameter's
-# docstring says why, benchmarks/default_l2.py how it was chosen
+# docstring says why, benchmarks/results/default_l2.json how it was chosen
 DEFAULT_L2 = 0.03
 
 

@@ -1,21 +1,13 @@
-"""Helpers shared by the benchmark scripts: synthetic data, peak memory, timing, output."""
+"""The benchmark data sets: ``synthetic`` and ``usps_784`` (real digits at MNIST's size)."""
 
 from __future__ import annotations
 
-import json
-import os
-import platform
-import resource
-import statistics
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
+from scipy import ndimage
 
-HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results"  # where save_json writes
-USPS_PATH = HERE.parent.parent / "shared" / "data" / "usps.npz"
+USPS_PATH = Path(__file__).resolve().parents[3] / "shared" / "data" / "usps.npz"
 
 
 def synthetic(n: int, n_features: int = 784, n_classes: int = 10, seed: int = 0, latent: int = 40):
@@ -50,8 +42,6 @@ def usps_784(n: int, n_validation: int, n_test: int, seed: int = 0):
     """
     if not USPS_PATH.exists():
         return None
-    from scipy import ndimage
-
     data = np.load(USPS_PATH)
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(data["y"]))
@@ -85,53 +75,3 @@ def usps_784(n: int, n_validation: int, n_test: int, seed: int = 0):
     X_val, y_val = augment(train_images[:1000], train_labels[:1000], n_validation)
     X_test, y_test = augment(data["X_test"], data["y_test"], n_test)
     return X_ref, y_ref, X_val, y_val, X_test, y_test
-
-
-def peak_rss_mib() -> float:
-    """Peak resident set size of this process so far (MiB): VmHWM, which starts afresh at
-    exec. (getrusage's ru_maxrss survives fork + exec on Linux, so a worker started by a
-    parent that once held 750 MiB would report at least 750 MiB.)"""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def machine() -> dict:
-    return {
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-        "date": time.strftime("%Y-%m-%d"),
-    }
-
-
-def median(values):
-    return statistics.median(values)
-
-
-def save_json(name: str, payload: dict) -> Path:
-    out = RESULTS / name
-    out.parent.mkdir(exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True, default=float))
-    tmp.replace(out)
-    return out
-
-
-def print_table(rows: list[dict], columns: list[str]) -> None:
-    widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns}
-    print(" | ".join(c.ljust(widths[c]) for c in columns))
-    print("-+-".join("-" * widths[c] for c in columns))
-    for r in rows:
-        print(" | ".join(_fmt(r.get(c)).ljust(widths[c]) for c in columns))
-
-
-def _fmt(value) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return "" if value is None else str(value)
