@@ -10,8 +10,8 @@ Two measurements, rounds interleaved between the trees, medians reported:
 * Training: ``NCA(n_components=16, max_iter=40).fit`` on 5,000 x 64 synthetic points (the
   exact objective) in a fresh process per run, pinned to core 1; the fitted map must agree.
 
-Usage: python benchmarks/before_after.py --before DIR [--seconds 5] [--rounds 3]
-Writes benchmarks/results/before_after.json.
+Usage: python benchmarks/before_after.py --before DIR [--seconds 5] [--rounds 3] [--name N]
+Writes benchmarks/results/N.json (default before_after.json).
 """
 
 from __future__ import annotations
@@ -98,6 +98,9 @@ def main() -> None:
     parser.add_argument("--before", required=True, help="the other checkout")
     parser.add_argument("--seconds", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--name", default="before_after", help="results/NAME.json (one file per comparison)"
+    )
     args = parser.parse_args()
     trees = {"before": Path(args.before).resolve(), "after": ROOT}
     with tempfile.TemporaryDirectory() as tmp:
@@ -125,11 +128,11 @@ def main() -> None:
     print_table(rows, ["tree", "classify_rps", "classify_p99_ms", "errors", "fit_s"])
     print(f"same /v1/classify answer: {same_answer}; same fitted map: {same_fit}")
     save_json(
-        "before_after.json",
+        f"{args.name}.json",
         {
             "machine": machine(),
             "command": f"python benchmarks/before_after.py --before {args.before} "
-            f"--seconds {args.seconds} --rounds {args.rounds}",
+            f"--seconds {args.seconds} --rounds {args.rounds} --name {args.name}",
             "rows": rows,
             "http_runs": http,
             "fit_runs": fits,

@@ -10,7 +10,7 @@ On a machine with a CUDA device it
    memory; and, where time is left, a short exact fit (5 L-BFGS iterations) at each N;
 3. fits the estimator with its defaults on the 60k x 784 digits (``harness.data.usps_784``, when
    ``--usps`` names usps.npz; else the 60k x 784 synthetic set) and records the fit time and
-   test accuracy (the CPU's, on the same data and seed, is in cpu_fit_60k.json);
+   test accuracy (the CPU's, on the same data and seed, is in benchmarks/results/cpu_fit_60k.json);
 4. with time left, the estimator's default fit at N = 1M (candidates and the exact finish).
 
 Every step is guarded: a failure is recorded in its entry (``error``) and the script goes

@@ -50,7 +50,7 @@ def start_server(model: Path) -> tuple[subprocess.Popen, int, int]:
     """The service on SERVER_CORE with gRPC on, and room for every request in flight."""
     grpc_port = free_port()
     env = {"NCAKNN_GRPC_PORT": str(grpc_port), "NCAKNN_MAX_IN_FLIGHT": "4096"}
-    proc, port = start_service(model, env=env)
+    proc, port = start_service(model, cores=SERVER_CORE, env=env)
     return proc, port, grpc_port
 
 

@@ -24,6 +24,10 @@ def fmt(v, digits=3):
     return str(v)
 
 
+def fmt_objective(v):
+    return "-" if v is None else f"{v:.1f}"
+
+
 def md(rows, headers):
     out = ["| " + " | ".join(h for h, _ in headers) + " |", "|" + "---|" * len(headers)]
     for r in rows:
@@ -77,7 +81,7 @@ def train_tables(r):
                                 else None
                             ),
                         ),
-                        ("f(A)", lambda x: fmt(x.get("objective"), digits=6)),
+                        ("f(A)", lambda x: fmt_objective(x.get("objective"))),
                         ("iters", lambda x: fmt(x.get("n_iter"))),
                         ("1-NN test", lambda x: f"{x['test_acc_1nn']:.4f}"),
                         ("5-NN test", lambda x: f"{x['test_acc_5nn']:.4f}"),

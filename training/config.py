@@ -212,6 +212,12 @@ class TrainConfig:
         when no --n-components is given, and the job's own settings under the estimator's
         names (seed -> random_state, decision_rule -> validation_rule, quiet -> verbose).
         ConfigError for a value the estimator cannot take from the command line."""
+        if self.decision_rule not in NEIGHBOUR_RULES:
+            raise ConfigError(
+                f"--decision-rule={self.decision_rule!r} must be one of {list(NEIGHBOUR_RULES)} "
+                "(soft_prior needs the outlier calibration made after training: ask for it "
+                "per request)"
+            )
         params = {}
         for f in fields(self):
             name = f.metadata.get("estimator")
@@ -221,12 +227,6 @@ class TrainConfig:
                 params[name] = parse(value) if parse is not None else value
         if params["n_components"] is None:
             params["n_components"] = min(32, n_features)
-        if self.decision_rule not in NEIGHBOUR_RULES:
-            raise ConfigError(
-                f"--decision-rule={self.decision_rule!r} must be one of {list(NEIGHBOUR_RULES)} "
-                "(soft_prior needs the outlier calibration made after training: ask for it "
-                "per request)"
-            )
         params.update(
             validation_rule=self.decision_rule,
             random_state=self.seed,

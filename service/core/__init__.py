@@ -10,5 +10,5 @@
   manifest keys, the model version, checksums), the invariants the writer enforces and the
   reader checks (``artifact/invariants.py``), the pinned read (``artifact/read.py``) and the
   atomic write (``artifact/write.py``) (``tests/service/core/test_artifact.py``, ``test_artifact_corpus.py``,
-  ``test_version_identity.py``, ``test_robustness.py``).
+  ``test_version_identity.py``, ``tests/service/engine/test_robustness.py``).
 """

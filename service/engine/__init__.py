@@ -2,7 +2,7 @@
 
 * ``model.py``: ``LoadedModel`` (projection, index, labels, calibration; immutable data)
   and ``load_model`` (read the artifact, build or read its index, warm it up)
-  (``tests/service/engine/test_engine.py``, ``test_indexing.py``).
+  (``tests/service/engine/test_engine.py``, ``tests/service/search/test_indexing.py``).
 * ``engine.py``: ``Engine``: the current model (swapped in one assignment) and the
   operations every wire calls, ``classify``, ``neighbors`` and ``embed``, each owning the
   in-flight gate, the batcher or worker thread, the trace spans and the events the metrics

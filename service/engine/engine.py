@@ -211,8 +211,8 @@ class Engine:
                 f"{self.settings.max_in_flight}; retry later"
             )
         self.in_flight += 1
-        self.events.request_admitted(route, rows)
         try:
+            self.events.request_admitted(route, rows)
             yield
         finally:
             self.in_flight -= 1

@@ -8,5 +8,5 @@ auth, metrics and error table as ``/v1``. Imports nothing from ``service.http``.
 * ``protocol/``: the ``.proto`` files and the compiled descriptor set the server loads.
 
 Tests: ``tests/service/oip/test_v2_protocol.py`` (tritonclient over both wires),
-``test_protocol_files.py``, ``test_wire_integers.py``.
+``test_protocol_files.py``, ``tests/service/wire/test_wire_integers.py``.
 """

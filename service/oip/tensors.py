@@ -313,6 +313,7 @@ def output_tensors(
             nearest = np.ascontiguousarray(answer.distances[:, 0], dtype="<f8")
             tensors.append(OutputTensor(name, "FP64", [n], nearest))
         elif name == "outlier":
+            assert answer.outliers is not None, "an outlier output needs a calibrated model"
             flags = np.ascontiguousarray(answer.outliers)
             tensors.append(OutputTensor(name, "BOOL", [n], flags))
     return tensors

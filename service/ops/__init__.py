@@ -4,6 +4,6 @@
   (``tests/service/ops/test_metric_labels.py``).
 * ``tracing.py``: OpenTelemetry spans per request (``tests/service/ops/test_tracing.py``).
 * ``logs.py``: one JSON object per log line, repeats rate-limited (``test_logging.py``).
-* ``bodies.py``: the budget of request bodies a worker holds at once (``test_body_phase.py``).
+* ``bodies.py``: the budget of request bodies a worker holds at once (``tests/service/server/test_body_phase.py``).
 * ``memory.py``: handing freed memory back to the OS after large requests.
 """

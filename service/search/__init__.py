@@ -4,5 +4,5 @@
   exact fallback for far queries and under-filled answers, the two-stage recheck
   (``tests/service/search/test_index.py``).
 * ``tuning.py``: ``nca-index``, the offline command that builds an index and tunes its search
-  parameter on the validation split by label agreement (``tests/service/engine/test_indexing.py``).
+  parameter on the validation split by label agreement (``tests/service/search/test_indexing.py``).
 """

@@ -22,7 +22,7 @@ connection (``python -m service`` runs uvicorn with it; the settings are read fr
   trailers count against ``max_headers``, and malformed framing is answered ``400``.
   While a body streams in uvicorn holds at most 64 KiB of it per connection (it stops
   reading until the application takes it); what the application holds is bounded by
-  ``service.wire.BodyBudget``.
+  ``service.ops.bodies.BodyBudget``.
 * **an early answer ends the connection.** When the application answers before the
   request's body has arrived (a missing API key, a body over its limit, a route that reads
   no body), no more of the body is read: the connection is closed after the answer, so a

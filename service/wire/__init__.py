@@ -13,7 +13,7 @@ and gRPC): who may call, what may come in, and how it becomes rows. One module p
 The wires import what they use from here (the names below). Every refusal is one of
 ``service.errors``' types and names what was wrong and what was expected. No web framework
 is imported here (``tests/test_boundaries.py``). Tests:
-``tests/service/http/test_bad_input_corpus.py``, ``test_wire_integers.py``,
+``tests/service/http/test_bad_input_corpus.py``, ``tests/service/wire/test_wire_integers.py``,
 ``test_api.py``, ``tests/service/oip/test_v2_protocol.py``.
 """
 

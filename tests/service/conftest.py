@@ -154,6 +154,19 @@ def client(model_artifact):
         yield c
 
 
+def module_client():
+    """A ``client`` fixture shared by the tests of one module, for a module whose tests
+    only send requests (no setting, model or engine state changed): ``client =
+    module_client()`` at its top replaces the per-test app with one per module."""
+
+    @pytest.fixture(scope="module", name="client")
+    def shared_client(model_artifact):
+        with TestClient(create_app(settings_for(model_artifact[0]))) as c:
+            yield c
+
+    return shared_client
+
+
 def republish_scaled(path, factor: float) -> str:
     """Rewrite the artifact at ``path`` with its projection and references scaled by
     ``factor`` (a different, valid model); returns the new model version."""

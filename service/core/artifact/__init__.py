@@ -21,7 +21,7 @@ An artifact is a directory::
   parsed; every check names the file, the expected and the actual value.
 * ``write.py``: the atomic write: a staging sibling, fsynced, renamed into place.
 
-Tests: ``tests/service/core/test_artifact.py``, ``test_version_identity.py``, ``test_robustness.py``.
+Tests: ``tests/service/core/test_artifact.py``, ``test_version_identity.py``, ``tests/service/engine/test_robustness.py``.
 numpy and the standard library only.
 """
 

@@ -1,18 +1,13 @@
 """The /v1 inference routes: POST /v1/classify, /v1/embed and /v1/neighbors, from the raw
 request to the encoded answer. Imports nothing from ``service.oip``.
 
-Each handler reads top to bottom: :func:`receive` (below) checks and parses the request,
-:func:`query_of` resolves its k, rule and outlier quantile (``service.engine.infer.resolve``),
-one engine operation answers it (``Engine.classify``, ``neighbors`` or ``embed``: the
-in-flight gate, the search, the metrics and the outlier flags), and the answer is rendered as JSON or as a structured ``.npy`` array. The OpenAPI document
-(``service.openapi``) describes the bodies, the query options, the limits of the loaded
-model and every status.
-
-Reading a request, each step refusing before the work the next one does:
-API key (401) -> a loaded model (503) -> Accept (406) -> Content-Type (415) -> body size,
-while it streams (413) -> one strict parse (400/413/422) -> query options (422) -> k (422)
--> answer size (413) -> the in-flight gate (429) -> search. Large bodies are parsed and
-large answers encoded in a worker thread, so the event loop keeps answering health probes.
+Each handler is decode -> engine -> encode: ``service.http.decode`` checks and parses the
+request and resolves its k, rule and outlier quantile (the order of its refusals is in its
+docstring); one engine operation answers it (``Engine.classify``, ``neighbors`` or
+``embed``: the in-flight gate (429), the search, the metrics and the outlier flags); and
+``service.http.encode`` writes the answer as JSON or as a structured ``.npy`` array. The
+OpenAPI document (``service.openapi``) describes the bodies, the query options, the limits
+of the loaded model and every status.
 
 Answers: a JSON answer costs a dictionary per row and a decimal rendering of every number;
 for batch clients the same numbers go out as one structured array (``Accept:

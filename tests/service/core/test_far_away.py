@@ -31,10 +31,13 @@ from service.search.index import search
 from tests.service.conftest import (
     build_model_artifact,
     digits_like_split,
+    module_client,
     npy,
     post_all,
     settings_for,
 )
+
+client = module_client()  # these tests only send requests
 
 ANSWER_NPY = {"content-type": "application/x-npy", "accept": "application/x-npy"}
 
@@ -314,6 +317,26 @@ def test_the_outlier_counter_counts_flagged_predictions(model_artifact):
         text = client.get("/metrics").text
     line = next(x for x in text.splitlines() if x.startswith("ncaknn_outliers_total"))
     assert counted[0] >= 5 and float(line.split()[-1]) == sum(counted)
+
+
+def test_every_wire_counts_the_outliers_of_its_classifications(model_artifact):
+    """The engine counts outliers once, whatever the wire: a /v2 call counts the rows it
+    flags whether or not it asks for the outlier output, as /v1/classify does."""
+    path, _, split = model_artifact
+    far = np.full((5, split.X_test.shape[1]), 40.0)
+    rows = np.concatenate([split.X_test[:50], far]).astype(np.float32)
+    tensor = {"name": "input", "datatype": "FP32", "shape": list(rows.shape)}
+    tensor["data"] = rows.ravel().tolist()
+    with TestClient(create_app(settings_for(path))) as client:
+        flagged = client.post("/v1/classify", json={"instances": rows.tolist()}).json()
+        expected = sum(p["outlier"] for p in flagged["predictions"])
+        for outputs in ([{"name": "outlier"}], [{"name": "label"}]):
+            body = {"inputs": [tensor], "outputs": outputs}
+            r = client.post("/v2/models/nca-knn/infer", json=body)
+            assert r.status_code == 200, r.text
+        text = client.get("/metrics").text
+    line = next(x for x in text.splitlines() if x.startswith("ncaknn_outliers_total"))
+    assert expected >= 5 and float(line.split()[-1]) == 3 * expected
 
 
 def test_soft_prior_served_equals_the_offline_rule_bit_for_bit(client, model_artifact):

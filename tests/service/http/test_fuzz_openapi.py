@@ -191,6 +191,7 @@ def fuzz_with_and_without_key(op, mode, examples, checks, failures, tested) -> N
         pass
 
 
+@pytest.mark.slow  # a long real-server or training scenario: make test-slow
 def test_fuzz_a_real_server_with_a_key(real_server):
     url, proc = real_server
     tested, failures = fuzz_real_server(url, max(5, FUZZ_EXAMPLES // 3))

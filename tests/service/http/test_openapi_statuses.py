@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 
@@ -59,38 +60,52 @@ def call(client, method, path, **kw):
     return client.request(method.upper(), path, **kw)
 
 
-def produce(status: int, method: str, path: str, model_dir, tmp_path) -> httpx.Response:
-    """Make `path` answer `status` for real."""
+@pytest.fixture(scope="module")
+def app_for(model_artifact, tmp_path_factory):
+    """A running app per settings variant, shared by every recipe that only reads: the
+    session's artifact (or, for ``absent=True``, a path with none), started once."""
+    opened: dict[tuple, TestClient] = {}
+    absent = tmp_path_factory.mktemp("absent") / "model"
+    with contextlib.ExitStack() as stack:
+
+        def client(absent_model: bool = False, **overrides) -> TestClient:
+            key = (absent_model, *sorted(overrides.items()))
+            if key not in opened:
+                path = absent if absent_model else model_artifact[0]
+                app = create_app(settings_for(path, **overrides))
+                opened[key] = stack.enter_context(TestClient(app))
+            return opened[key]
+
+        yield client
+
+
+def produce(status: int, method: str, path: str, model_dir, app_for) -> httpx.Response:
+    """Make `path` answer `status` for real: on a shared app when the recipe only reads,
+    on its own app and its own copy of the model when it damages the model (409) or needs
+    the gate to itself (429)."""
     body = body_for(path)
     if status == 404:
-        with TestClient(create_app(settings_for(model_dir))) as c:
-            return call(c, method, path, json=body, model_name="another-model")
+        return call(app_for(), method, path, json=body, model_name="another-model")
     if status in (200,):
-        with TestClient(create_app(settings_for(model_dir))) as c:
-            return call(c, method, path, json=body)
+        return call(app_for(), method, path, json=body)
     if status == 400:
-        with TestClient(create_app(settings_for(model_dir))) as c:
-            return call(c, method, path, json=body_for(path, []) or {"instances": []})
+        return call(app_for(), method, path, json=body_for(path, []) or {"instances": []})
     if status == 401:
-        app = create_app(settings_for(model_dir, api_key="k", metrics_require_api_key=True))
-        with TestClient(app) as c:
-            return call(c, method, path, json=body)
+        client = app_for(api_key="k", metrics_require_api_key=True)
+        return call(client, method, path, json=body)
     if status == 406:
-        with TestClient(create_app(settings_for(model_dir))) as c:
-            return call(c, method, path, json=body, headers={"accept": "text/html"})
+        return call(app_for(), method, path, json=body, headers={"accept": "text/html"})
     if status == 409:
         with TestClient(create_app(settings_for(model_dir))) as c:
             (model_dir / "offset.npy").write_bytes(b"broken")
             return call(c, method, path)
     if status == 413:
-        with TestClient(create_app(settings_for(model_dir, max_batch_rows=1))) as c:
-            return call(c, method, path, json=body_for(path, ROW * 2))
+        return call(app_for(max_batch_rows=1), method, path, json=body_for(path, ROW * 2))
     if status == 415:
-        with TestClient(create_app(settings_for(model_dir))) as c:
-            return call(c, method, path, content=b"x", headers={"content-type": "text/plain"})
+        headers = {"content-type": "text/plain"}
+        return call(app_for(), method, path, content=b"x", headers=headers)
     if status == 422:
-        with TestClient(create_app(settings_for(model_dir))) as c:
-            return call(c, method, path, json={"instances": [[1.0]]})
+        return call(app_for(), method, path, json={"instances": [[1.0]]})
     if status == 429:
         app = create_app(settings_for(model_dir, max_in_flight=1, batch_max_wait_us=20000))
         body = body_for(path, ROW * 200)  # large enough that embedding runs off the event loop
@@ -107,9 +122,8 @@ def produce(status: int, method: str, path: str, model_dir, tmp_path) -> httpx.R
 
         return asyncio.run(burst())
     if status == 503:
-        app = create_app(settings_for(tmp_path / "absent", require_model_at_startup=False))
-        with TestClient(app) as c:
-            return call(c, method, path, json=body)
+        client = app_for(absent_model=True, require_model_at_startup=False)
+        return call(client, method, path, json=body)
     raise AssertionError(f"no recipe for status {status}")
 
 
@@ -172,8 +186,8 @@ def test_a_loaded_model_does_not_change_the_listed_statuses(model_artifact):
 @pytest.mark.parametrize(
     "path, method, status", LISTED, ids=[f"{m.upper()} {p} {s}" for p, m, s in LISTED]
 )
-def test_every_listed_status_is_produced(model_dir, tmp_path, path, method, status):
-    response = produce(status, method, path, model_dir, tmp_path)
+def test_every_listed_status_is_produced(model_dir, app_for, path, method, status):
+    response = produce(status, method, path, model_dir, app_for)
     assert response.status_code == status, (
         f"{method.upper()} {path}: {response.status_code} {response.text[:200]}"
     )
@@ -182,7 +196,7 @@ def test_every_listed_status_is_produced(model_dir, tmp_path, path, method, stat
         message = response.json()["error"]
         assert re.search(STATUS_MESSAGE[status], message, re.IGNORECASE), (status, message)
     elif path in ("/v1/classify", "/v1/neighbors", "/v1/embed"):
-        check_answer(path, response.json(), model_dir)
+        check_answer(path, response.json(), app_for().app.state.ncaknn.settings.model_path)
 
 
 @pytest.mark.parametrize("path", ["/v1/classify", "/v1/embed", "/v1/neighbors"])

@@ -12,7 +12,9 @@ from fastapi.testclient import TestClient
 from service.app import create_app
 from service.core.artifact import read_artifact, write_artifact
 from service.engine.model import class_array
-from tests.service.conftest import model_arrays, npy, settings_for
+from tests.service.conftest import model_arrays, module_client, npy, settings_for
+
+client = module_client()  # these tests only send requests
 
 ANSWER_NPY = {"content-type": "application/x-npy", "accept": "application/x-npy"}
 

@@ -240,6 +240,7 @@ def test_calls_in_flight_are_bounded_by_the_body_budget(tight_server):
     assert after == grpc.StatusCode.OK
 
 
+@pytest.mark.slow  # a long real-server or training scenario: make test-slow
 def test_a_stop_finishes_both_wires_within_one_grace_period(model_artifact):
     """SIGTERM while a keyed HTTP client trickles its body and a gRPC call's message never
     comes: the process exits within the drain delay (1 s) + one grace period (3 s) + 2 s

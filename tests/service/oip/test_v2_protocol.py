@@ -296,8 +296,9 @@ def binary_body(header: dict, *chunks: bytes) -> tuple[bytes, dict]:
     return head + b"".join(chunks), {"inference-header-content-length": str(len(head))}
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def rest(model_artifact):
+    """One in-process app for the REST cases: they send requests and change nothing."""
     with TestClient(create_app(settings_for(model_artifact[0]))) as client:
         yield client
 
@@ -732,6 +733,7 @@ def test_grpc_health_watch_streams_the_status(server):
         assert next(unknown).status == 3  # SERVICE_UNKNOWN
 
 
+@pytest.mark.slow  # a long real-server or training scenario: make test-slow
 def test_sigterm_under_grpc_load_finishes_every_accepted_call(model_artifact):
     """Calls in flight when SIGTERM arrives are answered; the server then exits cleanly."""
     import signal

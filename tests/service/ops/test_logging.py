@@ -47,6 +47,7 @@ class BlackHole:
             conn.close()
 
 
+@pytest.mark.slow  # a long real-server or training scenario: make test-slow
 def test_every_line_is_json_and_a_dead_collector_cannot_hold_the_stop(model_artifact):
     """With tracing on and its collector accepting but never answering: 50 requests with a
     600-character traceparent and 3 aborted uploads, then SIGTERM. Every line the process

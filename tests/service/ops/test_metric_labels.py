@@ -45,6 +45,7 @@ def route_labels(text: str) -> set[str]:
     return set(re.findall(r'route="([^"]*)"', text))
 
 
+@pytest.mark.slow  # a long real-server or training scenario: make test-slow
 @pytest.mark.parametrize("api_key", [None, KEY], ids=["no key", "with key"])
 def test_unknown_paths_add_no_series(model_artifact, api_key):
     settings = settings_for(model_artifact[0], api_key=api_key)
@@ -66,6 +67,7 @@ def test_unknown_paths_add_no_series(model_artifact, api_key):
     assert route_labels(after) <= known, route_labels(after) - known
 
 
+@pytest.mark.slow  # a long real-server or training scenario: make test-slow
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_real_server_keeps_its_metrics_bounded_and_probes_fast(model_artifact, workers):
     """A real server (1 or 2 workers, key set): N_PATHS unknown paths leave the series and

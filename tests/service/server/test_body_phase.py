@@ -207,6 +207,7 @@ def test_an_answer_before_the_body_ends_the_connection(server, head):
     assert [status for status, _ in fresh] == [200] * 10
 
 
+@pytest.mark.slow  # a long real-server or training scenario: make test-slow
 def test_stalled_bodies_hold_at_most_the_body_budget(server):
     """32 clients each send all but the last byte of a 12 MB JSON body and stall: the bodies
     that fit the budget (BODY_BUDGET) are held, every other one is refused with 429 before
@@ -333,6 +334,7 @@ def test_malformed_chunked_framing_gets_an_answer(server, framing, status, kind)
     assert (got, error_type(body)) == (status, kind)
 
 
+@pytest.mark.slow  # a long real-server or training scenario: make test-slow
 def test_an_answer_the_client_does_not_take_is_dropped_at_the_send_deadline(server):
     """A request for a 25 MB npy answer from a client that never reads it: the server resets
     the connection within SEND_TIMEOUT (+ 2 s) of the answer stalling, counts it, and
@@ -387,6 +389,7 @@ def test_two_authorization_headers_are_refused(server):
     assert status == 401 and b"Authorization values" in answer
 
 
+@pytest.mark.slow  # a long real-server or training scenario: make test-slow
 def test_a_slow_steady_reader_is_not_cut_off(server):
     """A client that takes a 6 MB answer at about 1.3 MB/s (256 KiB every 0.2 s) makes
     progress in every SEND_TIMEOUT window, so it gets its whole answer (an answer is cut

@@ -274,6 +274,7 @@ def test_a_server_whose_file_limit_cannot_hold_the_cap_refuses_to_start(model_ar
     assert "soft 512, hard 512" in result.stderr
 
 
+@pytest.mark.slow  # a long real-server or training scenario: make test-slow
 def test_a_server_raises_its_soft_file_limit_for_the_cap(model_artifact):
     """Soft 256, hard 4096 and max_connections 1000: the server starts with soft 1128."""
     port = free_port()
@@ -309,6 +310,7 @@ def test_a_server_raises_its_soft_file_limit_for_the_cap(model_artifact):
         stop_server(proc)
 
 
+@pytest.mark.slow  # a long real-server or training scenario: make test-slow
 def test_grpc_has_the_same_connection_limits(model_artifact):
     """The gRPC port: past max_connections a new channel is refused at once (UNAVAILABLE),
     a TCP connection that never completes the HTTP/2 handshake is closed after the header
@@ -372,6 +374,7 @@ def test_grpc_has_the_same_connection_limits(model_artifact):
         stop_server(proc)
 
 
+@pytest.mark.slow  # a long real-server or training scenario: make test-slow
 def test_a_flood_at_the_file_limit_never_exhausts_the_files(model_artifact):
     """RLIMIT_NOFILE 400 and the largest cap it allows (400 - RESERVED_FILES = 272): the cap
     held by silent connections, then 600 more clients at once. Connections are taken from

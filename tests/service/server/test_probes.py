@@ -173,6 +173,7 @@ def test_a_real_server_answers_probes_on_its_own_port_through_start_and_drain(
         stop_server(proc)
 
 
+@pytest.mark.slow  # a long real-server or training scenario: make test-slow
 def test_a_stalled_worker_fails_liveness_and_heals(model_artifact):
     """Two workers; one is stopped (SIGSTOP): /healthz on the probe port is 503 naming it
     within the stall bound, and 200 again once it runs (SIGCONT)."""

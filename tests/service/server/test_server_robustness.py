@@ -60,6 +60,7 @@ def answer_of(body: dict) -> list:
 
 
 # both ways of replacing and both worker counts by default; the other two pairings are slow
+@pytest.mark.slow  # a long real-server or training scenario: make test-slow
 @pytest.mark.parametrize(
     "replace, workers",
     [
@@ -184,6 +185,7 @@ def _classify_total_and_pids(url: str) -> tuple[float, set[str]]:
     return total, pids
 
 
+@pytest.mark.slow  # a long real-server or training scenario: make test-slow
 def test_two_workers_report_whole_metrics(model_artifact):
     port = free_port()
     url = f"http://127.0.0.1:{port}"

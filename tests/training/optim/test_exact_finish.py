@@ -113,6 +113,7 @@ def test_above_the_row_limit_the_finish_averages_over_evenly_spaced_query_rows(m
     assert abs(on_rows - on_all) > 1e-4  # the sample, not all rows, was averaged
 
 
+@pytest.mark.slow  # a long real-server or training scenario: make test-slow
 def test_knca_finish_averages_over_its_own_row_limit(monkeypatch):
     """Above KNCA_FINISH_MAX_ROWS points (monkeypatched to 12), kNCA's finish averages the
     exact kNCA-majority probability over that many evenly spaced rows; checked against an

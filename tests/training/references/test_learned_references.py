@@ -459,6 +459,7 @@ def test_training_job_refuses_a_bad_prototype_budget_with_exit_2(tmp_path, capsy
     assert not out.exists()
 
 
+@pytest.mark.slow  # a long real-server or training scenario: make test-slow
 def test_noisy_labels_are_edited_before_the_prototypes_and_clean_ones_are_not():
     from training.references.compress import compress
 
