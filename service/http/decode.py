@@ -24,7 +24,7 @@ from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
 from service.core.vocabulary import RULES
-from service.engine.infer import Query, resolve
+from service.engine.infer import Query, resolve, threshold_at
 from service.engine.model import LoadedModel
 from service.errors import InvalidInput, PayloadTooLarge
 from service.state import AppState
@@ -169,12 +169,16 @@ async def receive(
 def query_of(request: InferenceRequest, decides: bool) -> Query:
     """The request's k, rule and outlier quantile (the JSON body's, else the query string's,
     else the model's defaults), resolved by the inference path's one ``resolve``. A query
-    string k over the limit is refused even when the body's k wins."""
+    string k over the limit, or outlier_quantile outside the calibrated range, is refused
+    even when the body's value wins: every option a request sends must be one it could use."""
     body, options = request.body, request.options
     max_k = request.state.settings.max_k
     query_k = options.get("k")
     if query_k is not None and query_k > max_k:
         raise InvalidInput(f"query parameter k={query_k} is over the limit max_k={max_k}")
+    query_q = options.get("outlier_quantile")
+    if query_q is not None:
+        threshold_at(request.model, query_q)  # InvalidInput outside the calibrated range
     body_k = getattr(body, "k", None)
     body_q = getattr(body, "outlier_quantile", None)
     return resolve(

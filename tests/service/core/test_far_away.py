@@ -262,6 +262,8 @@ def test_the_quantile_per_request_by_body_and_query_and_setting(model_artifact):
         ({}, "?outlier_quantile=-0.9", "must be a decimal number"),
         ({}, "?outlier_quantile=0.9&outlier_quantile=0.8", "more than once"),
         ({}, "?outlier_quantile=0.2", r"\[0.5, 0.999\]"),
+        # the body's quantile wins, and the query's must still be one the model could use
+        ({"outlier_quantile": 0.8}, "?outlier_quantile=10000000.0", r"\[0.5, 0.999\]"),
     ],
 )
 def test_bad_quantiles_are_refused_with_a_message(client, model_artifact, body, query, fragment):
