@@ -431,8 +431,10 @@ def test_bodies_declared_but_not_sent_hold_no_budget(server):
 
 
 def test_a_client_that_leaves_before_its_answer_is_counted_as_a_client_abort(server):
-    """Requests whose clients close while they are computed: counted 499, not 200 (one
-    answered before the server saw its client go counts 200: every request once)."""
+    """Requests whose clients close while they are computed: counted 499, not 200. Whether
+    the server sees a client go before its answer is ready is a race (an answer computed
+    first counts 200; a fresh-clone run on 2 cores saw 1 of the 3 as 499, others 2 or 3), so
+    at least one counts 499 and every request is counted once."""
     port, url, _ = server
     x = np.random.default_rng(3).uniform(0, 16, size=(4096, D)).astype(np.float32)
     body = npy(x)
@@ -450,5 +452,5 @@ def test_a_client_that_leaves_before_its_answer_is_counted_as_a_client_abort(ser
     time.sleep(2)
     after = (requests_with(url, "/v1/neighbors", 499), requests_with(url, "/v1/neighbors", 200))
     print(f"clients that left: 499s {before[0]} -> {after[0]}, 200s {before[1]} -> {after[1]}")
-    assert after[0] - before[0] >= 2
+    assert after[0] - before[0] >= 1
     assert (after[0] - before[0]) + (after[1] - before[1]) == 3
