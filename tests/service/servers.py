@@ -6,6 +6,7 @@ Servers started here turn the gRPC and probe listeners off unless a test asks fo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -80,6 +81,20 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
             pass
         time.sleep(0.1)
     raise AssertionError("server did not become ready")
+
+
+@contextlib.contextmanager
+def running_server(model: Path, **env):
+    """``python -m service`` on ``model`` with settings ``env`` (NCAKNN_*), on a free port:
+    (port, url, process) once it answers, stopped (SIGTERM, then SIGKILL) on leaving."""
+    port = free_port()
+    proc = start_server(model, port, **env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, proc)
+        yield port, url, proc
+    finally:
+        stop_server(proc)
 
 
 def stop_server(proc) -> None:

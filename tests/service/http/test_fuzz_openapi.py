@@ -21,7 +21,7 @@ from schemathesis.config._checks import NEGATIVE_DATA_REJECTION_EXPECTED_STATUSE
 
 from service.app import create_app
 from tests.service.conftest import settings_for
-from tests.service.servers import free_port, start_server, stop_server, wait_ready
+from tests.service.servers import running_server
 
 FUZZ_EXAMPLES = int(os.environ.get("NCAKNN_FUZZ_EXAMPLES", "25"))
 
@@ -120,21 +120,14 @@ def real_server(model_artifact):
     """A real ``python -m service`` with an API key, small limits and short body deadlines:
     the fuzzer's requests go through the connection guard and the key checks as a client's
     would."""
-    port = free_port()
-    proc = start_server(
+    with running_server(
         model_artifact[0],
-        port,
         NCAKNN_API_KEY=KEY,
         NCAKNN_MAX_BATCH_ROWS=8,
         NCAKNN_MAX_K=16,
         NCAKNN_BODY_TIMEOUT_SECONDS=5,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, proc)
+    ) as (_, url, proc):
         yield url, proc
-    finally:
-        stop_server(proc)
 
 
 def fuzz_real_server(url: str, examples: int) -> tuple[int, list[str]]:

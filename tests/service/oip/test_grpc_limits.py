@@ -17,7 +17,14 @@ import pytest
 
 from service.oip.grpc_server import MESSAGE_FRAMING_BYTES
 from service.oip.protocol import message
-from tests.service.servers import free_port, rss_mib, start_server, stop_server, wait_ready
+from tests.service.servers import (
+    free_port,
+    rss_mib,
+    running_server,
+    start_server,
+    stop_server,
+    wait_ready,
+)
 
 KEY = "grpc-key"
 MAX_ROWS = 256
@@ -31,21 +38,15 @@ Response = message("inference.ModelInferResponse")
 @contextlib.contextmanager
 def keyed_server(model_artifact, **env):
     """A real server with a key and MAX_ROWS rows per call: (url, gRPC port, process)."""
-    port, grpc_port = free_port(), free_port()
-    proc = start_server(
+    grpc_port = free_port()
+    with running_server(
         model_artifact[0],
-        port,
         NCAKNN_GRPC_PORT=grpc_port,
         NCAKNN_API_KEY=KEY,
         NCAKNN_MAX_BATCH_ROWS=MAX_ROWS,
         **env,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, proc)
+    ) as (_, url, proc):
         yield url, grpc_port, proc
-    finally:
-        stop_server(proc)
 
 
 @pytest.fixture(scope="module")

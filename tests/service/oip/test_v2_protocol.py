@@ -20,7 +20,7 @@ from tritonclient.utils import InferenceServerException
 from service.app import create_app
 from service.core.artifact import read_artifact, write_artifact
 from tests.service.conftest import model_arrays, settings_for
-from tests.service.servers import free_port, in_flight, start_server, wait_ready
+from tests.service.servers import free_port, in_flight, running_server, start_server, wait_ready
 
 KEY = "test-key"
 AUTH = {"authorization": f"Bearer {KEY}"}
@@ -47,21 +47,14 @@ OUTPUTS = [
 @pytest.fixture(scope="module")
 def server(model_artifact):
     """A real server with an API key, REST and gRPC: (http url, grpc address, process)."""
-    port, grpc_port = free_port(), free_port()
-    proc = start_server(
+    grpc_port = free_port()
+    with running_server(
         model_artifact[0],
-        port,
         NCAKNN_GRPC_PORT=grpc_port,
         NCAKNN_API_KEY=KEY,
         NCAKNN_MAX_BATCH_ROWS=MAX_ROWS,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, proc)
+    ) as (_, url, proc):
         yield url, f"127.0.0.1:{grpc_port}", proc
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 @pytest.fixture(scope="module")

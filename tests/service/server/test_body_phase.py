@@ -19,14 +19,11 @@ from tests.service.servers import (
     closed_by_server,
     connect,
     error_type,
-    free_port,
     read_response,
     refused_count,
     rss_mib,
+    running_server,
     server_log,
-    start_server,
-    stop_server,
-    wait_ready,
 )
 
 KEY = "body-key"
@@ -42,23 +39,16 @@ ROW = [0.5] * D
 
 @pytest.fixture(scope="module")
 def server(model_artifact):
-    port = free_port()
-    proc = start_server(
+    with running_server(
         model_artifact[0],
-        port,
         NCAKNN_API_KEY=KEY,
         NCAKNN_MAX_CONNECTIONS=MAX_CONNECTIONS,
         NCAKNN_BODY_TIMEOUT_SECONDS=BODY_TIMEOUT,
         NCAKNN_SEND_TIMEOUT_SECONDS=SEND_TIMEOUT,
         NCAKNN_MAX_BODY_BYTES_IN_FLIGHT=BODY_BUDGET,
         NCAKNN_GRPC_PORT=0,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, proc)
-        yield port, url, proc
-    finally:
-        stop_server(proc)
+    ) as running:
+        yield running
 
 
 def metric(url: str, name: str, labels: str = "") -> float:

@@ -25,6 +25,7 @@ from tests.service.servers import (
     read_response,
     refused_count,
     rss_mib,
+    running_server,
     server_log,
     start_server,
     stop_server,
@@ -43,23 +44,16 @@ FRESH_CLIENT_BOUND = 2.0  # seconds for a fresh client's answer while others hol
 
 @pytest.fixture(scope="module")
 def server(model_artifact):
-    port = free_port()
-    proc = start_server(
+    with running_server(
         model_artifact[0],
-        port,
         NCAKNN_API_KEY=KEY,
         NCAKNN_MAX_CONNECTIONS=MAX_CONNECTIONS,
         NCAKNN_HEADER_TIMEOUT_SECONDS=HEADER_TIMEOUT,
         NCAKNN_KEEP_ALIVE_TIMEOUT_SECONDS=KEEP_ALIVE,
         NCAKNN_MAX_HEADER_BYTES=MAX_HEADER_BYTES,
         NCAKNN_MAX_HEADERS=MAX_HEADERS,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, proc)
-        yield port, url, proc
-    finally:
-        stop_server(proc)
+    ) as running:
+        yield running
 
 
 def get(port: int, path: str, extra: bytes = b"") -> tuple[int, bytes, bytes]:
