@@ -18,11 +18,13 @@ Every method's served k is chosen on the validation split (K_VALUES; prototypes 
 k = 1; seconds are the compression's alone.
 
 Sets: usps (7,291 - 700 validation rows, 256 pixels, d = 32; USPS's own 2,007 test rows),
-usps784 (``harness.data.usps_784``: 60,000 references of 784 pixels, d = 32), letters26
-(scikit-learn's make_classification: 20,000 rows, 16 features, 26 classes, two clusters
+letters (UCI's letter recognition, ``harness.data.letters``: the first 16,000 rows, 1,600 of
+them validation, train; the last 4,000 test; 16 features, 26 classes, d = 12; run
+``benchmarks/prepare_letters.py`` once first), usps784 (``harness.data.usps_784``: 60,000
+references of 784 pixels, d = 32), letters26 (scikit-learn's make_classification: 20,000 rows, 16 features, 26 classes, two clusters
 each, class_sep 3; 16,400 / 1,600 / 2,000; d = 12).
 
-Usage: python benchmarks/learned_references.py [--sets usps,letters26,usps784]
+Usage: python benchmarks/learned_references.py [--sets usps,letters,usps784]
        [--noise 0,0.25] [--fractions 0.01,0.02,0.05,0.1]
 Writes benchmarks/results/learned_references.json (sets not run keep their last rows).
 """
@@ -40,7 +42,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness.data import USPS_PATH, usps_784
+from harness.data import USPS_PATH, letters, usps_784
 from harness.report import RESULTS, machine, print_table, save_json
 
 METHODS = ("full", "hart", "kmeans+glvq", "learned, map fixed", "learned jointly")
@@ -86,7 +88,12 @@ def usps784():
     return usps_784(60000, 1000, 2007)
 
 
-SETS = {"usps": (usps, 32), "letters26": (letters26, 12), "usps784": (usps784, 32)}
+SETS = {
+    "usps": (usps, 32),
+    "letters": (letters, 12),
+    "letters26": (letters26, 12),
+    "usps784": (usps784, 32),
+}
 
 
 def with_noise(y: np.ndarray, n_classes: int, fraction: float, seed: int) -> np.ndarray:
@@ -378,7 +385,7 @@ def seeds_markdown(rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sets", default="usps,letters26,usps784")
+    parser.add_argument("--sets", default="usps,letters,usps784")
     parser.add_argument("--noise", default="0,0.25")
     parser.add_argument("--fractions", default="0.01,0.02,0.05,0.1")
     parser.add_argument("--save-models", help="write each clean model as an artifact here")

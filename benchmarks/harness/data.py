@@ -76,3 +76,23 @@ def usps_784(n: int, n_validation: int, n_test: int, seed: int = 0):
     X_val, y_val = augment(train_images[:1000], train_labels[:1000], n_validation)
     X_test, y_test = augment(data["X_test"], data["y_test"], n_test)
     return X_ref, y_ref, X_val, y_val, X_test, y_test
+
+
+LETTERS_PATH = Path(__file__).resolve().parents[1] / "data" / "letter-recognition.npz"
+LETTERS_PACKAGE = "r-cran-mlbench"  # Debian's R mlbench, which ships UCI's letter recognition
+
+
+def letters(n_validation: int = 1600, seed: int = 0):
+    """UCI's letter recognition (Frey and Slate 1991): 20,000 rows of 16 integer features,
+    26 classes. The first 16,000 rows train, as UCI's description says (``n_validation`` of
+    them, drawn with ``seed``, validate), and the last 4,000 test. Returns (X_ref, y_ref,
+    X_val, y_val, X_test, y_test), X float32, y int64 (A = 0), or None when
+    ``benchmarks/prepare_letters.py`` has not written ``benchmarks/data/letter-recognition.npz``.
+    """
+    if not LETTERS_PATH.exists():
+        return None
+    data = np.load(LETTERS_PATH)
+    X, y = data["X"].astype(np.float32), data["y"].astype(np.int64)
+    order = np.random.default_rng(seed).permutation(16000)
+    validation, train = order[:n_validation], order[n_validation:]
+    return X[train], y[train], X[validation], y[validation], X[16000:], y[16000:]
