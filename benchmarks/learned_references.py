@@ -275,8 +275,9 @@ def seed_medians(
     name: str, noise: float, fractions: list[float], seeds: int, loss: str, cache: str | None
 ) -> list[dict]:
     """The default (map fixed) over ``seeds`` k-means seeds: the change from the full set's
-    test accuracy at each seed, the median and the range (one NCA map, as above), and the
-    loss each seed kept. ``loss`` is the learner's ("auto": its default)."""
+    test accuracy at each seed, the median and the range (one NCA map, as above), the loss
+    each seed kept and the median seconds of a compression. ``loss`` is the learner's
+    ("auto": its default)."""
     from training.references.compress import compress, edit_k_for
 
     (X, y, X_val, y_val, X_test, y_test), nca, _ = fitted(name, noise, cache)
@@ -286,8 +287,9 @@ def seed_medians(
     full = scores(z, y, *common, fallback=3)
     rows = []
     for fraction in fractions:
-        changes, kept = [], []
+        changes, kept, seconds = [], [], []
         for seed in range(seeds):
+            started = time.perf_counter()
             result = compress(
                 z,
                 y,
@@ -300,6 +302,7 @@ def seed_medians(
                 seed=seed,
                 loss=loss,
             )
+            seconds.append(time.perf_counter() - started)
             got = scores(result.fit.prototypes, result.fit.labels, *common, fallback=1)
             changes.append(100 * (got["test_at_served_k"] - full["test_at_served_k"]))
             kept.append(result.loss)
@@ -314,6 +317,7 @@ def seed_medians(
                 "full": full["test_at_served_k"],
                 "change_points": changes,
                 "median": float(np.median(changes)),
+                "median_seconds": float(np.median(seconds)),
             }
         )
         print(rows[-1], flush=True)
@@ -368,17 +372,20 @@ def markdown(rows: list[dict]) -> str:
 
 def seeds_markdown(rows: list[dict]) -> str:
     """The README's seeds table: per set, noise, fraction and loss setting, the change at each
-    seed, the median and (with "auto") the loss each seed kept."""
+    seed, the median, (with "auto") the loss each seed kept and the median seconds of one
+    compression (rows measured since it was recorded)."""
     out = [
-        "| set | noise | kept | loss | change at each seed (points) | median | kept loss |",
-        "|---|---|---|---|---|---|---|",
+        "| set | noise | kept | loss | change at each seed (points) | median | kept loss | "
+        "median s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         changes = ", ".join(f"{c:+.2f}" for c in r["change_points"])
         kept = ", ".join(r.get("kept_losses", []))
+        seconds = f"{r['median_seconds']:.1f}" if "median_seconds" in r else ""
         out.append(
             f"| {r['set']} | {r['noise']:.0%} | {r['fraction']:.0%} | "
-            f"{r.get('loss', 'f')} | {changes} | {r['median']:+.2f} | {kept} |"
+            f"{r.get('loss', 'f')} | {changes} | {r['median']:+.2f} | {kept} | {seconds} |"
         )
     return "\n".join(out)
 

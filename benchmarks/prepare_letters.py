@@ -27,8 +27,7 @@ from harness.data import LETTERS_PACKAGE, LETTERS_PATH
 from harness.rdata import data_frame, read_rdata
 
 FEATURES = (
-    "x.box y.box width high onpix x.bar y.bar x2bar y2bar xybar x2ybr xy2br x.ege xegvy y.ege "
-    "yegvx"
+    "x.box y.box width high onpix x.bar y.bar x2bar y2bar xybar x2ybr xy2br x.ege xegvy y.ege yegvx"
 ).split()  # UCI's column order
 RDA_IN_PACKAGE = Path("usr/lib/R/site-library/mlbench/data/LetterRecognition.rda")
 
