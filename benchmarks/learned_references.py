@@ -401,8 +401,8 @@ def main() -> None:
         "--seeds",
         type=int,
         help="only the default method over this many seeds, written to "
-        "learned_references_seeds.json (rows of the sets and loss run replace their previous "
-        "ones)",
+        "learned_references_seeds.json (rows of the sets, noise levels, fractions and loss run "
+        "replace their previous ones)",
     )
     parser.add_argument(
         "--loss",
@@ -437,9 +437,13 @@ def main() -> None:
             for noise in (float(n) for n in args.noise.split(","))
             for row in seed_medians(name, noise, fractions, args.seeds, args.loss, args.cache)
         ]
-        ran = {(r["set"], r["noise"], r["loss"]) for r in rows_run}
+        ran = {(r["set"], r["noise"], r["loss"], r["fraction"]) for r in rows_run}
         # rows from before the loss was recorded were learned with f
-        rows = [r for r in previous if (r["set"], r["noise"], r.get("loss", "f")) not in ran]
+        rows = [
+            r
+            for r in previous
+            if (r["set"], r["noise"], r.get("loss", "f"), r["fraction"]) not in ran
+        ]
         rows += rows_run
         save_json("learned_references_seeds.json", {"machine": machine(), "rows": rows})
         return
