@@ -37,6 +37,7 @@ import pickle
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -273,11 +274,11 @@ def run_set(
 
 def seed_medians(
     name: str, noise: float, fractions: list[float], seeds: int, loss: str, cache: str | None
-) -> list[dict]:
-    """The default (map fixed) over ``seeds`` k-means seeds: the change from the full set's
-    test accuracy at each seed, the median and the range (one NCA map, as above), the loss
-    each seed kept and the median seconds of a compression. ``loss`` is the learner's
-    ("auto": its default)."""
+) -> Iterator[dict]:
+    """The default (map fixed) over ``seeds`` k-means seeds, one row per fraction as it is
+    measured: the change from the full set's test accuracy at each seed, the median (one NCA
+    map, as above), the loss each seed kept and the median seconds of a compression.
+    ``loss`` is the learner's ("auto": its default)."""
     from training.references.compress import compress, edit_k_for
 
     (X, y, X_val, y_val, X_test, y_test), nca, _ = fitted(name, noise, cache)
@@ -285,7 +286,6 @@ def seed_medians(
     z, z_val, z_test = nca.transform(X), nca.transform(X_val), nca.transform(X_test)
     common = (z_val, y_val, z_test, y_test, n_classes)
     full = scores(z, y, *common, fallback=3)
-    rows = []
     for fraction in fractions:
         changes, kept, seconds = [], [], []
         for seed in range(seeds):
@@ -306,22 +306,34 @@ def seed_medians(
             got = scores(result.fit.prototypes, result.fit.labels, *common, fallback=1)
             changes.append(100 * (got["test_at_served_k"] - full["test_at_served_k"]))
             kept.append(result.loss)
-        rows.append(
-            {
-                "set": name,
-                "noise": noise,
-                "fraction": fraction,
-                "seeds": seeds,
-                "loss": loss,
-                "kept_losses": kept,
-                "full": full["test_at_served_k"],
-                "change_points": changes,
-                "median": float(np.median(changes)),
-                "median_seconds": float(np.median(seconds)),
-            }
-        )
-        print(rows[-1], flush=True)
-    return rows
+        row = {
+            "set": name,
+            "noise": noise,
+            "fraction": fraction,
+            "seeds": seeds,
+            "loss": loss,
+            "kept_losses": kept,
+            "full": full["test_at_served_k"],
+            "change_points": changes,
+            "median": float(np.median(changes)),
+            "median_seconds": float(np.median(seconds)),
+        }
+        print(row, flush=True)
+        yield row
+
+
+def save_seed_row(row: dict) -> None:
+    """Write one seeds row into learned_references_seeds.json as soon as it is measured,
+    replacing the row of the same set, noise, loss and fraction (rows from before the loss
+    was recorded were learned with f), so a long run keeps every fraction it finished."""
+    path = RESULTS / "learned_references_seeds.json"
+    rows = json.loads(path.read_text())["rows"] if path.exists() else []
+
+    def key(r: dict) -> tuple:
+        return r["set"], r["noise"], r.get("loss", "f"), r["fraction"]
+
+    rows = [r for r in rows if key(r) != key(row)] + [row]
+    save_json("learned_references_seeds.json", {"machine": machine(), "rows": rows})
 
 
 def _row(base, fraction, method, refs, labels, started, common, **extra) -> dict:
@@ -429,23 +441,10 @@ def main() -> None:
     previous = json.loads(path.read_text())["rows"] if path.exists() else []
     sets = args.sets.split(",")
     if args.seeds:
-        path = RESULTS / "learned_references_seeds.json"
-        previous = json.loads(path.read_text())["rows"] if path.exists() else []
-        rows_run = [
-            row
-            for name in sets
-            for noise in (float(n) for n in args.noise.split(","))
-            for row in seed_medians(name, noise, fractions, args.seeds, args.loss, args.cache)
-        ]
-        ran = {(r["set"], r["noise"], r["loss"], r["fraction"]) for r in rows_run}
-        # rows from before the loss was recorded were learned with f
-        rows = [
-            r
-            for r in previous
-            if (r["set"], r["noise"], r.get("loss", "f"), r["fraction"]) not in ran
-        ]
-        rows += rows_run
-        save_json("learned_references_seeds.json", {"machine": machine(), "rows": rows})
+        for name in sets:
+            for noise in (float(n) for n in args.noise.split(",")):
+                for row in seed_medians(name, noise, fractions, args.seeds, args.loss, args.cache):
+                    save_seed_row(row)
         return
     keys = args.methods.split(",")
     unknown = [key for key in keys if key not in METHOD_KEYS]
