@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from service.core.artifact import read_artifact
+from service.core.knn import exact_knn
 from training.cli import main as cli_main
 from training.references.condense import (
     _nearest,
@@ -13,6 +14,7 @@ from training.references.condense import (
     condensed_keep,
     glvq_cost,
     kmeans,
+    knn_within,
     nearest_prototypes,
     prototypes,
     refine_prototypes,
@@ -45,6 +47,31 @@ def test_more_neighbours_to_vouch_keep_more_references():
     z, y = overlapping_blobs(seed=2)
     sizes = [condensed_keep(z.astype(np.float32), y, check_k=k).sum() for k in (1, 3, 5, 9)]
     assert sizes == sorted(sizes) and sizes[0] < sizes[-1]
+
+
+@pytest.mark.parametrize(
+    "n, d, k, chunk_rows", [(50, 3, 1, 7), (50, 3, 4, 50), (3000, 8, 30, 1000)]
+)
+def test_the_neighbours_within_a_set_are_exact_knns(n, d, k, chunk_rows):
+    """Wilson editing's search (torch GEMM and top-k, then the exact rerank) returns what
+    exact_knn of the set against itself returns: the same neighbours, in the same order, at
+    the same float64 distances, with duplicated rows (ties by smaller index) and across
+    blocks."""
+    rng = np.random.default_rng(0)
+    z = np.round(rng.normal(size=(n, d)), 1).astype(np.float32)
+    z[10:14] = z[0]  # five identical rows: fewer than the rerank margin
+    want_d, want_i = exact_knn(z, z, k)
+    got_d, got_i = knn_within(z, k, chunk_rows=chunk_rows)
+    np.testing.assert_array_equal(got_i, want_i)
+    np.testing.assert_array_equal(got_d, want_d)
+    assert set(got_i[0, :5]) == {0, 10, 11, 12, 13} or k < 5
+
+
+def test_the_neighbours_within_a_set_refuse_a_k_out_of_range():
+    z = np.zeros((4, 2), dtype=np.float32)
+    for k in (0, 5):
+        with pytest.raises(ValueError, match="k must lie in"):
+            knn_within(z, k)
 
 
 def test_wilson_removes_a_planted_mislabelled_point_and_keeps_clean_clusters():
