@@ -52,9 +52,10 @@ def knn_within(z: np.ndarray, k: int, chunk_rows: int = 1024) -> tuple[np.ndarra
     """``exact_knn(z, z, k)``, the k nearest rows of each row of a set among its own rows, with
     the float32 candidate step in torch: per block of rows, ||z_j||^2 - 2 z_i.z_j (the
     squared distance less the row's own ||z_i||^2) by one fused GEMM and the
-    k + RERANK_MARGIN smallest by ``torch.topk``; ``service.core.knn.rerank`` then orders them by exact float64 distance,
-    ties by smaller index, as ``exact_knn`` does (its numpy elementwise passes and
-    ``argpartition`` took most of Wilson editing's time at N = 60,000).
+    k + RERANK_MARGIN smallest by ``torch.topk``; ``service.core.knn.rerank`` then orders
+    them by exact float64 distance, ties by smaller index, as ``exact_knn`` does (its numpy
+    elementwise passes and ``argpartition`` took most of Wilson editing's time at
+    N = 60,000).
     z (N, d) -> (distances (N, k) float64, indices (N, k) int64)."""
     n = len(z)
     if not 1 <= k <= n:
