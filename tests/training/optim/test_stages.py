@@ -6,6 +6,7 @@ better of its initial map and its first stage's map on held-out rows."""
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -15,7 +16,8 @@ from hypothesis import strategies as st
 from training import NCA
 from training.data.synthetic import clustered_classes
 from training.evaluation.evaluate import knn_accuracies
-from training.model import plan, preparation
+from training.model import estimator as estimator_module
+from training.model import preparation
 from training.model.initialization import initial_components
 from training.optim.stages import StageJudge
 
@@ -63,31 +65,58 @@ def holdout_from_small_sizes(monkeypatch):
     monkeypatch.setattr(preparation, "HOLDOUT_MIN_SAMPLES", 100)
 
 
+def separable_problem():
+    """Five well-separated classes (one tight cluster each): any reasonable map classifies
+    the held-out rows almost perfectly."""
+    law = dict(n_features=12, n_classes=5, clusters_per_class=1, subspace_dim=4)
+    X, y = clustered_classes(300, seed=1, overlap=0.1, noise=0.1, **law)
+    return X.astype(np.float64), y
+
+
+@pytest.fixture
+def collapsing_finish(monkeypatch):
+    """The exact finish replaced by one that ends on the zero map: every row then lands on
+    one point and has the same neighbours, so every judged row gets the same label and the
+    end scores at most the largest class's share of them, whatever the arithmetic. Returns
+    the maps the finish started from."""
+    starts = []
+
+    def collapse(exact, first, *args, **kwargs):
+        starts.append(np.array(first.theta, copy=True))
+        return replace(first, theta=np.zeros_like(first.theta)), 1
+
+    monkeypatch.setattr(estimator_module, "finish_exactly", collapse)
+    return starts
+
+
 def test_a_finish_forced_to_hurt_is_undone_and_the_first_stage_kept(
-    holdout_from_small_sizes, monkeypatch
+    holdout_from_small_sizes, collapsing_finish
 ):
-    """A finish whose penalty (l2 = 50, the candidate stage's being 0) all but collapses the
-    map: its end scores far below its start on the held-out rows, so the fit returns the
-    map the finish started from."""
-    monkeypatch.setattr(plan, "DEFAULT_L2", 50.0)  # what l2="auto" gives the finish
-    X, y, _, _ = problem(600, seed=1)
-    forced = fit(X, y, n_candidates=6, exact_finish=5)
+    """A finish that ends on a map that provably scores worse (``collapsing_finish``) than
+    its start (a map that separates five tight classes) is undone: the record says so, and
+    the fit returns the map the finish started from, the first stage's. Without the judge
+    the collapsed map is what the fit returns."""
+    X, y = separable_problem()
+    params = dict(n_candidates=6, exact_finish=5, max_iter=10)
+    forced = fit(X, y, **params)
     record = forced.stages_[-1]
     assert record["stage"] == "exact finish" and record["kept"] == "start"
-    assert record["end_score"] < record["start_score"]
+    largest_share = np.bincount(y).max() / len(y)
+    assert record["start_score"] > 0.9 and record["end_score"] < largest_share + 0.1
     assert forced.stage_measure_.endswith("training rows held out of the fit")
-    unguarded = fit(X, y, n_candidates=6, exact_finish=5, select_stages=False)
-    norm = float(np.linalg.norm(forced.components_))
-    assert norm > 3 * float(np.linalg.norm(unguarded.components_))  # not the collapsed map
-    first = fit(X, y, n_candidates=6, exact_finish=0)
-    np.testing.assert_allclose(forced.components_, first.components_)
+    assert len(collapsing_finish) == 1
+    first = fit(X, y, **{**params, "exact_finish": 0})
+    np.testing.assert_array_equal(forced.components_, first.components_)
+    unguarded = fit(X, y, **params, select_stages=False)
+    assert unguarded.stages_ == [] and not np.any(unguarded.components_)
 
 
 def test_with_a_validation_set_the_stages_are_judged_on_it():
     X, y, X_val, y_val = problem(400, seed=2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = NCA(n_components=4, random_state=0, n_candidates=6).fit(X, y, X_val, y_val)
+        model = NCA(n_components=4, random_state=0, n_candidates=6, max_iter=10)
+        model.fit(X, y, X_val, y_val)
     assert model.stage_measure_ == "validation accuracy"
     assert [r["stage"] for r in model.stages_] == ["candidate stage", "exact finish"]
 
