@@ -69,6 +69,23 @@ def server_log(proc: subprocess.Popen) -> str:
     return proc.log_path.read_text(errors="replace")  # type: ignore[attr-defined]
 
 
+def wait_for(condition, *, timeout: float, what: str, every: float = 0.05, raises: bool = True):
+    """Call ``condition()`` until it returns a true value, and return that value. When
+    ``timeout`` seconds pass first: an AssertionError naming ``what`` and the last value, or
+    with ``raises=False`` the last value (the test's own assertion then says what was
+    measured). Tests wait for the state they assert, never for a fixed time: a slower
+    machine takes longer, not another path."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value or time.monotonic() >= deadline:
+            break
+        time.sleep(every)
+    if not value and raises:
+        raise AssertionError(f"{what}: not within {timeout} s (last: {value!r})")
+    return value
+
+
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

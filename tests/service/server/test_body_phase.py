@@ -24,6 +24,7 @@ from tests.service.servers import (
     rss_mib,
     running_server,
     server_log,
+    wait_for,
 )
 
 KEY = "body-key"
@@ -154,8 +155,11 @@ def test_tricklers_at_the_cap_free_their_slots_by_the_deadline(server):
         sock.sendall(post_head("/v1/classify", 1_000_000) + b"{")
     started = time.perf_counter()
     with Dripper(sockets, every=0.3):
-        time.sleep(0.3)
-        full = httpx.get(f"{url}/healthz", timeout=5)
+        full = wait_for(  # the server has taken every trickler (well before their deadline)
+            lambda: (r := httpx.get(f"{url}/healthz", timeout=5)).status_code == 503 and r,
+            timeout=BODY_TIMEOUT * 0.75,
+            what="the cap full",
+        )
         served_after = None
         while time.perf_counter() - started < BODY_TIMEOUT + 5:
             status, _ = fresh_classify(url)
@@ -231,8 +235,9 @@ def test_stalled_bodies_hold_at_most_the_body_budget(server):
     finally:
         for sock in sockets:
             sock.close()
-    time.sleep(1.5)  # the memory trim runs at most once a second
     fresh_classify(url)
+    # the memory trim runs at most once a second, after the last large request
+    wait_for(lambda: rss_mib(proc.pid) - before <= 16, timeout=10, what="", raises=False)
     after = rss_mib(proc.pid)
     counts = {s: statuses.count(s) for s in set(statuses)}
     print(
@@ -265,10 +270,12 @@ def test_an_aborted_upload_is_a_client_abort_not_a_server_error(server, path, ki
     )
     sock = connect(port)
     sock.sendall(post_head(path, 1000, kind=kind) + partial)
-    time.sleep(0.1)
+    time.sleep(0.1)  # the client leaves half-way through its body, not before sending it
     sock.close()
-    time.sleep(0.5)
     route = path.replace("nca-knn", "{model_name}")
+    wait_for(
+        lambda: requests_with(url, route, 499) > before[0], timeout=10, what="the abort counted"
+    )
     after = (
         requests_with(url, route, 499),
         metric(url, "ncaknn_errors_total", 'error_type="internal_error"'),
@@ -357,8 +364,9 @@ def test_an_answer_the_client_does_not_take_is_dropped_at_the_send_deadline(serv
     except OSError:
         pass
     sock.close()
-    time.sleep(1.5)
     fresh_classify(url)
+    # the memory trim runs at most once a second, after the last large request
+    wait_for(lambda: rss_mib(proc.pid) - before[1] <= 16, timeout=10, what="", raises=False)
     after = rss_mib(proc.pid)
     print(
         f"an answer not taken: reset after {reset_after:.2f} s, {received} bytes reached the "
@@ -412,7 +420,11 @@ def test_bodies_declared_but_not_sent_hold_no_budget(server):
     try:
         for sock in sockets:
             sock.sendall(post_head("/v1/classify", 12_000_000))
-        time.sleep(0.3)
+        wait_for(  # the server holds all 21 (and the connection asking)
+            lambda: metric(url, "ncaknn_open_connections") >= 22,
+            timeout=10,
+            what="21 connections open",
+        )
         statuses = [fresh_classify(url)[0] for _ in range(5)]
     finally:
         for sock in sockets:
@@ -424,11 +436,16 @@ def test_a_client_that_leaves_before_its_answer_is_counted_as_a_client_abort(ser
     """Requests whose clients close while they are computed: counted 499, not 200. Whether
     the server sees a client go before its answer is ready is a race (an answer computed
     first counts 200; a fresh-clone run on 2 cores saw 1 of the 3 as 499, others 2 or 3), so
-    at least one counts 499 and every request is counted once."""
+    at least one counts 499 and every request is counted once, however long the three take
+    to compute (the test waits until all three are counted)."""
     port, url, _ = server
     x = np.random.default_rng(3).uniform(0, 16, size=(4096, D)).astype(np.float32)
     body = npy(x)
-    before = (requests_with(url, "/v1/neighbors", 499), requests_with(url, "/v1/neighbors", 200))
+
+    def counts() -> tuple[float, float]:
+        return requests_with(url, "/v1/neighbors", 499), requests_with(url, "/v1/neighbors", 200)
+
+    before = counts()
     for _ in range(3):
         sock = connect(port)
         sock.sendall(
@@ -439,8 +456,10 @@ def test_a_client_that_leaves_before_its_answer_is_counted_as_a_client_abort(ser
             + body
         )
         sock.close()
-    time.sleep(2)
-    after = (requests_with(url, "/v1/neighbors", 499), requests_with(url, "/v1/neighbors", 200))
+    wait_for(
+        lambda: sum(counts()) - sum(before) >= 3, timeout=60, what="all three requests counted"
+    )
+    after = counts()
     print(f"clients that left: 499s {before[0]} -> {after[0]}, 200s {before[1]} -> {after[1]}")
     assert after[0] - before[0] >= 1
     assert (after[0] - before[0]) + (after[1] - before[1]) == 3
