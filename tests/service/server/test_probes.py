@@ -22,6 +22,7 @@ from tests.service.servers import (
     free_port,
     start_server,
     stop_server,
+    wait_for,
     wait_ready,
 )
 
@@ -162,11 +163,15 @@ def test_a_real_server_answers_probes_on_its_own_port_through_start_and_drain(
         assert raw_get(probe_port, "/readyz")[0] == 503
         shutil.copytree(model_artifact[0], model)
         wait_ready(f"http://127.0.0.1:{port}", proc)
-        time.sleep(0.6)  # a heartbeat
-        assert raw_get(probe_port, "/readyz")[0] == 200
+        wait_for(  # the worker's next heartbeat says it is ready
+            lambda: raw_get(probe_port, "/readyz")[0] == 200, timeout=10, what="probe ready"
+        )
         proc.send_signal(signal.SIGTERM)
-        time.sleep(0.7)
-        status, body, _ = raw_get(probe_port, "/readyz")
+        status, body, _ = wait_for(  # within the drain delay (3 s)
+            lambda: (answer := raw_get(probe_port, "/readyz"))[0] == 503 and answer,
+            timeout=2.5,
+            what="not ready after SIGTERM",
+        )
         assert status == 503 and b"draining" in body
         assert raw_get(probe_port, "/healthz")[0] == 200
     finally:
@@ -199,13 +204,19 @@ def test_a_stalled_worker_fails_liveness_and_heals(model_artifact):
         stopped = int(sorted(workers)[0])
         os.kill(stopped, signal.SIGSTOP)
         try:
-            time.sleep(stall + 1.0)
-            status, body, _ = raw_get(probe_port, "/healthz")
+            status, body, _ = wait_for(
+                lambda: (answer := raw_get(probe_port, "/healthz"))[0] == 503 and answer,
+                timeout=stall + 2.0,
+                what="the stalled worker named",
+            )
             assert status == 503 and str(stopped).encode() in body
         finally:
             os.kill(stopped, signal.SIGCONT)
-        time.sleep(1.0)
-        assert raw_get(probe_port, "/healthz")[0] == 200
+        wait_for(
+            lambda: raw_get(probe_port, "/healthz")[0] == 200,
+            timeout=10,
+            what="healed after SIGCONT",
+        )
     finally:
         stop_server(proc)
 
