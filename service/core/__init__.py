@@ -6,6 +6,9 @@
   (majority, soft, soft_prior), outlier calibration and thresholds: the one decision
   function offline evaluation and online serving both call (``tests/service/core/test_knn.py``,
   ``test_far_away.py``).
+* ``npy.py``: the ``.npy`` format (header, data) read without ``ast``, which CPython 3.11
+  does not make safe across threads: request bodies and artifact arrays
+  (``tests/service/core/test_npy.py``).
 * ``artifact/``: the artifact format (``artifact/format.py``: file names, dtypes, shapes,
   manifest keys, the model version, checksums), the invariants the writer enforces and the
   reader checks (``artifact/invariants.py``), the pinned read (``artifact/read.py``) and the
