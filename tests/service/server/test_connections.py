@@ -29,6 +29,7 @@ from tests.service.servers import (
     server_log,
     start_server,
     stop_server,
+    wait_for,
     wait_ready,
 )
 
@@ -196,10 +197,16 @@ def test_the_connection_cap_answers_503_and_recovers(server):
     port, url, _ = server
     held = [connect(port) for _ in range(MAX_CONNECTIONS)]
     try:
-        time.sleep(0.2)  # let the server accept them all
-        started = time.perf_counter()
-        status, head, body = get(port, "/healthz")
-        took = time.perf_counter() - started
+
+        def over_the_cap():  # a fresh client, answered 503 once the server holds them all
+            started = time.perf_counter()
+            status, head, body = get(port, "/healthz")
+            return status == 503 and (status, head, body, time.perf_counter() - started)
+
+        # before the silent ones meet their header deadline (HEADER_TIMEOUT)
+        status, head, body, took = wait_for(
+            over_the_cap, timeout=0.8 * HEADER_TIMEOUT, what="the cap full"
+        )
         assert b"connection: close" in head.lower()
         print(f"over the cap: {status} in {took * 1e3:.1f} ms")
         assert status == 503 and error_type(body) == "too_many_connections"
@@ -347,12 +354,18 @@ def test_grpc_has_the_same_connection_limits(model_artifact):
         silent.close()
         held = [socket.create_connection(("127.0.0.1", grpc_port)) for _ in range(8)]
         try:
-            time.sleep(0.2)
-            started = time.perf_counter()
-            with pytest.raises(grpc.RpcError) as info:
-                check()
-            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert time.perf_counter() - started < FRESH_CLIENT_BOUND
+
+            def refused():  # a fresh call, refused at once once the server holds all 8
+                started = time.perf_counter()
+                try:
+                    check()
+                except grpc.RpcError as exc:
+                    return exc.code(), time.perf_counter() - started
+                return None
+
+            code, took = wait_for(refused, timeout=0.8 * HEADER_TIMEOUT, what="the cap full")
+            assert code == grpc.StatusCode.UNAVAILABLE
+            assert took < FRESH_CLIENT_BOUND
         finally:
             for sock in held:
                 sock.close()
@@ -366,6 +379,25 @@ def test_grpc_has_the_same_connection_limits(model_artifact):
                 time.sleep(0.2)
     finally:
         stop_server(proc)
+
+
+def accepted_connections(pid: int, port: int) -> int:
+    """How many established TCP connections on local ``port`` the process ``pid`` holds
+    (accepted: in its descriptor table, not only in the kernel's queue)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    count = 0
+    for line in open("/proc/net/tcp").read().splitlines()[1:]:
+        fields = line.split()  # sl local remote state ... inode (the tenth)
+        local_port, state, inode = int(fields[1].split(":")[1], 16), fields[3], fields[9]
+        count += local_port == port and state == "01" and inode in inodes
+    return count
 
 
 @pytest.mark.slow  # a long real-server or training scenario: make test-slow
@@ -396,7 +428,9 @@ def test_a_flood_at_the_file_limit_never_exhausts_the_files(model_artifact):
     try:
         wait_ready(url, proc)
         silent = [connect(port) for _ in range(cap)]
-        time.sleep(0.5)
+        wait_for(
+            lambda: accepted_connections(proc.pid, port) == cap, timeout=10, what="the cap held"
+        )
         flood = [connect(port) for _ in range(600)]
         for sock in flood:
             try:
@@ -416,7 +450,11 @@ def test_a_flood_at_the_file_limit_never_exhausts_the_files(model_artifact):
         for sock in silent:
             sock.close()
         silent = []
-        time.sleep(0.5)
+        wait_for(  # the silent ones' slots freed
+            lambda: httpx.get(f"{url}/healthz", timeout=5).status_code == 200,
+            timeout=10,
+            what="a fresh client served",
+        )
         started = time.perf_counter()
         fresh = httpx.get(f"{url}/healthz", timeout=5)
         took = time.perf_counter() - started
