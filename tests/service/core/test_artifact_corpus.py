@@ -306,7 +306,10 @@ def test_the_poller_outlives_an_artifact_it_cannot_parse(model_dir, tmp_path):
     with TestClient(create_app(settings_for(model_dir, reload_poll_seconds=0.1))) as client:
         before = client.get("/v1/model").json()["model_version"]
         _deep_manifest(model_dir)
-        time.sleep(0.5)
+        deadline = time.monotonic() + 10
+        while "ncaknn_model_load_failures_total 1.0" not in client.get("/metrics").text:
+            assert time.monotonic() < deadline, "the poller never tried the deep manifest"
+            time.sleep(0.05)
         assert client.get("/v1/model").json()["model_version"] == before
         republished = republish_scaled(good, 1.3)
         shutil.rmtree(model_dir)

@@ -100,8 +100,10 @@ def test_the_model_part_is_rendered_once_per_version(card_model, monkeypatch):
 
 def test_a_slow_card_does_not_hold_up_the_hot_routes(card_model, monkeypatch):
     """The card renders in a worker thread: while one takes 1 s, /healthz answers at once."""
+    rendering = threading.Event()
 
     def slow(model):
+        rendering.set()
         time.sleep(1.0)
         return {}
 
@@ -109,12 +111,13 @@ def test_a_slow_card_does_not_hold_up_the_hot_routes(card_model, monkeypatch):
     with TestClient(create_app(settings_for(card_model, docs="public"))) as client:
         thread = threading.Thread(target=client.get, args=("/",))
         thread.start()
-        time.sleep(0.2)
+        assert rendering.wait(10), "the card never started rendering"
         started = time.perf_counter()
         assert client.get("/healthz").status_code == 200
         waited = time.perf_counter() - started
+        still_rendering = thread.is_alive()
         thread.join()
-    assert waited < 0.5, waited
+    assert still_rendering and waited < 0.5, waited
 
 
 def test_latency_percentiles_come_from_the_histogram_buckets():

@@ -23,6 +23,7 @@ from tests.service.servers import (
     running_server,
     start_server,
     stop_server,
+    wait_for,
     wait_ready,
 )
 
@@ -151,7 +152,9 @@ def test_a_call_the_client_abandons_is_not_counted_as_served(server):
     auth = (("authorization", f"Bearer {KEY}"),)
     before = (grpc_requests(url, 200), grpc_requests(url, 499))
     codes = [call(grpc_port, infer_request(MAX_ROWS), auth, timeout=0.001) for _ in range(20)]
-    time.sleep(0.5)
+    wait_for(  # the calls the server saw may still be computing
+        lambda: grpc_requests(url, 499) > before[1], timeout=30, what="an abandoned call counted"
+    )
     after = (grpc_requests(url, 200), grpc_requests(url, 499))
     served = sum(code == grpc.StatusCode.OK for code in codes)
     print(f"20 calls with a 1 ms deadline: {served} served; counts {before} -> {after}")
@@ -228,9 +231,12 @@ def test_calls_in_flight_are_bounded_by_the_body_budget(tight_server):
     ]
     for t in holders:
         t.start()
-    time.sleep(0.5)
     auth = (("authorization", f"Bearer {KEY}"),)
-    during = call(tight_server, infer_request(1), auth)
+    during = wait_for(  # once the holders' reservations fill the budget, within their deadline
+        lambda: (code := call(tight_server, infer_request(1), auth)) != grpc.StatusCode.OK and code,
+        timeout=1.5,
+        what="the budget full",
+    )
     for t in holders:
         t.join()
     after = call(tight_server, infer_request(1), auth)

@@ -17,7 +17,15 @@ import httpx
 import pytest
 
 from service.ops.logs import REPEAT_BURST, RepeatFilter
-from tests.service.servers import ROOT, connect, free_port, server_log, start_server, wait_ready
+from tests.service.servers import (
+    ROOT,
+    connect,
+    free_port,
+    server_log,
+    start_server,
+    wait_for,
+    wait_ready,
+)
 
 pytest.importorskip("opentelemetry.sdk.trace")
 
@@ -79,7 +87,9 @@ def test_every_line_is_json_and_a_dead_collector_cannot_hold_the_stop(model_arti
                     b"POST /v1/classify HTTP/1.1\r\nhost: t\r\ncontent-type: application/json"
                     b'\r\ncontent-length: 1000\r\n\r\n{"inst'
                 )
-        time.sleep(1.0)  # the batch processor tries to export (and waits on the collector)
+        wait_for(  # the batch processor is exporting (and waits on the collector)
+            lambda: collector.held, timeout=10, what="the exporter connected to the collector"
+        )
         started = time.perf_counter()
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(30)

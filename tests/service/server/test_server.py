@@ -14,7 +14,14 @@ from fastapi.testclient import TestClient
 from service.app import create_app
 from service.core.artifact import read_artifact
 from tests.service.conftest import republish_scaled, settings_for
-from tests.service.servers import free_port, in_flight, server_log, start_server, wait_ready
+from tests.service.servers import (
+    free_port,
+    in_flight,
+    server_log,
+    start_server,
+    wait_for,
+    wait_ready,
+)
 
 
 def test_real_server_answers_and_drains_on_sigterm(model_artifact):
@@ -61,7 +68,7 @@ def test_real_server_refuses_to_start_without_a_model(tmp_path):
 
 def test_reload_under_a_request_loop_loses_no_request(model_dir):
     app = create_app(settings_for(model_dir))
-    failures, versions = [], set()
+    failures, answered = [], []  # answered: the version of every request answered 200
     stop = threading.Event()
     rows = np.zeros((2, 64)).tolist()
     with TestClient(app) as c:
@@ -72,7 +79,7 @@ def test_reload_under_a_request_loop_loses_no_request(model_dir):
                 if r.status_code != 200:
                     failures.append(r.text)
                 else:
-                    versions.add(r.json()["model_version"])
+                    answered.append(r.json()["model_version"])
 
         workers = [threading.Thread(target=loop) for _ in range(3)]
         for w in workers:
@@ -82,18 +89,20 @@ def test_reload_under_a_request_loop_loses_no_request(model_dir):
             republish_scaled(model_dir, 1.0 + step / 10)
             r = c.post("/v1/admin/reload")
             assert r.status_code == 200 and r.json()["status"] == "reloaded"
-            seen.add(r.json()["model_version"])
-            time.sleep(0.2)
+            version = r.json()["model_version"]
+            seen.add(version)
+            wait_for(lambda v=version: v in answered, timeout=10, what=f"{version} answered")
         good = c.get("/v1/model").json()["model_version"]
         (model_dir / "projection.npy").write_bytes(b"corrupt")
         assert c.post("/v1/admin/reload").status_code == 409
-        time.sleep(0.2)
+        so_far = len(answered)  # the loops go on after the failed reload
+        wait_for(lambda: len(answered) >= so_far + 6, timeout=10, what="requests answered")
         stop.set()
         for w in workers:
             w.join(30)
         assert c.get("/v1/model").json()["model_version"] == good
     assert failures == []
-    assert len(versions) >= 3 and versions <= seen
+    assert 3 <= len(set(answered)) and set(answered) <= seen
 
 
 def test_poller_picks_up_a_new_artifact(model_dir):

@@ -29,6 +29,7 @@ from tests.service.servers import (
     server_log,
     start_server,
     stop_server,
+    wait_for,
     wait_ready,
 )
 
@@ -291,8 +292,9 @@ def test_memory_comes_back_and_probes_stay_fast(model_artifact):
                     time.sleep(0.01)
                 response = pending.result(timeout=60)
                 assert response.status_code == 200, response.text
-            time.sleep(1.2)  # the trim runs at most once a second
             client.post(f"{url}/v1/classify", json={"instances": rows[:1]})
+            # the trim runs at most once a second, after the last large request
+            wait_for(lambda: rss_mib(proc.pid) - before < 64, timeout=10, what="", raises=False)
             after = rss_mib(proc.pid)
     finally:
         stop_server(proc)
