@@ -19,6 +19,26 @@ from training.optim.monitor import Monitor
 from training.optim.problem import Problem
 from training.optim.sharded_problem import ShardedProblem
 
+# ---------------------------------------------------------------- scripted outcomes
+
+
+def script_validation(monkeypatch, accuracy) -> None:
+    """Every monitor that validates scores the map of its stage's ``iteration`` (1, 2, ...:
+    the stage's own count) as ``accuracy(stage, iteration)`` (stage: None for the first
+    stage, else its tag, such as "exact finish"), whatever the map. A test of what early
+    stopping keeps then decides which iterate is best, instead of relying on the
+    accuracies one floating-point path of the optimiser happens to reach."""
+    real_call = Monitor.__call__
+
+    def call(self, iteration, theta, objective, figures=None):
+        if self.validate is not None:
+            stage = self.tags.get("stage")
+            self.validate = lambda theta: accuracy(stage, iteration)
+        return real_call(self, iteration, theta, objective, figures)
+
+    monkeypatch.setattr(Monitor, "__call__", call)
+
+
 # ---------------------------------------------------------------- data sets
 
 

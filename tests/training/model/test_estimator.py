@@ -16,6 +16,7 @@ from sklearn.utils.estimator_checks import check_estimator
 
 from service.core.artifact import write_artifact
 from service.core.knn import project
+from tests.training.problems import script_validation
 from training import NCA
 from training.model.initialization import initial_components
 
@@ -214,7 +215,9 @@ def test_auto_picks_candidates_for_large_n(monkeypatch):
 
 
 def early_stopping_nca(n_iter_no_change: int, **params) -> NCA:
-    """d = 4 with a validation check every iteration, stopped only by early stopping."""
+    """d = 4 with a validation check every iteration, stopped only by early stopping (the
+    tests script the validation accuracy; the stage judge, tested in test_stages.py, would
+    score the maps for real)."""
     return NCA(
         n_components=4,
         early_stopping=True,
@@ -223,16 +226,24 @@ def early_stopping_nca(n_iter_no_change: int, **params) -> NCA:
         max_iter=300,
         tol=0,
         random_state=0,
+        select_stages=False,
         **params,
     )
 
 
-def test_early_stopping_keeps_best_validation_model():
+PEAK_AT_2 = {1: 0.5, 2: 0.7}  # validation accuracy by iteration, 0.6 after
+
+
+def test_early_stopping_keeps_best_validation_model(monkeypatch):
+    """The validation accuracy peaks at iteration 2 (scripted): with a patience of 2 checks
+    the fit stops at iteration 4, by early stopping, with the best accuracy seen."""
+    script_validation(monkeypatch, lambda stage, i: PEAK_AT_2.get(i, 0.6))
     X, y = load_digits(return_X_y=True)
-    nca = early_stopping_nca(2).fit(X, y)
-    assert nca.stop_reason_ in ("early_stopping", "converged", "precision")
+    nca = early_stopping_nca(2).fit(X[:600], y[:600])
+    assert nca.stop_reason_ == "early_stopping" and nca.n_iter_ == 4
     checked = [h["val_accuracy"] for h in nca.history_ if "val_accuracy" in h]
-    assert nca.best_val_accuracy_ == max(checked)
+    assert checked == [0.5, 0.7, 0.6, 0.6]
+    assert nca.best_val_accuracy_ == 0.7
 
 
 def test_non_convergence_is_a_warning():
@@ -322,7 +333,8 @@ def test_knca_estimator_in_a_pipeline():
     assert model.score(X[1::2], y[1::2]) > 0.9
 
 
-def test_early_stopping_returns_the_best_components_and_their_objective():
+def test_early_stopping_returns_the_best_components_and_their_objective(monkeypatch):
+    script_validation(monkeypatch, lambda stage, i: PEAK_AT_2.get(i, 0.6))
     X, y = load_digits(return_X_y=True)
     seen = {}
     nca = early_stopping_nca(

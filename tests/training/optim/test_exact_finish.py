@@ -8,7 +8,7 @@ import warnings
 import numpy as np
 import pytest
 
-from tests.training.problems import blobs, brute_force, hard_noisy
+from tests.training.problems import blobs, brute_force, hard_noisy, script_validation
 from training import NCA
 from training.model import plan as estimator
 from training.model.plan import AUTO_EXACT_FINISH_ITER, AUTO_KNCA_FINISH_ITER, DEFAULT_L2
@@ -85,21 +85,27 @@ def test_exact_fits_and_fits_that_auto_leaves_alone_have_no_finish():
 
 def test_auto_finishes_knca_with_its_own_budget():
     """kNCA's "auto" finish runs up to AUTO_KNCA_FINISH_ITER iterations (more than NCA's,
-    over fewer rows) and carries the exact objective's penalty."""
+    over fewer rows) and carries the exact objective's penalty. (How many of them L-BFGS
+    takes before it converges depends on its floating-point path: the budget is what is
+    checked.)"""
     X, y = blobs(200)
     model = fit(X, y, n_candidates=5, objective="knca-majority", k=3, tol=1e-12)
-    assert AUTO_EXACT_FINISH_ITER < model.exact_finish_iter_ <= AUTO_KNCA_FINISH_ITER
+    assert model.plan_.finish_iter == AUTO_KNCA_FINISH_ITER > AUTO_EXACT_FINISH_ITER
+    assert 1 <= model.exact_finish_iter_ <= AUTO_KNCA_FINISH_ITER
     assert model.l2_ == DEFAULT_L2
     finish = [r for r in model.history_ if r.get("stage") == "exact finish"]
     assert len(finish) == model.exact_finish_iter_
 
 
 def test_an_explicit_finish_applies_to_knca_and_to_adam():
+    """An explicit budget of 2 finishing iterations, L-BFGS's on both (it may converge
+    sooner: the budget is what is checked); Adam's 3 epochs come first."""
     X, y = blobs(150)
     knca = fit(X, y, n_candidates=5, objective="knca-majority", k=3, exact_finish=2)
-    assert knca.exact_finish_iter_ == 2
+    assert knca.plan_.finish_iter == 2 and 1 <= knca.exact_finish_iter_ <= 2
     adam = fit(X, y, n_candidates=5, solver="adam", max_iter=3, batch_size=64, exact_finish=2)
-    assert adam.exact_finish_iter_ == 2 and adam.n_iter_ == 3 + 2
+    assert adam.plan_.finish_iter == 2 and 1 <= adam.exact_finish_iter_ <= 2
+    assert adam.n_iter_ == 3 + adam.exact_finish_iter_
 
 
 def test_above_the_row_limit_the_finish_averages_over_evenly_spaced_query_rows(monkeypatch):
@@ -122,7 +128,7 @@ def test_knca_finish_averages_over_its_own_row_limit(monkeypatch):
     monkeypatch.setattr(estimator, "KNCA_FINISH_MAX_ROWS", 12)
     monkeypatch.setattr(estimator, "EXACT_FINISH_MAX_ROWS", 10**6)  # NCA's limit is not kNCA's
     model = fit(X, y, n_candidates=3, objective="knca-majority", k=3, exact_finish=2)
-    assert model.exact_finish_iter_ == 2
+    assert model.plan_.finish_iter == 2 and model.exact_finish_iter_ >= 1
     z = ((X - model.mean_) / model.scale_) @ model.components_.T  # (N, d)
     probabilities = []
     for i in range(len(y)):
@@ -135,12 +141,13 @@ def test_knca_finish_averages_over_its_own_row_limit(monkeypatch):
     assert abs(on_rows - float(np.mean(probabilities))) > 1e-4  # the sample was averaged
 
 
-@pytest.mark.parametrize(
-    "n, seed, best_stage",
-    [(300, 0, "candidate"), (600, 1, "finish")],  # where each stage validated best (measured)
-)
-def test_early_stopping_keeps_the_best_validated_map_of_either_stage(n, seed, best_stage):
-    X, y = hard_noisy(n=n, seed=seed)
+@pytest.mark.parametrize("best_stage", [None, "exact finish"])
+def test_early_stopping_keeps_the_best_validated_map_of_either_stage(monkeypatch, best_stage):
+    """The validation accuracy scripted to peak at the first iteration of either stage (the
+    candidate stage: None): the fit returns that iterate's map and accuracy, whatever the
+    other iterates of both stages did."""
+    script_validation(monkeypatch, lambda stage, i: 0.9 if (stage, i) == (best_stage, 1) else 0.5)
+    X, y = hard_noisy(n=300, seed=0)
     maps = {}
     model = fit(
         X,
@@ -154,12 +161,13 @@ def test_early_stopping_keeps_the_best_validated_map_of_either_stage(n, seed, be
         callback=lambda A, iteration: maps.__setitem__(iteration, A.copy()),
     )
     validated = [(r["val_accuracy"], r["iteration"], r.get("stage")) for r in model.history_]
-    best_accuracy = max(a for a, _, _ in validated)
-    first_best, stage = next((i, s) for a, i, s in validated if a == best_accuracy)
-    assert (stage is None) == (best_stage == "candidate")  # the case tests what it says
-    assert model.exact_finish_iter_ == 5
-    assert model.best_val_accuracy_ == best_accuracy
-    np.testing.assert_array_equal(model.components_.ravel(), maps[first_best])
+    assert [(i, s) for a, i, s in validated if a == 0.9] == [
+        next((i, s) for _, i, s in validated if s == best_stage)
+    ]
+    best = next(i for a, i, _ in validated if a == 0.9)
+    assert 1 <= model.exact_finish_iter_ <= 5 and len(maps) == model.n_iter_
+    assert model.best_val_accuracy_ == 0.9
+    np.testing.assert_array_equal(model.components_.ravel(), maps[best])
 
 
 def test_the_finish_closes_most_of_the_gap_to_the_exact_fit_on_hard_noisy_data():
