@@ -3,7 +3,8 @@
 With several workers (``PROMETHEUS_MULTIPROC_DIR`` set by ``python -m service``), values live
 in prometheus-client's per-process files and /metrics aggregates every worker: counters and
 histograms are summed, ``in_flight`` is summed over live workers, and the model gauges carry
-a ``pid`` label per worker, so a roll-out shows each worker's version.
+a ``pid`` label per worker, so a roll-out shows each worker's version: ``ncaknn_model_info``
+holds one series per worker, its current model (``service.ops.model_info``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from prometheus_client import (
 )
 
 from service.engine.events import EngineEvents
+from service.ops.model_info import ModelInfo
 from service.server.connections import REFUSAL_REASONS
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -58,7 +60,6 @@ class Metrics(EngineEvents):
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self._model_labels: tuple[str, str] | None = None
         self.requests = Counter(
             "ncaknn_requests", "HTTP requests by route and status", ["route", "status"], registry=r
         )
@@ -107,13 +108,8 @@ class Metrics(EngineEvents):
 
     def _define_model_metrics(self, r: CollectorRegistry) -> None:
         """The loaded model, its loads, the search fallback and outliers."""
-        self.model_info = Gauge(
-            "ncaknn_model_info",
-            "the loaded model (value 1; 0 for a version this worker no longer serves)",
-            ["model_version", "index_type"],
-            registry=r,
-            multiprocess_mode="liveall",
-        )
+        self.model_info = ModelInfo(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+        r.register(self.model_info)
         self.model_loaded_at = Gauge(
             "ncaknn_model_loaded_timestamp_seconds",
             "when the loaded model was loaded",
@@ -178,6 +174,7 @@ class Metrics(EngineEvents):
         if multiprocess_mode():
             registry = CollectorRegistry()
             multiprocess.MultiProcessCollector(registry)
+            registry.register(self.model_info)
             return generate_latest(registry), CONTENT_TYPE_LATEST
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
@@ -211,13 +208,7 @@ class Metrics(EngineEvents):
         self.queue_wait.observe(waited_seconds)
 
     def model_loaded(self, model) -> None:
-        labels = (model.version, model.index_type)
-        if self._model_labels is not None and self._model_labels != labels:
-            # set to 0 rather than removed: in multiprocess mode a removed child stays in
-            # the worker's file with its last value
-            self.model_info.labels(*self._model_labels).set(0)
-        self._model_labels = labels
-        self.model_info.labels(*labels).set(1)
+        self.model_info.set(model.version, model.index_type)  # the only series of this worker
         self.model_loaded_at.set(model.loaded_at)
         created = created_timestamp(model.artifact.manifest.get("created_at"))
         if created is not None:
