@@ -148,8 +148,8 @@ def dtype_of(descr: str) -> np.dtype:
         raise NpyFormatError(f"the .npy descr {descr!r} is not a dtype numpy knows") from None
     if dtype.hasobject or dtype.fields is not None or dtype.subdtype is not None:
         raise NpyFormatError(
-            f"the .npy descr {descr!r} is an object, structured or subarray dtype; expected "
-            "a plain number, boolean, string or time dtype"
+            f"the .npy dtype is {descr!r}, an object, structured or subarray dtype; "
+            "expected a plain number, boolean, string or time dtype"
         )
     if dtype.itemsize == 0:
         raise NpyFormatError(f"the .npy descr {descr!r} has items of 0 bytes")

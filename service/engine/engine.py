@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from service.config import Settings
-from service.core.artifact import artifact_fingerprint
+from service.core.artifact import ArtifactError, artifact_fingerprint
 from service.core.knn import outlier_flags
 from service.engine.batcher import Batcher
 from service.engine.events import EngineEvents
@@ -119,19 +119,25 @@ class Engine:
             self._load_lock.release()
 
     def _load(self, path: Path) -> LoadedModel:
-        """Load ``path`` and swap it in, with the load lock held (:meth:`load`)."""
-        fingerprint = artifact_fingerprint(path)
+        """Load ``path`` and swap it in, with the load lock held (:meth:`load`).
+
+        The model is remembered with the fingerprint of exactly the bytes it was built from
+        (``Artifact.fingerprint``, taken through the directory the reader pinned), and a
+        failure with the fingerprint of what failed (None when the reader did not get as far
+        as a manifest, or failed outside the artifact's checks: then it is retried at the
+        next poll). Whatever the path was repointed to during the read, the poller's next
+        look (:meth:`changed_on_disk`) sees that the path names something else."""
         try:
             model = load_model(path, self.settings, on_fallback=self.events.search_fell_back)
         except Exception as exc:
-            self._failed_fingerprint = fingerprint
+            self._failed_fingerprint = exc.fingerprint if isinstance(exc, ArtifactError) else None
             self._failed_at = self.clock()
             self.last_error = f"{type(exc).__name__}: {exc}"
             log.error("model load failed", extra={"path": str(path), "error": self.last_error})
             self.events.model_load_failed(exc)
             raise
         self._model = model  # one reference assignment: the swap
-        self._loaded_fingerprint = fingerprint
+        self._loaded_fingerprint = model.artifact.fingerprint
         self._failed_fingerprint = None
         self.last_error = None
         log.info(

@@ -172,11 +172,31 @@ def _calibration(path, artifact: Artifact, quantile: float):
 def load_model(
     path: str | Path, settings: Settings, on_fallback: Callable[[int, int], None] | None = None
 ) -> LoadedModel:
-    """Read and check the artifact, build (or read) its index, and warm it up."""
+    """Read and check the artifact, build (or read) its index, and warm it up. The model's
+    ``artifact.fingerprint`` names the bytes it was built from; an ArtifactError carries the
+    ``fingerprint`` of what it refused (from the reader, or the artifact's when the build
+    refused it)."""
     started = time.perf_counter()
     # Every file is read once into memory and verified there (service.core.artifact): a file
     # changed under a memory map would crash the process (SIGBUS) instead of failing a load.
     artifact = read_artifact(path)
+    try:
+        return build_model(artifact, settings, on_fallback, started)
+    except ArtifactError as exc:
+        exc.fingerprint = artifact.fingerprint
+        raise
+
+
+def build_model(
+    artifact: Artifact,
+    settings: Settings,
+    on_fallback: Callable[[int, int], None] | None = None,
+    started: float | None = None,
+) -> LoadedModel:
+    """The model of an artifact already read: its index built (or read) and warmed up.
+    ``started`` (a ``time.perf_counter()``) is when the load began, for ``load_seconds``."""
+    started = time.perf_counter() if started is None else started
+    path = artifact.path
     if artifact.default_k > settings.max_k:
         raise ArtifactError(
             f"{path}: the manifest's default_k={artifact.default_k} is above this service's "

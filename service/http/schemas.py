@@ -50,7 +50,18 @@ class NeighborsResponse(BaseModel):
 
 class ModelInfo(BaseModel):
     model_version: str
-    path: str
+    path: str = Field(description="the model path this server is configured with")
+    artifact_directory: str = Field(
+        description="the directory the served model was read from, as the kernel named it "
+        "when the load opened it (where the path's symlinks led then; a directory exchanged "
+        "or renamed since may now have another name: artifact_fingerprint identifies it)"
+    )
+    artifact_fingerprint: str = Field(
+        description="16 hex digits naming exactly what was read: the directory's identity, "
+        "the manifest's sha256 and every listed file's size, time and inode. Every worker "
+        "that serves what the model path names shows the same value"
+    )
+    worker_pid: int = Field(description="the process id of the worker that answered")
     n_features: int
     n_components: int
     n_references: int

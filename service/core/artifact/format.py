@@ -78,7 +78,11 @@ DESCRIPTIVE_MANIFEST_KEYS = frozenset(
 
 
 class ArtifactError(ValueError):
-    """An artifact is missing, malformed, corrupted or inconsistent."""
+    """An artifact is missing, malformed, corrupted or inconsistent. ``fingerprint`` is the
+    identity of what the reader saw (``read.artifact_fingerprint``'s form), when it got as
+    far as the manifest; None otherwise."""
+
+    fingerprint: tuple | None = None
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,18 @@ class Artifact:
     index_bytes: bytes | None = field(default=None, repr=False)  # verified index.faiss
     validation_embeddings: np.ndarray | None = None  # (V, d) float32, held out in training
     validation_labels: np.ndarray | None = None  # (V,) int32
+    # what was read: the identity of the directory, manifest and files (read.py's
+    # artifact_fingerprint) and the directory as the kernel named it when the read opened
+    # it; None when not read
+    fingerprint: tuple | None = field(default=None, repr=False)
+    directory: str | None = None
+
+    @property
+    def fingerprint_id(self) -> str | None:
+        """``fingerprint`` as 16 hex digits (what GET /v1/model shows); None without one."""
+        if self.fingerprint is None:
+            return None
+        return hashlib.sha256(repr(self.fingerprint).encode()).hexdigest()[:16]
 
     @property
     def classes(self) -> list:

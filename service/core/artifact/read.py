@@ -4,6 +4,7 @@ is what is served even if the path is repointed while it is read."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -32,22 +33,60 @@ from service.core.npy import NpyFormatError, read_array
 
 class _PinnedDirectory:
     """An artifact directory held open by one file descriptor; files are opened relative to
-    it, so repointing a symlink or exchanging the directory cannot mix two artifacts."""
+    it, so repointing a symlink or exchanging the directory cannot mix two artifacts. It
+    remembers the manifest's bytes and the (size, mtime, inode) of every file it read, so
+    that :meth:`fingerprint` describes exactly what was read."""
 
     def __init__(self, root: Path):
         self.root = root
+        self.manifest_bytes: bytes | None = None
+        self.opened: dict[str, tuple[int, int, int]] = {}  # file name -> its stats when read
         try:
             self.fd = os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
         except (FileNotFoundError, NotADirectoryError):
             raise ArtifactError(f"{root}: no artifact directory there") from None
         except OSError as exc:
             raise ArtifactError(f"{root}: cannot be opened ({exc.strerror})") from None
+        self.resolved = _name_of(self.fd, root)  # where the path led when it was opened
 
     def __enter__(self) -> _PinnedDirectory:
         return self
 
     def __exit__(self, *exc_info) -> None:
         os.close(self.fd)
+
+    def manifest(self) -> bytes:
+        """The bytes of manifest.json, read once (and remembered for the fingerprint)."""
+        self.manifest_bytes = self.read(MANIFEST_FILE, "the manifest", MAX_MANIFEST_BYTES)
+        return self.manifest_bytes
+
+    def fingerprint(self) -> tuple | None:
+        """The identity of what this directory's reads saw, or None before the manifest was
+        read: the directory's (device, inode) from its descriptor, the sha256 of the manifest
+        bytes read, and (name, size, mtime, inode) of every file the manifest lists, as it
+        was when read (the others as they are now, looked up through the descriptor)."""
+        if self.manifest_bytes is None:
+            return None
+        identity = os.fstat(self.fd)
+        stats = []
+        files = _listed_files(self.manifest_bytes)
+        for name in sorted(files):
+            entry = files[name]
+            file_name = entry.get("path") if isinstance(entry, dict) else None
+            seen = self.opened.get(file_name) if isinstance(file_name, str) else None
+            if seen is None:
+                try:
+                    st = os.stat(str(file_name), dir_fd=self.fd)
+                    seen = (st.st_size, st.st_mtime_ns, st.st_ino)
+                except (OSError, TypeError, ValueError):
+                    seen = (None, None, None)
+            stats.append((name, *seen))
+        return (
+            identity.st_dev,
+            identity.st_ino,
+            hashlib.sha256(self.manifest_bytes).hexdigest(),
+            tuple(stats),
+        )
 
     def read(self, name: str, what: str, max_bytes: int | None = None) -> bytes:
         """The whole file ``name`` inside the directory, read once; ArtifactError before
@@ -65,6 +104,7 @@ class _PinnedDirectory:
         except OSError as exc:
             raise ArtifactError(f"{self.root / name}: cannot be opened ({exc.strerror})") from None
         info = os.fstat(fd)
+        self.opened[name] = (info.st_size, info.st_mtime_ns, info.st_ino)
         if not stat.S_ISREG(info.st_mode):
             os.close(fd)
             raise ArtifactError(
@@ -84,6 +124,24 @@ class _PinnedDirectory:
 
 MAX_MANIFEST_BYTES = 16 * 2**20  # a manifest is metadata: a larger one is refused unread
 NPY_HEADER_MAX_BYTES = 65536 + 16  # the .npy header before an array's data, at most
+
+
+def _listed_files(manifest_bytes: bytes) -> dict:
+    """The manifest's ``files`` object, or {} when the bytes are not such a manifest."""
+    try:
+        files = json.loads(manifest_bytes.decode("utf-8")).get("files", {})
+    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError, RecursionError):
+        return {}
+    return files if isinstance(files, dict) else {}
+
+
+def _name_of(fd: int, root: Path) -> str:
+    """The path the kernel gives the directory open as ``fd`` (where ``root``'s symlinks
+    led); without /proc, ``root`` resolved."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return str(root.resolve())
 
 
 def _file_kind(mode: int) -> str:
@@ -136,9 +194,7 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     """Read and check manifest.json of the artifact at ``path`` (no array is opened)."""
     root = Path(path)
     with _PinnedDirectory(root) as directory:
-        return _parse_manifest(
-            root, directory.read(MANIFEST_FILE, "the manifest", MAX_MANIFEST_BYTES)
-        )
+        return _parse_manifest(root, directory.manifest())
 
 
 def _parse_npy(file_path: Path, data: bytes) -> np.ndarray:
@@ -154,30 +210,43 @@ def read_artifact(path: str | os.PathLike) -> Artifact:
     """Load the artifact at ``path``, verifying checksums, dtypes, shapes and consistency.
 
     Each file is read once, through a descriptor of the directory opened first; the bytes
-    whose sha256 is checked are the bytes that are parsed.
+    whose sha256 is checked are the bytes that are parsed. The artifact's ``fingerprint``
+    describes those bytes (``_PinnedDirectory.fingerprint``), and so does the
+    ``fingerprint`` of an ArtifactError raised once the manifest was read: a poller that
+    compares it with :func:`artifact_fingerprint` sees any change made after the read.
     """
     root = Path(path)
     with _PinnedDirectory(root) as directory:
-        manifest = _parse_manifest(
-            root, directory.read(MANIFEST_FILE, "the manifest", MAX_MANIFEST_BYTES)
+        try:
+            artifact = _read_pinned(root, directory)
+        except ArtifactError as exc:
+            exc.fingerprint = directory.fingerprint()
+            raise
+        return dataclasses.replace(
+            artifact, fingerprint=directory.fingerprint(), directory=directory.resolved
         )
-        files = manifest["files"]
-        dims = check_manifest(manifest)
-        arrays: dict[str, np.ndarray] = {}
-        for name in ARRAY_SPECS:
-            array = _read_array(root, directory, files, name, dims)
-            if array is not None:
-                arrays[name] = array
-        index_bytes = None
-        if "index" in files:
-            entry = files["index"]
-            size = entry.get("bytes")
-            index_bytes = directory.read(
-                entry.get("path"),
-                "listed in the manifest as index",
-                size if isinstance(size, int) and not isinstance(size, bool) else 0,
-            )
-            _check_sha256(root / entry["path"], index_bytes, entry.get("sha256"))
+
+
+def _read_pinned(root: Path, directory: _PinnedDirectory) -> Artifact:
+    """The artifact in the pinned ``directory``, every file read and checked."""
+    manifest = _parse_manifest(root, directory.manifest())
+    files = manifest["files"]
+    dims = check_manifest(manifest)
+    arrays: dict[str, np.ndarray] = {}
+    for name in ARRAY_SPECS:
+        array = _read_array(root, directory, files, name, dims)
+        if array is not None:
+            arrays[name] = array
+    index_bytes = None
+    if "index" in files:
+        entry = files["index"]
+        size = entry.get("bytes")
+        index_bytes = directory.read(
+            entry.get("path"),
+            "listed in the manifest as index",
+            size if isinstance(size, int) and not isinstance(size, bool) else 0,
+        )
+        _check_sha256(root / entry["path"], index_bytes, entry.get("sha256"))
     expected_version = model_version_of(manifest)
     stored = manifest.get("model_version", expected_version)
     if stored not in (expected_version, legacy_model_version_of(files)):
@@ -232,34 +301,16 @@ def _check_sha256(file_path: Path, data: bytes, expected: Any) -> None:
 def artifact_fingerprint(path: str | os.PathLike) -> tuple | None:
     """What identifies the bytes at ``path`` without reading the arrays, or None if there is
     no readable manifest: the directory's identity, the manifest's sha256 and (size,
-    mtime, inode) of every file it lists. It changes when the artifact is replaced, repointed,
-    rewritten or healed, so a poller can retry a failed version once it changes."""
-    root = Path(path)
+    mtime, inode) of every file it lists (``_PinnedDirectory.fingerprint``; equal to the
+    ``fingerprint`` of :func:`read_artifact` while nothing changes). It changes when the
+    artifact is replaced, repointed, rewritten or healed, so a poller can tell whether the
+    path still names what it loaded, and retry a failed version once it changes."""
     try:
-        with _PinnedDirectory(root) as directory:
-            manifest_bytes = directory.read(MANIFEST_FILE, "the manifest", MAX_MANIFEST_BYTES)
-            identity = os.fstat(directory.fd)
-            stats = []
-            try:
-                files = json.loads(manifest_bytes.decode("utf-8")).get("files", {})
-            except (UnicodeDecodeError, json.JSONDecodeError, AttributeError, RecursionError):
-                files = {}
-            for name in sorted(files) if isinstance(files, dict) else ():
-                entry = files[name]
-                file_name = entry.get("path") if isinstance(entry, dict) else None
-                try:
-                    st = os.stat(str(file_name), dir_fd=directory.fd)
-                    stats.append((name, st.st_size, st.st_mtime_ns, st.st_ino))
-                except (OSError, TypeError, ValueError):
-                    stats.append((name, None, None, None))
+        with _PinnedDirectory(Path(path)) as directory:
+            directory.manifest()
+            return directory.fingerprint()
     except ArtifactError:
         return None
-    return (
-        identity.st_dev,
-        identity.st_ino,
-        hashlib.sha256(manifest_bytes).hexdigest(),
-        tuple(stats),
-    )
 
 
 def read_extras(artifact: Artifact) -> dict[str, bytes]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from fastapi import APIRouter, Depends
 
 from service.errors import ReloadFailed
@@ -24,6 +26,9 @@ async def model_info(state: State) -> ModelInfo:
     return ModelInfo(
         model_version=model.version,
         path=str(model.artifact.path),
+        artifact_directory=model.artifact.directory or str(model.artifact.path),
+        artifact_fingerprint=model.artifact.fingerprint_id or "",
+        worker_pid=os.getpid(),
         n_features=model.n_features,
         n_components=model.n_components,
         n_references=model.n_references,

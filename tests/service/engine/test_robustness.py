@@ -268,12 +268,19 @@ def test_the_poller_retries_a_version_once_it_heals(model_dir):
     assert engine.load().version == new_version
 
 
-def test_the_server_poller_picks_up_a_healed_artifact(model_dir):
+def test_the_server_poller_picks_up_a_healed_artifact(model_dir, tmp_path):
+    from service.core.artifact.write import _exchange_paths
+
     with TestClient(create_app(settings_for(model_dir, reload_poll_seconds=0.05))) as c:
         before = c.get("/readyz").json()["model_version"]
-        new_version = republish_scaled(model_dir, 2.0)
-        good = (model_dir / "labels.npy").read_bytes()
-        (model_dir / "labels.npy").write_bytes(b"broken")
+        # the new version is written and broken aside, then swapped in at once: the poller
+        # never sees it whole before it sees it broken
+        side = tmp_path / "side"
+        shutil.copytree(model_dir, side)
+        new_version = republish_scaled(side, 2.0)
+        good = (side / "labels.npy").read_bytes()
+        (side / "labels.npy").write_bytes(b"broken")
+        assert _exchange_paths(side, model_dir)
         deadline = time.monotonic() + 10
         while "ncaknn_model_load_failures_total 1.0" not in c.get("/metrics").text:
             assert time.monotonic() < deadline, "the poller never tried the broken artifact"
