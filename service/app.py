@@ -47,6 +47,7 @@ from service.errors import (
     body_of,
     status_of,
 )
+from service.http import head
 from service.http.card import ModelCard
 from service.http.deps import check_api_key
 from service.http.routes import health, inference, model
@@ -166,7 +167,8 @@ def _carrier(scope) -> dict[str, str]:
 
 
 class ServiceApp(FastAPI):
-    """FastAPI with a direct lane for the inference routes.
+    """FastAPI with a direct lane for the inference routes, and HEAD answered as GET without
+    a body on every path a GET route serves (``service.http.head``).
 
     POST /v1/classify, /v1/embed and /v1/neighbors are declared as FastAPI routes (that gives
     their OpenAPI and the 405 for other methods) but a POST to them calls the route's
@@ -197,6 +199,11 @@ class ServiceApp(FastAPI):
             if endpoint is not None:
                 scope["app"] = self
                 await self.call_direct(endpoint, scope, receive, send)
+                return
+        if scope["type"] == "http" and scope["method"] == "HEAD":  # as GET, without a body
+            get = head.as_get(self.router.routes, scope)
+            if get is not None:
+                await super().__call__(get, receive, head.without_body(send))
                 return
         await super().__call__(scope, receive, send)
 
@@ -485,13 +492,13 @@ def _install_error_handlers(app: FastAPI, state: AppState) -> None:
         if exc.status_code == 404:
             return respond(request, NotFound(f"no route {request.method} {request.url.path}"))
         if exc.status_code == 405:
-            allowed = (exc.headers or {}).get("Allow", "")
+            allowed = head.allow_with_head((exc.headers or {}).get("Allow", ""))
             return respond(
                 request,
                 MethodNotAllowed(
                     f"{request.method} is not allowed on {request.url.path}; allowed: {allowed}"
                 ),
-                headers=exc.headers,
+                headers={**(exc.headers or {}), "Allow": allowed},
             )
         error = ServiceError(str(exc.detail))
         error.error_type = "http_error"

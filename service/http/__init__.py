@@ -12,4 +12,6 @@
 * ``schemas.py``: the response models the OpenAPI document shows.
 * ``deps.py``: FastAPI dependencies: the state and the API-key checks.
 * ``card.py``: the model card page at ``/`` (``test_model_card.py``).
+* ``head.py``: HEAD answered as GET without a body on every GET route, this wire's and the
+  others' (``tests/service/server/test_head.py``).
 """

@@ -227,3 +227,22 @@ def test_no_request_body_shape_yields_a_500(client, path):
     for array in (np.zeros((2, 3, 4), np.float32), np.zeros((1, 64), np.complex64), np.array(5.0)):
         r = client.post(path, content=npy(array), headers={"content-type": "application/x-npy"})
         assert r.status_code == 422, (array.shape, r.text)
+
+
+LISTED_GET = [t for t in LISTED if t[1] == "get"]
+
+
+@pytest.mark.parametrize(
+    "path, method, status", LISTED_GET, ids=[f"HEAD {p} {s}" for p, _, s in LISTED_GET]
+)
+def test_every_listed_get_status_is_produced_by_head_without_a_body(
+    model_dir, app_for, path, method, status
+):
+    """HEAD is answered as GET (service.http.head): every status the document lists for a
+    GET comes from the same recipe with HEAD, with the GET's headers and no body."""
+    got = produce(status, "get", path, model_dir, app_for)
+    head = produce(status, "head", path, model_dir, app_for)
+    assert head.status_code == got.status_code == status, (path, head.status_code)
+    assert head.content == b""
+    assert head.headers["content-type"] == got.headers["content-type"]
+    assert "content-length" in head.headers
