@@ -10,18 +10,21 @@ from service.core.artifact import ArtifactError
 from training.config import ReportCommand, TrainConfig, parse_command
 from training.data.datasets import DataError
 from training.distributed.ranks import init_from_environment
-from training.errors import ConfigError
+from training.errors import ConfigError, describe_os_error, raise_on_file_size_limit
 from training.evaluation.report_page import write_report_page
 from training.job import run
 from training.references.cli import main as references_main
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the job; exit status 0, or 2 with one line on stderr for bad input.
+    """Run the job; exit status 0, or 2 with one line on stderr for bad input or for output
+    that cannot be written (a full or read-only disk, the file-size limit: the path and the
+    cause; ``training.errors``).
 
     Under ``torchrun`` the job is data-parallel (``training.distributed.ranks``): every rank runs
     this, only rank 0 logs, and an error names the rank that met it. torchrun ends the
     other ranks when one fails, and the job's exit status is non-zero."""
+    raise_on_file_size_limit()
     argv = sys.argv[1:] if argv is None else argv
     config = parse_command(argv)
     if isinstance(config, ReportCommand):
@@ -40,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     except (DataError, ConfigError, ArtifactError, ValueError) as exc:
         print(f"error{where}: {exc}", file=sys.stderr, flush=True)
         return 2
+    except OSError as exc:
+        print(f"error{where}: {describe_os_error(exc)}", file=sys.stderr, flush=True)
+        return 2
     finally:
         if group.is_distributed and dist.is_initialized():
             dist.destroy_process_group()
@@ -50,8 +56,11 @@ def report_main(command: ReportCommand) -> int:
     """``python -m training report MODEL_DIR``: 0 and the page's path, or 2 and why not."""
     try:
         page = write_report_page(command.model_dir)
-    except (ArtifactError, ValueError, OSError) as exc:
+    except (ArtifactError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except OSError as exc:
+        print(f"error: {describe_os_error(exc)}", file=sys.stderr, flush=True)
         return 2
     print(page)
     return 0

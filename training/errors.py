@@ -1,12 +1,80 @@
-"""The training job's error for an option it cannot use.
+"""The training job's errors for what it cannot use or cannot write.
 
 ``ConfigError`` sits at the bottom of ``training``: the configuration, publishing, the job
 and the references command all raise it, and the command line maps it to exit status 2
 (``training.cli``). A data file the job cannot read raises ``training.data.DataError``.
+
+``WriteError`` is an ``OSError`` met while writing what the job or a references command
+produces (the artifact, the ``--publish`` link, the report page) for a reason of the file
+system: a full disk (ENOSPC), a read-only one (EROFS), the file-size limit (EFBIG, under
+``ulimit -f``; :func:`raise_on_file_size_limit` makes that an error rather than a signal
+that kills the process). Its message is one line naming the path and the cause; the
+command line maps it, as any ``OSError`` (:func:`describe_os_error`), to exit status 2.
+The writers make their output under a temporary name and rename it into place, so a write
+that fails replaces nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import os
+import signal
+from collections.abc import Iterator
+
 
 class ConfigError(ValueError):
     """An option has a value the job cannot use."""
+
+
+class WriteError(OSError):
+    """Writing ``what`` at ``path`` failed with ``cause`` (an OSError): errno and strerror
+    are the cause's, ``filename`` is ``path``."""
+
+    def __init__(self, what: str, path: str | os.PathLike, cause: OSError):
+        super().__init__(cause.errno, cause.strerror or str(cause), os.fspath(path))
+        self.what = what
+
+    def __str__(self) -> str:
+        return (
+            f"cannot write {self.what} {self.filename}: {_cause(self)}; "
+            "nothing at that path was replaced"
+        )
+
+
+def _cause(exc: OSError) -> str:
+    """'No space left on device (ENOSPC)': the cause and its errno's name."""
+    name = errno.errorcode.get(exc.errno) if exc.errno is not None else None
+    text = exc.strerror or str(exc)
+    return f"{text} ({name})" if name else text
+
+
+def describe_os_error(exc: OSError) -> str:
+    """One line for the command line: a WriteError's own, else the path(s) and the cause
+    ('/data/x.npy: Permission denied (EACCES)')."""
+    if isinstance(exc, WriteError):
+        return str(exc)
+    paths = [os.fspath(p) for p in (exc.filename, exc.filename2) if p is not None]
+    where = " -> ".join(str(p) for p in paths)
+    return f"{where}: {_cause(exc)}" if where else _cause(exc)
+
+
+@contextlib.contextmanager
+def writing(what: str, path: str | os.PathLike) -> Iterator[None]:
+    """Any OSError inside becomes a WriteError naming ``what`` and ``path``."""
+    try:
+        yield
+    except WriteError:
+        raise
+    except OSError as exc:
+        raise WriteError(what, path, exc) from exc
+
+
+def raise_on_file_size_limit() -> None:
+    """Ignore SIGXFSZ, so that a write past the file-size limit (``ulimit -f``) fails with
+    EFBIG, which the writers report, instead of killing the process."""
+    if hasattr(signal, "SIGXFSZ"):
+        try:
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        except ValueError:  # not the main thread (the CLI called from a thread): as it was
+            pass

@@ -28,7 +28,7 @@ from training.data.datasets import (
 )
 from training.distributed.ranks import ProcessGroup, current_group, shard_bounds
 from training.distributed.sharded_stats import gather_array
-from training.errors import ConfigError
+from training.errors import ConfigError, describe_os_error, writing
 from training.evaluation.baselines import BASELINES
 from training.evaluation.calibration import calibrate, outlier_report
 from training.evaluation.evaluate import K_VALUES, choose_k, knn_accuracies, knn_predictions
@@ -139,7 +139,7 @@ def run(config: TrainConfig, *, log=print) -> dict:
             ),
         }
         save_artifact(out, config, _data_name(config), split, estimator, evaluation, report)
-        _write_page(out, log)
+        page = _write_page(out, log)
         if config.publish:
             publish(config.publish, out)
             log(f"published {config.publish} -> {out}")
@@ -156,21 +156,28 @@ def run(config: TrainConfig, *, log=print) -> dict:
         )
         for warning in warnings_of(report):  # what report.html puts first, on screen too
             log(f"warning: {warning}")
-        log(f"report: {out / 'report.html'}")
+        if page is not None:
+            log(f"report: {page}")
     if group.is_distributed:
         dist.barrier()  # the other ranks end after the artifact exists
     return report
 
 
-def _write_page(out: Path, log) -> None:
-    """report.html beside the artifact; the model is written whether or not this works."""
+def _write_page(out: Path, log) -> Path | None:
+    """report.html beside the artifact, and its path; None, with a warning that says why
+    (a full disk: the path and the cause), when it cannot be written. The model is written
+    whether or not this works, so the job still succeeds."""
     try:
-        write_report_page(out)
-    except (ArtifactError, ValueError, KeyError, TypeError, AttributeError, OSError) as exc:
-        log(
-            f"warning: report.html not written ({type(exc).__name__}: {exc}); the model is; "
-            f"python -m training report {out} tries again"
-        )
+        return write_report_page(out)
+    except OSError as exc:
+        reason = describe_os_error(exc)
+    except (ArtifactError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        reason = f"{type(exc).__name__}: {exc}"
+    log(
+        f"warning: report.html not written ({reason}); the model is; "
+        f"python -m training report {out} tries again"
+    )
+    return None
 
 
 def _split(data: Dataset, config: TrainConfig) -> Split:
@@ -443,29 +450,30 @@ def save_artifact(
             f"{data_name}: test embeddings (d={estimator.n_components})",
         )
     training_record = {k: v for k, v in report["training"].items() if k != "history"}
-    write_artifact(
-        out,
-        projection=estimator.projection_,
-        offset=estimator.offset_,
-        embeddings=ev.z_ref,
-        labels=ev.y_ref.astype(np.int32),
-        ids=ev.ref_ids,
-        classes=split.classes.tolist(),
-        mean=estimator.mean_,
-        scale=estimator.scale_,
-        default_k=ev.default_k,
-        decision_rule=config.decision_rule,
-        validation_embeddings=ev.z_val,
-        validation_labels=ev.y_val.astype(np.int32),
-        extra_files=extra_files,
-        metadata={
-            "training": training_record,
-            "metrics": report["metrics"],
-            "data": report["data"],
-            "outlier_calibration": ev.outlier_calibration,
-            **_reference_set_of(estimator, config),
-        },
-    )
+    with writing("the artifact", out):  # a full or read-only disk: path and cause, exit 2
+        write_artifact(
+            out,
+            projection=estimator.projection_,
+            offset=estimator.offset_,
+            embeddings=ev.z_ref,
+            labels=ev.y_ref.astype(np.int32),
+            ids=ev.ref_ids,
+            classes=split.classes.tolist(),
+            mean=estimator.mean_,
+            scale=estimator.scale_,
+            default_k=ev.default_k,
+            decision_rule=config.decision_rule,
+            validation_embeddings=ev.z_val,
+            validation_labels=ev.y_val.astype(np.int32),
+            extra_files=extra_files,
+            metadata={
+                "training": training_record,
+                "metrics": report["metrics"],
+                "data": report["data"],
+                "outlier_calibration": ev.outlier_calibration,
+                **_reference_set_of(estimator, config),
+            },
+        )
 
 
 def _reference_set_of(estimator: NCA, config: TrainConfig) -> dict:

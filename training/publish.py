@@ -3,7 +3,9 @@ directory, for the training job and the references command alike.
 
 A server polling the link (``service`` with ``reload_poll_seconds``) sees either the old
 target or the new one, never a half-made link: the new link is made under a temporary name
-beside the old one and renamed over it (``rename(2)`` replaces a symlink atomically).
+beside the old one and renamed over it (``rename(2)`` replaces a symlink atomically). The
+temporary names carry the publisher's host and pid, so that the next write cleans up after a
+killed publisher and never after a live one.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from training.errors import ConfigError
+from service.core.artifact.write import remove_stale_staging, staging_path
+from training.errors import ConfigError, writing
 
 
 def check_publish_link(link: str | None) -> None:
@@ -21,12 +24,21 @@ def check_publish_link(link: str | None) -> None:
 
 
 def publish(link: str, target: Path) -> None:
-    """Atomically (re)point the symlink ``link`` at ``target``, by a path relative to the link."""
+    """Atomically (re)point the symlink ``link`` at ``target``, by a path relative to the link.
+
+    The new link is made as ``.LINK.tmp-HOST-PID-HEX`` (``staging_path``): one a killed
+    publisher left is removed by the next write into that directory once its process is
+    gone (``remove_stale_staging``), never a live publisher's. A link the file system
+    refuses (full, read-only) raises ``WriteError`` and leaves the old link as it was."""
     link_path = Path(link).absolute()
-    link_path.parent.mkdir(parents=True, exist_ok=True)
-    destination = os.path.relpath(target.absolute(), link_path.parent)
-    temporary = link_path.with_name(f".{link_path.name}.tmp-{os.getpid()}")
-    if os.path.lexists(temporary):
-        os.unlink(temporary)
-    os.symlink(destination, temporary)
-    os.replace(temporary, link_path)
+    with writing("the --publish link", link_path):
+        link_path.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_staging(link_path)
+        destination = os.path.relpath(target.absolute(), link_path.parent)
+        temporary = staging_path(link_path)
+        os.symlink(destination, temporary)
+        try:
+            os.replace(temporary, link_path)
+        except BaseException:
+            os.unlink(temporary)
+            raise

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from service.core.artifact import read_artifact
 from service.core.artifact.read import read_extras
+from training.errors import writing
 from training.evaluation.charts import Chart, Marker, Series, confusion_table, line_chart
 
 PAGE_FILE = "report.html"
@@ -266,7 +267,9 @@ def _reference_rows(manifest: dict) -> list[tuple[str, object]]:
 
 
 def write_report_page(model_dir: str | os.PathLike) -> Path:
-    """Render report.html from the artifact in ``model_dir`` and write it there atomically."""
+    """Render report.html from the artifact in ``model_dir`` and write it there atomically
+    (a temporary file renamed into place); a write the file system refuses raises
+    ``WriteError`` naming the page and the cause, and leaves no temporary file behind."""
     root = Path(model_dir)
     artifact = read_artifact(root)
     extras = read_extras(artifact)
@@ -277,6 +280,11 @@ def write_report_page(model_dir: str | os.PathLike) -> Path:
     page = render_page(report, manifest, {k: v for k, v in extras.items() if k in IMAGES})
     target = root / PAGE_FILE
     partial = root / f".{PAGE_FILE}.{os.getpid()}.partial"
-    partial.write_text(page, encoding="utf-8")
-    os.replace(partial, target)
+    with writing("the report page", target):  # a full disk: WriteError, and no partial file
+        try:
+            partial.write_text(page, encoding="utf-8")
+            os.replace(partial, target)
+        except BaseException:
+            partial.unlink(missing_ok=True)
+            raise
     return target

@@ -2,7 +2,9 @@
 
 Each command writes a new artifact version at ``--out`` (atomically) and, with
 ``--publish LINK``, repoints that symlink at it afterwards, as the training job does. It prints
-a JSON summary on stdout; bad input exits 2 with one line on stderr and writes nothing.
+a JSON summary on stdout; bad input, and output that cannot be written (a full or read-only
+disk, the file-size limit), exit 2 with one line on stderr naming the path and the cause, and
+replace nothing.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from training.data.datasets import DataError, load_dataset
-from training.errors import ConfigError
+from training.errors import ConfigError, describe_os_error, raise_on_file_size_limit
 from training.publish import check_publish_link, publish
 from training.references.versions import (
     ReferenceError,
@@ -172,11 +174,16 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str]) -> int:
+    """Run one command: exit status 0 and the summary, or 2 and one line on stderr."""
+    raise_on_file_size_limit()
     args = build_parser().parse_args(argv)
     try:
         summary = run(args)
     except (ReferenceError, DataError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a full or read-only disk, the file-size limit: path and cause
+        print(f"error: {describe_os_error(exc)}", file=sys.stderr)
         return 2
     print(json.dumps(summary, indent=2))
     return 0

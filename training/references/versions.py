@@ -31,7 +31,8 @@ time, warnings), which ``GET /v1/model`` shows.
 
 A prebuilt FAISS index of the parent no longer matches the references and is not carried
 over: the service builds its index at load. Bad input raises :class:`ReferenceError` (the CLI
-exits 2) and writes nothing.
+exits 2) and writes nothing; a write the file system refuses (full, read-only, over the
+file-size limit) raises ``training.errors.WriteError`` and replaces nothing.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from service.core.artifact import (
 )
 from service.core.knn import project
 from training.data.datasets import DataError, validate_xy
+from training.errors import WriteError
 from training.evaluation.calibration import calibrate
 from training.evaluation.evaluate import knn_accuracies
 from training.references.compress import compress, edit_k_for, reference_set_record
@@ -159,6 +161,8 @@ def write_version(
         )
     except ArtifactError as exc:
         raise ReferenceError(f"cannot write {out}: {exc}") from exc
+    except OSError as exc:  # a full or read-only disk, the file-size limit: nothing replaced
+        raise WriteError("the artifact", out, exc) from exc
 
 
 def add_references(

@@ -2,7 +2,8 @@
 reader makes again), write every file into a staging
 sibling directory, fsync each file and the directory, then rename it into place (exchanged
 with an existing artifact in one step where the OS allows it). A writer killed half-way
-leaves a ``.NAME.tmp-HOST-PID-*`` sibling that the next write to the same path removes."""
+leaves a ``.NAME.tmp-HOST-PID-*`` sibling; the next write into the same directory, to any
+name, removes it once that process is gone (``remove_stale_staging``)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import socket
 import time
@@ -146,13 +148,24 @@ def _move_into_place(staging: Path, final: Path) -> None:
     shutil.rmtree(backup, ignore_errors=True)
 
 
-STALE_STAGING_SECONDS = 24 * 3600  # a staging directory this old is abandoned on any host
+STALE_STAGING_SECONDS = 24 * 3600  # a staging entry this old is abandoned on any host
+
+# .NAME.tmp-HOST-PID-HEX (a staging directory, or a link being made) and .NAME.old-HOST-PID-HEX
+# (the previous artifact, moved aside by the portable replacement); HOST has no "-"
+_STAGING = re.compile(r"\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<tag>[A-Za-z0-9_]+-[0-9]+)-[0-9a-f]+")
 
 
 def _writer_tag() -> str:
     """HOST-PID of this writer, so that a later writer can tell whether it is still alive."""
     host = "".join(c if c.isalnum() else "_" for c in socket.gethostname()) or "host"
     return f"{host}-{os.getpid()}"
+
+
+def staging_path(path: str | os.PathLike) -> Path:
+    """A fresh staging name beside ``path`` for this writer: ``.NAME.tmp-HOST-PID-HEX``,
+    which :func:`remove_stale_staging` removes once this process is gone."""
+    final = Path(path).absolute()
+    return final.with_name(f".{final.name}.tmp-{_writer_tag()}-{uuid.uuid4().hex[:12]}")
 
 
 def _writer_alive(tag: str) -> bool:
@@ -170,29 +183,45 @@ def _writer_alive(tag: str) -> bool:
 
 
 def remove_stale_staging(path: str | os.PathLike, *, now: float | None = None) -> list[Path]:
-    """Remove ``.NAME.tmp-*`` / ``.NAME.old-*`` siblings of ``path`` left by dead writers.
+    """Remove the staging entries that dead writers left in the directory of ``path``, for
+    any name in it (a killed ``--out v3`` leaves ``.v3.tmp-*``, which the write of v4
+    removes): ``.NAME.tmp-HOST-PID-*`` directories and links, and ``.NAME.old-HOST-PID-*``.
 
-    A sibling is stale when its writer was on this host and is gone, or when it is older
-    than :data:`STALE_STAGING_SECONDS`. Returns the removed paths.
-    """
+    An entry is stale when its writer was on this host and is gone, or when it is older
+    than :data:`STALE_STAGING_SECONDS`; a live writer's entries are left alone. A stale
+    ``.NAME.old-*`` whose ``NAME`` is missing is the previous artifact of a writer that died
+    between its two renames: it is renamed back to ``NAME``, not removed. Entries that
+    cannot be removed (a read-only directory) are left. Returns the paths removed or
+    restored."""
     final = Path(path).absolute()
     now = time.time() if now is None else now
-    removed = []
-    for prefix in (f".{final.name}.tmp-", f".{final.name}.old-"):
-        for sibling in final.parent.glob(glob_escape(prefix) + "*"):
-            tag = sibling.name[len(prefix) :].rpartition("-")[0]
-            try:
-                age = now - sibling.lstat().st_mtime
-            except FileNotFoundError:
-                continue
-            if age > STALE_STAGING_SECONDS or not _writer_alive(tag):
-                shutil.rmtree(sibling, ignore_errors=True)
-                removed.append(sibling)
-    return removed
-
-
-def glob_escape(text: str) -> str:
-    return "".join(f"[{c}]" if c in "*?[" else c for c in text)
+    handled = []
+    try:
+        entries = sorted(final.parent.iterdir())
+    except OSError:  # no such directory (yet), or unreadable: nothing to clean
+        return handled
+    for entry in entries:
+        match = _STAGING.fullmatch(entry.name)
+        if match is None:
+            continue
+        try:
+            age = now - entry.lstat().st_mtime
+        except FileNotFoundError:
+            continue
+        if age <= STALE_STAGING_SECONDS and _writer_alive(match["tag"]):
+            continue
+        owner = entry.with_name(match["name"])
+        try:
+            if match["kind"] == "old" and not owner.exists() and not owner.is_symlink():
+                os.rename(entry, owner)  # the previous artifact, back where it was
+            elif entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+        except OSError:
+            continue
+        handled.append(entry)
+    return handled
 
 
 def write_artifact(
@@ -236,7 +265,7 @@ def write_artifact(
     manifest = _manifest_fields(arrays, classes, default_k, decision_rule, metadata)
     final.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_staging(final)
-    staging = final.with_name(f".{final.name}.tmp-{_writer_tag()}-{uuid.uuid4().hex[:12]}")
+    staging = staging_path(final)
     staging.mkdir()
     try:
         manifest["files"] = _write_model_files(staging, arrays, index_bytes)
