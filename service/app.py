@@ -38,6 +38,7 @@ from service.config import Settings
 from service.engine.batcher import Batcher
 from service.engine.engine import Engine
 from service.errors import (
+    AnswerBudgetSpent,
     ClientClosed,
     InvalidInput,
     MethodNotAllowed,
@@ -54,6 +55,8 @@ from service.http.routes import health, inference, model
 from service.oip import grpc_server
 from service.oip import rest as v2
 from service.openapi import build_openapi
+from service.ops import memory
+from service.ops.answers import RESERVE_FROM_BYTES, AnswerHold, declared_size
 from service.ops.metrics import Metrics
 from service.ops.tracing import (
     REQUEST_ID_HEADER,
@@ -86,7 +89,10 @@ SHUTDOWN_BODY = msgspec.json.encode(
 class ServiceMiddleware:
     """Pure ASGI middleware: requests by route and status, latency by route;
     ``Connection: close`` while draining; the error body for a request cancelled at the end
-    of the shutdown grace period."""
+    of the shutdown grace period; the budget of answers in flight (``service.ops.answers``):
+    an answer's start is held until its first body message gives its size, and an answer
+    of RESERVE_FROM_BYTES or more is reserved (503 when it does not fit) and released by
+    its connection once sent."""
 
     def __init__(self, app, state: AppState, routes: set[str]):
         self.app = app
@@ -106,22 +112,45 @@ class ServiceMiddleware:
             span = tracing.start_request(f"{scope['method']} {scope['path']}", _carrier(scope))
             token = current_span.set(span)
 
+        held = None  # the answer's start, held until its first body message gives its size
+        answer: AnswerHold | None = None  # its reservation in the budget of answers
+        refused = False  # the answer was replaced by the answer budget's 503
+
         async def send_wrapped(message):
-            nonlocal status, response_started
+            nonlocal status, response_started, held, answer, refused
             if message["type"] == "http.response.start":
                 status = message["status"]
-                response_started = True
-                extra = []
-                if self.state.engine.draining:
-                    extra.append((b"connection", b"close"))
-                if span is not None:
-                    extra.append((REQUEST_ID_HEADER.encode(), trace_id_of(span).encode()))
+                extra = self.extra_headers(span)
                 if extra:
                     message = {**message, "headers": [*message.get("headers", []), *extra]}
+                held = message
+                return
+            if held is not None:
+                start, held = held, None
+                size = len(message.get("body", b""))
+                if message.get("more_body", False):
+                    size = declared_size(start)
+                if size >= RESERVE_FROM_BYTES:  # a large answer: reserved, or refused (503)
+                    try:
+                        answer = self.state.answers.reserve(size)
+                    except AnswerBudgetSpent as exc:
+                        status, refused, response_started = 503, True, True
+                        await self.refuse_answer(exc, scope, span, send)
+                        return
+                response_started = True
+                await send(start)
+            elif refused:
+                return  # the rest of an answer the budget refused
             await send(message)
+            if answer is not None and not message.get("more_body", False):
+                connections.hold_until_sent(send, answer)  # released once it left the process
+                answer = None
 
         try:
             await self.app(scope, receive, send_wrapped)
+            if held is not None:  # a start without a body message
+                response_started = True
+                await send(held)
         except asyncio.CancelledError:
             if response_started:
                 raise
@@ -139,6 +168,8 @@ class ServiceMiddleware:
             )
             await send({"type": "http.response.body", "body": SHUTDOWN_BODY})
         finally:
+            if answer is not None:  # an answer cut short: released once nothing of it is held
+                connections.hold_until_sent(send, answer)
             # a request the connection guard answered in the application's place (408 for a
             # body that did not arrive in time, 400 for malformed framing) counts as that
             status = scope.get(connections.ANSWERED_STATUS, status)
@@ -149,6 +180,25 @@ class ServiceMiddleware:
             if span is not None:
                 current_span.reset(token)
                 tracing.finish_request(span, f"{scope['method']} {route}", status, seconds)
+
+    def extra_headers(self, span) -> list[tuple[bytes, bytes]]:
+        """Headers added to every answer: ``Connection: close`` while draining, the trace's
+        request id when tracing."""
+        extra = []
+        if self.state.engine.draining:
+            extra.append((b"connection", b"close"))
+        if span is not None:
+            extra.append((REQUEST_ID_HEADER.encode(), trace_id_of(span).encode()))
+        return extra
+
+    async def refuse_answer(self, error: AnswerBudgetSpent, scope, span, send) -> None:
+        """Send the answer budget's 503 (the one error body; under /v2 the protocol's) in
+        place of an answer that does not fit it."""
+        response = error_response(self.state, error, {"retry-after": "1"}, path=scope["path"])
+        memory.trim_soon()  # the refused answer's memory goes back
+        headers = [*response.raw_headers, *self.extra_headers(span)]
+        await send({"type": "http.response.start", "status": 503, "headers": headers})
+        await send({"type": "http.response.body", "body": response.body})
 
     def route_label(self, path: str) -> str:
         """The metrics' route label: a route of the app (a /v2 path as its template), else

@@ -116,11 +116,22 @@ class Settings(BaseSettings):
         "headers; else 408 and close (at the default max_body_bytes a client must send "
         "about 2.2 MB/s)",
     )
+    body_progress_seconds: float = Field(
+        5.0,
+        gt=0,
+        description="while a request's body streams in, it must grow by 64 KiB (or be "
+        "complete) in every window of this many seconds, else 408 and close (at the default "
+        "a body must come at about 13 KB/s or faster); at the connection cap, a new "
+        "connection takes the slot of a body that has been below that rate for 0.5 s (or a "
+        "quarter of this window, when shorter)",
+    )
     send_timeout_seconds: float = Field(
         60.0,
         gt=0,
-        description="an answer the client stops reading is dropped, and the connection "
-        "reset, when it has not been taken within this many seconds",
+        description="once an answer stops draining, the client must take 64 KiB of it (or "
+        "the rest) in every window of this many seconds, counted on what leaves the "
+        "process and the kernel's send queue; else the connection is reset and the answer "
+        "dropped",
     )
     max_body_bytes_in_flight: int = Field(
         256 * 2**20,
@@ -128,6 +139,14 @@ class Settings(BaseSettings):
         description="most bytes of request bodies one worker holds at once, being received "
         "or parsed (HTTP bodies as their bytes arrive, gRPC calls their largest message "
         "before it is read); a body that does not fit is refused with 429",
+    )
+    max_answer_bytes_in_flight: int = Field(
+        256 * 2**20,
+        ge=1024,
+        description="most bytes of HTTP answers one worker holds for clients that have not "
+        "taken them yet (answers of 64 KiB or more, reserved when encoded, released when "
+        "they have left the process); an answer that does not fit is refused with 503 "
+        "answer_budget_spent",
     )
     probe_port: int = Field(
         8082,

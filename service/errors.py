@@ -92,6 +92,13 @@ class TooManyConnections(ServiceError):
     error_type = "too_many_connections"
 
 
+class AnswerBudgetSpent(ServiceError):
+    """The answers a worker holds for clients that have not taken them yet would pass
+    max_answer_bytes_in_flight: this answer is refused instead (503, fast)."""
+
+    error_type = "answer_budget_spent"
+
+
 class ClientClosed(ServiceError):
     """The client went away before its request was read: nothing can be answered. Counted
     with nginx's status 499 (client closed request), never as a server error."""
@@ -105,6 +112,7 @@ STATUS: dict[type[ServiceError], int] = {
     RequestTimeout: 408,
     HeaderFieldsTooLarge: 431,
     TooManyConnections: 503,
+    AnswerBudgetSpent: 503,
     TooManyPipelined: 429,
     Unauthorized: 401,
     NotFound: 404,

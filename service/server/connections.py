@@ -16,10 +16,17 @@ connection (``python -m service`` runs uvicorn with it; the settings are read fr
   kept-alive connection, the request line and all headers must arrive in time, else ``408``;
   they are counted as the bytes arrive, before the parser buffers them, and past either
   size limit the answer is ``431``.
-* **body: a deadline and a framing limit** (``body_timeout_seconds``). The whole body must
-  arrive within the deadline of its headers, else ``408``. Chunked framing (chunk sizes,
+* **body: a deadline, a minimum rate and a framing limit** (``body_timeout_seconds``,
+  ``body_progress_seconds``). The whole body must arrive within the deadline of its headers,
+  and grow by ``MIN_BODY_PROGRESS_BYTES`` (or be complete) in every window of
+  ``body_progress_seconds``, else ``408``. At the connection cap a new connection takes the
+  slot of the oldest body that has been below that rate for ``EVICT_AFTER_SECONDS`` (or
+  a quarter of a window, when shorter; it is answered ``408``) instead of being refused,
+  so clients trickling bodies, even coming back when cut off, cannot keep fresh clients
+  out. Chunked framing (chunk sizes,
   extensions, trailers) may not exceed ``max_header_bytes`` plus the body bytes it carried,
-  trailers count against ``max_headers``, and malformed framing is answered ``400``.
+  trailers count against ``max_headers``, and malformed framing, or a chunk larger than
+  any body the server takes (``max_body_bytes``), is answered ``400``.
   While a body streams in uvicorn holds at most 64 KiB of it per connection (it stops
   reading until the application takes it); what the application holds is bounded by
   ``service.ops.bodies.BodyBudget``.
@@ -27,9 +34,18 @@ connection (``python -m service`` runs uvicorn with it; the settings are read fr
   request's body has arrived (a missing API key, a body over its limit, a route that reads
   no body), no more of the body is read: the connection is closed after the answer, so a
   client that keeps dripping the body it declared holds neither a slot nor memory.
-* **response: a send deadline** (``send_timeout_seconds``). When the client stops reading
-  an answer (the transport's buffer passes its high-water mark), it has this long to take
-  it; otherwise the connection is reset and the answer dropped.
+* **response: a minimum rate, measured on what the client took** (``send_timeout_seconds``).
+  When the client stops reading an answer (the transport's buffer passes its high-water
+  mark), what the connection holds (the transport's buffer plus the kernel's send queue,
+  ``TIOCOUTQ``: bytes the client has not acknowledged) must shrink by
+  ``MIN_SEND_PROGRESS_BYTES`` (or to nothing) in every window of ``send_timeout_seconds``;
+  otherwise the connection is **reset** (``SO_LINGER`` 0, then abort: an RST, and the
+  kernel drops its queue at once) and the answer dropped. An answer the server gives up
+  on is always dropped by a reset, never by a close that would leave its bytes queued.
+* **answers in flight** (``max_answer_bytes_in_flight``): the reservation an answer took in
+  ``service.ops.answers`` is handed to its connection (``hold_answer``), which releases it
+  once the bytes have left the process (below the high-water mark at the answer's end, at
+  ``resume_writing``, or when the connection ends).
 * **idle keep-alive** (``keep_alive_timeout_seconds``, uvicorn's own): a connection idle
   between requests is closed.
 
@@ -51,8 +67,12 @@ once.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import resource
+import socket
+import struct
+import termios
 from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -73,6 +93,7 @@ from service.errors import (
     status_of,
 )
 from service.ops import memory
+from service.ops.answers import AnswerHold
 from service.server import accept
 
 log = logging.getLogger("service.server.connections")
@@ -87,6 +108,12 @@ LINGER_SECONDS = 2.0  # after a refusal, how long to drop input before closing
 MAX_PIPELINED = 8
 # an answer the client is slow to take must shrink by this much every send_timeout_seconds
 MIN_SEND_PROGRESS_BYTES = 65536
+# a body that streams in must grow by this much every body_progress_seconds
+MIN_BODY_PROGRESS_BYTES = 65536
+# at the cap, a body below that rate for this long (at most a quarter of a window) gives its
+# slot to a new connection
+EVICT_AFTER_SECONDS = 0.5
+CHUNK_LINE_TAIL = 32  # bytes of a body's last read kept for a chunk-size line split across reads
 # over the cap the client has sent at most its request: a shorter linger serves more 503s
 # from the MAX_LINGERING slots when a flood keeps the server at its cap
 OVER_CAPACITY_LINGER_SECONDS = 0.5
@@ -114,6 +141,8 @@ class ConnectionLimits:
     max_header_bytes: int
     max_headers: int
     body_timeout_seconds: float
+    body_progress_seconds: float
+    max_body_bytes: int
     send_timeout_seconds: float
 
     @classmethod
@@ -124,6 +153,8 @@ class ConnectionLimits:
             max_header_bytes=settings.max_header_bytes,
             max_headers=settings.max_headers,
             body_timeout_seconds=settings.body_timeout_seconds,
+            body_progress_seconds=settings.body_progress_seconds,
+            max_body_bytes=settings.max_body_bytes,
             send_timeout_seconds=settings.send_timeout_seconds,
         )
 
@@ -167,6 +198,25 @@ def check_open_files(max_connections: int, listeners: int = 1) -> int:
     return soft
 
 
+def answer_sink(send) -> GuardedHttpProtocol | None:
+    """The guarded connection behind an ASGI ``send`` (uvicorn's request cycle, bound to its
+    transport), or None (another server, a test client): where an answer's reservation is
+    handed to be released when its bytes have left the process."""
+    transport = getattr(getattr(send, "__self__", None), "transport", None)
+    return transport.protocol if isinstance(transport, _Transport) else None
+
+
+def hold_until_sent(send, hold: AnswerHold) -> None:
+    """Hand an answer's reservation to the connection that sent it, which releases it once
+    the answer's bytes have left the process; without one (a test client, where the send
+    has returned with the bytes delivered), release it now."""
+    sink = answer_sink(send)
+    if sink is None:
+        hold.release()
+    else:
+        sink.hold_answer(hold)
+
+
 def refusal_bytes(error: ServiceError) -> bytes:
     """A complete HTTP/1.1 response carrying ``error`` with the one error body, closing."""
     body = msgspec.json.encode(body_of(error))
@@ -190,6 +240,69 @@ class _Lingering:
     """How many connections of this process are in a lingering close."""
 
     count = 0
+
+
+# the connections of this process whose request body is streaming in (timed), oldest first:
+# where a new connection at the cap looks for a slot to take (``evict_a_slow_body``)
+_streaming_bodies: dict[GuardedHttpProtocol, None] = {}
+LINGER_ZERO = struct.pack("ii", 1, 0)  # SO_LINGER {on, 0 s}: close() sends an RST
+
+
+def kernel_send_queue(transport: asyncio.Transport) -> int:
+    """The bytes of the connection's kernel send queue the client has not acknowledged
+    (Linux: SIOCOUTQ, spelled TIOCOUTQ), 0 where the socket is gone or cannot say."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return 0
+    try:
+        queued = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+    except (OSError, ValueError):
+        return 0
+    return struct.unpack("i", queued)[0]
+
+
+def reset(transport: asyncio.Transport) -> None:
+    """Drop the connection and whatever it still holds: SO_LINGER {on, 0} first, so that
+    the socket's close sends an RST and the kernel frees its send queue at once (a plain
+    close would queue a FIN behind the unsent bytes and keep them in FIN-WAIT-1)."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, LINGER_ZERO)
+        except (OSError, ValueError):
+            pass  # already closed: nothing is queued
+    transport.abort()
+
+
+def bound_unacknowledged(transport: asyncio.Transport, seconds: float) -> None:
+    """Have the kernel drop the connection when bytes it sent stay unacknowledged for
+    ``seconds`` (TCP_USER_TIMEOUT; zero-window probes do not count as progress), where
+    the platform has it."""
+    option = getattr(socket, "TCP_USER_TIMEOUT", None)
+    sock = transport.get_extra_info("socket")
+    if option is None or sock is None:
+        return
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, option, max(1, int(seconds * 1000)))
+    except (OSError, ValueError):
+        pass
+
+
+def chunk_size_before(data: bytes) -> int | None:
+    """The size a chunk-size line declares, read from ``data``, which ends with that line
+    (and its CRLF); when the line began in an earlier read, the digits here are its last
+    ones, whose value is a lower bound of the size. None when no size can be read."""
+    if data.endswith(b"\r\n"):
+        data = data[:-2]
+    elif data.endswith(b"\n"):
+        data = data[:-1]
+    else:
+        return None
+    line = data[data.rfind(b"\n") + 1 :]
+    digits = line.split(b";", 1)[0].strip(b" \t")
+    if not digits or digits.strip(b"0123456789abcdefABCDEF"):
+        return None
+    return int(digits, 16)
 
 
 class _Transport:
@@ -232,8 +345,19 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         # ends before they are complete: most requests arrive whole in one read)
         self.header_deadline: float | None = None
         self.body_timer: asyncio.TimerHandle | None = None
+        # while a body streams in: when its clock started, its deadline, its bytes at the
+        # last check of its rate
+        self.body_started = 0.0
+        self.body_deadline = 0.0
+        self.body_checked_bytes = 0
+        # the body bytes before the open chunk's data, while its size is still to be checked,
+        # and the end of the last read of a body (where a chunk-size line may have begun)
+        self.chunk_started: int | None = None
+        self.read_tail = b""
         self.send_timer: asyncio.TimerHandle | None = None
-        self.unsent_bytes = 0  # of the answer in the transport's buffer at the last check
+        self.queued_bytes = 0  # the transport's buffer plus the kernel's queue at the last check
+        self.answer_holds: list[AnswerHold] = []  # answers sent, not yet out of the process
+        self.lost = False  # connection_lost has run
         self.linger_timer: asyncio.TimerHandle | None = None
         # while a request's headers are incomplete: the bytes received for them (None once
         # they are complete; the body is not counted) and what the parser has reported
@@ -265,7 +389,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             accept.batch.accept(
                 self.loop, self.server[1], self.new_protocol, room - _Lingering.count
             )
-        if len(self.connections) > self.guard.max_connections:
+        if len(self.connections) > self.guard.max_connections and not self.evict_a_slow_body():
             self.refuse(
                 TooManyConnections(
                     f"the server holds its limit of {self.guard.max_connections} open "
@@ -293,13 +417,16 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().shutdown()
 
     def connection_lost(self, exc) -> None:
-        for timer in (self.header_timer, self.body_timer, self.send_timer, self.linger_timer):
+        self.lost = True
+        self.stop_body_clock()
+        for timer in (self.header_timer, self.send_timer, self.linger_timer):
             if timer is not None:
                 timer.cancel()
-        self.header_timer = self.body_timer = self.send_timer = self.linger_timer = None
+        self.header_timer = self.send_timer = self.linger_timer = None
         if self.lingering:
             self.lingering = False
             _Lingering.count -= 1
+        self.release_answers()  # whatever the transport still held is gone with it
         cycle = self.cycle
         if cycle is not None and not cycle.response_complete and not self.refused:
             # the client left before its answer: the request is counted as a client abort
@@ -346,6 +473,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                 remaining = max(0.0, self.header_deadline - self.loop.time())
                 self.header_timer = self.loop.call_later(remaining, self.on_header_timeout)
         elif self.in_body:
+            if self.chunk_started is not None and self.check_chunk_size(data):
+                return
             if whole_read_in_body:
                 # every byte of this read belonged to the body phase: what the body did not
                 # get was chunked framing
@@ -362,7 +491,27 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                     )
                     return
             if self.body_timer is None:
-                self.arm_body_timer()
+                self.start_body_clock()
+            self.read_tail = data[-CHUNK_LINE_TAIL:]
+
+    def check_chunk_size(self, data: bytes) -> bool:
+        """The chunk whose size line was parsed in this read and whose data is still
+        coming: refuse it (400, True) when it is larger than any body the server takes.
+        Its data is the tail of this read, so the size line ends just before it (and may
+        have begun at the end of the last read)."""
+        tail = self.body_bytes - self.chunk_started
+        self.chunk_started = None
+        size = chunk_size_before(self.read_tail + data[: len(data) - tail])
+        if size is None or size <= self.guard.max_body_bytes:
+            return False
+        self.refuse(
+            MalformedRequest(
+                f"a chunk of {size} bytes is larger than any request body the server takes "
+                f"({self.guard.max_body_bytes} bytes, max_body_bytes)"
+            ),
+            "malformed_request",
+        )
+        return True
 
     def send_400_response(self, msg: str) -> None:
         """A request the parser cannot read: the one error body, then close."""
@@ -425,12 +574,19 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self.body_bytes += len(body)
         super().on_body(body)
 
+    def on_chunk_header(self) -> None:
+        # a chunk's size line was parsed (chunked bodies only): its size is checked at the
+        # end of this read unless the chunk completes within it
+        self.chunk_started = self.body_bytes
+
+    def on_chunk_complete(self) -> None:
+        self.chunk_started = None
+
     def on_message_complete(self) -> None:
         super().on_message_complete()
         self.in_body = False
         if self.body_timer is not None:
-            self.body_timer.cancel()
-            self.body_timer = None
+            self.stop_body_clock()
 
     def on_response_complete(self) -> None:
         if self.in_body and not self.pipeline:
@@ -450,32 +606,56 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if self.send_timer is None and not self.refused:
             self.arm_send_timer()
 
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self.answer_holds:
+            self.release_answers()  # the buffer has drained: the answers left the process
+
+    def unsent(self) -> int:
+        """What the client has not taken: the transport's buffer plus the kernel's send
+        queue (bytes not yet acknowledged)."""
+        transport = self.transport.inner
+        return transport.get_write_buffer_size() + kernel_send_queue(transport)
+
     def arm_send_timer(self) -> None:
-        self.unsent_bytes = self.transport.inner.get_write_buffer_size()
+        self.queued_bytes = self.unsent()
         self.send_timer = self.loop.call_later(
             self.guard.send_timeout_seconds, self.on_send_timeout
         )
 
     def on_send_timeout(self) -> None:
         """A client slow to take its answer is given another send_timeout_seconds each time
-        it took MIN_SEND_PROGRESS_BYTES (or the rest) meanwhile; one that stalled is reset."""
+        it took MIN_SEND_PROGRESS_BYTES (or the rest) meanwhile, counted on what the
+        connection holds in the process and in the kernel; one that did not is reset."""
         self.send_timer = None
-        transport = self.transport.inner
-        unsent = transport.get_write_buffer_size()
-        if not unsent or (transport.is_closing() and not unsent):
-            return
-        if self.unsent_bytes - unsent >= min(MIN_SEND_PROGRESS_BYTES, self.unsent_bytes):
+        unsent = self.unsent()
+        if not unsent:
+            return  # all taken
+        if self.queued_bytes - unsent >= min(MIN_SEND_PROGRESS_BYTES, self.queued_bytes):
             self.arm_send_timer()  # it is reading: keep going
             return
-        if unsent:
-            observer.refused("send_timeout")
-            log.info(
-                "an answer was not taken in time: connection reset",
-                extra={"send_timeout_seconds": self.guard.send_timeout_seconds},
-            )
-            self.refused = True
-            transport.abort()
-            memory.trim_soon()  # the answer's memory goes back
+        observer.refused("send_timeout")
+        log.info(
+            "an answer was not taken in time: connection reset",
+            extra={"send_timeout_seconds": self.guard.send_timeout_seconds, "unsent": unsent},
+        )
+        self.refused = True
+        reset(self.transport.inner)
+        memory.trim_soon()  # the answer's memory goes back
+
+    def hold_answer(self, hold: AnswerHold) -> None:
+        """Keep an answer's reservation (``service.ops.answers``) until its bytes have left
+        the process: at once when the transport's buffer is below its high-water mark (or
+        the connection is gone), else when it drains or the connection ends."""
+        if self.lost or not self.flow.write_paused:
+            hold.release()
+        else:
+            self.answer_holds.append(hold)
+
+    def release_answers(self) -> None:
+        holds, self.answer_holds = self.answer_holds, []
+        for hold in holds:
+            hold.release()
 
     # ------------------------------------------------------------------ limits
 
@@ -514,24 +694,82 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             "header_timeout",
         )
 
-    def arm_body_timer(self) -> None:
-        """The body deadline, armed at the end of the read that completed the headers when
-        the body did not come with them (most requests arrive whole in one read)."""
-        self.body_timer = self.loop.call_later(
-            self.guard.body_timeout_seconds, self.on_body_timeout
-        )
+    def start_body_clock(self) -> None:
+        """Time a body, from the end of the read that completed its headers when it did
+        not come with them (most requests arrive whole in one read): its deadline, and its
+        rate checked every body_progress_seconds."""
+        now = self.loop.time()
+        self.body_started = now
+        self.body_deadline = now + self.guard.body_timeout_seconds
+        self.body_checked_bytes = self.body_bytes
+        _streaming_bodies[self] = None
+        self.arm_body_timer(now)
 
-    def on_body_timeout(self) -> None:
+    def arm_body_timer(self, now: float) -> None:
+        wait = min(self.guard.body_progress_seconds, self.body_deadline - now)
+        self.body_timer = self.loop.call_later(max(0.0, wait), self.on_body_timer)
+
+    def stop_body_clock(self) -> None:
+        if self.body_timer is not None:
+            self.body_timer.cancel()
+            self.body_timer = None
+        _streaming_bodies.pop(self, None)
+
+    def on_body_timer(self) -> None:
+        """At the deadline: 408. At the end of a window: 408 unless the body grew by
+        MIN_BODY_PROGRESS_BYTES meanwhile, or the application has not taken what came (the
+        connection stopped reading: the client could not send)."""
         self.body_timer = None
         if not self.in_body or self.refused:
+            self.stop_body_clock()
             return
-        self.refuse(
-            RequestTimeout(
-                f"the request body did not arrive within {self.guard.body_timeout_seconds:g} s "
-                f"of its headers (body_timeout_seconds); {self.body_bytes} bytes arrived"
-            ),
-            "body_timeout",
+        now = self.loop.time()
+        if now >= self.body_deadline - 1e-3:
+            self.refuse(
+                RequestTimeout(
+                    f"the request body did not arrive within "
+                    f"{self.guard.body_timeout_seconds:g} s of its headers "
+                    f"(body_timeout_seconds); {self.body_bytes} bytes arrived"
+                ),
+                "body_timeout",
+            )
+            return
+        if (
+            self.body_bytes - self.body_checked_bytes < MIN_BODY_PROGRESS_BYTES
+            and not self.flow.read_paused
+        ):
+            self.refuse(self.body_too_slow(), "body_timeout")
+            return
+        self.body_checked_bytes = self.body_bytes
+        self.arm_body_timer(now)
+
+    def body_too_slow(self) -> ServiceError:
+        return RequestTimeout(
+            f"the request body came slower than {MIN_BODY_PROGRESS_BYTES} bytes per "
+            f"{self.guard.body_progress_seconds:g} s (body_progress_seconds); "
+            f"{self.body_bytes} bytes arrived"
         )
+
+    def evict_a_slow_body(self) -> bool:
+        """At the cap: answer 408 to the oldest body that has streamed in below the minimum
+        rate for EVICT_AFTER_SECONDS (or a quarter of a window, when that is shorter: it would
+        fail its window), so that this new connection takes its slot. False when there is
+        none."""
+        now = self.loop.time()
+        window = self.guard.body_progress_seconds
+        rate, grace = MIN_BODY_PROGRESS_BYTES / window, min(EVICT_AFTER_SECONDS, window / 4)
+        victim = None
+        for protocol in _streaming_bodies:  # oldest first
+            elapsed = now - protocol.body_started
+            if elapsed < grace:
+                break  # every later one is younger
+            if protocol.body_bytes < rate * elapsed and not protocol.flow.read_paused:
+                victim = protocol
+                break
+        if victim is None:
+            return False
+        victim.refuse(victim.body_too_slow(), "body_timeout")
+        return True
 
     # ------------------------------------------------------------------ ending
 
@@ -544,9 +782,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         pipelined request over a limit) leaves no room for an answer: the connection closes."""
         self.refused = True
         self.cancel_header_timer()
-        if self.body_timer is not None:
-            self.body_timer.cancel()
-            self.body_timer = None
+        self.stop_body_clock()
         self._unset_keepalive_if_required()
         if reason is not None:
             observer.refused(reason)
@@ -565,11 +801,17 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def close(self) -> None:
         """Close the connection: a lingering close while the client may still be sending
-        the request's body or more requests after a refusal, else at once."""
+        the request's body or more requests after a refusal, else at once. Bytes the client
+        has not taken yet are still sent, and the kernel drops the connection if the client
+        takes none of them for send_timeout_seconds (TCP_USER_TIMEOUT: the process no
+        longer watches it)."""
         if self.in_body or self.refused:
             self.linger_close()
-        else:
-            self.transport.inner.close()
+            return
+        transport = self.transport.inner
+        if not self.lost and not transport.is_closing() and self.unsent():
+            bound_unacknowledged(transport, self.guard.send_timeout_seconds)
+        transport.close()
 
     def linger_close(self, seconds: float = LINGER_SECONDS) -> None:
         """Send what is buffered and a FIN, then read and drop the client's input for up to
@@ -595,7 +837,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def end_linger(self) -> None:
         self.linger_timer = None
         transport = self.transport.inner
-        if transport.get_write_buffer_size():
-            transport.abort()  # the client took nothing: do not wait for it
+        if transport.get_write_buffer_size() or kernel_send_queue(transport):
+            reset(transport)  # the client did not take the answer: drop it
         else:
             transport.close()

@@ -304,8 +304,12 @@ TRAILERS = b"".join(b"x-t%d: v\r\n" % i for i in range(2000))
         (b"2\r\n{}\r\n0\r\n" + TRAILERS + b"\r\n", 431, "header_fields_too_large"),
         (b"2\r\n{}\r\n0\r\nx-big: " + b"a" * 2**20 + b"\r\n\r\n", 400, "malformed_request"),
         (b"2;ext=" + b"a" * 8 * 2**20 + b"\r\n{}\r\n0\r\n\r\n", 400, "malformed_request"),
-        # a chunk size that parses but whose bytes never come: the body deadline answers
-        (b"FFFFFFFFFFFFFFFF\r\nhello", 408, "request_timeout"),
+        # a chunk larger than any body the server takes (max_body_bytes): 400 at once
+        (b"FFFFFFFFFFFFFFFF\r\nhello", 400, "malformed_request"),
+        (b"4000001;x=y\r\nhello", 400, "malformed_request"),
+        (b"5\r\nhello\r\n0000000004000001\r\n", 400, "malformed_request"),
+        # a chunk size within the limit whose bytes never come: the body deadline answers
+        (b"100\r\nhello", 408, "request_timeout"),
     ],
     ids=[
         "size -5",
@@ -316,7 +320,10 @@ TRAILERS = b"".join(b"x-t%d: v\r\n" % i for i in range(2000))
         "2000 trailer fields",
         "a 1 MiB trailer",
         "an 8 MiB chunk extension",
-        "size 2^64-1 never sent",
+        "size 2^64-1",
+        "size max_body_bytes + 1 with an extension",
+        "a second chunk over max_body_bytes",
+        "size 256 never sent",
     ],
 )
 def test_malformed_chunked_framing_gets_an_answer(server, framing, status, kind):
