@@ -112,11 +112,11 @@ def test_a_finish_forced_to_hurt_is_undone_and_the_first_stage_kept(
 
 
 def test_with_a_validation_set_the_stages_are_judged_on_it():
-    X, y, X_val, y_val = problem(400, seed=2)
+    X, y = separable_problem()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = NCA(n_components=4, random_state=0, n_candidates=6, max_iter=10)
-        model.fit(X, y, X_val, y_val)
+        model.fit(X[:200], y[:200], X[200:], y[200:])
     assert model.stage_measure_ == "validation accuracy"
     assert [r["stage"] for r in model.stages_] == ["candidate stage", "exact finish"]
 
