@@ -187,10 +187,11 @@ def remove_stale_staging(path: str | os.PathLike, *, now: float | None = None) -
     any name in it (a killed ``--out v3`` leaves ``.v3.tmp-*``, which the write of v4
     removes): ``.NAME.tmp-HOST-PID-*`` directories and links, and ``.NAME.old-HOST-PID-*``.
 
-    An entry is stale when its writer was on this host and is gone, or when it is older
-    than :data:`STALE_STAGING_SECONDS`; a live writer's entries are left alone. A stale
-    ``.NAME.old-*`` whose ``NAME`` is missing is the previous artifact of a writer that died
-    between its two renames: it is renamed back to ``NAME``, not removed. Entries that
+    An entry is stale when its writer was on this host and is gone, or, for ``path``'s own
+    name, when it is older than :data:`STALE_STAGING_SECONDS` (a writer on another host
+    sharing the volume: only its age can tell); a live writer's entries are left alone. A
+    stale ``.NAME.old-*`` whose ``NAME`` is missing is the previous artifact of a writer that
+    died between its two renames: it is renamed back to ``NAME``, not removed. Entries that
     cannot be removed (a read-only directory) are left. Returns the paths removed or
     restored."""
     final = Path(path).absolute()
@@ -208,7 +209,8 @@ def remove_stale_staging(path: str | os.PathLike, *, now: float | None = None) -
             age = now - entry.lstat().st_mtime
         except FileNotFoundError:
             continue
-        if age <= STALE_STAGING_SECONDS and _writer_alive(match["tag"]):
+        abandoned = match["name"] == final.name and age > STALE_STAGING_SECONDS
+        if not abandoned and _writer_alive(match["tag"]):
             continue
         owner = entry.with_name(match["name"])
         try:

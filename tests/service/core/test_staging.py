@@ -1,6 +1,7 @@
 """The staging entries of dead writers (``service.core.artifact.write.remove_stale_staging``):
-removed for any name in the directory, a live writer's kept, a dead writer's moved-aside
-artifact restored, and nothing else touched."""
+removed for any name in the directory, a live writer's kept, another host's only when old
+and of the name written, a dead writer's moved-aside artifact restored, and nothing else
+touched."""
 
 from __future__ import annotations
 
@@ -60,14 +61,19 @@ def test_an_old_entry_whose_artifact_is_missing_is_restored_not_removed(tmp_path
     assert not aside.exists() and (tmp_path / "m").is_dir()
 
 
-def test_another_hosts_entries_go_only_when_old(tmp_path):
-    old = tmp_path / ".m.tmp-otherhost-1-abcdef"
-    fresh = tmp_path / ".n.tmp-otherhost-2-abcdef"
-    old.mkdir()
-    fresh.mkdir()
-    os.utime(old, (time.time() - 2 * 86400,) * 2)
-    assert remove_stale_staging(tmp_path / "x") == [old]
-    assert fresh.exists()
+def test_another_hosts_entries_go_only_when_old_and_of_the_name_written(tmp_path):
+    """Another host's writer cannot be asked whether it lives: its entry goes when it is
+    over a day old, and only when the same name is written again."""
+    entries = {
+        name: tmp_path / f".{name}.tmp-otherhost-{pid}-abcdef"
+        for pid, name in enumerate(["m", "n", "m2"])
+    }
+    for entry in entries.values():
+        entry.mkdir()
+    os.utime(entries["m"], (time.time() - 2 * 86400,) * 2)
+    os.utime(entries["m2"], (time.time() - 2 * 86400,) * 2)
+    assert remove_stale_staging(tmp_path / "m") == [entries["m"]]
+    assert entries["n"].exists() and entries["m2"].exists()
 
 
 def test_a_directory_that_does_not_exist_has_nothing_to_clean(tmp_path):
