@@ -86,6 +86,9 @@ SHUTDOWN_BODY = msgspec.json.encode(
 )
 
 
+KEPT_ON_REFUSAL = (b"connection", REQUEST_ID_HEADER.encode())  # headers of a refused answer
+
+
 class ServiceMiddleware:
     """Pure ASGI middleware: requests by route and status, latency by route;
     ``Connection: close`` while draining; the error body for a request cancelled at the end
@@ -120,7 +123,11 @@ class ServiceMiddleware:
             nonlocal status, response_started, held, answer, refused
             if message["type"] == "http.response.start":
                 status = message["status"]
-                extra = self.extra_headers(span)
+                extra = []
+                if self.state.engine.draining:
+                    extra.append((b"connection", b"close"))
+                if span is not None:
+                    extra.append((REQUEST_ID_HEADER.encode(), trace_id_of(span).encode()))
                 if extra:
                     message = {**message, "headers": [*message.get("headers", []), *extra]}
                 held = message
@@ -135,7 +142,7 @@ class ServiceMiddleware:
                         answer = self.state.answers.reserve(size)
                     except AnswerBudgetSpent as exc:
                         status, refused, response_started = 503, True, True
-                        await self.refuse_answer(exc, scope, span, send)
+                        await self.refuse_answer(exc, scope, start, send)
                         return
                 response_started = True
                 await send(start)
@@ -181,22 +188,14 @@ class ServiceMiddleware:
                 current_span.reset(token)
                 tracing.finish_request(span, f"{scope['method']} {route}", status, seconds)
 
-    def extra_headers(self, span) -> list[tuple[bytes, bytes]]:
-        """Headers added to every answer: ``Connection: close`` while draining, the trace's
-        request id when tracing."""
-        extra = []
-        if self.state.engine.draining:
-            extra.append((b"connection", b"close"))
-        if span is not None:
-            extra.append((REQUEST_ID_HEADER.encode(), trace_id_of(span).encode()))
-        return extra
-
-    async def refuse_answer(self, error: AnswerBudgetSpent, scope, span, send) -> None:
+    async def refuse_answer(self, error: AnswerBudgetSpent, scope, start, send) -> None:
         """Send the answer budget's 503 (the one error body; under /v2 the protocol's) in
-        place of an answer that does not fit it."""
+        place of an answer that does not fit it, with the answer's ``Connection`` and
+        request id headers."""
         response = error_response(self.state, error, {"retry-after": "1"}, path=scope["path"])
         memory.trim_soon()  # the refused answer's memory goes back
-        headers = [*response.raw_headers, *self.extra_headers(span)]
+        kept = [h for h in start.get("headers", ()) if h[0] in KEPT_ON_REFUSAL]
+        headers = [*response.raw_headers, *kept]
         await send({"type": "http.response.start", "status": 503, "headers": headers})
         await send({"type": "http.response.body", "body": response.body})
 

@@ -27,7 +27,8 @@ ERROR_DESCRIPTIONS = {
     422: "invalid input: wrong dimensionality, NaN/Inf, out-of-range or non-numeric values, "
     "ragged rows, unknown fields or query parameters, bad k or rule",
     429: "overloaded: too many requests in flight",
-    503: "no model loaded yet, or shutting down",
+    503: "no model loaded yet, shutting down, or (an inference answer) the worker's budget of "
+    "answers not yet taken by their clients is spent (answer_budget_spent)",
     404: "unknown model or version (the Open Inference Protocol's routes)",
 }
 INFERENCE_ERRORS = (400, 401, 406, 413, 415, 422, 429, 503)

@@ -7,5 +7,7 @@
 * ``tracing.py``: OpenTelemetry spans per request (``tests/service/ops/test_tracing.py``).
 * ``logs.py``: one JSON object per log line, repeats rate-limited (``test_logging.py``).
 * ``bodies.py``: the budget of request bodies a worker holds at once (``tests/service/server/test_body_phase.py``).
+* ``answers.py``: the budget of answers a worker holds for clients that have not taken them
+  (``test_answers.py``, ``tests/service/server/test_answer_phase.py``).
 * ``memory.py``: handing freed memory back to the OS after large requests.
 """

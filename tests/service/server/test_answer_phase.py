@@ -253,9 +253,10 @@ def test_answers_in_flight_are_bounded_by_the_budget(server):
 def test_128_slow_readers_hold_at_most_the_answer_budget(server):
     """128 clients, one after the other, ask for 12 MiB answers and take them slowly (above
     the minimum rate): what fits BUDGET is held, the rest get 503 at once, RSS stays within
-    the budget (+32 MiB) of where one such answer left it, and fresh clients are answered
-    within 1 s all along. (Without the budget every answer stayed in the process beside the
-    kernel's 2.8 MB: about +1 GiB here.)"""
+    the budget plus 64 MiB (computing one answer: its arrays and its encoding, about three
+    times its size, and the allocator's slack) of where one such answer left it, and fresh
+    clients are answered within 1 s all along. (Without the budget every answer stayed in
+    the process beside the kernel's 2.5 MB: 128 readers of 24 MiB answers held +3,145 MiB.)"""
     port, url, proc = server
     request = neighbors_request(2 * ROWS)
     (warm,) = readers(port, 1, rate=10**9, request=request)
@@ -285,4 +286,4 @@ def test_128_slow_readers_hold_at_most_the_answer_budget(server):
     assert counts.get(200, 0) <= BUDGET // (2 * ANSWER) and set(counts) <= {200, 503}
     assert connected == counts.get(200, 0)
     assert all(status == 200 and seconds < 1 for status, seconds in fresh)
-    assert peak - base <= BUDGET / 2**20 + 32
+    assert peak - base <= BUDGET / 2**20 + 64
