@@ -122,8 +122,8 @@ class Settings(BaseSettings):
         description="while a request's body streams in, it must grow by 64 KiB (or be "
         "complete) in every window of this many seconds, else 408 and close (at the default "
         "a body must come at about 13 KB/s or faster); at the connection cap, a new "
-        "connection takes the slot of a body that has been below that rate for 0.5 s (or a "
-        "quarter of this window, when shorter)",
+        "connection takes the slot of a body that has been below half that rate for 0.5 s (or "
+        "a quarter of this window, when shorter)",
     )
     send_timeout_seconds: float = Field(
         60.0,

@@ -20,8 +20,8 @@ connection (``python -m service`` runs uvicorn with it; the settings are read fr
   ``body_progress_seconds``). The whole body must arrive within the deadline of its headers,
   and grow by ``MIN_BODY_PROGRESS_BYTES`` (or be complete) in every window of
   ``body_progress_seconds``, else ``408``. At the connection cap a new connection takes the
-  slot of the oldest body that has been below that rate for ``EVICT_AFTER_SECONDS`` (or
-  a quarter of a window, when shorter; it is answered ``408``) instead of being refused,
+  slot of the oldest body that has been below half that rate for ``EVICT_AFTER_SECONDS``
+  (or a quarter of a window, when shorter; it is answered ``408``) instead of being refused,
   so clients trickling bodies, even coming back when cut off, cannot keep fresh clients
   out. Chunked framing (chunk sizes,
   extensions, trailers) may not exceed ``max_header_bytes`` plus the body bytes it carried,
@@ -426,7 +426,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if self.lingering:
             self.lingering = False
             _Lingering.count -= 1
-        self.release_answers()  # whatever the transport still held is gone with it
+        if self.answer_holds:
+            self.release_answers()  # whatever the transport still held is gone with it
         cycle = self.cycle
         if cycle is not None and not cycle.response_complete and not self.refused:
             # the client left before its answer: the request is counted as a client abort
@@ -751,19 +752,20 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         )
 
     def evict_a_slow_body(self) -> bool:
-        """At the cap: answer 408 to the oldest body that has streamed in below the minimum
-        rate for EVICT_AFTER_SECONDS (or a quarter of a window, when that is shorter: it would
-        fail its window), so that this new connection takes its slot. False when there is
-        none."""
+        """At the cap: answer 408 to the oldest body that has streamed in at less than half
+        the minimum rate for EVICT_AFTER_SECONDS (or a quarter of a window, when that is
+        shorter: it is bound to fail its window), so that this new connection takes its
+        slot. False when there is none."""
         now = self.loop.time()
         window = self.guard.body_progress_seconds
-        rate, grace = MIN_BODY_PROGRESS_BYTES / window, min(EVICT_AFTER_SECONDS, window / 4)
+        half_rate = MIN_BODY_PROGRESS_BYTES / window / 2
+        grace = min(EVICT_AFTER_SECONDS, window / 4)
         victim = None
         for protocol in _streaming_bodies:  # oldest first
             elapsed = now - protocol.body_started
             if elapsed < grace:
                 break  # every later one is younger
-            if protocol.body_bytes < rate * elapsed and not protocol.flow.read_paused:
+            if protocol.body_bytes < half_rate * elapsed and not protocol.flow.read_paused:
                 victim = protocol
                 break
         if victim is None:

@@ -148,7 +148,9 @@ def test_a_trickled_body_is_cut_off_at_the_body_deadline(server):
 
 def test_tricklers_at_the_cap_free_their_slots_by_the_deadline(server):
     """MAX_CONNECTIONS authorised clients trickling bodies fill the cap (a fresh client gets
-    503 at once); by BODY_TIMEOUT + 2 s they are cut off and a fresh client is served."""
+    503 at once, until they have been below the minimum body rate for 0.5 s: then it takes
+    a trickler's slot, test_body_rate.py); by BODY_TIMEOUT + 2 s they are all cut off and a
+    fresh client is served."""
     port, url, _ = server
     sockets = [connect(port) for _ in range(MAX_CONNECTIONS)]
     for sock in sockets:

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from service.server.connections import MIN_BODY_PROGRESS_BYTES
+from service.server.connections import MIN_BODY_PROGRESS_BYTES, chunk_size_before
 from tests.service.servers import (
     connect,
     error_type,
@@ -51,13 +51,18 @@ def classify_request(rows: int) -> tuple[bytes, bytes]:
     return head, body
 
 
-def send_paced(port: int, rate: float, rows: int) -> tuple[int, bytes, float]:
+def send_paced(
+    port: int, rate: float, rows: int, connected: threading.Event | None = None
+) -> tuple[int, bytes, float]:
     """Send a classify body at ``rate`` bytes a second (in 4 KiB pieces), until it is sent
-    or an answer comes; (status, answer body, seconds from the head to the answer)."""
+    or an answer comes; (status, answer body, seconds from the head to the answer).
+    ``connected`` is set once the head is sent."""
     head, body = classify_request(rows)
     sock = connect(port)
     started = time.monotonic()
     sock.sendall(head)
+    if connected is not None:
+        connected.set()
     sent = 0
     try:
         while sent < len(body) and not select.select([sock], [], [], 0)[0]:
@@ -138,6 +143,7 @@ class Tricklers:
                     try:
                         if sock.recv(4096):
                             self.cut += 1
+                            time.sleep(0.01)  # back at once (a pause for this test's threads)
                             break
                     except TimeoutError:
                         sock.send(b" ")
@@ -165,9 +171,12 @@ def test_tricklers_at_the_cap_do_not_keep_fresh_clients_out(server):
     minimum rate, and the body at 1.25 times the rate is served, never evicted."""
     port = server[0]
     uploader: dict[str, tuple] = {}
-    rate = 1.25 * MIN_BODY_PROGRESS_BYTES / WINDOW
-    thread = threading.Thread(target=lambda: uploader.update(r=send_paced(port, rate, 700)))
+    rate, connected = 1.25 * MIN_BODY_PROGRESS_BYTES / WINDOW, threading.Event()
+    thread = threading.Thread(
+        target=lambda: uploader.update(r=send_paced(port, rate, 700, connected))
+    )
     thread.start()
+    connected.wait(5)
     with Tricklers(port, MAX_CONNECTIONS) as tricklers:
         wait_for(lambda: tricklers.cut, timeout=5, what="tricklers cut at the cap")
         fresh = [fresh_classify(port) for _ in range(10)]
@@ -210,3 +219,16 @@ def test_a_chunk_size_split_across_reads_is_refused_at_once(server, pieces):
     assert (status, error_type(body)) == (400, "malformed_request")
     assert b"max_body_bytes" in body
     assert answered < 1
+
+
+def test_a_chunk_size_line_is_read_from_the_bytes_before_its_data():
+    """What the server reads for the chunk whose data is still coming: the size on the line
+    that ends the bytes before it (extensions dropped), or, when that line began in an
+    earlier read, its last digits (a lower bound); None for no line or no number."""
+    assert chunk_size_before(b"...\r\n\r\nFFFFFFFFFFFFFFFF\r\n") == 2**64 - 1
+    assert chunk_size_before(b"hello\r\n4000001 ;name=value\r\n") == 0x4000001
+    assert chunk_size_before(b"01\n") == 1
+    assert chunk_size_before(b"FF\r\n") == 0xFF  # the line's first digits in an earlier read
+    assert chunk_size_before(b"x-trailer: v\r\n") is None
+    assert chunk_size_before(b"FFFF") is None  # the line is not complete
+    assert chunk_size_before(b"\r\n") is None
