@@ -21,6 +21,7 @@ from tests.service.conftest import npy
 from tests.service.servers import error_type, refused_count, rss_mib, running_server, wait_for
 
 SEND_TIMEOUT = 1.0  # one window of the send rule
+KEEP_ALIVE = 1.0  # keep_alive_timeout_seconds
 ROWS = 1024  # /v1/neighbors?k=256 as npy: 1024 x 256 x 24 bytes, a 6 MiB answer
 ANSWER = ROWS * 256 * 24
 BUDGET = 14 * 2**20  # max_answer_bytes_in_flight: two such answers
@@ -33,6 +34,7 @@ def server(model_artifact):
     with running_server(
         model_artifact[0],
         NCAKNN_SEND_TIMEOUT_SECONDS=SEND_TIMEOUT,
+        NCAKNN_KEEP_ALIVE_TIMEOUT_SECONDS=KEEP_ALIVE,
         NCAKNN_MAX_ANSWER_BYTES_IN_FLIGHT=BUDGET,
     ) as running:
         yield running
@@ -172,6 +174,41 @@ def test_an_answer_not_taken_is_dropped_by_a_reset_that_frees_the_kernels_queue(
     assert reader.taken < 64 * 1024  # its receive buffer's worth, not the kernel's queue
     assert refused_count(url, "send_timeout") == before + 1
     assert reset_after <= SEND_TIMEOUT + 4
+
+
+def test_an_answer_left_in_the_kernels_queue_at_a_close_is_dropped_by_the_kernel(server):
+    """An answer small enough for the kernel's send queue (1.5 MiB) that the client never
+    reads: the process holds nothing, and the keep-alive timeout closes the connection with
+    the answer still queued; the kernel then drops it once nothing was taken for
+    send_timeout_seconds (TCP_USER_TIMEOUT), instead of keeping it in FIN-WAIT-1."""
+    port = server[0]
+    sock = ask(port, neighbors_request(256))
+    client_port = sock.getsockname()[1]
+    started = time.monotonic()
+    closing = wait_for(
+        lambda: [s for s in server_sockets(port) if s[0] == client_port and s[1] != "ESTABLISHED"],
+        timeout=KEEP_ALIVE + 10,
+        what="the keep-alive close",
+    )
+    closed_after = time.monotonic() - started
+    gone = wait_for(
+        lambda: not [s for s in server_sockets(port) if s[0] == client_port],
+        timeout=SEND_TIMEOUT + 3,
+        what="the kernel's socket gone",
+        raises=False,
+    )
+    gone_after = time.monotonic() - started
+    reader = Reader(sock, rate=10**9)
+    reader.start()
+    reader.join(10)
+    sock.close()
+    print(
+        f"an answer left in the kernel: closed {closed_after:.2f} s after the request as "
+        f"{closing}, gone at {gone_after:.2f} s; the client took {reader.taken} bytes, then "
+        f"{reader.ended}"
+    )
+    assert gone
+    assert reader.ended is not None and reader.ended[0] == "reset"
 
 
 def test_the_minimum_rate_is_measured_on_what_the_client_took(server):
