@@ -94,14 +94,14 @@ def fresh_classify(port: int) -> tuple[int, float]:
 
 
 def test_a_body_below_the_minimum_rate_is_cut_at_its_window_and_one_above_it_is_served(server):
-    """Two bodies of about 200 KB: one sent at 1.25 times the minimum rate is answered 200;
+    """Two bodies of about 160 KB: one sent at 1.25 times the minimum rate is answered 200;
     one at 0.75 times it gets 408 at the end of its first window, naming the rule."""
     port, url, _ = server
     before = refused_count(url, "body_timeout")
     results = {}
 
     def run(name: str, factor: float) -> None:
-        results[name] = send_paced(port, factor * MIN_BODY_PROGRESS_BYTES / WINDOW, rows=800)
+        results[name] = send_paced(port, factor * MIN_BODY_PROGRESS_BYTES / WINDOW, rows=600)
 
     threads = [threading.Thread(target=run, args=a) for a in (("above", 1.25), ("below", 0.75))]
     for thread in threads:
