@@ -23,10 +23,10 @@ connection (``python -m service`` runs uvicorn with it; the settings are read fr
   slot of the oldest body that has been below half that rate for ``EVICT_AFTER_SECONDS``
   (or a quarter of a window, when shorter; it is answered ``408``) instead of being refused,
   so clients trickling bodies, even coming back when cut off, cannot keep fresh clients
-  out. Chunked framing (chunk sizes,
-  extensions, trailers) may not exceed ``max_header_bytes`` plus the body bytes it carried,
-  trailers count against ``max_headers``, and malformed framing, or a chunk larger than
-  any body the server takes (``max_body_bytes``), is answered ``400``.
+  out. Chunked framing (chunk sizes, extensions, trailers) may not exceed
+  ``max_header_bytes`` plus the body bytes it carried, trailers count against
+  ``max_headers``, and malformed framing, or a chunk larger than any body the server takes
+  (``max_body_bytes``), is answered ``400``.
   While a body streams in uvicorn holds at most 64 KiB of it per connection (it stops
   reading until the application takes it); what the application holds is bounded by
   ``service.ops.bodies.BodyBudget``.
@@ -47,7 +47,9 @@ connection (``python -m service`` runs uvicorn with it; the settings are read fr
   once the bytes have left the process (below the high-water mark at the answer's end, at
   ``resume_writing``, or when the connection ends).
 * **idle keep-alive** (``keep_alive_timeout_seconds``, uvicorn's own): a connection idle
-  between requests is closed.
+  between requests is closed. A connection closed while the kernel still holds bytes for
+  the client gets ``TCP_USER_TIMEOUT`` = ``send_timeout_seconds``: the kernel drops it
+  once the client has taken nothing for that long.
 
 Every refusal carries the service's one error body (``{"error", "error_type"}``, statuses
 from ``service.errors.STATUS``) and ``Connection: close``, and is counted by reason through
