@@ -34,12 +34,16 @@ def load_generator():
 
 
 def exported_series() -> dict[str, set[str]]:
-    """{sample name: its label names} of every series the service's Metrics declare."""
+    """{sample name: its label names} of every series the service's Metrics declare, the
+    custom collectors' included."""
     from prometheus_client.metrics import MetricWrapperBase
 
     series: dict[str, set[str]] = {}
     for metric in vars(Metrics()).values():
         if not isinstance(metric, MetricWrapperBase):
+            # a custom collector (ncaknn_model_info): the families it describes
+            for family in getattr(metric, "describe", lambda: ())():
+                series[family.name] = set(family._labelnames)
             continue
         labels = set(metric._labelnames)
         names = {
