@@ -29,13 +29,63 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def machine() -> dict:
-    return {
+GEMM_SIZE = 2048  # the float32 product n x n by n x n whose rate states the machine's speed
+GEMM_THREADS = 2
+
+
+def gemm_gflops(repeats: int = 5) -> float:
+    """The machine's float32 GEMM rate now, in GFLOP/s: the median of ``repeats`` timed
+    2048 x 2048 by 2048 x 2048 products (2 n^3 flops each) in torch on two threads (numpy's
+    BLAS where torch is absent), after one untimed product. This machine's speed moves from
+    day to day, so every timing a benchmark reports is printed beside this rate, measured in
+    the same run."""
+    try:
+        import torch
+    except ImportError:  # the serving benchmarks' environment may lack torch
+        torch = None
+    n = GEMM_SIZE
+    if torch is not None:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(GEMM_THREADS)
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        product = torch.mm
+    else:
+        import numpy as np
+
+        rng = np.random.default_rng(0)
+        a = rng.standard_normal((n, n), dtype=np.float32)
+        b = rng.standard_normal((n, n), dtype=np.float32)
+        product = np.matmul
+    product(a, b)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        product(a, b)
+        times.append(time.perf_counter() - started)
+    if torch is not None:
+        torch.set_num_threads(threads)
+    return 2 * n**3 / statistics.median(times) / 1e9
+
+
+def machine(gemm: bool = True) -> dict:
+    """Where and when a benchmark ran, with the float32 GEMM rate measured now
+    (``gemm_gflops``; ``gemm=False`` leaves it out)."""
+    out = {
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "cpus": os.cpu_count(),
         "date": time.strftime("%Y-%m-%d"),
     }
+    if gemm:
+        out["gemm_gflops"] = round(gemm_gflops(), 1)
+    return out
+
+
+def print_machine(facts: dict) -> None:
+    """One line: the GEMM rate the timings above were measured beside."""
+    rate = facts.get("gemm_gflops")
+    if rate is not None:
+        print(f"machine: float32 GEMM {rate:.1f} GFLOP/s (torch, 2 threads, 2048^3), {facts['date']}")
 
 
 def median(values):
