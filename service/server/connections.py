@@ -376,6 +376,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self.refused = False  # no more input is parsed: it is read and dropped
         self.lingering = False
         self.from_batch = False  # accepted by service.server.accept, not by the event loop
+        # the request cycles whose answer may not be complete: the one the application is
+        # answering and those pipelined behind it (uvicorn's self.cycle is only the newest)
+        self.cycles: list = []
 
     # ------------------------------------------------------------------ connection
 
@@ -430,10 +433,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             _Lingering.count -= 1
         if self.answer_holds:
             self.release_answers()  # whatever the transport still held is gone with it
-        cycle = self.cycle
-        if cycle is not None and not cycle.response_complete and not self.refused:
-            # the client left before its answer: the request is counted as a client abort
-            cycle.scope.setdefault(ANSWERED_STATUS, CLIENT_CLOSED_STATUS)  # type: ignore[misc]
+        if not self.refused:
+            # the client left before its answers: the requests are counted as client aborts
+            for cycle in self.unanswered():
+                cycle.scope.setdefault(ANSWERED_STATUS, CLIENT_CLOSED_STATUS)  # type: ignore[misc]
+        self.disconnect_cycles()
         super().connection_lost(exc)
         observer.open_connections(len(self.connections))
 
@@ -478,9 +482,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         elif self.in_body:
             if self.chunk_started is not None and self.check_chunk_size(data):
                 return
-            if whole_read_in_body:
-                # every byte of this read belonged to the body phase: what the body did not
-                # get was chunked framing
+            if whole_read_in_body and not self.began_in_this_read:
+                # every byte of this read belonged to one body's phase: what the body did
+                # not get was chunked framing (a read that also began a pipelined request
+                # holds that request's bytes too, and is not counted)
                 self.framing_bytes += len(data) - (self.body_bytes - body_before)
                 if self.framing_bytes > self.guard.max_header_bytes + self.body_bytes:
                     self.refuse(
@@ -569,6 +574,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self.header_deadline = None
         self.raw_header_bytes = None
         super().on_headers_complete()
+        if self.cycle is not None and self.cycle not in self.cycles:
+            self.cycles = [*self.unanswered(), self.cycle]
         self.in_body = True  # until on_message_complete, which follows at once without a body
         self.body_bytes = 0
         self.framing_bytes = 0
@@ -599,8 +606,25 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self.linger_close()
             return
         super().on_response_complete()
-        if self.raw_header_bytes is None:
-            self.raw_header_bytes = 0  # waiting for the next request's headers
+        self.cycles = self.unanswered()
+        if self.raw_header_bytes is None and not self.in_body:
+            # waiting for the next request's headers (unless a pipelined request's have
+            # come and its body is streaming in: its bytes are not headers)
+            self.raw_header_bytes = 0
+
+    def unanswered(self) -> list:
+        """The request cycles of this connection whose answer is not complete."""
+        return [cycle for cycle in self.cycles if not cycle.response_complete]
+
+    def disconnect_cycles(self) -> None:
+        """Mark every request of this connection without a complete answer (the one being
+        answered and those pipelined behind it) as gone, so that what the application
+        still sends for it is dropped: uvicorn marks only the newest request, and an
+        answer to an older one would be written to a closed transport (uvloop raises)."""
+        for cycle in self.unanswered():
+            cycle.disconnected = True
+            cycle.message_event.set()
+        self.cycles = []
 
     # ------------------------------------------------------------------ writing
 
@@ -795,6 +819,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         cycle = self.cycle
         if cycle is not None and not cycle.response_complete:
             if not (self.in_body and not cycle.response_started and not self.pipeline):
+                self.disconnect_cycles()
                 self.transport.inner.close()
                 return
             cycle.scope[ANSWERED_STATUS] = status_of(error)  # type: ignore[literal-required]

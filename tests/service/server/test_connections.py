@@ -4,7 +4,9 @@ check. Each bound a test states is printed with what it measured."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import resource
 import socket
 import subprocess
@@ -498,3 +500,57 @@ def test_pipelined_requests_beyond_the_limit_close_the_connection(server):
     assert answered <= connections.MAX_PIPELINED + 1
     assert after[1] == before[1] + 1
     assert after[0] - before[0] < 16
+
+
+def classify_request(rows: int) -> bytes:
+    """POST /v1/classify of ``rows`` rows of JSON (about 320 bytes a row), with the key."""
+    body = json.dumps({"instances": [ROW] * rows}).encode()
+    head = (
+        f"POST /v1/classify HTTP/1.1\r\nhost: t\r\nauthorization: Bearer {KEY}\r\n"
+        f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+@pytest.mark.parametrize("first_rows", [1, 300])
+def test_a_pipelined_request_whose_body_is_still_coming_is_answered(server, first_rows):
+    """Two requests pipelined on one connection, sent so that one read ends the first's body
+    and begins the second's (a 48 KB body, its rest in a later read): both are answered 200.
+    Before, the second body's bytes were counted as headers once the first answer was sent
+    (431 past max_header_bytes, the connection closed), or, after a 96 KB first body, as
+    chunked framing measured against the first body's size (400)."""
+    port, _, _ = server
+    first, second = classify_request(first_rows), classify_request(150)
+    with connect(port) as sock:
+        for part in (first[:-10], first[-10:] + second[:3000], second[3000:]):
+            sock.sendall(part)
+            time.sleep(0.1)  # each part its own read
+        data = b""
+        sock.settimeout(10)
+        while chunk := sock.recv(65536):  # until the keep-alive timeout closes it
+            data += chunk
+    answers = [int(status) for status in re.findall(rb"HTTP/1.1 (\d{3}) ", data)]
+    print(f"pipelined after a {len(first)}-byte request, a {len(second)}-byte one: {answers}")
+    assert answers == [200, 200]
+
+
+def test_a_refusal_behind_an_answer_being_computed_logs_no_error(server):
+    """A request, and pipelined behind it in the same write a chunked body with a malformed
+    size line: the connection is closed at once (no room for the 400), and the first
+    request's answer, sent after the close, is dropped without an error. Before, uvicorn
+    marked only the newest request as gone, and the answer to the first was written to the
+    closed transport: 'Exception in ASGI application' (RuntimeError, handler is closed)."""
+    port, url, proc = server
+
+    def answered() -> float:
+        lines = httpx.get(f"{url}/metrics", timeout=5).text.splitlines()
+        prefix = 'ncaknn_requests_total{route="/v1/classify"'
+        return sum(float(line.split()[-1]) for line in lines if line.startswith(prefix))
+
+    errors, before = server_log(proc).count("Exception in ASGI application"), answered()
+    malformed = b"POST /v1/classify HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n"
+    with connect(port) as sock:
+        sock.sendall(classify_request(1) + malformed)
+        assert closed_by_server(sock)
+    wait_for(lambda: answered() > before, timeout=10, what="the first request counted")
+    assert server_log(proc).count("Exception in ASGI application") == errors
