@@ -10,7 +10,9 @@ at every scrape for the workers whose process is alive (``tests/service/ops/test
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -19,6 +21,8 @@ from prometheus_client.core import GaugeMetricFamily
 NAME = "ncaknn_model_info"
 DOCUMENTATION = "the model this worker serves (value 1): one series per worker"
 FILE_PREFIX = "model_info_"
+
+log = logging.getLogger("service.ops.model_info")
 
 
 class ModelInfo:
@@ -30,15 +34,29 @@ class ModelInfo:
         self.labels: tuple[str, str] | None = None
 
     def set(self, model_version: str, index_type: str) -> None:
-        """The model this worker serves from now on (the previous one's series goes)."""
+        """The model this worker serves from now on (the previous one's series goes). Never
+        raises: the model is already swapped in when this is called, so a file that cannot
+        be written (a full or read-only directory) removes this worker's series, rather
+        than leave the previous model's, and is logged as a warning."""
         self.labels = (model_version, index_type)
         if self.directory is None:
             return
         pid = os.getpid()
         target = self.directory / f"{FILE_PREFIX}{pid}.json"
         staging = self.directory / f".{FILE_PREFIX}{pid}.json.tmp"
-        staging.write_text(json.dumps({"model_version": model_version, "index_type": index_type}))
-        os.replace(staging, target)
+        try:
+            staging.write_text(
+                json.dumps({"model_version": model_version, "index_type": index_type})
+            )
+            os.replace(staging, target)
+        except OSError as exc:
+            for stale in (staging, target):
+                with contextlib.suppress(OSError):
+                    stale.unlink(missing_ok=True)
+            log.warning(
+                "ncaknn_model_info cannot name this worker's model: its file cannot be written",
+                extra={"path": str(target), "error": str(exc), "model_version": model_version},
+            )
 
     def describe(self):
         yield self._family()

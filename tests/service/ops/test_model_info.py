@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import resource
+import signal
 import subprocess
 import sys
 
@@ -67,3 +69,27 @@ def test_one_series_per_live_worker_in_multiprocess_mode(tmp_path):
             f'ncaknn_model_info{{index_type="ivf",model_version="v3",pid="{other.pid}"}} 1.0',
         ]
     )
+
+
+def test_a_file_that_cannot_be_written_removes_the_series_without_raising(tmp_path):
+    """The model is already swapped in when its series is set: a file the directory refuses
+    (here the file-size limit, SIGXFSZ ignored: EFBIG, as a full disk gives ENOSPC) must not
+    fail the load (before: the OSError made the reload answer 409 'the previous model keeps
+    serving' while the worker served the new one), and leaves no series naming the previous
+    model and no staging file; the next model that can be written is listed again."""
+    info = ModelInfo(tmp_path)
+    info.set("v1", "flat")
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (0, limit[1]))
+    try:
+        info.set("v2", "flat")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        signal.signal(signal.SIGXFSZ, handler)
+    assert scrape(info) == []
+    assert sorted(path.name for path in tmp_path.iterdir()) == []
+    info.set("v3", "flat")
+    assert scrape(info) == [
+        f'ncaknn_model_info{{index_type="flat",model_version="v3",pid="{os.getpid()}"}} 1.0'
+    ]
