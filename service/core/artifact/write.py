@@ -156,8 +156,17 @@ _STAGING = re.compile(r"\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<tag>[A-Za-z0-9_]+-
 
 
 def _writer_tag() -> str:
-    """HOST-PID of this writer, so that a later writer can tell whether it is still alive."""
+    """HOST-PID of this writer, so that a later writer can tell whether it is still alive.
+    HOST is the host name and, where ``/proc`` names it, the writer's PID namespace
+    (``node_p4026531836``): writers in two containers that share a host name (host
+    networking) and a volume number their processes apart and cannot ask about each
+    other's, so each takes the other's entries for another host's, never for a dead
+    writer's."""
     host = "".join(c if c.isalnum() else "_" for c in socket.gethostname()) or "host"
+    try:
+        host += f"_p{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:  # no /proc: the host name alone
+        pass
     return f"{host}-{os.getpid()}"
 
 

@@ -6,9 +6,12 @@ touched."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
+
+import pytest
 
 from service.core.artifact.write import remove_stale_staging, staging_path
 
@@ -78,3 +81,53 @@ def test_another_hosts_entries_go_only_when_old_and_of_the_name_written(tmp_path
 
 def test_a_directory_that_does_not_exist_has_nothing_to_clean(tmp_path):
     assert remove_stale_staging(tmp_path / "missing" / "m") == []
+
+
+def test_a_live_writer_in_another_pid_namespace_is_not_taken_for_a_dead_one(tmp_path):
+    """A writer in its own PID namespace (a container with the host's name, as with host
+    networking) numbers its process apart from ours: its pid here is no process at all. Its
+    live staging must stay (before: HOST-PID matched this host and the pid was unknown here,
+    so its entry was removed under it, and its rename then failed)."""
+    unshare = shutil.which("unshare")
+    if unshare is None or os.geteuid() != 0:
+        pytest.skip("needs unshare(1) and root for a PID namespace")
+    pid = 424242  # the writer's pid in its namespace: no process here
+    if os.path.exists(f"/proc/{pid}"):
+        pytest.skip(f"pid {pid} is in use here")
+    writer = (
+        "import sys, time\n"
+        "from service.core.artifact.write import staging_path\n"
+        "entry = staging_path(sys.argv[1])\n"
+        "entry.mkdir()\n"
+        "print(entry, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    # the namespace's init (sh) sets its next pid, then forks the writer
+    script = f'echo {pid - 1} > /proc/sys/kernel/ns_last_pid && {sys.executable} -c "$0" $1; true'
+    proc = subprocess.Popen(
+        [
+            unshare,
+            "--pid",
+            "--fork",
+            "--kill-child",
+            "--mount-proc",
+            "sh",
+            "-c",
+            script,
+            writer,
+            str(tmp_path / "v1"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = proc.stdout.readline().strip()
+        if not line:
+            pytest.skip("no writer could start in a PID namespace here")
+        live = tmp_path / os.path.basename(line)
+        assert f"-{pid}-" in live.name and live.is_dir()
+        assert remove_stale_staging(tmp_path / "v2") == []
+        assert live.is_dir()
+    finally:
+        proc.kill()
+        proc.wait()
