@@ -10,7 +10,12 @@ from service.core.artifact import ArtifactError
 from training.config import ReportCommand, TrainConfig, parse_command
 from training.data.datasets import DataError
 from training.distributed.ranks import init_from_environment
-from training.errors import ConfigError, describe_os_error, raise_on_file_size_limit
+from training.errors import (
+    ConfigError,
+    describe_os_error,
+    print_output,
+    raise_on_file_size_limit,
+)
 from training.evaluation.report_page import write_report_page
 from training.job import run
 from training.references.cli import main as references_main
@@ -53,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report_main(command: ReportCommand) -> int:
-    """``python -m training report MODEL_DIR``: 0 and the page's path, or 2 and why not."""
+    """``python -m training report MODEL_DIR``: 0 and the page's path, or 2 and why not
+    (also when the path cannot be written to stdout)."""
     try:
         page = write_report_page(command.model_dir)
     except (ArtifactError, ValueError) as exc:
@@ -62,7 +68,15 @@ def report_main(command: ReportCommand) -> int:
     except OSError as exc:
         print(f"error: {describe_os_error(exc)}", file=sys.stderr, flush=True)
         return 2
-    print(page)
+    failed = print_output(str(page))
+    if failed is not None:
+        print(
+            f"error: cannot write the page's path to standard output: "
+            f"{describe_os_error(failed)}; the page was written at {page}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 2
     return 0
 
 

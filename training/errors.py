@@ -20,6 +20,7 @@ import contextlib
 import errno
 import os
 import signal
+import sys
 from collections.abc import Iterator
 
 
@@ -78,3 +79,19 @@ def raise_on_file_size_limit() -> None:
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         except ValueError:  # not the main thread (the CLI called from a thread): as it was
             pass
+
+
+def print_output(text: str) -> OSError | None:
+    """Print ``text`` and a newline on stdout, flushed; the OSError when stdout refuses it
+    (redirected to a full disk or a read-only file, a closed pipe), else None. After a
+    failure stdout is pointed at /dev/null, so the interpreter's last flush of what is left
+    in its buffer does not fail again (a traceback and exit status 120)."""
+    try:
+        print(text, flush=True)
+    except OSError as exc:
+        with contextlib.suppress(OSError, ValueError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        return exc
+    return None

@@ -17,7 +17,12 @@ from pathlib import Path
 import numpy as np
 
 from training.data.datasets import DataError, load_dataset
-from training.errors import ConfigError, describe_os_error, raise_on_file_size_limit
+from training.errors import (
+    ConfigError,
+    describe_os_error,
+    print_output,
+    raise_on_file_size_limit,
+)
 from training.publish import check_publish_link, publish
 from training.references.versions import (
     ReferenceError,
@@ -174,7 +179,9 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    """Run one command: exit status 0 and the summary, or 2 and one line on stderr."""
+    """Run one command: exit status 0 and the summary, or 2 and one line on stderr (also
+    when the summary cannot be written to stdout: the line then says where the new version
+    was written)."""
     raise_on_file_size_limit()
     args = build_parser().parse_args(argv)
     try:
@@ -185,5 +192,13 @@ def main(argv: list[str]) -> int:
     except OSError as exc:  # a full or read-only disk, the file-size limit: path and cause
         print(f"error: {describe_os_error(exc)}", file=sys.stderr)
         return 2
-    print(json.dumps(summary, indent=2))
+    failed = print_output(json.dumps(summary, indent=2))
+    if failed is not None:  # the version was written (and published): say where
+        published = f", published at {summary['published']}" if "published" in summary else ""
+        print(
+            f"error: cannot write the summary to standard output: {describe_os_error(failed)}; "
+            f"the new version was written at {summary['artifact']}{published}",
+            file=sys.stderr,
+        )
+        return 2
     return 0
