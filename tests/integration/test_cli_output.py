@@ -37,15 +37,14 @@ def run_to_full(*args: str) -> tuple[int, list[str]]:
 def test_a_summary_that_cannot_be_written_is_one_line_naming_the_new_version(tmp_path):
     model = tmp_path / "v1"
     build_model_artifact(model, digits_like_split())
-    code, lines = run_to_full(
-        "references", "remove", "--model", str(model), "--ids", "3",
-        "--out", str(tmp_path / "v2"), "--publish", str(tmp_path / "current"),
-    )  # fmt: skip
+    out, link = tmp_path / "v2", tmp_path / "current"
+    command = ["references", "remove", "--model", str(model), "--ids", "3"]
+    code, lines = run_to_full(*command, "--out", str(out), "--publish", str(link))
     print(lines)
     assert code == 2 and len(lines) == 1 and "Traceback" not in lines[0], lines
     assert lines[0].startswith("error: cannot write the summary to standard output: ")
-    assert "(ENOSPC)" in lines[0] and str(tmp_path / "v2") in lines[0]
-    assert read_artifact(tmp_path / "current").path.resolve() == (tmp_path / "v2").resolve()
+    assert "(ENOSPC)" in lines[0] and str(out) in lines[0]
+    assert read_artifact(link).path.resolve() == out.resolve()
 
 
 def test_a_report_path_that_cannot_be_written_is_one_line(tmp_path):
