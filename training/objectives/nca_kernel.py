@@ -33,7 +33,7 @@ import torch
 
 from training.numerics import EXP_FLOOR, PrecomputedGradient, chunk_rows, class_runs
 from training.objectives import native as native_kernel
-from training.objectives import nca_flex
+from training.objectives import native_candidates, nca_flex
 
 
 def _block_weights(
@@ -178,6 +178,7 @@ def nca_value_and_grad_candidates(
     rows: torch.Tensor | None = None,
     log_weights: torch.Tensor | None = None,
     chunk_size: int | None = None,
+    native: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same value and gradient with each row's neighbours restricted to its candidates.
 
@@ -188,12 +189,25 @@ def nca_value_and_grad_candidates(
     d L (the offset is constant), so the gradient below is unchanged in form. Per chunk of
     B rows the candidates' embeddings are gathered once (B, M, d) and reused for the logits
     and both gradient terms; the candidates' share of the gradient is scattered back with
-    ``index_add_``.
+    ``index_add_``. native: the C kernel of :mod:`training.objectives.native_candidates`
+    (True), this torch path (False), or the C kernel whenever it can run (None).
     """
     n, d = z.shape
     z = z.detach()
     m = candidates.shape[1]
     k_same = m // 2
+    if native is None:
+        native = native_candidates.usable(z, m)
+    if native:
+        every = torch.arange(n, device=z.device) if rows is None else rows
+        return native_candidates.value_and_grad(
+            z,
+            every,
+            candidates[every],
+            k_same=k_same,
+            log_form=log_form,
+            log_weights=None if log_weights is None else log_weights[every],
+        )
     sq = (z * z).sum(1)  # (N,)
     grad = torch.zeros_like(z)
     total = torch.zeros((), dtype=z.dtype, device=z.device)
