@@ -85,7 +85,9 @@ def print_machine(facts: dict) -> None:
     """One line: the GEMM rate the timings above were measured beside."""
     rate = facts.get("gemm_gflops")
     if rate is not None:
-        print(f"machine: float32 GEMM {rate:.1f} GFLOP/s (torch, 2 threads, 2048^3), {facts['date']}")
+        print(
+            f"machine: float32 GEMM {rate:.1f} GFLOP/s (torch, 2 threads, 2048^3), {facts['date']}"
+        )
 
 
 def median(values):
