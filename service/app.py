@@ -44,6 +44,7 @@ from service.errors import (
     MethodNotAllowed,
     NotFound,
     NotReady,
+    PayloadTooLarge,
     ServiceError,
     body_of,
     status_of,
@@ -137,11 +138,11 @@ class ServiceMiddleware:
                 size = len(message.get("body", b""))
                 if message.get("more_body", False):
                     size = declared_size(start)
-                if size >= RESERVE_FROM_BYTES:  # a large answer: reserved, or refused (503)
+                if size >= RESERVE_FROM_BYTES:  # a large answer: reserved, or refused
                     try:
                         answer = self.state.answers.reserve(size)
-                    except AnswerBudgetSpent as exc:
-                        status, refused, response_started = 503, True, True
+                    except (AnswerBudgetSpent, PayloadTooLarge) as exc:
+                        status, refused, response_started = status_of(exc), True, True
                         await self.refuse_answer(exc, scope, start, send)
                         return
                 response_started = True
@@ -188,15 +189,18 @@ class ServiceMiddleware:
                 current_span.reset(token)
                 tracing.finish_request(span, f"{scope['method']} {route}", status, seconds)
 
-    async def refuse_answer(self, error: AnswerBudgetSpent, scope, start, send) -> None:
-        """Send the answer budget's 503 (the one error body; under /v2 the protocol's) in
-        place of an answer that does not fit it, with the answer's ``Connection`` and
-        request id headers."""
-        response = error_response(self.state, error, {"retry-after": "1"}, path=scope["path"])
+    async def refuse_answer(self, error: ServiceError, scope, start, send) -> None:
+        """Send the answer budget's refusal (the one error body; under /v2 the protocol's)
+        in place of an answer that does not fit it, with the answer's ``Connection`` and
+        request id headers: 503 with ``Retry-After: 1`` while other answers hold the budget,
+        413 for an answer larger than the whole budget (no retry can send it)."""
+        status = status_of(error)
+        extra = {"retry-after": "1"} if status == 503 else None
+        response = error_response(self.state, error, extra, path=scope["path"])
         memory.trim_soon()  # the refused answer's memory goes back
         kept = [h for h in start.get("headers", ()) if h[0] in KEPT_ON_REFUSAL]
         headers = [*response.raw_headers, *kept]
-        await send({"type": "http.response.start", "status": 503, "headers": headers})
+        await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": response.body})
 
     def route_label(self, path: str) -> str:

@@ -145,8 +145,8 @@ class Settings(BaseSettings):
         ge=1024,
         description="most bytes of HTTP answers one worker holds for clients that have not "
         "taken them yet (answers of 64 KiB or more, reserved when encoded, released when "
-        "they have left the process); an answer that does not fit is refused with 503 "
-        "answer_budget_spent",
+        "they have left the process); an answer that does not fit beside those held is refused "
+        "with 503 answer_budget_spent, one larger than the whole budget with 413",
     )
     probe_port: int = Field(
         8082,

@@ -13,7 +13,7 @@ comparison. Used from the event loop only, which needs no lock."""
 
 from __future__ import annotations
 
-from service.errors import AnswerBudgetSpent
+from service.errors import AnswerBudgetSpent, PayloadTooLarge
 from service.ops import memory
 
 # answers this small are not reserved: each fits the transport's high-water mark (64 KiB),
@@ -40,7 +40,14 @@ class AnswerBudget:
 
     def reserve(self, n: int) -> AnswerHold:
         """A reservation of ``n`` bytes for one answer; AnswerBudgetSpent (503) when it
-        does not fit what the answers in flight hold."""
+        does not fit what the answers in flight hold, PayloadTooLarge (413) when it is
+        larger than the whole budget (it could never be sent: a retry would not help)."""
+        if n > self.limit:
+            raise PayloadTooLarge(
+                f"this answer is {n} bytes, more than the {self.limit} that all answers in "
+                "flight may hold (max_answer_bytes_in_flight): ask for fewer rows or a "
+                "smaller k"
+            )
         if self.held + n > self.limit:
             raise AnswerBudgetSpent(
                 f"the server holds {self.held} bytes of answers that clients have not taken "
