@@ -19,27 +19,17 @@ import numbers
 import warnings
 
 import numpy as np
-import torch
 from sklearn.base import BaseEstimator, ClassNamePrefixFeaturesOutMixin, TransformerMixin
 from sklearn.exceptions import ConvergenceWarning
 from sklearn.utils.validation import check_is_fitted, validate_data
 from threadpoolctl import threadpool_limits
 
 from service.core.knn import project
-from training.distributed.ranks import broadcast_from_rank0, current_group
+from training.distributed.ranks import current_group
 from training.model import parameters, preparation
+from training.model.fitting import StagedFit
 from training.model.plan import FitPlan, resolve_plan
-from training.numerics import evenly_spaced_rows
-from training.objectives.registry import make_objective
-from training.optim.adam import run_adam
-from training.optim.candidate_search import CandidateSearch
-from training.optim.candidates import audit_disagreement, audit_rows, candidate_audit
-from training.optim.finish import finish_exactly
-from training.optim.lbfgs import run_lbfgs
-from training.optim.monitor import Monitor, single_class_result
-from training.optim.problem import Problem
-from training.optim.sharded_problem import ShardedProblem
-from training.optim.stages import StageJudge, keep_better
+from training.optim.candidates import audit_disagreement, audit_rows
 from training.references.compress import compress, edit_k_for
 from training.references.learned import representatives, served_k
 
@@ -233,9 +223,10 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
 
         X_val, y_val: an explicit validation set for early stopping (optional).
 
-        Steps: validate the data and parameters; seed; split off the validation set;
-        standardise; initialise A; build the problem (objective over the training points);
-        optimise under the monitor (validation, early stopping, callback); store the result.
+        Steps: prepare (validate the data and parameters, seed, split off the held-out rows,
+        standardise, initialise A: ``training.model.preparation``); plan (every "auto"
+        resolved: ``training.model.plan``); the first stage and the judged finish
+        (``training.model.fitting``); publish the fitted attributes.
 
         Data-parallel: when a ``torch.distributed`` process group is initialised (``torchrun``),
         every rank calls fit with its own row shard: X, y (and X_val, y_val, if any) are rows
@@ -247,116 +238,20 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         group = current_group()
         prep = preparation.prepare(self, X, y, X_val, y_val, group)
         self.plan_ = plan = resolve_plan(self.get_params(), len(prep.y))
-        make_problem = self._problem_factory(prep, plan, group)
-        problem = make_problem()
-        validate = prep.validate(problem)
-        monitor = self._monitor(problem, validate, group)
-        judge = self._judge(problem, prep) if self.select_stages else None
+        stages = StagedFit(self, prep, plan, group)
         # numpy/scipy's BLAS threads (OpenBLAS) spin after each small call of the optimiser and
         # steal the cores from torch's kernels: measured 3x slower fits. One BLAS thread here.
         with threadpool_limits(1, user_api="blas"):
-            if len(prep.classes) == 1:  # every neighbour is of the same class: nothing to learn
-                result = single_class_result(problem, prep.theta0, monitor)
-            else:
-                result = self._optimise(problem, prep.theta0, monitor, plan.solver, prep.rng)
-                stage = "exact fit" if plan.n_candidates is None else "candidate stage"
-                result = keep_better(judge, stage, prep.theta0, result, problem)
-            candidate_history, finished_iter = result.history, 0
-            if plan.finish_iter and result.stop_reason != "single_class":
-                exact = make_problem(l2=plan.finish_l2, n_candidates=None, n_draws=0)
-                start = result.theta
-                result, finished_iter = finish_exactly(
-                    exact,
-                    result,
-                    monitor,
-                    n_iter=plan.finish_iter,
-                    max_rows=plan.finish_max_rows,
-                    tol=self.tol,
-                    validate=prep.validate(exact),
-                    monitor_options=self._monitor_options(group),
-                    max_evaluations=plan.finish_max_evaluations,
-                )
-                result = keep_better(judge, "exact finish", start, result, exact)
-        self.stages_ = [] if judge is None else [record.describe() for record in judge.records]
-        self.stage_measure_ = None if judge is None else judge.measure
-        self._store_fit(problem, result, prep, plan, finished_iter, group)
-        self._warn_about(result, plan, candidate_history, len(prep.y), group)
+            result = stages.first_stage()
+            result = stages.judged_finish(result)
+        self.stages_ = stages.records()
+        self.stage_measure_ = stages.measure()
+        self._store_fit(stages.problem, result, prep, plan, stages.finished_iter, group)
+        self._warn_about(result, plan, stages.candidate_history, len(prep.y), group)
         self.prototypes_ = self.prototype_labels_ = self.prototype_rows_ = None
         if self.prototypes is not None:
             _fit_prototypes(self, prep, X, y)
         return self
-
-    def _problem_factory(self, prep: preparation.Prepared, plan: FitPlan, group):
-        """problem(**overrides) -> the objective over the training points as the plan says
-        (sharded across ranks under torchrun), with ``overrides`` for the exact finish."""
-        draw_seed = 0  # a seed only when drawing: the generator's stream (Adam's) stays as it was
-        if plan.candidate_draws:
-            draw_seed = int(prep.rng.integers(2**31 - 1))
-            if group.is_distributed:  # every rank draws the same candidates
-                seed = torch.tensor([draw_seed], dtype=torch.int64, device=prep.device)
-                draw_seed = int(broadcast_from_rank0(seed, group)[0])
-        defaults = dict(
-            transform=self.transformation,
-            n_components=prep.d,
-            l2=plan.l2,
-            n_candidates=plan.n_candidates,
-            n_draws=plan.candidate_draws,
-            seed=draw_seed,
-            chunk_size=self.chunk_size,
-            search=CandidateSearch(kind=self.candidate_search, seed=draw_seed),
-        )
-        X = torch.as_tensor(prep.X, dtype=torch.float32, device=prep.device)
-        labels = torch.as_tensor(prep.y, dtype=torch.long, device=prep.device)
-        objective = make_objective(self.objective, self.k, n_classes=len(prep.classes))
-        if plan.candidate_rows is not None and not group.is_distributed:
-            rows = evenly_spaced_rows(len(prep.y), plan.candidate_rows)
-            defaults["candidate_rows"] = torch.as_tensor(rows, device=prep.device)
-
-        def make_problem(**overrides):
-            kwargs = {**defaults, **overrides}
-            if kwargs["n_candidates"] is None:  # the exact finish chooses its own rows
-                kwargs.pop("candidate_rows", None)
-            if group.is_distributed:
-                return ShardedProblem(X, labels, objective, group=group, **kwargs)
-            return Problem(X, labels, objective, **kwargs)
-
-        return make_problem
-
-    def _judge(self, problem, prep: preparation.Prepared) -> StageJudge | None:
-        """What each stage's start and end are scored by (``training.optim.stages``): the
-        k-NN accuracy of the validation split, or of the rows held out to judge the fit
-        (``preparation.held_out``); None when no rows are held out (a small fit without
-        validation)."""
-        score = prep.judge(problem)
-        if score is None:
-            return None
-        measure = (
-            "validation accuracy"
-            if prep.X_val is not None
-            else f"k-NN accuracy of {prep.n_judged} training rows held out of the fit"
-        )
-        return StageJudge(score, measure, prep.n_judged)
-
-    def _monitor(self, problem, validate, group) -> Monitor:
-        return Monitor(
-            max_iter=self.max_iter,
-            validate=validate,
-            components=problem.components,
-            audit=candidate_audit(problem),
-            penalty=problem.penalty,
-            **self._monitor_options(group),
-        )
-
-    def _monitor_options(self, group) -> dict:
-        """What every stage's Monitor shares: early stopping, the table, the callback."""
-        return dict(
-            early_stopping=self.early_stopping,
-            interval=self.validation_interval,
-            patience=self.n_iter_no_change,
-            verbose=bool(self.verbose) and group.rank == 0,
-            name=type(self).__name__,
-            callback=self.callback,
-        )
 
     def _store_fit(
         self, problem, result, prep: preparation.Prepared, plan: FitPlan, finished_iter, group
@@ -414,32 +309,6 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
                 ConvergenceWarning,
                 stacklevel=3,
             )
-
-    def _optimise(self, problem, theta0, monitor, solver, rng):
-        if solver == "lbfgs":
-            return run_lbfgs(
-                problem,
-                theta0,
-                max_iter=self.max_iter,
-                tol=self.tol,
-                monitor=monitor,
-                refresh_every=self.refresh_every,
-                refresh_tol=self.refresh_tol,
-                target_mass=self.candidate_mass,
-            )
-        return run_adam(
-            problem,
-            theta0,
-            max_iter=self.max_iter,
-            tol=self.tol,
-            monitor=monitor,
-            learning_rate=self.learning_rate,
-            batch_size=self.batch_size,
-            rng=rng,
-            refresh_every=self.refresh_every,
-            refresh_tol=self.refresh_tol,
-            target_mass=self.candidate_mass,
-        )
 
     def transform(self, X):
         """z = x @ projection_.T + offset_ (float32), the same function the service uses."""

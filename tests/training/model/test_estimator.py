@@ -455,16 +455,16 @@ def test_a_non_finite_map_from_any_solver_is_refused(monkeypatch):
     """Whatever the optimiser returns, a map with NaN entries is not a fit."""
     from sklearn.exceptions import NotFittedError
 
-    import training.model.estimator
+    import training.model.fitting
 
-    real = training.model.estimator.run_adam
+    real = training.model.fitting.run_adam
 
     def nan_result(problem, theta0, **kwargs):
         result = real(problem, theta0, **kwargs)
         result.theta = np.full_like(result.theta, np.nan)
         return result
 
-    monkeypatch.setattr(training.model.estimator, "run_adam", nan_result)
+    monkeypatch.setattr(training.model.fitting, "run_adam", nan_result)
     X, y = load_iris(return_X_y=True)
     model = NCA(n_components=2, solver="adam", max_iter=2, random_state=0)
     with pytest.raises(FloatingPointError, match=r"A has 8 non-finite entries after 2 iterations"):

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from training import NCA
 from training.data.synthetic import clustered_classes
 from training.evaluation.evaluate import knn_accuracies
-from training.model import estimator as estimator_module
+from training.model import fitting as fitting_module
 from training.model import preparation
 from training.model.initialization import initial_components
 from training.optim.stages import StageJudge
@@ -85,7 +85,7 @@ def collapsing_finish(monkeypatch):
         starts.append(np.array(first.theta, copy=True))
         return replace(first, theta=np.zeros_like(first.theta)), 1
 
-    monkeypatch.setattr(estimator_module, "finish_exactly", collapse)
+    monkeypatch.setattr(fitting_module, "finish_exactly", collapse)
     return starts
 
 

@@ -1,0 +1,198 @@
+"""The stages of one fit: the first optimisation and the judged exact finish.
+
+``StagedFit`` holds what every stage of a fit shares (the objective over the training rows,
+the monitor options, the judge of ``training.optim.stages``) and runs the stages in order:
+
+1. **first stage**: L-BFGS or Adam from the initial map, on the exact objective or on
+   candidate sets (``training.optim.lbfgs``, ``training.optim.adam``);
+2. **judged finish**: after a fit on candidate sets, L-BFGS iterations on the exact objective
+   (``training.optim.finish``).
+
+Each stage ends with the judge keeping the better of its start and its end (DESIGN.md, rule
+6). ``NCA.fit`` (``training.model.estimator``) reads top to bottom around it: prepare, plan,
+first stage, judged finish, publish the fitted attributes. Tested through the estimator
+(``tests/training/model/test_estimator.py``, ``tests/training/optim/test_stages.py``,
+``test_exact_finish.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from training.distributed.ranks import broadcast_from_rank0
+from training.numerics import evenly_spaced_rows
+from training.objectives.registry import make_objective
+from training.optim.adam import run_adam
+from training.optim.candidate_search import CandidateSearch
+from training.optim.candidates import candidate_audit
+from training.optim.finish import finish_exactly
+from training.optim.lbfgs import run_lbfgs
+from training.optim.monitor import FitResult, Monitor, single_class_result
+from training.optim.problem import Problem
+from training.optim.sharded_problem import ShardedProblem
+from training.optim.stages import StageJudge, keep_better
+
+
+class StagedFit:
+    """The stages of the estimator ``est``'s fit on the prepared rows ``prep``
+    (``training.model.preparation.Prepared``) under the ``plan``
+    (``training.model.plan.FitPlan``), in the process group ``group``."""
+
+    def __init__(self, est, prep, plan, group):
+        self.est, self.prep, self.plan, self.group = est, prep, plan, group
+        self.make_problem = self._problem_factory()
+        self.problem = self.make_problem()
+        self.validate = prep.validate(self.problem)
+        self.monitor = self._monitor()
+        self.judge = self._judge() if est.select_stages else None
+        self.finished_iter = 0  # iterations of the exact finish
+        self.candidate_history: list[dict] = []  # the first stage's history
+
+    # ------------------------------------------------------------------ stages
+
+    def first_stage(self) -> FitResult:
+        """The first optimisation from the initial map, judged against it; one class alone
+        has nothing to learn and keeps the initial map."""
+        prep, problem = self.prep, self.problem
+        if len(prep.classes) == 1:  # every neighbour is of the same class
+            result = single_class_result(problem, prep.theta0, self.monitor)
+        else:
+            result = self._optimise(problem, prep.theta0, self.plan.solver, prep.rng)
+            stage = "exact fit" if self.plan.n_candidates is None else "candidate stage"
+            result = keep_better(self.judge, stage, prep.theta0, result, problem)
+        self.candidate_history = result.history
+        return result
+
+    def judged_finish(self, result: FitResult) -> FitResult:
+        """After a fit on candidate sets, ``plan.finish_iter`` L-BFGS iterations on the exact
+        objective, judged against the first stage's map; otherwise ``result`` unchanged."""
+        plan = self.plan
+        if not plan.finish_iter or result.stop_reason == "single_class":
+            return result
+        exact = self.make_problem(l2=plan.finish_l2, n_candidates=None, n_draws=0)
+        start = result.theta
+        result, self.finished_iter = finish_exactly(
+            exact,
+            result,
+            self.monitor,
+            n_iter=plan.finish_iter,
+            max_rows=plan.finish_max_rows,
+            tol=self.est.tol,
+            validate=self.prep.validate(exact),
+            monitor_options=self.monitor_options(),
+            max_evaluations=plan.finish_max_evaluations,
+        )
+        return keep_better(self.judge, "exact finish", start, result, exact)
+
+    # ------------------------------------------------------------------ what the stages share
+
+    def _problem_factory(self):
+        """problem(**overrides) -> the objective over the training points as the plan says
+        (sharded across ranks under torchrun), with ``overrides`` for the exact finish."""
+        est, prep, plan, group = self.est, self.prep, self.plan, self.group
+        draw_seed = 0  # a seed only when drawing: the generator's stream (Adam's) stays as it was
+        if plan.candidate_draws:
+            draw_seed = int(prep.rng.integers(2**31 - 1))
+            if group.is_distributed:  # every rank draws the same candidates
+                seed = torch.tensor([draw_seed], dtype=torch.int64, device=prep.device)
+                draw_seed = int(broadcast_from_rank0(seed, group)[0])
+        defaults = dict(
+            transform=est.transformation,
+            n_components=prep.d,
+            l2=plan.l2,
+            n_candidates=plan.n_candidates,
+            n_draws=plan.candidate_draws,
+            seed=draw_seed,
+            chunk_size=est.chunk_size,
+            search=CandidateSearch(kind=est.candidate_search, seed=draw_seed),
+        )
+        X = torch.as_tensor(prep.X, dtype=torch.float32, device=prep.device)
+        labels = torch.as_tensor(prep.y, dtype=torch.long, device=prep.device)
+        objective = make_objective(est.objective, est.k, n_classes=len(prep.classes))
+        if plan.candidate_rows is not None and not group.is_distributed:
+            rows = evenly_spaced_rows(len(prep.y), plan.candidate_rows)
+            defaults["candidate_rows"] = torch.as_tensor(rows, device=prep.device)
+
+        def make_problem(**overrides):
+            kwargs = {**defaults, **overrides}
+            if kwargs["n_candidates"] is None:  # the exact finish chooses its own rows
+                kwargs.pop("candidate_rows", None)
+            if group.is_distributed:
+                return ShardedProblem(X, labels, objective, group=group, **kwargs)
+            return Problem(X, labels, objective, **kwargs)
+
+        return make_problem
+
+    def _judge(self) -> StageJudge | None:
+        """What each stage's start and end are scored by (``training.optim.stages``): the
+        k-NN accuracy of the validation split, or of the rows held out to judge the fit
+        (``preparation.held_out``); None when no rows are held out (a small fit without
+        validation)."""
+        prep = self.prep
+        score = prep.judge(self.problem)
+        if score is None:
+            return None
+        measure = (
+            "validation accuracy"
+            if prep.X_val is not None
+            else f"k-NN accuracy of {prep.n_judged} training rows held out of the fit"
+        )
+        return StageJudge(score, measure, prep.n_judged)
+
+    def _monitor(self) -> Monitor:
+        problem = self.problem
+        return Monitor(
+            max_iter=self.est.max_iter,
+            validate=self.validate,
+            components=problem.components,
+            audit=candidate_audit(problem),
+            penalty=problem.penalty,
+            **self.monitor_options(),
+        )
+
+    def monitor_options(self) -> dict:
+        """What every stage's Monitor shares: early stopping, the table, the callback."""
+        est = self.est
+        return dict(
+            early_stopping=est.early_stopping,
+            interval=est.validation_interval,
+            patience=est.n_iter_no_change,
+            verbose=bool(est.verbose) and self.group.rank == 0,
+            name=type(est).__name__,
+            callback=est.callback,
+        )
+
+    def _optimise(self, problem, theta0, solver, rng) -> FitResult:
+        est = self.est
+        if solver == "lbfgs":
+            return run_lbfgs(
+                problem,
+                theta0,
+                max_iter=est.max_iter,
+                tol=est.tol,
+                monitor=self.monitor,
+                refresh_every=est.refresh_every,
+                refresh_tol=est.refresh_tol,
+                target_mass=est.candidate_mass,
+            )
+        return run_adam(
+            problem,
+            theta0,
+            max_iter=est.max_iter,
+            tol=est.tol,
+            monitor=self.monitor,
+            learning_rate=est.learning_rate,
+            batch_size=est.batch_size,
+            rng=rng,
+            refresh_every=est.refresh_every,
+            refresh_tol=est.refresh_tol,
+            target_mass=est.candidate_mass,
+        )
+
+    def records(self) -> list[dict]:
+        """What each stage did to the score it was judged by (``NCA.stages_``)."""
+        return [] if self.judge is None else [record.describe() for record in self.judge.records]
+
+    def measure(self) -> str | None:
+        """What the scores in the records are (``NCA.stage_measure_``)."""
+        return None if self.judge is None else self.judge.measure
