@@ -30,7 +30,11 @@ def to_rows(instances, *, n_features: int, max_rows: int, abs_max: float) -> np.
             f"{instances.shape[1]}"
         )
     values = np.asarray(instances)
-    inside = np.abs(values) <= abs_max  # False for NaN and Inf: one pass checks all three
+    # the bound in the values' own type, except where it cannot hold it (float16: it would
+    # overflow to inf with a RuntimeWarning, or round): there in float64
+    small = values.dtype.kind == "f" and values.dtype.itemsize < 4
+    bound = np.float64(abs_max) if small else abs_max
+    inside = np.abs(values) <= bound  # False for NaN and Inf: one pass checks all three
     if not inside.all():
         r, c = np.argwhere(~inside)[0]
         if values.dtype.kind == "f" and not np.isfinite(values[r, c]):
