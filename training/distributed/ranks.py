@@ -101,3 +101,14 @@ def agreed(value: float, group: ProcessGroup, device=None) -> float:
         return value
     t = torch.tensor([value], dtype=torch.float64, device=device)
     return float(broadcast_from_rank0(t, group)[0])
+
+
+def agreed_flags(flags: tuple[bool, ...], group: ProcessGroup) -> tuple[bool, ...]:
+    """Rank 0's ``flags`` on every rank: a decision taken by a clock (a budget spent, a
+    held-out check due) must be taken by every rank at the same iteration, or their
+    collectives stop matching. Unchanged in a single process."""
+    if not group.is_distributed:
+        return flags
+    device = torch.device("cuda", torch.cuda.current_device()) if group.backend == "nccl" else None
+    values = torch.tensor([int(bool(f)) for f in flags], dtype=torch.int64, device=device)
+    return tuple(bool(v) for v in broadcast_from_rank0(values, group).tolist())

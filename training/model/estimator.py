@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import numbers
 import warnings
+from functools import partial
 
 import numpy as np
 from sklearn.base import BaseEstimator, ClassNamePrefixFeaturesOutMixin, TransformerMixin
@@ -25,11 +26,12 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 from threadpoolctl import threadpool_limits
 
 from service.core.knn import project
-from training.distributed.ranks import current_group
+from training.distributed.ranks import agreed_flags, current_group
 from training.model import parameters, preparation
 from training.model.fitting import StagedFit
 from training.model.plan import FitPlan, resolve_plan
 from training.optim.candidates import audit_disagreement, audit_rows
+from training.optim.stages import FitClock
 from training.references.compress import compress, edit_k_for
 from training.references.learned import representatives, served_k
 
@@ -94,9 +96,14 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         the CPU (``training.optim.candidate_search``).
     select_stages : bool
         Keep each stage's end (the first optimisation, the exact finish) only when it scores
-        at least as well as its start on held-out rows: the validation split, else the
-        leave-one-out k-NN accuracy of 4,096 training rows (``training.optim.stages``);
-        ``stages_`` records each judgement. False keeps whatever the optimiser returns.
+        at least as well as its start on held-out rows: the validation split, else the k-NN
+        accuracy of up to 4,096 training rows held out of the fit; and stop a stage that has
+        run longer than the fit before it while that score stopped rising
+        (``training.optim.stages``). False keeps whatever the optimiser returns.
+    max_seconds : None or float
+        The fit's budget in seconds: once spent, the running stage stops after its current
+        iteration, later stages are skipped, and the best judged map so far is returned
+        (``budget_exhausted_``, ``stop_reason_`` "max_seconds", a ConvergenceWarning).
     prototypes : None or float
         The joint mode of learned reference sets: after the NCA fit, round(N_c / prototypes)
         prototypes per class and the map are learned together with NCA's objective
@@ -119,8 +126,12 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         it; None unless ``prototypes`` is set. A 1-NN classifier on them is the compressed
         model: ``KNeighborsClassifier(1).fit(nca.prototypes_, nca.prototype_labels_)``.
     stages_ : list of dict
-        For each stage its name, the score of its start and of its end, and which one was
-        kept ("start": the stage was undone); ``stage_measure_`` says what the scores are.
+        For each stage (``training.optim.stages.StageRecord``): its name, seconds,
+        iterations, evaluations, refreshes, held-out checks, why it stopped, the score of its
+        start and of its end, and which one was kept ("start": the stage was undone);
+        ``stage_measure_`` says what the scores are.
+    budget_exhausted_ : bool
+        Whether ``max_seconds`` cut the fit short.
     candidate_warning_ : str or None
         On candidates, when the candidate objective rose while the exact one on 512 fixed
         rows fell, or ends above it by more than ``training.optim.candidates.AUDIT_GAP``.
@@ -162,6 +173,7 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         prototypes=None,
         candidate_search="auto",
         select_stages=True,
+        max_seconds=None,
     ):
         self.n_components = n_components
         self.objective = objective
@@ -196,6 +208,7 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         self.prototypes = prototypes
         self.candidate_search = candidate_search
         self.select_stages = select_stages
+        self.max_seconds = max_seconds
 
     # ------------------------------------------------------------------ validation
 
@@ -236,16 +249,18 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         every rank ends with the same fitted attributes. No rank holds another's rows.
         """
         group = current_group()
+        clock = FitClock(self.max_seconds, agree=partial(agreed_flags, group=group))
         prep = preparation.prepare(self, X, y, X_val, y_val, group)
         self.plan_ = plan = resolve_plan(self.get_params(), len(prep.y))
-        stages = StagedFit(self, prep, plan, group)
+        stages = StagedFit(self, prep, plan, group, clock)
         # numpy/scipy's BLAS threads (OpenBLAS) spin after each small call of the optimiser and
         # steal the cores from torch's kernels: measured 3x slower fits. One BLAS thread here.
         with threadpool_limits(1, user_api="blas"):
             result = stages.first_stage()
             result = stages.judged_finish(result)
-        self.stages_ = stages.records()
+        self.stages_ = stages.describe()
         self.stage_measure_ = stages.measure()
+        self.budget_exhausted_ = stages.budget_exhausted
         self._store_fit(stages.problem, result, prep, plan, stages.finished_iter, group)
         self._warn_about(result, plan, stages.candidate_history, len(prep.y), group)
         self.prototypes_ = self.prototype_labels_ = self.prototype_rows_ = None
@@ -302,7 +317,15 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
             )
             if self.candidate_warning_ and group.rank == 0:
                 warnings.warn(self.candidate_warning_, UserWarning, stacklevel=3)
-        if not result.converged and group.rank == 0:
+        if result.stop_reason == "max_seconds" and group.rank == 0:
+            warnings.warn(
+                f"[{type(self).__name__}] the fit's budget max_seconds={self.max_seconds:g} ran "
+                "out: the best judged map so far is returned (stages_ says which stages ran "
+                "and for how long)",
+                ConvergenceWarning,
+                stacklevel=3,
+            )
+        elif not result.converged and group.rank == 0:
             warnings.warn(
                 f"[{type(self).__name__}] NCA did not converge in max_iter={self.max_iter} "
                 f"iterations (stop reason: {result.stop_reason}); increase max_iter or tol",

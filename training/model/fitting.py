@@ -17,6 +17,10 @@ first stage, judged finish, publish the fitted attributes. Tested through the es
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
+import numpy as np
 import torch
 
 from training.distributed.ranks import broadcast_from_rank0
@@ -30,21 +34,23 @@ from training.optim.lbfgs import run_lbfgs
 from training.optim.monitor import FitResult, Monitor, single_class_result
 from training.optim.problem import Problem
 from training.optim.sharded_problem import ShardedProblem
-from training.optim.stages import StageJudge, keep_better
+from training.optim.stages import FitClock, StageGuard, StageJudge, StageRecord
 
 
 class StagedFit:
     """The stages of the estimator ``est``'s fit on the prepared rows ``prep``
     (``training.model.preparation.Prepared``) under the ``plan``
-    (``training.model.plan.FitPlan``), in the process group ``group``."""
+    (``training.model.plan.FitPlan``), in the process group ``group``, on the fit's
+    ``clock`` (its budget: ``training.optim.stages.FitClock``)."""
 
-    def __init__(self, est, prep, plan, group):
-        self.est, self.prep, self.plan, self.group = est, prep, plan, group
+    def __init__(self, est, prep, plan, group, clock: FitClock):
+        self.est, self.prep, self.plan, self.group, self.clock = est, prep, plan, group, clock
         self.make_problem = self._problem_factory()
         self.problem = self.make_problem()
         self.validate = prep.validate(self.problem)
         self.monitor = self._monitor()
         self.judge = self._judge() if est.select_stages else None
+        self.records: list[StageRecord] = []
         self.finished_iter = 0  # iterations of the exact finish
         self.candidate_history: list[dict] = []  # the first stage's history
 
@@ -52,26 +58,42 @@ class StagedFit:
 
     def first_stage(self) -> FitResult:
         """The first optimisation from the initial map, judged against it; one class alone
-        has nothing to learn and keeps the initial map."""
-        prep, problem = self.prep, self.problem
+        has nothing to learn and keeps the initial map, as does a fit whose budget is spent
+        before it starts."""
+        prep, problem, plan = self.prep, self.problem, self.plan
         if len(prep.classes) == 1:  # every neighbour is of the same class
             result = single_class_result(problem, prep.theta0, self.monitor)
-        else:
-            result = self._optimise(problem, prep.theta0, self.plan.solver, prep.rng)
-            stage = "exact fit" if self.plan.n_candidates is None else "candidate stage"
-            result = keep_better(self.judge, stage, prep.theta0, result, problem)
+            self.candidate_history = result.history
+            return result
+        stage = "exact fit" if plan.n_candidates is None else "candidate stage"
+        if self.clock.exhausted():
+            self._skip(stage)
+            unfitted = FitResult(
+                np.array(prep.theta0, copy=True), 0, False, "max_seconds", math.nan
+            )
+            return self._result_at(prep.theta0, problem, unfitted)
+        started = self.clock.elapsed()
+        guard = self.monitor.guard = StageGuard(self.clock, self.judge, prep.theta0)
+        result = self._optimise(problem, prep.theta0, plan.solver, prep.rng)
+        kept = self._settle(stage, prep.theta0, result, guard, started)
+        result = self._result_at(kept, problem, result)
         self.candidate_history = result.history
         return result
 
     def judged_finish(self, result: FitResult) -> FitResult:
         """After a fit on candidate sets, ``plan.finish_iter`` L-BFGS iterations on the exact
-        objective, judged against the first stage's map; otherwise ``result`` unchanged."""
+        objective, judged against the first stage's map; otherwise ``result`` unchanged.
+        Skipped when the fit's budget is spent."""
         plan = self.plan
         if not plan.finish_iter or result.stop_reason == "single_class":
             return result
+        if self.clock.exhausted():
+            self._skip("exact finish")
+            return result
         exact = self.make_problem(l2=plan.finish_l2, n_candidates=None, n_draws=0)
-        start = result.theta
-        result, self.finished_iter = finish_exactly(
+        start, started = result.theta, self.clock.elapsed()
+        guard = StageGuard(self.clock, self.judge, start)
+        merged, finish = finish_exactly(
             exact,
             result,
             self.monitor,
@@ -79,10 +101,75 @@ class StagedFit:
             max_rows=plan.finish_max_rows,
             tol=self.est.tol,
             validate=self.prep.validate(exact),
-            monitor_options=self.monitor_options(),
+            monitor_options={**self.monitor_options(), "guard": guard},
             max_evaluations=plan.finish_max_evaluations,
         )
-        return keep_better(self.judge, "exact finish", start, result, exact)
+        self.finished_iter = finish.n_iter
+        kept = self._settle(
+            "exact finish", start, replace(finish, theta=merged.theta), guard, started
+        )
+        merged = replace(merged, stop_reason=self._fit_stop_reason(result.stop_reason))
+        return self._result_at(kept, exact, merged)
+
+    def _settle(self, stage, start, result: FitResult, guard, started) -> np.ndarray:
+        """The map a stage leaves, and its record: its end (the better of its last iterate
+        and the best map its guard checked), or its start when the judge undoes it."""
+        end = result.theta
+        if self.judge is not None and guard.best_theta is not None:
+            if self.judge.score_of(guard.best_theta) > self.judge.score_of(end):
+                end = guard.best_theta
+        judgement = None if self.judge is None else self.judge.judge(start, end)
+        kept = "end (not judged)" if judgement is None else judgement.kept
+        self.records.append(
+            StageRecord(
+                stage=stage,
+                start_score=None if judgement is None else judgement.start_score,
+                end_score=None if judgement is None else judgement.end_score,
+                kept=kept,
+                seconds=self.clock.elapsed() - started,
+                iterations=result.n_iter,
+                evaluations=result.n_evaluations,
+                refreshes=result.n_refreshes,
+                checks=guard.checks,
+                check_seconds=guard.check_seconds,
+                stop_reason=result.stop_reason,
+            )
+        )
+        return start if kept == "start" else end
+
+    def _skip(self, stage: str) -> None:
+        """The record of a stage the spent budget skipped."""
+        self.records.append(
+            StageRecord(stage, None, None, "start", 0.0, 0, 0, 0, 0, 0.0, "skipped (max_seconds)")
+        )
+
+    def _fit_stop_reason(self, first: str) -> str:
+        """The fit's stop reason: the first stage's, unless the budget cut any stage short."""
+        if any(r.stop_reason in ("max_seconds", "skipped (max_seconds)") for r in self.records):
+            return "max_seconds"
+        return first
+
+    @staticmethod
+    def _result_at(theta: np.ndarray, problem, result: FitResult) -> FitResult:
+        """``result`` at the map ``theta``: its objective computed afresh on ``problem`` (on
+        fresh candidates for a candidate problem)."""
+        if theta is result.theta:
+            return result
+        if problem.n_candidates is not None:
+            problem.refresh_candidates(theta)
+        with torch.no_grad():
+            objective = float(problem.mean_score(problem.to_tensor(theta), problem.query_rows))
+        return replace(
+            result,
+            theta=np.array(theta, dtype=np.float64),
+            objective=objective,
+            n_evaluations=result.n_evaluations + 1,
+        )
+
+    @property
+    def budget_exhausted(self) -> bool:
+        """Whether the budget cut the fit short (a stage stopped by it, or skipped)."""
+        return self._fit_stop_reason("") == "max_seconds"
 
     # ------------------------------------------------------------------ what the stages share
 
@@ -189,9 +276,9 @@ class StagedFit:
             target_mass=est.candidate_mass,
         )
 
-    def records(self) -> list[dict]:
-        """What each stage did to the score it was judged by (``NCA.stages_``)."""
-        return [] if self.judge is None else [record.describe() for record in self.judge.records]
+    def describe(self) -> list[dict]:
+        """What each stage did (``NCA.stages_``): time, work, scores, what was kept."""
+        return [record.describe() for record in self.records]
 
     def measure(self) -> str | None:
         """What the scores in the records are (``NCA.stage_measure_``)."""

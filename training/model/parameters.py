@@ -129,6 +129,7 @@ CONSTRAINTS: dict[str, list] = {
     "prototypes": [NONE, Real(1, low_closed=False)],
     "candidate_search": [OneOf(("auto", "exact", "ivf"))],
     "select_stages": [OneOf((True, False))],
+    "max_seconds": [NONE, Real(0, low_closed=False)],
 }
 
 

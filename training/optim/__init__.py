@@ -19,7 +19,9 @@ and implements early stopping on validation kNN accuracy (keeping the best param
 * ``candidates.py``: the audit of candidate sets on fixed rows, and ``CandidateWatch``.
 * ``candidate_search.py``: candidate sets by FAISS IVF indexes at scale, their held mass
   measured against exact sets.
-* ``stages.py``: ``StageJudge``, which keeps the better of each stage's start and end.
+* ``stages.py``: the rules of a stage: ``StageJudge`` keeps the better of its start and end,
+  ``StageGuard`` stops it when it stalls or the fit's budget (``FitClock``) is spent, and
+  ``StageRecord`` says what it did.
 * ``sharded_problem.py``: ``ShardedProblem``, the ``Problem`` of one rank's row shard under
   torchrun, whose value and gradient equal one process's.
 * ``monitor.py``: ``Monitor`` (verbose table, history, early stopping) and ``FitResult``.
@@ -28,5 +30,5 @@ and implements early stopping on validation kNN accuracy (keeping the best param
 
 Tests: ``tests/training/model/test_estimator.py``, ``test_helpers.py``, ``test_candidate_audit.py``,
 ``test_candidate_draws.py``, ``test_candidate_search.py``, ``test_candidate_rows.py``,
-``test_stages.py``, ``test_exact_finish.py``, ``test_distributed.py``.
+``test_stages.py``, ``test_stage_guard.py``, ``test_exact_finish.py``, ``test_distributed.py``.
 """

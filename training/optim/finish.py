@@ -29,8 +29,8 @@ def finish_exactly(
     validate,
     monitor_options: dict,
     max_evaluations: int | None = None,
-) -> tuple[FitResult, int]:
-    """(the fit's result with the finish merged in, iterations the finish ran). The history
+) -> tuple[FitResult, FitResult]:
+    """(the fit's result with the finish merged in, the finish's own result). The history
     goes on from the first stage's, its records tagged ``stage: exact finish``; with early
     stopping the best validated map of either stage is kept; converged and the stop reason
     stay the first stage's (the finish runs a fixed budget by design). ``max_evaluations``
@@ -78,4 +78,4 @@ def finish_exactly(
         seconds=finish.seconds,  # the finish's clock started with the fit's
         n_refreshes=first.n_refreshes,
     )
-    return merged, finish.n_iter
+    return merged, finish

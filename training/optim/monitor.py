@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from training.optim.problem import Problem
+from training.optim.stages import StageGuard, StageStop
 
 
 @dataclass
@@ -20,7 +21,8 @@ class FitResult:
     theta: np.ndarray
     n_iter: int
     converged: bool
-    # converged | precision | max_iter | max_evaluations | early_stopping | single_class
+    # converged | precision | max_iter | max_evaluations | early_stopping | single_class |
+    # stalled | max_seconds (the stage guard's: training.optim.stages)
     stop_reason: str
     objective: float  # mean score per point at the returned parameters' last evaluation
     history: list[dict] = field(default_factory=list)
@@ -30,8 +32,14 @@ class FitResult:
     n_refreshes: int = 0  # candidate-set computations (0 for exact evaluation)
 
 
+# the stop reasons of a fit that ended where it meant to: a stalled stage stopped because its
+# held-out score stopped rising; the budget (max_seconds) cut a fit short
+CONVERGED = ("converged", "precision", "early_stopping", "single_class", "stalled")
+
+
 class EarlyStop(Exception):
-    pass
+    """Raised by the monitor to end the optimisation: early stopping, or the stage guard
+    (``Monitor.stopped_by`` says which)."""
 
 
 class Monitor:
@@ -39,7 +47,9 @@ class Monitor:
 
     validate: theta -> validation accuracy (or None when there is no validation set).
     Early stopping checks every ``interval`` iterations and stops after ``patience``
-    checks without improvement, keeping the best parameters seen.
+    checks without improvement, keeping the best parameters seen. ``guard``: the stage's
+    :class:`training.optim.stages.StageGuard`, asked after every iteration whether the
+    stage must stop (the fit's budget, a stalled stage).
     """
 
     def __init__(
@@ -61,6 +71,7 @@ class Monitor:
         continues: Monitor | None = None,
         best_so_far: tuple[float, np.ndarray] | None = None,
         penalty: Callable[[np.ndarray], float] | None = None,
+        guard: StageGuard | None = None,
     ):
         """``continues``: the monitor of an earlier stage of the same fit; its clock and
         table go on (history seconds count from the fit's start, the header is not printed
@@ -91,6 +102,8 @@ class Monitor:
         self.name = name  # prefixes the verbose lines, as scikit-learn's "[ClassName]"
         self.last_call = self.stage_start
         self.header_printed = continues is not None and continues.header_printed
+        self.guard = guard
+        self.stopped_by: str | None = None  # "early_stopping", or the guard's reason
         if best_so_far is not None and self.early_stopping:
             self.best_acc, self.best_theta = best_so_far[0], np.array(best_so_far[1], copy=True)
 
@@ -124,7 +137,14 @@ class Monitor:
         if self.callback is not None:  # scikit-learn's form: (A raveled (d * D,), iteration)
             self.callback(self.components(theta).ravel(), iteration)
         if self.early_stopping and self.bad_checks >= self.patience:
+            self.stopped_by = "early_stopping"
             raise EarlyStop
+        if self.guard is not None:
+            try:
+                self.guard.after_iteration(theta, scheduled)
+            except StageStop as stop:
+                self.stopped_by = stop.reason
+                raise EarlyStop from None
 
     def _print_iteration(self, iteration: int, objective: float, val_accuracy) -> None:
         """One line per iteration in scikit-learn's verbose table (its header before the
@@ -159,8 +179,11 @@ class Monitor:
 
 def finished_result(problem, monitor, theta, n_iter, stop_reason, objective, n_eval) -> FitResult:
     """The result at the parameters returned: early stopping returns the best validated
-    ones, whose objective is then computed afresh (``objective`` is the last iterate's)."""
+    ones, whose objective is then computed afresh (``objective`` is the last iterate's). A
+    stage the guard stopped says why (``stalled``, ``max_seconds``)."""
     monitor.close()
+    if stop_reason == "early_stopping" and monitor.stopped_by is not None:
+        stop_reason = monitor.stopped_by
     if monitor.early_stopping and monitor.best_theta is not None:
         if not np.array_equal(monitor.best_theta, theta):
             theta = monitor.best_theta
@@ -172,7 +195,7 @@ def finished_result(problem, monitor, theta, n_iter, stop_reason, objective, n_e
     return FitResult(
         theta=np.asarray(theta, dtype=np.float64),
         n_iter=n_iter,
-        converged=stop_reason in ("converged", "precision", "early_stopping", "single_class"),
+        converged=stop_reason in CONVERGED,
         stop_reason=stop_reason,
         objective=objective,
         history=monitor.history,

@@ -1,48 +1,101 @@
-"""Every stage of a fit keeps the better of its start and its end (DESIGN.md, rule 6).
+"""The rules every stage of a fit follows: it keeps the better of its start and its end
+(DESIGN.md, rule 6), it pays for its time, and it stops when the fit's budget is spent.
 
 A fit runs in stages: the first optimisation (exact, or on candidate sets), then, after a
-candidate fit, the exact finish. A stage starts from a map and ends with another, and more
-work is no promise of a better map: a penalty or a candidate set can pull the objective
-away from what k-NN needs. So each stage's end is scored against its start on rows the fit
-never saw, and kept only when it scores at least as well: the k-NN accuracy, at the served k
-and rule, of the validation split, or of the rows held out of the fit for this purpose
-(``training.model.preparation.held_out``: min(SELECTION_ROWS, N / 10) rows above 8,192).
-Rows the map was fitted on cannot judge it: NCA makes their leave-one-out neighbourhoods
-pure, so an overfit stage looks better on them (measured: a finish that raised the test
-accuracy from 0.929 to 0.939 lowered the training rows' leave-one-out accuracy from 0.976 to
-0.918).
+candidate fit, the exact finish (``training.model.fitting``). A stage starts from a map and
+ends with another, and more work is no promise of a better map: a penalty or a candidate set
+can pull the objective away from what k-NN needs. So maps are scored on rows the fit never
+saw: the k-NN accuracy, at the served k and rule, of the validation split, or of the rows
+held out of the fit for this purpose (``training.model.preparation.held_out``:
+min(SELECTION_ROWS, N / 10) rows above 8,192). Rows the map was fitted on cannot judge it:
+NCA makes their leave-one-out neighbourhoods pure, so an overfit stage looks better on them
+(measured: a finish that raised the test accuracy from 0.929 to 0.939 lowered the training
+rows' leave-one-out accuracy from 0.976 to 0.918).
 
-A stage whose end scores lower is undone: the fit goes on from its start (or returns it),
-and :class:`StageJudge` records it (``NCA.stages_``; the training report shows it). Lower
-means by more than one scored row: a stage is undone when its end classifies at least two
-more of the scored rows wrongly than its start, so that the measure's smallest step (one
-row of a small set) does not throw away a fit that is as good.
+**The judge** (:class:`StageJudge`) scores a stage's start and its end and keeps the end
+unless it classifies at least two more of the scored rows wrongly than the start (one row of
+a small set is the measure's smallest step, not a worse map); a stage whose end scores lower
+is undone.
+
+**The guard** (:class:`StageGuard`) watches a stage while it runs, after every iteration:
+
+* *the budget*: once the fit has run ``max_seconds`` (:class:`FitClock`), the stage stops
+  (``max_seconds``), later stages are skipped, and the fit returns the best judged map it has;
+* *a stage pays for its time*: the held-out score is checked on the monitor's schedule
+  (every ``validation_interval`` iterations: iteration counts, not the clock, so the maps
+  scored are the same on every run and rank), and a stage stops (``stalled``) when it has
+  run longer than the whole fit before it while its latest check did not beat the best
+  score of the stage so far (its start included) by more than the judge's tolerance. So a
+  stage that stops improving costs at most about as much again as the fit before it, and one
+  that keeps improving runs on. Only the moment it stops depends on the clock;
+* the best map a check scored (rising above its start by more than the tolerance) is
+  remembered: the stage's end is the better of it and the last iterate (a stage stopped
+  after its score fell ends on the map before the fall).
+
+Without held-out rows (a small fit without validation, or ``select_stages=False``) only the
+budget applies. What each stage did is a :class:`StageRecord` (``NCA.stages_``; the training
+report shows it).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import numpy as np
-import torch
 
 SELECTION_ROWS = 4096
+CACHED_MAPS = 4  # the judge remembers the scores of this many maps
+
+
+class StageStop(Exception):
+    """Raised by the guard (through the monitor) to end a stage: ``reason`` is
+    ``max_seconds`` or ``stalled``."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class FitClock:
+    """Seconds since the fit started, and its budget: ``max_seconds`` (None: none).
+
+    ``agree``: (flags,) -> the flags every process uses. Under torchrun each rank has its own
+    clock, so a decision taken by the clock (the budget spent, a check due) is rank 0's
+    (``training.distributed.ranks.agreed_flags``), taken by every rank at the same point."""
+
+    def __init__(
+        self,
+        max_seconds: float | None = None,
+        clock: Callable[[], float] | None = None,
+        agree: Callable[[tuple[bool, ...]], tuple[bool, ...]] | None = None,
+    ):
+        self.clock = clock or time.perf_counter
+        self.started = self.clock()
+        self.max_seconds = max_seconds
+        self.agree = agree or (lambda flags: flags)
+
+    def elapsed(self) -> float:
+        return self.clock() - self.started
+
+    def exhausted(self) -> bool:
+        """Whether the budget is spent (every rank's answer is rank 0's)."""
+        return self.agree((self.spent(),))[0]
+
+    def spent(self) -> bool:
+        """Whether this process's clock has passed the budget."""
+        return self.max_seconds is not None and self.elapsed() >= self.max_seconds
 
 
 @dataclass
-class StageRecord:
-    """What one stage did to the score it is judged by."""
+class Judgement:
+    """The scores of a stage's start and end, and which one was kept."""
 
-    stage: str  # "exact fit", "candidate stage", "exact finish", ...
     start_score: float
     end_score: float
     kept: str  # "end" or "start" (the stage was undone)
-    seconds: float  # time spent scoring
-
-    def describe(self) -> dict:
-        return asdict(self)
+    seconds: float  # time spent scoring the two
 
 
 class StageJudge:
@@ -53,52 +106,98 @@ class StageJudge:
         self.score = score
         self.measure = measure
         self.tolerance = 1.5 / max(1, n_rows)  # more than one row of the n_rows scored
-        self.records: list[StageRecord] = []
-        self._cache: tuple[np.ndarray, float] | None = None  # the last map scored
+        self.judgements: list[Judgement] = []
+        self._cache: list[tuple[np.ndarray, float]] = []  # the maps scored last, newest last
 
     def score_of(self, theta: np.ndarray) -> float:
-        """score(theta), remembered for the map scored last (a stage's end is the next
-        stage's start)."""
-        if self._cache is not None and np.array_equal(self._cache[0], theta):
-            return self._cache[1]
+        """score(theta), remembered for the CACHED_MAPS maps scored last (a stage's start is
+        scored when it begins and again when it is judged; its end is the next stage's
+        start)."""
+        for cached, value in self._cache:
+            if np.array_equal(cached, theta):
+                return value
         value = float(self.score(theta))
-        self._cache = (np.array(theta, copy=True), value)
+        self._cache = [*self._cache[-(CACHED_MAPS - 1) :], (np.array(theta, copy=True), value)]
         return value
 
-    def keep_better(self, stage: str, start: np.ndarray, end: np.ndarray) -> np.ndarray:
-        """``end`` when it scores at least as well as ``start``, else ``start``."""
+    def judge(self, start: np.ndarray, end: np.ndarray) -> Judgement:
+        """Which of ``start`` and ``end`` to keep: the end when it scores at least as well,
+        within the tolerance."""
         started = time.perf_counter()
         start_score = self.score_of(start)
         end_score = self.score_of(end)
         kept = "end" if end_score >= start_score - self.tolerance else "start"
-        self.records.append(
-            StageRecord(stage, start_score, end_score, kept, time.perf_counter() - started)
+        judgement = Judgement(start_score, end_score, kept, time.perf_counter() - started)
+        self.judgements.append(judgement)
+        return judgement
+
+    def keep_better(self, start: np.ndarray, end: np.ndarray) -> np.ndarray:
+        """``end`` when it scores at least as well as ``start``, else ``start``."""
+        return end if self.judge(start, end).kept == "end" else start
+
+
+class StageGuard:
+    """Watches one stage as it runs (see the module docstring): stops it when the fit's
+    budget is spent or when it stalls, and remembers the best map a check scored.
+    ``after_iteration`` is called by the stage's monitor after every iteration."""
+
+    def __init__(self, clock: FitClock, judge: StageJudge | None, start: np.ndarray):
+        self.clock, self.judge = clock, judge
+        self.started = clock.elapsed()  # the fit's seconds before this stage
+        self.stop_reason: str | None = None
+        self.checks = 0  # held-out checks made during the stage (its start's included)
+        self.check_seconds = 0.0
+        self.best_score: float | None = None
+        self.best_theta: np.ndarray | None = None  # the best checked map other than the start
+        if judge is not None and not clock.exhausted():
+            self.best_score = self._check(start)
+
+    def after_iteration(self, theta: np.ndarray, scheduled: bool) -> None:
+        """Raise StageStop when the budget is spent, or when a scheduled check (the
+        monitor's schedule: every ``validation_interval`` iterations) finds the stage
+        stalled after it has run longer than the fit before it. The clock's decisions are
+        agreed between ranks (``FitClock.agree``); the scores already are."""
+        spent, long_enough = self.clock.agree(
+            (self.clock.spent(), self.stage_seconds() > self.started)
         )
-        if kept == "start":
-            self._cache = (np.array(start, copy=True), start_score)
-            return start
-        return end
+        if spent:
+            self.stop_reason = "max_seconds"
+            raise StageStop("max_seconds")
+        if not scheduled or self.best_score is None:
+            return
+        score = self._check(theta)
+        if score > self.best_score + self.judge.tolerance:  # rising: the stage goes on
+            self.best_score, self.best_theta = score, np.array(theta, copy=True)
+        elif long_enough:
+            self.stop_reason = "stalled"
+            raise StageStop("stalled")
 
-    def undone(self) -> list[StageRecord]:
-        return [r for r in self.records if r.kept == "start"]
+    def stage_seconds(self) -> float:
+        return self.clock.elapsed() - self.started
+
+    def _check(self, theta: np.ndarray) -> float:
+        before = self.clock.elapsed()
+        score = self.judge.score_of(theta)
+        self.checks += 1
+        self.check_seconds += self.clock.elapsed() - before
+        return score
 
 
-def keep_better(judge: StageJudge | None, stage: str, start: np.ndarray, result, problem):
-    """The optimiser's ``result`` (a FitResult) of a stage that started at ``start``, or,
-    when the judge keeps the start, the same result at ``start``: its objective recomputed
-    on ``problem`` (on fresh candidates for a candidate problem)."""
-    if judge is None or not np.isfinite(result.theta).all():
-        return result  # no selection, or not a map to judge (the fit refuses it)
-    kept = judge.keep_better(stage, start, result.theta)
-    if kept is result.theta:
-        return result
-    if problem.n_candidates is not None:
-        problem.refresh_candidates(start)
-    with torch.no_grad():
-        objective = float(problem.mean_score(problem.to_tensor(start), problem.query_rows))
-    return replace(
-        result,
-        theta=np.array(start, dtype=np.float64),
-        objective=objective,
-        n_evaluations=result.n_evaluations + 1,
-    )
+@dataclass
+class StageRecord:
+    """What one stage did: its time and work, and the score it started and ended with."""
+
+    stage: str  # "exact fit", "candidate stage", "exact finish"
+    start_score: float | None  # held-out score of its start (None: not judged)
+    end_score: float | None  # ... and of the end it offered
+    kept: str  # "end", "start" (the stage was undone) or "end (not judged)"
+    seconds: float  # the stage's wall time, its checks and judgement included
+    iterations: int
+    evaluations: int  # of the objective and its gradient
+    refreshes: int  # candidate-set computations
+    checks: int  # held-out scores computed while it ran (its start's included)
+    check_seconds: float  # ... and their time
+    stop_reason: str  # the optimiser's, or "stalled", "max_seconds", "skipped (max_seconds)"
+
+    def describe(self) -> dict:
+        return asdict(self)

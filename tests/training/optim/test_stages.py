@@ -25,11 +25,11 @@ from training.optim.stages import StageJudge
 def test_the_judge_keeps_the_end_unless_it_scores_lower_by_more_than_one_row():
     scores = {0: 0.90, 1: 0.90 - 0.9 / 100, 2: 0.90 - 1.6 / 100, 3: 0.95}
     judge = StageJudge(lambda theta: scores[int(theta[0])], "test", n_rows=100)
-    assert judge.keep_better("a", np.array([0.0]), np.array([1.0]))[0] == 1  # within a row
-    assert judge.keep_better("b", np.array([0.0]), np.array([2.0]))[0] == 0  # two rows lower
-    assert judge.keep_better("c", np.array([0.0]), np.array([3.0]))[0] == 3
-    assert [r.kept for r in judge.records] == ["end", "start", "end"]
-    assert [r.stage for r in judge.undone()] == ["b"]
+    assert judge.keep_better(np.array([0.0]), np.array([1.0]))[0] == 1  # within a row
+    assert judge.keep_better(np.array([0.0]), np.array([2.0]))[0] == 0  # two rows lower
+    assert judge.keep_better(np.array([0.0]), np.array([3.0]))[0] == 3
+    assert [j.kept for j in judge.judgements] == ["end", "start", "end"]
+    assert [(j.start_score, j.end_score) for j in judge.judgements][1] == (0.90, 0.90 - 0.016)
 
 
 def test_the_judge_scores_a_map_once():
@@ -40,8 +40,9 @@ def test_the_judge_scores_a_map_once():
         return float(theta[0])
 
     judge = StageJudge(score, "test", n_rows=10)
-    kept = judge.keep_better("first", np.array([1.0]), np.array([2.0]))
-    judge.keep_better("second", kept, np.array([3.0]))  # its start is the first's end
+    kept = judge.keep_better(np.array([1.0]), np.array([2.0]))
+    judge.keep_better(kept, np.array([3.0]))  # its start is the first's end
+    judge.keep_better(np.array([1.0]), np.array([3.0]))  # both still remembered
     assert calls == [1.0, 2.0, 3.0]
 
 
@@ -83,7 +84,8 @@ def collapsing_finish(monkeypatch):
 
     def collapse(exact, first, *args, **kwargs):
         starts.append(np.array(first.theta, copy=True))
-        return replace(first, theta=np.zeros_like(first.theta)), 1
+        collapsed = replace(first, theta=np.zeros_like(first.theta))
+        return collapsed, replace(collapsed, n_iter=1, n_evaluations=1, history=[])
 
     monkeypatch.setattr(fitting_module, "finish_exactly", collapse)
     return starts
@@ -108,7 +110,8 @@ def test_a_finish_forced_to_hurt_is_undone_and_the_first_stage_kept(
     first = fit(X, y, **{**params, "exact_finish": 0})
     np.testing.assert_array_equal(forced.components_, first.components_)
     unguarded = fit(X, y, **params, select_stages=False)
-    assert unguarded.stages_ == [] and not np.any(unguarded.components_)
+    assert [r["kept"] for r in unguarded.stages_] == ["end (not judged)"] * 2
+    assert not np.any(unguarded.components_)
 
 
 def test_with_a_validation_set_the_stages_are_judged_on_it():
@@ -124,8 +127,9 @@ def test_with_a_validation_set_the_stages_are_judged_on_it():
 def test_small_fits_without_validation_hold_nothing_out_and_are_not_judged():
     X, y, _, _ = problem(300, seed=3)
     model = fit(X, y)
-    assert model.stages_ == [] and model.stage_measure_ is None
-    assert fit(X, y, select_stages=False).stages_ == []
+    assert [r["kept"] for r in model.stages_] == ["end (not judged)"]
+    assert model.stages_[0]["start_score"] is None and model.stage_measure_ is None
+    assert [r["kept"] for r in fit(X, y, select_stages=False).stages_] == ["end (not judged)"]
 
 
 def held_out_accuracy(model, A, X, y, X_test, y_test) -> float:

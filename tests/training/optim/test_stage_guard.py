@@ -1,0 +1,233 @@
+"""A stage pays for its time and a fit keeps to its budget (training.optim.stages): the guard's
+rules on a scripted clock and judge, then through the estimator, where the scores of the maps
+each iteration reaches and the seconds each iteration takes are scripted, so that what the
+rules decide does not hang on this machine's speed or on one floating-point path."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+from sklearn.exceptions import ConvergenceWarning
+
+from tests.training.problems import blobs
+from training import NCA
+from training.model import fitting, preparation
+from training.optim import stages
+from training.optim.stages import FitClock, StageGuard, StageJudge, StageStop
+
+
+class Clock:
+    """A clock the test moves: ``now`` seconds."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def scripted_judge(scores: dict[float, float]) -> StageJudge:
+    """Maps are 1-element arrays; a map's score is ``scores[its value]``."""
+    return StageJudge(lambda theta: scores[float(theta[0])], "scripted", n_rows=100)
+
+
+def test_a_stage_that_stops_rising_stops_once_it_has_run_longer_than_the_fit_before_it():
+    clock = Clock()
+    fit_clock = FitClock(clock=clock)
+    clock.now = 10.0  # the fit before the stage: 10 s
+    judge = scripted_judge({0: 0.5, 1: 0.6, 2: 0.6, 3: 0.605, 4: 0.61, 5: 0.9})
+    guard = StageGuard(fit_clock, judge, np.array([0.0]))
+    clock.now = 13.0
+    guard.after_iteration(np.array([1.0]), scheduled=True)  # rises by 10 rows
+    clock.now = 16.0
+    guard.after_iteration(np.array([2.0]), scheduled=True)  # not rising, but only 6 s in
+    clock.now = 19.0
+    guard.after_iteration(np.array([3.0]), scheduled=False)  # not a scheduled check
+    clock.now = 22.0
+    with pytest.raises(StageStop, match="stalled"):  # 12 s > 10 s, and 0.605 < 0.6 + 1.5 rows
+        guard.after_iteration(np.array([4.0]), scheduled=True)
+    assert guard.stop_reason == "stalled"
+    assert guard.best_theta[0] == 1.0 and guard.best_score == 0.6  # the map before the plateau
+    assert guard.checks == 4  # the start and three scheduled checks
+
+
+def test_a_stage_that_keeps_rising_runs_on():
+    clock = Clock()
+    fit_clock = FitClock(clock=clock)
+    clock.now = 1.0
+    judge = scripted_judge({float(i): 0.5 + 0.05 * i for i in range(10)})
+    guard = StageGuard(fit_clock, judge, np.array([0.0]))
+    for i in range(1, 10):
+        clock.now += 5.0  # far longer than the 1 s before the stage
+        guard.after_iteration(np.array([float(i)]), scheduled=True)
+    assert guard.stop_reason is None and guard.best_theta[0] == 9.0
+
+
+def test_the_budget_stops_a_stage_whatever_its_score():
+    clock = Clock()
+    fit_clock = FitClock(max_seconds=5.0, clock=clock)
+    judge = scripted_judge({float(i): 0.5 + 0.05 * i for i in range(10)})
+    guard = StageGuard(fit_clock, judge, np.array([0.0]))
+    clock.now = 4.0
+    guard.after_iteration(np.array([1.0]), scheduled=True)
+    clock.now = 5.0
+    with pytest.raises(StageStop, match="max_seconds"):
+        guard.after_iteration(np.array([2.0]), scheduled=False)
+    assert fit_clock.exhausted() and guard.stop_reason == "max_seconds"
+
+
+def test_without_a_judge_only_the_budget_applies():
+    clock = Clock()
+    guard = StageGuard(FitClock(max_seconds=3.0, clock=clock), None, np.array([0.0]))
+    clock.now = 2.0
+    guard.after_iteration(np.array([1.0]), scheduled=True)
+    assert guard.checks == 0
+    clock.now = 3.5
+    with pytest.raises(StageStop):
+        guard.after_iteration(np.array([2.0]), scheduled=True)
+
+
+def test_ranks_take_the_clocks_decisions_of_rank_0():
+    """Under torchrun every rank's clock is its own: the decisions are rank 0's."""
+    clock = Clock()
+    rank0_says = (True, True)
+    fit_clock = FitClock(max_seconds=100.0, clock=clock, agree=lambda flags: rank0_says)
+    guard = StageGuard(fit_clock, None, np.array([0.0]))
+    with pytest.raises(StageStop, match="max_seconds"):  # this rank's clock is at 0 s
+        guard.after_iteration(np.array([1.0]), scheduled=False)
+
+
+# ---------------------------------------------------------------- through the estimator
+
+
+@pytest.fixture
+def scripted(monkeypatch):
+    """Every iteration takes one scripted second, and a map's held-out score is
+    ``script(stage, iteration)`` of the iteration that reached it (stage: "first" or
+    "finish"; the initial map is iteration 0 of the first stage). Returns (the script's
+    holder, {iteration: the map it reached}, the clock)."""
+    clock = Clock()
+    monkeypatch.setattr(stages.time, "perf_counter", clock)
+    reached: dict[bytes, tuple[str, int]] = {}
+    maps: dict[int, np.ndarray] = {}
+    holder = {"script": lambda stage, it: 0.5, "finish_from": None}
+
+    def callback(components, iteration):
+        clock.now += 1.0
+        stage = (
+            "first"
+            if holder["finish_from"] is None or iteration < holder["finish_from"]
+            else "finish"
+        )
+        reached[np.asarray(components, dtype=np.float64).tobytes()] = (stage, iteration)
+        maps[iteration] = np.array(components, copy=True)
+
+    def score(theta):
+        stage, iteration = reached.get(np.asarray(theta, dtype=np.float64).tobytes(), ("first", 0))
+        return holder["script"](stage, iteration)
+
+    def judge(self):
+        return StageJudge(score, "scripted", n_rows=1000)
+
+    monkeypatch.setattr(fitting.StagedFit, "_judge", judge)
+    holder["callback"] = callback
+    return holder, maps, clock
+
+
+def fit(X, y, holder, **params):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = NCA(n_components=2, random_state=0, callback=holder["callback"], **params)
+        return model.fit(X, y)
+
+
+def test_a_first_stage_that_stalls_stops_and_returns_its_best_checked_map(scripted):
+    holder, maps, _ = scripted
+    X, y = blobs(300)
+    # rising at iterations 1 and 3, then lower: the fit before the stage took no scripted
+    # time, so the first check that does not rise stops the stage, which ends on the map
+    # before the fall
+    holder["script"] = lambda stage, it: 0.5 + 0.01 * it if it <= 3 else 0.52
+    model = fit(X, y, holder, max_iter=100, tol=0, validation_interval=3)
+    record = model.stages_[0]
+    assert record["stage"] == "exact fit" and record["stop_reason"] == "stalled"
+    assert record["iterations"] == 6  # checks at 1 and 3 rise; 6 does not
+    assert record["kept"] == "end" and record["end_score"] == pytest.approx(0.53)
+    np.testing.assert_array_equal(model.components_.ravel(), maps[3].ravel())
+    assert model.stop_reason_ == "stalled" and model.converged_
+    assert record["checks"] == 4 and record["seconds"] == pytest.approx(6.0)
+
+
+def test_a_finish_that_stalls_stops_after_running_as_long_as_the_fit_before_it(scripted):
+    holder, _, _ = scripted
+    X, y = blobs(300)
+    first_iterations = 4
+    holder["finish_from"] = first_iterations + 1
+    # the first stage rises at every check; the finish never does
+    holder["script"] = lambda stage, it: 0.5 + 0.01 * it if stage == "first" else 0.5
+    model = fit(
+        X,
+        y,
+        holder,
+        n_candidates=5,
+        max_iter=first_iterations,
+        tol=0,
+        exact_finish=60,
+        validation_interval=1,
+    )
+    first, finish = model.stages_
+    assert first["stop_reason"] == "max_iter" and first["iterations"] == first_iterations
+    assert finish["stage"] == "exact finish" and finish["stop_reason"] == "stalled"
+    # the fit before the finish: 4 scripted seconds (the first stage's iterations)
+    assert finish["iterations"] == first_iterations + 1
+    assert finish["seconds"] == pytest.approx(first_iterations + 1)
+    assert finish["kept"] == "start"  # it never beat the first stage's map
+
+
+def test_the_budget_returns_the_best_judged_map_and_says_so(scripted, monkeypatch):
+    holder, maps, clock = scripted
+    real_prepare = preparation.prepare
+
+    def slow_prepare(*args, **kwargs):  # 100 scripted seconds: no stage stalls in 7
+        clock.now += 100.0
+        return real_prepare(*args, **kwargs)
+
+    monkeypatch.setattr(preparation, "prepare", slow_prepare)
+    X, y = blobs(300)
+    holder["script"] = lambda stage, it: 0.5 + 0.01 * it if it <= 3 else 0.5  # best: 3
+    with pytest.warns(ConvergenceWarning, match="budget max_seconds=107 ran out"):
+        model = NCA(
+            n_components=2,
+            random_state=0,
+            callback=holder["callback"],
+            n_candidates=5,
+            max_iter=50,
+            tol=0,
+            validation_interval=1,
+            max_seconds=107.0,
+        ).fit(X, y)
+    first, finish = model.stages_
+    assert first["stop_reason"] == "max_seconds" and first["iterations"] == 7
+    assert finish["stop_reason"] == "skipped (max_seconds)" and finish["iterations"] == 0
+    assert model.budget_exhausted_ and model.stop_reason_ == "max_seconds"
+    assert not model.converged_
+    np.testing.assert_array_equal(model.components_.ravel(), maps[3].ravel())
+
+
+def test_a_budget_spent_before_the_first_stage_returns_the_initial_map(monkeypatch):
+    prepared = []
+    real_prepare = preparation.prepare
+
+    def prepare(*args, **kwargs):
+        prepared.append(real_prepare(*args, **kwargs))
+        return prepared[-1]
+
+    monkeypatch.setattr(preparation, "prepare", prepare)
+    X, y = blobs(300)
+    with pytest.warns(ConvergenceWarning, match="ran out"):
+        model = NCA(n_components=2, random_state=0, max_seconds=1e-12).fit(X, y)
+    assert [r["stop_reason"] for r in model.stages_] == ["skipped (max_seconds)"]
+    assert model.n_iter_ == 0 and model.budget_exhausted_
+    np.testing.assert_array_equal(model.components_, prepared[0].theta0)
