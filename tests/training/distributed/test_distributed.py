@@ -1,7 +1,10 @@
 """Data-parallel evaluation (training.distributed.ranks) against one process: 2 ranks on gloo.
 
-One spawn of two processes computes every case (spawning costs ~3 s); rank 0 saves its
-answers and the test process compares them with a single-process Problem on the same data.
+Three processes compute every case: two form a world of 2 ranks, the third a world of its
+own (torchrun --nproc_per_node 1), each world on its own rendezvous; the rank 0 of each
+saves its answers and the test process compares them with a single-process Problem on the
+same data. The three are forks of one spawned process that has imported torch, this module
+and torch._dynamo (Adam's import) once: ~5 s of imports, instead of ~5 s in each rank.
 N = 37 is odd (shards of 19 and 18 rows) and the labels are sorted, so rank 0 has no point
 of class 2 and rank 1 none of class 0.
 """
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -98,8 +102,14 @@ def sharded_statistics(group):
     }
 
 
-def _worker(rank: int, world_size: int, rendezvous: str, result_path: str) -> None:
+# processes 0 and 1 are the ranks of a world of 2, process 2 a world of 1
+WORLDS = {0: (0, 2), 1: (1, 2), 2: (0, 1)}  # process: (rank, world size)
+
+
+def _worker(process: int, work: str) -> None:
+    rank, world_size = WORLDS[process]
     torch.set_num_threads(1)
+    rendezvous = f"file://{work}/rendezvous-{world_size}"
     dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world_size)
     try:
         group = current_group()
@@ -109,43 +119,69 @@ def _worker(rank: int, world_size: int, rendezvous: str, result_path: str) -> No
         out.update(fit_estimators(group))
         out.update(sharded_statistics(group))
         if rank == 0:
-            np.savez(result_path, **{k.replace("/", "__"): v for k, v in out.items()})
+            result = {k.replace("/", "__"): v for k, v in out.items()}
+            np.savez(f"{work}/world{world_size}.npz", **result)
     finally:
         dist.destroy_process_group()
 
 
-def _spawn(tmp_path_factory, world_size, attempts: int = 2):
-    """Run the ranks; a rank killed by SIGABRT is retried once from a fresh rendezvous.
+def _launch(_: int, work: str) -> None:
+    """The spawned process: its imports done, it forks the three ranks (as torch's
+    DataLoader forks its workers) and ends as they end; a rank killed by SIGABRT aborts it
+    too, so that _spawn sees the signal."""
+    import torch._dynamo  # noqa: F401  (torch.optim.Adam imports it: once, here)
+
+    try:
+        mp.start_processes(_worker, args=(work,), nprocs=len(WORLDS), start_method="fork")
+    except mp.ProcessExitedException as exc:
+        if exc.signal_name == "SIGABRT":
+            os.abort()
+        raise
+    # the answers are saved: leave without the interpreter's teardown of torch (1-4 s on
+    # 2 busy cores, and nothing in it is checked); an exception above ends the process the
+    # usual way, with its traceback
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _spawn(tmp_path_factory, attempts: int = 2) -> dict[int, dict]:
+    """{world size: rank 0's answers} for the worlds of 2 and of 1; a rank killed by SIGABRT
+    is retried once, all three from fresh rendezvous.
 
     On a 2-core machine gloo has been seen to abort a rank ("terminate called without an
     active exception", once in four runs of the suite in one session; the rerun passed): a
     crash of the transport, not a wrong value, so one retry; any other failure, or a second
     abort, fails the fixture."""
     for attempt in range(attempts):
-        tmp = tmp_path_factory.mktemp(f"ddp{world_size}")
-        result_path = str(tmp / "rank0.npz")
-        rendezvous = f"file://{tmp / 'rendezvous'}"
+        work = tmp_path_factory.mktemp("ddp")
         try:
-            mp.spawn(
-                _worker, args=(world_size, rendezvous, result_path), nprocs=world_size, join=True
-            )
+            mp.spawn(_launch, args=(str(work),), nprocs=1, join=True)
             break
         except mp.ProcessExitedException as exc:
             if exc.signal_name != "SIGABRT" or attempt == attempts - 1:
                 raise
-    with np.load(result_path) as saved:
-        return {k.replace("__", "/"): saved[k] for k in saved.files}
+    answers = {}
+    for world_size in (2, 1):
+        with np.load(work / f"world{world_size}.npz") as saved:
+            answers[world_size] = {k.replace("__", "/"): saved[k] for k in saved.files}
+    return answers
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    return _spawn(tmp_path_factory, 2)
+def worlds(tmp_path_factory):
+    return _spawn(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
-def one_rank(tmp_path_factory):
+def two_ranks(worlds):
+    return worlds[2]
+
+
+@pytest.fixture(scope="module")
+def one_rank(worlds):
     """torchrun --nproc_per_node 1: a process group of one, the data-parallel code path."""
-    return _spawn(tmp_path_factory, 1)
+    return worlds[1]
 
 
 @pytest.fixture(scope="module")
