@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -92,11 +90,12 @@ def test_every_config_field_is_an_option_with_help():
         assert flag in parser._option_string_actions
 
 
-def test_help_runs_as_a_module():
-    result = subprocess.run(
-        [sys.executable, "-m", "training", "--help"], capture_output=True, text=True, check=True
-    )
-    assert "--n-components" in result.stdout and "--objective" in result.stdout
+def test_help_runs_as_a_module(python_m_training):
+    """training/__main__.py run as ``python -m`` runs it (runpy), in a fork of a process
+    that imported training.cli; test_writers runs the module in a fresh interpreter."""
+    code, stdout, stderr = python_m_training("--help")
+    assert code == 0, stderr
+    assert "--n-components" in stdout and "--objective" in stdout
 
 
 def write_npz(path, **arrays):

@@ -5,7 +5,12 @@ full tmpfs and on a read-only mount (skipped where this process cannot mount), p
 line naming the path and the cause and exit 2; the previous version and the --publish link
 stay as they were, and no staging is left after a later write. The staging a killed writer
 left is removed by the next write into that directory (a live writer's never); a report
-page that does not fit is said, not claimed, and leaves no partial file."""
+page that does not fit is said, not claimed, and leaves no partial file.
+
+The training job over the limit runs in a fresh interpreter (``python -m training`` with
+the limit from its first instruction, its imports included); the references commands run
+as forks of one process that imported training.cli (the ``python_m_training`` fixture):
+the same command in a process of its own, without the ~3 s of imports each."""
 
 from __future__ import annotations
 
@@ -30,7 +35,7 @@ FILE_SIZE_LIMIT = 16 * 1024  # bytes: less than any model's embeddings.npy here
 
 
 def run_cli(*args: str, file_size_limit: int | None = None) -> tuple[int, list[str]]:
-    """``python -m training ARGS`` in a process of its own: (exit status, stderr lines).
+    """``python -m training ARGS`` in a fresh interpreter: (exit status, stderr lines).
     Python writes no bytecode there: a .pyc over the limit would be written before the
     command's own code runs."""
 
@@ -47,6 +52,18 @@ def run_cli(*args: str, file_size_limit: int | None = None) -> tuple[int, list[s
         timeout=300,
     )
     return done.returncode, done.stderr.splitlines()
+
+
+@pytest.fixture
+def forked_cli(python_m_training):
+    """``python -m training ARGS`` as a fork of the preloaded process: (exit status, stderr
+    lines); ``prelude`` runs first."""
+
+    def run(*args, file_size_limit: int | None = None, prelude: str = ""):
+        code, _, err = python_m_training(*args, file_size_limit=file_size_limit, prelude=prelude)
+        return code, err.splitlines()
+
+    return run
 
 
 def assert_refused(code: int, lines: list[str], path: Path, cause: str) -> None:
@@ -107,7 +124,7 @@ def assert_unchanged(root: Path, v1: dict[str, bytes]) -> None:
     ],
 )
 def test_references_commands_over_the_file_size_limit_exit_2_and_replace_nothing(
-    versions, digits_like_model, command
+    versions, digits_like_model, forked_cli, command
 ):
     """remove, add and condense under RLIMIT_FSIZE: SIGXFSZ does not kill them; the write
     fails with EFBIG, said in one line naming the version; v1 and the link stay; the next
@@ -122,7 +139,7 @@ def test_references_commands_over_the_file_size_limit_exit_2_and_replace_nothing
         "add": ["references", "add", *model, "--data", versions.parent / "new.npz", *out],
         "condense": ["references", "condense", *model, *out],
     }[command]
-    code, lines = run_cli(*args, file_size_limit=FILE_SIZE_LIMIT)
+    code, lines = forked_cli(*args, file_size_limit=FILE_SIZE_LIMIT)
     assert_refused(code, lines, versions / "v2", "File too large (EFBIG)")
     assert not (versions / "v2").exists()
     assert_unchanged(versions, v1)
@@ -164,7 +181,9 @@ def small_mount(tmp_path):
         subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
-def test_a_full_disk_exits_2_and_a_later_write_leaves_no_staging(small_mount, digits_like_model):
+def test_a_full_disk_exits_2_and_a_later_write_leaves_no_staging(
+    small_mount, digits_like_model, forked_cli
+):
     """v1 fills most of a 200 KiB tmpfs: removing a reference into v2 runs out of space
     (ENOSPC), said in one line naming v2; v1 and the link stay. Once there is room, the
     same command writes v2 and leaves no staging."""
@@ -172,7 +191,7 @@ def test_a_full_disk_exits_2_and_a_later_write_leaves_no_staging(small_mount, di
     shutil.copytree(digits_like_model[0], disk / "v1")
     (disk / "current").symlink_to("v1")
     v1 = contents(disk / "v1")
-    code, lines = run_cli(*remove_args(disk, "v2"))
+    code, lines = forked_cli(*remove_args(disk, "v2"))
     assert_refused(code, lines, disk / "v2", "No space left on device (ENOSPC)")
     assert not (disk / "v2").exists()
     assert_unchanged(disk, v1)
@@ -182,13 +201,13 @@ def test_a_full_disk_exits_2_and_a_later_write_leaves_no_staging(small_mount, di
     assert len(read_artifact(disk / "current").ids) == len(read_artifact(disk / "v1").ids) - 1
 
 
-def test_a_read_only_disk_exits_2_and_replaces_nothing(small_mount, digits_like_model):
+def test_a_read_only_disk_exits_2_and_replaces_nothing(small_mount, digits_like_model, forked_cli):
     disk, remount = small_mount
     shutil.copytree(digits_like_model[0], disk / "v1")
     (disk / "current").symlink_to("v1")
     v1 = contents(disk / "v1")
     remount("ro")
-    code, lines = run_cli(*remove_args(disk, "v2"))
+    code, lines = forked_cli(*remove_args(disk, "v2"))
     assert_refused(code, lines, disk / "v2", "Read-only file system (EROFS)")
     assert_unchanged(disk, v1)
     assert not (disk / "v2").exists()
@@ -207,41 +226,31 @@ def test_the_training_job_on_a_read_only_disk_exits_2(small_mount):
 
 KILLED_AT = {
     # the artifact staged in full, killed before its rename into place
-    "artifact": "from service.core.artifact import write\n"
+    "artifact": "import os\n"
+    "from service.core.artifact import write\n"
     "write._move_into_place = lambda *args: os._exit(9)\n",
     # v2 written, the new link made under its temporary name, killed before the rename
-    "link": "import types, training.publish\n"
+    "link": "import os, types, training.publish\n"
     "replace = lambda *args: os._exit(9)\n"
     "training.publish.os = types.SimpleNamespace(**{**vars(os), 'replace': replace})\n",
 }
 
 
-def killed_remove(root: Path, out: str, where: str) -> None:
+def killed_remove(forked_cli, root: Path, out: str, where: str) -> None:
     """``references remove --out OUT --publish current`` in a process killed at ``where``."""
-    script = (
-        "import os, sys\n"
-        + KILLED_AT[where]
-        + ("from training.cli import main\nsys.exit(main(sys.argv[1:]))\n")
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", script, *remove_args(root, out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 9, done.stderr
+    code, lines = forked_cli(*remove_args(root, out), prelude=KILLED_AT[where])
+    assert code == 9, lines
 
 
-def test_the_staging_of_killed_writers_is_removed_by_the_next_write(versions):
+def test_the_staging_of_killed_writers_is_removed_by_the_next_write(versions, forked_cli):
     """A remove killed before its artifact's rename leaves .v2.tmp-*: the next write (of v3)
     removes it. That one, killed before its link's rename, leaves .current.tmp-* (a link):
     the next write (of v4) removes it, and leaves the staging of a writer that is still
     running (this process's)."""
-    killed_remove(versions, "v2", "artifact")
+    killed_remove(forked_cli, versions, "v2", "artifact")
     left = leftovers(versions)
     assert len(left) == 1 and left[0].startswith(".v2.tmp-") and (versions / left[0]).is_dir()
-    killed_remove(versions, "v3", "link")
+    killed_remove(forked_cli, versions, "v3", "link")
     left = leftovers(versions)
     assert len(left) == 1 and left[0].startswith(".current.tmp-"), left
     assert (versions / left[0]).is_symlink() and read_artifact(versions / "v3")
