@@ -45,22 +45,25 @@ FLAGS = [
 
 def render(url: str, work: Path, name: str, size: str = "1100,2600") -> tuple[str, set[str]]:
     """(the DOM as Chromium rendered it, every URL its network log shows); a screenshot of
-    the page is left at work/name.png."""
+    the page is left at work/name.png. One Chromium run does all three (headless Chromium
+    carries out --dump-dom and --screenshot on the same page load)."""
     netlog = work / f"{name}.netlog.json"
-    common = [BROWSER, *FLAGS, f"--user-data-dir={work / ('profile-' + name)}"]
     dom = subprocess.run(
-        [*common, f"--log-net-log={netlog}", "--dump-dom", url],
+        [
+            BROWSER,
+            *FLAGS,
+            f"--user-data-dir={work / ('profile-' + name)}",
+            f"--log-net-log={netlog}",
+            f"--screenshot={work / (name + '.png')}",
+            f"--window-size={size}",
+            "--dump-dom",
+            url,
+        ],
         capture_output=True,
         text=True,
         timeout=120,
         check=True,
     ).stdout
-    subprocess.run(
-        [*common, f"--screenshot={work / (name + '.png')}", f"--window-size={size}", url],
-        capture_output=True,
-        timeout=120,
-        check=True,
-    )
     return dom, page_requests(netlog)
 
 
@@ -91,6 +94,7 @@ def test_the_network_log_sees_a_page_that_fetches(tmp_path):
     dom, urls = render(page.as_uri(), tmp_path, "fetching", size="200,200")
     assert "hello" in dom
     assert only_local(urls) == {"http://example.invalid/x.png"}
+    assert (tmp_path / "fetching.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def keep(work: Path, name: str) -> None:
