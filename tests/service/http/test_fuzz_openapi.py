@@ -1,7 +1,9 @@
 """Schemathesis against the live OpenAPI document, every check on: no 5xx, every status and
 body as documented, valid data accepted, invalid data rejected.
 
-The default run is bounded (``FUZZ_EXAMPLES`` per operation); ``make test-slow`` runs more.
+The default run is bounded (``FUZZ_EXAMPLES`` per operation and mode: 10, ~170 cases, most
+of their time spent generating them); ``make test-slow`` runs the same fuzz with 500
+(test_fuzz_the_openapi_long) and against a real server with a key.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from service.app import create_app
 from tests.service.conftest import settings_for
 from tests.service.servers import running_server
 
-FUZZ_EXAMPLES = int(os.environ.get("NCAKNN_FUZZ_EXAMPLES", "25"))
+FUZZ_EXAMPLES = int(os.environ.get("NCAKNN_FUZZ_EXAMPLES", "10"))
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +189,7 @@ def fuzz_with_and_without_key(op, mode, examples, checks, failures, tested) -> N
 @pytest.mark.slow  # a long real-server or training scenario: make test-slow
 def test_fuzz_a_real_server_with_a_key(real_server):
     url, proc = real_server
-    tested, failures = fuzz_real_server(url, max(5, FUZZ_EXAMPLES // 3))
+    tested, failures = fuzz_real_server(url, max(8, FUZZ_EXAMPLES // 3))
     metrics = httpx.get(f"{url}/metrics", timeout=5).text
     server_errors = [
         line
