@@ -25,10 +25,10 @@ import scipy.linalg
 import torch
 import torch.distributed as dist
 
-from service.core.knn import decide, exact_knn
+from service.core.knn import decide
 from training.data.datasets import CHOICE_MARGIN, CHOICE_QUERIES, global_scale, per_feature_scale
 from training.distributed.ranks import ProcessGroup, broadcast_from_rank0, gather_rows
-from training.evaluation.evaluate import knn_predictions
+from training.evaluation.evaluate import knn_predictions, nearest_references
 from training.numerics import evenly_spaced_rows
 
 
@@ -158,7 +158,7 @@ def knn_lists(
     dist_local = np.full((q, k), np.inf)
     index_local = np.full((q, k), -1, dtype=np.int64)
     if m:
-        d, i = exact_knn(queries, references[keep], m)
+        d, i = nearest_references(queries, references[keep], m)
         dist_local[:, :m], index_local[:, :m] = d, keep[i] + first_index
     if not group.is_distributed:
         return dist_local, index_local

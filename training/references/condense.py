@@ -43,38 +43,27 @@ within the issue's 0.3 points: USPS -0.50 -> -0.25, a 60k x 784 digits set -0.48
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from service.core.knn import RERANK_MARGIN, decide, exact_knn, rerank, squared_distances
+from training.evaluation.evaluate import torch_candidates
 
 
-def knn_within(z: np.ndarray, k: int, chunk_rows: int = 1024) -> tuple[np.ndarray, np.ndarray]:
+def knn_within(
+    z: np.ndarray, k: int, chunk_rows: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """``exact_knn(z, z, k)``, the k nearest rows of each row of a set among its own rows, with
-    the float32 candidate step in torch: per block of rows, ||z_j||^2 - 2 z_i.z_j (the
-    squared distance less the row's own ||z_i||^2) by one fused GEMM and the
-    k + RERANK_MARGIN smallest by ``torch.topk``; ``service.core.knn.rerank`` then orders
-    them by exact float64 distance, ties by smaller index, as ``exact_knn`` does (its numpy
-    elementwise passes and ``argpartition`` took most of Wilson editing's time at
-    N = 60,000).
+    the float32 candidate step in torch (``training.evaluation.evaluate.torch_candidates``:
+    one fused GEMM and ``torch.topk`` per block of rows); ``service.core.knn.rerank`` then
+    orders the k + RERANK_MARGIN candidates by exact float64 distance, ties by smaller index,
+    as ``exact_knn`` does (its numpy elementwise passes and ``argpartition`` took most of
+    Wilson editing's time at N = 60,000). ``chunk_rows``: rows per block of the float32 step.
     z (N, d) -> (distances (N, k) float64, indices (N, k) int64)."""
     n = len(z)
     if not 1 <= k <= n:
         raise ValueError(f"k must lie in [1, {n}] (the number of rows), got {k}")
-    m = min(n, k + RERANK_MARGIN)
-    points = torch.as_tensor(np.asarray(z, dtype=np.float32))  # (N, d)
-    norms = (points * points).sum(1)  # (N,)
-    out_d = np.empty((n, k), dtype=np.float64)
-    out_i = np.empty((n, k), dtype=np.int64)
-    for start in range(0, n, chunk_rows):
-        block = points[start : start + chunk_rows]  # (B, d)
-        # ||z_j||^2 - 2 z_i.z_j ranks row i's neighbours as the squared distance does (the
-        # missing ||z_i||^2 is the same for the whole row): one fused GEMM, (B, N)
-        score = torch.addmm(norms[None, :], block, points.T, alpha=-2.0)
-        candidates = torch.topk(score, m, dim=1, largest=False, sorted=False).indices  # (B, m)
-        dist, idx = rerank(block.numpy(), z, candidates.numpy(), k)
-        out_d[start : start + chunk_rows] = dist
-        out_i[start : start + chunk_rows] = idx
-    return out_d, out_i
+    points = np.ascontiguousarray(z, dtype=np.float32)
+    candidates = torch_candidates(points, points, min(n, k + RERANK_MARGIN), chunk_rows)
+    return rerank(z, points, candidates, k)
 
 
 def wilson_keep(z: np.ndarray, y: np.ndarray, n_classes: int, edit_k: int = 3) -> np.ndarray:
