@@ -62,8 +62,10 @@ def hard_noisy(n=1500, n_features=40, n_informative=8, seed=0):
 
 
 def fit_history(X, y, **params):
-    """A candidate-set fit audited at every iteration, without the exact finish (these
-    tests study what the candidate objective does on its own)."""
+    """A candidate-set fit audited at every iteration, without the exact finish, from the
+    initial map as built (these tests study what the candidate objective and its watch do on
+    their own: a start at the calibrated scale is softer, and 8 candidates hold less of each
+    neighbourhood from the first iteration on, whatever the watch does)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = NCA(
@@ -73,6 +75,8 @@ def fit_history(X, y, **params):
             validation_interval=1,
             exact_finish=0,
             random_state=0,
+            init_scale=1.0,
+            stop_stalled_stages=False,
         )
         return model.set_params(**params).fit(X, y)
 

@@ -53,6 +53,11 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
     transformation : {"linear", "diagonal"}
         A (d, D), full or low-rank; or diag(a), an axis-aligned scaling (d = D).
     init : {"auto", "pca", "lda", "identity", "random"}, ndarray (d, D) or artifact path
+    init_scale : "auto" or float
+        The factor the initial map the estimator builds (pca, lda, identity, random) is
+        multiplied by: "auto" the one that maximises NCA's log-likelihood along its direction
+        (``training.model.init_scale``; ``init_scale_`` says which), 1.0 the map as built (as
+        scikit-learn's). A given matrix, artifact or warm start is used as given.
     solver : {"auto", "lbfgs", "adam"}
         Full-batch L-BFGS ("auto"), or Adam over mini-batches of ``batch_size`` query rows.
     max_iter, tol : L-BFGS iterations or Adam epochs; the convergence tolerance.
@@ -97,9 +102,12 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
     select_stages : bool
         Keep each stage's end (the first optimisation, the exact finish) only when it scores
         at least as well as its start on held-out rows: the validation split, else the k-NN
-        accuracy of up to 4,096 training rows held out of the fit; and stop a stage that has
-        run longer than the fit before it while that score stopped rising
-        (``training.optim.stages``). False keeps whatever the optimiser returns.
+        accuracy of up to 4,096 training rows held out of the fit (``training.optim.stages``).
+        False keeps whatever the optimiser returns.
+    stop_stalled_stages : bool
+        Stop a stage that has run longer than the fit before it while its held-out score
+        stopped rising (``training.optim.stages``). The moment it stops depends on the clock:
+        False gives a fit that depends on the data and the seed alone.
     max_seconds : None or float
         The fit's budget in seconds: once spent, the running stage stops after its current
         iteration, later stages are skipped, and the best judged map so far is returned
@@ -174,6 +182,8 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         candidate_search="auto",
         select_stages=True,
         max_seconds=None,
+        init_scale="auto",
+        stop_stalled_stages=True,
     ):
         self.n_components = n_components
         self.objective = objective
@@ -209,6 +219,8 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         self.candidate_search = candidate_search
         self.select_stages = select_stages
         self.max_seconds = max_seconds
+        self.init_scale = init_scale
+        self.stop_stalled_stages = stop_stalled_stages
 
     # ------------------------------------------------------------------ validation
 

@@ -73,10 +73,10 @@ class StagedFit:
             )
             return self._result_at(prep.theta0, problem, unfitted)
         started = self.clock.elapsed()
-        guard = self.monitor.guard = StageGuard(self.clock, self.judge, prep.theta0)
+        guard = self.monitor.guard = self._guard(prep.theta0)
         result = self._optimise(problem, prep.theta0, plan.solver, prep.rng)
         kept = self._settle(stage, prep.theta0, result, guard, started)
-        result = self._result_at(kept, problem, result)
+        result = self._result_at(kept, problem, result, guard)
         self.candidate_history = result.history
         return result
 
@@ -92,7 +92,7 @@ class StagedFit:
             return result
         exact = self.make_problem(l2=plan.finish_l2, n_candidates=None, n_draws=0)
         start, started = result.theta, self.clock.elapsed()
-        guard = StageGuard(self.clock, self.judge, start)
+        guard = self._guard(start)
         merged, finish = finish_exactly(
             exact,
             result,
@@ -109,7 +109,11 @@ class StagedFit:
             "exact finish", start, replace(finish, theta=merged.theta), guard, started
         )
         merged = replace(merged, stop_reason=self._fit_stop_reason(result.stop_reason))
-        return self._result_at(kept, exact, merged)
+        return self._result_at(kept, exact, merged, guard)
+
+    def _guard(self, start: np.ndarray) -> StageGuard:
+        """The guard of a stage that starts at ``start`` (``training.optim.stages``)."""
+        return StageGuard(self.clock, self.judge, start, stop_stalled=self.est.stop_stalled_stages)
 
     def _settle(self, stage, start, result: FitResult, guard, started) -> np.ndarray:
         """The map a stage leaves, and its record: its end (the better of its last iterate
@@ -150,11 +154,16 @@ class StagedFit:
         return first
 
     @staticmethod
-    def _result_at(theta: np.ndarray, problem, result: FitResult) -> FitResult:
-        """``result`` at the map ``theta``: its objective computed afresh on ``problem`` (on
-        fresh candidates for a candidate problem)."""
+    def _result_at(theta: np.ndarray, problem, result: FitResult, guard=None) -> FitResult:
+        """``result`` at the map ``theta``: the objective the monitor reported there when it
+        is the guard's best checked map, else computed afresh on ``problem`` (on fresh
+        candidates for a candidate problem)."""
         if theta is result.theta:
             return result
+        if guard is not None and theta is guard.best_theta:
+            return replace(
+                result, theta=np.array(theta, dtype=np.float64), objective=guard.best_objective
+            )
         if problem.n_candidates is not None:
             problem.refresh_candidates(theta)
         with torch.no_grad():

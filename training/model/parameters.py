@@ -130,6 +130,8 @@ CONSTRAINTS: dict[str, list] = {
     "candidate_search": [OneOf(("auto", "exact", "ivf"))],
     "select_stages": [OneOf((True, False))],
     "max_seconds": [NONE, Real(0, low_closed=False)],
+    "init_scale": [AUTO, Real(0, low_closed=False)],
+    "stop_stalled_stages": [OneOf((True, False))],
 }
 
 

@@ -33,6 +33,7 @@ from sklearn.utils.validation import validate_data
 from training.data.datasets import stratified_split
 from training.distributed import sharded_stats
 from training.distributed.ranks import shard_bounds
+from training.model.init_scale import calibrated
 from training.model.initialization import check_lda, initial_components, resolve_auto
 from training.model.plan import AUTO_EXACT_MAX_SAMPLES
 from training.numerics import evenly_spaced_rows
@@ -43,6 +44,7 @@ VALIDATION_MAX_ROWS = 8192  # validation rows a check during the fit classifies
 HOLDOUT_MIN_SAMPLES = AUTO_EXACT_MAX_SAMPLES  # below, a fit without validation holds none out
 # standardize= values: booleans keep their meaning from before "global" and "auto" existed
 STANDARDIZE_MODES = {True: "feature", False: "none"}
+BUILT_INITS = ("pca", "lda", "identity", "random")  # the initial maps init_scale applies to
 INIT_MESSAGES = {
     "pca": "Finding principal components",
     "lda": "Finding most discriminative components",
@@ -98,6 +100,7 @@ def prepare(est, X, y, X_val, y_val, group) -> Prepared:
     mean, scale = standardizer(est, X, rows, y_all, start, n, len(classes), group)
     Xs = sharded_stats.standardized(X, mean, scale, rows)  # (N_r, D) float32
     theta0, init_used = initialize(est, Xs, y_idx[rows], n, len(classes), d, scale, rng, group)
+    theta0 = scaled_init(est, theta0, init_used, Xs, y_all, n, group)
     Xv_s, yv = None, None
     if X_val is not None:  # a validation split: its rows standardised here (one full pass)
         Xv_s, yv = sharded_stats.standardized(X_val, mean, scale), y_val_idx
@@ -247,6 +250,26 @@ def initialize(est, Xs, y_idx, n, n_classes, d, scale, rng, group):
         print(f"{INIT_MESSAGES[name]}... done in {time.perf_counter() - started:5.2f}s")
     theta0 = np.diag(A0).copy() if est.transformation == "diagonal" else A0
     return theta0, name
+
+
+def scaled_init(est, theta0, init_used: str, Xs, y_all, n: int, group) -> np.ndarray:
+    """The initial map at the scale ``init_scale`` asks for: "auto" the factor that maximises
+    NCA's log-likelihood along its direction (``training.model.init_scale``), a number that
+    factor; maps the estimator built (pca, lda, identity, random) only, a given matrix,
+    artifact or warm start is used as given. Sets ``init_scale_`` (the factor applied)."""
+    est.init_scale_ = 1.0
+    if init_used not in BUILT_INITS:
+        return theta0
+    if est.init_scale != "auto":
+        est.init_scale_ = float(est.init_scale)
+        return theta0 * est.init_scale_
+    if est.transformation == "diagonal":
+        z_local = Xs * theta0[None, :].astype(np.float32)  # (N_r, D)
+    else:
+        z_local = Xs @ theta0.T.astype(np.float32)  # (N_r, d)
+    z = sharded_stats.gather_array(np.ascontiguousarray(z_local, dtype=np.float32), n, group)
+    theta0, est.init_scale_ = calibrated(theta0, z, y_all)  # the same on every rank
+    return theta0
 
 
 class HeldOutScores:

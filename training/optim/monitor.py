@@ -141,7 +141,7 @@ class Monitor:
             raise EarlyStop
         if self.guard is not None:
             try:
-                self.guard.after_iteration(theta, scheduled)
+                self.guard.after_iteration(theta, scheduled, objective)
             except StageStop as stop:
                 self.stopped_by = stop.reason
                 raise EarlyStop from None

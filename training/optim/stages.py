@@ -27,7 +27,9 @@ is undone.
   run longer than the whole fit before it while its latest check did not beat the best
   score of the stage so far (its start included) by more than the judge's tolerance. So a
   stage that stops improving costs at most about as much again as the fit before it, and one
-  that keeps improving runs on. Only the moment it stops depends on the clock;
+  that keeps improving runs on. The moment it stops depends on the clock, so two runs of
+  the same fit may stop it at different checks (``stop_stalled_stages=False`` turns this
+  rule off: the fit then depends on the data and the seed alone);
 * the best map a check scored (rising above its start by more than the tolerance) is
   remembered: the stage's end is the better of it and the last iterate (a stage stopped
   after its score fell ends on the map before the fall).
@@ -141,18 +143,23 @@ class StageGuard:
     budget is spent or when it stalls, and remembers the best map a check scored.
     ``after_iteration`` is called by the stage's monitor after every iteration."""
 
-    def __init__(self, clock: FitClock, judge: StageJudge | None, start: np.ndarray):
-        self.clock, self.judge = clock, judge
+    def __init__(
+        self, clock: FitClock, judge: StageJudge | None, start: np.ndarray, stop_stalled=True
+    ):
+        self.clock, self.judge, self.stop_stalled = clock, judge, stop_stalled
         self.started = clock.elapsed()  # the fit's seconds before this stage
         self.stop_reason: str | None = None
         self.checks = 0  # held-out checks made during the stage (its start's included)
         self.check_seconds = 0.0
         self.best_score: float | None = None
         self.best_theta: np.ndarray | None = None  # the best checked map other than the start
+        self.best_objective = float("nan")  # the objective the monitor reported at it
         if judge is not None and not clock.exhausted():
             self.best_score = self._check(start)
 
-    def after_iteration(self, theta: np.ndarray, scheduled: bool) -> None:
+    def after_iteration(
+        self, theta: np.ndarray, scheduled: bool, objective: float = float("nan")
+    ) -> None:
         """Raise StageStop when the budget is spent, or when a scheduled check (the
         monitor's schedule: every ``validation_interval`` iterations) finds the stage
         stalled after it has run longer than the fit before it. The clock's decisions are
@@ -168,7 +175,8 @@ class StageGuard:
         score = self._check(theta)
         if score > self.best_score + self.judge.tolerance:  # rising: the stage goes on
             self.best_score, self.best_theta = score, np.array(theta, copy=True)
-        elif long_enough:
+            self.best_objective = objective
+        elif long_enough and self.stop_stalled:
             self.stop_reason = "stalled"
             raise StageStop("stalled")
 

@@ -67,8 +67,16 @@ def fit_estimators(group):
     v_start, v_stop = shard_bounds(len(X_val), group.rank, group.world_size)
     out = {}
     for case, params in ESTIMATOR_CASES.items():
-        # tol=0: L-BFGS stops at its budget, not where one summation order converges first
-        model = NCA(max_iter=6, tol=0.0, random_state=0, validation_interval=2, **params)
+        # tol=0: L-BFGS stops at its budget, not where one summation order converges first;
+        # stop_stalled_stages=False: not where one world's clock says a stage stalled
+        model = NCA(
+            max_iter=6,
+            tol=0.0,
+            random_state=0,
+            validation_interval=2,
+            stop_stalled_stages=False,
+            **params,
+        )
         model.fit(X[start:stop], y[start:stop], X_val[v_start:v_stop], y_val[v_start:v_stop])
         out[f"{case}/components"] = model.components_
         out[f"{case}/mean"] = model.mean_

@@ -50,9 +50,15 @@ def test_fitted_attributes_and_transform_formula():
 def test_matches_scikit_learn_on_the_same_problem():
     X, y = load_digits(return_X_y=True)
     Xs = StandardScaler().fit_transform(X[:600])
-    # l2=0: scikit-learn's objective has no penalty
+    # l2=0: scikit-learn's objective has no penalty; init_scale=1.0: its initial map as built
     ours = NCA(
-        n_components=8, init="pca", standardize=False, l2=0.0, random_state=0, max_iter=50
+        n_components=8,
+        init="pca",
+        init_scale=1.0,
+        standardize=False,
+        l2=0.0,
+        random_state=0,
+        max_iter=50,
     ).fit(Xs, y[:600])
     theirs = NeighborhoodComponentsAnalysis(n_components=8, init="pca", random_state=0, max_iter=50)
     theirs.fit(Xs, y[:600])
