@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+import scipy.linalg
 import torch
 
 NEG_INF = float("-inf")
@@ -83,3 +84,17 @@ def evenly_spaced_rows(n: int, count: int) -> np.ndarray:
     deterministic, the same on every rank, and spread over the classes however the rows are
     ordered by class."""
     return np.unique(np.linspace(0, n - 1, min(count, n)).astype(np.int64))
+
+
+def fisher_directions(
+    between: np.ndarray, within: np.ndarray, n: int, n_components: int
+) -> np.ndarray:
+    """Fisher's discriminant directions (n_components, D): the top generalised eigenvectors
+    of S_b v = lambda S_w v for the between- and within-class scatter matrices (D, D) of n
+    rows, scaled so that the within-class covariance S_w / n is the identity along them.
+    S_w gets a ridge of 1e-6 of its mean eigenvalue, so rank-deficient data (constant
+    features, D > N) still has a solution."""
+    n_features = within.shape[0]
+    ridge = 1e-6 * max(np.trace(within) / n_features, np.finfo(np.float64).tiny)
+    _, vectors = scipy.linalg.eigh(between, within + ridge * np.eye(n_features))
+    return vectors[:, ::-1][:, :n_components].T * np.sqrt(n)  # v^T (S_w / n) v = 1

@@ -21,7 +21,6 @@ disagree by rounding.
 from __future__ import annotations
 
 import numpy as np
-import scipy.linalg
 import torch
 import torch.distributed as dist
 
@@ -29,7 +28,7 @@ from service.core.knn import decide
 from training.data.datasets import CHOICE_MARGIN, CHOICE_QUERIES, global_scale, per_feature_scale
 from training.distributed.ranks import ProcessGroup, broadcast_from_rank0, gather_rows
 from training.evaluation.evaluate import knn_predictions, nearest_references
-from training.numerics import evenly_spaced_rows
+from training.numerics import evenly_spaced_rows, fisher_directions
 
 
 def _device(group: ProcessGroup) -> torch.device:
@@ -172,7 +171,7 @@ def knn_lists(
     return all_d[rows, order], all_i[rows, order]
 
 
-CHOICE_REFERENCES = 65536  # reference rows that score a standardisation, at most
+CHOICE_REFERENCES = 16384  # reference rows that score a standardisation, at most
 
 
 def choose_standardizer(
@@ -280,10 +279,7 @@ def lda_components(
     s_w = all_reduce_sum(scatter, group)  # (D, D)
     between = (class_means - mean) * np.sqrt(counts)[:, None]
     s_b = between.T @ between
-    ridge = 1e-6 * max(np.trace(s_w) / n_features, np.finfo(np.float64).tiny)
-    _, vectors = scipy.linalg.eigh(s_b, s_w + ridge * np.eye(n_features))
-    top = vectors[:, ::-1][:, :n_components].T * np.sqrt(n)  # v^T (S_w / N) v = 1
-    return _signed_rows(top)
+    return _signed_rows(fisher_directions(s_b, s_w, n, n_components))
 
 
 def knn_accuracy(

@@ -22,8 +22,9 @@ from __future__ import annotations
 import numpy as np
 
 from service.core.artifact import parse_outlier_calibration
-from service.core.knn import FarPrior, decide, exact_knn, outlier_flags, outlier_threshold
+from service.core.knn import FarPrior, decide, outlier_flags, outlier_threshold
 from service.core.vocabulary import DecisionRule
+from training.evaluation.evaluate import nearest_references
 
 SOFT, SOFT_PRIOR = DecisionRule.SOFT.value, DecisionRule.SOFT_PRIOR.value
 
@@ -35,7 +36,7 @@ def nearest_sq_distances(z_references: np.ndarray, z_queries: np.ndarray) -> np.
     """(n,) squared Euclidean distance of each query to its nearest reference."""
     if len(z_queries) == 0:
         return np.empty(0)
-    dist, _ = exact_knn(np.asarray(z_queries), np.asarray(z_references), 1)
+    dist, _ = nearest_references(np.asarray(z_queries), np.asarray(z_references), 1)
     return dist[:, 0]
 
 
@@ -78,7 +79,7 @@ def outlier_report(
         return None
     threshold = threshold_of(calibration, quantile)
     k = min(k, len(z_references))
-    dist, idx = exact_knn(np.asarray(z_test), np.asarray(z_references), k)
+    dist, idx = nearest_references(np.asarray(z_test), np.asarray(z_references), k)
     labels = np.asarray(y_references)[idx]
     flagged = outlier_flags(dist, threshold)
     background = FarPrior.of(z_references, y_references, n_classes).background(z_test, threshold)

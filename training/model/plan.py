@@ -30,7 +30,7 @@ EXACT_FINISH_MAX_ROWS = 65536
 # ... and at most this many (query row, point) pairs per finishing evaluation: the finish's
 # rows shrink as N grows (65,536 rows up to N = 65,536; 4,294 at 1M), so an evaluation costs
 # O(FINISH_PAIRS d) whatever N, with never fewer than FINISH_MIN_ROWS rows (within the limit)
-FINISH_PAIRS = 2**32
+FINISH_PAIRS = 2**30
 FINISH_MIN_ROWS = 1024
 # the finish's L-BFGS evaluations are bounded too (a line search that overshoots cannot make
 # it cost more): at most FINISH_EVALUATIONS_PER_ITER per iteration, plus one

@@ -74,3 +74,13 @@ def test_lda_maximises_between_over_within_class_scatter(data):
 
 def test_every_baseline_is_listed():
     assert set(BASELINES) == {"euclidean", "whitening", "pca", "lda", "rca"}
+
+
+def test_lda_makes_the_within_class_scatter_per_row_the_identity_along_its_directions(data):
+    X, y = data
+    A = lda(X, y, 5)  # (2, D)
+    means = np.array([X[y == c].mean(axis=0) for c in range(3)])
+    centred = X - means[y]
+    within_per_row = (A @ centred.T @ centred @ A.T) / len(X)  # (2, 2)
+    np.testing.assert_allclose(within_per_row, np.eye(2), atol=1e-6)
+    assert not np.allclose(np.linalg.norm(A, axis=1), 1.0)  # scaled, not merely unit vectors
