@@ -82,5 +82,6 @@ def test_lda_makes_the_within_class_scatter_per_row_the_identity_along_its_direc
     means = np.array([X[y == c].mean(axis=0) for c in range(3)])
     centred = X - means[y]
     within_per_row = (A @ centred.T @ centred @ A.T) / len(X)  # (2, 2)
-    np.testing.assert_allclose(within_per_row, np.eye(2), atol=1e-6)
+    # up to the ridge of 1e-6 of the mean eigenvalue that keeps S_w invertible
+    np.testing.assert_allclose(within_per_row, np.eye(2), atol=1e-4)
     assert not np.allclose(np.linalg.norm(A, axis=1), 1.0)  # scaled, not merely unit vectors
