@@ -199,6 +199,7 @@ TRAINING_FLOORS = [  # bottom to top; a module imports only its own floor and th
     {"optim"},
     {"references"},
     {"model"},
+    {"progress"},
     {"config"},
     {"job"},
     {"cli", "__main__", "__init__"},
@@ -214,7 +215,8 @@ def training_floor(module: str) -> int:
 def test_no_training_module_imports_one_above_it():
     """The job stands on its parts: numerics and errors at the bottom, then data and the
     objectives, evaluation, the collectives, the optimisers, the reference sets, the
-    estimator, the configuration, the job, and the command line on top."""
+    estimator, the progress display, the configuration, the job, and the command line on
+    top."""
     graph = import_graph(("training",))
     upward = [
         f"{module} -> {target}"

@@ -18,6 +18,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from service.core.vocabulary import NEIGHBOUR_RULES, DecisionRule
 from training.errors import ConfigError
 from training.model.estimator import NCA
+from training.progress import progress_mode
 
 ESTIMATOR_DEFAULTS = {
     name: parameter.default
@@ -86,6 +87,32 @@ def _exact_finish(value):
     if n < 0:
         raise ConfigError(f"--exact-finish={value!r} must be 'auto' or an integer >= 0")
     return n
+
+
+def _max_seconds(value):
+    """None (no budget) or a finite number of seconds > 0."""
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = float("nan")
+    if not 0 < seconds < float("inf"):
+        raise ConfigError(f"--max-seconds={value!r} must be a number of seconds > 0, or none")
+    return seconds
+
+
+def _init_scale(value):
+    """'auto' or a finite number > 0."""
+    if value in ("auto", None):
+        return "auto"
+    try:
+        scale = float(value)
+    except (TypeError, ValueError):
+        scale = float("nan")
+    if not 0 < scale < float("inf"):
+        raise ConfigError(f"--init-scale={value!r} must be 'auto' or a number > 0")
+    return scale
 
 
 @dataclass
@@ -163,6 +190,23 @@ class TrainConfig:
         "how candidate sets are found: auto (an IVF index from 50,000 points on the CPU, "
         "exact below), exact, or ivf",
     )
+    init_scale: str = _shared(
+        "init_scale",
+        "factor on the initial map: auto (the scale that maximises NCA's log-likelihood of "
+        "the initial map) or a number > 0 (1: the map as built)",
+        parse=_init_scale,
+    )
+    max_seconds: float | None = _shared(
+        "max_seconds",
+        "the fit's budget in seconds: when spent, the running stage stops, later stages are "
+        "skipped and the best judged map is kept (the report says so); none: no budget",
+        parse=_max_seconds,
+    )
+    stop_stalled_stages: bool = _shared(
+        "stop_stalled_stages",
+        "stop a stage that has run longer than the fit before it while its held-out score "
+        "stopped rising (--no-stop-stalled-stages: a fit that depends on the data and seed alone)",
+    )
     select_stages: bool = _shared(
         "select_stages",
         "keep each stage's end only when it scores at least as well as its start on the "
@@ -204,13 +248,19 @@ class TrainConfig:
         f"default decision rule in the artifact: {' or '.join(NEIGHBOUR_RULES)} (soft_prior is chosen per request)",
     )
     plots: bool = _opt(True, "write PNG plots beside the artifact")
-    quiet: bool = _opt(False, "no per-iteration table")
+    progress: str = _opt(
+        "auto",
+        "how the fit shows its progress: auto (a bar per stage when stderr is a terminal, "
+        "else the per-iteration table), bar, table or none",
+    )
+    quiet: bool = _opt(False, "no progress bar and no per-iteration table")
 
     def estimator_params(self, n_features: int) -> dict:
         """The estimator's parameters for a run on ``n_features`` inputs: every setting
         tagged as the estimator's (parsed where the command line gives text), d = min(32, D)
         when no --n-components is given, and the job's own settings under the estimator's
-        names (seed -> random_state, decision_rule -> validation_rule, quiet -> verbose).
+        names (seed -> random_state, decision_rule -> validation_rule, the per-iteration table
+        -> verbose: ``training.progress.progress_mode``).
         ConfigError for a value the estimator cannot take from the command line."""
         if self.decision_rule not in NEIGHBOUR_RULES:
             raise ConfigError(
@@ -230,7 +280,7 @@ class TrainConfig:
         params.update(
             validation_rule=self.decision_rule,
             random_state=self.seed,
-            verbose=0 if self.quiet else 1,
+            verbose=int(progress_mode(self.progress, self.quiet) == "table"),
         )
         return params
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import torch.distributed as dist
+from sklearn.exceptions import ConvergenceWarning
 
 from service.core.artifact import ArtifactError, write_artifact
 from service.core.knn import project
@@ -41,6 +42,7 @@ from training.evaluation.report import (
 from training.evaluation.report_page import warnings_of, write_report_page
 from training.model.estimator import NCA
 from training.numerics import evenly_spaced_rows
+from training.progress import StageBar, progress_mode
 from training.publish import check_publish_link, publish
 from training.references.compress import reference_set_record
 from training.references.learned import check_budget
@@ -48,8 +50,10 @@ from training.references.learned import check_budget
 
 def build_estimator(config: TrainConfig, n_features: int) -> NCA:
     """The estimator of the run: the configuration's settings, validated at the k values the
-    artifact may serve (the served k is chosen among them on validation: ``choose_k``)."""
-    return NCA(**config.estimator_params(n_features), validation_k=K_VALUES)
+    artifact may serve (the served k is chosen among them on validation: ``choose_k``), with
+    a bar per stage when the run shows one (``training.progress``)."""
+    bar = StageBar() if progress_mode(config.progress, config.quiet) == "bar" else None
+    return NCA(**config.estimator_params(n_features), validation_k=K_VALUES, progress=bar)
 
 
 # query x reference x dimension products a baseline's search may take, at most: a map that
@@ -261,13 +265,21 @@ def fit_estimator(estimator: NCA, split) -> list[str]:
     has_val = len(split.X_val) > 0
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        estimator.fit(
-            split.X_train,
-            split.y_train,
-            X_val=split.X_val if has_val else None,
-            y_val=split.y_val if has_val else None,
-        )
-    messages = [str(w.message) for w in caught if "converge" in str(w.message)]
+        try:
+            estimator.fit(
+                split.X_train,
+                split.y_train,
+                X_val=split.X_val if has_val else None,
+                y_val=split.y_val if has_val else None,
+            )
+        finally:
+            if isinstance(estimator.progress, StageBar):
+                estimator.progress.close()
+    messages = [
+        str(w.message)
+        for w in caught
+        if issubclass(w.category, ConvergenceWarning) or "converge" in str(w.message)
+    ]
     for message in messages:
         print(f"WARNING: {message}", file=sys.stderr)
     return messages
@@ -382,6 +394,12 @@ def training_record_of(config: TrainConfig, estimator: NCA, warns: list[str]) ->
         "final_objective": float(estimator.objective_value_),
         "best_val_accuracy": estimator.best_val_accuracy_,
         "fit_seconds": float(estimator.fit_seconds_),
+        "max_seconds": config.max_seconds,
+        "budget_exhausted": bool(estimator.budget_exhausted_),
+        "init_scale": float(estimator.init_scale_),
+        # per stage: seconds, evaluations, refreshes, held-out scores at its start and end
+        "stages": estimator.stages_,
+        "stage_measure": estimator.stage_measure_,
         **peak_memory_mib(estimator.device_),
         "warnings": warns,
         # candidate mode: the exact objective on a sample disagreed with the candidate one

@@ -47,6 +47,10 @@ def test_end_to_end_on_digits(tmp_path, capsys):
     assert metrics["baselines"]["euclidean"]["n_components"] == 64
     report = json.loads((out / "report.json").read_text())
     assert report["training"]["history"]
+    (stage,) = report["training"]["stages"]  # digits' 1,259 rows: one exact stage
+    assert stage["stage"] == "exact fit" and stage["iterations"] == report["training"]["n_iter"]
+    assert 0 < stage["seconds"] <= report["training"]["fit_seconds"]
+    assert report["training"]["max_seconds"] is None and not report["training"]["budget_exhausted"]
     preds = report["test_predictions"]
     acc = np.mean(np.array(preds["class_index"]) == np.array(preds["true_class_index"]))
     assert acc == pytest.approx(metrics["test_accuracy"][str(art.default_k)])
@@ -188,6 +192,21 @@ def write_npz(path, **arrays):
             ["--test-size", "1.5"],
             "--test-size=1.5 must lie in",
         ),
+        *[
+            (
+                lambda p, r: write_npz(p, X=r.normal(size=(20, 3)), y=np.arange(20) % 2),
+                [option, text],
+                message,
+            )
+            for option, text, message in [
+                ("--max-seconds", "0", "--max-seconds=0.0 must be a number of seconds > 0"),
+                ("--max-seconds", "-5", "--max-seconds=-5.0 must be a number of seconds > 0"),
+                ("--max-seconds", "inf", "--max-seconds=inf must be a number of seconds > 0"),
+                ("--init-scale", "0", "--init-scale='0' must be 'auto' or a number > 0"),
+                ("--init-scale", "big", "--init-scale='big' must be 'auto' or a number > 0"),
+                ("--progress", "fancy", "--progress='fancy' must be one of"),
+            ]
+        ],
         (lambda p, r: write_npz(p, Z=np.zeros(3)), [], r"missing arrays \['X', 'y'\]"),
         (lambda p, r: str(p.with_suffix(".feather")), [], "expected one of the built-in sets"),
         (lambda p, r: str(p.with_suffix(".parquet")), [], "no such file"),
@@ -475,3 +494,53 @@ def test_option_text_the_estimator_cannot_take_is_a_config_error(option, text):
 
     with pytest.raises(ConfigError, match=f"{option}={text!r} must be"):
         build_estimator(parse_config([option, text]), n_features=64)
+
+
+def test_a_spent_budget_is_said_in_the_output_the_report_and_its_page(tmp_path, capsys):
+    out = tmp_path / "digits"
+    code = main(
+        ["--data", "digits", "--n-components", "8", "--out", str(out), "--max-seconds", "1e-9"]
+    )
+    assert code == 0
+    err = capsys.readouterr().err
+    assert "budget max_seconds=1e-09 ran out" in err
+    training = json.loads((out / "report.json").read_text())["training"]
+    assert training["max_seconds"] == 1e-9 and training["budget_exhausted"]
+    assert training["stop_reason"] == "max_seconds"
+    assert [s["stop_reason"] for s in training["stages"]] == ["skipped (max_seconds)"]
+    assert any("ran out" in w for w in training["warnings"])
+    page = (out / "report.html").read_text()
+    assert "<h2>Stages: what each one cost and bought</h2>" in page
+    assert "skipped (max_seconds)" in page and "The budget of 1e-09 s ran out" in page
+
+
+@pytest.mark.parametrize(
+    "option, text, expected",
+    [
+        ("--max-seconds", "90", ("max_seconds", 90.0)),
+        ("--max-seconds", "none", ("max_seconds", None)),
+        ("--init-scale", "1", ("init_scale", 1.0)),
+        ("--init-scale", "auto", ("init_scale", "auto")),
+        ("--no-stop-stalled-stages", None, ("stop_stalled_stages", False)),
+    ],
+)
+def test_the_budget_and_stage_options_reach_the_estimator(option, text, expected):
+    from training.config import parse_config
+    from training.job import build_estimator
+
+    argv = [option] if text is None else [option, text]
+    estimator = build_estimator(parse_config(argv), n_features=64)
+    assert getattr(estimator, expected[0]) == expected[1]
+
+
+def test_the_progress_option_chooses_the_bar_or_the_table():
+    from training.config import parse_config
+    from training.job import build_estimator
+    from training.progress import StageBar
+
+    bar = build_estimator(parse_config(["--progress", "bar"]), n_features=64)
+    assert isinstance(bar.progress, StageBar) and bar.verbose == 0
+    table = build_estimator(parse_config(["--progress", "table"]), n_features=64)
+    assert table.progress is None and table.verbose == 1
+    quiet = build_estimator(parse_config(["--progress", "bar", "--quiet"]), n_features=64)
+    assert quiet.progress is None and quiet.verbose == 0

@@ -188,6 +188,8 @@ def render_page(report: dict, manifest: dict, images: dict[str, bytes]) -> str:
         _table([(k, data.get(k)) for k in DATA_FIELDS]),
         "<h2>Fit plan and what the fit did</h2>",
         _fit_table(training),
+        "<h2>Stages: what each one cost and bought</h2>",
+        _stage_table(training),
         "<h2>Objective and validation accuracy</h2>",
         _objective_chart(training),
         "<h2>Test accuracy against k</h2>",
@@ -229,12 +231,50 @@ def _fit_table(training: dict) -> str:
         ("stop reason", training.get("stop_reason")),
         ("kept iteration", kept_iteration(training)),
         ("fit seconds", training.get("fit_seconds")),
+        ("budget (max_seconds)", training.get("max_seconds")),
         ("peak memory (MiB)", training.get("peak_memory_mib")),
         ("initialisation", training.get("init")),
         ("standardisation", training.get("standardization")),
         ("device", training.get("device")),
     ]
     return _table(rows)
+
+
+STAGE_COLUMNS = (
+    ("stage", "stage"),
+    ("seconds", "seconds"),
+    ("iterations", "iterations"),
+    ("evaluations", "evaluations"),
+    ("refreshes", "refreshes"),
+    ("held-out score at start", "start_score"),
+    ("at end", "end_score"),
+    ("kept", "kept"),
+    ("stopped by", "stop_reason"),
+)
+
+
+def _stage_table(training: dict) -> str:
+    """One row per stage of the fit (``NCA.stages_``): its seconds and work, the held-out
+    score it started and ended with, which map was kept and why it stopped."""
+    stages = training.get("stages") or []
+    if not stages:
+        return "<p>No stages recorded in this report.</p>"
+    head = "".join(f"<th>{html.escape(title)}</th>" for title, _ in STAGE_COLUMNS)
+    rows = "".join(
+        "<tr>"
+        + "".join(f"<td>{html.escape(_fmt(stage.get(key)))}</td>" for _, key in STAGE_COLUMNS)
+        + "</tr>"
+        for stage in stages
+    )
+    measure = training.get("stage_measure") or "not judged: no held-out rows"
+    budget = training.get("max_seconds")
+    spent = (
+        f" The budget of {budget:g} s ran out: the fit returned the best judged map it had."
+        if training.get("budget_exhausted")
+        else ""
+    )
+    note = f"<p>Held-out score: {html.escape(str(measure))}.{html.escape(spent)}</p>"
+    return f'<table class="stages"><tr>{head}</tr>{rows}</table>{note}'
 
 
 def _predictions(report: dict, manifest: dict) -> list[str]:

@@ -119,6 +119,10 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
     device, random_state, verbose, callback
         "auto" is CUDA when available; seed; scikit-learn's verbose table; called after
         every iteration with A raveled (d * D,) and the iteration number.
+    progress : None or callable
+        Called with a ``training.optim.stages.StageProgress`` (stage, iteration, its most,
+        the latest held-out score, seconds, the budget) at each stage's start and after each
+        of its iterations, on rank 0 (the CLI's progress bar: ``training.progress``).
 
     Attributes
     ----------
@@ -184,6 +188,7 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         max_seconds=None,
         init_scale="auto",
         stop_stalled_stages=True,
+        progress=None,
     ):
         self.n_components = n_components
         self.objective = objective
@@ -221,6 +226,7 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         self.max_seconds = max_seconds
         self.init_scale = init_scale
         self.stop_stalled_stages = stop_stalled_stages
+        self.progress = progress
 
     # ------------------------------------------------------------------ validation
 

@@ -73,7 +73,7 @@ class StagedFit:
             )
             return self._result_at(prep.theta0, problem, unfitted)
         started = self.clock.elapsed()
-        guard = self.monitor.guard = self._guard(prep.theta0)
+        guard = self.monitor.guard = self._guard(prep.theta0, stage, self.est.max_iter)
         result = self._optimise(problem, prep.theta0, plan.solver, prep.rng)
         kept = self._settle(stage, prep.theta0, result, guard, started)
         result = self._result_at(kept, problem, result, guard)
@@ -92,7 +92,7 @@ class StagedFit:
             return result
         exact = self.make_problem(l2=plan.finish_l2, n_candidates=None, n_draws=0)
         start, started = result.theta, self.clock.elapsed()
-        guard = self._guard(start)
+        guard = self._guard(start, "exact finish", plan.finish_iter)
         merged, finish = finish_exactly(
             exact,
             result,
@@ -111,9 +111,19 @@ class StagedFit:
         merged = replace(merged, stop_reason=self._fit_stop_reason(result.stop_reason))
         return self._result_at(kept, exact, merged, guard)
 
-    def _guard(self, start: np.ndarray) -> StageGuard:
-        """The guard of a stage that starts at ``start`` (``training.optim.stages``)."""
-        return StageGuard(self.clock, self.judge, start, stop_stalled=self.est.stop_stalled_stages)
+    def _guard(self, start: np.ndarray, stage: str, max_iter: int) -> StageGuard:
+        """The guard of the stage ``stage`` that starts at ``start`` and runs at most
+        ``max_iter`` iterations (``training.optim.stages``); it tells the estimator's
+        ``progress`` callback (on rank 0) where the fit is."""
+        return StageGuard(
+            self.clock,
+            self.judge,
+            start,
+            stop_stalled=self.est.stop_stalled_stages,
+            stage=stage,
+            max_iter=max_iter,
+            progress=self.est.progress if self.group.rank == 0 else None,
+        )
 
     def _settle(self, stage, start, result: FitResult, guard, started) -> np.ndarray:
         """The map a stage leaves, and its record: its end (the better of its last iterate

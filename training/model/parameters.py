@@ -132,6 +132,7 @@ CONSTRAINTS: dict[str, list] = {
     "max_seconds": [NONE, Real(0, low_closed=False)],
     "init_scale": [AUTO, Real(0, low_closed=False)],
     "stop_stalled_stages": [OneOf((True, False))],
+    "progress": [NONE, Callable_()],
 }
 
 

@@ -138,24 +138,49 @@ class StageJudge:
         return end if self.judge(start, end).kept == "end" else start
 
 
+@dataclass(frozen=True)
+class StageProgress:
+    """Where a fit is, as its progress callback sees it: at a stage's start (iteration 0)
+    and after each of its iterations."""
+
+    stage: str  # "exact fit", "candidate stage", "exact finish"
+    iteration: int  # iterations of this stage so far
+    max_iter: int  # ... and at most
+    held_out: float | None  # the stage's latest held-out score (None: not judged)
+    seconds: float  # since the fit started
+    max_seconds: float | None  # the fit's budget (None: none)
+
+
 class StageGuard:
     """Watches one stage as it runs (see the module docstring): stops it when the fit's
     budget is spent or when it stalls, and remembers the best map a check scored.
-    ``after_iteration`` is called by the stage's monitor after every iteration."""
+    ``after_iteration`` is called by the stage's monitor after every iteration; ``progress``
+    (optional) gets a :class:`StageProgress` at the stage's start and after each of them."""
 
     def __init__(
-        self, clock: FitClock, judge: StageJudge | None, start: np.ndarray, stop_stalled=True
+        self,
+        clock: FitClock,
+        judge: StageJudge | None,
+        start: np.ndarray,
+        stop_stalled=True,
+        stage: str = "",
+        max_iter: int = 0,
+        progress: Callable[[StageProgress], None] | None = None,
     ):
         self.clock, self.judge, self.stop_stalled = clock, judge, stop_stalled
+        self.stage, self.max_iter, self.progress = stage, max_iter, progress
         self.started = clock.elapsed()  # the fit's seconds before this stage
         self.stop_reason: str | None = None
+        self.iterations = 0
         self.checks = 0  # held-out checks made during the stage (its start's included)
         self.check_seconds = 0.0
+        self.last_score: float | None = None  # the latest check's
         self.best_score: float | None = None
         self.best_theta: np.ndarray | None = None  # the best checked map other than the start
         self.best_objective = float("nan")  # the objective the monitor reported at it
         if judge is not None and not clock.exhausted():
             self.best_score = self._check(start)
+        self._report()
 
     def after_iteration(
         self, theta: np.ndarray, scheduled: bool, objective: float = float("nan")
@@ -163,7 +188,15 @@ class StageGuard:
         """Raise StageStop when the budget is spent, or when a scheduled check (the
         monitor's schedule: every ``validation_interval`` iterations) finds the stage
         stalled after it has run longer than the fit before it. The clock's decisions are
-        agreed between ranks (``FitClock.agree``); the scores already are."""
+        agreed between ranks (``FitClock.agree``); the scores already are. The progress
+        callback hears of the iteration either way."""
+        self.iterations += 1
+        try:
+            self._watch(theta, scheduled, objective)
+        finally:
+            self._report()
+
+    def _watch(self, theta: np.ndarray, scheduled: bool, objective: float) -> None:
         spent, long_enough = self.clock.agree(
             (self.clock.spent(), self.stage_seconds() > self.started)
         )
@@ -188,7 +221,21 @@ class StageGuard:
         score = self.judge.score_of(theta)
         self.checks += 1
         self.check_seconds += self.clock.elapsed() - before
+        self.last_score = score
         return score
+
+    def _report(self) -> None:
+        if self.progress is not None:
+            self.progress(
+                StageProgress(
+                    stage=self.stage,
+                    iteration=self.iterations,
+                    max_iter=self.max_iter,
+                    held_out=self.last_score,
+                    seconds=self.clock.elapsed(),
+                    max_seconds=self.clock.max_seconds,
+                )
+            )
 
 
 @dataclass

@@ -231,3 +231,55 @@ def test_a_budget_spent_before_the_first_stage_returns_the_initial_map(monkeypat
     assert [r["stop_reason"] for r in model.stages_] == ["skipped (max_seconds)"]
     assert model.n_iter_ == 0 and model.budget_exhausted_
     np.testing.assert_array_equal(model.components_, prepared[0].theta0)
+
+
+def test_the_progress_callback_hears_the_start_every_iteration_and_the_stop():
+    clock = Clock()
+    fit_clock = FitClock(max_seconds=30.0, clock=clock)
+    clock.now = 10.0
+    judge = scripted_judge({0: 0.5, 1: 0.6, 2: 0.6})
+    events = []
+    guard = StageGuard(
+        fit_clock, judge, np.array([0.0]), stage="exact finish", max_iter=7, progress=events.append
+    )
+    clock.now = 13.0
+    guard.after_iteration(np.array([1.0]), scheduled=True)
+    clock.now = 16.0
+    guard.after_iteration(np.array([2.0]), scheduled=False)
+    clock.now = 31.0
+    with pytest.raises(StageStop, match="max_seconds"):
+        guard.after_iteration(np.array([2.0]), scheduled=True)
+    assert [(e.iteration, e.held_out, e.seconds) for e in events] == [
+        (0, 0.5, 10.0),  # the start, scored
+        (1, 0.6, 13.0),
+        (2, 0.6, 16.0),  # not a check: the latest score
+        (3, 0.6, 31.0),  # the iteration the budget stopped is reported too
+    ]
+    assert {(e.stage, e.max_iter, e.max_seconds) for e in events} == {("exact finish", 7, 30.0)}
+
+
+def test_the_estimator_reports_each_stage_to_its_progress_callback():
+    X, y = blobs(300)
+    events = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = NCA(
+            n_components=2,
+            random_state=0,
+            n_candidates=5,
+            max_iter=4,
+            tol=0,
+            exact_finish=3,
+            validation_interval=1,
+            stop_stalled_stages=False,
+            progress=events.append,
+        ).fit(X, y)
+    first, finish = model.stages_
+    for record in (first, finish):
+        seen = [e for e in events if e.stage == record["stage"]]
+        assert [e.iteration for e in seen] == list(range(record["iterations"] + 1))
+        assert seen[0].held_out == pytest.approx(record["start_score"])  # the start's check
+    assert next(e.max_iter for e in events if e.stage == "candidate stage") == 4
+    assert next(e.max_iter for e in events if e.stage == "exact finish") == 3
+    seconds = [e.seconds for e in events]
+    assert seconds == sorted(seconds)
