@@ -147,6 +147,7 @@ class StagedFit:
                 checks=guard.checks,
                 check_seconds=guard.check_seconds,
                 stop_reason=result.stop_reason,
+                refresh_changes=list(result.refresh_changes),
             )
         )
         return start if kept == "start" else end

@@ -67,4 +67,5 @@ def run_adam(
     theta = params.detach().cpu().numpy().astype(np.float64)
     result = finished_result(problem, monitor, theta, epoch, stop_reason, score, n_eval)
     result.n_refreshes = 0 if watch is None else watch.n_refreshes
+    result.refresh_changes = [] if watch is None else list(watch.changes)
     return result

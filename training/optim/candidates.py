@@ -131,6 +131,7 @@ class CandidateWatch:
         self.since = 0  # iterations since the last refresh
         self.n_refreshes = 0
         self.sizes: list[int] = []  # K chosen at each refresh
+        self.changes: list[float] = []  # the fraction of sets each refresh changed
 
     def refresh(self, theta: np.ndarray) -> float:
         """Recompute the candidates at theta (choosing K first when adaptive); return the
@@ -144,6 +145,7 @@ class CandidateWatch:
             self.problem.n_candidates, inside = self.ladder[chosen], masses[chosen]
         changed = self.problem.refresh_candidates(theta)
         self.sizes.append(self.problem.n_candidates)
+        self.changes.append(float(changed))
         self.since = 0
         self.n_refreshes += 1
         if self.refresh_tol is not None:

@@ -77,5 +77,6 @@ def finish_exactly(
         n_evaluations=first.n_evaluations + finish.n_evaluations,
         seconds=finish.seconds,  # the finish's clock started with the fit's
         n_refreshes=first.n_refreshes,
+        refresh_changes=first.refresh_changes,
     )
     return merged, finish

@@ -67,6 +67,7 @@ def run_lbfgs(
         problem, monitor, theta, rounds.iter, stop_reason, rounds.score, rounds.n_eval
     )
     result.n_refreshes = 0 if watch is None else watch.n_refreshes
+    result.refresh_changes = [] if watch is None else list(watch.changes)
     return result
 
 

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -253,6 +253,8 @@ class StageRecord:
     checks: int  # held-out scores computed while it ran (its start's included)
     check_seconds: float  # ... and their time
     stop_reason: str  # the optimiser's, or "stalled", "max_seconds", "skipped (max_seconds)"
+    # per candidate refresh, the fraction of points whose nearest set changed (the first: 1)
+    refresh_changes: list[float] = field(default_factory=list)
 
     def describe(self) -> dict:
         return asdict(self)

@@ -283,3 +283,8 @@ def test_the_estimator_reports_each_stage_to_its_progress_callback():
     assert next(e.max_iter for e in events if e.stage == "exact finish") == 3
     seconds = [e.seconds for e in events]
     assert seconds == sorted(seconds)
+    # each refresh's share of changed candidate sets: the first builds them all
+    assert len(first["refresh_changes"]) == first["refreshes"] >= 1
+    assert first["refresh_changes"][0] == 1.0
+    assert all(0.0 <= c <= 1.0 for c in first["refresh_changes"])
+    assert finish["refresh_changes"] == [] and finish["refreshes"] == 0

@@ -1,0 +1,202 @@
+"""The default fit on the real digits, stage by stage, beside the tree before a change.
+
+Fits ``NCA(n_components=32, random_state=0, **setting)`` on a data set and scores 1-NN and
+5-NN test error in the learned space. Every run is a process of its own, run alone, so its
+peak RSS is its own; the machine's float32 GEMM rate is measured just before each run and
+printed beside it (this machine's speed moves from day to day).
+
+Sets (the data are written once by this process and read by every run, so both trees fit
+the same rows):
+
+- ``mnist``: the real MNIST digits, 60,000 training and 10,000 test rows
+  (``../shared/data/mnist.npz``; skipped when absent);
+- ``mnist20k``: its first 20,000 training rows, the same test rows;
+- ``clustered20k``: 20,000 x 128 rows of ``training.data.synthetic.clustered_classes`` with
+  ``benchmarks/scale.py``'s distribution (20 classes of 4 clusters in a 24-dimensional
+  subspace), 5,000 test rows;
+- ``moving50k``: 50,000 x 128 rows with moving neighbourhoods (``scale.py --family moving``:
+  32 interleaved clusters per class and a style shared across classes that dominates the
+  raw distances), 5,000 test rows.
+
+Settings: ``default`` (the estimator's defaults), ``no-stall`` (``stop_stalled_stages=False``:
+what the stage-stopping rule saves and costs), ``budget:S`` (``max_seconds=S``).
+``--before TREE`` runs ``default`` also with the code of another checkout (e.g. ``git worktree
+add /tmp/base <commit>``); settings that tree's estimator lacks are not run there.
+
+The kNN rule for the errors is the same for every run and tree: majority of the k nearest
+(squared Euclidean, exact), ties to the class of the nearest tied neighbour.
+
+Usage: taskset -c 0,1 python benchmarks/real_digits.py [--sets mnist,clustered20k]
+       [--settings default,no-stall,budget:60] [--before /tmp/base] [--name real_digits]
+Writes benchmarks/results/<name>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness.report import gemm_gflops, machine, peak_rss_mib, print_table, save_json
+
+HERE = Path(__file__).resolve().parents[1]
+MNIST = HERE.parent / "shared" / "data" / "mnist.npz"
+SETS = ("mnist", "mnist20k", "clustered20k", "moving50k")
+
+
+def write_set(name: str, folder: Path) -> Path | None:
+    """The set's X, y, X_test, y_test as one .npz in ``folder``; None when its data is absent."""
+    from scale import FAMILIES
+
+    from training.data.synthetic import clustered_classes
+
+    if name.startswith("mnist"):
+        if not MNIST.exists():
+            return None
+        data = np.load(MNIST)
+        rows = 20_000 if name == "mnist20k" else len(data["y"])
+        arrays = dict(
+            X=data["X"][:rows], y=data["y"][:rows], X_test=data["X_test"], y_test=data["y_test"]
+        )
+    else:
+        family = "clustered" if name.startswith("clustered") else "moving"
+        n = 20_000 if family == "clustered" else 50_000
+        X, y = clustered_classes(n, n_features=128, sample_seed=1, **FAMILIES[family])
+        Xt, yt = clustered_classes(5_000, n_features=128, sample_seed=2, **FAMILIES[family])
+        arrays = dict(X=X, y=y, X_test=Xt, y_test=yt)
+    path = folder / f"{name}.npz"
+    np.savez(path, **arrays)
+    return path
+
+
+def knn_errors(z_train, y_train, z_test, y_test, ks=(1, 5)) -> dict:
+    """Test error of the k-NN majority vote for each k (exact search, float64 distances in
+    blocks of 1,024 test rows; ties to the class of the nearest tied neighbour)."""
+    z_train = np.asarray(z_train, np.float64)
+    sq_train = (z_train**2).sum(axis=1)
+    n_classes = int(max(y_train.max(), y_test.max())) + 1
+    wrong = dict.fromkeys(ks, 0)
+    for start in range(0, len(z_test), 1024):
+        block = np.asarray(z_test[start : start + 1024], np.float64)
+        dist = sq_train[None, :] - 2 * block @ z_train.T  # (b, N), + ||q||^2 omitted
+        part = np.argpartition(dist, max(ks), axis=1)[:, : max(ks)]  # (b, max k), unordered
+        order = np.take_along_axis(part, np.argsort(np.take_along_axis(dist, part, 1), 1), 1)
+        labels = y_train[order]  # (b, max k), nearest first
+        for k in ks:
+            votes = np.zeros((len(block), n_classes))
+            np.add.at(votes, (np.arange(len(block))[:, None], labels[:, :k]), 1.0)
+            # ties: the nearest neighbour's class gets a half vote more than any other
+            votes[np.arange(len(block)), labels[:, 0]] += 0.5
+            wrong[k] += int((votes.argmax(axis=1) != y_test[start : start + 1024]).sum())
+    return {k: wrong[k] / len(y_test) for k in ks}
+
+
+def setting_params(setting: str) -> dict:
+    if setting == "default":
+        return {}
+    if setting == "no-stall":
+        return {"stop_stalled_stages": False}
+    if setting.startswith("budget:"):
+        return {"max_seconds": float(setting.split(":", 1)[1])}
+    raise SystemExit(f"unknown setting {setting!r}: default, no-stall or budget:SECONDS")
+
+
+def one_run(data_path: str, setting: str) -> dict:
+    """One fit in this process (whose ``training`` is the tree on sys.path)."""
+    import inspect
+
+    from training import NCA
+
+    params = setting_params(setting)
+    accepted = inspect.signature(NCA.__init__).parameters
+    if any(name not in accepted for name in params):
+        return {"skipped": f"this tree's NCA has no {sorted(set(params) - set(accepted))}"}
+    data = np.load(data_path)
+    X, y, Xt, yt = data["X"], data["y"], data["X_test"], data["y_test"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        started = time.perf_counter()
+        model = NCA(n_components=32, random_state=0, **params).fit(X, y)
+        fit_s = time.perf_counter() - started
+    errors = knn_errors(model.transform(X), y, model.transform(Xt), yt)
+    return {
+        "fit_s": fit_s,
+        "err_1nn": errors[1],
+        "err_5nn": errors[5],
+        "peak_rss_mib": peak_rss_mib(),
+        "n_iter": int(model.n_iter_),
+        "stop_reason": model.stop_reason_,
+        "evaluations": getattr(model, "n_evaluations_", None),
+        "refreshes": getattr(model, "n_refreshes_", None),
+        "init_scale": getattr(model, "init_scale_", None),
+        "stages": getattr(model, "stages_", None),
+    }
+
+
+def run_in(tree: Path, data_path: Path, setting: str) -> dict:
+    """one_run in a fresh process that imports ``training`` from ``tree``."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    command = [sys.executable, __file__, "--one", str(data_path), setting]
+    done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{tree} {setting}: exit {done.returncode}\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sets", default="mnist,mnist20k,clustered20k,moving50k")
+    parser.add_argument("--settings", default="default,no-stall")
+    parser.add_argument("--before", type=Path, help="another checkout to fit 'default' with")
+    parser.add_argument("--before-sets", default="mnist20k", help="the sets --before runs on")
+    parser.add_argument("--name", default="real_digits")
+    parser.add_argument("--one", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(one_run(*args.one), default=float))
+        return
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        for name in args.sets.split(","):
+            path = write_set(name, Path(folder))
+            if path is None:
+                print(f"{name}: data absent, skipped")
+                continue
+            runs = [(HERE, "after", s) for s in args.settings.split(",")]
+            if args.before is not None and name in args.before_sets.split(","):
+                runs.insert(0, (args.before.resolve(), "before", "default"))
+            for tree, label, setting in runs:
+                gemm = gemm_gflops()
+                result = run_in(tree, path, setting)
+                row = {"set": name, "tree": label, "setting": setting, "gemm_gflops": gemm}
+                rows.append({**row, **result})
+                print(json.dumps({k: v for k, v in rows[-1].items() if k != "stages"}))
+    columns = ["set", "tree", "setting", "fit_s", "err_1nn", "err_5nn", "peak_rss_mib"]
+    print_table([r for r in rows if "skipped" not in r], [*columns, "stop_reason", "gemm_gflops"])
+    stage_rows = [
+        {"set": r["set"], "tree": r["tree"], "setting": r["setting"], **stage}
+        for r in rows
+        for stage in r.get("stages") or []
+    ]
+    stage_columns = ["stage", "seconds", "iterations", "evaluations", "refreshes"]
+    print_table(
+        stage_rows,
+        ["set", "tree", "setting", *stage_columns, "start_score", "end_score", "stop_reason"],
+    )
+    facts = machine()
+    print(f"machine: float32 GEMM {facts['gemm_gflops']:.1f} GFLOP/s at the end of the run")
+    command = "python benchmarks/real_digits.py " + " ".join(sys.argv[1:])
+    save_json(f"{args.name}.json", {"command": command, "machine": facts, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
