@@ -62,11 +62,22 @@ def fit_estimators(group):
     """{case/attribute: value} of NCA fits on this rank's shard of the digits rows."""
     from training import NCA
 
+    from training.optim.candidate_search import CandidateSearch
+
     X, y, X_val, y_val = digits_split()
     start, stop = shard_bounds(len(X), group.rank, group.world_size)
     v_start, v_stop = shard_bounds(len(X_val), group.rank, group.world_size)
     out = {}
+    searched: list[np.ndarray] = []  # the query rows of every candidate search on this rank
+    find = CandidateSearch.find
+
+    def recording_find(self, z, labels, k, rows=None):
+        searched.append(np.arange(len(z)) if rows is None else rows.cpu().numpy().copy())
+        return find(self, z, labels, k, rows=rows)
+
+    CandidateSearch.find = recording_find
     for case, params in ESTIMATOR_CASES.items():
+        searched.clear()
         # tol=0: L-BFGS stops at its budget, not where one summation order converges first;
         # stop_stalled_stages=False: not where one world's clock says a stage stalled
         model = NCA(
@@ -88,6 +99,17 @@ def fit_estimators(group):
             [model.n_iter_, model.world_size_, model.exact_finish_iter_]
         )
         out[f"{case}/init"] = np.array([model.init_used_, model.standardization_])
+        if searched:  # the largest search of each rank: [ranks] lists of row indices
+            largest = max(searched, key=len)
+            every = [largest.tolist()]
+            if group.world_size > 1:
+                every = [None] * group.world_size
+                dist.all_gather_object(every, largest.tolist())
+            counts = np.array([len(rows) for rows in every])
+            joined = np.sort(np.concatenate([np.asarray(rows) for rows in every]))
+            out[f"{case}/searched_rows"] = counts
+            out[f"{case}/searched_cover"] = np.array([np.array_equal(joined, np.arange(len(X)))])
+    CandidateSearch.find = find
     return out
 
 
@@ -289,6 +311,17 @@ def test_estimator_on_two_ranks_fits_what_one_rank_fits(two_ranks, one_rank, cas
         two_ranks[f"{case}/val_accuracy"], one_rank[f"{case}/val_accuracy"], atol=0.006
     )
     assert len(one_rank[f"{case}/val_accuracy"]) >= 3
+
+
+@pytest.mark.parametrize("case", [c for c in ESTIMATOR_CASES if "candidates" in c])
+def test_ranks_share_the_candidate_search_each_searching_its_own_rows(two_ranks, one_rank, case):
+    """No rank searches every row: the largest candidate search of each rank covers its
+    shard, the two are disjoint and together every training row (one rank alone: all)."""
+    n = int(one_rank[f"{case}/searched_rows"][0])
+    shares = two_ranks[f"{case}/searched_rows"]
+    assert len(shares) == 2 and shares.sum() == n and shares.max() <= (n + 1) // 2
+    assert two_ranks[f"{case}/searched_cover"][0]  # disjoint, and every row once
+    assert one_rank[f"{case}/searched_cover"][0]
 
 
 def test_one_rank_data_parallel_set_up_equals_the_single_process_one(one_rank):
