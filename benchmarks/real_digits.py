@@ -19,7 +19,9 @@ the same rows):
   raw distances), 5,000 test rows.
 
 Settings: ``default`` (the estimator's defaults), ``no-stall`` (``stop_stalled_stages=False``:
-what the stage-stopping rule saves and costs), ``budget:S`` (``max_seconds=S``).
+what the stage-stopping rule saves and costs), ``budget:S`` (``max_seconds=S``),
+``params:NAME=VALUE+NAME=VALUE`` (any estimator parameters, values read as JSON where they
+look like numbers, lists or booleans: ``params:objective=knca-majority+k=5``).
 ``--before TREE`` runs ``default`` also with the code of another checkout (e.g. ``git worktree
 add /tmp/base <commit>``); settings that tree's estimator lacks are not run there.
 
@@ -107,7 +109,15 @@ def setting_params(setting: str) -> dict:
         return {"stop_stalled_stages": False}
     if setting.startswith("budget:"):
         return {"max_seconds": float(setting.split(":", 1)[1])}
-    raise SystemExit(f"unknown setting {setting!r}: default, no-stall or budget:SECONDS")
+    if setting.startswith("params:"):  # params:objective=knca-majority+k=5
+        params = {}
+        for item in setting.split(":", 1)[1].split("+"):
+            name, _, text = item.partition("=")
+            params[name] = json.loads(text) if text[:1] in "0123456789-[{tfn" else text
+        return params
+    raise SystemExit(
+        f"unknown setting {setting!r}: default, no-stall, budget:SECONDS or params:NAME=VALUE+..."
+    )
 
 
 def one_run(data_path: str, setting: str) -> dict:

@@ -194,7 +194,11 @@ def main() -> None:
         for stage in r.get("stages") or []:
             if stage.get("refresh_changes"):
                 changes = ", ".join(f"{c:.2f}" for c in stage["refresh_changes"])
-                print(f"{r['family']} N = {r['n']}: {stage['stage']} refreshes changed {changes}")
+                replaced = ", ".join(f"{c:.2f}" for c in stage.get("refresh_replaced", []))
+                print(
+                    f"{r['family']} N = {r['n']}: {stage['stage']} refreshes changed the sets "
+                    f"of {changes} of the points, replacing {replaced} of the candidates"
+                )
     growth = exponents(rows)
     for g in growth:
         print(

@@ -148,6 +148,7 @@ class StagedFit:
                 check_seconds=guard.check_seconds,
                 stop_reason=result.stop_reason,
                 refresh_changes=list(result.refresh_changes),
+                refresh_replaced=list(result.refresh_replaced),
             )
         )
         return start if kept == "start" else end

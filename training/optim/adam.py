@@ -68,4 +68,5 @@ def run_adam(
     result = finished_result(problem, monitor, theta, epoch, stop_reason, score, n_eval)
     result.n_refreshes = 0 if watch is None else watch.n_refreshes
     result.refresh_changes = [] if watch is None else list(watch.changes)
+    result.refresh_replaced = [] if watch is None else list(watch.replaced)
     return result

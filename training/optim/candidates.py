@@ -132,6 +132,7 @@ class CandidateWatch:
         self.n_refreshes = 0
         self.sizes: list[int] = []  # K chosen at each refresh
         self.changes: list[float] = []  # the fraction of sets each refresh changed
+        self.replaced: list[float] = []  # ... and the share of candidate entries it replaced
 
     def refresh(self, theta: np.ndarray) -> float:
         """Recompute the candidates at theta (choosing K first when adaptive); return the
@@ -146,6 +147,7 @@ class CandidateWatch:
         changed = self.problem.refresh_candidates(theta)
         self.sizes.append(self.problem.n_candidates)
         self.changes.append(float(changed))
+        self.replaced.append(float(self.problem.replaced_share))
         self.since = 0
         self.n_refreshes += 1
         if self.refresh_tol is not None:

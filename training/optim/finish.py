@@ -78,5 +78,6 @@ def finish_exactly(
         seconds=finish.seconds,  # the finish's clock started with the fit's
         n_refreshes=first.n_refreshes,
         refresh_changes=first.refresh_changes,
+        refresh_replaced=first.refresh_replaced,
     )
     return merged, finish

@@ -68,6 +68,7 @@ def run_lbfgs(
     )
     result.n_refreshes = 0 if watch is None else watch.n_refreshes
     result.refresh_changes = [] if watch is None else list(watch.changes)
+    result.refresh_replaced = [] if watch is None else list(watch.replaced)
     return result
 
 

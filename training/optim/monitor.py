@@ -32,6 +32,8 @@ class FitResult:
     n_refreshes: int = 0  # candidate-set computations (0 for exact evaluation)
     # per refresh, the fraction of points whose nearest candidate set changed (the first: 1)
     refresh_changes: list[float] = field(default_factory=list)
+    # ... and the share of candidate entries it replaced (how far the neighbourhoods moved)
+    refresh_replaced: list[float] = field(default_factory=list)
 
 
 # the stop reasons of a fit that ended where it meant to: a stalled stage stopped because its

@@ -60,6 +60,24 @@ def _table(candidates):
     return candidates.table if isinstance(candidates, RowTable) else candidates
 
 
+REPLACED_BLOCK_ROWS = 8192  # rows compared at once: a (rows, M, M') boolean block
+
+
+def replaced_share(old: torch.Tensor | None, new: torch.Tensor) -> float:
+    """The share of candidate entries a refresh replaced: the mean over rows of the fraction
+    of a row's new candidates (N, M) not among its old ones (N, M'; M' may differ when K
+    changed); 1 for the first refresh. A set changes as soon as one of its 2K entries does,
+    so this says how far the neighbourhoods moved."""
+    if old is None or old.shape[0] != new.shape[0]:
+        return 1.0
+    fresh = 0
+    for start in range(0, new.shape[0], REPLACED_BLOCK_ROWS):
+        a = new[start : start + REPLACED_BLOCK_ROWS]  # (b, M)
+        b = old[start : start + REPLACED_BLOCK_ROWS]  # (b, M')
+        fresh += int((~(a[:, :, None] == b[:, None, :]).any(2)).sum())
+    return fresh / new.numel()
+
+
 def _leave_one_out_neighbours(z: torch.Tensor, rows: torch.Tensor, k: int):
     """(squared distances (B, k), indices (B, k)) of the k nearest other points of each row
     (B,) among z (N, d), nearest first; AUDIT_BLOCK_ROWS rows at a time."""
@@ -125,6 +143,7 @@ class Problem:
         # how candidate sets are searched: exact, or approximately (IVF) at scale
         self.search = search if search is not None else CandidateSearch(seed=seed)
         self.nearest: torch.Tensor | None = None  # (N, 2K) nearest candidates
+        self.replaced_share = 1.0  # the last refresh's share of new candidates
         self.candidates: torch.Tensor | None = None  # (N, M) what the objective reads
         self.candidate_log_weights: torch.Tensor | None = None  # (N, M) or None
         self.search_mass_ratio: float | None = None  # measured at the last refresh
@@ -192,6 +211,7 @@ class Problem:
                 new, drawn, log_w, self.X.dtype
             )
         old, new = _table(old), _table(new)
+        self.replaced_share = replaced_share(old, new)
         if old is None or old.shape != new.shape:
             return 1.0
         return float((torch.sort(old, 1).values != torch.sort(new, 1).values).any(1).float().mean())

@@ -255,6 +255,8 @@ class StageRecord:
     stop_reason: str  # the optimiser's, or "stalled", "max_seconds", "skipped (max_seconds)"
     # per candidate refresh, the fraction of points whose nearest set changed (the first: 1)
     refresh_changes: list[float] = field(default_factory=list)
+    # ... and the share of candidate entries it replaced (the first: 1)
+    refresh_replaced: list[float] = field(default_factory=list)
 
     def describe(self) -> dict:
         return asdict(self)

@@ -115,6 +115,7 @@ class ScriptedProblem:
     """A stand-in for Problem whose outside mass follows a script (one value per call)."""
 
     n_candidates = 4
+    replaced_share = 1.0  # the share of candidates the last refresh replaced
 
     def __init__(self, masses):
         self.masses = list(masses)

@@ -288,3 +288,10 @@ def test_the_estimator_reports_each_stage_to_its_progress_callback():
     assert first["refresh_changes"][0] == 1.0
     assert all(0.0 <= c <= 1.0 for c in first["refresh_changes"])
     assert finish["refresh_changes"] == [] and finish["refreshes"] == 0
+    assert len(first["refresh_replaced"]) == first["refreshes"]
+    assert first["refresh_replaced"][0] == 1.0
+    # a set changes when one of its entries does: never fewer sets changed than entries
+    assert all(
+        0.0 <= r <= c
+        for r, c in zip(first["refresh_replaced"], first["refresh_changes"], strict=True)
+    )
