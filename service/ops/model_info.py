@@ -18,6 +18,8 @@ from pathlib import Path
 
 from prometheus_client.core import GaugeMetricFamily
 
+from service.core.processes import process_alive
+
 NAME = "ncaknn_model_info"
 DOCUMENTATION = "the model this worker serves (value 1): one series per worker"
 FILE_PREFIX = "model_info_"
@@ -85,16 +87,6 @@ class ModelInfo:
                 labels = (str(record["model_version"]), str(record["index_type"]))
             except (OSError, ValueError, KeyError, TypeError):
                 continue  # replaced or removed while read, or not one of ours
-            if pid > 0 and _alive(pid):
+            if pid > 0 and process_alive(pid):
                 workers[pid] = labels
         return workers
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

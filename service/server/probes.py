@@ -39,6 +39,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from service.core.processes import process_alive
+
 log = logging.getLogger("service.server.probes")
 
 PROBES_DIR = "probes"
@@ -74,16 +76,6 @@ class Heartbeat:
             self.path.unlink(missing_ok=True)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def worker_states(runtime_dir: Path, now: float | None = None) -> dict[int, tuple[str, float]]:
     """{pid: (state, seconds since its last beat)} of the workers whose process exists (the
     heartbeat of a worker that is gone is removed)."""
@@ -92,7 +84,7 @@ def worker_states(runtime_dir: Path, now: float | None = None) -> dict[int, tupl
     directory = Path(runtime_dir) / PROBES_DIR
     for path in directory.glob("[0-9]*"):
         pid = int(path.name)
-        if not _alive(pid):
+        if not process_alive(pid):
             path.unlink(missing_ok=True)
             continue
         try:

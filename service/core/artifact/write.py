@@ -47,6 +47,7 @@ from service.core.artifact.invariants import (
     check_records,
 )
 from service.core.artifact.read import read_extras
+from service.core.processes import process_alive
 
 
 def _write_bytes_synced(path: Path, data: bytes) -> None:
@@ -182,13 +183,7 @@ def _writer_alive(tag: str) -> bool:
     host, _, pid = tag.rpartition("-")
     if host != _writer_tag().rpartition("-")[0] or not pid.isdigit():
         return True  # another host (a shared volume): only its age can tell
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return process_alive(int(pid))
 
 
 def remove_stale_staging(path: str | os.PathLike, *, now: float | None = None) -> list[Path]:
