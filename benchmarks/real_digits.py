@@ -135,7 +135,7 @@ def one_run(data_path: str, setting: str) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         started = time.perf_counter()
-        model = NCA(n_components=32, random_state=0, **params).fit(X, y)
+        model = NCA(**{"n_components": 32, "random_state": 0, **params}).fit(X, y)
         fit_s = time.perf_counter() - started
     errors = knn_errors(model.transform(X), y, model.transform(Xt), yt)
     return {
