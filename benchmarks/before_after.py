@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness.load import LUA, wrk
-from harness.report import machine, median, print_machine, print_table, save_json
+from harness.report import machine, median, print_table, save_json
 from harness.servers import free_port, start_service
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -128,7 +128,6 @@ def main() -> None:
     print_table(rows, ["tree", "classify_rps", "classify_p99_ms", "errors", "fit_s"])
     print(f"same /v1/classify answer: {same_answer}; same fitted map: {same_fit}")
     facts = machine()
-    print_machine(facts)
     save_json(
         f"{args.name}.json",
         {

@@ -95,6 +95,11 @@ def median(values):
 
 
 def save_json(name: str, payload: dict) -> Path:
+    """Write ``payload`` to ``results/name`` (a temporary file, then a rename), and print the
+    machine's GEMM rate of its ``machine`` record under the table the benchmark printed, so
+    that every benchmark's timings are read beside the rate measured in the same run."""
+    if isinstance(payload.get("machine"), dict):
+        print_machine(payload["machine"])
     out = RESULTS / name
     out.parent.mkdir(exist_ok=True)
     tmp = out.with_suffix(".tmp")
