@@ -26,7 +26,8 @@ look like numbers, lists or booleans: ``params:objective=knca-majority+k=5``).
 add /tmp/base <commit>``); settings that tree's estimator lacks are not run there.
 
 The kNN rule for the errors is the same for every run and tree: majority of the k nearest
-(squared Euclidean, exact), ties to the class of the nearest tied neighbour.
+(squared Euclidean, exact); a tie goes to the nearest neighbour's class when it is among the
+tied classes, else to the lowest tied class index.
 
 Usage: taskset -c 0,1 python benchmarks/real_digits.py [--sets mnist,clustered20k]
        [--settings default,no-stall,budget:60] [--before /tmp/base] [--name real_digits]
@@ -82,7 +83,8 @@ def write_set(name: str, folder: Path) -> Path | None:
 
 def knn_errors(z_train, y_train, z_test, y_test, ks=(1, 5)) -> dict:
     """Test error of the k-NN majority vote for each k (exact search, float64 distances in
-    blocks of 1,024 test rows; ties to the class of the nearest tied neighbour)."""
+    blocks of 1,024 test rows; a tie goes to the nearest neighbour's class when it is tied,
+    else to the lowest tied class index)."""
     z_train = np.asarray(z_train, np.float64)
     sq_train = (z_train**2).sum(axis=1)
     n_classes = int(max(y_train.max(), y_test.max())) + 1
@@ -113,7 +115,10 @@ def setting_params(setting: str) -> dict:
         params = {}
         for item in setting.split(":", 1)[1].split("+"):
             name, _, text = item.partition("=")
-            params[name] = json.loads(text) if text[:1] in "0123456789-[{tfn" else text
+            try:  # numbers, lists, true / false / null as JSON; anything else as text
+                params[name] = json.loads(text)
+            except json.JSONDecodeError:
+                params[name] = text
         return params
     raise SystemExit(
         f"unknown setting {setting!r}: default, no-stall, budget:SECONDS or params:NAME=VALUE+..."

@@ -22,8 +22,9 @@ from training.references.cli import main as references_main
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the job; exit status 0, or 2 with one line on stderr for bad input or for output
-    that cannot be written (a full or read-only disk, the file-size limit: the path and the
+    """Run the job; exit status 0, or 2 with one line on stderr for bad input, for settings
+    that drive the fit out of floating-point range (FloatingPointError), or for output that
+    cannot be written (a full or read-only disk, the file-size limit: the path and the
     cause; ``training.errors``).
 
     Under ``torchrun`` the job is data-parallel (``training.distributed.ranks``): every rank runs
@@ -46,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(config, log=log)
     except (DataError, ConfigError, ArtifactError, ValueError) as exc:
+        print(f"error{where}: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except FloatingPointError as exc:  # the settings drove the loss or the map out of range
         print(f"error{where}: {exc}", file=sys.stderr, flush=True)
         return 2
     except OSError as exc:

@@ -103,15 +103,15 @@ def _max_seconds(value):
 
 
 def _init_scale(value):
-    """'auto' or a finite number > 0."""
+    """'auto' or a number in [1e-6, 1e6] (the estimator's bounds)."""
     if value in ("auto", None):
         return "auto"
     try:
         scale = float(value)
     except (TypeError, ValueError):
         scale = float("nan")
-    if not 0 < scale < float("inf"):
-        raise ConfigError(f"--init-scale={value!r} must be 'auto' or a number > 0")
+    if not 1e-6 <= scale <= 1e6:
+        raise ConfigError(f"--init-scale={value!r} must be 'auto' or a number in [1e-06, 1e+06]")
     return scale
 
 
@@ -193,7 +193,7 @@ class TrainConfig:
     init_scale: str = _shared(
         "init_scale",
         "factor on the initial map: auto (the scale that maximises NCA's log-likelihood of "
-        "the initial map) or a number > 0 (1: the map as built)",
+        "the initial map) or a number in [1e-6, 1e6] (1: the map as built)",
         parse=_init_scale,
     )
     max_seconds: float | None = _shared(

@@ -3,12 +3,13 @@
 The estimator reports each stage's start and every iteration as a
 ``training.optim.stages.StageProgress`` (``NCA(progress=...)``); :class:`StageBar` shows it
 as a bar per stage: the stage's name, its iterations against its most, the latest held-out
-score, and the time left: tqdm's estimate for the stage's remaining iterations at its rate
-so far, or the fit's budget left when that is sooner. A stage that stops early (stalled, or
-converged) leaves its bar where it stopped.
+score, tqdm's estimate of the stage's time left (its remaining iterations at its rate so
+far) and, with a budget, the fit's budget left beside it. A stage that stops early
+(stalled, or converged) leaves its bar where it stopped.
 
-``progress_mode`` decides what a run shows: the bar on a terminal, the per-iteration table
-(scikit-learn's verbose lines, one per iteration) when the output is a file or a pipe, and
+``progress_mode`` decides what a run shows: the bar when both stdout and stderr are a
+terminal, the per-iteration table (scikit-learn's verbose lines, on stdout) when either is a
+file or a pipe (``python -m training ... > train.log`` keeps the table in the log), and
 nothing with ``--quiet``.
 """
 
@@ -25,26 +26,35 @@ from training.optim.stages import StageProgress
 PROGRESS_MODES = ("auto", "bar", "table", "none")
 
 
-def progress_mode(requested: str, quiet: bool, stream: TextIO | None = None) -> str:
+def progress_mode(requested: str, quiet: bool, streams: tuple | None = None) -> str:
     """'bar', 'table' or 'none' for the run: ``--quiet`` is 'none'; 'auto' is the bar when
-    ``stream`` (stderr) is a terminal, else the table. ConfigError for an unknown mode."""
+    every one of ``streams`` (stdout, where the table goes, and stderr, where the bar goes)
+    is a terminal, else the table. ConfigError for an unknown mode."""
     if requested not in PROGRESS_MODES:
         raise ConfigError(f"--progress={requested!r} must be one of {list(PROGRESS_MODES)}")
     if quiet:
         return "none"
     if requested != "auto":
         return requested
-    stream = sys.stderr if stream is None else stream
+    streams = (sys.stdout, sys.stderr) if streams is None else streams
+    return "bar" if all(_is_terminal(stream) for stream in streams) else "table"
+
+
+def _is_terminal(stream) -> bool:
     isatty = getattr(stream, "isatty", None)
-    return "bar" if isatty is not None and isatty() else "table"
+    try:
+        return bool(isatty is not None and isatty())
+    except ValueError:  # a closed stream
+        return False
 
 
 class StageBar:
-    """A callable for ``NCA(progress=...)`` drawing one bar per stage on ``stream``; call
-    ``close()`` after the fit."""
+    """A callable for ``NCA(progress=...)`` drawing one bar per stage on ``stream`` (None:
+    the stderr of the moment a bar is drawn, so an estimator holding it can still be cloned
+    and pickled between fits); call ``close()`` after the fit."""
 
     def __init__(self, stream: TextIO | None = None, mininterval: float = 0.5):
-        self.stream = sys.stderr if stream is None else stream
+        self.stream = stream
         self.mininterval = mininterval
         self.bar: tqdm | None = None
         self.stage: str | None = None
@@ -57,7 +67,7 @@ class StageBar:
                 total=max(event.max_iter, 1),
                 desc=event.stage,
                 unit="it",
-                file=self.stream,
+                file=sys.stderr if self.stream is None else self.stream,
                 mininterval=self.mininterval,
                 dynamic_ncols=True,
             )

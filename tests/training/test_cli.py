@@ -202,8 +202,10 @@ def write_npz(path, **arrays):
                 ("--max-seconds", "0", "--max-seconds=0.0 must be a number of seconds > 0"),
                 ("--max-seconds", "-5", "--max-seconds=-5.0 must be a number of seconds > 0"),
                 ("--max-seconds", "inf", "--max-seconds=inf must be a number of seconds > 0"),
-                ("--init-scale", "0", "--init-scale='0' must be 'auto' or a number > 0"),
-                ("--init-scale", "big", "--init-scale='big' must be 'auto' or a number > 0"),
+                ("--init-scale", "0", r"--init-scale='0' must be 'auto' or a number in \[1e-06"),
+                ("--init-scale", "big", "--init-scale='big' must be 'auto' or a number in"),
+                ("--init-scale", "1e19", "--init-scale='1e19' must be 'auto' or a number in"),
+                ("--init-scale", "1e-30", "--init-scale='1e-30' must be 'auto' or a number in"),
                 ("--progress", "fancy", "--progress='fancy' must be one of"),
             ]
         ],
@@ -544,3 +546,19 @@ def test_the_progress_option_chooses_the_bar_or_the_table():
     assert table.progress is None and table.verbose == 1
     quiet = build_estimator(parse_config(["--progress", "bar", "--quiet"]), n_features=64)
     assert quiet.progress is None and quiet.verbose == 0
+
+
+def test_a_fit_driven_out_of_floating_point_range_is_one_line_and_exit_2(
+    tmp_path, capsys, monkeypatch
+):
+    import training.job
+
+    def overflowing(estimator, split):
+        raise FloatingPointError("the loss (inf) at iteration 1 is not finite")
+
+    monkeypatch.setattr(training.job, "fit_estimator", overflowing)
+    out = tmp_path / "out"
+    assert main(["--data", "digits", "--out", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == "error: the loss (inf) at iteration 1 is not finite"
+    assert "Traceback" not in err and not out.exists()

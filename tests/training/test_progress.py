@@ -17,26 +17,36 @@ class Terminal(io.StringIO):
         return True
 
 
+class Closed(io.StringIO):
+    def isatty(self) -> bool:
+        raise ValueError("I/O operation on closed file")
+
+
+TTY, FILE = Terminal(), io.StringIO()
+
+
 @pytest.mark.parametrize(
-    "requested, quiet, stream, expected",
+    "requested, quiet, streams, expected",
     [
-        ("auto", False, Terminal(), "bar"),
-        ("auto", False, io.StringIO(), "table"),  # a file or a pipe: one line per iteration
-        ("auto", True, Terminal(), "none"),
-        ("bar", True, Terminal(), "none"),  # --quiet wins
-        ("bar", False, io.StringIO(), "bar"),
-        ("table", False, Terminal(), "table"),
-        ("none", False, Terminal(), "none"),
-        ("auto", False, object(), "table"),  # a stream without isatty
+        ("auto", False, (TTY, TTY), "bar"),
+        ("auto", False, (FILE, TTY), "table"),  # stdout to a log: the table goes there
+        ("auto", False, (TTY, FILE), "table"),  # stderr to a file or a pipe
+        ("auto", True, (TTY, TTY), "none"),
+        ("bar", True, (TTY, TTY), "none"),  # --quiet wins
+        ("bar", False, (FILE, FILE), "bar"),
+        ("table", False, (TTY, TTY), "table"),
+        ("none", False, (TTY, TTY), "none"),
+        ("auto", False, (object(), TTY), "table"),  # a stream without isatty
+        ("auto", False, (Closed(), TTY), "table"),  # a closed one
     ],
 )
-def test_the_mode_follows_the_option_quiet_and_the_terminal(requested, quiet, stream, expected):
-    assert progress_mode(requested, quiet, stream) == expected
+def test_the_mode_follows_the_option_quiet_and_the_terminals(requested, quiet, streams, expected):
+    assert progress_mode(requested, quiet, streams) == expected
 
 
 def test_an_unknown_mode_is_a_config_error_naming_the_choices():
     with pytest.raises(ConfigError, match=r"--progress='fancy' must be one of \['auto', 'bar'"):
-        progress_mode("fancy", False, Terminal())
+        progress_mode("fancy", False, (TTY, TTY))
 
 
 def event(stage, iteration, held_out=None, seconds=0.0, max_seconds=None, max_iter=10):
@@ -51,7 +61,7 @@ def test_a_bar_per_stage_with_its_iterations_score_and_budget_left():
     assert bar.bar.n == 4 and bar.bar.total == 10
     first = bar.bar
     bar(event("exact finish", 0, 0.97, 30.0, 60.0, max_iter=5))
-    assert first.disable or first.n == 4  # the first stage's bar closed where it stopped
+    assert first.disable and first.n == 4  # the first stage's bar closed where it stopped
     assert bar.bar is not first and bar.bar.total == 5
     bar.close()
     text = stream.getvalue().replace("\r", "\n")
@@ -70,3 +80,15 @@ def test_a_bar_per_stage_with_its_iterations_score_and_budget_left():
 )
 def test_the_postfix_says_only_what_is_known(progress, expected):
     assert StageBar.postfix(progress) == expected
+
+
+def test_an_estimator_holding_a_bar_clones_and_pickles():
+    import pickle
+
+    from sklearn.base import clone
+
+    from training import NCA
+
+    model = NCA(progress=StageBar())
+    assert isinstance(clone(model).progress, StageBar)
+    assert isinstance(pickle.loads(pickle.dumps(model)).progress, StageBar)

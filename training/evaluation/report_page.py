@@ -246,6 +246,8 @@ STAGE_COLUMNS = (
     ("iterations", "iterations"),
     ("evaluations", "evaluations"),
     ("refreshes", "refreshes"),
+    ("held-out checks", "checks"),
+    ("their seconds", "check_seconds"),
     ("held-out score at start", "start_score"),
     ("at end", "end_score"),
     ("kept", "kept"),

@@ -53,7 +53,7 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
     transformation : {"linear", "diagonal"}
         A (d, D), full or low-rank; or diag(a), an axis-aligned scaling (d = D).
     init : {"auto", "pca", "lda", "identity", "random"}, ndarray (d, D) or artifact path
-    init_scale : "auto" or float
+    init_scale : "auto" or float in [1e-6, 1e6]
         The factor the initial map the estimator builds (pca, lda, identity, random) is
         multiplied by: "auto" the one that maximises NCA's log-likelihood along its direction
         (``training.model.init_scale``; ``init_scale_`` says which), 1.0 the map as built (as

@@ -130,7 +130,8 @@ CONSTRAINTS: dict[str, list] = {
     "candidate_search": [OneOf(("auto", "exact", "ivf"))],
     "select_stages": [OneOf((True, False))],
     "max_seconds": [NONE, Real(0, low_closed=False)],
-    "init_scale": [AUTO, Real(0, low_closed=False)],
+    # a factor outside [1e-6, 1e6] makes every p_ij uniform or the distances overflow float32
+    "init_scale": [AUTO, Real(1e-6, 1e6)],
     "stop_stalled_stages": [OneOf((True, False))],
     "progress": [NONE, Callable_()],
 }

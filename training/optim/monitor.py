@@ -142,6 +142,8 @@ class Monitor:
             self.callback(self.components(theta).ravel(), iteration)
         if self.early_stopping and self.bad_checks >= self.patience:
             self.stopped_by = "early_stopping"
+            if self.guard is not None:  # the progress callback hears of this iteration too
+                self.guard.count_iteration()
             raise EarlyStop
         if self.guard is not None:
             try:

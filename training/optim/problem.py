@@ -60,21 +60,23 @@ def _table(candidates):
     return candidates.table if isinstance(candidates, RowTable) else candidates
 
 
-REPLACED_BLOCK_ROWS = 8192  # rows compared at once: a (rows, M, M') boolean block
+REPLACED_BLOCK_ROWS = 65536  # rows compared at once
 
 
 def replaced_share(old: torch.Tensor | None, new: torch.Tensor) -> float:
     """The share of candidate entries a refresh replaced: the mean over rows of the fraction
     of a row's new candidates (N, M) not among its old ones (N, M'; M' may differ when K
-    changed); 1 for the first refresh. A set changes as soon as one of its 2K entries does,
-    so this says how far the neighbourhoods moved."""
+    changed); 1 for the first refresh. Each old row is sorted and the new entries looked up
+    in it (O(N M log M') time, O(block M) memory). A set changes as soon as one of its 2K
+    entries does, so this says how far the neighbourhoods moved."""
     if old is None or old.shape[0] != new.shape[0]:
         return 1.0
     fresh = 0
     for start in range(0, new.shape[0], REPLACED_BLOCK_ROWS):
-        a = new[start : start + REPLACED_BLOCK_ROWS]  # (b, M)
-        b = old[start : start + REPLACED_BLOCK_ROWS]  # (b, M')
-        fresh += int((~(a[:, :, None] == b[:, None, :]).any(2)).sum())
+        a = new[start : start + REPLACED_BLOCK_ROWS].contiguous()  # (b, M)
+        b = old[start : start + REPLACED_BLOCK_ROWS].sort(1).values.contiguous()  # (b, M')
+        at = torch.searchsorted(b, a).clamp(max=b.shape[1] - 1)  # (b, M)
+        fresh += int((b.gather(1, at) != a).sum())
     return fresh / new.numel()
 
 

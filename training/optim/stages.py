@@ -190,11 +190,16 @@ class StageGuard:
         stalled after it has run longer than the fit before it. The clock's decisions are
         agreed between ranks (``FitClock.agree``); the scores already are. The progress
         callback hears of the iteration either way."""
-        self.iterations += 1
         try:
             self._watch(theta, scheduled, objective)
         finally:
-            self._report()
+            self.count_iteration()
+
+    def count_iteration(self) -> None:
+        """One more iteration of the stage, told to the progress callback (also for the
+        iteration at which early stopping ends the stage, which the guard does not watch)."""
+        self.iterations += 1
+        self._report()
 
     def _watch(self, theta: np.ndarray, scheduled: bool, objective: float) -> None:
         spent, long_enough = self.clock.agree(

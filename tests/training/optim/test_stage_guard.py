@@ -295,3 +295,27 @@ def test_the_estimator_reports_each_stage_to_its_progress_callback():
         0.0 <= r <= c
         for r, c in zip(first["refresh_replaced"], first["refresh_changes"], strict=True)
     )
+
+
+def test_the_iteration_early_stopping_ends_on_is_reported_too(monkeypatch):
+    from tests.training.problems import script_validation
+
+    X, y = blobs(300)
+    # validation falls after the first check: early stopping ends the stage at iteration 3
+    script_validation(monkeypatch, lambda stage, it: 0.9 if it == 1 else 0.5)
+    events = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = NCA(
+            n_components=2,
+            random_state=0,
+            max_iter=50,
+            tol=0,
+            early_stopping=True,
+            n_iter_no_change=2,
+            validation_interval=1,
+            progress=events.append,
+        ).fit(X, y)
+    (record,) = model.stages_
+    assert model.stop_reason_ == "early_stopping" and record["iterations"] == 3
+    assert [e.iteration for e in events] == [0, 1, 2, 3]
