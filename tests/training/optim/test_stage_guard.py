@@ -258,7 +258,8 @@ def test_the_progress_callback_hears_the_start_every_iteration_and_the_stop():
     assert {(e.stage, e.max_iter, e.max_seconds) for e in events} == {("exact finish", 7, 30.0)}
 
 
-def test_the_estimator_reports_each_stage_to_its_progress_callback():
+def fit_with_events(**params):
+    """(the model, the StageProgress events it reported) of a 2-d fit on 300 blob rows."""
     X, y = blobs(300)
     events = []
     with warnings.catch_warnings():
@@ -266,14 +267,18 @@ def test_the_estimator_reports_each_stage_to_its_progress_callback():
         model = NCA(
             n_components=2,
             random_state=0,
-            n_candidates=5,
-            max_iter=4,
             tol=0,
-            exact_finish=3,
             validation_interval=1,
-            stop_stalled_stages=False,
             progress=events.append,
+            **params,
         ).fit(X, y)
+    return model, events
+
+
+def test_the_estimator_reports_each_stage_to_its_progress_callback():
+    model, events = fit_with_events(
+        n_candidates=5, max_iter=4, exact_finish=3, stop_stalled_stages=False
+    )
     first, finish = model.stages_
     for record in (first, finish):
         seen = [e for e in events if e.stage == record["stage"]]
@@ -300,22 +305,9 @@ def test_the_estimator_reports_each_stage_to_its_progress_callback():
 def test_the_iteration_early_stopping_ends_on_is_reported_too(monkeypatch):
     from tests.training.problems import script_validation
 
-    X, y = blobs(300)
     # validation falls after the first check: early stopping ends the stage at iteration 3
     script_validation(monkeypatch, lambda stage, it: 0.9 if it == 1 else 0.5)
-    events = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = NCA(
-            n_components=2,
-            random_state=0,
-            max_iter=50,
-            tol=0,
-            early_stopping=True,
-            n_iter_no_change=2,
-            validation_interval=1,
-            progress=events.append,
-        ).fit(X, y)
+    model, events = fit_with_events(max_iter=50, early_stopping=True, n_iter_no_change=2)
     (record,) = model.stages_
     assert model.stop_reason_ == "early_stopping" and record["iterations"] == 3
     assert [e.iteration for e in events] == [0, 1, 2, 3]
