@@ -63,15 +63,20 @@ def _n_candidates(value):
     return k
 
 
+def _float_or_nan(value) -> float:
+    """float(value), or NaN for what is not a number (NaN then fails every bound check)."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return float("nan")
+
+
 def _l2(value):
-    """'auto' or a number >= 0."""
+    """'auto' or a finite number >= 0."""
     if value in ("auto", None):
         return "auto"
-    try:
-        l2 = float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"--l2={value!r} must be 'auto' or a number >= 0") from None
-    if not l2 >= 0 or l2 == float("inf"):
+    l2 = _float_or_nan(value)
+    if not 0 <= l2 < float("inf"):
         raise ConfigError(f"--l2={value!r} must be 'auto' or a number >= 0")
     return l2
 
@@ -93,10 +98,7 @@ def _max_seconds(value):
     """None (no budget) or a finite number of seconds > 0."""
     if value is None:
         return None
-    try:
-        seconds = float(value)
-    except (TypeError, ValueError):
-        seconds = float("nan")
+    seconds = _float_or_nan(value)
     if not 0 < seconds < float("inf"):
         raise ConfigError(f"--max-seconds={value!r} must be a number of seconds > 0, or none")
     return seconds
@@ -106,10 +108,7 @@ def _init_scale(value):
     """'auto' or a number in [1e-6, 1e6] (the estimator's bounds)."""
     if value in ("auto", None):
         return "auto"
-    try:
-        scale = float(value)
-    except (TypeError, ValueError):
-        scale = float("nan")
+    scale = _float_or_nan(value)
     if not 1e-6 <= scale <= 1e6:
         raise ConfigError(f"--init-scale={value!r} must be 'auto' or a number in [1e-06, 1e+06]")
     return scale

@@ -272,29 +272,23 @@ class StagedFit:
 
     def _optimise(self, problem, theta0, solver, rng) -> FitResult:
         est = self.est
-        if solver == "lbfgs":
-            return run_lbfgs(
-                problem,
-                theta0,
-                max_iter=est.max_iter,
-                tol=est.tol,
-                monitor=self.monitor,
-                refresh_every=est.refresh_every,
-                refresh_tol=est.refresh_tol,
-                target_mass=est.candidate_mass,
-            )
-        return run_adam(
-            problem,
-            theta0,
+        shared = dict(  # what both optimisers take: the budget, the monitor, the refreshes
             max_iter=est.max_iter,
             tol=est.tol,
             monitor=self.monitor,
-            learning_rate=est.learning_rate,
-            batch_size=est.batch_size,
-            rng=rng,
             refresh_every=est.refresh_every,
             refresh_tol=est.refresh_tol,
             target_mass=est.candidate_mass,
+        )
+        if solver == "lbfgs":
+            return run_lbfgs(problem, theta0, **shared)
+        return run_adam(
+            problem,
+            theta0,
+            learning_rate=est.learning_rate,
+            batch_size=est.batch_size,
+            rng=rng,
+            **shared,
         )
 
     def describe(self) -> list[dict]:
