@@ -12,7 +12,7 @@ import numpy as np
 import torch.distributed as dist
 from sklearn.exceptions import ConvergenceWarning
 
-from service.core.artifact import ArtifactError, write_artifact
+from service.core.artifact import ArtifactError, check_replaceable, check_writable, write_artifact
 from service.core.knn import project
 from training.config import TrainConfig
 from training.data.datasets import (
@@ -119,6 +119,10 @@ def run(config: TrainConfig, *, log=print) -> dict:
     started = time.perf_counter()
     group = current_group()
     check_publish_link(config.publish)
+    out = resolve_out(config.out, _data_name(config))
+    check_replaceable(out)  # refused before any work when --out holds what we did not write
+    with writing("the artifact", out):  # a read-only disk: said now, not after the fit
+        check_writable(out)
     data: Dataset = load_dataset(
         config.data,
         labels=config.labels,
@@ -127,7 +131,6 @@ def run(config: TrainConfig, *, log=print) -> dict:
     )
     split = shard_split(data, config, group) if group.is_distributed else _split(data, config)
     del data  # a data-parallel rank keeps only its rows
-    out = resolve_out(config.out, _data_name(config))
     _check_prototypes(config, split, group)
     estimator = build_estimator(config, split.X_train.shape[1])
     parallel = f", {group.world_size} ranks ({group.backend})" if group.is_distributed else ""

@@ -38,7 +38,13 @@ from statistics import NormalDist
 import faiss
 import numpy as np
 
-from service.core.artifact import Artifact, ArtifactError, read_artifact, rewrite_artifact
+from service.core.artifact import (
+    Artifact,
+    ArtifactError,
+    check_replaceable,
+    read_artifact,
+    rewrite_artifact,
+)
 from service.core.knn import decide
 from service.core.vocabulary import IVF_KINDS
 from service.search.index import (
@@ -393,6 +399,16 @@ def index_artifact(
     with it to ``out`` (default: in place). Returns the manifest's ``index`` record."""
     if kind not in SEARCH_PARAMETER:
         raise TuningError(f"--index must be one of {sorted(SEARCH_PARAMETER)}, got {kind!r}")
+    target_path = Path(out) if out is not None else Path(path)
+    check_replaceable(target_path)  # never what we did not write
+    return _index_artifact(
+        path, target_path, kind, target, confidence, nlist, hnsw_m, ef_construction, pq_m, log
+    )
+
+
+def _index_artifact(
+    path, target_path, kind, target, confidence, nlist, hnsw_m, ef_construction, pq_m, log
+) -> dict:
     artifact = read_artifact(path)
     queries, query_labels = validation_split(artifact)
     references = np.ascontiguousarray(artifact.embeddings, dtype=np.float32)
@@ -433,7 +449,6 @@ def index_artifact(
         index, params, chosen, exact, trials, tuning=tuning, build_seconds=build_seconds
     )
     index_bytes = faiss.serialize_index(index).tobytes()
-    target_path = Path(out) if out is not None else Path(path)
     rewrite_artifact(artifact, target_path, index_bytes=index_bytes, metadata={"index": record})
     log(
         f"chose {_plan_text(name, chosen)}: agreement {chosen.label_agreement:.4f}, accuracy "

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from service.core.artifact import ArtifactError, check_replaceable
 from training.data.datasets import DataError, load_dataset
 from training.errors import (
     ConfigError,
@@ -140,7 +141,17 @@ def _ids_file(path: str, option: str = "--ids-file") -> np.ndarray:
 
 
 def run(args: argparse.Namespace) -> dict:
+    """Check the options (an ``--out`` holding what we did not write is refused before any
+    work), then make the change."""
     check_publish_link(args.publish)
+    try:
+        check_replaceable(args.out)
+    except ArtifactError as exc:
+        raise ReferenceError(str(exc)) from None
+    return _change(args)
+
+
+def _change(args: argparse.Namespace) -> dict:
     if args.command == "add":
         data = load_dataset(args.data, labels=args.labels, label_column=args.label_column)
         ids = None if args.ids is None else _ids_file(args.ids, "--ids")
@@ -186,7 +197,7 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     try:
         summary = run(args)
-    except (ReferenceError, DataError, ConfigError) as exc:
+    except (ReferenceError, DataError, ConfigError, ArtifactError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # a full or read-only disk, the file-size limit: path and cause

@@ -19,6 +19,7 @@ An artifact is a directory::
   gets, and the model version (a hash of everything that can change an answer).
 * ``read.py``: the pinned read: each file read once, its sha256 checked on the bytes that are
   parsed; every check names the file, the expected and the actual value.
+* ``ownership.py``: what a writer may replace: nothing it did not write.
 * ``write.py``: the atomic write: a staging sibling, fsynced, renamed into place.
 
 Tests: ``tests/service/core/test_artifact.py``, ``test_version_identity.py``, ``tests/service/engine/test_robustness.py``.
@@ -43,6 +44,7 @@ from service.core.artifact.format import (
     model_version_of,
     parse_outlier_calibration,
 )
+from service.core.artifact.ownership import check_replaceable, check_writable
 from service.core.artifact.read import (
     artifact_fingerprint,
     read_artifact,
@@ -66,6 +68,8 @@ __all__ = [
     "Artifact",
     "ArtifactError",
     "artifact_fingerprint",
+    "check_replaceable",
+    "check_writable",
     "legacy_model_version_of",
     "model_version_of",
     "parse_outlier_calibration",

@@ -46,6 +46,7 @@ from service.core.artifact.invariants import (
     check_default_k,
     check_records,
 )
+from service.core.artifact.ownership import check_replaceable
 from service.core.artifact.read import read_extras
 from service.core.processes import process_alive
 
@@ -252,7 +253,9 @@ def write_artifact(
     """Validate the pieces of a model and write them atomically as an artifact at ``path``.
 
     ``metadata`` is merged into the manifest (training config, metrics, data fingerprint...);
-    it may not override the keys this module owns. ``extra_files`` (name -> bytes: a report,
+    it may not override the keys this module owns. An existing ``path`` must be an artifact
+    (or an empty directory): anything else is refused (``ownership.check_replaceable``).
+    ``extra_files`` (name -> bytes: a report,
     plots) are written into the same directory before it is renamed into place and listed
     with their sha256 under ``extras``. Returns the artifact path.
     """
@@ -269,6 +272,7 @@ def write_artifact(
         validation_labels=validation_labels,
     )
     manifest = _manifest_fields(arrays, classes, default_k, decision_rule, metadata)
+    check_replaceable(final, "the artifact path")  # never replace what we did not write
     final.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_staging(final)
     staging = staging_path(final)

@@ -224,6 +224,6 @@ def test_crash_before_rename_keeps_old_artifact(tmp_path, rng, monkeypatch):
 
 def test_refuses_to_replace_a_regular_file(tmp_path, rng):
     (tmp_path / "m").write_text("not an artifact")
-    with pytest.raises(ArtifactError, match="not an artifact directory"):
+    with pytest.raises(ArtifactError, match="is not a directory; refusing to replace"):
         write_artifact(tmp_path / "m", **pieces(rng))
     assert (tmp_path / "m").read_text() == "not an artifact"
