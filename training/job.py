@@ -12,7 +12,7 @@ import numpy as np
 import torch.distributed as dist
 from sklearn.exceptions import ConvergenceWarning
 
-from service.core.artifact import ArtifactError, check_replaceable, check_writable, write_artifact
+from service.core.artifact import ArtifactError, OutputClaim, write_artifact
 from service.core.knn import project
 from training.config import TrainConfig
 from training.data.datasets import (
@@ -120,9 +120,10 @@ def run(config: TrainConfig, *, log=print) -> dict:
     group = current_group()
     check_publish_link(config.publish)
     out = resolve_out(config.out, _data_name(config))
-    check_replaceable(out)  # refused before any work when --out holds what we did not write
+    # refused before any work when --out holds anything we did not write; its version now,
+    # which must still be there when the artifact replaces it (``OutputClaim.turn``)
     with writing("the artifact", out):  # a read-only disk: said now, not after the fit
-        check_writable(out)
+        claim = OutputClaim(out)
     data: Dataset = load_dataset(
         config.data,
         labels=config.labels,
@@ -149,11 +150,12 @@ def run(config: TrainConfig, *, log=print) -> dict:
                 config, _data_name(config), split, estimator, evaluation, convergence_warnings
             ),
         }
-        save_artifact(out, config, _data_name(config), split, estimator, evaluation, report)
-        page = _write_page(out, log)
-        if config.publish:
-            publish(config.publish, out)
-            log(f"published {config.publish} -> {out}")
+        with claim.turn():  # writers of --out take turns; one that landed meanwhile is kept
+            save_artifact(out, config, _data_name(config), split, estimator, evaluation, report)
+            page = _write_page(out, log)
+            if config.publish:
+                publish(config.publish, out)
+                log(f"published {config.publish} -> {out}")
         k = evaluation.default_k
         if "euclidean" in evaluation.baselines:
             euclidean = evaluation.baselines["euclidean"].get("test_accuracy", {})

@@ -41,7 +41,7 @@ import numpy as np
 from service.core.artifact import (
     Artifact,
     ArtifactError,
-    check_replaceable,
+    OutputClaim,
     read_artifact,
     rewrite_artifact,
 )
@@ -400,10 +400,11 @@ def index_artifact(
     if kind not in SEARCH_PARAMETER:
         raise TuningError(f"--index must be one of {sorted(SEARCH_PARAMETER)}, got {kind!r}")
     target_path = Path(out) if out is not None else Path(path)
-    check_replaceable(target_path)  # never what we did not write
-    return _index_artifact(
-        path, target_path, kind, target, confidence, nlist, hnsw_m, ef_construction, pq_m, log
-    )
+    # writers of the target take turns; in place, this one reads the latest version in its turn
+    with OutputClaim(target_path).turn(source=path):
+        return _index_artifact(
+            path, target_path, kind, target, confidence, nlist, hnsw_m, ef_construction, pq_m, log
+        )
 
 
 def _index_artifact(

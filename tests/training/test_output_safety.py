@@ -5,24 +5,107 @@ exits 0 is in the result, nothing removed comes back, and the lineage lists exac
 edits that landed; a writer that finds its ``--out`` replaced since it started exits 2 and
 replaces nothing; a writer killed in the middle leaves the next one free to write.
 
-The concurrent writers are forks of this process (which imported ``training.cli``): each is
-the CLI's ``main`` in a process of its own, started while the test holds the artifact's
-writer lock, so that all of them wait at once and race for it when it is released."""
+The concurrent writers are ``python -m training`` processes, started while another process
+holds the artifact's writer lock, so that all of them wait at once and race for it when it
+is released."""
 
 from __future__ import annotations
 
 import shutil
+import signal
 import subprocess
 import sys
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from service.core.artifact import read_artifact
+from service.core.artifact import read_artifact, writer_lock
+from service.core.artifact.ownership import lock_path
 from training.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def start_cli(args: list, stderr: Path) -> subprocess.Popen:
+    """``python -m training ARGS`` in a fresh interpreter, its stderr into ``stderr``. (A fork
+    of this process would share whatever locks its threads held at the fork: a child of a
+    process that has run torch's or the test server's threads can hang on one.)"""
+    with open(stderr, "w") as err:
+        return subprocess.Popen(
+            [sys.executable, "-m", "training", *map(str, args)],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
+
+
+def exit_status(process: subprocess.Popen, timeout: float = 120) -> int:
+    try:
+        return process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        pytest.fail(f"writer {process.args} still running after {timeout} s")
+
+
+def wait_until(predicate, timeout: float = 60, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"waited {timeout} s for {what}")
+        time.sleep(0.02)
+
+
+HOLDER = """
+import sys, time
+from pathlib import Path
+from service.core.artifact import writer_lock
+path, ready, release = sys.argv[1:]
+with writer_lock(path, wait_notice=None):
+    Path(ready).touch()
+    deadline = time.monotonic() + 120
+    while not Path(release).exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+"""
+
+
+@contextmanager
+def lock_held_elsewhere(path: Path, tmp_path: Path):
+    """``path``'s writer lock, held by a process of its own until the block ends (a lock
+    taken here would be inherited by the writers forked meanwhile: flock belongs to the open
+    file, which a fork shares)."""
+    ready, release = tmp_path / "held", tmp_path / "release"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(path), str(ready), str(release)], cwd=ROOT
+    )
+    wait_until(ready.exists, what="the lock holder")
+    try:
+        yield
+    finally:
+        release.touch()
+        holder.wait(60)
+        ready.unlink()
+        release.unlink()
+
+
+def race(commands: list[list[str]], lock_of: Path, tmp_path: Path) -> list[tuple[int, str]]:
+    """Start every command while another process holds ``lock_of``'s writer lock, wait
+    until each says it waits for it, release it: (exit status, stderr) of each, in order."""
+    logs = [tmp_path / f"writer-{i}.err" for i in range(len(commands))]
+    with lock_held_elsewhere(lock_of, tmp_path):
+        writers = [start_cli(args, log) for args, log in zip(commands, logs, strict=False)]
+        wait_until(
+            lambda: all(log.exists() and "waiting for" in log.read_text() for log in logs),
+            what="every writer to wait for the lock",
+        )
+    return [(exit_status(w), log.read_text()) for w, log in zip(writers, logs, strict=False)]
+
+
+def save_rows(path: Path, X: np.ndarray, y: np.ndarray) -> Path:
+    np.savez(path, X=X, y=y)
+    return path
 
 
 @pytest.fixture
@@ -34,9 +117,93 @@ def model(digits_like_model, tmp_path):
     return path, split
 
 
-def save_rows(path: Path, X: np.ndarray, y: np.ndarray) -> Path:
-    np.savez(path, X=X, y=y)
-    return path
+def lineage(path: Path) -> list[dict]:
+    return read_artifact(path).manifest.get("lineage", [])
+
+
+def test_concurrent_adds_in_place_all_land(model, tmp_path):
+    path, split = model
+    n_before = len(read_artifact(path).ids)
+    commands = []
+    for i in range(4):
+        rows = save_rows(
+            tmp_path / f"rows{i}.npz", split.X_test[i * 5 : i * 5 + 5], split.y_test[:5]
+        )
+        ids = tmp_path / f"ids{i}.txt"
+        ids.write_text("\n".join(str(10_000 + 10 * i + j) for j in range(5)))
+        commands.append(
+            ["references", "add", "--model", path, "--data", rows, "--ids", ids, "--out", path]
+        )
+    results = race(commands, path, tmp_path)
+    assert [code for code, _ in results] == [0] * 4, results
+    artifact = read_artifact(path)
+    added = {10_000 + 10 * i + j for i in range(4) for j in range(5)}
+    assert added <= set(artifact.ids.tolist())
+    assert len(artifact.ids) == n_before + 20
+    assert [e["operation"] for e in lineage(path)] == ["add"] * 4
+    # each edit's parent is the version the one before it wrote: a chain, none lost
+    parents = [e["parent_version"] for e in lineage(path)]
+    assert len(set(parents)) == 4
+
+
+@pytest.mark.parametrize("round_", range(2))
+def test_a_remove_racing_an_add_keeps_both(model, tmp_path, round_):
+    path, split = model
+    ids = read_artifact(path).ids
+    drop = ids[round_ * 7 : round_ * 7 + 7]
+    rows = save_rows(tmp_path / "rows.npz", split.X_test[:4], split.y_test[:4])
+    commands = [
+        ["references", "add", "--model", path, "--data", rows, "--out", path],
+        ["references", "remove", "--model", path, "--ids", *map(str, drop), "--out", path],
+    ]
+    if round_ % 2:
+        commands.reverse()
+    results = race(commands, path, tmp_path)
+    assert [code for code, _ in results] == [0, 0], results
+    after = read_artifact(path)
+    assert not set(drop.tolist()) & set(after.ids.tolist())  # nothing removed comes back
+    assert len(after.ids) == len(ids) - 7 + 4  # and the add landed
+    assert sorted(e["operation"] for e in lineage(path)) == ["add", "remove"]
+
+
+def test_two_adds_to_one_new_out_one_lands_the_other_refuses(model, tmp_path):
+    path, split = model
+    out = tmp_path / "new"
+    rows = [
+        save_rows(tmp_path / f"rows{i}.npz", split.X_test[i : i + 3], split.y_test[:3])
+        for i in range(2)
+    ]
+    commands = [["references", "add", "--model", path, "--data", r, "--out", out] for r in rows]
+    results = race(commands, out, tmp_path)
+    codes = sorted(code for code, _ in results)
+    assert codes == [0, 2], results
+    refused = next(err for code, err in results if code == 2)
+    lines = [line for line in refused.splitlines() if line.startswith("error")]
+    assert len(lines) == 1 and "written by another process" in lines[0] and str(out) in lines[0]
+    assert "Traceback" not in refused
+    assert len(lineage(out)) == 1  # the one that exited 0, and only it
+
+
+def test_a_writer_killed_in_the_middle_leaves_the_next_free(model, tmp_path):
+    path, split = model
+    rows = save_rows(tmp_path / "rows.npz", split.X_test[:4], split.y_test[:4])
+    n_before = len(read_artifact(path).ids)
+    for delay in (1.0, 2.5, 3.5):  # in its imports, its reads, its write
+        writer = start_cli(
+            ["references", "add", "--model", path, "--data", rows, "--out", path],
+            tmp_path / "killed.err",
+        )
+        time.sleep(delay)
+        writer.send_signal(signal.SIGKILL)
+        writer.wait()
+    code = cli_main(
+        ["references", "add", "--model", str(path), "--data", str(rows), "--out", str(path)]
+    )
+    assert code == 0
+    after = read_artifact(path)
+    adds = [e for e in lineage(path) if e["operation"] == "add"]
+    assert len(after.ids) == n_before + 4 * len(adds)  # every listed edit is there, whole
+    assert adds and adds[-1]["rows_after"] == len(after.ids)
 
 
 def user_directory(tmp_path: Path, split) -> tuple[Path, dict[str, bytes]]:
@@ -82,6 +249,7 @@ def test_the_training_job_refuses_an_out_holding_the_users_files(tmp_path, digit
     )
     assert_one_line_refusal(done.returncode, done.stderr, d)
     assert {p.name: p.read_bytes() for p in d.iterdir()} == before
+    assert not lock_path(d).exists()  # refused before any work: not even the lock
 
 
 @pytest.mark.parametrize("command", ["add", "remove", "condense"])
@@ -111,3 +279,43 @@ def test_the_index_builder_refuses_an_out_holding_the_users_files(model, tmp_pat
     assert index_main([str(path), "--index", "hnsw", "--out", str(d)]) == 1
     assert "not an artifact" in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in d.iterdir()} == before
+
+
+def test_a_retrain_does_not_replace_an_edit_that_landed_while_it_ran(model, tmp_path):
+    """The job claims --out when it starts; a references add lands there while the fit runs
+    (here: while the job waits for its turn, the lock held by the test); the job then exits 2
+    and the add is kept."""
+    from training.references.versions import add_references
+
+    path, split = model
+    X, y = tmp_path / "X.npy", tmp_path / "y.npy"
+    np.save(X, split.X_train)
+    np.save(y, split.y_train)
+    err = tmp_path / "job.err"
+    with writer_lock(path, wait_notice=None), open(err, "w") as stderr:
+        job = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "training",
+                "--data",
+                X,
+                "--labels",
+                y,
+                "--out",
+                path,
+                "--quiet",
+                "--max-iter",
+                "2",
+            ],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+        )
+        wait_until(lambda: "waiting for" in err.read_text(), 300, "the job to reach its turn")
+        add_references(path, split.X_test[:4], split.y_test[:4], out=path)
+    code = job.wait(300)
+    text = err.read_text()
+    assert code == 2, text
+    assert "written by another process" in text and "Traceback" not in text
+    assert [e["operation"] for e in lineage(path)] == ["add"]  # the add is kept

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from service.core.artifact import ArtifactError, check_replaceable
+from service.core.artifact import ArtifactError, OutputClaim
 from training.data.datasets import DataError, load_dataset
 from training.errors import (
     ConfigError,
@@ -141,14 +141,17 @@ def _ids_file(path: str, option: str = "--ids-file") -> np.ndarray:
 
 
 def run(args: argparse.Namespace) -> dict:
-    """Check the options (an ``--out`` holding what we did not write is refused before any
-    work), then make the change."""
+    """Check the options, then make the change in ``--out``'s turn (``OutputClaim``): writers
+    of one ``--out`` take turns, an edit in place reads the version the writer before it
+    wrote, and an ``--out`` another writer replaced since this command started is not
+    replaced again."""
     check_publish_link(args.publish)
     try:
-        check_replaceable(args.out)
+        claim = OutputClaim(args.out)
     except ArtifactError as exc:
         raise ReferenceError(str(exc)) from None
-    return _change(args)
+    with claim.turn(source=args.model):
+        return _change(args)
 
 
 def _change(args: argparse.Namespace) -> dict:

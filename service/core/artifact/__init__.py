@@ -19,7 +19,8 @@ An artifact is a directory::
   gets, and the model version (a hash of everything that can change an answer).
 * ``read.py``: the pinned read: each file read once, its sha256 checked on the bytes that are
   parsed; every check names the file, the expected and the actual value.
-* ``ownership.py``: what a writer may replace: nothing it did not write.
+* ``ownership.py``: what a writer may replace (nothing it did not write) and the lock that
+  makes writers of one path take turns.
 * ``write.py``: the atomic write: a staging sibling, fsynced, renamed into place.
 
 Tests: ``tests/service/core/test_artifact.py``, ``test_version_identity.py``, ``tests/service/engine/test_robustness.py``.
@@ -44,7 +45,13 @@ from service.core.artifact.format import (
     model_version_of,
     parse_outlier_calibration,
 )
-from service.core.artifact.ownership import check_replaceable, check_writable
+from service.core.artifact.ownership import (
+    OutputClaim,
+    check_replaceable,
+    check_writable,
+    version_at,
+    writer_lock,
+)
 from service.core.artifact.read import (
     artifact_fingerprint,
     read_artifact,
@@ -67,6 +74,7 @@ __all__ = [
     "STANDARDIZATION_RECORD",
     "Artifact",
     "ArtifactError",
+    "OutputClaim",
     "artifact_fingerprint",
     "check_replaceable",
     "check_writable",
@@ -78,5 +86,7 @@ __all__ = [
     "read_manifest",
     "remove_stale_staging",
     "rewrite_artifact",
+    "version_at",
     "write_artifact",
+    "writer_lock",
 ]

@@ -1,6 +1,6 @@
-"""What a writer of an artifact may replace.
+"""What a writer of an artifact may replace, and how writers of one path take turns.
 
-A rule keeps a user's data safe from the commands that write artifacts (the training job,
+Two rules keep a user's data safe from the commands that write artifacts (the training job,
 ``references add|remove|condense``, ``nca-index``):
 
 * **Only what we wrote is replaced.** A path is replaceable when it does not exist, is an
@@ -10,15 +10,34 @@ A rule keeps a user's data safe from the commands that write artifacts (the trai
   of the user's data, a file, a symlink, an artifact the user put a notes file into) is
   refused before any work: :func:`check_replaceable` raises an ``ArtifactError`` that
   names the path and the entry that is not ours.
+
+* **Writers of one path take turns.** :func:`writer_lock` holds an exclusive ``flock`` on
+  ``.NAME.lock`` beside the path for as long as a command reads, changes and writes it:
+  a second writer waits (and says once on stderr whom it waits for), then reads the version
+  the first one wrote, so no edit is lost. The kernel drops the lock when its holder dies,
+  however it dies, so a killed writer never blocks the next one. The lock file is ours and
+  stays (removing it would race with a writer that just opened it); it is empty.
+
+A writer whose result does not derive from the path it replaces (a retrain, or an edit of
+model ``m`` written to another ``--out``) also compares versions: it records
+:func:`version_at` when it starts and, holding the lock, refuses to replace a path whose
+version changed since (:func:`check_unchanged`): another writer's work landed there while
+this one ran, and replacing it would lose that work silently.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import re
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TextIO
 
 from service.core.artifact.format import FORMAT_NAME, INDEX_FILE, MANIFEST_FILE, ArtifactError
 
@@ -114,3 +133,120 @@ def check_writable(path: str | os.PathLike) -> None:
         read_only = False
     code = errno.EROFS if read_only else errno.EACCES
     raise OSError(code, os.strerror(code), str(target))
+
+
+def version_at(path: str | os.PathLike) -> str | None:
+    """The ``model_version`` of the artifact at ``path``; None where there is none (absent,
+    empty, or a manifest without a version)."""
+    manifest = _manifest_of(Path(path))
+    if manifest is None:
+        return None
+    version = manifest.get("model_version")
+    return version if isinstance(version, str) else None
+
+
+def check_unchanged(path: str | os.PathLike, expected: str | None, option: str = "--out") -> None:
+    """Raise ``ArtifactError`` when the version at ``path`` is no longer ``expected`` (what
+    :func:`version_at` said when this writer started): another writer replaced it since."""
+    now = version_at(path)
+    if now != expected:
+        before = "nothing" if expected is None else f"version {expected}"
+        raise ArtifactError(
+            f"{option} {str(path)!r} was written by another process while this one ran "
+            f"({before} when it started, version {now} now); not replaced: run again to "
+            "build on what is there now"
+        )
+
+
+class OutputClaim:
+    """A writer's claim on ``path``, made when its command starts: the path is checked
+    replaceable (:func:`check_replaceable`) and its version recorded. :meth:`turn` is the
+    writer's turn to write, under :func:`writer_lock`."""
+
+    def __init__(self, path: str | os.PathLike, option: str = "--out"):
+        self.path = Path(path)
+        self.option = option
+        check_replaceable(self.path, option)
+        check_writable(self.path)
+        self.expected = version_at(self.path)
+
+    @contextmanager
+    def turn(
+        self,
+        *,
+        source: str | os.PathLike | None = None,
+        wait_notice: TextIO | str | None = "stderr",
+    ) -> Iterator[None]:
+        """Hold the path's writer lock. A writer that reads ``source`` inside its turn and
+        writes the path it read (an edit in place) builds on the latest version, so nothing
+        more is checked; any other writer must find the version it recorded at the start
+        (:func:`check_unchanged`). The path is checked replaceable again, under the lock."""
+        with writer_lock(self.path, wait_notice=wait_notice):
+            check_replaceable(self.path, self.option)
+            if not (source is not None and _same_path(source, self.path)):
+                check_unchanged(self.path, self.expected, self.option)
+            yield
+
+
+def _same_path(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return Path(a).absolute() == Path(b).absolute()
+
+
+def lock_path(path: str | os.PathLike) -> Path:
+    """``.NAME.lock`` beside ``path``: the file a writer of ``path`` locks."""
+    target = Path(path).absolute()
+    return target.with_name(f".{target.name}.lock")
+
+
+@contextmanager
+def writer_lock(
+    path: str | os.PathLike, *, wait_notice: TextIO | str | None = "stderr"
+) -> Iterator[Path]:
+    """Hold the exclusive writer lock of ``path`` (``flock`` on :func:`lock_path`, created with
+    its directory where missing). Blocks while another process holds it; with
+    ``wait_notice`` (a stream; "stderr": ``sys.stderr`` at the time), says once there that it
+    waits and for which process. Yields the lock file's path."""
+    if wait_notice == "stderr":
+        wait_notice = sys.stderr
+    lock_file = lock_path(path)
+    try:
+        lock_file.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:  # a read-only or full disk: the path being written, and why
+        raise OSError(exc.errno, exc.strerror, str(path)) from exc
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if wait_notice is not None:
+                holder = _holder(fd)
+                print(
+                    f"waiting for {holder} to finish writing {path} (lock {lock_file})",
+                    file=wait_notice,
+                    flush=True,
+                )
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        _record_holder(fd)
+        yield lock_file
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
+
+
+def _record_holder(fd: int) -> None:
+    """Write this process's pid and start time into the lock file (for the wait notice)."""
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} since {time.strftime('%H:%M:%S')}\n".encode(), 0)
+    except OSError:  # a lock file we cannot write still locks
+        pass
+
+
+def _holder(fd: int) -> str:
+    try:
+        text = os.pread(fd, 200, 0).decode("utf-8", "replace").strip()
+    except OSError:
+        text = ""
+    return text or "another writer"

@@ -5,6 +5,9 @@ lock between processes (a waiter waits, a killed holder frees it), and the versi
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -12,9 +15,13 @@ import pytest
 
 from service.core.artifact import (
     ArtifactError,
+    OutputClaim,
     check_replaceable,
+    version_at,
     write_artifact,
+    writer_lock,
 )
+from service.core.artifact.ownership import lock_path
 
 
 def tiny_artifact(path: Path, n: int = 6) -> Path:
@@ -100,3 +107,83 @@ def test_what_may_be_replaced(tmp_path, name, lay_out, refused, words):
         tiny_artifact(path, n=9)
     if before is not None:
         assert sorted(p.name for p in path.iterdir()) == before
+
+
+def test_version_at_and_the_version_check(tmp_path):
+    path = tmp_path / "m"
+    assert version_at(path) is None
+    claim = OutputClaim(path)
+    tiny_artifact(path)  # another writer lands while this one works
+    with pytest.raises(ArtifactError, match="written by another process"):
+        with claim.turn(wait_notice=None):
+            pass
+    version = version_at(path)
+    assert version is not None
+    with OutputClaim(path).turn(wait_notice=None):  # unchanged since the claim: its turn
+        tiny_artifact(path, n=8)
+    assert version_at(path) != version
+    # an edit in place reads its source in its turn: a change before the turn is no conflict
+    claim = OutputClaim(path)
+    tiny_artifact(path, n=10)
+    with claim.turn(source=path, wait_notice=None):
+        pass
+
+
+def _fork(body) -> int:
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            body()
+            code = 0
+        finally:
+            os._exit(code)
+    return pid
+
+
+def test_a_second_writer_waits_for_the_first(tmp_path):
+    path = tmp_path / "m"
+    log = tmp_path / "log"
+
+    def write(tag: str, hold: float):
+        def body():
+            with writer_lock(path, wait_notice=None):
+                with open(log, "a") as fh:
+                    fh.write(f"{tag} in\n")
+                time.sleep(hold)
+                with open(log, "a") as fh:
+                    fh.write(f"{tag} out\n")
+
+        return body
+
+    first = _fork(write("a", 0.5))
+    deadline = time.monotonic() + 10
+    while not (log.exists() and "a in" in log.read_text()):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    second = _fork(write("b", 0.0))
+    for pid in (first, second):
+        assert os.waitpid(pid, 0)[1] == 0
+    assert log.read_text().split("\n")[:4] == ["a in", "a out", "b in", "b out"]
+
+
+def test_a_killed_holder_frees_the_lock(tmp_path):
+    path = tmp_path / "m"
+    ready = tmp_path / "ready"
+
+    def hold():
+        with writer_lock(path, wait_notice=None):
+            ready.touch()
+            time.sleep(60)
+
+    holder = _fork(hold)
+    deadline = time.monotonic() + 10
+    while not ready.exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    os.kill(holder, signal.SIGKILL)
+    os.waitpid(holder, 0)
+    started = time.monotonic()
+    with writer_lock(path, wait_notice=None):
+        assert time.monotonic() - started < 5
+    assert lock_path(path).name == ".m.lock"
