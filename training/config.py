@@ -203,8 +203,8 @@ class TrainConfig:
     )
     stop_stalled_stages: bool = _shared(
         "stop_stalled_stages",
-        "stop a stage that has run longer than the fit before it while its held-out score "
-        "stopped rising (--no-stop-stalled-stages: a fit that depends on the data and seed alone)",
+        "stop a stage after two held-out checks in a row without a gain "
+        "(--no-stop-stalled-stages: every stage runs its iterations)",
     )
     select_stages: bool = _shared(
         "select_stages",

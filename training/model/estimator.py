@@ -105,9 +105,10 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         accuracy of up to 4,096 training rows held out of the fit (``training.optim.stages``).
         False keeps whatever the optimiser returns.
     stop_stalled_stages : bool
-        Stop a stage that has run longer than the fit before it while its held-out score
-        stopped rising (``training.optim.stages``). The moment it stops depends on the clock:
-        False gives a fit that depends on the data and the seed alone.
+        Stop a stage after two held-out checks in a row without a gain ("hurt" when the last
+        is below the stage's start, else "stalled": ``training.optim.stages``); the clock
+        plays no part, so the same data and seed give the same map. False runs every stage
+        to its iterations.
     max_seconds : None or float
         The fit's budget in seconds: once spent, the running stage stops after its current
         iteration, later stages are skipped, and the best judged map so far is returned

@@ -8,8 +8,8 @@ the monitor options, the judge of ``training.optim.stages``) and runs the stages
 2. **judged finish**: after a fit on candidate sets, L-BFGS iterations on the exact objective
    (``training.optim.finish``).
 
-Each stage ends with the judge keeping the better of its start and its end (DESIGN.md, rule
-6). ``NCA.fit`` (``training.model.estimator``) reads top to bottom around it: prepare, plan,
+Each stage ends with the judge keeping the better of its start and its end (docs/training.md,
+"Stages"). ``NCA.fit`` (``training.model.estimator``) reads top to bottom around it: prepare, plan,
 first stage, judged finish, publish the fitted attributes. Tested through the estimator
 (``tests/training/model/test_estimator.py``, ``tests/training/optim/test_stages.py``,
 ``test_exact_finish.py``).

@@ -38,7 +38,7 @@ class FitResult:
 
 # the stop reasons of a fit that ended where it meant to: a stalled stage stopped because its
 # held-out score stopped rising; the budget (max_seconds) cut a fit short
-CONVERGED = ("converged", "precision", "early_stopping", "single_class", "stalled")
+CONVERGED = ("converged", "precision", "early_stopping", "single_class", "stalled", "hurt")
 
 
 class EarlyStop(Exception):

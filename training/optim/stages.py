@@ -1,5 +1,6 @@
 """The rules every stage of a fit follows: it keeps the better of its start and its end
-(DESIGN.md, rule 6), it pays for its time, and it stops when the fit's budget is spent.
+(docs/training.md, "Stages"), it stops when its work stops paying, and it stops when the fit's
+budget is spent.
 
 A fit runs in stages: the first optimisation (exact, or on candidate sets), then, after a
 candidate fit, the exact finish (``training.model.fitting``). A stage starts from a map and
@@ -21,15 +22,15 @@ is undone.
 
 * *the budget*: once the fit has run ``max_seconds`` (:class:`FitClock`), the stage stops
   (``max_seconds``), later stages are skipped, and the fit returns the best judged map it has;
-* *a stage pays for its time*: the held-out score is checked on the monitor's schedule
+* *a stage pays for its work*: the held-out score is checked on the monitor's schedule
   (every ``validation_interval`` iterations: iteration counts, not the clock, so the maps
-  scored are the same on every run and rank), and a stage stops (``stalled``) when it has
-  run longer than the whole fit before it while its latest check did not beat the best
-  score of the stage so far (its start included) by more than the judge's tolerance. So a
-  stage that stops improving costs at most about as much again as the fit before it, and one
-  that keeps improving runs on. The moment it stops depends on the clock, so two runs of
-  the same fit may stop it at different checks (``stop_stalled_stages=False`` turns this
-  rule off: the fit then depends on the data and the seed alone);
+  scored are the same on every run and rank). A stage whose last :data:`STALL_CHECKS`
+  checks in a row did not beat its best score so far (its start included) by more than the
+  judge's tolerance stops: ``hurt`` when the last check scored below its start by more than
+  the tolerance (so a stage that hurts is stopped at its second check, not after its
+  iterations), else ``stalled``. Neither rule reads the clock: the same data and seed stop
+  at the same check on any machine, whatever else it runs (``stop_stalled_stages=False``
+  turns the rule off);
 * the best map a check scored (rising above its start by more than the tolerance) is
   remembered: the stage's end is the better of it and the last iterate (a stage stopped
   after its score fell ends on the map before the fall).
@@ -48,12 +49,13 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 SELECTION_ROWS = 4096
+STALL_CHECKS = 2  # checks in a row without a gain that stop a stage
 CACHED_MAPS = 4  # the judge remembers the scores of this many maps
 
 
 class StageStop(Exception):
     """Raised by the guard (through the monitor) to end a stage: ``reason`` is
-    ``max_seconds`` or ``stalled``."""
+    ``max_seconds``, ``hurt`` or ``stalled``."""
 
     def __init__(self, reason: str):
         super().__init__(reason)
@@ -169,7 +171,6 @@ class StageGuard:
     ):
         self.clock, self.judge, self.stop_stalled = clock, judge, stop_stalled
         self.stage, self.max_iter, self.progress = stage, max_iter, progress
-        self.started = clock.elapsed()  # the fit's seconds before this stage
         self.stop_reason: str | None = None
         self.iterations = 0
         self.checks = 0  # held-out checks made during the stage (its start's included)
@@ -178,18 +179,20 @@ class StageGuard:
         self.best_score: float | None = None
         self.best_theta: np.ndarray | None = None  # the best checked map other than the start
         self.best_objective = float("nan")  # the objective the monitor reported at it
+        self.start_score: float | None = None
+        self.flat_checks = 0  # checks in a row that did not beat the best score
         if judge is not None and not clock.exhausted():
-            self.best_score = self._check(start)
+            self.best_score = self.start_score = self._check(start)
         self._report()
 
     def after_iteration(
         self, theta: np.ndarray, scheduled: bool, objective: float = float("nan")
     ) -> None:
         """Raise StageStop when the budget is spent, or when a scheduled check (the
-        monitor's schedule: every ``validation_interval`` iterations) finds the stage
-        stalled after it has run longer than the fit before it. The clock's decisions are
-        agreed between ranks (``FitClock.agree``); the scores already are. The progress
-        callback hears of the iteration either way."""
+        monitor's schedule: every ``validation_interval`` iterations) is the STALL_CHECKS-th
+        in a row without a gain (the module's docstring). The budget's decision is agreed
+        between ranks (``FitClock.agree``); the scores already are. The progress callback
+        hears of the iteration either way."""
         try:
             self._watch(theta, scheduled, objective)
         finally:
@@ -202,24 +205,23 @@ class StageGuard:
         self._report()
 
     def _watch(self, theta: np.ndarray, scheduled: bool, objective: float) -> None:
-        spent, long_enough = self.clock.agree(
-            (self.clock.spent(), self.stage_seconds() > self.started)
-        )
-        if spent:
+        if self.clock.exhausted():
             self.stop_reason = "max_seconds"
             raise StageStop("max_seconds")
         if not scheduled or self.best_score is None:
             return
         score = self._check(theta)
-        if score > self.best_score + self.judge.tolerance:  # rising: the stage goes on
+        tolerance = self.judge.tolerance
+        if score > self.best_score + tolerance:  # rising: the stage goes on
             self.best_score, self.best_theta = score, np.array(theta, copy=True)
             self.best_objective = objective
-        elif long_enough and self.stop_stalled:
-            self.stop_reason = "stalled"
-            raise StageStop("stalled")
-
-    def stage_seconds(self) -> float:
-        return self.clock.elapsed() - self.started
+            self.flat_checks = 0
+            return
+        self.flat_checks += 1
+        if self.stop_stalled and self.flat_checks >= STALL_CHECKS:
+            # "hurt": the stage ends below where it started (its best map is its start)
+            self.stop_reason = "hurt" if score < self.start_score - tolerance else "stalled"
+            raise StageStop(self.stop_reason)
 
     def _check(self, theta: np.ndarray) -> float:
         before = self.clock.elapsed()
@@ -257,7 +259,9 @@ class StageRecord:
     refreshes: int  # candidate-set computations
     checks: int  # held-out scores computed while it ran (its start's included)
     check_seconds: float  # ... and their time
-    stop_reason: str  # the optimiser's, or "stalled", "max_seconds", "skipped (max_seconds)"
+    stop_reason: (
+        str  # the optimiser's, or "hurt", "stalled", "max_seconds", "skipped (max_seconds)"
+    )
     # per candidate refresh, the fraction of points whose nearest set changed (the first: 1)
     refresh_changes: list[float] = field(default_factory=list)
     # ... and the share of candidate entries it replaced (the first: 1)
