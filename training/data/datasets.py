@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,7 +124,7 @@ def _load_npy(path: Path, what: str, memory_map: bool = False) -> np.ndarray:
 def _load_npz(path: Path) -> Dataset:
     try:
         archive = np.load(path, allow_pickle=False)
-    except (OSError, ValueError, EOFError) as exc:
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
         raise DataError(f"{path}: not a readable .npz file ({exc})") from exc
     with archive:
         keys = set(archive.files)
@@ -135,6 +137,8 @@ def _load_npz(path: Path) -> Dataset:
             y_test = archive["y_test"] if "y_test" in keys else None
         except ValueError as exc:
             raise DataError(f"{path}: arrays must load without pickle ({exc})") from exc
+        except (OSError, EOFError, zipfile.BadZipFile, zlib.error) as exc:  # a damaged member
+            raise DataError(f"{path}: not a readable .npz file ({exc})") from exc
     if (X_test is None) != (y_test is None):
         raise DataError(f"{path}: X_test and y_test must be given together")
     return Dataset(X=X, y=y, X_test=X_test, y_test=y_test, name=path.stem)
@@ -170,7 +174,9 @@ def _is_number(text: str) -> bool:
 
 
 def _load_csv(path: Path, label_column: str | None) -> Dataset:
-    with open(path, newline="", encoding="utf-8") as fh:
+    # utf-8-sig: a byte-order mark (a spreadsheet's "CSV UTF-8") is read as such, never as
+    # part of the first column's name
+    with open(path, newline="", encoding="utf-8-sig") as fh:
         rows = [row for row in csv.reader(fh) if row]
     if not rows:
         raise DataError(f"{path}: empty CSV file")
@@ -212,6 +218,26 @@ def _is_int(text: str) -> bool:
 # --------------------------------------------------------------------------- validation
 
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def check_float32_range(X: np.ndarray, what: str, error: type[Exception] = ValueError) -> None:
+    """Raise ``error`` naming the first value of X (n, D) beyond float32's range (about
+    3.4e38): the map, the references and the service compute in float32, where such a value
+    is infinite."""
+    if X.dtype.kind != "f" or X.dtype.itemsize <= 4 or X.size == 0:
+        return  # integers up to int64 and float32 values fit
+    with np.errstate(invalid="ignore"):
+        beyond = np.abs(X) > FLOAT32_MAX
+    if beyond.any():
+        row, column = np.argwhere(beyond)[0]
+        raise error(
+            f"{what}: value {X[row, column]:.6g} at row {row}, column {column} is beyond "
+            f"float32's range (|x| <= {FLOAT32_MAX:.4g}), which the map and the service "
+            "compute in; rescale the data"
+        )
+
+
 def validate_xy(X, y, *, what: str = "X") -> tuple[np.ndarray, np.ndarray]:
     """Check features (n, D) numeric and finite and labels (n,) ints or strings."""
     X = np.asarray(X)
@@ -231,6 +257,7 @@ def validate_xy(X, y, *, what: str = "X") -> tuple[np.ndarray, np.ndarray]:
     if not np.all(np.isfinite(X)):
         bad = np.argwhere(~np.isfinite(X))[0]
         raise DataError(f"{what}: contains NaN or Inf (first at row {bad[0]}, column {bad[1]})")
+    check_float32_range(X, what, DataError)
     if y.dtype.kind == "f":
         if not np.all(np.isfinite(y)) or not np.all(y == np.round(y)):
             raise DataError(

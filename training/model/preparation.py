@@ -30,7 +30,7 @@ import torch
 from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import validate_data
 
-from training.data.datasets import stratified_split
+from training.data.datasets import check_float32_range, stratified_split
 from training.distributed import sharded_stats
 from training.distributed.ranks import shard_bounds
 from training.model.init_scale import calibrated
@@ -84,6 +84,7 @@ def prepare(est, X, y, X_val, y_val, group) -> Prepared:
     X, y = validate_data(
         est, X, y, ensure_min_samples=1 if group.is_distributed else 2, dtype=FLOAT_TYPES
     )
+    check_float32_range(X, "X")  # a ValueError naming the first such value
     check_classification_targets(y)
     classes = sharded_stats.union_classes(y, group)
     y_idx = np.searchsorted(classes, y)
@@ -180,6 +181,7 @@ def held_out(est, X, y_idx, classes, X_val, y_val, rng, group):
     every = np.arange(len(X))
     if X_val is not None and len(X_val):
         X_val = validate_data(est, X_val, reset=False, dtype=FLOAT_TYPES)
+        check_float32_range(X_val, "X_val")
         y_val = np.asarray(y_val)
         unknown = np.setdiff1d(np.unique(y_val), classes)
         if unknown.size:

@@ -119,12 +119,25 @@ def add_condense_options(condense: argparse.ArgumentParser) -> None:
     condense.add_argument("--label-column", help="CSV label column")
 
 
+INT64 = np.iinfo(np.int64)
+
+
 def _ids_from_text(values: list[str], what: str) -> np.ndarray:
-    try:
-        return np.array([int(v, 10) for v in values], dtype=np.int64)
-    except (ValueError, OverflowError):
-        bad = next(v for v in values if not v.strip().lstrip("-").isdigit())
-        raise ReferenceError(f"{what}: ids must be integers, got {bad!r}") from None
+    """Ids written as decimal integers, as int64 (n,); the first that is not an integer, or
+    is beyond int64's range, is named."""
+    ids = []
+    for value in values:
+        try:
+            number = int(value, 10)
+        except ValueError:
+            raise ReferenceError(f"{what}: ids must be integers, got {value!r}") from None
+        if not INT64.min <= number <= INT64.max:
+            raise ReferenceError(
+                f"{what}: id {value.strip()} is beyond the 64-bit integer range "
+                f"[{INT64.min}, {INT64.max}]"
+            )
+        ids.append(number)
+    return np.array(ids, dtype=np.int64)
 
 
 def _ids_file(path: str, option: str = "--ids-file") -> np.ndarray:

@@ -1,0 +1,216 @@
+"""A corpus of malformed inputs for the training job's readers (issue 57, target 4): each
+row lays out files, runs ``python -m training`` (a fork of a preloaded process: the
+``python_m_training`` fixture) and expects exit status 2 with one line on stderr holding the
+given words, never a traceback, and nothing written at ``--out``. Rows that hold arrays go
+through ``NCA.fit`` too, which raises a ``ValueError`` with the same words (scikit-learn's
+convention). The references commands' id readers have their own rows."""
+
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from training import NCA
+
+RNG = np.random.default_rng(0)
+X_OK = RNG.normal(size=(60, 4))
+Y_OK = np.arange(60) % 3
+
+
+def npy_pair(d: Path, X, y) -> list[str]:
+    np.save(d / "X.npy", X)
+    np.save(d / "y.npy", y)
+    return ["--data", d / "X.npy", "--labels", d / "y.npy"]
+
+
+def csv_file(d: Path, text: str, encoding: str = "utf-8") -> list[str]:
+    (d / "data.csv").write_bytes(text.encode(encoding))
+    return ["--data", d / "data.csv"]
+
+
+def csv_rows(header: bool = True, bom: bool = False) -> str:
+    lines = ["label,a,b,c,d"] if header else []
+    lines += [f"{y},{','.join(f'{v:.3f}' for v in x)}" for x, y in zip(X_OK, Y_OK, strict=True)]
+    return ("\ufeff" if bom else "") + "\n".join(lines) + "\n"
+
+
+def with_value(value: float, at=(5, 2)) -> np.ndarray:
+    X = X_OK.copy()
+    X[at] = value
+    return X
+
+
+def truncated_npz(d: Path) -> list[str]:
+    np.savez(d / "data.npz", X=X_OK, y=Y_OK)
+    data = (d / "data.npz").read_bytes()
+    (d / "data.npz").write_bytes(data[: len(data) // 2])
+    return ["--data", d / "data.npz"]
+
+
+def npz_without_y(d: Path) -> list[str]:
+    np.savez(d / "data.npz", X=X_OK)
+    return ["--data", d / "data.npz"]
+
+
+def pickled_npy(d: Path) -> list[str]:
+    np.save(d / "X.npy", np.array([{"a": 1}] * 60, dtype=object), allow_pickle=True)
+    np.save(d / "y.npy", Y_OK)
+    return ["--data", d / "X.npy", "--labels", d / "y.npy"]
+
+
+def not_a_zip(d: Path) -> list[str]:
+    (d / "data.npz").write_bytes(b"this is not a zip archive")
+    return ["--data", d / "data.npz"]
+
+
+def zip_of_text(d: Path) -> list[str]:
+    with zipfile.ZipFile(d / "data.npz", "w") as archive:
+        archive.writestr("X.npy", "not an array")
+        archive.writestr("y.npy", "not an array")
+    return ["--data", d / "data.npz"]
+
+
+# (name, lay out the files -> CLI arguments, words of the one error line, arrays for NCA.fit)
+CORPUS = [
+    ("NaN in X", lambda d: npy_pair(d, with_value(np.nan), Y_OK), "NaN or Inf", None),
+    ("Inf in X", lambda d: npy_pair(d, with_value(np.inf), Y_OK), "NaN or Inf", None),
+    (
+        "a value beyond float32 (1e39)",
+        lambda d: npy_pair(d, with_value(1e39), Y_OK),
+        "beyond float32's range",
+        (with_value(1e39), Y_OK),
+    ),
+    (
+        "a value beyond float32 (-1e300)",
+        lambda d: npy_pair(d, with_value(-1e300, at=(0, 0)), Y_OK),
+        "row 0, column 0 is beyond float32's range",
+        (with_value(-1e300, at=(0, 0)), Y_OK),
+    ),
+    (
+        "every value beyond float32",
+        lambda d: npy_pair(d, np.full((60, 4), 1e300), Y_OK),
+        "beyond float32's range",
+        (np.full((60, 4), 1e300), Y_OK),
+    ),
+    (
+        "labels shorter than X",
+        lambda d: npy_pair(d, X_OK, Y_OK[:50]),
+        "has 60 rows but its labels have 50",
+        None,
+    ),
+    ("1-D X", lambda d: npy_pair(d, X_OK[:, 0], Y_OK), "2-D", None),
+    ("2-D labels", lambda d: npy_pair(d, X_OK, Y_OK[:, None]), "1-D", None),
+    (
+        "non-integer float labels",
+        lambda d: npy_pair(d, X_OK, Y_OK + 0.5),
+        "non-integer floats",
+        None,
+    ),
+    ("string features", lambda d: npy_pair(d, X_OK.astype(str), Y_OK), "numeric", None),
+    ("a pickled object array", pickled_npy, "", None),
+    ("a truncated .npz", truncated_npz, "", None),
+    ("an .npz without y", npz_without_y, "", None),
+    ("an .npz that is not a zip", not_a_zip, "", None),
+    ("an .npz of text members", zip_of_text, "", None),
+    ("an empty CSV", lambda d: csv_file(d, ""), "empty CSV", None),
+    (
+        "a CSV row with a missing field",
+        lambda d: csv_file(d, "label,a,b\n1,2,3\n2,3\n"),
+        "fields",
+        None,
+    ),
+    (
+        "a CSV with a text feature",
+        lambda d: csv_file(d, "label,a\n1,2\n2,x\n"),
+        "non-numeric",
+        None,
+    ),
+    (
+        "a CSV without the named label column",
+        lambda d: [*csv_file(d, csv_rows()), "--label-column", "target"],
+        "no label column 'target'",
+        None,
+    ),
+    (
+        "a CSV value beyond float32",
+        lambda d: csv_file(d, "label,a,b\n0,1,2\n1,1e39,2\n0,3,1\n1,2,2\n"),
+        "beyond float32's range",
+        None,
+    ),
+    ("--data a directory", lambda d: ["--data", d], "", None),
+    ("--data missing", lambda d: ["--data", d / "missing.npy"], "missing.npy", None),
+]
+
+
+@pytest.mark.parametrize("name, lay_out, words, arrays", CORPUS, ids=[c[0] for c in CORPUS])
+def test_the_job_refuses_in_one_line(python_m_training, tmp_path, name, lay_out, words, arrays):
+    data = tmp_path / "data"
+    data.mkdir()
+    out = tmp_path / "out"
+    args = lay_out(data)
+    code, _, stderr = python_m_training(*args, "--out", out, "--quiet", "--max-iter", "2")
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert code == 2, (name, stderr)
+    assert "Traceback" not in stderr, stderr
+    assert len(lines) == 1 and lines[0].startswith("error"), lines
+    assert words in lines[0], lines[0]
+    assert not out.exists()
+    if arrays is not None:  # the estimator says the same
+        with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
+            NCA(n_components=2, max_iter=2).fit(*arrays)
+
+
+def test_a_csv_with_a_byte_order_mark_reads_its_header(python_m_training, tmp_path):
+    """A spreadsheet's "CSV UTF-8" starts with a byte-order mark: the label column is still
+    'label' (before: the mark made it '\\ufefflabel', and the last column was trained on as
+    the label, two classes instead of three)."""
+    from training.data.datasets import load_dataset
+
+    data = tmp_path / "data.csv"
+    data.write_text(csv_rows(bom=True), encoding="utf-8")
+    dataset = load_dataset(str(data))
+    assert dataset.feature_names == ["a", "b", "c", "d"]
+    np.testing.assert_array_equal(dataset.y, Y_OK)
+    headless = tmp_path / "headless.csv"
+    headless.write_text(csv_rows(header=False, bom=True), encoding="utf-8")
+    dataset = load_dataset(str(headless), label_column="0")
+    np.testing.assert_array_equal(dataset.y, Y_OK)
+
+
+IDS_CORPUS = [
+    ("beyond int64", ["--ids", "9223372036854775808"], "beyond the 64-bit integer range"),
+    ("below int64", ["--ids", "-9223372036854775809"], "beyond the 64-bit integer range"),
+    ("not an integer", ["--ids", "12x"], "ids must be integers, got '12x'"),
+    ("a float", ["--ids", "1.5"], "ids must be integers, got '1.5'"),
+]
+
+
+@pytest.mark.parametrize("name, args, words", IDS_CORPUS, ids=[c[0] for c in IDS_CORPUS])
+def test_references_remove_refuses_bad_ids_in_one_line(
+    python_m_training, digits_like_model, tmp_path, name, args, words
+):
+    model, _ = digits_like_model
+    out = tmp_path / "out"
+    code, _, stderr = python_m_training(
+        "references", "remove", "--model", model, *args, "--out", out
+    )
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert code == 2 and "Traceback" not in stderr, stderr
+    assert len(lines) == 1 and words in lines[0], lines
+    assert not out.exists()
+
+
+def test_an_ids_file_beyond_int64_is_refused_in_one_line(
+    python_m_training, digits_like_model, tmp_path
+):
+    model, _ = digits_like_model
+    ids = tmp_path / "ids.txt"
+    ids.write_text("1\n2\n99999999999999999999\n")
+    code, _, stderr = python_m_training(
+        "references", "remove", "--model", model, "--ids-file", ids, "--out", tmp_path / "o"
+    )
+    assert code == 2 and "Traceback" not in stderr, stderr
+    assert "99999999999999999999 is beyond the 64-bit integer range" in stderr
