@@ -137,7 +137,7 @@ def main() -> None:
     measure(f"kNCA majority k=5, {len(keep)} rows x 64 candidates", knca_eval)
     print(f"float32 GEMM {gemm:.1f} GFLOP/s (torch, {torch.get_num_threads()} threads)")
     save_json(
-        "kernel_choice",
+        "kernel_choice.json",
         {"gemm_gflops": gemm, "rows": args.rows, "d": args.d, "results": rows},
     )
 

@@ -36,13 +36,6 @@ def test_large_n_path_matches_full_batch_accuracy_on_usps(usps, full_and_large, 
     assert large_acc >= full_acc - 0.01
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="the exact finish's penalty collapses the candidate map in its first step and the "
-    "rest of its 10 iterations land by float rounding: 0.9407 / 0.9422 (1-NN / 5-NN) here "
-    "against 0.9522 / 0.9527 at 8574bb1, below kNN on the inputs (0.9437 / 0.9447); at 7,291 "
-    "rows without validation no rows are held out to judge the stages (issue 44's note)",
-)
 @pytest.mark.parametrize("k", [1, 5])
 def test_large_n_path_beats_knn_on_the_inputs_on_usps(usps, full_and_large, k):
     """Issue 11's second bar for candidate mode: never below kNN on the inputs."""

@@ -145,13 +145,6 @@ HELD_OUT_TOLERANCE = 0.03  # 600 test rows: a stage judged on the training rows 
 
 
 @pytest.mark.slow  # 12 fits
-@pytest.mark.xfail(
-    strict=False,
-    reason="the stages are judged on N / 10 held-out rows (30-50 here) and the property is "
-    "checked on 600 test rows: in the full slow suite one example ends at 0.353 against an "
-    "initial map's 0.408 (the judge kept the candidate stage, which scored higher on its 48 "
-    "rows); passes when run alone; see issue 44's note",
-)
 @settings(
     max_examples=6,
     deadline=None,
