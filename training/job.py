@@ -14,7 +14,7 @@ from sklearn.exceptions import ConvergenceWarning
 
 from service.core.artifact import ArtifactError, OutputClaim, write_artifact
 from service.core.knn import project
-from training.config import TrainConfig
+from training.config import TrainConfig, check_seed
 from training.data.datasets import (
     BUILTIN_DATASETS,
     DataError,
@@ -118,6 +118,7 @@ def run(config: TrainConfig, *, log=print) -> dict:
     wait at a barrier. Rank 0 returns the report, the others an empty dict."""
     started = time.perf_counter()
     group = current_group()
+    check_seed(config.seed)
     check_publish_link(config.publish)
     out = resolve_out(config.out, _data_name(config))
     # refused before any work when --out holds anything we did not write; its version now,

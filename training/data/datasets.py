@@ -90,8 +90,7 @@ def load_dataset(
             f"--data {spec!r}: expected one of the built-in sets {list(BUILTIN_DATASETS)} "
             "or a path ending in .npz, .npy, .csv or .parquet"
         )
-    if not path.is_file():
-        raise DataError(f"--data {spec!r}: no such file")
+    check_regular_file(path, "--data")
     if suffix == ".npz":
         return _load_npz(path)
     if suffix == ".npy":
@@ -99,6 +98,20 @@ def load_dataset(
     if suffix == ".parquet":
         return load_parquet(path, label_column)
     return _load_csv(path, label_column)
+
+
+def check_regular_file(path: Path, option: str) -> None:
+    """DataError naming ``option`` unless ``path`` is a regular file: missing, a directory,
+    or another kind (a FIFO, a device, a socket) each said as such."""
+    if not path.exists():
+        raise DataError(f"{option} {str(path)!r}: no such file")
+    if path.is_dir():
+        raise DataError(f"{option} {str(path)!r} is a directory; expected a data file")
+    if not path.is_file():
+        raise DataError(
+            f"{option} {str(path)!r} is not a regular file (a FIFO, a device or a socket); "
+            "expected a data file"
+        )
 
 
 def _load_builtin(name: str) -> Dataset:
@@ -148,8 +161,7 @@ def _load_npy_pair(path: Path, labels: str | None, memory_map: bool = False) -> 
     if labels is None:
         raise DataError(f"--data {path}: a .npy feature file needs --labels LABELS.npy")
     label_path = Path(labels)
-    if not label_path.is_file():
-        raise DataError(f"--labels {labels!r}: no such file")
+    check_regular_file(label_path, "--labels")
     return Dataset(
         X=_load_npy(path, "features", memory_map),
         y=_load_npy(label_path, "labels"),

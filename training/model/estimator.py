@@ -286,6 +286,7 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         self.fit_seconds_ = clock.elapsed()
         self._warn_about(result, plan, stages.candidate_history, len(prep.y), group)
         self.prototypes_ = self.prototype_labels_ = self.prototype_rows_ = None
+        self.prototype_fit_ = None  # a refit without prototypes keeps none of an earlier fit's
         if self.prototypes is not None:
             _fit_prototypes(self, prep, X, y)
         return self

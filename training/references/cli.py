@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from service.core.artifact import ArtifactError, OutputClaim
-from training.data.datasets import DataError, load_dataset
+from training.config import check_seed
+from training.data.datasets import DataError, check_regular_file, load_dataset
 from training.errors import (
     ConfigError,
     describe_os_error,
@@ -142,8 +143,10 @@ def _ids_from_text(values: list[str], what: str) -> np.ndarray:
 
 def _ids_file(path: str, option: str = "--ids-file") -> np.ndarray:
     file = Path(path)
-    if not file.is_file():
-        raise ReferenceError(f"{option} {path!r}: no such file")
+    try:
+        check_regular_file(file, option)
+    except DataError as exc:
+        raise ReferenceError(str(exc)) from None
     if file.suffix == ".npy":
         try:
             return np.load(file, allow_pickle=False)
@@ -159,6 +162,8 @@ def run(args: argparse.Namespace) -> dict:
     wrote, and an ``--out`` another writer replaced since this command started is not
     replaced again."""
     check_publish_link(args.publish)
+    if args.command == "condense":
+        check_seed(args.seed)  # before the wait for --out's turn
     try:
         claim = OutputClaim(args.out)
     except ArtifactError as exc:

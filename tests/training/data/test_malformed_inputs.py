@@ -7,6 +7,7 @@ convention). The references commands' id readers have their own rows."""
 
 from __future__ import annotations
 
+import os
 import zipfile
 from pathlib import Path
 
@@ -141,8 +142,44 @@ CORPUS = [
         None,
     ),
     ("--data a directory", lambda d: ["--data", d], "", None),
+    (
+        "--data a directory named .npy",
+        lambda d: (d / "X.npy").mkdir() or ["--data", d / "X.npy", "--labels", d / "y.npy"],
+        "is a directory; expected a data file",
+        None,
+    ),
+    (
+        "--data a FIFO",
+        lambda d: os.mkfifo(d / "X.csv") or ["--data", d / "X.csv"],
+        "is not a regular file",
+        None,
+    ),
+    (
+        "--data a device",
+        lambda d: (d / "X.csv").symlink_to("/dev/null") or ["--data", d / "X.csv"],
+        "is not a regular file",
+        None,
+    ),
     ("--data missing", lambda d: ["--data", d / "missing.npy"], "missing.npy", None),
+    (
+        "--labels a directory",
+        lambda d: (d / "y.npy").mkdir() or npy_pair_x_only(d),
+        "--labels",
+        None,
+    ),
+    ("--seed -1", lambda d: [*npy_pair(d, X_OK, Y_OK), "--seed", "-1"], "--seed=-1", None),
+    (
+        "--seed 2^32",
+        lambda d: [*npy_pair(d, X_OK, Y_OK), "--seed", str(2**32)],
+        "must be an integer in [0, 4294967295]",
+        None,
+    ),
 ]
+
+
+def npy_pair_x_only(d: Path) -> list[str]:
+    np.save(d / "X.npy", X_OK)
+    return ["--data", d / "X.npy", "--labels", d / "y.npy"]
 
 
 @pytest.mark.parametrize("name, lay_out, words, arrays", CORPUS, ids=[c[0] for c in CORPUS])
@@ -178,6 +215,19 @@ def test_a_csv_with_a_byte_order_mark_reads_its_header(python_m_training, tmp_pa
     headless.write_text(csv_rows(header=False, bom=True), encoding="utf-8")
     dataset = load_dataset(str(headless), label_column="0")
     np.testing.assert_array_equal(dataset.y, Y_OK)
+
+
+def test_references_condense_refuses_a_negative_seed_in_one_line(
+    python_m_training, digits_like_model, tmp_path
+):
+    model, _ = digits_like_model
+    out = tmp_path / "out"
+    code, _, stderr = python_m_training(
+        "references", "condense", "--model", model, "--seed", "-1", "--out", out
+    )
+    assert code == 2 and "Traceback" not in stderr, stderr
+    assert stderr.strip() == "error: --seed=-1 must be an integer in [0, 4294967295]"
+    assert not out.exists()
 
 
 IDS_CORPUS = [

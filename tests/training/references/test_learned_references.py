@@ -443,6 +443,9 @@ def test_estimator_joint_mode_learns_prototypes_and_the_map():
     plain = NCA(n_components=8, max_iter=30, random_state=0).fit(X[:1200], y[:1200])
     assert plain.prototypes_ is None
     assert not np.allclose(plain.components_, nca.components_)  # the map moved with them
+    # the same estimator refitted without prototypes keeps none of the joint fit's
+    nca.set_params(prototypes=None).fit(X[:1200], y[:1200])
+    assert nca.prototypes_ is None and nca.prototype_fit_ is None
 
 
 @pytest.mark.parametrize(
