@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 
 import torch.distributed as dist
 
@@ -12,9 +13,12 @@ from training.data.datasets import DataError
 from training.distributed.ranks import init_from_environment
 from training.errors import (
     ConfigError,
+    Interrupted,
     describe_os_error,
+    interrupted_line,
     print_output,
     raise_on_file_size_limit,
+    raise_on_interrupt,
 )
 from training.evaluation.report_page import write_report_page
 from training.job import run
@@ -31,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     this, only rank 0 logs, and an error names the rank that met it. torchrun ends the
     other ranks when one fails, and the job's exit status is non-zero."""
     raise_on_file_size_limit()
+    raise_on_interrupt()
+    started = time.perf_counter()
     argv = sys.argv[1:] if argv is None else argv
     config = parse_command(argv)
     if isinstance(config, ReportCommand):
@@ -55,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         print(f"error{where}: {describe_os_error(exc)}", file=sys.stderr, flush=True)
         return 2
+    except Interrupted as exc:  # SIGINT or SIGTERM: one line, no traceback
+        line = interrupted_line(exc, time.perf_counter() - started, config.out or "--out")
+        print(f"error{where}: {line}", file=sys.stderr, flush=True)
+        return exc.exit_status
     finally:
         if group.is_distributed and dist.is_initialized():
             dist.destroy_process_group()

@@ -95,3 +95,36 @@ def print_output(text: str) -> OSError | None:
             os.close(devnull)
         return exc
     return None
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM reached the job: it stops where it is (a BaseException, so that no
+    ``except Exception`` on the way swallows it; a write in progress removes its staging)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+    @property
+    def exit_status(self) -> int:
+        return 128 + self.signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
+
+
+def raise_on_interrupt() -> None:
+    """SIGINT and SIGTERM raise :class:`Interrupted` in the main thread (a Kubernetes node
+    drain sends SIGTERM), so the command ends with one line, not a traceback or silence."""
+
+    def handler(signum, frame):
+        raise Interrupted(signum)
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, handler)
+
+
+def interrupted_line(exc: Interrupted, seconds: float, out: str | None) -> str:
+    """The one line an interrupted command prints."""
+    where = f"; nothing was written at {out} (a version already there is intact)" if out else ""
+    return (
+        f"interrupted by {exc.args[0]} after {seconds:.1f} s{where}; run the same command "
+        "again to start over"
+    )

@@ -319,3 +319,32 @@ def test_a_retrain_does_not_replace_an_edit_that_landed_while_it_ran(model, tmp_
     assert code == 2, text
     assert "written by another process" in text and "Traceback" not in text
     assert [e["operation"] for e in lineage(path)] == ["add"]  # the add is kept
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signalled_job_ends_within_seconds_with_one_line_and_writes_nothing(
+    model, tmp_path, signum
+):
+    """A node drain sends SIGTERM, Ctrl-C SIGINT: the job ends within 10 s, exit 128 + the
+    signal, one line saying what happened, no traceback; the version at --out is intact."""
+    path, _ = model
+    before = {p.name: p.read_bytes() for p in path.iterdir()}
+    X, y = tmp_path / "X.npy", tmp_path / "y.npy"
+    rng = np.random.default_rng(0)
+    np.save(X, rng.normal(size=(6000, 64)))  # a fit of several seconds
+    np.save(y, np.arange(6000) % 10)
+    err = tmp_path / "job.err"
+    job = start_cli(["--data", X, "--labels", y, "--out", path, "--quiet"], err)
+    wait_until(lambda: "learning d=" in err.read_text(), 60, "the fit to start")
+    job.send_signal(signum)
+    started = time.monotonic()
+    code = exit_status(job, 60)
+    assert time.monotonic() - started < 10
+    text = err.read_text()
+    errors = [line for line in text.splitlines() if line.startswith("error")]
+    assert code == 128 + signum, text
+    assert "Traceback" not in text and len(errors) == 1, text
+    assert f"interrupted by {signal.Signals(signum).name}" in errors[0]
+    assert text.splitlines()[-1] == errors[0]
+    assert {p.name: p.read_bytes() for p in path.iterdir()} == before
+    assert not [p for p in path.parent.iterdir() if ".tmp-" in p.name]  # no staging left

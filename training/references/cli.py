@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -21,9 +22,12 @@ from training.config import check_seed
 from training.data.datasets import DataError, check_regular_file, load_dataset
 from training.errors import (
     ConfigError,
+    Interrupted,
     describe_os_error,
+    interrupted_line,
     print_output,
     raise_on_file_size_limit,
+    raise_on_interrupt,
 )
 from training.publish import check_publish_link, publish
 from training.references.versions import (
@@ -215,9 +219,15 @@ def main(argv: list[str]) -> int:
     when the summary cannot be written to stdout: the line then says where the new version
     was written)."""
     raise_on_file_size_limit()
+    raise_on_interrupt()
+    started = time.perf_counter()
     args = build_parser().parse_args(argv)
     try:
         summary = run(args)
+    except Interrupted as exc:  # SIGINT or SIGTERM: one line, no traceback
+        line = interrupted_line(exc, time.perf_counter() - started, args.out)
+        print(f"error: {line}", file=sys.stderr)
+        return exc.exit_status
     except (ReferenceError, DataError, ConfigError, ArtifactError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
