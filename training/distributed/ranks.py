@@ -4,7 +4,7 @@ data-parallel fit uses.
 One process is a group of size 1 (``ProcessGroup(0, 1, "none")``): every collective here
 is then the identity, so the data-parallel code path is the only one. ``shard_bounds``
 gives rank r of P its contiguous rows [start, stop) of N; ``gather_rows`` all-gathers
-per-rank rows into the full (N, ...) tensor; ``broadcast_from_rank0`` and ``agreed`` make
+per-rank rows into the full (N, ...) tensor; ``broadcast_from_rank0`` and ``agreed_flags`` make
 every rank see rank 0's numbers, so rounding can never make ranks take different branches
 (a mismatched collective would hang the job). The data-parallel objective built on them is
 ``training.optim.sharded_problem``.
@@ -91,16 +91,6 @@ def broadcast_from_rank0(values: torch.Tensor, group: ProcessGroup) -> torch.Ten
     if group.is_distributed:
         dist.broadcast(values, src=0)
     return values
-
-
-def agreed(value: float, group: ProcessGroup, device=None) -> float:
-    """Rank 0's ``value`` on every rank: a figure that decides a branch (which map a stage
-    keeps) must be the same on every rank, whatever the rounding. ``device``: where the
-    group's collectives run (CUDA for NCCL)."""
-    if not group.is_distributed:
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    return float(broadcast_from_rank0(t, group)[0])
 
 
 def agreed_flags(flags: tuple[bool, ...], group: ProcessGroup) -> tuple[bool, ...]:

@@ -105,9 +105,7 @@ class StagedFit:
             max_evaluations=plan.finish_max_evaluations,
         )
         self.finished_iter = finish.n_iter
-        kept = self._settle(
-            "exact finish", start, replace(finish, theta=merged.theta), guard, started
-        )
+        kept = self._settle("exact finish", start, finish, guard, started)
         merged = replace(merged, stop_reason=self._fit_stop_reason(result.stop_reason))
         return self._result_at(kept, exact, merged, guard)
 
@@ -149,6 +147,8 @@ class StagedFit:
                 stop_reason=result.stop_reason,
                 refresh_changes=list(result.refresh_changes),
                 refresh_replaced=list(result.refresh_replaced),
+                refresh_sizes=list(result.refresh_sizes),
+                search_mass_ratios=list(result.search_mass_ratios),
             )
         )
         return start if kept == "start" else end

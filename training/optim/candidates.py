@@ -133,6 +133,7 @@ class CandidateWatch:
         self.sizes: list[int] = []  # K chosen at each refresh
         self.changes: list[float] = []  # the fraction of sets each refresh changed
         self.replaced: list[float] = []  # ... and the share of candidate entries it replaced
+        self.search_mass_ratios: list[float | None] = []  # ... and the search's measured mass
 
     def refresh(self, theta: np.ndarray) -> float:
         """Recompute the candidates at theta (choosing K first when adaptive); return the
@@ -148,6 +149,7 @@ class CandidateWatch:
         self.sizes.append(self.problem.n_candidates)
         self.changes.append(float(changed))
         self.replaced.append(float(self.problem.replaced_share))
+        self.search_mass_ratios.append(self.problem.search_mass_ratio)
         self.since = 0
         self.n_refreshes += 1
         if self.refresh_tol is not None:

@@ -79,5 +79,7 @@ def finish_exactly(
         n_refreshes=first.n_refreshes,
         refresh_changes=first.refresh_changes,
         refresh_replaced=first.refresh_replaced,
+        refresh_sizes=first.refresh_sizes,
+        search_mass_ratios=first.search_mass_ratios,
     )
     return merged, finish

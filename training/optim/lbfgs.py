@@ -69,6 +69,8 @@ def run_lbfgs(
     result.n_refreshes = 0 if watch is None else watch.n_refreshes
     result.refresh_changes = [] if watch is None else list(watch.changes)
     result.refresh_replaced = [] if watch is None else list(watch.replaced)
+    result.refresh_sizes = [] if watch is None else list(watch.sizes)
+    result.search_mass_ratios = [] if watch is None else list(watch.search_mass_ratios)
     return result
 
 

@@ -34,6 +34,11 @@ class FitResult:
     refresh_changes: list[float] = field(default_factory=list)
     # ... and the share of candidate entries it replaced (how far the neighbourhoods moved)
     refresh_replaced: list[float] = field(default_factory=list)
+    # ... and K, the candidates per kind it kept (chosen by the neighbour mass they hold)
+    refresh_sizes: list[int] = field(default_factory=list)
+    # ... and, with an approximate (IVF) search, the neighbour mass its sets held against
+    # exact sets' on sample rows (None: exact search)
+    search_mass_ratios: list[float | None] = field(default_factory=list)
 
 
 # the stop reasons of a fit that ended where it meant to: a stalled stage stopped because its

@@ -110,7 +110,6 @@ class StageJudge:
         self.score = score
         self.measure = measure
         self.tolerance = 1.5 / max(1, n_rows)  # more than one row of the n_rows scored
-        self.judgements: list[Judgement] = []
         self._cache: list[tuple[np.ndarray, float]] = []  # the maps scored last, newest last
 
     def score_of(self, theta: np.ndarray) -> float:
@@ -131,13 +130,7 @@ class StageJudge:
         start_score = self.score_of(start)
         end_score = self.score_of(end)
         kept = "end" if end_score >= start_score - self.tolerance else "start"
-        judgement = Judgement(start_score, end_score, kept, time.perf_counter() - started)
-        self.judgements.append(judgement)
-        return judgement
-
-    def keep_better(self, start: np.ndarray, end: np.ndarray) -> np.ndarray:
-        """``end`` when it scores at least as well as ``start``, else ``start``."""
-        return end if self.judge(start, end).kept == "end" else start
+        return Judgement(start_score, end_score, kept, time.perf_counter() - started)
 
 
 @dataclass(frozen=True)
@@ -266,6 +259,10 @@ class StageRecord:
     refresh_changes: list[float] = field(default_factory=list)
     # ... and the share of candidate entries it replaced (the first: 1)
     refresh_replaced: list[float] = field(default_factory=list)
+    # ... and K, the candidates per kind it kept
+    refresh_sizes: list[int] = field(default_factory=list)
+    # ... and an IVF search's neighbour mass against exact sets' (None: exact search)
+    search_mass_ratios: list[float | None] = field(default_factory=list)
 
     def describe(self) -> dict:
         return asdict(self)

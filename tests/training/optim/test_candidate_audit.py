@@ -116,6 +116,7 @@ class ScriptedProblem:
 
     n_candidates = 4
     replaced_share = 1.0  # the share of candidates the last refresh replaced
+    search_mass_ratio = None  # an exact search: nothing measured
 
     def __init__(self, masses):
         self.masses = list(masses)

@@ -25,11 +25,10 @@ from training.optim.stages import StageJudge
 def test_the_judge_keeps_the_end_unless_it_scores_lower_by_more_than_one_row():
     scores = {0: 0.90, 1: 0.90 - 0.9 / 100, 2: 0.90 - 1.6 / 100, 3: 0.95}
     judge = StageJudge(lambda theta: scores[int(theta[0])], "test", n_rows=100)
-    assert judge.keep_better(np.array([0.0]), np.array([1.0]))[0] == 1  # within a row
-    assert judge.keep_better(np.array([0.0]), np.array([2.0]))[0] == 0  # two rows lower
-    assert judge.keep_better(np.array([0.0]), np.array([3.0]))[0] == 3
-    assert [j.kept for j in judge.judgements] == ["end", "start", "end"]
-    assert [(j.start_score, j.end_score) for j in judge.judgements][1] == (0.90, 0.90 - 0.016)
+    judgements = [judge.judge(np.array([0.0]), np.array([float(end)])) for end in (1, 2, 3)]
+    # within a row: the end; two rows lower: the start; higher: the end
+    assert [j.kept for j in judgements] == ["end", "start", "end"]
+    assert (judgements[1].start_score, judgements[1].end_score) == (0.90, 0.90 - 0.016)
 
 
 def test_the_judge_scores_a_map_once():
@@ -40,9 +39,9 @@ def test_the_judge_scores_a_map_once():
         return float(theta[0])
 
     judge = StageJudge(score, "test", n_rows=10)
-    kept = judge.keep_better(np.array([1.0]), np.array([2.0]))
-    judge.keep_better(kept, np.array([3.0]))  # its start is the first's end
-    judge.keep_better(np.array([1.0]), np.array([3.0]))  # both still remembered
+    judge.judge(np.array([1.0]), np.array([2.0]))
+    judge.judge(np.array([2.0]), np.array([3.0]))  # its start is the first's end
+    judge.judge(np.array([1.0]), np.array([3.0]))  # both still remembered
     assert calls == [1.0, 2.0, 3.0]
 
 
@@ -177,3 +176,27 @@ def test_the_default_fit_never_ends_below_its_start_or_its_first_stage(
         scores,
         full.stages_,
     )
+
+
+def test_the_candidate_stage_reports_k_and_the_search_quality_of_each_refresh():
+    """K chosen at each refresh and an approximate search's measured neighbour mass reach
+    stages_ (they were kept on objects only tests read)."""
+    from tests.training.problems import blobs
+
+    X, y = blobs(600, seed=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exact = NCA(n_components=2, n_candidates=4, max_iter=8, random_state=0).fit(X, y)
+        ivf = NCA(
+            n_components=2, n_candidates=4, max_iter=8, random_state=0, candidate_search="ivf"
+        ).fit(X, y)
+    for model, measured in ((exact, False), (ivf, True)):
+        first = model.stages_[0]
+        assert first["refreshes"] >= 1
+        assert len(first["refresh_sizes"]) == first["refreshes"]
+        assert all(k in (4, 8, 16, 32, 64, 128) for k in first["refresh_sizes"])
+        assert first["refresh_sizes"][-1] == model.n_candidates_
+        ratios = first["search_mass_ratios"]
+        assert len(ratios) == first["refreshes"]
+        assert all((r is not None) == measured for r in ratios)
+        assert all(0 < r <= 1.5 for r in ratios if r is not None)
