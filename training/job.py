@@ -393,6 +393,7 @@ def training_record_of(config: TrainConfig, estimator: NCA, warns: list[str]) ->
         "seed": config.seed,
         "device": estimator.device_,
         "world_size": int(estimator.world_size_),
+        "kernels": estimator.kernels_,
         "distributed_backend": estimator.distributed_backend_,
         "converged": bool(estimator.converged_),
         "stop_reason": estimator.stop_reason_,

@@ -30,6 +30,7 @@ from training.distributed.ranks import agreed_flags, current_group
 from training.model import parameters, preparation
 from training.model.fitting import StagedFit
 from training.model.plan import FitPlan, resolve_plan
+from training.objectives.registry import kernels_used
 from training.optim.candidates import audit_disagreement, audit_rows
 from training.optim.stages import FitClock
 from training.references.compress import compress, edit_k_for
@@ -143,6 +144,10 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         iterations, evaluations, refreshes, held-out checks, why it stopped, the score of its
         start and of its end, and which one was kept ("start": the stage was undone);
         ``stage_measure_`` says what the scores are.
+    kernels_ : dict
+        Which implementation evaluated each objective of the fit ("nca_exact",
+        "nca_candidates", "knca"): "c" (the native kernels, built and loaded on this
+        machine), "torch", or "flex" (exact NCA on CUDA); report.json records it.
     budget_exhausted_ : bool
         Whether ``max_seconds`` cut the fit short.
     candidate_warning_ : str or None
@@ -320,6 +325,13 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         self.n_evaluations_ = result.n_evaluations
         self.n_refreshes_ = result.n_refreshes  # candidate-set computations (0: exact)
         self.world_size_ = group.world_size
+        # which implementation evaluated each objective: "c", "torch" or "flex" (on CUDA)
+        self.kernels_ = kernels_used(
+            self.objective,
+            exact=plan.n_candidates is None or bool(finished),
+            candidates=plan.n_candidates is not None,
+            device=str(prep.device),
+        )
         self.distributed_backend_ = group.backend
 
     def _set_map(self, A: np.ndarray, mean: np.ndarray, scale: np.ndarray) -> None:

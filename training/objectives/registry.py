@@ -18,6 +18,34 @@ OBJECTIVES: dict[str, Callable[[int, int | None], Objective]] = {
 }
 
 
+def kernels_used(name: str, *, exact: bool, candidates: bool, device: str) -> dict[str, str]:
+    """Which implementation evaluates each objective a fit with ``name`` runs: "c" (the
+    native kernels of :mod:`training.objectives.native`, built and loaded on this machine),
+    "torch", or on CUDA "flex" for exact NCA where flex_attention can run. ``exact``: an
+    exact stage or finish; ``candidates``: a stage on candidate sets. (A CPU evaluation
+    whose embeddings could overflow the C kernel's logits takes torch instead.)"""
+    import torch
+
+    from training.objectives import knca_native, native, native_candidates, nca_flex
+
+    cpu = not str(device).startswith("cuda")
+    used: dict[str, str] = {}
+    if name.startswith("nca"):
+        if exact:
+            if cpu:
+                used["nca_exact"] = "c" if native.kernel(torch.float32) is not None else "torch"
+            else:
+                flex = torch.zeros(1, 1, device=device, dtype=torch.float32)
+                used["nca_exact"] = "flex" if nca_flex.usable(flex) else "torch"
+        if candidates:
+            loaded = cpu and native.enabled() and native_candidates._load(torch.float32)
+            used["nca_candidates"] = "c" if loaded else "torch"
+    else:
+        loaded = cpu and native.enabled() and knca_native._load() is not None
+        used["knca"] = "c" if loaded else "torch"
+    return used
+
+
 def make_objective(name: str, k: int = 1, n_classes: int | None = None) -> Objective:
     """Build an objective by name (see ``OBJECTIVES``); kNCA needs k and the number of classes."""
     if name not in OBJECTIVES:

@@ -200,3 +200,23 @@ def test_the_candidate_stage_reports_k_and_the_search_quality_of_each_refresh():
         assert len(ratios) == first["refreshes"]
         assert all((r is not None) == measured for r in ratios)
         assert all(0 < r <= 1.5 for r in ratios if r is not None)
+
+
+def test_the_fit_records_which_kernels_evaluated_its_objectives(monkeypatch):
+    from tests.training.problems import blobs
+    from training.objectives import native
+
+    X, y = blobs(300, seed=2)
+    params = dict(n_components=2, max_iter=3, random_state=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exact = NCA(n_candidates=None, **params).fit(X, y)
+        staged = NCA(n_candidates=4, **params).fit(X, y)
+        knca = NCA(objective="knca-majority", k=3, n_candidates=4, **params).fit(X, y)
+        monkeypatch.setenv("NCA_KNN_NATIVE", "0")
+        off = NCA(n_candidates=4, **params).fit(X, y)
+    built = "c" if native.compiler() is not None else "torch"
+    assert exact.kernels_ == {"nca_exact": built}
+    assert staged.kernels_ == {"nca_exact": built, "nca_candidates": built}
+    assert knca.kernels_ == {"knca": built}
+    assert off.kernels_ == {"nca_exact": "torch", "nca_candidates": "torch"}
