@@ -119,8 +119,8 @@ def run(config: TrainConfig, *, log=print) -> dict:
     started = time.perf_counter()
     group = current_group()
     check_seed(config.seed)
-    check_publish_link(config.publish)
     out = resolve_out(config.out, _data_name(config))
+    check_publish_link(config.publish, out)
     # refused before any work when --out holds anything we did not write; its version now,
     # which must still be there when the artifact replaces it (``OutputClaim.turn``)
     with writing("the artifact", out):  # a read-only disk: said now, not after the fit

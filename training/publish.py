@@ -17,10 +17,13 @@ from service.core.artifact.write import remove_stale_staging, staging_path
 from training.errors import ConfigError, writing
 
 
-def check_publish_link(link: str | None) -> None:
-    """ConfigError when ``link`` exists and is not a symlink (it is never replaced)."""
+def check_publish_link(link: str | None, out: str | os.PathLike | None = None) -> None:
+    """ConfigError when ``link`` exists and is not a symlink (it is never replaced), or
+    names the same path as ``out`` (the artifact would be written, then the link refused)."""
     if link and os.path.lexists(link) and not os.path.islink(link):
         raise ConfigError(f"--publish {link!r} exists and is not a symlink; refusing to replace it")
+    if link and out is not None and Path(link).absolute() == Path(out).absolute():
+        raise ConfigError(f"--publish {link!r} is --out itself: name a link beside it")
 
 
 def publish(link: str, target: Path) -> None:

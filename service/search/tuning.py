@@ -399,9 +399,11 @@ def index_artifact(
     with it to ``out`` (default: in place). Returns the manifest's ``index`` record."""
     if kind not in SEARCH_PARAMETER:
         raise TuningError(f"--index must be one of {sorted(SEARCH_PARAMETER)}, got {kind!r}")
-    target_path = Path(out) if out is not None else Path(path)
+    # in place through a link (a published "current"): the directory it points at
+    target_path = Path(out) if out is not None else Path(path).resolve()
+    option = "--out" if out is not None else "the artifact"
     # writers of the target take turns; in place, this one reads the latest version in its turn
-    with OutputClaim(target_path).turn(source=path):
+    with OutputClaim(target_path, option).turn(source=path):
         return _index_artifact(
             path, target_path, kind, target, confidence, nlist, hnsw_m, ef_construction, pq_m, log
         )
@@ -520,6 +522,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     except (TuningError, ArtifactError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # a read-only or full disk: the path and the cause, one line
+        where = " -> ".join(str(p) for p in (exc.filename, exc.filename2) if p is not None)
+        print(f"error: {where}: {exc.strerror or exc}", file=sys.stderr)
         return 1
     return 0
 

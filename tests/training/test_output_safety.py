@@ -11,6 +11,7 @@ is released."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
@@ -348,3 +349,82 @@ def test_a_signalled_job_ends_within_seconds_with_one_line_and_writes_nothing(
     assert text.splitlines()[-1] == errors[0]
     assert {p.name: p.read_bytes() for p in path.iterdir()} == before
     assert not [p for p in path.parent.iterdir() if ".tmp-" in p.name]  # no staging left
+
+
+def test_edits_published_through_one_link_all_land(model, tmp_path):
+    """The workflow of docs/reference-set.md: each edit reads the published 'current', writes
+    a new version and repoints 'current' at it. Two at once both land (before: each read
+    the same version, and the last to publish dropped the other's rows)."""
+    path, split = model
+    pub = tmp_path / "pub"
+    pub.mkdir()
+    shutil.move(path, pub / "v1")
+    (pub / "current").symlink_to("v1")
+    n_before = len(read_artifact(pub / "v1").ids)
+    commands = []
+    for i in range(2):
+        rows = save_rows(
+            tmp_path / f"rows{i}.npz", split.X_test[i * 3 : i * 3 + 3], split.y_test[:3]
+        )
+        commands.append(
+            [
+                "references",
+                "add",
+                "--model",
+                pub / "current",
+                "--data",
+                rows,
+                "--out",
+                pub / f"v{i + 2}",
+                "--publish",
+                pub / "current",
+            ]
+        )
+    results = race(commands, pub / "current", tmp_path)
+    assert [code for code, _ in results] == [0, 0], results
+    assert len(read_artifact(pub / "current").ids) == n_before + 6
+    assert [e["operation"] for e in lineage(pub / "current")] == ["add", "add"]
+
+
+def test_a_lock_file_planted_as_a_link_is_never_written_through(model, tmp_path, capsys):
+    path, _ = model
+    notes = tmp_path / "notes.txt"
+    notes.write_text("precious")
+    (tmp_path / ".q.lock").symlink_to(notes)
+    ids = str(read_artifact(path).ids[0])
+    code = cli_main(
+        ["references", "remove", "--model", str(path), "--ids", ids, "--out", str(tmp_path / "q")]
+    )
+    assert code == 2 and "Traceback" not in capsys.readouterr().err
+    assert notes.read_text() == "precious" and not (tmp_path / "q").exists()
+
+
+def test_a_users_dated_backup_beside_the_model_is_not_taken_for_staging(model, tmp_path):
+    path, _ = model
+    backup = tmp_path / ".m.old-2023-11-05"
+    backup.mkdir()
+    (backup / "README").write_text("backup")
+    old = time.time() - 3 * 86400
+    os.utime(backup, (old, old))
+    ids = str(read_artifact(path).ids[0])
+    assert (
+        cli_main(["references", "remove", "--model", str(path), "--ids", ids, "--out", str(path)])
+        == 0
+    )
+    assert (backup / "README").read_text() == "backup"
+
+
+@pytest.mark.parametrize("where", ["out inside the model", "publish is out"])
+def test_refused_before_any_work(model, tmp_path, capsys, where):
+    path, _ = model
+    before = {p.name: p.read_bytes() for p in path.iterdir()}
+    ids = str(read_artifact(path).ids[0])
+    out = path / "sub" if where == "out inside the model" else tmp_path / "m2"
+    extra = ["--publish", str(out)] if where == "publish is out" else []
+    code = cli_main(
+        ["references", "remove", "--model", str(path), "--ids", ids, "--out", str(out), *extra]
+    )
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists()
+    assert {p.name: p.read_bytes() for p in path.iterdir()} == before

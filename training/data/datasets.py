@@ -188,8 +188,16 @@ def _is_number(text: str) -> bool:
 def _load_csv(path: Path, label_column: str | None) -> Dataset:
     # utf-8-sig: a byte-order mark (a spreadsheet's "CSV UTF-8") is read as such, never as
     # part of the first column's name
-    with open(path, newline="", encoding="utf-8-sig") as fh:
-        rows = [row for row in csv.reader(fh) if row]
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as fh:
+            rows = [row for row in csv.reader(fh) if row]
+    except UnicodeDecodeError as exc:
+        raise DataError(
+            f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason}); save it as UTF-8 "
+            "(a spreadsheet's 'CSV UTF-8')"
+        ) from None
+    except csv.Error as exc:
+        raise DataError(f"{path}: not a readable CSV file ({exc})") from None
     if not rows:
         raise DataError(f"{path}: empty CSV file")
     header = rows[0]

@@ -10,14 +10,16 @@ replace nothing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import re
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from service.core.artifact import ArtifactError, OutputClaim
+from service.core.artifact import ArtifactError, OutputClaim, writer_lock
 from training.config import check_seed
 from training.data.datasets import DataError, check_regular_file, load_dataset
 from training.errors import (
@@ -125,6 +127,7 @@ def add_condense_options(condense: argparse.ArgumentParser) -> None:
 
 
 INT64 = np.iinfo(np.int64)
+DECIMAL = re.compile(r"[+-]?[0-9]+", re.ASCII)
 
 
 def _ids_from_text(values: list[str], what: str) -> np.ndarray:
@@ -132,10 +135,9 @@ def _ids_from_text(values: list[str], what: str) -> np.ndarray:
     is beyond int64's range, is named."""
     ids = []
     for value in values:
-        try:
-            number = int(value, 10)
-        except ValueError:
-            raise ReferenceError(f"{what}: ids must be integers, got {value!r}") from None
+        if not DECIMAL.fullmatch(value.strip()):  # int() also takes "1_0" and other scripts' digits
+            raise ReferenceError(f"{what}: ids must be integers, got {value!r}")
+        number = int(value.strip(), 10)
         if not INT64.min <= number <= INT64.max:
             raise ReferenceError(
                 f"{what}: id {value.strip()} is beyond the 64-bit integer range "
@@ -143,6 +145,19 @@ def _ids_from_text(values: list[str], what: str) -> np.ndarray:
             )
         ids.append(number)
     return np.array(ids, dtype=np.int64)
+
+
+def _ids_array(ids: np.ndarray, what: str) -> np.ndarray:
+    """An ids array read from a file as int64 (n,): 1-D, integers, within int64's range."""
+    if ids.ndim != 1:
+        raise ReferenceError(f"{what}: expected a 1-D array of ids, got shape {ids.shape}")
+    if ids.dtype.kind not in "iu":
+        raise ReferenceError(f"{what}: ids must be integers, got dtype {ids.dtype}")
+    if ids.dtype.kind == "u" and ids.size and ids.max() > INT64.max:
+        raise ReferenceError(
+            f"{what}: id {ids.max()} is beyond the 64-bit integer range [{INT64.min}, {INT64.max}]"
+        )
+    return ids.astype(np.int64)
 
 
 def _ids_file(path: str, option: str = "--ids-file") -> np.ndarray:
@@ -153,10 +168,17 @@ def _ids_file(path: str, option: str = "--ids-file") -> np.ndarray:
         raise ReferenceError(str(exc)) from None
     if file.suffix == ".npy":
         try:
-            return np.load(file, allow_pickle=False)
-        except (ValueError, OSError) as exc:
+            ids = np.load(file, allow_pickle=False)
+        except (ValueError, OSError, EOFError) as exc:
             raise ReferenceError(f"{option} {path!r}: not a readable .npy file ({exc})") from exc
-    lines = [line.strip() for line in file.read_text().splitlines() if line.strip()]
+        return _ids_array(ids, f"{option} {path!r}")
+    try:  # utf-8-sig: a byte-order mark is read as such
+        text = file.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise ReferenceError(
+            f"{option} {path!r}: not UTF-8 text (byte {exc.start}); expected one id per line"
+        ) from None
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
     return _ids_from_text(lines, f"{option} {path!r}")
 
 
@@ -164,15 +186,18 @@ def run(args: argparse.Namespace) -> dict:
     """Check the options, then make the change in ``--out``'s turn (``OutputClaim``): writers
     of one ``--out`` take turns, an edit in place reads the version the writer before it
     wrote, and an ``--out`` another writer replaced since this command started is not
-    replaced again."""
-    check_publish_link(args.publish)
+    replaced again. With ``--publish``, commands publishing one link take turns as well."""
+    check_publish_link(args.publish, args.out)
     if args.command == "condense":
         check_seed(args.seed)  # before the wait for --out's turn
     try:
         claim = OutputClaim(args.out)
     except ArtifactError as exc:
         raise ReferenceError(str(exc)) from None
-    with claim.turn(source=args.model):
+    # with --publish, edits through one link take turns too (its lock first, then --out's):
+    # each reads --model after the one before it published, so none is dropped
+    publishing = writer_lock(args.publish) if args.publish else contextlib.nullcontext()
+    with publishing, claim.turn(source=args.model):
         return _change(args)
 
 

@@ -16,7 +16,8 @@ Two rules keep a user's data safe from the commands that write artifacts (the tr
   a second writer waits (and says once on stderr whom it waits for), then reads the version
   the first one wrote, so no edit is lost. The kernel drops the lock when its holder dies,
   however it dies, so a killed writer never blocks the next one. The lock file is ours and
-  stays (removing it would race with a writer that just opened it); it is empty.
+  stays (removing it would race with a writer that just opened it); it holds the last
+  holder's pid, for the wait notice. It is never opened through a symbolic link.
 
 A writer whose result does not derive from the path it replaces (a retrain, or an edit of
 model ``m`` written to another ``--out``) also compares versions: it records
@@ -82,6 +83,12 @@ def check_replaceable(path: str | os.PathLike, option: str = "--out") -> None:
         raise ArtifactError(
             f"{where} is a symbolic link; refusing to replace it (give the directory it "
             "points to, or use --publish for a link to the new version)"
+        )
+    container = target.absolute().parent
+    if _manifest_of(container) is not None:
+        raise ArtifactError(
+            f"{where} is inside the artifact {str(container)!r}; refusing to write into a "
+            "model: choose a path beside it"
         )
     if not target.exists():
         parent = target.parent
@@ -214,9 +221,9 @@ def writer_lock(
     lock_file = lock_path(path)
     try:
         lock_file.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _open_lock_file(lock_file)
     except OSError as exc:  # a read-only or full disk: the path being written, and why
-        raise OSError(exc.errno, exc.strerror, str(path)) from exc
+        raise OSError(exc.errno, exc.strerror, str(path), None, str(lock_file)) from exc
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -235,8 +242,23 @@ def writer_lock(
         os.close(fd)  # closing the descriptor releases the lock
 
 
+def _open_lock_file(lock_file: Path) -> int:
+    """A descriptor of the lock file, never through a symbolic link (a link planted at
+    ``.NAME.lock`` would have the holder's line written into whatever it points at). Made
+    with mode 0666 less the umask, so that other users who may write the model can lock it
+    too; one made by another user is opened read-only (flock needs no write access)."""
+    flags = os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        return os.open(lock_file, os.O_RDWR | flags, 0o666)
+    except PermissionError:
+        return os.open(lock_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+
+
 def _record_holder(fd: int) -> None:
-    """Write this process's pid and start time into the lock file (for the wait notice)."""
+    """Write this process's pid and start time into the lock file (for the wait notice);
+    nothing on a descriptor opened read-only."""
+    if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDWR:
+        return
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} since {time.strftime('%H:%M:%S')}\n".encode(), 0)

@@ -154,7 +154,10 @@ STALE_STAGING_SECONDS = 24 * 3600  # a staging entry this old is abandoned on an
 
 # .NAME.tmp-HOST-PID-HEX (a staging directory, or a link being made) and .NAME.old-HOST-PID-HEX
 # (the previous artifact, moved aside by the portable replacement); HOST has no "-"
-_STAGING = re.compile(r"\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<tag>[A-Za-z0-9_]+-[0-9]+)-[0-9a-f]+")
+# the hex is uuid4's first 12 (tmp) or 8 (old) digits: a user's ".m.old-2023-11-05" is no match
+_STAGING = re.compile(
+    r"\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<tag>[A-Za-z0-9_]+-[0-9]+)-(?:[0-9a-f]{12}|[0-9a-f]{8})"
+)
 
 
 def _writer_tag() -> str:

@@ -68,7 +68,7 @@ def test_another_hosts_entries_go_only_when_old_and_of_the_name_written(tmp_path
     """Another host's writer cannot be asked whether it lives: its entry goes when it is
     over a day old, and only when the same name is written again."""
     entries = {
-        name: tmp_path / f".{name}.tmp-otherhost-{pid}-abcdef"
+        name: tmp_path / f".{name}.tmp-otherhost-{pid}-abcdef012345"
         for pid, name in enumerate(["m", "n", "m2"])
     }
     for entry in entries.values():

@@ -162,6 +162,19 @@ CORPUS = [
     ),
     ("--data missing", lambda d: ["--data", d / "missing.npy"], "missing.npy", None),
     (
+        "a latin-1 CSV",
+        lambda d: csv_file(d, "label,caf\u00e9\n1,2\n2,3\n", encoding="latin-1"),
+        "not UTF-8 text",
+        None,
+    ),
+    ("a UTF-16 CSV", lambda d: csv_file(d, csv_rows(), encoding="utf-16"), "not UTF-8 text", None),
+    (
+        "a CSV field of 200,000 characters",
+        lambda d: csv_file(d, "label,a\n1," + "9" * 200_000 + "\n"),
+        "not a readable CSV file",
+        None,
+    ),
+    (
         "--labels a directory",
         lambda d: (d / "y.npy").mkdir() or npy_pair_x_only(d),
         "--labels",
@@ -235,7 +248,61 @@ IDS_CORPUS = [
     ("below int64", ["--ids", "-9223372036854775809"], "beyond the 64-bit integer range"),
     ("not an integer", ["--ids", "12x"], "ids must be integers, got '12x'"),
     ("a float", ["--ids", "1.5"], "ids must be integers, got '1.5'"),
+    ("digits with an underscore", ["--ids", "1_0"], "ids must be integers, got '1_0'"),
+    ("another script's digits", ["--ids", "\u0663"], "ids must be integers"),
 ]
+
+
+def _ids_npy(array):
+    def lay_out(d: Path) -> list:
+        np.save(d / "ids.npy", array)
+        return ["--ids-file", d / "ids.npy"]
+
+    return lay_out
+
+
+def _ids_text(data: bytes):
+    def lay_out(d: Path) -> list:
+        (d / "ids.txt").write_bytes(data)
+        return ["--ids-file", d / "ids.txt"]
+
+    return lay_out
+
+
+IDS_FILE_CORPUS = [
+    ("a 2-D .npy", _ids_npy(np.zeros((2, 2), np.int64)), "expected a 1-D array of ids"),
+    ("a 0-D .npy", _ids_npy(np.int64(3)), "expected a 1-D array of ids"),
+    ("a float .npy", _ids_npy(np.array([1.0, 2.0])), "ids must be integers, got dtype float64"),
+    ("uint64 beyond int64", _ids_npy(np.array([2**63 + 5], np.uint64)), "beyond the 64-bit"),
+    ("latin-1 text", _ids_text("1\n\u00e9\n".encode("latin-1")), "not UTF-8 text"),
+]
+
+
+@pytest.mark.parametrize(
+    "name, lay_out, words", IDS_FILE_CORPUS, ids=[c[0] for c in IDS_FILE_CORPUS]
+)
+def test_references_remove_refuses_bad_ids_files_in_one_line(
+    python_m_training, digits_like_model, tmp_path, name, lay_out, words
+):
+    model, _ = digits_like_model
+    out = tmp_path / "out"
+    args = lay_out(tmp_path)
+    code, _, stderr = python_m_training(
+        "references", "remove", "--model", model, *args, "--out", out
+    )
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert code == 2 and "Traceback" not in stderr, stderr
+    assert len(lines) == 1 and words in lines[0], lines
+    assert not out.exists()
+
+
+def test_an_ids_file_of_small_uint64_or_with_a_byte_order_mark_is_read(digits_like_model, tmp_path):
+    from training.references.cli import _ids_file
+
+    np.save(tmp_path / "ids.npy", np.array([1, 2], np.uint64))
+    assert _ids_file(str(tmp_path / "ids.npy")).tolist() == [1, 2]
+    (tmp_path / "ids.txt").write_text("\ufeff7\n8\n", encoding="utf-8")
+    assert _ids_file(str(tmp_path / "ids.txt")).tolist() == [7, 8]
 
 
 @pytest.mark.parametrize("name, args, words", IDS_CORPUS, ids=[c[0] for c in IDS_CORPUS])

@@ -289,7 +289,7 @@ def test_cli_bad_ids_and_models_exit_2_and_write_nothing(base, tmp_path, capsys)
                 "--ids",
                 str(tmp_path / "ids.npy"),
             ],
-            "ids must be int64",
+            "ids must be integers, got dtype float64",
         ),
         (["remove", "--model", str(path), "--ids", "3", "x7"], "ids must be integers, got 'x7'"),
         (["remove", "--model", str(tmp_path), "--ids", "3"], "is not a readable artifact"),
