@@ -35,16 +35,6 @@ JOB_DEFAULTS = {
 }
 
 
-SEED_MAX = 2**32 - 1  # numpy's and torch's seeds: 0 .. 2^32 - 1
-
-
-def check_seed(value: int, option: str = "--seed") -> int:
-    """``value`` when it is an integer in [0, SEED_MAX]; ConfigError naming ``option``."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= SEED_MAX:
-        raise ConfigError(f"{option}={value!r} must be an integer in [0, {SEED_MAX}]")
-    return value
-
-
 def _opt(default, help: str, **extra):
     return field(default=default, metadata={"help": help, **extra})
 

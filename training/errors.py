@@ -128,3 +128,13 @@ def interrupted_line(exc: Interrupted, seconds: float, out: str | None) -> str:
         f"interrupted by {exc.args[0]} after {seconds:.1f} s{where}; run the same command "
         "again to start over"
     )
+
+
+SEED_MAX = 2**32 - 1  # numpy's and torch's seeds: 0 .. 2^32 - 1
+
+
+def check_seed(value: int, option: str = "--seed") -> int:
+    """``value`` when it is an integer in [0, SEED_MAX]; ConfigError naming ``option``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= SEED_MAX:
+        raise ConfigError(f"{option}={value!r} must be an integer in [0, {SEED_MAX}]")
+    return value

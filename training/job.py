@@ -14,7 +14,7 @@ from sklearn.exceptions import ConvergenceWarning
 
 from service.core.artifact import ArtifactError, OutputClaim, write_artifact
 from service.core.knn import project
-from training.config import TrainConfig, check_seed
+from training.config import TrainConfig
 from training.data.datasets import (
     BUILTIN_DATASETS,
     DataError,
@@ -29,7 +29,7 @@ from training.data.datasets import (
 )
 from training.distributed.ranks import ProcessGroup, current_group, shard_bounds
 from training.distributed.sharded_stats import gather_array
-from training.errors import ConfigError, describe_os_error, writing
+from training.errors import ConfigError, check_seed, describe_os_error, writing
 from training.evaluation.baselines import BASELINES
 from training.evaluation.calibration import calibrate, outlier_report
 from training.evaluation.evaluate import K_VALUES, choose_k, knn_accuracies, knn_predictions

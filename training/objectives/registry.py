@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
+from training.objectives import knca_native, native, native_candidates, nca_flex
 from training.objectives.knca import KNCAObjective
 from training.objectives.nca import NCAObjective, Objective
 
@@ -24,10 +27,6 @@ def kernels_used(name: str, *, exact: bool, candidates: bool, device: str) -> di
     "torch", or on CUDA "flex" for exact NCA where flex_attention can run. ``exact``: an
     exact stage or finish; ``candidates``: a stage on candidate sets. (A CPU evaluation
     whose embeddings could overflow the C kernel's logits takes torch instead.)"""
-    import torch
-
-    from training.objectives import knca_native, native, native_candidates, nca_flex
-
     cpu = not str(device).startswith("cuda")
     used: dict[str, str] = {}
     if name.startswith("nca"):

@@ -20,11 +20,11 @@ from pathlib import Path
 import numpy as np
 
 from service.core.artifact import ArtifactError, OutputClaim, writer_lock
-from training.config import check_seed
 from training.data.datasets import DataError, check_regular_file, load_dataset
 from training.errors import (
     ConfigError,
     Interrupted,
+    check_seed,
     describe_os_error,
     interrupted_line,
     print_output,

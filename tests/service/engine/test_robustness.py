@@ -313,10 +313,10 @@ def test_staging_left_by_a_killed_writer_is_removed_by_the_next_write(tmp_path, 
     assert proc.returncode == 9
     leftovers = list(tmp_path.glob(".m.tmp-*"))
     assert len(leftovers) == 1 and not target.exists()
-    old = tmp_path / ".m.tmp-otherhost-1-abcdef"  # another host's, two days old
+    old = tmp_path / ".m.tmp-otherhost-1-abcdef012345"  # another host's, two days old
     old.mkdir()
     os.utime(old, (time.time() - 2 * 86400,) * 2)
-    fresh = tmp_path / ".m.tmp-otherhost-2-abcdef"  # another host's, maybe still writing
+    fresh = tmp_path / ".m.tmp-otherhost-2-abcdef012345"  # another host's, maybe still writing
     fresh.mkdir()
     write_artifact(
         target,
