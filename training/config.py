@@ -128,6 +128,12 @@ class TrainConfig:
         None,
         "artifact directory to write (default: models/<data name>); '{timestamp}' in it becomes the UTC time",
     )
+    checkpoint_dir: str = _opt(
+        "auto",
+        "where the fit's state is written at each stage's end, so that the same command run "
+        "again after a kill resumes there: auto is .OUT.checkpoint beside --out (removed once "
+        "the artifact is written); none writes none",
+    )
     publish: str | None = _opt(
         None,
         "after writing, atomically point this symlink at the new artifact (e.g. /models/current)",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 import warnings
@@ -141,7 +142,10 @@ def run(config: TrainConfig, *, log=print) -> dict:
         f"{len(split.X_test)} test, D={split.X_train.shape[1]}, {len(split.classes)} classes; "
         f"learning d={estimator.n_components} ({config.objective}){parallel}"
     )
-    convergence_warnings = fit_estimator(estimator, split)
+    checkpoint = checkpoint_dir_for(config, out)
+    convergence_warnings = fit_estimator(estimator, split, checkpoint)
+    if estimator.resumed_stages_:
+        log(f"resumed from {checkpoint}: {estimator.resumed_stages_} stage(s) were done")
     evaluation = evaluate(estimator, split, config, group)
     report: dict = {}
     if group.rank == 0:
@@ -157,6 +161,8 @@ def run(config: TrainConfig, *, log=print) -> dict:
             if config.publish:
                 publish(config.publish, out)
                 log(f"published {config.publish} -> {out}")
+            if checkpoint is not None and config.checkpoint_dir == "auto":
+                shutil.rmtree(checkpoint, ignore_errors=True)  # ours, and done with
         k = evaluation.default_k
         if "euclidean" in evaluation.baselines:
             euclidean = evaluation.baselines["euclidean"].get("test_accuracy", {})
@@ -265,9 +271,23 @@ def shard_split(data: Dataset, config: TrainConfig, group: ProcessGroup) -> Spli
     )
 
 
-def fit_estimator(estimator: NCA, split) -> list[str]:
-    """Fit on the training split, validating on the validation split; returns the
-    convergence warnings (also printed to stderr, and recorded in the artifact)."""
+def checkpoint_dir_for(config: TrainConfig, out: Path) -> Path | None:
+    """Where the fit's checkpoint goes: ``--checkpoint-dir``, or ``.OUT.checkpoint`` beside
+    ``--out`` (auto; for ``--out .../{timestamp}`` the name as given, so that a restarted
+    job finds it), or None (none)."""
+    if config.checkpoint_dir.strip().lower() == "none":
+        return None
+    if config.checkpoint_dir == "auto":
+        named = Path(config.out) if config.out and "{timestamp}" in config.out else out
+        absolute = named.absolute()
+        return absolute.with_name(f".{absolute.name}.checkpoint")
+    return Path(config.checkpoint_dir)
+
+
+def fit_estimator(estimator: NCA, split, checkpoint: Path | None = None) -> list[str]:
+    """Fit on the training split, validating on the validation split, with the fit's
+    checkpoint in ``checkpoint``; returns the convergence warnings (also printed to stderr,
+    and recorded in the artifact)."""
     has_val = len(split.X_val) > 0
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -277,6 +297,7 @@ def fit_estimator(estimator: NCA, split) -> list[str]:
                 split.y_train,
                 X_val=split.X_val if has_val else None,
                 y_val=split.y_val if has_val else None,
+                checkpoint=checkpoint,
             )
         finally:
             if isinstance(estimator.progress, StageBar):

@@ -553,7 +553,7 @@ def test_a_fit_driven_out_of_floating_point_range_is_one_line_and_exit_2(
 ):
     import training.job
 
-    def overflowing(estimator, split):
+    def overflowing(estimator, split, checkpoint=None):
         raise FloatingPointError("the loss (inf) at iteration 1 is not finite")
 
     monkeypatch.setattr(training.job, "fit_estimator", overflowing)

@@ -28,6 +28,7 @@ from threadpoolctl import threadpool_limits
 from service.core.knn import project
 from training.distributed.ranks import agreed_flags, current_group
 from training.model import parameters, preparation
+from training.model.checkpoint import FitCheckpoint, fingerprint, package_version
 from training.model.fitting import StagedFit
 from training.model.plan import FitPlan, resolve_plan
 from training.objectives.registry import kernels_used
@@ -148,6 +149,8 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         Which implementation evaluated each objective of the fit ("nca_exact",
         "nca_candidates", "knca"): "c" (the native kernels, built and loaded on this
         machine), "torch", or "flex" (exact NCA on CUDA); report.json records it.
+    resumed_stages_ : int
+        Stages a ``fit(..., checkpoint=DIR)`` found done in DIR and skipped (0: none).
     budget_exhausted_ : bool
         Whether ``max_seconds`` cut the fit short.
     candidate_warning_ : str or None
@@ -255,10 +258,14 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
 
     # ------------------------------------------------------------------ fitting
 
-    def fit(self, X, y, X_val=None, y_val=None):
+    def fit(self, X, y, X_val=None, y_val=None, checkpoint=None):
         """Learn the transformation from X (N, D) and labels y (N,).
 
         X_val, y_val: an explicit validation set for early stopping (optional).
+        checkpoint: a directory where the fit's state is written at the end of each stage
+        (``training.model.checkpoint``); a fit of the same data and parameters started with
+        it again skips the stages done and ends with the same map. ``resumed_stages_`` says
+        how many it skipped.
 
         Steps: prepare (validate the data and parameters, seed, split off the held-out rows,
         standardise, initialise A: ``training.model.preparation``); plan (every "auto"
@@ -276,13 +283,20 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         clock = FitClock(self.max_seconds, agree=partial(agreed_flags, group=group))
         prep = preparation.prepare(self, X, y, X_val, y_val, group)
         self.plan_ = plan = resolve_plan(self.get_params(), len(prep.y))
-        stages = StagedFit(self, prep, plan, group, clock)
+        saver = None
+        if checkpoint is not None:
+            key = fingerprint(
+                prep.X, prep.y, prep.X_val, prep.y_val, self.get_params(), package_version()
+            )
+            saver = FitCheckpoint(checkpoint, key, rank=group.rank)
+        stages = StagedFit(self, prep, plan, group, clock, checkpoint=saver)
         # numpy/scipy's BLAS threads (OpenBLAS) spin after each small call of the optimiser and
         # steal the cores from torch's kernels: measured 3x slower fits. One BLAS thread here.
         with threadpool_limits(1, user_api="blas"):
             result = stages.first_stage()
             result = stages.judged_finish(result)
         self.stages_ = stages.describe()
+        self.resumed_stages_ = stages.resumed_stages
         self.stage_measure_ = stages.measure()
         self.budget_exhausted_ = stages.budget_exhausted
         self._store_fit(stages.problem, result, prep, plan, stages.finished_iter, group)

@@ -43,8 +43,12 @@ class StagedFit:
     (``training.model.plan.FitPlan``), in the process group ``group``, on the fit's
     ``clock`` (its budget: ``training.optim.stages.FitClock``)."""
 
-    def __init__(self, est, prep, plan, group, clock: FitClock):
+    def __init__(self, est, prep, plan, group, clock: FitClock, checkpoint=None):
         self.est, self.prep, self.plan, self.group, self.clock = est, prep, plan, group, clock
+        # training.model.checkpoint.FitCheckpoint, or None: the stages a killed fit finished
+        self.checkpoint = checkpoint
+        self.saved = None if checkpoint is None else checkpoint.load()
+        self.resumed_stages = 0  # stages a checkpoint held
         self.make_problem = self._problem_factory()
         self.problem = self.make_problem()
         self.validate = prep.validate(self.problem)
@@ -66,6 +70,8 @@ class StagedFit:
             self.candidate_history = result.history
             return result
         stage = "exact fit" if plan.n_candidates is None else "candidate stage"
+        if self.saved is not None:  # a fit that was killed after this stage
+            return self._resume()
         if self.clock.exhausted():
             self._skip(stage)
             unfitted = FitResult(
@@ -78,6 +84,7 @@ class StagedFit:
         kept = self._settle(stage, prep.theta0, result, guard, started)
         result = self._result_at(kept, problem, result, guard)
         self.candidate_history = result.history
+        self._save(1, result)
         return result
 
     def judged_finish(self, result: FitResult) -> FitResult:
@@ -87,6 +94,8 @@ class StagedFit:
         plan = self.plan
         if not plan.finish_iter or result.stop_reason == "single_class":
             return result
+        if self.saved is not None and self.saved["stages_done"] >= 2:
+            return self._resume()
         if self.clock.exhausted():
             self._skip("exact finish")
             return result
@@ -107,7 +116,38 @@ class StagedFit:
         self.finished_iter = finish.n_iter
         kept = self._settle("exact finish", start, finish, guard, started)
         merged = replace(merged, stop_reason=self._fit_stop_reason(result.stop_reason))
-        return self._result_at(kept, exact, merged, guard)
+        result = self._result_at(kept, exact, merged, guard)
+        self._save(2, result)
+        return result
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _save(self, stages_done: int, result: FitResult) -> None:
+        """The checkpoint after ``stages_done`` stages (``training.model.checkpoint``)."""
+        if self.checkpoint is None:
+            return
+        self.checkpoint.save(
+            stages_done=stages_done,
+            result=result,
+            records=self.records,
+            candidate_history=self.candidate_history,
+            n_candidates=self.problem.n_candidates,
+            finished_iter=self.finished_iter,
+            rng=self.prep.rng,
+        )
+
+    def _resume(self) -> FitResult:
+        """The result, records and generators a checkpoint saved: the stages it holds are
+        done. Its first stage's state is used once; a later stage's when asked again."""
+        saved = self.saved
+        result, self.records = self.checkpoint.restore(saved, self.prep.rng)
+        self.candidate_history = saved["candidate_history"]
+        self.problem.n_candidates = saved["n_candidates"]
+        self.finished_iter = saved["finished_iter"]
+        if saved["stages_done"] < 2:
+            self.saved = None  # the finish runs from here
+        self.resumed_stages = saved["stages_done"]
+        return result
 
     def _guard(self, start: np.ndarray, stage: str, max_iter: int) -> StageGuard:
         """The guard of the stage ``stage`` that starts at ``start`` and runs at most

@@ -1,0 +1,110 @@
+"""A killed fit resumes (``training.model.checkpoint``): the state at each stage's end is
+written to the checkpoint directory, and a fit of the same data and parameters started with
+it again skips the stages done and ends with the same map, bit for bit, as a fit never
+interrupted; a checkpoint of another fit is refused; through the CLI, a job killed in its
+exact finish resumes when run again and leaves no checkpoint behind."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+from service.core.artifact import read_artifact
+from tests.training.problems import blobs
+from training import NCA
+
+PARAMS = dict(n_components=2, n_candidates=5, max_iter=12, random_state=0, validation_interval=2)
+
+
+def data():
+    X, y = blobs(900, seed=5)
+    return X[:600], y[:600], X[600:], y[600:]
+
+
+class Killed(Exception):
+    """Stands for the process's death at an iteration."""
+
+
+def killer(at_iteration: int):
+    def callback(components, iteration):
+        if iteration >= at_iteration:
+            raise Killed(iteration)
+
+    return callback
+
+
+def fit(checkpoint=None, **extra):
+    X, y, X_val, y_val = data()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return NCA(**PARAMS, **extra).fit(X, y, X_val, y_val, checkpoint=checkpoint)
+
+
+def test_a_fit_killed_in_its_finish_resumes_there_and_ends_with_the_same_map(tmp_path):
+    whole = fit()
+    first_iterations = whole.stages_[0]["iterations"]
+    assert [r["stage"] for r in whole.stages_] == ["candidate stage", "exact finish"]
+    with pytest.raises(Killed):  # killed at the finish's second iteration
+        fit(tmp_path / "ckpt", callback=killer(first_iterations + 2))
+    assert (tmp_path / "ckpt" / "fit-rank0.npz").is_file()
+    resumed = fit(tmp_path / "ckpt")
+    assert resumed.resumed_stages_ == 1 and whole.resumed_stages_ == 0
+    np.testing.assert_array_equal(resumed.components_, whole.components_)
+    assert resumed.stages_[0] | {"seconds": 0, "check_seconds": 0} == whole.stages_[0] | {
+        "seconds": 0,
+        "check_seconds": 0,
+    }
+    assert resumed.n_iter_ == whole.n_iter_ and resumed.n_candidates_ == whole.n_candidates_
+    again = fit(tmp_path / "ckpt")  # every stage done: nothing to run
+    assert again.resumed_stages_ == 2
+    np.testing.assert_array_equal(again.components_, whole.components_)
+
+
+def test_a_fit_killed_in_its_first_stage_starts_that_stage_over(tmp_path):
+    whole = fit()
+    with pytest.raises(Killed):
+        fit(tmp_path / "ckpt", callback=killer(2))
+    assert not (tmp_path / "ckpt" / "fit-rank0.npz").exists()
+    resumed = fit(tmp_path / "ckpt")
+    assert resumed.resumed_stages_ == 0
+    np.testing.assert_array_equal(resumed.components_, whole.components_)
+
+
+def test_a_checkpoint_of_another_fit_is_refused(tmp_path):
+    fit(tmp_path / "ckpt")
+    with pytest.raises(ValueError, match="is of another fit"):
+        fit(tmp_path / "ckpt", l2=0.5)
+    X, y, X_val, y_val = data()
+    with pytest.raises(ValueError, match="is of another fit"):
+        NCA(**PARAMS).fit(X[::-1], y[::-1], X_val, y_val, checkpoint=tmp_path / "ckpt")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "fit-rank0.npz").write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="not a readable fit checkpoint"):
+        fit(tmp_path / "bad")
+
+
+def test_a_job_killed_in_its_finish_resumes_when_run_again(python_m_training, tmp_path):
+    X, y, _, _ = data()
+    np.save(tmp_path / "X.npy", X)
+    np.save(tmp_path / "y.npy", y)
+    args = ["--data", tmp_path / "X.npy", "--labels", tmp_path / "y.npy", "--n-components", "2"]
+    args += ["--n-candidates", "5", "--max-iter", "12", "--no-plots", "--quiet"]
+    code, _, err = python_m_training(*args, "--out", tmp_path / "whole")
+    assert code == 0, err
+    # killed (os._exit) when the exact finish starts: the candidate stage is checkpointed
+    kill = (
+        "import os\nimport training.optim.finish as f\nf.run_lbfgs = lambda *a, **k: os._exit(9)\n"
+    )
+    code, _, err = python_m_training(*args, "--out", tmp_path / "m", prelude=kill)
+    assert code == 9, err
+    checkpoint = tmp_path / ".m.checkpoint"
+    assert (checkpoint / "fit-rank0.npz").is_file() and not (tmp_path / "m").exists()
+    code, _, err = python_m_training(*args, "--out", tmp_path / "m")
+    assert code == 0, err
+    assert f"resumed from {checkpoint}: 1 stage(s) were done" in err
+    assert not checkpoint.exists()  # ours, removed once the artifact is written
+    np.testing.assert_array_equal(
+        read_artifact(tmp_path / "m").projection, read_artifact(tmp_path / "whole").projection
+    )
