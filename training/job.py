@@ -286,8 +286,8 @@ def checkpoint_dir_for(config: TrainConfig, out: Path) -> Path | None:
 
 def fit_estimator(estimator: NCA, split, checkpoint: Path | None = None) -> list[str]:
     """Fit on the training split, validating on the validation split, with the fit's
-    checkpoint in ``checkpoint``; returns the convergence warnings (also printed to stderr,
-    and recorded in the artifact)."""
+    checkpoint in ``checkpoint``; returns the convergence warnings and a checkpoint that
+    could not be written (also printed to stderr, and recorded in the artifact)."""
     has_val = len(split.X_val) > 0
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -305,7 +305,9 @@ def fit_estimator(estimator: NCA, split, checkpoint: Path | None = None) -> list
     messages = [
         str(w.message)
         for w in caught
-        if issubclass(w.category, ConvergenceWarning) or "converge" in str(w.message)
+        if issubclass(w.category, ConvergenceWarning)
+        or "converge" in str(w.message)
+        or "checkpoint" in str(w.message)  # a checkpoint the disk refused
     ]
     for message in messages:
         print(f"WARNING: {message}", file=sys.stderr)

@@ -30,6 +30,7 @@ import importlib.metadata
 import json
 import os
 import tempfile
+import warnings
 import zipfile
 from dataclasses import asdict, fields
 from pathlib import Path
@@ -83,6 +84,7 @@ class FitCheckpoint:
         self.directory = Path(directory)
         self.path = self.directory / f"fit-rank{rank}.npz"
         self.key = key
+        self.failed: str | None = None  # why a save failed: the fit then goes on without
 
     def load(self) -> dict | None:
         """The state saved (theta, torch_rng and the meta record's fields), or None when
@@ -117,7 +119,11 @@ class FitCheckpoint:
         finished_iter: int,
         rng: np.random.Generator,
     ) -> None:
-        """Write the state after ``stages_done`` stages, atomically."""
+        """Write the state after ``stages_done`` stages, atomically. A disk that refuses it
+        (full, read-only, the file-size limit) costs the checkpoint, not the fit: one
+        RuntimeWarning, and no later save is tried."""
+        if self.failed is not None:
+            return
         summary = {f.name: getattr(result, f.name) for f in fields(result) if f.name != "theta"}
         meta = {
             "format": FORMAT,
@@ -131,13 +137,25 @@ class FitCheckpoint:
             "rng": rng.bit_generator.state,
         }
         text = json.dumps(meta, default=_plain)
+        try:
+            self._write(text, np.asarray(result.theta, dtype=np.float64))
+        except OSError as exc:
+            self.failed = f"{exc.strerror or exc}"
+            warnings.warn(
+                f"cannot write the fit's checkpoint {self.path}: {self.failed}; the fit goes "
+                "on without one (a killed fit would start over)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    def _write(self, text: str, theta: np.ndarray) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".fit.", suffix=".tmp", dir=self.directory)
         try:
             with os.fdopen(fd, "wb") as fh:
                 np.savez(
                     fh,
-                    theta=np.asarray(result.theta, dtype=np.float64),
+                    theta=theta,
                     torch_rng=torch.get_rng_state().numpy(),
                     meta=np.array(text),
                 )

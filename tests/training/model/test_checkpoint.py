@@ -108,3 +108,12 @@ def test_a_job_killed_in_its_finish_resumes_when_run_again(python_m_training, tm
     np.testing.assert_array_equal(
         read_artifact(tmp_path / "m").projection, read_artifact(tmp_path / "whole").projection
     )
+
+
+def test_a_checkpoint_the_disk_refuses_costs_the_checkpoint_not_the_fit(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("where the checkpoint directory should be")
+    with pytest.warns(RuntimeWarning, match="cannot write the fit's checkpoint"):
+        X, y, X_val, y_val = data()
+        model = NCA(**PARAMS).fit(X, y, X_val, y_val, checkpoint=blocker / "ckpt")
+    np.testing.assert_array_equal(model.components_, fit().components_)
