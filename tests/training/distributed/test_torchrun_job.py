@@ -159,8 +159,10 @@ def test_a_rank_killed_mid_fit_fails_the_job_and_the_previous_artifact_stays(tmp
     assert "rank" in err.lower() and ("signal 9" in err.lower() or "sigkill" in err.lower()), err
     assert manifest(out) == before  # not replaced, not half-written
     assert Path(os.readlink(link)).resolve() == out.resolve() or (link.resolve() == out.resolve())
+    # the writers' lock of "model" stays by design (service.core.artifact.ownership): it is
+    # ours, empty of data, and freed by the kernel when its holder died
     leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith((".model", "model."))]
-    assert leftovers == []
+    assert [name for name in leftovers if name != ".model.lock"] == []
 
 
 def test_bad_rows_on_one_rank_fail_the_job_with_a_message_naming_that_rank(tmp_path):
