@@ -243,6 +243,19 @@ def test_references_condense_refuses_a_negative_seed_in_one_line(
     assert not out.exists()
 
 
+def assert_remove_refuses(python_m_training, model, tmp_path, args: list, words: str) -> None:
+    """``references remove --model MODEL ARGS --out OUT``: exit 2, one line holding
+    ``words``, no traceback, nothing at OUT."""
+    out = tmp_path / "out"
+    code, _, stderr = python_m_training(
+        "references", "remove", "--model", model, *args, "--out", out
+    )
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert code == 2 and "Traceback" not in stderr, stderr
+    assert len(lines) == 1 and words in lines[0], lines
+    assert not out.exists()
+
+
 IDS_CORPUS = [
     ("beyond int64", ["--ids", "9223372036854775808"], "beyond the 64-bit integer range"),
     ("below int64", ["--ids", "-9223372036854775809"], "beyond the 64-bit integer range"),
@@ -284,16 +297,9 @@ IDS_FILE_CORPUS = [
 def test_references_remove_refuses_bad_ids_files_in_one_line(
     python_m_training, digits_like_model, tmp_path, name, lay_out, words
 ):
-    model, _ = digits_like_model
-    out = tmp_path / "out"
-    args = lay_out(tmp_path)
-    code, _, stderr = python_m_training(
-        "references", "remove", "--model", model, *args, "--out", out
+    assert_remove_refuses(
+        python_m_training, digits_like_model[0], tmp_path, lay_out(tmp_path), words
     )
-    lines = [line for line in stderr.splitlines() if line.strip()]
-    assert code == 2 and "Traceback" not in stderr, stderr
-    assert len(lines) == 1 and words in lines[0], lines
-    assert not out.exists()
 
 
 def test_an_ids_file_of_small_uint64_or_with_a_byte_order_mark_is_read(digits_like_model, tmp_path):
@@ -309,15 +315,7 @@ def test_an_ids_file_of_small_uint64_or_with_a_byte_order_mark_is_read(digits_li
 def test_references_remove_refuses_bad_ids_in_one_line(
     python_m_training, digits_like_model, tmp_path, name, args, words
 ):
-    model, _ = digits_like_model
-    out = tmp_path / "out"
-    code, _, stderr = python_m_training(
-        "references", "remove", "--model", model, *args, "--out", out
-    )
-    lines = [line for line in stderr.splitlines() if line.strip()]
-    assert code == 2 and "Traceback" not in stderr, stderr
-    assert len(lines) == 1 and words in lines[0], lines
-    assert not out.exists()
+    assert_remove_refuses(python_m_training, digits_like_model[0], tmp_path, args, words)
 
 
 def test_an_ids_file_beyond_int64_is_refused_in_one_line(
