@@ -238,9 +238,9 @@ class TrainConfig:
     )
     prototypes: float | None = _shared(
         "prototypes",
-        "learned reference set: after the fit, learn round(N_c / PROTOTYPES) prototypes per "
-        "class together with the map (NCA's objective) and serve them instead of the training "
-        "rows (e.g. 20 keeps 5%%; above 1, at most the smallest class's size)",
+        "learned reference set: after the fit, learn round(N / PROTOTYPES) prototypes, shared "
+        "in proportion to the classes' sizes (one at least), together with the map (NCA's "
+        "objective) and serve them instead of the training rows (e.g. 20 keeps 5%%; above 1)",
     )
     test_size: float = _opt(
         0.2, "fraction of each class held out for testing (ignored if the data has a test set)"

@@ -116,9 +116,10 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         iteration, later stages are skipped, and the best judged map so far is returned
         (``budget_exhausted_``, ``stop_reason_`` "max_seconds", a ConvergenceWarning).
     prototypes : None or float
-        The joint mode of learned reference sets: after the NCA fit, round(N_c / prototypes)
-        prototypes per class and the map are learned together with NCA's objective
-        (``training.references.learned``); above 1 and at most the smallest class's size.
+        The joint mode of learned reference sets: after the NCA fit, round(N / prototypes)
+        prototypes (shared in proportion to the classes' sizes, one at least:
+        ``training.references.condense.class_budget``) and the map are learned together
+        with NCA's objective (``training.references.learned``); above 1.
     device, random_state, verbose, callback
         "auto" is CUDA when available; seed; scikit-learn's verbose table; called after
         every iteration with A raveled (d * D,) and the iteration number.
@@ -399,7 +400,8 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
 
 
 def _fit_prototypes(est: NCA, prep: preparation.Prepared, X, y) -> None:
-    """The joint mode: round(N_c / prototypes) prototypes per class and the map, learned
+    """The joint mode: round(N / prototypes) prototypes shared among the classes
+    (``training.references.condense.class_budget``) and the map, learned
     together from the NCA map (``training.references.compress``: log loss, the iteration
     with the best validation 1-NN accuracy kept, Wilson editing when validation prefers it)."""
     u = prep.X @ est.components_.T  # (N, d) the NCA embedding editing looks at
@@ -425,6 +427,7 @@ def _fit_prototypes(est: NCA, prep: preparation.Prepared, X, y) -> None:
         loss="log",
         seed=int(prep.rng.integers(2**31 - 1)),
         device=str(prep.device),
+        classes=est.classes_.tolist(),
     )
     fit = result.fit
     est._set_map(fit.projection, prep.mean, prep.scale)

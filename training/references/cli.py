@@ -98,8 +98,9 @@ def add_condense_options(condense: argparse.ArgumentParser) -> None:
     condense.add_argument(
         "--reduction",
         type=float,
-        help="prototypes: training rows per prototype within each class, above 1 and at most "
-        "the smallest class's size (default 20: 5%% kept)",
+        help="prototypes: training rows per prototype, above 1 (default 20: 5%% kept); the "
+        "budget round(N / reduction) is shared in proportion to the classes' sizes, a class "
+        "below its share keeping one prototype",
     )
     condense.add_argument(
         "--refine",

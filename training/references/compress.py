@@ -12,7 +12,7 @@ rows on the boundaries, whose removal costs a little), under 25% label noise abo
 The share is a direct estimate of how noisy or overlapping the labels are; choosing on the
 validation split instead was tried and was unreliable (on 700 noisy USPS validation rows it
 kept the unedited set, 2.7 points worse on test, at one budget). The budget is counted on
-the rows before editing: round(N_c / reduction) prototypes per class either way.
+the rows before editing (``training.references.condense.class_budget``) either way.
 
 Measured (``benchmarks/learned_references.py``): with 25% of the USPS labels replaced,
 editing turns learned prototypes at 5% from 1.4 points below the full set's test accuracy
@@ -35,14 +35,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from training.references.condense import wilson_keep
-from training.references.learned import (
-    LOSSES,
-    PrototypeFit,
-    class_budget,
-    learn_prototypes,
-    served_k,
-)
+from training.references.condense import budget_record, class_budget, wilson_keep
+from training.references.learned import LOSSES, PrototypeFit, learn_prototypes, served_k
 
 EDIT_MIN_FRACTION = 0.05  # edit when at least this share of the rows is outvoted
 
@@ -51,7 +45,8 @@ EDIT_MIN_FRACTION = 0.05  # edit when at least this share of the rows is outvote
 class Compressed:
     """A learned reference set: the fit (prototypes, labels, map in the joint mode), the k it
     serves best on validation, the validation accuracies by k, the editing it used, the loss
-    it was learned with and, per loss tried, the validation accuracy at its served k."""
+    it was learned with and, per loss tried, the validation accuracy at its served k, and the
+    budget (``training.references.condense.budget_record``: prototypes per class)."""
 
     fit: PrototypeFit
     k: int
@@ -60,6 +55,7 @@ class Compressed:
     n_rows: int = 0  # the training rows before editing
     loss: str = "f"
     tried: dict = field(default_factory=dict)  # {loss: validation accuracy at its served k}
+    budget: dict = field(default_factory=dict)
 
 
 def edit_k_for(default_k: int) -> int:
@@ -80,13 +76,15 @@ def compress(
     y_val: np.ndarray | None = None,
     u: np.ndarray | None = None,
     loss: str = "auto",
+    classes=None,
     **learn,
 ) -> Compressed:
     """x (N, d) embeddings (map fixed) or (N, D) standardised rows (joint, with
     ``projection`` in ``learn``); u (N, d) the embeddings editing looks at (x itself when
     None). ``learn`` goes to ``learn_prototypes``. The rows are Wilson-edited first when
     editing would remove at least ``EDIT_MIN_FRACTION`` of them. loss: "f", "log", or "auto"
-    (both learned, the better on validation kept; f without a validation split)."""
+    (both learned, the better on validation kept; f without a validation split). classes:
+    the names of y's class indices, for the budget's record."""
     if loss != "auto" and loss not in LOSSES:
         raise ValueError(f"loss must be 'auto' or one of {LOSSES}, got {loss!r}")
     u = x if u is None else u
@@ -116,7 +114,10 @@ def compress(
     chosen = max(losses, key=tried.get)  # the first among equals; NaN only when one is tried
     fit, k, accuracy = fits[chosen]
     editing = {"edit_k": int(edit_k), "outvoted_rows": outvoted, "edited": bool(edited)}
-    return Compressed(fit, k, accuracy, editing, n_rows=len(y), loss=chosen, tried=tried)
+    budget_said = budget_record(y, reduction, classes)
+    return Compressed(
+        fit, k, accuracy, editing, n_rows=len(y), loss=chosen, tried=tried, budget=budget_said
+    )
 
 
 def reference_set_record(*, method: str, reduction: float, compressed: Compressed) -> dict:
@@ -130,7 +131,7 @@ def reference_set_record(*, method: str, reduction: float, compressed: Compresse
             name: None if np.isnan(acc) else round(acc, 6) for name, acc in compressed.tried.items()
         },
         "reduction": reduction,
-        "budget": "proportional: round(N_c / reduction) per class, at least 1",
+        "budget": compressed.budget,
         "n_prototypes": len(fit.labels),
         "n_training_rows": compressed.n_rows,
         "editing": compressed.editing,

@@ -19,8 +19,9 @@ far more accuracy (measured: USPS, 12x fewer references and 3-4 points of test a
 check_k = 5: 3.3x fewer and 0.4-0.9 points).
 
 Prototypes (``prototypes``) replace selection by generation. Within each class, Lloyd's
-k-means (k-means++ seeding) with round(N_c / reduction) centres partitions the class's
-references into clusters S_1 ... S_m, each starting as one prototype at its mean
+k-means (k-means++ seeding) partitions the class's references into clusters S_1 ... S_m
+(m from ``class_budget``: the class's share of round(N / reduction), at least one), each
+starting as one prototype at its mean
 
     mu_j = (1 / |S_j|) sum_{i in S_j} z_i,
 
@@ -46,6 +47,65 @@ import numpy as np
 
 from service.core.knn import RERANK_MARGIN, decide, exact_knn, rerank, squared_distances
 from training.evaluation.evaluate import torch_candidates
+
+
+def class_budget(y: np.ndarray, reduction: float) -> dict[int, int]:
+    """{class: prototypes} for the classes of y (N,): a total of round(N / reduction)
+    prototypes (at least one per class), shared in proportion to the classes' sizes.
+
+    A class whose share N_c * T / N_rest is below one keeps one prototype (all of its rows
+    when it has one), and the rest of the budget T is shared among the other classes in
+    proportion to their sizes, again until every share is at least one (water-filling);
+    no class gets more prototypes than it has rows. The shares are rounded by largest
+    remainder (ties to the lower class index), so the counts sum to the total exactly.
+    A class set with no small class gets round-ish(N_c / reduction) each, as before."""
+    classes, counts = np.unique(np.asarray(y), return_counts=True)
+    rows = {int(c): int(n) for c, n in zip(classes, counts, strict=True)}
+    total = max(len(rows), min(len(y), round(len(y) / reduction)))
+    budget: dict[int, int] = {}
+    while True:  # fix the classes whose share is below one, or above their rows
+        active = [c for c in rows if c not in budget]
+        left = total - sum(budget.values())
+        pool = sum(rows[c] for c in active)
+        fixed = {c: 1 for c in active if rows[c] * left < pool}
+        if left > pool:  # more prototypes than rows left: every class keeps its rows
+            fixed = {c: rows[c] for c in active}
+        if not fixed:
+            break
+        budget.update(fixed)
+    active = [c for c in rows if c not in budget]
+    left = total - sum(budget.values())
+    pool = sum(rows[c] for c in active)
+    shares = {c: rows[c] * left / pool for c in active}
+    floors = {c: int(shares[c]) for c in active}
+    spare = left - sum(floors.values())
+    by_remainder = sorted(active, key=lambda c: (floors[c] - shares[c], c))
+    for c in by_remainder[:spare]:
+        floors[c] += 1
+    budget.update(floors)
+    return {c: budget[c] for c in rows}
+
+
+def budget_record(y: np.ndarray, reduction: float, classes=None) -> dict:
+    """What the manifest and the lineage say of ``class_budget(y, reduction)``: the rule,
+    the total, per class its rows and prototypes, and the classes whose proportional share
+    (N_c * total / N) was below one prototype and were raised to one. classes: the names
+    of the class indices in y (the indices themselves when None)."""
+    budget = class_budget(y, reduction)
+    values, counts = np.unique(np.asarray(y), return_counts=True)
+    rows = {int(c): int(n) for c, n in zip(values, counts, strict=True)}
+    total, n = sum(budget.values()), len(y)
+
+    def name(c: int) -> str:
+        return str(c if classes is None else list(classes)[c])
+
+    return {
+        "rule": "round(N / reduction) prototypes, shared in proportion to the classes' sizes; "
+        "a class whose share is below one keeps one, the others share the rest",
+        "total": int(total),
+        "per_class": {name(c): {"rows": rows[c], "prototypes": int(m)} for c, m in budget.items()},
+        "raised_to_one": [name(c) for c in budget if rows[c] * total < n],
+    }
 
 
 def knn_within(
@@ -187,7 +247,7 @@ def prototypes(
     iterations: int = 25,
     refine_epochs: int = 30,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Per-class k-means prototypes with round(N_c / reduction) centres per class (at least 1),
+    """Per-class k-means prototypes, ``class_budget(y, reduction)`` centres per class,
     then ``refine_epochs`` steps of ``refine_prototypes`` (0: the cluster means as they are).
 
     z: (N, d), y: (N,). Returns (centres (M, d) float32, labels (M,), representative (M,) the
@@ -195,9 +255,10 @@ def prototypes(
     each reference's cluster). A class no larger than its number of centres starts from its
     references as they are."""
     means, labels, assignment, offset = [], [], np.empty(len(z), dtype=np.int64), 0
+    budget = class_budget(y, reduction)
     for c in np.unique(y):
         members = np.flatnonzero(y == c)
-        m = max(1, round(len(members) / reduction))
+        m = budget[int(c)]
         if m >= len(members):
             mu, part = np.asarray(z[members], dtype=np.float64), np.arange(len(members))
         else:

@@ -24,8 +24,8 @@ Cost: one evaluation is O(N M d) time and O(B M) memory (rows in chunks of B, gr
 accumulated chunk by chunk), never N x N.
 
 The starting prototypes are per-class k-means centres in the starting embedding
-(``training.references.condense.kmeans``), round(N_c / reduction) per class, at least one
-(the budget is proportional to the class's size). Full-batch L-BFGS (scipy's L-BFGS-B)
+(``training.references.condense.kmeans``), round(N / reduction) in all, shared in proportion
+to the classes' sizes, at least one per class (``training.references.condense.class_budget``). Full-batch L-BFGS (scipy's L-BFGS-B)
 moves them; every ``check_every`` iterations the validation accuracy of the 1-NN rule on
 the prototypes is measured and the best parameters are kept (the log loss can fall for
 long after the 1-NN boundaries stop improving). The k to serve is chosen afterwards on
@@ -44,7 +44,7 @@ import torch
 from scipy.optimize import minimize
 
 from training.evaluation.evaluate import K_VALUES, choose_k, knn_accuracies
-from training.references.condense import _nearest, kmeans
+from training.references.condense import _nearest, class_budget, kmeans
 
 LOSSES = ("log", "f")
 
@@ -70,12 +70,6 @@ class PrototypeFit:
     best_iter: int = 0
     seconds: float = 0.0
     n_rows: int = 0  # the training rows it learned from
-
-
-def class_budget(y: np.ndarray, reduction: float) -> dict[int, int]:
-    """{class: prototypes}: round(N_c / reduction), at least 1, for every class present."""
-    classes, counts = np.unique(y, return_counts=True)
-    return {int(c): max(1, round(int(n) / reduction)) for c, n in zip(classes, counts, strict=True)}
 
 
 def initial_prototypes(
@@ -372,9 +366,9 @@ def check_budget(
     y: np.ndarray, n_classes: int, reduction, classes=None, name: str = "--reduction"
 ) -> float:
     """reduction as a float, or ValueError naming the problem: it must be a number above 1
-    and at most the size of the smallest class (each class keeps at least one prototype and
-    fewer prototypes than rows), and every class must have rows (a class without rows cannot
-    have a prototype). y (N,) class indices in [0, n_classes)."""
+    (training rows per prototype), and every class must have rows (a class without rows
+    cannot have a prototype). A class smaller than its share keeps one prototype
+    (``class_budget``). y (N,) class indices in [0, n_classes)."""
     try:
         value = float(reduction)
     except (TypeError, ValueError):
@@ -388,12 +382,6 @@ def check_budget(
         raise ValueError(
             f"classes {empty[:10]} have no rows: a learned reference set needs at least one "
             "row of every class"
-        )
-    smallest = int(np.argmin(counts))
-    if value > counts[smallest]:
-        raise ValueError(
-            f"{name}={value:g} is above the size of class {names[smallest]!r} "
-            f"({counts[smallest]} rows): at most {counts[smallest]} keeps one prototype for it"
         )
     return value
 

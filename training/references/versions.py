@@ -19,7 +19,7 @@ time, warnings), which ``GET /v1/model`` shows.
   than the default k, the default k comes down to their number (recorded).
 
 * condense: keep a subset (Hart's condensing, after Wilson editing with ``edit_k``), or
-  replace the references by round(N_c / reduction) prototypes per class (method
+  replace the references by round(N / reduction) prototypes shared among the classes (method
   "prototypes"; reduction defaults to 20, 5% kept), starting at per-class k-means centres.
   ``refine`` "nca" (the default) learns them with NCA's objective and the map fixed
   (``training.references.learned``, at most ``refine_epochs`` L-BFGS iterations, 200);
@@ -56,7 +56,7 @@ from training.errors import WriteError
 from training.evaluation.calibration import calibrate
 from training.evaluation.evaluate import knn_accuracies
 from training.references.compress import compress, edit_k_for, reference_set_record
-from training.references.condense import condense, prototypes
+from training.references.condense import budget_record, condense, prototypes
 from training.references.learned import check_budget, representatives
 
 
@@ -364,6 +364,7 @@ def _learned(parent, z, y, settings) -> tuple:
         y_val=parent.validation_labels,
         max_iter=settings["refine_epochs"],
         seed=settings["seed"],
+        classes=parent.classes,
     )
     fit = result.fit
     rows = representatives(z, y, fit.prototypes, fit.labels)
@@ -372,7 +373,7 @@ def _learned(parent, z, y, settings) -> tuple:
         reduction=settings["reduction"],
         compressed=result,
     )
-    counts = {"prototypes": len(fit.labels)}
+    counts = {"prototypes": len(fit.labels), "budget": result.budget}
     return fit.prototypes, fit.labels, parent.ids[rows], counts, result.k, record
 
 
@@ -392,10 +393,12 @@ def _condensed(parent, z, y, settings, unchanged) -> tuple:
             seed=settings["seed"],
             refine_epochs=settings["refine_epochs"] if settings["refine"] == "glvq" else 0,
         )
+        budget = budget_record(y, settings["reduction"], parent.classes)
         record = {
             "kind": "prototypes",
             "method": f"k-means, {settings['refine']} refinement",
             "reduction": settings["reduction"],
+            "budget": budget,
             "n_prototypes": len(labels),
             "n_training_rows": len(z),
         }
@@ -403,7 +406,7 @@ def _condensed(parent, z, y, settings, unchanged) -> tuple:
             centres,
             labels,
             parent.ids[representative],
-            {"prototypes": len(labels)},
+            {"prototypes": len(labels), "budget": budget},
             None,
             record,
         )

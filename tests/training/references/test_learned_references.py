@@ -282,12 +282,71 @@ def test_budget_is_proportional_and_bad_budgets_name_the_problem():
         (0.5, "must be a number > 1"),
         (float("nan"), "must be a number > 1"),
         ("x", "must be a number > 1"),
-        (8, "above the size of class 2 \\(7 rows\\)"),
     ]:
         with pytest.raises(ValueError, match=message):
             check_budget(y, 3, value)
     with pytest.raises(ValueError, match="classes \\[3\\] have no rows"):
         check_budget(y, 4, 5)
+
+
+SHUTTLE_LIKE = [34108, 37, 132, 6748, 2458, 6, 11]  # rows per class: 43,500 in 7 classes
+
+
+@pytest.mark.parametrize(
+    ("counts", "reduction", "expected"),
+    [
+        ([100, 30, 7], 10, [10, 3, 1]),  # proportional: every share at least one
+        ([10, 10, 10], 3, [4, 3, 3]),  # round(30 / 3) = 10, the spare one to the lowest index
+        (SHUTTLE_LIKE, 20, [1704, 2, 7, 337, 123, 1, 1]),  # 2,175 = round(43,500 / 20)
+        (SHUTTLE_LIKE, 50, [681, 1, 2, 135, 49, 1, 1]),  # classes 1, 5, 6 below one: raised
+        (SHUTTLE_LIKE, 10**6, [1, 1, 1, 1, 1, 1, 1]),  # a budget below the classes: one each
+        ([1, 2], 1.01, [1, 2]),  # never more prototypes than rows
+        ([1, 1000], 2, [1, 499]),  # the small class's one comes out of the total (500)
+    ],
+)
+def test_the_budget_is_shared_by_size_and_a_small_class_keeps_one(counts, reduction, expected):
+    y = np.repeat(np.arange(len(counts)), counts)
+    budget = class_budget(y, reduction)
+    assert list(budget.values()) == expected
+    assert sum(expected) == max(len(counts), round(len(y) / reduction))
+    assert all(1 <= m <= n for m, n in zip(expected, counts, strict=True))
+
+
+def test_an_imbalanced_reference_set_compresses_and_says_which_classes_were_raised(tmp_path):
+    """Classes of 5 and 12 rows beside ones of 125: at 5% and 2% kept every class keeps a
+    prototype, the total is round(N / reduction), and the manifest's record, the lineage
+    and the command's summary name the classes raised to one (the old rule refused)."""
+    from tests.service.conftest import Split, build_model_artifact, digits_like_split
+
+    split = digits_like_split()
+    keep = np.ones(len(split.y_train), dtype=bool)
+    for c, rows in ((3, 5), (7, 12)):
+        keep[np.flatnonzero(split.y_train == c)[rows:]] = False
+    small = Split(
+        **{**split.__dict__, "X_train": split.X_train[keep], "y_train": split.y_train[keep]}
+    )
+    build_model_artifact(tmp_path / "imbalanced", small)
+    n = int(keep.sum())  # 8 x 125 + 5 + 12 = 1,017 rows
+    for reduction, refine in ((20, "nca"), (50, "nca"), (50, "glvq")):
+        out = tmp_path / f"r{reduction}-{refine}"
+        summary = condense_references(
+            tmp_path / "imbalanced",
+            out=out,
+            method="prototypes",
+            reduction=reduction,
+            refine=refine,
+            refine_epochs=5,
+        )
+        artifact = read_artifact(out)
+        labels = np.asarray(artifact.labels)
+        counts = np.bincount(labels, minlength=10)
+        assert len(labels) == round(n / reduction) and (counts >= 1).all()
+        assert counts[3] == 1 and counts[7] == 1
+        budget = artifact.manifest["reference_set"]["budget"]
+        assert budget["raised_to_one"] == ["3", "7"]
+        assert budget["per_class"]["3"] == {"rows": 5, "prototypes": 1}
+        assert budget["total"] == len(labels)
+        assert artifact.manifest["lineage"][-1]["budget"] == budget == summary["budget"]
 
 
 def test_representatives_are_the_nearest_row_of_the_prototypes_class():
@@ -323,7 +382,7 @@ def test_condense_learns_prototypes_and_says_so(learned):
     path, out, summary = learned
     parent, child = read_artifact(path), read_artifact(out)
     sizes = np.bincount(np.asarray(parent.labels))
-    assert len(child.ids) == sum(max(1, round(n / 10)) for n in sizes) == summary["rows_after"]
+    assert len(child.ids) == round(sizes.sum() / 10) == summary["rows_after"]
     record = child.manifest["reference_set"]
     assert record["kind"] == "prototypes" and record["reduction"] == 10.0
     assert record["n_prototypes"] == len(child.ids)
@@ -398,7 +457,7 @@ def test_learning_prototypes_from_prototypes_is_refused_and_repeating_is_idempot
     [
         (["--reduction", "1"], "--reduction must be a number > 1"),
         (["--reduction", "0.5"], "--reduction must be a number > 1"),
-        (["--reduction", "100000"], "is above the size of class"),
+        (["--reduction", "inf"], "--reduction must be a number > 1"),
         (["--reduction", "nan"], "--reduction must be a number > 1"),
         (["--refine-epochs", "-1"], "--refine-epochs must be an integer >= 0"),
     ],
@@ -450,7 +509,10 @@ def test_estimator_joint_mode_learns_prototypes_and_the_map():
 
 @pytest.mark.parametrize(
     ("value", "message"),
-    [(1, "prototypes=1 must be None or a finite real number > 1"), (500, "above the size")],
+    [
+        (1, "prototypes=1 must be None or a finite real number > 1"),
+        (float("inf"), "prototypes=inf must be None or a finite real number > 1"),
+    ],
 )
 def test_estimator_refuses_bad_prototype_budgets_before_fitting(value, message):
     from sklearn.datasets import load_digits
@@ -496,8 +558,8 @@ def test_training_job_refuses_a_bad_prototype_budget_with_exit_2(tmp_path, capsy
     from training.cli import main
 
     out = tmp_path / "never"
-    assert main(["--data", "iris", "--prototypes", "1000", "--out", str(out), "--quiet"]) == 2
-    assert "--prototypes=1000 is above the size of class" in capsys.readouterr().err
+    assert main(["--data", "iris", "--prototypes", "0.5", "--out", str(out), "--quiet"]) == 2
+    assert "--prototypes" in capsys.readouterr().err
     assert not out.exists()
 
 
