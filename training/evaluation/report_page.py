@@ -131,13 +131,16 @@ def _accuracy_chart(metrics: dict) -> str:
     def points(by_k: dict) -> list[tuple[float, float]]:
         return sorted((float(k), float(v)) for k, v in (by_k or {}).items())
 
-    series = [Series("NCA (ours)", points(metrics.get("test_accuracy")), markers=True)]
+    series = [Series("NCA (ours), test", points(metrics.get("test_accuracy")), markers=True)]
+    if metrics.get("val_accuracy"):  # the curve the served k was chosen on
+        validation = points(metrics["val_accuracy"])
+        series.append(Series("NCA (ours), validation", validation, markers=True))
     for name, record in _baselines(metrics):
         if "test_accuracy" in record:
             series.append(Series(name, points(record["test_accuracy"]), dashed=True, markers=True))
     default_k = metrics.get("default_k")
     markers = [Marker(float(default_k), f"default k = {default_k}")] if default_k else []
-    return line_chart(Chart("test accuracy against k", "k", "test accuracy", series, markers))
+    return line_chart(Chart("accuracy against k", "k", "accuracy", series, markers))
 
 
 def _baselines(metrics: dict) -> list[tuple[str, dict]]:
@@ -192,7 +195,7 @@ def render_page(report: dict, manifest: dict, images: dict[str, bytes]) -> str:
         _stage_table(training),
         "<h2>Objective and validation accuracy</h2>",
         _objective_chart(training),
-        "<h2>Test accuracy against k</h2>",
+        "<h2>Validation and test accuracy against k</h2>",
         _accuracy_chart(metrics),
         _baseline_table(metrics),
         *_predictions(report, manifest),

@@ -49,6 +49,9 @@ def test_the_job_writes_a_self_contained_page_with_the_key_figures(digits_model)
     assert 'class="confusion"' in page and page.count("<tr>") > 10
     assert page.count("data:image/png;base64,") == 1  # the embedding plot, inline
     assert "first two principal axes" in page  # d = 8: the 2-D view says what it is
+    # the curve the served k was chosen on, beside the test curve
+    assert "NCA (ours), validation" in page and "NCA (ours), test" in page
+    assert "Validation and test accuracy against k" in page
     assert "mean score (unpenalised)" in page and "score - l2 ||A||²" in page
     # nothing fetched: no scripts, no stylesheets, no external sources or links
     assert "<script" not in page and "<link" not in page
