@@ -14,7 +14,7 @@ import torch.distributed as dist
 from sklearn.exceptions import ConvergenceWarning
 
 from service.core.artifact import ArtifactError, OutputClaim, write_artifact
-from service.core.knn import project
+from service.core.knn import exact_knn, project
 from training.config import TrainConfig
 from training.data.datasets import (
     BUILTIN_DATASETS,
@@ -335,6 +335,7 @@ class Evaluation:
     z_ref: np.ndarray | None = None  # (M, d) the references served: z_train or prototypes
     y_ref: np.ndarray | None = None  # (M,)
     ref_ids: np.ndarray | None = None  # (M,) prototypes: the training row nearest each
+    nearest_reference: dict | None = None  # nearest_reference_distances(z_ref, z_val, z_test)
 
 
 BASELINES_SKIPPED = (
@@ -397,6 +398,7 @@ def evaluate(
         z_ref,
         y_ref,
         ref_ids,
+        nearest_reference_distances(z_ref, z_val, z_test),
     )
 
 
@@ -438,6 +440,37 @@ def training_record_of(config: TrainConfig, estimator: NCA, warns: list[str]) ->
     }
 
 
+# validation rows nearer the references than this fraction of the test rows' distance (the
+# medians) are flagged: near-copies across the split make the validation curve over k
+# favour small k (a row's near-copy is its 1-NN) where unseen rows have none
+NEAR_COPY_RATIO = 0.8
+
+
+def nearest_reference_distances(
+    z_ref: np.ndarray, z_val: np.ndarray, z_test: np.ndarray
+) -> dict | None:
+    """How far the validation and the test rows sit from their nearest reference: the
+    median Euclidean distance of each split to its nearest reference, and their ratio
+    (validation / test). The served k is chosen on the validation rows; it is the best k
+    for unseen rows only when those rows are as far from the references as unseen rows are
+    (a ratio near 1). z_ref (M, d), z_val (n_val, d), z_test (n_test, d); None when either
+    split is empty; the ratio None when the test rows' median distance is 0."""
+    if len(z_val) == 0 or len(z_test) == 0:
+        return None
+    medians = {
+        name: float(np.median(np.sqrt(np.maximum(exact_knn(z, z_ref, 1)[0][:, 0], 0.0))))
+        for name, z in (("validation", z_val), ("test", z_test))
+    }
+    # None when the test rows themselves are references (their median distance is 0)
+    ratio = medians["validation"] / medians["test"] if medians["test"] > 0 else None
+    return {
+        "validation_median": medians["validation"],
+        "test_median": medians["test"],
+        "ratio": ratio,
+        "near_copies": ratio is not None and ratio < NEAR_COPY_RATIO,
+    }
+
+
 def build_report(
     config: TrainConfig, data_name: str, split, estimator: NCA, ev: Evaluation, warns: list[str]
 ) -> dict:
@@ -450,6 +483,9 @@ def build_report(
         "val_accuracy_at_default_k": ev.val_accuracy.get(ev.default_k),
         "test_accuracy_at_default_k": ev.test_accuracy.get(ev.default_k),
         "baselines": ev.baselines,
+        # how far validation and test rows sit from their nearest reference (the served k is
+        # chosen on validation: it holds for unseen rows when the ratio is near 1)
+        "nearest_reference_distance": ev.nearest_reference,
         # test points farther from every reference than the calibrated 0.99-quantile
         "outliers": outlier_report(
             ev.outlier_calibration,

@@ -73,6 +73,16 @@ def warnings_of(report: dict) -> list[str]:
             f"{training.get('n_iter')} iterations)."
         )
     found.extend(str(w) for w in training.get("warnings", []) if str(w) not in " ".join(found))
+    distance = (report.get("metrics") or {}).get("nearest_reference_distance") or {}
+    if distance.get("near_copies"):
+        found.append(
+            f"Validation rows sit nearer the references than test rows (median distance to "
+            f"the nearest reference {distance['validation_median']:.4g} against "
+            f"{distance['test_median']:.4g}, ratio {distance['ratio']:.2f}): the training rows "
+            "hold near-copies of validation rows that unseen rows lack, so the served k chosen "
+            "on validation may be smaller than what serves unseen rows best. Split the data "
+            "by its source (a group, a time, a region) and pass the test rows as X_test."
+        )
     return found
 
 

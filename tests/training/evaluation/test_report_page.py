@@ -163,3 +163,37 @@ def test_a_page_that_cannot_be_written_is_a_warning_not_a_failed_run(tmp_path, c
     assert (
         "warning: report.html not written (ValueError: a report the page" in capsys.readouterr().err
     )
+
+
+def test_the_report_measures_how_far_validation_and_test_rows_sit_from_the_references(
+    digits_model,
+):
+    """On the digits' random split, validation and test rows are alike: ratio near 1, no
+    warning."""
+    distance = json.loads((digits_model / "report.json").read_text())["metrics"][
+        "nearest_reference_distance"
+    ]
+    assert 0.8 < distance["ratio"] < 1.25 and distance["near_copies"] is False
+    assert distance["validation_median"] > 0 and distance["test_median"] > 0
+
+
+def test_validation_rows_with_near_copies_among_the_references_are_flagged():
+    """Validation rows that are references moved by 1e-3 sit ~1000x nearer the references
+    than fresh test rows: the ratio says so and the page warns that the served k may be too
+    small; rows drawn alike are not flagged."""
+    from training.job import nearest_reference_distances
+
+    rng = np.random.default_rng(0)
+    z_ref = rng.normal(size=(500, 4))
+    copies = z_ref[:100] + rng.normal(scale=1e-3, size=(100, 4))
+    fresh = rng.normal(size=(100, 4))
+    flagged = nearest_reference_distances(z_ref, copies, fresh)
+    assert flagged["ratio"] < 0.01 and flagged["near_copies"] is True
+    alike = nearest_reference_distances(z_ref, rng.normal(size=(100, 4)), fresh)
+    assert 0.8 < alike["ratio"] < 1.25 and alike["near_copies"] is False
+    assert nearest_reference_distances(z_ref, z_ref[:0], fresh) is None
+    on_references = nearest_reference_distances(z_ref, fresh, z_ref[:50])  # test rows are refs
+    assert on_references["ratio"] is None and on_references["near_copies"] is False
+    found = warnings_of({"metrics": {"nearest_reference_distance": flagged}})
+    assert len(found) == 1 and "near-copies of validation rows" in found[0]
+    assert warnings_of({"metrics": {"nearest_reference_distance": alike}}) == []
