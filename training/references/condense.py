@@ -58,7 +58,7 @@ def class_budget(y: np.ndarray, reduction: float) -> dict[int, int]:
     proportion to their sizes, again until every share is at least one (water-filling);
     no class gets more prototypes than it has rows. The shares are rounded by largest
     remainder (ties to the lower class index), so the counts sum to the total exactly.
-    A class set with no small class gets round-ish(N_c / reduction) each, as before."""
+    Without a small class, each class gets its share N_c / reduction, rounded."""
     classes, counts = np.unique(np.asarray(y), return_counts=True)
     rows = {int(c): int(n) for c, n in zip(classes, counts, strict=True)}
     total = max(len(rows), min(len(y), round(len(y) / reduction)))

@@ -242,7 +242,7 @@ def learn_prototypes(
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> PrototypeFit:
-    """Learn round(N_c / reduction) prototypes per class (or a budget {class: count}).
+    """Learn ``class_budget(y, reduction)`` prototypes per class (or a budget {class: count}).
 
     A fixed (joint=False): x (N, d) are the embeddings u; projection is unused.
     Joint: x (N, D) standardised inputs, projection (d, D) the starting map A (the fitted
