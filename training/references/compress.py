@@ -114,7 +114,7 @@ def compress(
     chosen = max(losses, key=tried.get)  # the first among equals; NaN only when one is tried
     fit, k, accuracy = fits[chosen]
     editing = {"edit_k": int(edit_k), "outvoted_rows": outvoted, "edited": bool(edited)}
-    budget_said = budget_record(y, reduction, classes)
+    budget_said = budget_record(y, reduction, classes, made=fit.labels)
     return Compressed(
         fit, k, accuracy, editing, n_rows=len(y), loss=chosen, tried=tried, budget=budget_said
     )

@@ -57,8 +57,9 @@ def class_budget(y: np.ndarray, reduction: float) -> dict[int, int]:
     when it has one), and the rest of the budget T is shared among the other classes in
     proportion to their sizes, again until every share is at least one (water-filling);
     no class gets more prototypes than it has rows. The shares are rounded by largest
-    remainder (ties to the lower class index), so the counts sum to the total exactly.
-    Without a small class, each class gets its share N_c / reduction, rounded."""
+    remainder in exact integer arithmetic (ties to the lower class index), so the counts sum
+    to the total exactly; a class's count is its share rounded down or up, not necessarily
+    to the nearest."""
     classes, counts = np.unique(np.asarray(y), return_counts=True)
     rows = {int(c): int(n) for c, n in zip(classes, counts, strict=True)}
     total = max(len(rows), min(len(y), round(len(y) / reduction)))
@@ -76,22 +77,29 @@ def class_budget(y: np.ndarray, reduction: float) -> dict[int, int]:
     active = [c for c in rows if c not in budget]
     left = total - sum(budget.values())
     pool = sum(rows[c] for c in active)
-    shares = {c: rows[c] * left / pool for c in active}
-    floors = {c: int(shares[c]) for c in active}
+    # share_c = rows_c * left / pool, split exactly into its floor and its remainder
+    floors = {c: rows[c] * left // pool for c in active}
+    remainders = {c: rows[c] * left % pool for c in active}
     spare = left - sum(floors.values())
-    by_remainder = sorted(active, key=lambda c: (floors[c] - shares[c], c))
+    by_remainder = sorted(active, key=lambda c: (-remainders[c], c))
     for c in by_remainder[:spare]:
         floors[c] += 1
     budget.update(floors)
     return {c: budget[c] for c in rows}
 
 
-def budget_record(y: np.ndarray, reduction: float, classes=None) -> dict:
+def budget_record(y: np.ndarray, reduction: float, classes=None, made=None) -> dict:
     """What the manifest and the lineage say of ``class_budget(y, reduction)``: the rule,
     the total, per class its rows and prototypes, and the classes whose proportional share
     (N_c * total / N) was below one prototype and were raised to one. classes: the names
-    of the class indices in y (the indices themselves when None)."""
+    of the class indices in y (the indices themselves when None). made: the labels (M,)
+    of the prototypes actually made, when they can be fewer than the budget (a class that
+    editing left with fewer rows than its budget starts from its rows): the counts then
+    say what was made."""
     budget = class_budget(y, reduction)
+    if made is not None:
+        counted = np.bincount(np.asarray(made, dtype=np.int64), minlength=max(budget) + 1)
+        budget = {c: int(counted[c]) for c in budget}
     values, counts = np.unique(np.asarray(y), return_counts=True)
     rows = {int(c): int(n) for c, n in zip(values, counts, strict=True)}
     total, n = sum(budget.values()), len(y)

@@ -302,6 +302,7 @@ SHUTTLE_LIKE = [34108, 37, 132, 6748, 2458, 6, 11]  # rows per class: 43,500 in 
         (SHUTTLE_LIKE, 10**6, [1, 1, 1, 1, 1, 1, 1]),  # a budget below the classes: one each
         ([1, 2], 1.01, [1, 2]),  # never more prototypes than rows
         ([1, 1000], 2, [1, 499]),  # the small class's one comes out of the total (500)
+        ([347, 169, 109], 2.5, [139, 68, 43]),  # remainders 0.6 and 0.6 (exact): the lower
     ],
 )
 def test_the_budget_is_shared_by_size_and_a_small_class_keeps_one(counts, reduction, expected):
@@ -310,6 +311,36 @@ def test_the_budget_is_shared_by_size_and_a_small_class_keeps_one(counts, reduct
     assert list(budget.values()) == expected
     assert sum(expected) == max(len(counts), round(len(y) / reduction))
     assert all(1 <= m <= n for m, n in zip(expected, counts, strict=True))
+
+
+def test_the_budget_record_counts_the_prototypes_made_when_editing_left_a_class_short():
+    """Wilson editing removes 5 "dog" rows that sit among the cats; at 1.25 rows per
+    prototype the budget (counted before editing) gives dog 16 prototypes, but only 15 dog
+    rows remain and each starts one prototype: the record says 15, as the labels do."""
+    from training.references.compress import compress
+
+    rng = np.random.default_rng(0)
+    x0, x1 = rng.normal(0, 1, (60, 2)), rng.normal(6, 1, (20, 2))
+    x1[:5] = rng.normal(0, 0.3, (5, 2))
+    x = np.vstack([x0, x1]).astype(np.float32)
+    y = np.r_[np.zeros(60, int), np.ones(20, int)]
+    result = compress(
+        x,
+        y,
+        reduction=1.25,
+        n_classes=2,
+        rule="majority",
+        edit_k=3,
+        loss="f",
+        max_iter=5,
+        classes=["cat", "dog"],
+    )
+    assert result.editing["edited"]
+    made = np.bincount(result.fit.labels, minlength=2)
+    budget = result.budget
+    assert budget["per_class"]["dog"] == {"rows": 20, "prototypes": int(made[1])}
+    assert budget["per_class"]["cat"]["prototypes"] == int(made[0])
+    assert budget["total"] == len(result.fit.labels)
 
 
 def test_an_imbalanced_reference_set_compresses_and_says_which_classes_were_raised(tmp_path):
