@@ -139,6 +139,13 @@ def test_training_job_arguments_are_cli_options(overlay):
     assert args.out.startswith("/models/versions/") and args.publish == "/models/current"
     assert job["spec"]["backoffLimit"] >= 0 and job["spec"]["activeDeadlineSeconds"] > 0
     assert job["spec"]["ttlSecondsAfterFinished"] > 0
+    # a drained or preempted pod is replaced without spending a retry (it resumes from the
+    # checkpoint); bad data or options (exit 2) fail the Job without retrying
+    rules = job["spec"]["podFailurePolicy"]["rules"]
+    assert {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]} in rules
+    (fail,) = [r for r in rules if r["action"] == "FailJob"]
+    assert fail["onExitCodes"] == {"containerName": "train", "operator": "In", "values": [2]}
+    assert container["name"] == "train" and args.checkpoint_dir == "auto"
     gpu = container["resources"].get("limits", {}).get("nvidia.com/gpu")
     if overlay == "prod":
         assert gpu == 1 and args.device == "cuda"
