@@ -13,15 +13,26 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from service.core.artifact.format import MANIFEST_FILE
 from service.core.artifact.write import remove_stale_staging, staging_path
 from training.errors import ConfigError, writing
 
 
 def check_publish_link(link: str | None, out: str | os.PathLike | None = None) -> None:
-    """ConfigError when ``link`` exists and is not a symlink (it is never replaced), or
-    names the same path as ``out`` (the artifact would be written, then the link refused)."""
+    """ConfigError when ``link`` exists and is not a symlink (it is never replaced), is a
+    symlink to something that exists and is not a model artifact (a directory holding
+    ``manifest.json``: a link we did not make, to the user's data, is never repointed; a
+    dangling link is), or names the same path as ``out`` (the artifact would be written,
+    then the link refused)."""
     if link and os.path.lexists(link) and not os.path.islink(link):
         raise ConfigError(f"--publish {link!r} exists and is not a symlink; refusing to replace it")
+    if link and os.path.islink(link) and os.path.exists(link):
+        target = Path(link).resolve()
+        if not (target / MANIFEST_FILE).is_file():
+            raise ConfigError(
+                f"--publish {link!r} is a symlink to {str(target)!r}, which is not a model "
+                f"artifact (no {MANIFEST_FILE}); refusing to repoint a link we did not make"
+            )
     if link and out is not None and Path(link).absolute() == Path(out).absolute():
         raise ConfigError(f"--publish {link!r} is --out itself: name a link beside it")
 

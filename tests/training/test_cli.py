@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import numpy as np
@@ -333,6 +334,30 @@ def test_publish_refuses_to_replace_a_real_directory(tmp_path, capsys):
     )
     assert code == 2 and "is not a symlink" in capsys.readouterr().err
     assert not (tmp_path / "v").exists()
+
+
+def test_publish_never_repoints_a_link_to_something_that_is_not_an_artifact(tmp_path, capsys):
+    """A link the user made to their data (a directory, a file) is not ours to repoint:
+    exit 2, one line naming it, nothing written, the link as it was. A dangling link, or a
+    link to an artifact, is repointed."""
+    data, notes = tmp_path / "data", tmp_path / "notes.txt"
+    data.mkdir()
+    notes.write_text("mine")
+    for target in (data, notes):
+        link = tmp_path / f"to-{target.name}"
+        link.symlink_to(target)
+        out = tmp_path / f"v-{target.name}"
+        args = ["--data", "iris", "--out", str(out), "--publish", str(link), "--quiet"]
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert "not a model artifact" in err and str(target) in err and len(err.splitlines()) == 1
+        assert os.readlink(link) == str(target) and not out.exists()
+    dangling = tmp_path / "current"
+    dangling.symlink_to(tmp_path / "gone")
+    args = ["--data", "iris", "--out", str(tmp_path / "v1"), "--publish", str(dangling)]
+    assert main([*args, "--quiet"]) == 0 and dangling.resolve() == (tmp_path / "v1").resolve()
+    args[3] = str(tmp_path / "v2")  # now a link to an artifact: repointed
+    assert main([*args, "--quiet"]) == 0 and dangling.resolve() == (tmp_path / "v2").resolve()
 
 
 @pytest.mark.parametrize("objective", ["knca-majority", "knca-all-log"])
