@@ -249,8 +249,10 @@ class TrainConfig:
     seed: int = _opt(0, "random seed (split, init, mini-batches)")
     device: str = _shared("device", "auto (CUDA when available), cpu, cuda, cuda:N")
     decision_rule: str = _opt(
-        DecisionRule.MAJORITY.value,
-        f"default decision rule in the artifact: {' or '.join(NEIGHBOUR_RULES)} (soft_prior is chosen per request)",
+        "auto",
+        f"default decision rule in the artifact: {' or '.join(NEIGHBOUR_RULES)}, or auto (the "
+        "rule, with the k, that scores best on the validation split; majority among equals); "
+        "soft_prior is chosen per request",
     )
     plots: bool = _opt(True, "write PNG plots beside the artifact")
     progress: str = _opt(
@@ -267,11 +269,11 @@ class TrainConfig:
         names (seed -> random_state, decision_rule -> validation_rule, the per-iteration table
         -> verbose: ``training.progress.progress_mode``).
         ConfigError for a value the estimator cannot take from the command line."""
-        if self.decision_rule not in NEIGHBOUR_RULES:
+        if self.decision_rule not in (*NEIGHBOUR_RULES, "auto"):
             raise ConfigError(
-                f"--decision-rule={self.decision_rule!r} must be one of {list(NEIGHBOUR_RULES)} "
-                "(soft_prior needs the outlier calibration made after training: ask for it "
-                "per request)"
+                f"--decision-rule={self.decision_rule!r} must be one of "
+                f"{[*NEIGHBOUR_RULES, 'auto']} (soft_prior needs the outlier calibration made "
+                "after training: ask for it per request)"
             )
         params = {}
         for f in fields(self):
@@ -283,7 +285,11 @@ class TrainConfig:
         if params["n_components"] is None:
             params["n_components"] = min(32, n_features)
         params.update(
-            validation_rule=self.decision_rule,
+            # the fit's held-out checks score with the served rule; "auto" chooses it after
+            # the fit, so the fit scores with majority
+            validation_rule=(
+                DecisionRule.MAJORITY.value if self.decision_rule == "auto" else self.decision_rule
+            ),
             random_state=self.seed,
             verbose=int(progress_mode(self.progress, self.quiet) == "table"),
         )

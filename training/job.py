@@ -15,6 +15,7 @@ from sklearn.exceptions import ConvergenceWarning
 
 from service.core.artifact import ArtifactError, OutputClaim, write_artifact
 from service.core.knn import exact_knn, project
+from service.core.vocabulary import NEIGHBOUR_RULES
 from training.config import TrainConfig
 from training.data.datasets import (
     BUILTIN_DATASETS,
@@ -33,7 +34,12 @@ from training.distributed.sharded_stats import gather_array
 from training.errors import ConfigError, check_seed, describe_os_error, writing
 from training.evaluation.baselines import BASELINES
 from training.evaluation.calibration import calibrate, outlier_report
-from training.evaluation.evaluate import K_VALUES, choose_k, knn_accuracies, knn_predictions
+from training.evaluation.evaluate import (
+    K_VALUES,
+    choose_rule_and_k,
+    knn_accuracies,
+    knn_predictions,
+)
 from training.evaluation.report import (
     json_bytes,
     peak_memory_mib,
@@ -336,6 +342,8 @@ class Evaluation:
     y_ref: np.ndarray | None = None  # (M,)
     ref_ids: np.ndarray | None = None  # (M,) prototypes: the training row nearest each
     nearest_reference: dict | None = None  # nearest_reference_distances(z_ref, z_val, z_test)
+    rule: str = "majority"  # the decision rule served: --decision-rule, or chosen on validation
+    val_accuracy_by_rule: dict | None = None  # {rule: {k: accuracy}} when the rule was chosen
 
 
 BASELINES_SKIPPED = (
@@ -347,8 +355,9 @@ BASELINES_SKIPPED = (
 def evaluate(
     estimator: NCA, split, config: TrainConfig, group: ProcessGroup | None = None
 ) -> Evaluation | None:
-    """Project every split, score kNN for each k in K_VALUES with the served decision rule,
-    choose the default k on validation, score the baselines with the same rule.
+    """Project every split, score kNN for each k in K_VALUES with the served decision rule
+    (with --decision-rule auto, each of NEIGHBOUR_RULES), choose the rule and the default k
+    on validation, score the baselines with the same rule.
 
     Data-parallel: the ranks' projected training and validation rows (N x d: small), their
     labels and row digests are gathered; rank 0 scores them, the other ranks return None."""
@@ -367,14 +376,19 @@ def evaluate(
         z_val, y_val = gather(z_val, split.n_val), gather(y_val, split.n_val)
         if group.rank != 0:
             return None
-    n_classes, rule = len(split.classes), config.decision_rule
+    n_classes = len(split.classes)
     z_ref, y_ref, ref_ids, k = z_train, y_train, None, config.k  # the references served
     if getattr(estimator, "prototypes_", None) is not None:  # learned prototypes instead
         z_ref, y_ref, k = estimator.prototypes_, estimator.prototype_labels_.astype(np.int64), 1
         ref_ids = estimator.prototype_rows_  # the training row of its class nearest each
-    val_acc = knn_accuracies(z_ref, y_ref, z_val, y_val, n_classes, K_VALUES, rule)
+    # "auto": the rule and k that serve the validation rows best (majority among equals)
+    rules = NEIGHBOUR_RULES if config.decision_rule == "auto" else (config.decision_rule,)
+    val_by_rule = {
+        r: knn_accuracies(z_ref, y_ref, z_val, y_val, n_classes, K_VALUES, r) for r in rules
+    }
+    rule, default_k = choose_rule_and_k(val_by_rule, fallback=min(k, len(z_ref)))
+    val_acc = val_by_rule[rule]
     test_acc = knn_accuracies(z_ref, y_ref, z_test, split.y_test, n_classes, K_VALUES, rule)
-    default_k = choose_k(val_acc, fallback=min(k, len(z_ref)))
     predictions = knn_predictions(z_ref, y_ref, z_test, n_classes, (default_k,), rule)
     if group.is_distributed:
         baselines = {"skipped": BASELINES_SKIPPED}
@@ -399,6 +413,8 @@ def evaluate(
         y_ref,
         ref_ids,
         nearest_reference_distances(z_ref, z_val, z_test),
+        rule,
+        val_by_rule if len(rules) > 1 else None,
     )
 
 
@@ -495,9 +511,12 @@ def build_report(
             split.y_test,
             len(split.classes),
             ev.default_k,
-            config.decision_rule,
+            ev.rule,
         ),
     }
+    if ev.val_accuracy_by_rule is not None:  # --decision-rule auto: what it chose among
+        metrics["decision_rule"] = ev.rule
+        metrics["val_accuracy_by_rule"] = ev.val_accuracy_by_rule
     data_record = {
         "name": data_name,
         "source": config.data,
@@ -515,7 +534,7 @@ def build_report(
         "metrics": metrics,
         "test_predictions": {
             "k": ev.default_k,
-            "rule": config.decision_rule,
+            "rule": ev.rule,
             "class_index": ev.test_predictions.tolist(),
             "label": split.classes[ev.test_predictions].tolist(),
             "true_class_index": split.y_test.tolist(),
@@ -550,7 +569,7 @@ def save_artifact(
             mean=estimator.mean_,
             scale=estimator.scale_,
             default_k=ev.default_k,
-            decision_rule=config.decision_rule,
+            decision_rule=ev.rule,
             validation_embeddings=ev.z_val,
             validation_labels=ev.y_val.astype(np.int32),
             extra_files=extra_files,

@@ -336,6 +336,28 @@ def test_publish_refuses_to_replace_a_real_directory(tmp_path, capsys):
     assert not (tmp_path / "v").exists()
 
 
+def test_decision_rule_auto_serves_the_rule_and_k_best_on_validation(tmp_path):
+    """By default the job scores majority and soft votes for every k on validation and
+    serves the best pair: the artifact, report.json and the test predictions agree on it,
+    and its validation accuracy is the best of all pairs; a rule given is served as given."""
+    out = tmp_path / "auto"
+    assert main(["--data", "digits", "--n-components", "8", "--out", str(out), "--quiet"]) == 0
+    artifact = read_artifact(out)
+    report = json.loads((out / "report.json").read_text())
+    metrics = report["metrics"]
+    by_rule = metrics["val_accuracy_by_rule"]
+    assert set(by_rule) == {"majority", "soft"}
+    assert artifact.decision_rule == metrics["decision_rule"] == report["test_predictions"]["rule"]
+    best = max(v for by_k in by_rule.values() for v in by_k.values())
+    assert metrics["val_accuracy_at_default_k"] == best
+    assert by_rule[metrics["decision_rule"]][str(artifact.default_k)] == best
+    given = tmp_path / "soft"
+    args = ["--data", "digits", "--n-components", "8", "--decision-rule", "soft"]
+    assert main([*args, "--out", str(given), "--quiet"]) == 0
+    assert read_artifact(given).decision_rule == "soft"
+    assert "val_accuracy_by_rule" not in json.loads((given / "report.json").read_text())["metrics"]
+
+
 def test_publish_never_repoints_a_link_to_something_that_is_not_an_artifact(tmp_path, capsys):
     """A link the user made to their data (a directory, a file) is not ours to repoint:
     exit 2, one line naming it, nothing written, the link as it was. A dangling link, or a

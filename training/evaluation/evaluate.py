@@ -120,6 +120,22 @@ def knn_accuracies(
     return {k: float(np.mean(p == y_query)) for k, p in preds.items()}
 
 
+def choose_rule_and_k(
+    val_accuracies: dict[str, dict[int, float]], fallback: int
+) -> tuple[str, int]:
+    """The (rule, k) with the best validation accuracy over every rule and k: the first rule
+    (in the dict's order) that reaches the best, with ``choose_k``'s k for it. val_accuracies:
+    {rule: {k: accuracy}}; an empty inner dict (no validation rows) gives the first rule
+    and ``fallback``."""
+    rules = list(val_accuracies)
+    scored = [v for by_k in val_accuracies.values() for v in by_k.values()]
+    if not scored:
+        return rules[0], fallback
+    best = max(scored)
+    rule = next(r for r in rules if val_accuracies[r] and max(val_accuracies[r].values()) == best)
+    return rule, choose_k(val_accuracies[rule], fallback)
+
+
 def choose_k(val_accuracies: dict[int, float], fallback: int) -> int:
     """The k with the best validation accuracy: ``fallback`` (the training k) when it is among
     the best, else the smallest best k; ``fallback`` when there is no validation set."""

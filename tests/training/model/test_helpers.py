@@ -10,7 +10,7 @@ import pytest
 
 from training import NCA
 from training.data.datasets import fit_standardizer, stratified_split
-from training.evaluation.evaluate import choose_k
+from training.evaluation.evaluate import choose_k, choose_rule_and_k
 from training.model.initialization import initial_components, resolve_auto
 from training.optim.candidates import audit_disagreement, audit_rows
 from training.optim.monitor import EarlyStop, Monitor
@@ -116,6 +116,22 @@ def test_fit_standardizer_treats_rounding_noise_as_constant():
 )
 def test_choose_k(accuracies, fallback, expected):
     assert choose_k(accuracies, fallback=fallback) == expected
+
+
+@pytest.mark.parametrize(
+    "by_rule, fallback, expected",
+    [
+        ({"majority": {1: 0.90, 5: 0.92}, "soft": {1: 0.90, 9: 0.95}}, 1, ("soft", 9)),
+        ({"majority": {1: 0.90, 5: 0.95}, "soft": {1: 0.90, 9: 0.95}}, 1, ("majority", 5)),
+        ({"majority": {1: 0.95, 5: 0.95}, "soft": {5: 0.95}}, 5, ("majority", 5)),
+        ({"soft": {1: 0.97, 3: 0.97}}, 3, ("soft", 3)),  # one rule given: its k
+        ({"majority": {}, "soft": {}}, 4, ("majority", 4)),  # no validation rows
+    ],
+)
+def test_choose_rule_and_k(by_rule, fallback, expected):
+    """The best (rule, k) on validation; among equal rules the first (majority), and the k
+    as choose_k chooses it."""
+    assert choose_rule_and_k(by_rule, fallback=fallback) == expected
 
 
 # ------------------------------------------------------------------ Monitor
