@@ -177,7 +177,8 @@ def run(config: TrainConfig, *, log=print) -> dict:
             baseline = "baselines not computed: no rank holds the raw training set"
         log(
             f"wrote {out}: test accuracy {evaluation.test_accuracy.get(k, float('nan')):.4f} at "
-            f"k={k} ({baseline}); {estimator.n_iter_} iterations, {estimator.stop_reason_}, "
+            f"k={k}, {evaluation.rule} vote ({baseline}); {estimator.n_iter_} iterations, "
+            f"{estimator.stop_reason_}, "
             f"{time.perf_counter() - started:.1f} s"
         )
         for warning in warnings_of(report):  # what report.html puts first, on screen too
