@@ -56,15 +56,22 @@ METHOD_KEYS = {
 }  # --methods' names
 
 
-def usps():
-    if not USPS_PATH.exists():
+def split_npz(path: Path, n_validation: int):
+    """(X_ref, y_ref, X_val, y_val, X_test, y_test) from an .npz with X, y, X_test, y_test:
+    ``n_validation`` of the training rows drawn with seed 0 validate, the rest are the
+    references; None when the file is absent."""
+    if not path.exists():
         return None
-    data = np.load(USPS_PATH)
+    data = np.load(path)
     X, y = data["X"].astype(np.float32), data["y"].astype(np.int64)
     order = np.random.default_rng(0).permutation(len(y))
-    val, train = order[:700], order[700:]
+    val, train = order[:n_validation], order[n_validation:]
     X_test, y_test = data["X_test"].astype(np.float32), data["y_test"].astype(np.int64)
     return X[train], y[train], X[val], y[val], X_test, y_test
+
+
+def usps():
+    return split_npz(USPS_PATH, 700)
 
 
 def letters26():
@@ -93,15 +100,7 @@ def usps784():
 def mnist():
     """The real MNIST digits: 54,000 references and 6,000 validation rows drawn from the
     60,000 training rows (seed 0), the 10,000 test rows."""
-    path = USPS_PATH.parent / "mnist.npz"
-    if not path.exists():
-        return None
-    data = np.load(path)
-    X, y = data["X"].astype(np.float32), data["y"].astype(np.int64)
-    order = np.random.default_rng(0).permutation(len(y))
-    val, train = order[:6000], order[6000:]
-    X_test, y_test = data["X_test"].astype(np.float32), data["y_test"].astype(np.int64)
-    return X[train], y[train], X[val], y[val], X_test, y_test
+    return split_npz(USPS_PATH.parent / "mnist.npz", 6000)
 
 
 SETS = {
