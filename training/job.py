@@ -38,6 +38,7 @@ from training.evaluation.evaluate import (
     K_VALUES,
     choose_rule_and_k,
     knn_accuracies,
+    knn_accuracies_by_rule,
     knn_predictions,
 )
 from training.evaluation.report import (
@@ -384,9 +385,7 @@ def evaluate(
         ref_ids = estimator.prototype_rows_  # the training row of its class nearest each
     # "auto": the rule and k that serve the validation rows best (majority among equals)
     rules = NEIGHBOUR_RULES if config.decision_rule == "auto" else (config.decision_rule,)
-    val_by_rule = {
-        r: knn_accuracies(z_ref, y_ref, z_val, y_val, n_classes, K_VALUES, r) for r in rules
-    }
+    val_by_rule = knn_accuracies_by_rule(z_ref, y_ref, z_val, y_val, n_classes, K_VALUES, rules)
     rule, default_k = choose_rule_and_k(val_by_rule, fallback=min(k, len(z_ref)))
     val_acc = val_by_rule[rule]
     test_acc = knn_accuracies(z_ref, y_ref, z_test, split.y_test, n_classes, K_VALUES, rule)

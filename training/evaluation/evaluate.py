@@ -114,10 +114,35 @@ def knn_accuracies(
     rule: str = "majority",
 ) -> dict[int, float]:
     """Accuracy for each k: {k: fraction of queries whose predicted class equals y_query}."""
-    if len(z_query) == 0:
-        return {}
-    preds = knn_predictions(z_ref, y_ref, z_query, n_classes, ks, rule)
-    return {k: float(np.mean(p == y_query)) for k, p in preds.items()}
+    return knn_accuracies_by_rule(z_ref, y_ref, z_query, y_query, n_classes, ks, (rule,))[rule]
+
+
+def knn_accuracies_by_rule(
+    z_ref: np.ndarray,
+    y_ref: np.ndarray,
+    z_query: np.ndarray,
+    y_query: np.ndarray,
+    n_classes: int,
+    ks: tuple[int, ...] = K_VALUES,
+    rules: tuple[str, ...] = ("majority",),
+) -> dict[str, dict[int, float]]:
+    """{rule: {k: accuracy}} for each of ``rules`` (majority, soft), from one neighbour
+    search: the rules differ only in how the k nearest labels and distances vote. {rule: {}}
+    without queries; values of k above N are dropped."""
+    if DecisionRule.SOFT_PRIOR.value in rules:
+        raise ValueError("rule 'soft_prior' needs outlier_threshold: use knn_predictions")
+    ks = tuple(k for k in ks if k <= len(z_ref))
+    if len(z_query) == 0 or not ks:
+        return {rule: {} for rule in rules}
+    dist, idx = nearest_references(z_query, z_ref, max(ks))
+    labels = y_ref[idx]
+    return {
+        rule: {
+            k: float(np.mean(decide(labels[:, :k], dist[:, :k], n_classes, rule)[0] == y_query))
+            for k in ks
+        }
+        for rule in rules
+    }
 
 
 def choose_rule_and_k(

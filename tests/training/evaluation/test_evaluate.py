@@ -33,3 +33,25 @@ def test_fewer_references_than_k_plus_the_margin():
     expected = exact_knn(queries, refs, 6)
     found = nearest_references(queries, refs, 6, flat_search=True)
     np.testing.assert_array_equal(found[1], expected[1])
+
+
+def test_accuracies_by_rule_from_one_search_equal_each_rule_scored_alone():
+    """The job scores majority and soft votes from one neighbour search; each rule's
+    accuracies are those of knn_predictions with that rule (k above N dropped, no queries
+    -> empty), and soft_prior, which needs a threshold, is refused."""
+    from training.evaluation.evaluate import knn_accuracies_by_rule, knn_predictions
+
+    rng = np.random.default_rng(3)
+    z_ref, y_ref = rng.normal(size=(60, 3)), rng.integers(0, 3, 60)
+    z_q, y_q = rng.normal(size=(40, 3)), rng.integers(0, 3, 40)
+    ks = (1, 3, 5, 61)
+    both = knn_accuracies_by_rule(z_ref, y_ref, z_q, y_q, 3, ks, ("majority", "soft"))
+    for rule in ("majority", "soft"):
+        alone = knn_predictions(z_ref, y_ref, z_q, 3, ks, rule)  # its own search per rule
+        assert both[rule] == {k: float(np.mean(p == y_q)) for k, p in alone.items()}
+        assert set(both[rule]) == {1, 3, 5}
+    assert both["majority"] != both["soft"]  # the votes differ on this data
+    empty = knn_accuracies_by_rule(z_ref, y_ref, z_q[:0], y_q[:0], 3, ks, ("majority", "soft"))
+    assert empty == {"majority": {}, "soft": {}}
+    with pytest.raises(ValueError, match="soft_prior"):
+        knn_accuracies_by_rule(z_ref, y_ref, z_q, y_q, 3, ks, ("soft_prior",))
