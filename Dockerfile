@@ -42,6 +42,27 @@ HEALTHCHECK --interval=10s --timeout=3s --start-period=30s --retries=3 \
     CMD ["python", "-c", "import os, sys, urllib.request; probe = os.environ.get('NCAKNN_PROBE_PORT', '8082'); port = probe if probe != '0' else os.environ.get('NCAKNN_PORT', '8000'); sys.exit(urllib.request.urlopen('http://127.0.0.1:' + port + '/readyz', timeout=2).status != 200)"]
 ENTRYPOINT ["python", "-m", "service"]
 
+# ----------------------------------------------------------------------------- train-build
+# The native training kernels are compiled here, at install (setup.py: each C source once per
+# dtype and x86-64 level, loaded at run time for the CPU that trains), into a wheel. The train
+# image installs that wheel and carries no compiler.
+FROM ${TRAIN_BASE} AS train-build
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && if ! command -v python3 >/dev/null; then \
+        apt-get install -y --no-install-recommends python3 python3-venv; \
+    fi \
+    && rm -rf /var/lib/apt/lists/* \
+    && python3 -m venv /opt/build
+WORKDIR /src
+COPY pyproject.toml setup.py README.md ./
+COPY service ./service
+COPY training ./training
+RUN /opt/build/bin/pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+
 # ----------------------------------------------------------------------------- train
 FROM ${TRAIN_BASE} AS train
 ARG TORCH_SPEC=torch==2.13.0
@@ -51,20 +72,16 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     MPLCONFIGDIR=/tmp/matplotlib \
-    NCA_KNN_CACHE=/tmp/nca-knn \
     PATH=/opt/venv/bin:$PATH
-# gcc builds the native exact-NCA kernel on first use (training/objectives/native.py: -march=native, so
-# it is built on the machine that trains, into NCA_KNN_CACHE); without it training falls back
-# to the torch path, about half as fast in exact mode.
 # CUDA base images have no Python: install it there (skipped on the Python base image).
-# Python >= 3.11 is needed (tomllib): use an ubuntu24.04 CUDA base.
+# Python >= 3.11 is needed (tomllib): use an ubuntu24.04 CUDA base. No compiler: the native
+# kernels come built in train-build's wheel.
 # hadolint ignore=DL3008
-RUN apt-get update \
-    && apt-get install -y --no-install-recommends gcc libc6-dev \
-    && if ! command -v python3 >/dev/null; then \
-        apt-get install -y --no-install-recommends python3 python3-venv; \
+RUN if ! command -v python3 >/dev/null; then \
+        apt-get update \
+        && apt-get install -y --no-install-recommends python3 python3-venv \
+        && rm -rf /var/lib/apt/lists/*; \
     fi \
-    && rm -rf /var/lib/apt/lists/* \
     && python3 -m venv /opt/venv
 WORKDIR /app
 COPY pyproject.toml README.md ./
@@ -77,9 +94,9 @@ COPY requirements/lock.txt ./requirements/lock.txt
 RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; open('/tmp/train.txt', 'w').write(chr(10).join(p['dependencies'] + p['optional-dependencies']['train']))" \
     && pip install --no-cache-dir -c requirements/lock.txt -r /tmp/train.txt \
     && rm /tmp/train.txt
-COPY service ./service
-COPY training ./training
-RUN pip install --no-cache-dir --no-deps . \
+COPY --from=train-build /wheels /wheels
+RUN pip install --no-cache-dir --no-deps /wheels/*.whl \
+    && rm -rf /wheels \
     && useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin ncaknn
 USER 10001
 ENTRYPOINT ["python", "-m", "training"]

@@ -116,8 +116,13 @@ import json, sys
 from pathlib import Path
 one, two = (json.loads((Path(sys.argv[1]) / d / "manifest.json").read_text()) for d in ("digits", "digits-2"))
 assert one["training"]["world_size"] == 1 and two["training"]["world_size"] == 2, (one["training"], two["training"])
+# the native kernels come built in the image (no compiler in it): the fit must have run them
+for name in ("digits", "digits-2"):
+    kernels = one["training"]["kernels"] if name == "digits" else two["training"]["kernels"]
+    assert kernels and set(kernels.values()) == {"c"}, f"{name}: the fast path did not load: {kernels}"
 print("train image: world_size", one["training"]["world_size"], "and", two["training"]["world_size"],
-      "test accuracy", one["metrics"]["test_accuracy_at_default_k"], two["metrics"]["test_accuracy_at_default_k"])
+      "test accuracy", one["metrics"]["test_accuracy_at_default_k"], two["metrics"]["test_accuracy_at_default_k"],
+      "kernels", one["training"]["kernels"])
 PY
 fi
 log "smoke test passed"

@@ -8,7 +8,7 @@
 * ``neighbourhood.py``: the dispatcher: exact evaluation in row chunks against all points,
   or against candidate sets per point (``tests/training/optim/test_candidate_*.py``).
 * ``nca_kernel.py``: NCA's fused closed-form value and gradient (torch).
-* ``native.py``, ``knca_native.py``: the same mathematics in C (``kernels/*.c``), built on
-  first use and loaded with ctypes; torch is the fallback (``test_nca_native.py``,
+* ``native.py``, ``knca_native.py``: the same mathematics in C (``kernels/*.c``), built at
+  install (``setup.py``, ``kernels/levels.py``) and loaded with ctypes; torch is the fallback (``test_nca_native.py``,
   ``test_knca_native.py``).
 """

@@ -5,8 +5,8 @@ small torch operations a row block (a 64-step recurrence, then the products of t
 polynomials) and leaves the backward to autograd, which records every one of them. The C
 source runs the same programme a row at a time and writes its reverse mode out by hand, so
 one call returns log P_i (B,) and d log P_i / d logit_ij (B, M); the source's comment has the
-mathematics. Built and cached like the exact-NCA kernel (:mod:`training.objectives.native`); when it
-cannot be built, ``NCA_KNN_NATIVE=0`` is set or the tensors are not on the CPU, callers use
+mathematics. Built at install like the exact-NCA kernel (:mod:`training.objectives.native`); when it
+was not built, ``NCA_KNN_NATIVE=0`` is set or the tensors are not on the CPU, callers use
 the torch programme.
 """
 
@@ -14,19 +14,17 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from pathlib import Path
 
 import torch
 
 from training.objectives import native
 
-SOURCE = Path(__file__).resolve().parent / "kernels" / "knca_linear.c"
 ROWS_PER_THREAD = 128  # fewer rows than this per thread are not worth a thread
 
 
 @functools.cache
 def _load() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None:
-    lib = native.load_library(SOURCE, "f64", [])
+    lib = native.load_library("knca_linear_f64")
     if lib is None:
         return None
     i64, p = ctypes.c_int64, ctypes.c_void_p

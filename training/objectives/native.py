@@ -1,33 +1,30 @@
-"""The native kernels (``training/objectives/kernels/*.c``): built on first use, loaded with ctypes.
+"""The native kernels (``training/objectives/kernels/*.c``): built at install, loaded with ctypes.
 
-This module builds and loads them and holds the exact-NCA entry point; kNCA's fast path is
-in :mod:`training.objectives.knca_native`. The exact-NCA source (``nca_exact.c``) computes exactly what
-:func:`training.objectives.nca_kernel.nca_value_and_grad` computes (its docstring has the mathematics),
-but keeps each block of logits in cache from the GEMM to the last use of W instead of making
-a dozen passes over a (chunk, N) buffer in memory.
+This module loads them and holds the exact-NCA entry point; kNCA's fast path is in
+:mod:`training.objectives.knca_native`, NCA on candidate sets in
+:mod:`training.objectives.native_candidates`. The exact-NCA source (``nca_exact.c``) computes
+exactly what :func:`training.objectives.nca_kernel.nca_value_and_grad` computes (its docstring
+has the mathematics), but keeps each block of logits in cache from the GEMM to the last use of
+W instead of making a dozen passes over a (chunk, N) buffer in memory.
 
-Building: the first call compiles a source with the system C compiler (``$CC``, else ``gcc``,
-else ``cc``; ``-O3 -march=native``, about half a second) into a cache folder
-(``$NCA_KNN_CACHE``, else ``$XDG_CACHE_HOME/nca-knn``, else ``~/.cache/nca-knn``), keyed by
-the source, the compiler and the CPU's flags, so a library built for another CPU or from
-another source is never loaded. The library is written to a temporary name and renamed, so a
-build interrupted at any point leaves nothing a later run could load.
+Building: ``setup.py`` compiles every source at install time, once per dtype flavour and per
+instruction-set level of the machine's architecture (``kernels/levels.py``: on x86-64 the
+psABI levels v4 (AVX-512), v3 (AVX2 + FMA) and the baseline), into libraries beside the
+sources. Nothing is compiled at run time: :func:`load_library` loads the best level whose CPU
+flags this machine has (``/proc/cpuinfo``), so one wheel runs on any x86-64.
 
-When there is no compiler, the build fails, ``NCA_KNN_NATIVE=0`` is set, or the tensors are
-not CPU float32 / float64, callers use the torch path; a failed build warns once, naming the
-command and its error.
+When no level of a library was built (the install had no C compiler), ``NCA_KNN_NATIVE=0`` is
+set, or the tensors are not CPU float32 / float64, callers use the torch path; a library that
+was not built warns once, and the fit records which path ran (``NCA.kernels_``).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
 import platform
-import shutil
-import subprocess
-import tempfile
+import sysconfig
 import threading
 import warnings
 from collections.abc import Callable
@@ -36,13 +33,15 @@ from typing import NamedTuple
 
 import torch
 
-SOURCE = Path(__file__).resolve().parent / "kernels" / "nca_exact.c"  # the exact-NCA kernel
+from training.objectives.kernels import levels
+
+KERNEL_DIR = Path(levels.__file__).resolve().parent  # the C sources and the built libraries
 TILE = 16  # padding multiple of the embedding width and of N (TILE in the C source)
 ROWS_PER_THREAD = 64  # fewer query rows than this per thread are not worth a thread
 ROWS = 8  # query rows per register tile (ROWS in the C source): blocks are multiples of it
 MIN_BLOCK_ROWS = 16  # query rows per block at least ...
 SCRATCH_BYTES = 32 * 2**20  # ... and otherwise as many as fit this per thread (w and w_same)
-FLAVOURS = {torch.float32: ("f32", []), torch.float64: ("f64", ["-DNCA_DOUBLE"])}
+FLAVOURS = {torch.float32: "f32", torch.float64: "f64"}
 
 
 def enabled() -> bool:
@@ -50,77 +49,45 @@ def enabled() -> bool:
     return os.environ.get("NCA_KNN_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def cache_dir() -> Path:
-    if os.environ.get("NCA_KNN_CACHE"):
-        return Path(os.environ["NCA_KNN_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "nca-knn"
-
-
-def _writable_cache_dir() -> Path:
-    """cache_dir(), or a per-user folder under the temporary directory when it is read-only."""
-    preferred = cache_dir()
-    try:
-        preferred.mkdir(parents=True, exist_ok=True)
-        if os.access(preferred, os.W_OK):
-            return preferred
-    except OSError:
-        pass
-    fallback = Path(tempfile.gettempdir()) / f"nca-knn-{os.getuid()}"
-    fallback.mkdir(mode=0o700, exist_ok=True)
-    if fallback.stat().st_uid != os.getuid():  # never load a library another user planted
-        raise OSError(f"{fallback} belongs to another user")
-    return fallback
-
-
-def compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-
-
-def _cpu_flags() -> str:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where it cannot be read:
+    only the baseline level is then loaded)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
-                return line
+                return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return platform.processor()
+    return frozenset()
 
 
-def library_path(flavour: str, cc: str, source: Path = SOURCE) -> Path:
-    """Where the library for this source, compiler, CPU and flavour lives (built or not)."""
-    key = hashlib.sha256()
-    for part in (
-        source.read_bytes(),
-        cc.encode(),
-        _cpu_flags().encode(),
-        platform.machine().encode(),
-    ):
-        key.update(part)
-    return _writable_cache_dir() / f"{source.stem}_{flavour}_{key.hexdigest()[:16]}.so"
+def library_file(library: str) -> tuple[str, Path] | None:
+    """(level, path) of the best built level of ``library`` (e.g. "nca_exact_f32") that this
+    CPU runs, or None when the install built none."""
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    for level, _compile_flags, needs in levels.levels_for(platform.machine()):
+        path = KERNEL_DIR / f"{library}_{level}{suffix}"
+        if set(needs) <= cpu_flags() and path.is_file():
+            return level, path
+    return None
 
 
-def build(flavour: str, defines: list[str], cc: str, source: Path = SOURCE) -> Path:
-    """Compile the source into the cache (if not there yet) and return the library's path.
-
-    Raises ``RuntimeError`` naming the command and the compiler's message when it fails.
-    """
-    target = library_path(flavour, cc, source)
-    if target.is_file():
-        return target
-    fd, tmp = tempfile.mkstemp(prefix=target.stem + ".", suffix=".tmp", dir=target.parent)
-    os.close(fd)
-    cmd = [cc, "-O3", "-march=native", "-std=c99", "-shared", "-fPIC", *defines, "-o", tmp]
-    cmd += [str(source), "-lm"]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}")
-        os.replace(tmp, target)  # atomic: a reader sees no library or the whole one
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+@functools.cache
+def load_library(library: str) -> ctypes.CDLL | None:
+    """The loaded library, or None (with one warning naming it) when the install built no
+    level of it that this CPU runs, or the load fails."""
+    found = library_file(library)
+    problem = "was not built by this install (setup.py builds it where a C compiler is present)"
+    if found is not None:
+        try:
+            return ctypes.CDLL(str(found[1]))
+        except OSError as error:
+            problem = f"failed to load from {found[1]}: {error}"
+    warnings.warn(
+        f"native kernel {library} {problem}; training uses the torch path", RuntimeWarning, 3
+    )
+    return None
 
 
 class Kernel(NamedTuple):
@@ -140,27 +107,10 @@ def block_rows_for(npad: int, longest: int, itemsize: int, max_rows: int) -> int
     return int(max(MIN_BLOCK_ROWS, min(max_rows, fit // ROWS * ROWS)))
 
 
-def load_library(source: Path, flavour: str, defines: list[str]) -> ctypes.CDLL | None:
-    """The built library of ``source``, or None (with a warning naming the failed command)
-    when there is no compiler or the build or the load fails."""
-    cc = compiler()
-    if cc is None:
-        return None
-    try:
-        return ctypes.CDLL(str(build(flavour, defines, cc, source)))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-        warnings.warn(
-            f"native kernel {source.name} unavailable, using the torch path: {error}",
-            RuntimeWarning,
-            stacklevel=4,
-        )
-        return None
-
-
 @functools.cache
 def _load(dtype: torch.dtype) -> Kernel | None:
-    flavour, defines = FLAVOURS[dtype]
-    lib = load_library(SOURCE, flavour, defines)
+    flavour = FLAVOURS[dtype]
+    lib = load_library(f"nca_exact_{flavour}")
     if lib is None:
         return None
     fn = getattr(lib, f"nca_exact_block_rows_{flavour}")

@@ -5,8 +5,8 @@ at a time.
 The torch path gathers each chunk's candidates into a (B, M, d) block, multiplies it in small
 batched products and scatters the candidates' share of the gradient back with ``index_add_``:
 about 8 s an evaluation at N = 60k, M = 64, d = 32 on two cores, most of it in the scatter.
-The C source reads a row's candidates once and adds the gradient in place. Built and cached
-like the exact-NCA kernel (:mod:`training.objectives.native`); when it cannot be built,
+The C source reads a row's candidates once and adds the gradient in place. Built at install
+like the exact-NCA kernel (:mod:`training.objectives.native`); when it was not built,
 ``NCA_KNN_NATIVE=0`` is set, the tensors are not CPU float32 / float64 or M is larger than the
 source allows, callers use the torch path. Tested against it by
 ``tests/training/objectives/test_native_candidates.py``.
@@ -16,21 +16,19 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from pathlib import Path
 
 import torch
 
 from training.objectives import native
 
-SOURCE = Path(__file__).resolve().parent / "kernels" / "nca_candidates.c"
 ROWS_PER_THREAD = 2048  # fewer query rows than this per thread are not worth a thread
 
 
 @functools.cache
 def _load(dtype: torch.dtype) -> tuple[ctypes._CFuncPtr, int] | None:
     """(the C entry point for ``dtype``, the most candidates per row it takes), or None."""
-    flavour, defines = native.FLAVOURS[dtype]
-    lib = native.load_library(SOURCE, flavour, defines)
+    flavour = native.FLAVOURS[dtype]
+    lib = native.load_library(f"nca_candidates_{flavour}")
     if lib is None:
         return None
     fn = getattr(lib, f"nca_candidates_rows_{flavour}")

@@ -13,16 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from training.objectives import native, native_candidates
+from training.objectives import native_candidates
 from training.objectives.nca_kernel import nca_value_and_grad_candidates
 from training.objectives.neighbourhood import RowTable, nearest_candidates
 
 
 @pytest.fixture(scope="module", autouse=True)
-def needs_compiler():
-    if native.compiler() is None:
-        pytest.skip("no C compiler: the native kernel cannot be built here")
-    # with a compiler the kernel must build and load: a broken source fails here, not skips
+def built_at_install():
+    # the project's install builds the kernels (setup.py): a library missing fails, never skips
     assert native_candidates._load(torch.float64) is not None
     assert native_candidates._load(torch.float32) is not None
 

@@ -1,0 +1,1 @@
+"""The native kernels' C sources and, once installed, their libraries (see ``setup.py``)."""
