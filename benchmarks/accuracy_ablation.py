@@ -25,6 +25,7 @@ from harness.data import USPS_PATH
 from harness.report import machine, print_table, save_json
 
 from training import NCA
+from training.model.options import with_options
 
 # (label, parameters changed from the defaults)
 SETTINGS = [
@@ -99,7 +100,7 @@ def main() -> None:
         started = time.perf_counter()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model = NCA(n_components=d, random_state=0, **params).fit(X, y)
+            model = NCA(**with_options(dict(n_components=d, random_state=0, **params))).fit(X, y)
         rows.append(
             {
                 "setting": label,

@@ -45,6 +45,7 @@ from harness.report import RESULTS, machine, print_table, save_json
 from service.core.knn import decide, exact_knn
 from training import NCA
 from training.data.datasets import fit_standardizer
+from training.model.options import with_options
 
 NOISE = 0.25
 
@@ -121,7 +122,16 @@ def fit(X, y, *, objective: str, k: int, params: dict, d: int, max_iter: int) ->
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = NCA(
-            n_components=d, objective=objective, k=k, max_iter=max_iter, random_state=0, **params
+            **with_options(
+                dict(
+                    n_components=d,
+                    objective=objective,
+                    k=k,
+                    max_iter=max_iter,
+                    random_state=0,
+                    **params,
+                )
+            )
         ).fit(X, y)
     return model, time.perf_counter() - started
 

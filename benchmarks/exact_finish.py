@@ -39,6 +39,7 @@ from harness.data import synthetic
 from harness.report import machine, print_table, save_json
 
 from training import NCA
+from training.model.options import with_options
 
 # (label, estimator parameters); the last row doubles the "auto" finish of the objective
 METHODS = [
@@ -75,9 +76,9 @@ def main() -> None:
             started = time.perf_counter()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                model = NCA(n_components=args.d, random_state=0, **fixed, **params).fit(
-                    X_train, y_train
-                )
+                model = NCA(
+                    **with_options(dict(n_components=args.d, random_state=0, **fixed, **params))
+                ).fit(X_train, y_train)
             seconds = time.perf_counter() - started
             z_train, z_test = model.transform(X_train), model.transform(X_test)
             acc = [knn_accuracy(z_train, y_train, z_test, y_test, k, 10) for k in (1, 5)]

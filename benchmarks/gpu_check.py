@@ -48,6 +48,7 @@ from harness.data import synthetic  # noqa: E402
 
 from training import NCA  # noqa: E402
 from training.evaluation.evaluate import knn_accuracies  # noqa: E402
+from training.model.options import with_options  # noqa: E402
 from training.objectives.nca_kernel import nca_value_and_grad  # noqa: E402
 
 # dense (no sparsity) TFLOP/s from the vendor's data sheets, by a substring of the name
@@ -170,7 +171,9 @@ def fit_run(X, y, Xt, yt, device: torch.device, **params) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     started = time.perf_counter()
-    model = NCA(n_components=32, random_state=0, device=str(device), **params).fit(X, y)
+    model = NCA(
+        **with_options(dict(n_components=32, random_state=0, device=str(device), **params))
+    ).fit(X, y)
     fit_s = time.perf_counter() - started
     entry = {
         "fit_s": fit_s,

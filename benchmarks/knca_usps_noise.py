@@ -60,9 +60,8 @@ def fit_ours(objective, k, X, y, max_iter, n_candidates, seed):
             k=k,
             max_iter=max_iter,
             n_candidates=n_candidates,
-            refresh_every=10,
             random_state=seed,
-            standardize=False,
+            options=dict(refresh_every=10, standardize=False),
         ).fit(X, y)
     return model.transform, model.n_iter_
 

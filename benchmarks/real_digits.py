@@ -51,6 +51,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness.report import gemm_gflops, machine, peak_rss_mib, print_table, save_json
 
+from training.model.options import with_options
+
 HERE = Path(__file__).resolve().parents[1]
 MNIST = HERE.parent / "shared" / "data" / "mnist.npz"
 SETS = ("mnist", "mnist20k", "clustered20k", "moving50k")
@@ -140,7 +142,9 @@ def one_run(data_path: str, setting: str) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         started = time.perf_counter()
-        model = NCA(**{"n_components": 32, "random_state": 0, **params}).fit(X, y)
+        model = NCA(**with_options(dict(**{"n_components": 32, "random_state": 0, **params}))).fit(
+            X, y
+        )
         fit_s = time.perf_counter() - started
     errors = knn_errors(model.transform(X), y, model.transform(Xt), yt)
     return {

@@ -126,14 +126,15 @@ def worker(spec: dict) -> dict:
                 init=spec["init"],
                 max_iter=max_iter,
                 tol=1e-5,
-                standardize=False,
-                # scikit-learn's objective has no penalty: "to the same objective" needs l2 = 0
                 l2=spec.get("l2", 0.0),
                 n_candidates=spec.get("n_candidates", "auto"),
-                candidate_draws=spec.get("candidate_draws", 0),
-                exact_finish=spec.get("exact_finish", "auto"),
                 random_state=spec["seed"],
                 callback=record,
+                options=dict(
+                    standardize=False,
+                    candidate_draws=spec.get("candidate_draws", 0),
+                    exact_finish=spec.get("exact_finish", "auto"),
+                ),
             ).fit(Xtr, ytr)
             # the objective of each iteration (mean per point) comes from the history
             trace = [

@@ -18,12 +18,17 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from service.core.vocabulary import NEIGHBOUR_RULES, DecisionRule
 from training.errors import ConfigError
 from training.model.estimator import NCA
+from training.model.options import OPTION_NAMES, FitOptions
 from training.progress import progress_mode
 
+# the estimator's defaults by setting name: its constructor's and its options' (FitOptions)
 ESTIMATOR_DEFAULTS = {
-    name: parameter.default
-    for name, parameter in inspect.signature(NCA.__init__).parameters.items()
-    if name != "self"
+    **{
+        name: parameter.default
+        for name, parameter in inspect.signature(NCA.__init__).parameters.items()
+        if name not in ("self", "options")
+    },
+    **{f.name: f.default for f in fields(FitOptions)},
 }
 
 # Where the job's default deliberately differs from the estimator's, and why.
@@ -310,7 +315,9 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(show_advanced: bool = False) -> argparse.ArgumentParser:
+    """The job's parser. The estimator's advanced settings (``FitOptions``' fields but
+    --prototypes) are accepted always and listed only by ``--help-advanced``."""
     parser = argparse.ArgumentParser(
         prog="python -m training",
         description=(
@@ -339,23 +346,50 @@ def build_parser() -> argparse.ArgumentParser:
         "artifact's manifest, report.json and plots.",
     )
     report.add_argument("model_dir", help="an artifact directory written by python -m training")
+    parser.add_argument(
+        "--help-advanced",
+        action=_AdvancedHelp,
+        nargs=0,
+        default=argparse.SUPPRESS,  # not a setting: never in the parsed namespace
+        help="list the advanced fit settings too (training.model.options.FitOptions) and exit",
+    )
+    advanced = parser.add_argument_group(
+        "advanced fit settings (training.model.options.FitOptions: what each default costs "
+        "is measured in benchmarks/README.md)"
+    )
     for f in fields(TrainConfig):
+        is_advanced = f.metadata.get("estimator") in ADVANCED_OPTIONS
+        group = advanced if is_advanced else parser
+        help_text = f.metadata["help"] if show_advanced or not is_advanced else argparse.SUPPRESS
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not MISSING else None
         if isinstance(default, bool):
-            parser.add_argument(
+            group.add_argument(
                 flag,
                 dest=f.name,
                 action=argparse.BooleanOptionalAction,
                 default=default,
-                help=f.metadata["help"],
+                help=help_text,
             )
             continue
         kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0].replace("'", ""), str)
         if kind is not str and "None" in str(f.type):
             kind = _or_none(kind)
-        parser.add_argument(flag, dest=f.name, type=kind, default=default, help=f.metadata["help"])
+        group.add_argument(flag, dest=f.name, type=kind, default=default, help=help_text)
     return parser
+
+
+# FitOptions' fields the job's --help leaves to --help-advanced (--prototypes, a feature of
+# the job's own, stays in --help)
+ADVANCED_OPTIONS = frozenset(OPTION_NAMES) - {"prototypes"}
+
+
+class _AdvancedHelp(argparse.Action):
+    """--help-advanced: the help with the advanced settings listed, then exit 0."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        build_parser(show_advanced=True).print_help()
+        parser.exit()
 
 
 def _or_none(kind):

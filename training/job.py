@@ -49,6 +49,7 @@ from training.evaluation.report import (
 )
 from training.evaluation.report_page import warnings_of, write_report_page
 from training.model.estimator import NCA
+from training.model.options import with_options
 from training.numerics import evenly_spaced_rows
 from training.progress import StageBar, progress_mode
 from training.publish import check_publish_link, publish
@@ -61,7 +62,8 @@ def build_estimator(config: TrainConfig, n_features: int) -> NCA:
     artifact may serve (the served k is chosen among them on validation: ``choose_k``), with
     a bar per stage when the run shows one (``training.progress``)."""
     bar = StageBar() if progress_mode(config.progress, config.quiet) == "bar" else None
-    return NCA(**config.estimator_params(n_features), validation_k=K_VALUES, progress=bar)
+    settings = {**config.estimator_params(n_features), "validation_k": K_VALUES, "progress": bar}
+    return NCA(**with_options(settings))
 
 
 # query x reference x dimension products a baseline's search may take, at most: a map that
@@ -308,8 +310,9 @@ def fit_estimator(estimator: NCA, split, checkpoint: Path | None = None) -> list
                 checkpoint=checkpoint,
             )
         finally:
-            if isinstance(estimator.progress, StageBar):
-                estimator.progress.close()
+            progress = (estimator.options or {}).get("progress")  # with_options gave a dict
+            if isinstance(progress, StageBar):
+                progress.close()
     messages = [
         str(w.message)
         for w in caught

@@ -1,7 +1,7 @@
 """The CLI's view of a long fit: one tqdm bar per stage.
 
 The estimator reports each stage's start and every iteration as a
-``training.optim.stages.StageProgress`` (``NCA(progress=...)``); :class:`StageBar` shows it
+``training.optim.stages.StageProgress`` (``NCA(options={"progress": ...})``); :class:`StageBar` shows it
 as a bar per stage: the stage's name, its iterations against its most, the latest held-out
 score, tqdm's estimate of the stage's time left (its remaining iterations at its rate so
 far) and, with a budget, the fit's budget left beside it. A stage that stops early
@@ -49,7 +49,7 @@ def _is_terminal(stream) -> bool:
 
 
 class StageBar:
-    """A callable for ``NCA(progress=...)`` drawing one bar per stage on ``stream`` (None:
+    """A callable for ``NCA(options={"progress": ...})`` drawing one bar per stage on ``stream`` (None:
     the stderr of the moment a bar is drawn, so an estimator holding it can still be cloned
     and pickled between fits); call ``close()`` after the fit."""
 

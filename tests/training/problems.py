@@ -12,6 +12,7 @@ import torch
 
 from training import NCA
 from training.distributed.ranks import shard_bounds
+from training.model.options import with_options
 from training.objectives.registry import make_objective
 from training.optim.adam import run_adam
 from training.optim.lbfgs import run_lbfgs
@@ -72,13 +73,12 @@ def fit_history(X, y, **params):
             n_components=8,
             n_candidates=8,
             max_iter=20,
-            validation_interval=1,
-            exact_finish=0,
             random_state=0,
-            init_scale=1.0,
-            stop_stalled_stages=False,
+            options=dict(
+                validation_interval=1, exact_finish=0, init_scale=1.0, stop_stalled_stages=False
+            ),
         )
-        return model.set_params(**params).fit(X, y)
+        return model.set_params(**with_options({**model.options, **params})).fit(X, y)
 
 
 def candidate_gaps(model) -> list[float]:

@@ -87,7 +87,7 @@ def test_the_artifact_keeps_the_projected_validation_split(tmp_path):
 
 
 def test_every_config_field_is_an_option_with_help():
-    parser = build_parser()
+    parser = build_parser(show_advanced=True)
     options = {a.dest: a for a in parser._actions}
     for name in TrainConfig.__dataclass_fields__:
         assert name in options and options[name].help
@@ -101,6 +101,35 @@ def test_help_runs_as_a_module(python_m_training):
     code, stdout, stderr = python_m_training("--help")
     assert code == 0, stderr
     assert "--n-components" in stdout and "--objective" in stdout
+
+
+def test_help_lists_the_advanced_settings_only_when_asked(capsys):
+    """--help lists the model's and the job's options; FitOptions' fields (but --prototypes)
+    are accepted always and listed by --help-advanced (issue 56: a smaller --help)."""
+    import argparse
+
+    from training.config import ADVANCED_OPTIONS, parse_config
+
+    hidden = [a for a in build_parser()._actions if a.help == argparse.SUPPRESS]
+    assert {a.dest for a in hidden} == {
+        f.name
+        for f in TrainConfig.__dataclass_fields__.values()
+        if f.metadata.get("estimator") in ADVANCED_OPTIONS
+    }
+    flags = {flag for a in hidden for flag in a.option_strings if not flag.startswith("--no-")}
+    assert {"--exact-finish", "--refresh-tol", "--candidate-mass"} <= flags
+    short = " ".join(build_parser().format_help().split())
+    full = " ".join(build_parser(show_advanced=True).format_help().split())
+    assert "--prototypes" in short and "--max-seconds" in short and "--help-advanced" in short
+    assert not {flag for flag in flags if f"{flag} " in short}
+    assert all(f"{flag} " in full for flag in flags)
+    with pytest.raises(SystemExit) as done:
+        parse_config(["--help-advanced"])
+    assert done.value.code == 0
+    assert "--exact-finish" in capsys.readouterr().out
+    config = parse_config(["--exact-finish", "0", "--no-stop-stalled-stages"])  # still taken
+    assert config.exact_finish == "0" or config.exact_finish == 0
+    assert config.stop_stalled_stages is False
 
 
 def write_npz(path, **arrays):
@@ -444,9 +473,11 @@ def test_the_job_validates_with_the_rule_and_ks_it_serves(rule):
     from training.job import build_estimator
 
     estimator = build_estimator(TrainConfig(decision_rule=rule), n_features=64)
-    assert estimator.validation_rule == rule
-    assert tuple(estimator.validation_k) == K_VALUES  # the served k is chosen among these
-    assert estimator.early_stopping and estimator.n_components == 32
+    assert settings_of(estimator).validation_rule == rule
+    assert (
+        tuple(settings_of(estimator).validation_k) == K_VALUES
+    )  # the served k is chosen among these
+    assert settings_of(estimator).early_stopping and estimator.n_components == 32
 
 
 @pytest.mark.parametrize("text, expected", [("auto", "auto"), ("0", 0.0), ("1e-2", 0.01)])
@@ -463,19 +494,19 @@ def test_candidate_draws_reach_the_estimator():
     from training.config import parse_config
     from training.job import build_estimator
 
-    assert build_estimator(parse_config([]), n_features=64).candidate_draws == 0
+    assert settings_of(build_estimator(parse_config([]), n_features=64)).candidate_draws == 0
     config = parse_config(["--candidate-draws", "16"])
-    assert build_estimator(config, n_features=64).candidate_draws == 16
+    assert settings_of(build_estimator(config, n_features=64)).candidate_draws == 16
 
 
 def test_exact_finish_reaches_the_estimator():
     from training.config import parse_config
     from training.job import build_estimator
 
-    assert build_estimator(parse_config([]), n_features=64).exact_finish == "auto"
+    assert settings_of(build_estimator(parse_config([]), n_features=64)).exact_finish == "auto"
     for text, expected in (("auto", "auto"), ("0", 0), ("25", 25)):
         config = parse_config(["--exact-finish", text])
-        assert build_estimator(config, n_features=64).exact_finish == expected
+        assert settings_of(build_estimator(config, n_features=64)).exact_finish == expected
 
 
 def test_optional_numbers_take_none_on_the_command_line():
@@ -529,7 +560,7 @@ def test_the_command_lines_text_reaches_the_estimator_parsed(option, text, expec
     from training.job import build_estimator
 
     estimator = build_estimator(parse_config([option, text]), n_features=64)
-    assert getattr(estimator, option[2:].replace("-", "_")) == expected
+    assert getattr(settings_of(estimator), option[2:].replace("-", "_")) == expected
 
 
 @pytest.mark.parametrize(
@@ -579,7 +610,7 @@ def test_the_budget_and_stage_options_reach_the_estimator(option, text, expected
 
     argv = [option] if text is None else [option, text]
     estimator = build_estimator(parse_config(argv), n_features=64)
-    assert getattr(estimator, expected[0]) == expected[1]
+    assert getattr(settings_of(estimator), expected[0]) == expected[1]
 
 
 def test_the_progress_option_chooses_the_bar_or_the_table():
@@ -588,11 +619,11 @@ def test_the_progress_option_chooses_the_bar_or_the_table():
     from training.progress import StageBar
 
     bar = build_estimator(parse_config(["--progress", "bar"]), n_features=64)
-    assert isinstance(bar.progress, StageBar) and bar.verbose == 0
+    assert isinstance(settings_of(bar).progress, StageBar) and bar.verbose == 0
     table = build_estimator(parse_config(["--progress", "table"]), n_features=64)
-    assert table.progress is None and table.verbose == 1
+    assert settings_of(table).progress is None and table.verbose == 1
     quiet = build_estimator(parse_config(["--progress", "bar", "--quiet"]), n_features=64)
-    assert quiet.progress is None and quiet.verbose == 0
+    assert settings_of(quiet).progress is None and quiet.verbose == 0
 
 
 def test_a_fit_driven_out_of_floating_point_range_is_one_line_and_exit_2(
@@ -609,3 +640,10 @@ def test_a_fit_driven_out_of_floating_point_range_is_one_line_and_exit_2(
     err = capsys.readouterr().err
     assert err.strip().splitlines()[-1] == "error: the loss (inf) at iteration 1 is not finite"
     assert "Traceback" not in err and not out.exists()
+
+
+def settings_of(estimator):
+    """Every setting the estimator was given, by name (its parameters and its options')."""
+    from training.model.options import fit_settings
+
+    return fit_settings(estimator.get_params())

@@ -89,6 +89,6 @@ def test_an_estimator_holding_a_bar_clones_and_pickles():
 
     from training import NCA
 
-    model = NCA(progress=StageBar())
-    assert isinstance(clone(model).progress, StageBar)
-    assert isinstance(pickle.loads(pickle.dumps(model)).progress, StageBar)
+    model = NCA(options=dict(progress=StageBar()))
+    assert isinstance(clone(model).options["progress"], StageBar)
+    assert isinstance(pickle.loads(pickle.dumps(model)).options["progress"], StageBar)

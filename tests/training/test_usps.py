@@ -6,6 +6,7 @@ import pytest
 from sklearn.neighbors import KNeighborsClassifier
 
 from training import NCA
+from training.model.options import with_options
 
 pytestmark = pytest.mark.slow
 
@@ -19,7 +20,9 @@ def full_and_large(usps):
     """The same fit on USPS, exact (full batch) and on 32 candidates per kind."""
     X, y, _, _ = usps
     kw = dict(n_components=32, random_state=0, max_iter=100)
-    return NCA(n_candidates=None, **kw).fit(X, y), NCA(n_candidates=32, **kw).fit(X, y)
+    return NCA(**with_options(dict(n_candidates=None, **kw))).fit(X, y), NCA(
+        **with_options(dict(n_candidates=32, **kw))
+    ).fit(X, y)
 
 
 @pytest.mark.parametrize("k", [1, 5])

@@ -15,7 +15,6 @@ L-BFGS iterations on the exact objective (``exact_finish``).
 
 from __future__ import annotations
 
-import numbers
 import warnings
 from functools import partial
 
@@ -27,9 +26,10 @@ from threadpoolctl import threadpool_limits
 
 from service.core.knn import project
 from training.distributed.ranks import agreed_flags, current_group
-from training.model import parameters, preparation
+from training.model import preparation
 from training.model.checkpoint import FitCheckpoint, fingerprint, package_version
 from training.model.fitting import StagedFit
+from training.model.options import fit_settings
 from training.model.plan import FitPlan, resolve_plan
 from training.objectives.registry import kernels_used
 from training.optim.candidates import audit_disagreement, audit_rows
@@ -52,16 +52,7 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         neighbours agreeing ("all") (Tarlow et al. 2013; ``training.objectives.knca``).
     k : int
         The k of the kNN rule the objective trains for (1 for NCA).
-    transformation : {"linear", "diagonal"}
-        A (d, D), full or low-rank; or diag(a), an axis-aligned scaling (d = D).
     init : {"auto", "pca", "lda", "identity", "random"}, ndarray (d, D) or artifact path
-    init_scale : "auto" or float in [1e-6, 1e6]
-        The factor the initial map the estimator builds (pca, lda, identity, random) is
-        multiplied by: "auto" the one that maximises NCA's log-likelihood along its direction
-        (``training.model.init_scale``; ``init_scale_`` says which), 1.0 the map as built (as
-        scikit-learn's). A given matrix, artifact or warm start is used as given.
-    solver : {"auto", "lbfgs", "adam"}
-        Full-batch L-BFGS ("auto"), or Adam over mini-batches of ``batch_size`` query rows.
     max_iter, tol : L-BFGS iterations or Adam epochs; the convergence tolerance.
     l2 : "auto" or float
         Penalty l2 ||A||_F^2 on the per-point mean loss (0: scikit-learn's objective). "auto"
@@ -70,63 +61,20 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
     n_candidates : "auto", int or None
         None: the exact objective (chunks against all points). K: each point's K nearest
         same-class and other-class points in the current projection, recomputed when stale.
-    refresh_every, refresh_tol : int, float or None
-        Recompute candidates at least every ``refresh_every`` iterations, and sooner when the
-        neighbour mass inside them (on 512 fixed rows) has fallen by ``refresh_tol``.
-    candidate_mass : float or None
-        At each refresh, K per kind is the smallest of n_candidates x 1, 2, 4, 8 whose sets
-        hold this fraction of the neighbour mass; None keeps K fixed.
-    candidate_draws : int
-        NCA's objectives on candidates: S weighted uniform draws per point and kind beyond
-        the nearest, an unbiased estimate of the mass they leave out (2S more candidates).
-    exact_finish : "auto" or int
-        After a candidate fit, this many L-BFGS iterations on the exact objective (over at
-        most ``plan_.finish_max_rows`` query rows): what the map is judged by, which no
-        candidate set can be gamed into. Ignored by exact fits.
-    chunk_size, batch_size, learning_rate : rows per chunk (None: a 256 MiB working set);
-        Adam's mini-batch and step size.
-    early_stopping, validation_fraction, n_iter_no_change, validation_interval :
-        Hold out a stratified fraction (or use ``fit``'s X_val, y_val); stop after
-        ``n_iter_no_change`` checks without a better validation kNN accuracy; keep the best.
-    validation_k, validation_rule : the k (or best of several) and the rule validation
-        scores with: those that will be served.
-    standardize : {"auto", "feature", "global", "none"} or bool
-        Per feature, one shared scale (pixels), or none; "auto" picks feature or global by
-        kNN accuracy on training rows (``standardization_``, ``standardization_scores_``).
-    warm_start : bool
-        Start from the previous ``components_`` (same D).
-    candidate_search : {"auto", "exact", "ivf"}
-        How candidate sets are found: "exact" compares every pair of points (O(N^2 d) per
-        refresh); "ivf" searches an inverted-file index (FAISS, O(N sqrt(N) d)), its recall
-        measured at every refresh on 512 rows and its effort raised while the sets hold less
-        than 0.95 of the neighbour mass exact sets hold; "auto" is "ivf" from 50,000 points on
-        the CPU (``training.optim.candidate_search``).
-    select_stages : bool
-        Keep each stage's end (the first optimisation, the exact finish) only when it scores
-        at least as well as its start on held-out rows: the validation split, else the k-NN
-        accuracy of up to 4,096 training rows held out of the fit (``training.optim.stages``).
-        False keeps whatever the optimiser returns.
-    stop_stalled_stages : bool
-        Stop a stage after two held-out checks in a row without a gain ("hurt" when the last
-        is below the stage's start, else "stalled": ``training.optim.stages``); the clock
-        plays no part, so the same data and seed give the same map. False runs every stage
-        to its iterations.
     max_seconds : None or float
         The fit's budget in seconds: once spent, the running stage stops after its current
         iteration, later stages are skipped, and the best judged map so far is returned
         (``budget_exhausted_``, ``stop_reason_`` "max_seconds", a ConvergenceWarning).
-    prototypes : None or float
-        The joint mode of learned reference sets: after the NCA fit, round(N / prototypes)
-        prototypes (shared in proportion to the classes' sizes, one at least:
-        ``training.references.condense.class_budget``) and the map are learned together
-        with NCA's objective (``training.references.learned``); above 1.
+    warm_start : bool
+        Start from the previous ``components_`` (same D).
     device, random_state, verbose, callback
         "auto" is CUDA when available; seed; scikit-learn's verbose table; called after
         every iteration with A raveled (d * D,) and the iteration number.
-    progress : None or callable
-        Called with a ``training.optim.stages.StageProgress`` (stage, iteration, its most,
-        the latest held-out score, seconds, the budget) at each stage's start and after each
-        of its iterations, on rank 0 (the CLI's progress bar: ``training.progress``).
+    options : None, ``training.model.options.FitOptions`` or dict
+        The advanced settings, in one documented place: the transformation (linear or
+        diagonal), standardisation, the initial scale, learned prototypes, the solver and the
+        exact finish, the candidate sets' refresh and search, early stopping and the
+        held-out rows, stage selection, a progress callable. None: their measured defaults.
 
     Attributes
     ----------
@@ -148,8 +96,7 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         ``stage_measure_`` says what the scores are.
     kernels_ : dict
         Which implementation evaluated each objective of the fit ("nca_exact",
-        "nca_candidates", "knca"): "c" (the native kernels, built and loaded on this
-        machine), "torch", or "flex" (exact NCA on CUDA); report.json records it.
+        "nca_candidates", "knca"): "c" (the native kernels built at install), "torch", or "flex" (exact NCA on CUDA); report.json records it.
     resumed_stages_ : int
         Stages a ``fit(..., checkpoint=DIR)`` found done in DIR and skipped (0: none).
     budget_exhausted_ : bool
@@ -165,97 +112,34 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         *,
         objective="nca",
         k=1,
-        transformation="linear",
         init="auto",
-        solver="auto",
         max_iter=100,
         tol=1e-5,
         l2="auto",
         n_candidates="auto",
-        refresh_every=50,
-        refresh_tol=0.05,
-        candidate_mass=0.9,
-        candidate_draws=0,
-        exact_finish="auto",
-        chunk_size=None,
-        batch_size=1024,
-        learning_rate=0.01,
-        early_stopping=False,
-        validation_fraction=0.1,
-        validation_k=None,
-        validation_rule="majority",
-        n_iter_no_change=5,
-        validation_interval=5,
-        standardize="auto",
+        max_seconds=None,
         warm_start=False,
         device="auto",
         random_state=None,
         verbose=0,
         callback=None,
-        prototypes=None,
-        candidate_search="auto",
-        select_stages=True,
-        max_seconds=None,
-        init_scale="auto",
-        stop_stalled_stages=True,
-        progress=None,
+        options=None,
     ):
         self.n_components = n_components
         self.objective = objective
         self.k = k
-        self.transformation = transformation
         self.init = init
-        self.solver = solver
         self.max_iter = max_iter
         self.tol = tol
         self.l2 = l2
         self.n_candidates = n_candidates
-        self.refresh_every = refresh_every
-        self.refresh_tol = refresh_tol
-        self.candidate_mass = candidate_mass
-        self.candidate_draws = candidate_draws
-        self.exact_finish = exact_finish
-        self.chunk_size = chunk_size
-        self.batch_size = batch_size
-        self.learning_rate = learning_rate
-        self.early_stopping = early_stopping
-        self.validation_fraction = validation_fraction
-        self.validation_k = validation_k
-        self.validation_rule = validation_rule
-        self.n_iter_no_change = n_iter_no_change
-        self.validation_interval = validation_interval
-        self.standardize = standardize
+        self.max_seconds = max_seconds
         self.warm_start = warm_start
         self.device = device
         self.random_state = random_state
         self.verbose = verbose
         self.callback = callback
-        self.prototypes = prototypes
-        self.candidate_search = candidate_search
-        self.select_stages = select_stages
-        self.max_seconds = max_seconds
-        self.init_scale = init_scale
-        self.stop_stalled_stages = stop_stalled_stages
-        self.progress = progress
-
-    # ------------------------------------------------------------------ validation
-
-    def _validate_params_against(self, n_samples: int, n_features: int, n_classes: int) -> int:
-        """Every parameter against its constraints (``training.model.parameters``), then the
-        checks that need the data; returns d (``n_components`` resolved)."""
-        parameters.check(self.get_params())
-        return parameters.check_against_data(self, n_samples, n_features)
-
-    def _validation_ks(self, n_references: int) -> tuple:
-        """The k values validation scores (at most the number of references)."""
-        if self.validation_k is None:
-            ks = (self.k,)
-        elif isinstance(self.validation_k, (tuple, list)):
-            ks = tuple(self.validation_k)
-        else:
-            ks = (self.validation_k,)
-        kept = tuple(k for k in ks if not isinstance(k, numbers.Integral) or k <= n_references)
-        return kept or (min(self.k, n_references),)
+        self.options = options
 
     # ------------------------------------------------------------------ fitting
 
@@ -282,15 +166,18 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         """
         group = current_group()
         clock = FitClock(self.max_seconds, agree=partial(agreed_flags, group=group))
-        prep = preparation.prepare(self, X, y, X_val, y_val, group)
-        self.plan_ = plan = resolve_plan(self.get_params(), len(prep.y))
+        # every setting by name: the constructor's parameters and its options' (checked in
+        # preparation as one table of constraints)
+        settings = fit_settings(self.get_params())
+        prep = preparation.prepare(self, settings, X, y, X_val, y_val, group)
+        self.plan_ = plan = resolve_plan(vars(settings), len(prep.y))
         saver = None
         if checkpoint is not None:
             key = fingerprint(
-                prep.X, prep.y, prep.X_val, prep.y_val, self.get_params(), package_version()
+                prep.X, prep.y, prep.X_val, prep.y_val, vars(settings), package_version()
             )
             saver = FitCheckpoint(checkpoint, key, rank=group.rank)
-        stages = StagedFit(self, prep, plan, group, clock, checkpoint=saver)
+        stages = StagedFit(self, settings, prep, plan, group, clock, checkpoint=saver)
         # numpy/scipy's BLAS threads (OpenBLAS) spin after each small call of the optimiser and
         # steal the cores from torch's kernels: measured 3x slower fits. One BLAS thread here.
         with threadpool_limits(1, user_api="blas"):
@@ -307,8 +194,8 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         self._warn_about(result, plan, stages.candidate_history, len(prep.y), group)
         self.prototypes_ = self.prototype_labels_ = self.prototype_rows_ = None
         self.prototype_fit_ = None  # a refit without prototypes keeps none of an earlier fit's
-        if self.prototypes is not None:
-            _fit_prototypes(self, prep, X, y)
+        if settings.prototypes is not None:
+            _fit_prototypes(self, settings, prep, X, y)
         return self
 
     def _store_fit(
@@ -399,7 +286,7 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         return self.components_.shape[0]
 
 
-def _fit_prototypes(est: NCA, prep: preparation.Prepared, X, y) -> None:
+def _fit_prototypes(est: NCA, settings, prep: preparation.Prepared, X, y) -> None:
     """The joint mode: round(N / prototypes) prototypes shared among the classes
     (``training.references.condense.class_budget``) and the map, learned
     together from the NCA map (``training.references.compress``: log loss, the iteration
@@ -407,7 +294,7 @@ def _fit_prototypes(est: NCA, prep: preparation.Prepared, X, y) -> None:
     u = prep.X @ est.components_.T  # (N, d) the NCA embedding editing looks at
     edit_k = 0
     if prep.X_val is not None and len(prep.X_val):
-        rule = est.validation_rule
+        rule = settings.validation_rule
         full_k, _ = served_k(
             u, prep.y, prep.X_val @ est.components_.T, prep.y_val, len(est.classes_), rule
         )
@@ -415,9 +302,9 @@ def _fit_prototypes(est: NCA, prep: preparation.Prepared, X, y) -> None:
     result = compress(
         prep.X,
         prep.y,
-        reduction=float(est.prototypes),
+        reduction=float(settings.prototypes),
         n_classes=len(est.classes_),
-        rule=est.validation_rule,
+        rule=settings.validation_rule,
         edit_k=edit_k,
         x_val=prep.X_val,
         y_val=prep.y_val,

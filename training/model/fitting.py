@@ -43,8 +43,10 @@ class StagedFit:
     (``training.model.plan.FitPlan``), in the process group ``group``, on the fit's
     ``clock`` (its budget: ``training.optim.stages.FitClock``)."""
 
-    def __init__(self, est, prep, plan, group, clock: FitClock, checkpoint=None):
-        self.est, self.prep, self.plan, self.group, self.clock = est, prep, plan, group, clock
+    def __init__(self, est, settings, prep, plan, group, clock: FitClock, checkpoint=None):
+        # settings: every setting of the fit by name (training.model.options.fit_settings)
+        self.name, self.settings = type(est).__name__, settings
+        self.prep, self.plan, self.group, self.clock = prep, plan, group, clock
         # training.model.checkpoint.FitCheckpoint, or None: the stages a killed fit finished
         self.checkpoint = checkpoint
         self.saved = None if checkpoint is None else checkpoint.load()
@@ -53,7 +55,7 @@ class StagedFit:
         self.problem = self.make_problem()
         self.validate = prep.validate(self.problem)
         self.monitor = self._monitor()
-        self.judge = self._judge() if est.select_stages else None
+        self.judge = self._judge() if settings.select_stages else None
         self.records: list[StageRecord] = []
         self.finished_iter = 0  # iterations of the exact finish
         self.candidate_history: list[dict] = []  # the first stage's history
@@ -79,7 +81,7 @@ class StagedFit:
             )
             return self._result_at(prep.theta0, problem, unfitted)
         started = self.clock.elapsed()
-        guard = self.monitor.guard = self._guard(prep.theta0, stage, self.est.max_iter)
+        guard = self.monitor.guard = self._guard(prep.theta0, stage, self.settings.max_iter)
         result = self._optimise(problem, prep.theta0, plan.solver, prep.rng)
         kept = self._settle(stage, prep.theta0, result, guard, started)
         result = self._result_at(kept, problem, result, guard)
@@ -108,7 +110,7 @@ class StagedFit:
             self.monitor,
             n_iter=plan.finish_iter,
             max_rows=plan.finish_max_rows,
-            tol=self.est.tol,
+            tol=self.settings.tol,
             validate=self.prep.validate(exact),
             monitor_options={**self.monitor_options(), "guard": guard},
             max_evaluations=plan.finish_max_evaluations,
@@ -157,10 +159,10 @@ class StagedFit:
             self.clock,
             self.judge,
             start,
-            stop_stalled=self.est.stop_stalled_stages,
+            stop_stalled=self.settings.stop_stalled_stages,
             stage=stage,
             max_iter=max_iter,
-            progress=self.est.progress if self.group.rank == 0 else None,
+            progress=self.settings.progress if self.group.rank == 0 else None,
         )
 
     def _settle(self, stage, start, result: FitResult, guard, started) -> np.ndarray:
@@ -237,7 +239,7 @@ class StagedFit:
     def _problem_factory(self):
         """problem(**overrides) -> the objective over the training points as the plan says
         (sharded across ranks under torchrun), with ``overrides`` for the exact finish."""
-        est, prep, plan, group = self.est, self.prep, self.plan, self.group
+        settings, prep, plan, group = self.settings, self.prep, self.plan, self.group
         draw_seed = 0  # a seed only when drawing: the generator's stream (Adam's) stays as it was
         if plan.candidate_draws:
             draw_seed = int(prep.rng.integers(2**31 - 1))
@@ -245,18 +247,18 @@ class StagedFit:
                 seed = torch.tensor([draw_seed], dtype=torch.int64, device=prep.device)
                 draw_seed = int(broadcast_from_rank0(seed, group)[0])
         defaults = dict(
-            transform=est.transformation,
+            transform=settings.transformation,
             n_components=prep.d,
             l2=plan.l2,
             n_candidates=plan.n_candidates,
             n_draws=plan.candidate_draws,
             seed=draw_seed,
-            chunk_size=est.chunk_size,
-            search=CandidateSearch(kind=est.candidate_search, seed=draw_seed),
+            chunk_size=settings.chunk_size,
+            search=CandidateSearch(kind=settings.candidate_search, seed=draw_seed),
         )
         X = torch.as_tensor(prep.X, dtype=torch.float32, device=prep.device)
         labels = torch.as_tensor(prep.y, dtype=torch.long, device=prep.device)
-        objective = make_objective(est.objective, est.k, n_classes=len(prep.classes))
+        objective = make_objective(settings.objective, settings.k, n_classes=len(prep.classes))
         if plan.candidate_rows is not None and not group.is_distributed:
             rows = evenly_spaced_rows(len(prep.y), plan.candidate_rows)
             defaults["candidate_rows"] = torch.as_tensor(rows, device=prep.device)
@@ -290,7 +292,7 @@ class StagedFit:
     def _monitor(self) -> Monitor:
         problem = self.problem
         return Monitor(
-            max_iter=self.est.max_iter,
+            max_iter=self.settings.max_iter,
             validate=self.validate,
             components=problem.components,
             audit=candidate_audit(problem),
@@ -300,33 +302,33 @@ class StagedFit:
 
     def monitor_options(self) -> dict:
         """What every stage's Monitor shares: early stopping, the table, the callback."""
-        est = self.est
+        settings = self.settings
         return dict(
-            early_stopping=est.early_stopping,
-            interval=est.validation_interval,
-            patience=est.n_iter_no_change,
-            verbose=bool(est.verbose) and self.group.rank == 0,
-            name=type(est).__name__,
-            callback=est.callback,
+            early_stopping=settings.early_stopping,
+            interval=settings.validation_interval,
+            patience=settings.n_iter_no_change,
+            verbose=bool(settings.verbose) and self.group.rank == 0,
+            name=self.name,
+            callback=settings.callback,
         )
 
     def _optimise(self, problem, theta0, solver, rng) -> FitResult:
-        est = self.est
+        settings = self.settings
         shared = dict(  # what both optimisers take: the budget, the monitor, the refreshes
-            max_iter=est.max_iter,
-            tol=est.tol,
+            max_iter=settings.max_iter,
+            tol=settings.tol,
             monitor=self.monitor,
-            refresh_every=est.refresh_every,
-            refresh_tol=est.refresh_tol,
-            target_mass=est.candidate_mass,
+            refresh_every=settings.refresh_every,
+            refresh_tol=settings.refresh_tol,
+            target_mass=settings.candidate_mass,
         )
         if solver == "lbfgs":
             return run_lbfgs(problem, theta0, **shared)
         return run_adam(
             problem,
             theta0,
-            learning_rate=est.learning_rate,
-            batch_size=est.batch_size,
+            learning_rate=settings.learning_rate,
+            batch_size=settings.batch_size,
             rng=rng,
             **shared,
         )

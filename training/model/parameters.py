@@ -18,6 +18,7 @@ import numpy as np
 
 from service.core.vocabulary import NEIGHBOUR_RULES
 from training.model.initialization import INIT_NAMES
+from training.model.options import validation_ks
 from training.model.plan import is_knca
 from training.objectives.registry import OBJECTIVES
 
@@ -185,7 +186,7 @@ def check_against_data(est, n_samples: int, n_features: int) -> int:
             f"candidate_draws={est.candidate_draws!r} weights the candidates of NCA's "
             f"objectives ('nca', 'nca-log'), not objective={est.objective!r}; use 0"
         )
-    for vk in est._validation_ks(n_samples):
+    for vk in validation_ks(est, n_samples):
         if not Integer(1).accepts(vk):
             raise ValueError(f"validation_k={vk!r} must be an integer >= 1")
     if isinstance(est.init, (str, os.PathLike)) and str(est.init) not in INIT_NAMES:

@@ -33,8 +33,10 @@ from sklearn.utils.validation import validate_data
 from training.data.datasets import check_float32_range, stratified_split
 from training.distributed import sharded_stats
 from training.distributed.ranks import shard_bounds
+from training.model import parameters
 from training.model.init_scale import calibrated
 from training.model.initialization import check_lda, initial_components, resolve_auto
+from training.model.options import validation_ks
 from training.model.plan import AUTO_EXACT_MAX_SAMPLES
 from training.numerics import evenly_spaced_rows
 from training.optim.stages import SELECTION_ROWS
@@ -74,11 +76,17 @@ class Prepared:
     y_val: np.ndarray | None = None  # (V,) their class indices
 
 
-def prepare(est, X, y, X_val, y_val, group) -> Prepared:
-    """The fit's starting point from this process's rows: all of them, or its shard."""
-    if group.is_distributed and est.prototypes is not None:
+def prepare(est, settings, X, y, X_val, y_val, group) -> Prepared:
+    """The fit's starting point from this process's rows: all of them, or its shard.
+
+    est: the estimator (validate_data records n_features_in_ on it; the standardisation and
+    the initial scale chosen are written to it); settings: every setting of the fit by name
+    (``training.model.options.fit_settings``), checked here against its table of
+    constraints (``training.model.parameters``)."""
+    parameters.check(vars(settings))
+    if group.is_distributed and settings.prototypes is not None:
         raise ValueError(
-            f"prototypes={est.prototypes!r} learns the prototypes from every training row in "
+            f"prototypes={settings.prototypes!r} learns the prototypes from every training row in "
             "one process; a data-parallel fit holds a shard per rank: use prototypes=None"
         )
     X, y = validate_data(
@@ -88,26 +96,30 @@ def prepare(est, X, y, X_val, y_val, group) -> Prepared:
     check_classification_targets(y)
     classes = sharded_stats.union_classes(y, group)
     y_idx = np.searchsorted(classes, y)
-    rng = seeded_rng(est)
-    device = resolve_device(est.device)
-    rows, held, X_val, y_val_idx = held_out(est, X, y_idx, classes, X_val, y_val, rng, group)
+    rng = seeded_rng(settings)
+    device = resolve_device(settings.device)
+    rows, held, X_val, y_val_idx = held_out(
+        est, settings, X, y_idx, classes, X_val, y_val, rng, group
+    )
     n = sharded_stats.total_rows(len(rows), group)
     check_shard(len(rows), n, group)
-    d = est._validate_params_against(n, X.shape[1], len(classes))
+    d = parameters.check_against_data(settings, n, X.shape[1])
     y_all = sharded_stats.gather_labels(y_idx[rows], n, group)  # (N,)
-    if est.prototypes is not None:  # the budget is checked before the fit, not after it
-        check_budget(y_all, len(classes), est.prototypes, classes.tolist(), name="prototypes")
+    if settings.prototypes is not None:  # the budget is checked before the fit, not after it
+        check_budget(y_all, len(classes), settings.prototypes, classes.tolist(), name="prototypes")
     start = shard_bounds(n, group.rank, group.world_size)[0]
-    mean, scale = standardizer(est, X, rows, y_all, start, n, len(classes), group)
+    mean, scale = standardizer(est, settings, X, rows, y_all, start, n, len(classes), group)
     Xs = sharded_stats.standardized(X, mean, scale, rows)  # (N_r, D) float32
-    theta0, init_used = initialize(est, Xs, y_idx[rows], n, len(classes), d, scale, rng, group)
-    theta0 = scaled_init(est, theta0, init_used, Xs, y_all, n, group)
+    theta0, init_used = initialize(
+        est, settings, Xs, y_idx[rows], n, len(classes), d, scale, rng, group
+    )
+    theta0 = scaled_init(est, settings, theta0, init_used, Xs, y_all, n, group)
     Xv_s, yv = None, None
     if X_val is not None:  # a validation split: its rows standardised here (one full pass)
         Xv_s, yv = sharded_stats.standardized(X_val, mean, scale), y_val_idx
     elif held is not None:  # rows held out of this fit to judge it
         Xv_s, yv = sharded_stats.standardized(X, mean, scale, held), y_idx[held]
-    scores = HeldOutScores(est, Xs, y_all, Xv_s, yv, len(classes), n, group)
+    scores = HeldOutScores(settings, Xs, y_all, Xv_s, yv, len(classes), n, group)
     return Prepared(
         X=Xs,
         y=y_all,
@@ -142,16 +154,16 @@ def resolve_device(device: str) -> torch.device:
     return resolved
 
 
-def seeded_rng(est) -> np.random.Generator:
+def seeded_rng(settings) -> np.random.Generator:
     """numpy's generator from random_state; torch seeded from it (candidate ties, SGD)."""
-    seed = est.random_state
+    seed = settings.random_state
     if isinstance(seed, np.random.RandomState):
         seed = seed.randint(2**31 - 1)
     try:
         rng = np.random.default_rng(seed)
     except (TypeError, ValueError) as error:
         raise ValueError(
-            f"random_state={est.random_state!r} must be None, an integer >= 0, a numpy "
+            f"random_state={settings.random_state!r} must be None, an integer >= 0, a numpy "
             f"Generator or RandomState ({error})"
         ) from None
     torch.manual_seed(int(rng.integers(2**31 - 1)))
@@ -169,7 +181,7 @@ def check_shard(n_local: int, n: int, group) -> None:
         )
 
 
-def held_out(est, X, y_idx, classes, X_val, y_val, rng, group):
+def held_out(est, settings, X, y_idx, classes, X_val, y_val, rng, group):
     """(training rows of X, rows of X held out to judge the fit or None, the validation set
     or None, its class indices or None).
 
@@ -188,29 +200,29 @@ def held_out(est, X, y_idx, classes, X_val, y_val, rng, group):
             raise ValueError(f"y_val has labels not present in y: {unknown.tolist()}")
         return every, None, X_val, np.searchsorted(classes, y_val)
     if group.is_distributed:
-        if est.early_stopping:
+        if settings.early_stopping:
             raise ValueError(
                 "early_stopping=True in a data-parallel fit needs an explicit validation set: "
                 "pass each rank's rows of it as X_val, y_val"
             )
         return every, None, None, None
-    if est.early_stopping:
-        tr, va = stratified_split(y_idx, (est.validation_fraction,), int(rng.integers(2**31)))
+    if settings.early_stopping:
+        tr, va = stratified_split(y_idx, (settings.validation_fraction,), int(rng.integers(2**31)))
         if len(va) == 0:
             return tr, None, None, None
         return tr, None, np.asarray(X[va]), y_idx[va]
-    if est.select_stages and len(X) > HOLDOUT_MIN_SAMPLES:
+    if settings.select_stages and len(X) > HOLDOUT_MIN_SAMPLES:
         fraction = min(SELECTION_ROWS, len(X) // 10) / len(X)
         tr, held = stratified_split(y_idx, (fraction,), int(rng.integers(2**31)))
         return tr, held, None, None
     return every, None, None, None
 
 
-def standardizer(est, X, rows, y_all, start, n, n_classes, group):
+def standardizer(est, settings, X, rows, y_all, start, n, n_classes, group):
     """mean (D,) and scale (D,) of the chosen standardisation of the training rows; sets
     standardization_ and standardization_scores_ (the kNN scores "auto" chose by)."""
     est.standardization_scores_ = None
-    name = STANDARDIZE_MODES.get(est.standardize, est.standardize)
+    name = STANDARDIZE_MODES.get(settings.standardize, settings.standardize)
     if name == "auto":
         name, est.standardization_scores_ = sharded_stats.choose_standardizer(
             X, y_all, start, n_classes, group, rows=rows
@@ -221,13 +233,13 @@ def standardizer(est, X, rows, y_all, start, n, n_classes, group):
     return sharded_stats.standardizer(name, X, n, group, rows)
 
 
-def initialize(est, Xs, y_idx, n, n_classes, d, scale, rng, group):
+def initialize(est, settings, Xs, y_idx, n, n_classes, d, scale, rng, group):
     """(theta0, the init used): the initial A (d, D) from ``init``, or the previous
     components with ``warm_start``; its diagonal when the transformation is diagonal. PCA
     and LDA from D x D scatter matrices reduced over blocks (and ranks); the other rules
     need no statistics."""
-    init = est.init
-    if est.warm_start and hasattr(est, "components_"):
+    init = settings.init
+    if settings.warm_start and hasattr(est, "components_"):
         if est.components_.shape[1] != Xs.shape[1]:
             raise ValueError(
                 f"The new inputs dimensionality ({Xs.shape[1]}) does not match the input "
@@ -248,13 +260,13 @@ def initialize(est, Xs, y_idx, n, n_classes, d, scale, rng, group):
         A0, name = initial_components(
             init if name is None else name, Xs, y_idx, d, random_state=rng, scale=scale
         )
-    if est.verbose and name in INIT_MESSAGES and group.rank == 0:  # scikit-learn's line
+    if settings.verbose and name in INIT_MESSAGES and group.rank == 0:  # scikit-learn's line
         print(f"{INIT_MESSAGES[name]}... done in {time.perf_counter() - started:5.2f}s")
-    theta0 = np.diag(A0).copy() if est.transformation == "diagonal" else A0
+    theta0 = np.diag(A0).copy() if settings.transformation == "diagonal" else A0
     return theta0, name
 
 
-def scaled_init(est, theta0, init_used: str, Xs, y_all, n: int, group) -> np.ndarray:
+def scaled_init(est, settings, theta0, init_used: str, Xs, y_all, n: int, group) -> np.ndarray:
     """The initial map at the scale ``init_scale`` asks for: "auto" the factor that maximises
     NCA's log-likelihood along its direction (``training.model.init_scale``), a number that
     factor; maps the estimator built (pca, lda, identity, random) only, a given matrix,
@@ -262,10 +274,10 @@ def scaled_init(est, theta0, init_used: str, Xs, y_all, n: int, group) -> np.nda
     est.init_scale_ = 1.0
     if init_used not in BUILT_INITS:
         return theta0
-    if est.init_scale != "auto":
-        est.init_scale_ = float(est.init_scale)
+    if settings.init_scale != "auto":
+        est.init_scale_ = float(settings.init_scale)
         return theta0 * est.init_scale_
-    if est.transformation == "diagonal":
+    if settings.transformation == "diagonal":
         z_local = Xs * theta0[None, :].astype(np.float32)  # (N_r, D)
     else:
         z_local = Xs @ theta0.T.astype(np.float32)  # (N_r, d)
@@ -281,10 +293,10 @@ class HeldOutScores:
     O(N d) whatever their number. Each rank scores its own held-out rows against all
     training rows' embeddings and the correct answers are summed."""
 
-    def __init__(self, est, Xs, y_all, X_held, y_held, n_classes, n, group):
+    def __init__(self, settings, Xs, y_all, X_held, y_held, n_classes, n, group):
         self.Xs, self.y_all, self.n_classes, self.n, self.group = Xs, y_all, n_classes, n, group
-        self.ks = est._validation_ks(n)
-        self.rule = est.validation_rule
+        self.ks = validation_ks(settings, n)
+        self.rule = settings.validation_rule
         self.X_held = self.y_held = None
         self.n_rows = 0
         if X_held is not None:

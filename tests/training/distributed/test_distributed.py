@@ -30,6 +30,7 @@ from tests.training.problems import (
     evaluate_all,
 )
 from training.distributed.ranks import ProcessGroup, current_group, shard_bounds
+from training.model.options import with_options
 from training.objectives.registry import make_objective
 from training.optim.sharded_problem import ShardedProblem
 
@@ -79,14 +80,8 @@ def fit_estimators(group):
         searched.clear()
         # tol=0: L-BFGS stops at its budget, not where one summation order converges first;
         # stop_stalled_stages=False: not where one world's clock says a stage stalled
-        model = NCA(
-            max_iter=6,
-            tol=0.0,
-            random_state=0,
-            validation_interval=2,
-            stop_stalled_stages=False,
-            **params,
-        )
+        settings = dict(max_iter=6, tol=0.0, random_state=0, validation_interval=2)
+        model = NCA(**with_options({**settings, **params, "stop_stalled_stages": False}))
         model.fit(X[start:stop], y[start:stop], X_val[v_start:v_stop], y_val[v_start:v_stop])
         out[f"{case}/components"] = model.components_
         out[f"{case}/mean"] = model.mean_
@@ -328,7 +323,11 @@ def test_one_rank_data_parallel_set_up_equals_the_single_process_one(one_rank):
     from training import NCA
 
     X, y, X_val, y_val = digits_split()
-    model = NCA(max_iter=15, random_state=0, validation_interval=3, **ESTIMATOR_CASES["auto"])
+    model = NCA(
+        **with_options(
+            dict(max_iter=15, random_state=0, **ESTIMATOR_CASES["auto"], validation_interval=3)
+        )
+    )
     model.fit(X, y, X_val, y_val)
     np.testing.assert_allclose(one_rank["auto/mean"], model.mean_, rtol=1e-12)
     np.testing.assert_allclose(one_rank["auto/scale"], model.scale_, rtol=1e-12)

@@ -14,6 +14,7 @@ import pytest
 from service.core.artifact import read_artifact
 from tests.training.problems import blobs
 from training import NCA
+from training.model.options import with_options
 
 PARAMS = dict(n_components=2, n_candidates=5, max_iter=12, random_state=0, validation_interval=2)
 
@@ -39,7 +40,9 @@ def fit(checkpoint=None, **extra):
     X, y, X_val, y_val = data()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return NCA(**PARAMS, **extra).fit(X, y, X_val, y_val, checkpoint=checkpoint)
+        return NCA(**with_options(dict(**PARAMS, **extra))).fit(
+            X, y, X_val, y_val, checkpoint=checkpoint
+        )
 
 
 def test_a_fit_killed_in_its_finish_resumes_there_and_ends_with_the_same_map(tmp_path):
@@ -78,7 +81,9 @@ def test_a_checkpoint_of_another_fit_is_refused(tmp_path):
         fit(tmp_path / "ckpt", l2=0.5)
     X, y, X_val, y_val = data()
     with pytest.raises(ValueError, match="is of another fit"):
-        NCA(**PARAMS).fit(X[::-1], y[::-1], X_val, y_val, checkpoint=tmp_path / "ckpt")
+        NCA(**with_options(dict(**PARAMS))).fit(
+            X[::-1], y[::-1], X_val, y_val, checkpoint=tmp_path / "ckpt"
+        )
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "fit-rank0.npz").write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="not a readable fit checkpoint"):
@@ -115,5 +120,7 @@ def test_a_checkpoint_the_disk_refuses_costs_the_checkpoint_not_the_fit(tmp_path
     blocker.write_text("where the checkpoint directory should be")
     with pytest.warns(RuntimeWarning, match="cannot write the fit's checkpoint"):
         X, y, X_val, y_val = data()
-        model = NCA(**PARAMS).fit(X, y, X_val, y_val, checkpoint=blocker / "ckpt")
+        model = NCA(**with_options(dict(**PARAMS))).fit(
+            X, y, X_val, y_val, checkpoint=blocker / "ckpt"
+        )
     np.testing.assert_array_equal(model.components_, fit().components_)

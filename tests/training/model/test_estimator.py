@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import warnings
 
 import numpy as np
@@ -19,6 +20,7 @@ from service.core.knn import project
 from tests.training.problems import script_validation
 from training import NCA
 from training.model.initialization import initial_components
+from training.model.options import OPTION_NAMES, FitOptions, with_options
 
 
 def test_passes_scikit_learn_check_estimator():
@@ -35,7 +37,7 @@ def test_pipeline_with_kneighbors_classifier():
 
 def test_fitted_attributes_and_transform_formula():
     X, y = load_iris(return_X_y=True)
-    nca = NCA(n_components=3, standardize="feature", random_state=0).fit(X, y)
+    nca = NCA(n_components=3, random_state=0, options=dict(standardize="feature")).fit(X, y)
     assert nca.components_.shape == (3, 4)
     assert nca.projection_.shape == (3, 4) and nca.offset_.shape == (3,)
     np.testing.assert_allclose(nca.mean_, X.mean(0))
@@ -54,11 +56,10 @@ def test_matches_scikit_learn_on_the_same_problem():
     ours = NCA(
         n_components=8,
         init="pca",
-        init_scale=1.0,
-        standardize=False,
         l2=0.0,
         random_state=0,
         max_iter=50,
+        options=dict(init_scale=1.0, standardize=False),
     ).fit(Xs, y[:600])
     theirs = NeighborhoodComponentsAnalysis(n_components=8, init="pca", random_state=0, max_iter=50)
     theirs.fit(Xs, y[:600])
@@ -141,7 +142,46 @@ def test_matches_scikit_learn_on_the_same_problem():
 def test_bad_parameters_are_named_in_the_error(params, pattern):
     X, y = load_iris(return_X_y=True)
     with pytest.raises(ValueError, match=pattern):
-        NCA(**params).fit(X, y)
+        NCA(**with_options(dict(**params))).fit(X, y)
+
+
+@pytest.mark.parametrize(
+    "options, pattern",
+    [
+        ({"refresh_rate": 3}, r"options has no setting 'refresh_rate'; the settings are "),
+        ({"l2": 0.1}, r"options has no setting 'l2'"),  # a constructor parameter
+        ("fast", r"options='fast' must be None, a training.model.options.FitOptions or a dict"),
+        ([("solver", "adam")], r"must be None, a training.model.options.FitOptions or a dict"),
+        (FitOptions(solver="sgd"), r"solver='sgd' must be one of"),  # the same table
+        ({"validation_fraction": 1.0}, r"validation_fraction=1.0 must be a finite real"),
+    ],
+)
+def test_bad_options_are_named_in_the_error(options, pattern):
+    X, y = load_iris(return_X_y=True)
+    with pytest.raises(ValueError, match=pattern):
+        NCA(options=options).fit(X, y)
+
+
+def test_options_as_a_dict_or_a_fitoptions_give_the_same_map():
+    X, y = load_iris(return_X_y=True)
+    settings = dict(standardize="global", init_scale=1.0, exact_finish=0)
+    from_dict = NCA(n_components=2, max_iter=10, random_state=0, options=settings).fit(X, y)
+    from_options = NCA(
+        n_components=2, max_iter=10, random_state=0, options=FitOptions(**settings)
+    ).fit(X, y)
+    default = NCA(n_components=2, max_iter=10, random_state=0).fit(X, y)
+    np.testing.assert_array_equal(from_dict.components_, from_options.components_)
+    assert from_dict.standardization_ == "global" and from_dict.init_scale_ == 1.0
+    assert not np.array_equal(default.components_, from_dict.components_)
+
+
+def test_the_constructor_keeps_to_fifteen_parameters_with_scikit_learns_names():
+    """Issue 56: a small public surface; every other setting is a FitOptions field."""
+    names = list(inspect.signature(NCA.__init__).parameters)[1:]
+    assert len(names) <= 15, names
+    sklearn_names = set(inspect.signature(NeighborhoodComponentsAnalysis.__init__).parameters)
+    assert sklearn_names - {"self"} <= set(names)
+    assert not set(names) & set(OPTION_NAMES)  # one place for each setting
 
 
 def test_l2_auto_is_the_cross_validated_penalty_exactly_and_zero_on_candidates():
@@ -151,19 +191,21 @@ def test_l2_auto_is_the_cross_validated_penalty_exactly_and_zero_on_candidates()
 
     X, y = load_iris(return_X_y=True)
     params = dict(n_components=2, max_iter=30, random_state=0)
-    exact = NCA(**params).fit(X, y)
+    exact = NCA(**with_options(dict(**params))).fit(X, y)
     assert exact.l2 == "auto" and exact.n_candidates_ is None and exact.l2_ == DEFAULT_L2
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        on_candidates = NCA(n_candidates=8, exact_finish=0, **params).fit(X, y)
-        finished = NCA(n_candidates=8, **params).fit(X, y)
+        on_candidates = NCA(**with_options(dict(n_candidates=8, **params, exact_finish=0))).fit(
+            X, y
+        )
+        finished = NCA(**with_options(dict(n_candidates=8, **params))).fit(X, y)
     assert on_candidates.l2_ == 0.0
     assert finished.l2_ == DEFAULT_L2  # the exact finish carries the exact objective's
     # "auto" on the exact path is the same fit as the number it stands for
-    explicit = NCA(l2=DEFAULT_L2, **params).fit(X, y)
+    explicit = NCA(**with_options(dict(l2=DEFAULT_L2, **params))).fit(X, y)
     np.testing.assert_array_equal(exact.components_, explicit.components_)
     # and the penalty is in the loss: the unpenalised fit reaches a higher f with a larger A
-    free = NCA(l2=0.0, **params).fit(X, y)
+    free = NCA(**with_options(dict(l2=0.0, **params))).fit(X, y)
     assert free.l2_ == 0.0
     assert np.linalg.norm(free.components_) > np.linalg.norm(exact.components_)
 
@@ -179,7 +221,7 @@ def test_diagonal_transform_learns_to_ignore_a_noise_feature():
     y = np.repeat([0, 1, 2], 60)
     signal = y + rng.normal(0, 0.2, 180)
     X = np.column_stack([signal, rng.normal(0, 1.0, 180), rng.normal(0, 1.0, 180)])
-    nca = NCA(transformation="diagonal", init="identity", random_state=0).fit(X, y)
+    nca = NCA(init="identity", random_state=0, options=dict(transformation="diagonal")).fit(X, y)
     assert nca.components_.shape == (3, 3)
     assert np.count_nonzero(nca.components_ - np.diag(np.diag(nca.components_))) == 0
     weights = np.abs(np.diag(nca.components_))
@@ -196,11 +238,11 @@ def test_log_objective_trains_too():
 def test_adam_and_candidates_paths_reach_a_good_solution():
     X, y = load_digits(return_X_y=True)
     kw = dict(n_components=8, random_state=0)
-    exact = NCA(**kw).fit(X[:800], y[:800])
-    adam = NCA(solver="adam", max_iter=30, batch_size=128, learning_rate=0.01, **kw).fit(
-        X[:800], y[:800]
-    )
-    cand = NCA(n_candidates=16, refresh_every=5, **kw).fit(X[:800], y[:800])
+    exact = NCA(**with_options(dict(**kw))).fit(X[:800], y[:800])
+    adam = NCA(
+        **with_options(dict(max_iter=30, **kw, solver="adam", batch_size=128, learning_rate=0.01))
+    ).fit(X[:800], y[:800])
+    cand = NCA(**with_options(dict(n_candidates=16, **kw, refresh_every=5))).fit(X[:800], y[:800])
     assert cand.n_candidates_ == 16 and adam.solver_ == "adam"
     scores = {}
     for name, m in (("exact", exact), ("adam", adam), ("cand", cand)):
@@ -225,15 +267,19 @@ def early_stopping_nca(n_iter_no_change: int, **params) -> NCA:
     tests script the validation accuracy; the stage judge, tested in test_stages.py, would
     score the maps for real)."""
     return NCA(
-        n_components=4,
-        early_stopping=True,
-        validation_interval=1,
-        n_iter_no_change=n_iter_no_change,
-        max_iter=300,
-        tol=0,
-        random_state=0,
-        select_stages=False,
-        **params,
+        **with_options(
+            dict(
+                n_components=4,
+                max_iter=300,
+                tol=0,
+                random_state=0,
+                **params,
+                early_stopping=True,
+                validation_interval=1,
+                n_iter_no_change=n_iter_no_change,
+                select_stages=False,
+            )
+        )
     )
 
 
@@ -376,7 +422,9 @@ def test_a_single_class_leaves_the_initial_transformation():
     # scikit-learn's test_one_class
     X, y = load_iris(return_X_y=True)
     X, y = X[y == 0], y[y == 0]
-    nca = NCA(n_components=X.shape[1], init="identity", standardize=False, max_iter=30).fit(X, y)
+    nca = NCA(
+        n_components=X.shape[1], init="identity", max_iter=30, options=dict(standardize=False)
+    ).fit(X, y)
     np.testing.assert_allclose(nca.transform(X), X, rtol=1e-6)
     assert nca.n_iter_ == 0 and nca.converged_ and nca.stop_reason_ == "single_class"
     assert nca.objective_value_ == pytest.approx(1.0)  # p_i = 1 for every point
@@ -472,7 +520,7 @@ def test_a_non_finite_map_from_any_solver_is_refused(monkeypatch):
 
     monkeypatch.setattr(training.model.fitting, "run_adam", nan_result)
     X, y = load_iris(return_X_y=True)
-    model = NCA(n_components=2, solver="adam", max_iter=2, random_state=0)
+    model = NCA(n_components=2, max_iter=2, random_state=0, options=dict(solver="adam"))
     with pytest.raises(FloatingPointError, match=r"A has 8 non-finite entries after 2 iterations"):
         model.fit(X, y)
     with pytest.raises(NotFittedError):
@@ -492,6 +540,6 @@ def test_the_plan_records_what_every_auto_resolved_to(monkeypatch):
     assert candidates.n_candidates == plan.AUTO_N_CANDIDATES and candidates.solver == "lbfgs"
     assert (candidates.l2, candidates.finish_l2) == (0.0, plan.DEFAULT_L2)
     assert candidates.finish_iter == plan.AUTO_EXACT_FINISH_ITER
-    adam = NCA(n_components=2, max_iter=2, solver="adam").fit(X, y).plan_
+    adam = NCA(n_components=2, max_iter=2, options=dict(solver="adam")).fit(X, y).plan_
     assert adam.finish_iter == 0 and adam.solver == "adam"
     assert NCA(n_components=2, max_iter=2, l2=0.5).fit(X, y).plan_.describe()["l2"] == 0.5

@@ -348,7 +348,9 @@ def test_the_estimator_records_its_standardisation():
         "global",
     }
     assert np.all(auto.scale_ == auto.scale_[0])
-    fixed = NCA(n_components=4, max_iter=5, standardize=False, random_state=0).fit(X, y)
+    fixed = NCA(n_components=4, max_iter=5, random_state=0, options=dict(standardize=False)).fit(
+        X, y
+    )
     assert fixed.standardization_ == "none" and fixed.standardization_scores_ is None
     np.testing.assert_array_equal(fixed.mean_, 0.0)
     np.testing.assert_array_equal(fixed.scale_, 1.0)

@@ -74,9 +74,9 @@ def test_the_estimator_scales_the_maps_it_builds_and_only_those():
     X, y = blobs(300)
     auto = NCA(n_components=2, max_iter=1, random_state=0).fit(X, y)
     assert auto.init_scale_ != 1.0
-    fixed = NCA(n_components=2, max_iter=1, random_state=0, init_scale=2.0).fit(X, y)
+    fixed = NCA(n_components=2, max_iter=1, random_state=0, options=dict(init_scale=2.0)).fit(X, y)
     assert fixed.init_scale_ == 2.0
     given = NCA(n_components=2, max_iter=1, init=np.ones((2, 6)), random_state=0).fit(X, y)
     assert given.init_scale_ == 1.0
     with pytest.raises(ValueError, match=r"init_scale=0 must be 'auto' or a finite real"):
-        NCA(init_scale=0).fit(X, y)
+        NCA(options=dict(init_scale=0)).fit(X, y)

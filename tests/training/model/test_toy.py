@@ -23,7 +23,7 @@ def test_three_point_collapse():
     two = rng.normal(size=(2, 5))
     X = np.vstack([two, two.mean(axis=0, keepdims=True)])
     y = np.array([0, 0, 1])
-    nca = NCA(init="identity", standardize=False, max_iter=200, tol=1e-10).fit(X, y)
+    nca = NCA(init="identity", max_iter=200, tol=1e-10, options=dict(standardize=False)).fit(X, y)
     Z = nca.transform(X)
     np.testing.assert_allclose(Z - Z[2], 0.0, atol=1e-3)
     assert nca.objective_value_ * 3 == pytest.approx(1.0, abs=1e-4)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from training import NCA
+from training.model.options import with_options
 from training.objectives.neighbourhood import nearest_candidates, objective_sum
 from training.objectives.registry import make_objective
 
@@ -67,8 +68,8 @@ def test_a_fit_on_cuda_learns_what_the_cpu_learns(n_candidates):
     params = dict(n_components=3, n_candidates=n_candidates, max_iter=15, random_state=0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        cpu = NCA(device="cpu", **params).fit(X, y)
-        gpu = NCA(device="cuda", **params).fit(X, y)
+        cpu = NCA(**with_options(dict(device="cpu", **params))).fit(X, y)
+        gpu = NCA(**with_options(dict(device="cuda", **params))).fit(X, y)
     assert gpu.device_.startswith("cuda")
     # float32 on two devices: the optimiser's paths may part a little, the maps may not
     assert gpu.objective_value_ == pytest.approx(cpu.objective_value_, abs=0.02)

@@ -12,6 +12,7 @@ import torch
 
 from tests.training.problems import candidate_gaps, fit_history, hard_noisy
 from training import NCA
+from training.model.options import with_options
 from training.model.plan import DEFAULT_L2
 from training.objectives.nca_kernel import nca_value_and_grad_candidates
 from training.objectives.neighbourhood import (
@@ -238,7 +239,7 @@ def test_draws_are_refused_for_knca_in_the_problem():
 def test_the_estimator_refuses_bad_draws(params, pattern):
     X, y = blobs()
     with pytest.raises(ValueError, match=pattern):
-        NCA(n_components=2, **params).fit(X, y)
+        NCA(**with_options(dict(n_components=2, **params))).fit(X, y)
 
 
 def test_l2_auto_applies_the_penalty_on_candidates_only_with_draws():
@@ -246,10 +247,15 @@ def test_l2_auto_applies_the_penalty_on_candidates_only_with_draws():
     params = dict(n_components=2, n_candidates=4, max_iter=5, random_state=0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        assert NCA(exact_finish=0, **params).fit(X, y).l2_ == 0.0
-        assert NCA(exact_finish=0, candidate_draws=4, **params).fit(X, y).l2_ == DEFAULT_L2
-        assert NCA(**params).fit(X, y).l2_ == DEFAULT_L2  # the exact finish's penalty
-        exact = NCA(n_components=2, n_candidates=None, candidate_draws=4, max_iter=5)
+        assert NCA(**with_options(dict(**params, exact_finish=0))).fit(X, y).l2_ == 0.0
+        assert (
+            NCA(**with_options(dict(**params, exact_finish=0, candidate_draws=4))).fit(X, y).l2_
+            == DEFAULT_L2
+        )
+        assert (
+            NCA(**with_options(dict(**params))).fit(X, y).l2_ == DEFAULT_L2
+        )  # the exact finish's penalty
+        exact = NCA(n_components=2, n_candidates=None, max_iter=5, options=dict(candidate_draws=4))
         assert exact.fit(X, y).l2_ == DEFAULT_L2  # exact: nothing to draw
 
 

@@ -16,6 +16,7 @@ from sklearn.neighbors import KNeighborsClassifier
 from training import NCA
 from training.data.synthetic import clustered_classes
 from training.model import plan as fit_plan
+from training.model.options import fit_settings, with_options
 from training.numerics import evenly_spaced_rows
 from training.objectives.neighbourhood import RowTable, nearest_candidates
 from training.objectives.registry import make_objective
@@ -95,8 +96,8 @@ def test_drawn_candidates_need_every_rows_set(data):
     ],
 )
 def test_the_plan_samples_query_rows_only_above_the_limit(n_samples, params, expected):
-    defaults = NCA().get_params()
-    assert fit_plan.resolve_plan({**defaults, **params}, n_samples).candidate_rows == expected
+    settings = vars(fit_settings(NCA(**with_options(params)).get_params()))
+    assert fit_plan.resolve_plan(settings, n_samples).candidate_rows == expected
 
 
 def test_a_fit_on_sampled_rows_is_deterministic_and_learns(monkeypatch):
@@ -115,9 +116,8 @@ def test_a_fit_on_sampled_rows_is_deterministic_and_learns(monkeypatch):
                 n_candidates=8,
                 init="random",
                 max_iter=30,
-                exact_finish=0,
-                select_stages=False,
                 random_state=0,
+                options=dict(exact_finish=0, select_stages=False),
             ).fit(X, y)
 
     a, b = fit(), fit()

@@ -115,9 +115,8 @@ def test_a_fit_on_ivf_candidates_agrees_with_one_on_exact_candidates():
                 n_components=4,
                 random_state=0,
                 n_candidates=8,
-                candidate_search=kind,
                 max_iter=20,
-                exact_finish=0,
+                options=dict(candidate_search=kind, exact_finish=0),
             ).fit(X, y)
         knn = KNeighborsClassifier(5).fit(model.transform(X), y)
         scores[kind] = knn.score(model.transform(X_test), y_test)

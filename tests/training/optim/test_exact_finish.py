@@ -11,6 +11,7 @@ import pytest
 from tests.training.problems import blobs, brute_force, hard_noisy, script_validation
 from training import NCA
 from training.model import plan as estimator
+from training.model.options import with_options
 from training.model.plan import AUTO_EXACT_FINISH_ITER, AUTO_KNCA_FINISH_ITER, DEFAULT_L2
 
 
@@ -36,7 +37,7 @@ def fit(X, y, **params):
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return NCA(**{**base, **params}).fit(X, y)
+        return NCA(**with_options(dict(**{**base, **params}))).fit(X, y)
 
 
 def test_auto_finishes_a_candidate_fit_with_exact_iterations_tagged_in_the_history():
@@ -189,4 +190,4 @@ def test_the_finish_closes_most_of_the_gap_to_the_exact_fit_on_hard_noisy_data()
 def test_bad_exact_finish_is_refused_naming_the_value(value):
     X, y = blobs(50)
     with pytest.raises(ValueError, match=rf"exact_finish={value!r} must be 'auto' or an integer"):
-        NCA(n_components=2, exact_finish=value).fit(X, y)
+        NCA(n_components=2, options=dict(exact_finish=value)).fit(X, y)

@@ -14,6 +14,7 @@ from sklearn.exceptions import ConvergenceWarning
 from tests.training.problems import blobs
 from training import NCA
 from training.model import fitting, preparation
+from training.model.options import with_options
 from training.optim import stages
 from training.optim.stages import FitClock, StageGuard, StageJudge, StageStop
 
@@ -159,7 +160,11 @@ def scripted(monkeypatch):
 def fit(X, y, holder, **params):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = NCA(n_components=2, random_state=0, callback=holder["callback"], **params)
+        model = NCA(
+            **with_options(
+                dict(n_components=2, random_state=0, callback=holder["callback"], **params)
+            )
+        )
         return model.fit(X, y)
 
 
@@ -227,7 +232,9 @@ def test_the_same_fit_under_two_scripted_clocks_gives_the_same_map(monkeypatch):
         monkeypatch.setattr(stages.time, "perf_counter", reading)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model = NCA(n_components=2, random_state=0, n_candidates=5, validation_interval=1)
+            model = NCA(
+                n_components=2, random_state=0, n_candidates=5, options=dict(validation_interval=1)
+            )
             return model.fit(X, y, X_val, y_val)
 
     slow_start = fit_under(1e6, 0.0)
@@ -260,9 +267,8 @@ def test_the_budget_returns_the_best_judged_map_and_says_so(scripted, monkeypatc
             n_candidates=5,
             max_iter=50,
             tol=0,
-            validation_interval=1,
             max_seconds=107.0,
-            stop_stalled_stages=False,  # the budget alone
+            options=dict(validation_interval=1, stop_stalled_stages=False),
         ).fit(X, y)
     first, finish = model.stages_
     assert first["stop_reason"] == "max_seconds" and first["iterations"] == 7
@@ -321,12 +327,16 @@ def fit_with_events(**params):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = NCA(
-            n_components=2,
-            random_state=0,
-            tol=0,
-            validation_interval=1,
-            progress=events.append,
-            **params,
+            **with_options(
+                dict(
+                    n_components=2,
+                    random_state=0,
+                    tol=0,
+                    **params,
+                    validation_interval=1,
+                    progress=events.append,
+                )
+            )
         ).fit(X, y)
     return model, events
 

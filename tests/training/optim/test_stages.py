@@ -19,6 +19,7 @@ from training.evaluation.evaluate import knn_accuracies
 from training.model import fitting as fitting_module
 from training.model import preparation
 from training.model.initialization import initial_components
+from training.model.options import with_options
 from training.optim.stages import StageJudge
 
 
@@ -55,7 +56,9 @@ def problem(n: int, seed: int, n_features: int = 24):
 def fit(X, y, **params):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return NCA(**{"n_components": 4, "random_state": 0, **params}).fit(X, y)
+        return NCA(**with_options(dict(**{"n_components": 4, "random_state": 0, **params}))).fit(
+            X, y
+        )
 
 
 @pytest.fixture
@@ -188,7 +191,11 @@ def test_the_candidate_stage_reports_k_and_the_search_quality_of_each_refresh():
         warnings.simplefilter("ignore")
         exact = NCA(n_components=2, n_candidates=4, max_iter=8, random_state=0).fit(X, y)
         ivf = NCA(
-            n_components=2, n_candidates=4, max_iter=8, random_state=0, candidate_search="ivf"
+            n_components=2,
+            n_candidates=4,
+            max_iter=8,
+            random_state=0,
+            options=dict(candidate_search="ivf"),
         ).fit(X, y)
     for model, measured in ((exact, False), (ivf, True)):
         first = model.stages_[0]
@@ -209,11 +216,13 @@ def test_the_fit_records_which_kernels_evaluated_its_objectives(monkeypatch):
     params = dict(n_components=2, max_iter=3, random_state=0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        exact = NCA(n_candidates=None, **params).fit(X, y)
-        staged = NCA(n_candidates=4, **params).fit(X, y)
-        knca = NCA(objective="knca-majority", k=3, n_candidates=4, **params).fit(X, y)
+        exact = NCA(**with_options(dict(n_candidates=None, **params))).fit(X, y)
+        staged = NCA(**with_options(dict(n_candidates=4, **params))).fit(X, y)
+        knca = NCA(
+            **with_options(dict(objective="knca-majority", k=3, n_candidates=4, **params))
+        ).fit(X, y)
         monkeypatch.setenv("NCA_KNN_NATIVE", "0")
-        off = NCA(n_candidates=4, **params).fit(X, y)
+        off = NCA(**with_options(dict(n_candidates=4, **params))).fit(X, y)
     built = "c"  # built at install (setup.py); a fit never compiles
     assert exact.kernels_ == {"nca_exact": built}
     assert staged.kernels_ == {"nca_exact": built, "nca_candidates": built}

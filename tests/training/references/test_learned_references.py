@@ -523,7 +523,7 @@ def test_estimator_joint_mode_learns_prototypes_and_the_map():
     from sklearn.datasets import load_digits
 
     X, y = load_digits(return_X_y=True)
-    nca = NCA(n_components=8, max_iter=30, random_state=0, prototypes=10)
+    nca = NCA(n_components=8, max_iter=30, random_state=0, options=dict(prototypes=10))
     nca.fit(X[:1200], y[:1200], X_val=X[1200:1500], y_val=y[1200:1500])
     assert nca.prototypes_.shape == (sum(round(n / 10) for n in np.bincount(y[:1200])), 8)
     assert (y[:1200][nca.prototype_rows_] == nca.prototype_labels_).all()
@@ -534,7 +534,7 @@ def test_estimator_joint_mode_learns_prototypes_and_the_map():
     assert plain.prototypes_ is None
     assert not np.allclose(plain.components_, nca.components_)  # the map moved with them
     # the same estimator refitted without prototypes keeps none of the joint fit's
-    nca.set_params(prototypes=None).fit(X[:1200], y[:1200])
+    nca.set_params(options=None).fit(X[:1200], y[:1200])
     assert nca.prototypes_ is None and nca.prototype_fit_ is None
 
 
@@ -550,7 +550,7 @@ def test_estimator_refuses_bad_prototype_budgets_before_fitting(value, message):
 
     X, y = load_digits(return_X_y=True)
     with pytest.raises(ValueError, match=message):
-        NCA(n_components=4, prototypes=value).fit(X[:600], y[:600])
+        NCA(n_components=4, options=dict(prototypes=value)).fit(X[:600], y[:600])
 
 
 def test_training_job_writes_a_prototype_artifact(tmp_path):
