@@ -15,7 +15,7 @@ $(BIN)/python:
 
 # Every package but torch is pinned by requirements/lock.txt (a constraints file: the extras
 # in pyproject.toml say what is installed, the lock at which version). `make lock` refreshes it.
-EXTRAS := serve,train,dev,tracing
+EXTRAS := serve,train,dev,tracing,export
 $(VENV)/.installed: pyproject.toml requirements/lock.txt | $(BIN)/python
 	$(BIN)/pip install $(TORCH)
 	$(BIN)/pip install -c requirements/lock.txt -e '.[$(EXTRAS)]'

@@ -1,7 +1,8 @@
 """The architecture's rules, checked on the source (AST) and at run time:
 
 1. ``service/core`` (vocabulary, the kNN rule, the artifact format) imports numpy and the
-   standard library only; ``training`` imports nothing else from ``service``.
+   standard library only; ``service/export`` (the map as ONNX) adds onnx; ``training``
+   imports nothing else from ``service``.
 2. ``service`` never imports ``training`` or ``torch``; importing ``service.app`` leaves both
    out of ``sys.modules``.
 3. The engine, search and the core import no web framework; the two wires (``service/http``
@@ -62,11 +63,26 @@ def test_the_core_uses_numpy_and_the_standard_library_only():
             ), f"{path.name} imports {name}"
 
 
-def test_training_imports_only_the_numpy_core_of_service():
+def test_training_imports_only_the_numpy_core_of_service_and_its_export():
     for path in package_files("training"):
         for name in imported_modules(path):
             if name.split(".")[0] == "service":
-                assert name.startswith("service.core"), f"{path.name} imports {name}"
+                assert name.startswith(("service.core", "service.export")), (
+                    f"{path.name} imports {name}"
+                )
+
+
+def test_the_export_uses_numpy_onnx_and_the_core_only():
+    """service/export (the map as ONNX; training's NCA.to_onnx uses it): no web stack."""
+    for path in package_files("service/export"):
+        for name in imported_modules(path):
+            top = name.split(".")[0]
+            assert (
+                top in STDLIB
+                or top in ("numpy", "onnx")
+                or name == "service"
+                or name.startswith(("service.core", "service.export"))
+            ), f"{path.name} imports {name}"
 
 
 def test_service_never_imports_training_or_torch():

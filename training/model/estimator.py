@@ -15,6 +15,7 @@ L-BFGS iterations on the exact objective (``exact_finish``).
 
 from __future__ import annotations
 
+import json
 import warnings
 from functools import partial
 
@@ -25,6 +26,7 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 from threadpoolctl import threadpool_limits
 
 from service.core.knn import project
+from service.export.onnx_map import map_graph
 from training.distributed.ranks import agreed_flags, current_group
 from training.model import preparation
 from training.model.checkpoint import FitCheckpoint, fingerprint, package_version
@@ -274,6 +276,25 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         check_is_fitted(self, "projection_")  # set once the optimiser has succeeded
         X = validate_data(self, X, reset=False, dtype=[np.float64, np.float32])
         return project(X, self.projection_, self.offset_)
+
+    def to_onnx(self, path=None):
+        """The fitted map as an ONNX model (``onnx.ModelProto``): input ``x`` (batch, D)
+        float32, output ``z`` (batch, d) float32, the same function as :meth:`transform`
+        (``service.export.onnx_map``: float64 accumulation, rounded once). Its metadata holds
+        the classes, D, d and the objective. ``path``: also written there. Needs the
+        """
+        check_is_fitted(self, "projection_")
+        metadata = {
+            "classes": json.dumps(np.asarray(self.classes_).tolist()),
+            "n_features_in": str(self.n_features_in_),
+            "n_components": str(self.components_.shape[0]),
+            "objective": self.objective,
+        }
+        model = map_graph(self.projection_, self.offset_, metadata)
+        if path is not None:
+            with open(path, "wb") as handle:
+                handle.write(model.SerializeToString())
+        return model
 
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()

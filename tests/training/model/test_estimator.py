@@ -543,3 +543,23 @@ def test_the_plan_records_what_every_auto_resolved_to(monkeypatch):
     adam = NCA(n_components=2, max_iter=2, options=dict(solver="adam")).fit(X, y).plan_
     assert adam.finish_iter == 0 and adam.solver == "adam"
     assert NCA(n_components=2, max_iter=2, l2=0.5).fit(X, y).plan_.describe()["l2"] == 0.5
+
+
+def test_to_onnx_runs_in_onnx_runtime_as_transform_does(tmp_path):
+    """NCA.to_onnx: ONNX Runtime's z equals transform's (float32 inputs and float64 inputs
+    cast as transform casts them), and the file written is the same model."""
+    import onnx
+    import onnxruntime as ort
+    from sklearn.exceptions import NotFittedError
+
+    X, y = load_iris(return_X_y=True)
+    nca = NCA(n_components=2, max_iter=10, random_state=0).fit(X, y)
+    model = nca.to_onnx(tmp_path / "iris.onnx")
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    z = session.run(["z"], {"x": X.astype(np.float32)})[0]
+    np.testing.assert_allclose(z, nca.transform(X), rtol=1e-6, atol=1e-6)
+    props = {p.key: p.value for p in model.metadata_props}
+    assert props["classes"] == "[0, 1, 2]" and props["n_components"] == "2"
+    assert onnx.load(str(tmp_path / "iris.onnx")) == model
+    with pytest.raises(NotFittedError):
+        NCA().to_onnx()
