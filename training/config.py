@@ -143,6 +143,12 @@ class TrainConfig:
         None,
         "after writing, atomically point this symlink at the new artifact (e.g. /models/current)",
     )
+    lock_timeout: float | None = _opt(
+        None,
+        "seconds to wait for another writer of --out (or of --publish) to finish before "
+        "giving up with nothing written (default: as long as it takes; a writer stopped "
+        "with SIGSTOP holds its lock until continued)",
+    )
     n_components: int | None = _shared(
         "n_components", "embedding dimension d (default: min(32, D))"
     )

@@ -133,6 +133,14 @@ def interrupted_line(exc: Interrupted, seconds: float, out: str | None) -> str:
 SEED_MAX = 2**32 - 1  # numpy's and torch's seeds: 0 .. 2^32 - 1
 
 
+def check_lock_timeout(value: float | None, option: str = "--lock-timeout") -> float | None:
+    """``value`` when it is None or a finite number of seconds >= 0; ConfigError naming
+    ``option``."""
+    if value is not None and not (isinstance(value, (int, float)) and 0 <= value < float("inf")):
+        raise ConfigError(f"{option}={value!r} must be a finite number of seconds >= 0")
+    return value
+
+
 def check_seed(value: int, option: str = "--seed") -> int:
     """``value`` when it is an integer in [0, SEED_MAX]; ConfigError naming ``option``."""
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= SEED_MAX:

@@ -31,7 +31,13 @@ from training.data.datasets import (
 )
 from training.distributed.ranks import ProcessGroup, current_group, shard_bounds
 from training.distributed.sharded_stats import gather_array
-from training.errors import ConfigError, check_seed, describe_os_error, writing
+from training.errors import (
+    ConfigError,
+    check_lock_timeout,
+    check_seed,
+    describe_os_error,
+    writing,
+)
 from training.evaluation.baselines import BASELINES
 from training.evaluation.calibration import calibrate, outlier_report
 from training.evaluation.evaluate import (
@@ -129,6 +135,7 @@ def run(config: TrainConfig, *, log=print) -> dict:
     started = time.perf_counter()
     group = current_group()
     check_seed(config.seed)
+    check_lock_timeout(config.lock_timeout)
     out = resolve_out(config.out, _data_name(config))
     check_publish_link(config.publish, out)
     # refused before any work when --out holds anything we did not write; its version now,
@@ -164,7 +171,9 @@ def run(config: TrainConfig, *, log=print) -> dict:
                 config, _data_name(config), split, estimator, evaluation, convergence_warnings
             ),
         }
-        with claim.turn():  # writers of --out take turns; one that landed meanwhile is kept
+        # writers of --out take turns (waiting at most --lock-timeout); one that landed
+        # meanwhile is kept
+        with claim.turn(timeout=config.lock_timeout):
             save_artifact(out, config, _data_name(config), split, estimator, evaluation, report)
             page = _write_page(out, log)
             if config.publish:

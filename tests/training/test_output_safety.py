@@ -428,3 +428,58 @@ def test_refused_before_any_work(model, tmp_path, capsys, where):
     assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert not out.exists()
     assert {p.name: p.read_bytes() for p in path.iterdir()} == before
+
+
+def test_a_writer_stopped_with_sigstop_is_named_and_a_bounded_wait_gives_up(model, tmp_path):
+    """A writer stopped mid-turn (SIGSTOP) holds the lock until continued: the waiting add
+    says the holder is stopped, and with --lock-timeout gives up in one line, exit 2, the
+    model as it was; once the holder is continued, the same add lands."""
+    path, split = model
+    rows = save_rows(tmp_path / "rows.npz", split.X_test[:4], split.y_test[:4])
+    before = read_artifact(path).version
+    ready, release = tmp_path / "held", tmp_path / "release"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(path), str(ready), str(release)], cwd=ROOT
+    )
+    try:
+        wait_until(ready.exists, what="the lock holder")
+        holder.send_signal(signal.SIGSTOP)
+        log = tmp_path / "waiter.err"
+        started = time.monotonic()
+        args = ["references", "add", "--model", path, "--data", rows, "--out", path]
+        waiter = start_cli([*args, "--lock-timeout", "1.5"], log)
+        code = exit_status(waiter)
+        waited = time.monotonic() - started
+        err = log.read_text()
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert code == 2, err
+        assert "Traceback" not in err
+        assert lines[0].startswith("waiting for pid") and "for at most 1.5 s" in lines[0]
+        assert "(stopped: it holds the lock until it is continued with SIGCONT)" in lines[0]
+        assert lines[-1].startswith("error: ") and "after 1.5 s of waiting" in lines[-1]
+        assert "nothing written" in lines[-1] and len(lines) == 2
+        assert waited >= 1.5
+        assert read_artifact(path).version == before
+    finally:
+        holder.send_signal(signal.SIGCONT)
+        release.touch()
+        holder.wait(60)
+    assert cli_main([*map(str, args), "--lock-timeout", "30"]) == 0
+    assert len(read_artifact(path).ids) == len(split.y_train) + 4
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf"])
+def test_a_lock_timeout_that_is_not_seconds_is_refused_before_any_work(
+    model, tmp_path, capsys, value
+):
+    path, split = model
+    rows = save_rows(tmp_path / "rows.npz", split.X_test[:4], split.y_test[:4])
+    args = ["references", "add", "--model", str(path), "--data", str(rows), "--out", str(path)]
+    assert cli_main([*args, "--lock-timeout", value]) == 2
+    err = capsys.readouterr().err
+    assert f"--lock-timeout={float(value)!r} must be a finite number of seconds >= 0" in err
+    assert (
+        cli_main(["--data", "digits", "--out", str(tmp_path / "x"), "--lock-timeout", value]) == 2
+    )
+    assert "--lock-timeout=" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()

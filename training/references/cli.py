@@ -24,6 +24,7 @@ from training.data.datasets import DataError, check_regular_file, load_dataset
 from training.errors import (
     ConfigError,
     Interrupted,
+    check_lock_timeout,
     check_seed,
     describe_os_error,
     interrupted_line,
@@ -73,6 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
     for command in (add, remove, condense):
         command.add_argument("--out", required=True, help="where to write the new version")
         command.add_argument("--publish", help="symlink to repoint at --out afterwards")
+        command.add_argument(
+            "--lock-timeout",
+            type=float,
+            default=None,
+            help="seconds to wait for another writer of --out (or of --publish) before "
+            "giving up with nothing written (default: as long as it takes)",
+        )
     return parser
 
 
@@ -188,6 +196,7 @@ def run(args: argparse.Namespace) -> dict:
     of one ``--out`` take turns, an edit in place reads the version the writer before it
     wrote, and an ``--out`` another writer replaced since this command started is not
     replaced again. With ``--publish``, commands publishing one link take turns as well."""
+    check_lock_timeout(args.lock_timeout)
     check_publish_link(args.publish, args.out)
     if args.command == "condense":
         check_seed(args.seed)  # before the wait for --out's turn
@@ -197,8 +206,11 @@ def run(args: argparse.Namespace) -> dict:
         raise ReferenceError(str(exc)) from None
     # with --publish, edits through one link take turns too (its lock first, then --out's):
     # each reads --model after the one before it published, so none is dropped
-    publishing = writer_lock(args.publish) if args.publish else contextlib.nullcontext()
-    with publishing, claim.turn(source=args.model):
+    timeout = args.lock_timeout
+    publishing = (
+        writer_lock(args.publish, timeout=timeout) if args.publish else contextlib.nullcontext()
+    )
+    with publishing, claim.turn(source=args.model, timeout=timeout):
         return _change(args)
 
 

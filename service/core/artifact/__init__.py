@@ -47,6 +47,7 @@ from service.core.artifact.format import (
 )
 from service.core.artifact.ownership import (
     OutputClaim,
+    WriterLockTimeout,
     check_replaceable,
     check_writable,
     version_at,
@@ -75,6 +76,7 @@ __all__ = [
     "Artifact",
     "ArtifactError",
     "OutputClaim",
+    "WriterLockTimeout",
     "artifact_fingerprint",
     "check_replaceable",
     "check_writable",

@@ -183,12 +183,13 @@ class OutputClaim:
         *,
         source: str | os.PathLike | None = None,
         wait_notice: TextIO | str | None = "stderr",
+        timeout: float | None = None,
     ) -> Iterator[None]:
         """Hold the path's writer lock. A writer that reads ``source`` inside its turn and
         writes the path it read (an edit in place) builds on the latest version, so nothing
         more is checked; any other writer must find the version it recorded at the start
         (:func:`check_unchanged`). The path is checked replaceable again, under the lock."""
-        with writer_lock(self.path, wait_notice=wait_notice):
+        with writer_lock(self.path, wait_notice=wait_notice, timeout=timeout):
             check_replaceable(self.path, self.option)
             if not (source is not None and _same_path(source, self.path)):
                 check_unchanged(self.path, self.expected, self.option)
@@ -208,14 +209,27 @@ def lock_path(path: str | os.PathLike) -> Path:
     return target.with_name(f".{target.name}.lock")
 
 
+class WriterLockTimeout(ArtifactError):
+    """Another writer held ``path``'s lock for longer than the wait allowed."""
+
+
+LOCK_POLL_SECONDS = 0.05  # how often a bounded wait tries the lock again
+
+
 @contextmanager
 def writer_lock(
-    path: str | os.PathLike, *, wait_notice: TextIO | str | None = "stderr"
+    path: str | os.PathLike,
+    *,
+    wait_notice: TextIO | str | None = "stderr",
+    timeout: float | None = None,
 ) -> Iterator[Path]:
     """Hold the exclusive writer lock of ``path`` (``flock`` on :func:`lock_path`, created with
-    its directory where missing). Blocks while another process holds it; with
+    its directory where missing). Waits while another process holds it: for as long as it
+    takes (``timeout`` None), else at most ``timeout`` seconds, then raises
+    :class:`WriterLockTimeout` naming the holder (a writer stopped by SIGSTOP holds the lock
+    until it is continued: the bound is what keeps a waiter from waiting for ever). With
     ``wait_notice`` (a stream; "stderr": ``sys.stderr`` at the time), says once there that it
-    waits and for which process. Yields the lock file's path."""
+    waits and for which process (and whether it is stopped). Yields the lock file's path."""
     if wait_notice == "stderr":
         wait_notice = sys.stderr
     lock_file = lock_path(path)
@@ -229,17 +243,38 @@ def writer_lock(
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             if wait_notice is not None:
-                holder = _holder(fd)
+                bound = "" if timeout is None else f", for at most {timeout:g} s"
                 print(
-                    f"waiting for {holder} to finish writing {path} (lock {lock_file})",
+                    f"waiting for {_holder(fd)} to finish writing {path} (lock {lock_file}){bound}",
                     file=wait_notice,
                     flush=True,
                 )
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            _wait_for_lock(fd, timeout, path, lock_file)
         _record_holder(fd)
         yield lock_file
     finally:
         os.close(fd)  # closing the descriptor releases the lock
+
+
+def _wait_for_lock(fd: int, timeout: float | None, path, lock_file: Path) -> None:
+    """Take the lock on ``fd``: blocking when ``timeout`` is None, else trying every
+    LOCK_POLL_SECONDS until ``timeout`` seconds have passed (WriterLockTimeout)."""
+    if timeout is None:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WriterLockTimeout(
+                    f"{path}: {_holder(fd)} still holds its writer lock ({lock_file}) after "
+                    f"{timeout:g} s of waiting (--lock-timeout); nothing written"
+                ) from None
+            time.sleep(min(LOCK_POLL_SECONDS, left))
 
 
 def _open_lock_file(lock_file: Path) -> int:
@@ -267,8 +302,23 @@ def _record_holder(fd: int) -> None:
 
 
 def _holder(fd: int) -> str:
+    """The holder's line from the lock file ("pid N since HH:MM:SS"), and "stopped" when
+    that process is stopped (SIGSTOP, a debugger): it releases nothing until continued."""
     try:
         text = os.pread(fd, 200, 0).decode("utf-8", "replace").strip()
     except OSError:
         text = ""
+    found = re.match(r"pid (\d+)", text)
+    if found and _is_stopped(int(found.group(1))):
+        text += " (stopped: it holds the lock until it is continued with SIGCONT)"
     return text or "another writer"
+
+
+def _is_stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (state T or t in /proc/PID/stat; False where it
+    cannot be read, or the process is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[:1] in (["T"], ["t"])
