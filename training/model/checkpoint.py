@@ -36,8 +36,10 @@ from dataclasses import asdict, fields
 from pathlib import Path
 
 import numpy as np
+import scipy.sparse as sparse
 import torch
 
+from training.model import sparse_input
 from training.optim.monitor import FitResult
 from training.optim.stages import StageRecord
 
@@ -62,6 +64,11 @@ def fingerprint(X: np.ndarray, y: np.ndarray, X_val, y_val, params: dict, versio
     for array in (X, y, X_val, y_val):
         if array is None:
             digest.update(b"none")
+            continue
+        if sparse.issparse(array):  # a sparse X: its shape, index arrays and values
+            digest.update(b"csr")
+            for part in sparse_input.fingerprint_parts(array):
+                digest.update(np.ascontiguousarray(part).tobytes())
             continue
         array = np.ascontiguousarray(array)
         digest.update(f"{array.dtype.str}{array.shape}".encode())

@@ -28,7 +28,7 @@ from threadpoolctl import threadpool_limits
 from service.core.knn import project
 from service.export.onnx_map import map_graph
 from training.distributed.ranks import agreed_flags, current_group
-from training.model import preparation
+from training.model import preparation, sparse_input
 from training.model.checkpoint import FitCheckpoint, fingerprint, package_version
 from training.model.fitting import StagedFit
 from training.model.options import fit_settings
@@ -272,9 +272,18 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
             )
 
     def transform(self, X):
-        """z = x @ projection_.T + offset_ (float32), the same function the service uses."""
+        """z = x @ projection_.T + offset_ (float32), the same function the service uses;
+        sparse rows (CSR, CSC) cost their non-zeros times d (``training.model.sparse_input``)."""
         check_is_fitted(self, "projection_")  # set once the optimiser has succeeded
-        X = validate_data(self, X, reset=False, dtype=[np.float64, np.float32])
+        X = validate_data(
+            self,
+            X,
+            reset=False,
+            accept_sparse=sparse_input.SPARSE_FORMATS,
+            dtype=[np.float64, np.float32],
+        )
+        if sparse_input.is_sparse(X):
+            return sparse_input.project(X, self.projection_, self.offset_)
         return project(X, self.projection_, self.offset_)
 
     def to_onnx(self, path=None):
@@ -299,6 +308,7 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
         tags.target_tags.required = True
+        tags.input_tags.sparse = True  # CSR and CSC rows, never densified
         tags.transformer_tags.preserves_dtype = ["float32"]
         return tags
 

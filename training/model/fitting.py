@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from training.distributed.ranks import broadcast_from_rank0
+from training.model import sparse_input
 from training.numerics import evenly_spaced_rows
 from training.objectives.registry import make_objective
 from training.optim.adam import run_adam
@@ -256,7 +257,10 @@ class StagedFit:
             chunk_size=settings.chunk_size,
             search=CandidateSearch(kind=settings.candidate_search, seed=draw_seed),
         )
-        X = torch.as_tensor(prep.X, dtype=torch.float32, device=prep.device)
+        if sparse_input.is_sparse(prep.X):  # (N, D) sparse CSR: Z = X A^T costs O(nnz d)
+            X = sparse_input.torch_csr(prep.X, prep.device)
+        else:
+            X = torch.as_tensor(prep.X, dtype=torch.float32, device=prep.device)
         labels = torch.as_tensor(prep.y, dtype=torch.long, device=prep.device)
         objective = make_objective(settings.objective, settings.k, n_classes=len(prep.classes))
         if plan.candidate_rows is not None and not group.is_distributed:

@@ -33,7 +33,7 @@ from sklearn.utils.validation import validate_data
 from training.data.datasets import check_float32_range, stratified_split
 from training.distributed import sharded_stats
 from training.distributed.ranks import shard_bounds
-from training.model import parameters
+from training.model import parameters, sparse_input
 from training.model.init_scale import calibrated
 from training.model.initialization import check_lda, initial_components, resolve_auto
 from training.model.options import validation_ks
@@ -90,9 +90,18 @@ def prepare(est, settings, X, y, X_val, y_val, group) -> Prepared:
             "one process; a data-parallel fit holds a shard per rank: use prototypes=None"
         )
     X, y = validate_data(
-        est, X, y, ensure_min_samples=1 if group.is_distributed else 2, dtype=FLOAT_TYPES
+        est,
+        X,
+        y,
+        accept_sparse=sparse_input.SPARSE_FORMATS,  # CSR / CSC kept sparse (sparse_input)
+        ensure_min_samples=1 if group.is_distributed else 2,
+        dtype=FLOAT_TYPES,
     )
-    check_float32_range(X, "X")  # a ValueError naming the first such value
+    if sparse_input.is_sparse(X):
+        sparse_input.check_settings(settings, group.is_distributed)
+        sparse_input.check_float32_range(X, "X")
+    else:
+        check_float32_range(X, "X")  # a ValueError naming the first such value
     check_classification_targets(y)
     classes = sharded_stats.union_classes(y, group)
     y_idx = np.searchsorted(classes, y)
@@ -109,16 +118,16 @@ def prepare(est, settings, X, y, X_val, y_val, group) -> Prepared:
         check_budget(y_all, len(classes), settings.prototypes, classes.tolist(), name="prototypes")
     start = shard_bounds(n, group.rank, group.world_size)[0]
     mean, scale = standardizer(est, settings, X, rows, y_all, start, n, len(classes), group)
-    Xs = sharded_stats.standardized(X, mean, scale, rows)  # (N_r, D) float32
+    Xs = standardized(X, mean, scale, rows)  # (N_r, D) float32, dense or CSR
     theta0, init_used = initialize(
         est, settings, Xs, y_idx[rows], n, len(classes), d, scale, rng, group
     )
     theta0 = scaled_init(est, settings, theta0, init_used, Xs, y_all, n, group)
     Xv_s, yv = None, None
     if X_val is not None:  # a validation split: its rows standardised here (one full pass)
-        Xv_s, yv = sharded_stats.standardized(X_val, mean, scale), y_val_idx
+        Xv_s, yv = standardized(X_val, mean, scale), y_val_idx
     elif held is not None:  # rows held out of this fit to judge it
-        Xv_s, yv = sharded_stats.standardized(X, mean, scale, held), y_idx[held]
+        Xv_s, yv = standardized(X, mean, scale, held), y_idx[held]
     scores = HeldOutScores(settings, Xs, y_all, Xv_s, yv, len(classes), n, group)
     return Prepared(
         X=Xs,
@@ -140,6 +149,14 @@ def prepare(est, settings, X, y, X_val, y_val, group) -> Prepared:
 
 
 FLOAT_TYPES = [np.float64, np.float32]  # float32 inputs stay float32: no float64 copy
+
+
+def standardized(X, mean: np.ndarray, scale: np.ndarray, rows: np.ndarray | None = None):
+    """(X[rows] - mean) / scale as float32 (n, D); a sparse X (which is never centred:
+    mean 0, scale 1) as CSR float32."""
+    if sparse_input.is_sparse(X):
+        return sparse_input.rows_float32(X, rows)
+    return sharded_stats.standardized(X, mean, scale, rows)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -190,10 +207,15 @@ def held_out(est, settings, X, y_idx, classes, X_val, y_val, rng, group):
     validation set; with ``select_stages`` and more than HOLDOUT_MIN_SAMPLES rows, a
     stratified min(SELECTION_ROWS, N / 10) rows are held out to judge the stages. A
     data-parallel fit holds nothing out (each rank's shard is fixed)."""
-    every = np.arange(len(X))
-    if X_val is not None and len(X_val):
-        X_val = validate_data(est, X_val, reset=False, dtype=FLOAT_TYPES)
-        check_float32_range(X_val, "X_val")
+    every = np.arange(X.shape[0])
+    if X_val is not None and X_val.shape[0]:
+        X_val = validate_data(
+            est, X_val, reset=False, accept_sparse=sparse_input.SPARSE_FORMATS, dtype=FLOAT_TYPES
+        )
+        if sparse_input.is_sparse(X_val):
+            sparse_input.check_float32_range(X_val, "X_val")
+        else:
+            check_float32_range(X_val, "X_val")
         y_val = np.asarray(y_val)
         unknown = np.setdiff1d(np.unique(y_val), classes)
         if unknown.size:
@@ -210,9 +232,9 @@ def held_out(est, settings, X, y_idx, classes, X_val, y_val, rng, group):
         tr, va = stratified_split(y_idx, (settings.validation_fraction,), int(rng.integers(2**31)))
         if len(va) == 0:
             return tr, None, None, None
-        return tr, None, np.asarray(X[va]), y_idx[va]
-    if settings.select_stages and len(X) > HOLDOUT_MIN_SAMPLES:
-        fraction = min(SELECTION_ROWS, len(X) // 10) / len(X)
+        return tr, None, X[va] if sparse_input.is_sparse(X) else np.asarray(X[va]), y_idx[va]
+    if settings.select_stages and X.shape[0] > HOLDOUT_MIN_SAMPLES:
+        fraction = min(SELECTION_ROWS, X.shape[0] // 10) / X.shape[0]
         tr, held = stratified_split(y_idx, (fraction,), int(rng.integers(2**31)))
         return tr, held, None, None
     return every, None, None, None
@@ -222,6 +244,9 @@ def standardizer(est, settings, X, rows, y_all, start, n, n_classes, group):
     """mean (D,) and scale (D,) of the chosen standardisation of the training rows; sets
     standardization_ and standardization_scores_ (the kNN scores "auto" chose by)."""
     est.standardization_scores_ = None
+    if sparse_input.is_sparse(X):  # never centred: the zeros stay zeros (sparse_input)
+        est.standardization_ = "none"
+        return np.zeros(X.shape[1]), np.ones(X.shape[1])
     name = STANDARDIZE_MODES.get(settings.standardize, settings.standardize)
     if name == "auto":
         name, est.standardization_scores_ = sharded_stats.choose_standardizer(
@@ -251,7 +276,9 @@ def initialize(est, settings, Xs, y_idx, n, n_classes, d, scale, rng, group):
     if name == "auto":
         name = resolve_auto(d, Xs.shape[1], n, n_classes)
     started = time.perf_counter()
-    if name == "pca":
+    if sparse_input.is_sparse(Xs) and name in ("pca", "lda"):  # lda is refused before
+        A0, name = sparse_input.initial_components(Xs, d, int(rng.integers(2**31 - 1)))
+    elif name == "pca":
         A0 = sharded_stats.pca_components(Xs, n, d, group)
     elif name == "lda":
         check_lda(d, n, Xs.shape[1], n_classes)
@@ -300,9 +327,10 @@ class HeldOutScores:
         self.X_held = self.y_held = None
         self.n_rows = 0
         if X_held is not None:
-            keep = evenly_spaced_rows(len(X_held), VALIDATION_MAX_ROWS)
+            keep = evenly_spaced_rows(X_held.shape[0], VALIDATION_MAX_ROWS)
             self.X_held, self.y_held = X_held[keep], y_held[keep]
-        self.n_rows = sharded_stats.total_rows(0 if X_held is None else len(self.X_held), group)
+        held_rows = 0 if X_held is None else self.X_held.shape[0]
+        self.n_rows = sharded_stats.total_rows(held_rows, group)
 
     def validate(self, problem):
         if self.n_rows == 0:
