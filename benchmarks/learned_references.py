@@ -9,7 +9,7 @@ then the references are reduced to 1%, 2%, 5% and 10% of the training rows by:
 * learned, map fixed: ``references condense --method prototypes`` (the default, NCA's f
   objective on the prototypes; ``training.references.compress``: Wilson editing first when
   validation prefers it);
-* learned jointly: the joint mode (``NCA(prototypes=R)`` / ``python -m training
+* learned jointly: the joint mode (``NCA(options={"prototypes": R})`` / ``python -m training
   --prototypes R``): the prototypes and the map together from the fitted map, log loss,
   the same editing choice.
 

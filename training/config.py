@@ -145,9 +145,9 @@ class TrainConfig:
     )
     lock_timeout: float | None = _opt(
         None,
-        "seconds to wait for another writer of --out (or of --publish) to finish before "
-        "giving up with nothing written (default: as long as it takes; a writer stopped "
-        "with SIGSTOP holds its lock until continued)",
+        "seconds to wait for another writer of --out to finish before giving up with nothing "
+        "written (default or 'none': as long as it takes; a writer stopped with SIGSTOP "
+        "holds its lock until continued)",
     )
     n_components: int | None = _shared(
         "n_components", "embedding dimension d (default: min(32, D))"

@@ -4,7 +4,9 @@
     python -m onnxruntime ...   # or any ONNX runtime: input x (batch, D), output z (batch, d)
 
 Exit 0 with one line naming the file; exit 2 with one line naming what was wrong (an
-artifact that does not read, an --onnx path that exists, a missing folder, a full disk).
+artifact that does not read, an --onnx path that exists or is empty, a missing folder, a full
+disk). The file written has the mode a new file gets (0666 less the umask), or the mode of
+the file it replaces.
 """
 
 from __future__ import annotations

@@ -75,6 +75,17 @@ def map_graph(
     return model
 
 
+def estimator_metadata(classes, n_features_in: int, n_components: int, objective: str) -> dict:
+    """The graph's metadata for a fitted estimator (no artifact, so no model version)."""
+    return {
+        "classes": json.dumps(list(classes)),
+        "n_features_in": str(n_features_in),
+        "n_components": str(n_components),
+        "objective": str(objective),
+        "nca_knn_version": __version__,
+    }
+
+
 def artifact_metadata(manifest: Mapping) -> dict[str, str]:
     """The manifest's description of the model, as the graph's metadata (strings)."""
     training = manifest.get("training") or {}
@@ -89,29 +100,54 @@ def artifact_metadata(manifest: Mapping) -> dict[str, str]:
 
 
 def export_artifact(model_dir: str | os.PathLike, out: str | os.PathLike, overwrite=False) -> Path:
-    """Write the map of the artifact at ``model_dir`` to ``out`` as ONNX; returns the path.
-
-    The file is written under a temporary name beside ``out`` and renamed, so ``out`` is
-    never half-written. An existing ``out`` is replaced only with ``overwrite`` and only when
-    it is a regular file; a directory, a link or a device is refused (ValueError), and the
-    artifact's own errors (``ArtifactError``) pass through."""
+    """Write the map of the artifact at ``model_dir`` to ``out`` as ONNX (:func:`write_model`);
+    returns the path. The artifact's own errors (``ArtifactError``) pass through."""
+    check_writable_file(out, overwrite)  # before reading the model: said at once
     artifact = read_artifact(model_dir)
+    model = map_graph(artifact.projection, artifact.offset, artifact_metadata(artifact.manifest))
+    return write_model(model, out, overwrite)
+
+
+def check_writable_file(out: str | os.PathLike, overwrite: bool, option: str = "--onnx") -> Path:
+    """``out`` as a Path when a model may be written there: a non-empty path whose folder
+    exists, and which is absent, or (with ``overwrite``) a regular file. ValueError naming
+    what is there otherwise: a directory, a symbolic link, a device or a FIFO is never
+    replaced."""
+    if not str(out):
+        raise ValueError(f"{option} is empty: give the path of the .onnx file to write")
     out = Path(out)
     if out.is_symlink() or (out.exists() and not out.is_file()):
-        raise ValueError(f"--onnx {out} exists and is not a regular file: nothing written")
+        raise ValueError(f"{option} {out} exists and is not a regular file: nothing written")
     if out.exists() and not overwrite:
-        raise ValueError(f"--onnx {out} exists: pass --overwrite to replace it")
+        raise ValueError(f"{option} {out} exists: pass --overwrite to replace it")
     if not out.parent.is_dir():
-        raise ValueError(f"--onnx {out}: the folder {out.parent} does not exist")
-    model = map_graph(artifact.projection, artifact.offset, artifact_metadata(artifact.manifest))
+        raise ValueError(f"{option} {out}: the folder {out.parent} does not exist")
+    return out
+
+
+def write_model(model: onnx.ModelProto, out: str | os.PathLike, overwrite=False) -> Path:
+    """Write ``model`` to ``out`` whole or not at all: under a temporary name beside it,
+    flushed, given the mode a new file gets (0666 less the umask; a replaced file's own
+    mode), then renamed. Where ``out`` may not be written (:func:`check_writable_file`),
+    ValueError and nothing written."""
+    out = check_writable_file(out, overwrite)
+    mode = out.stat().st_mode & 0o777 if out.exists() else 0o666 & ~_umask()
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(model.SerializeToString())
             handle.flush()
             os.fsync(handle.fileno())
+        os.chmod(tmp, mode)
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return out
+
+
+def _umask() -> int:
+    """This process's umask (read by setting it and setting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask

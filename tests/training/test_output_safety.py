@@ -483,3 +483,16 @@ def test_a_lock_timeout_that_is_not_seconds_is_refused_before_any_work(
     )
     assert "--lock-timeout=" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_a_released_lock_names_no_holder_and_none_means_no_bound(model, tmp_path):
+    """The holder's line is cleared when its lock is released, so a later waiter never
+    names a writer that is gone; --lock-timeout none waits as long as it takes."""
+    path, split = model
+    with lock_held_elsewhere(path, tmp_path):
+        assert lock_path(path).read_text().startswith("pid ")
+    assert lock_path(path).read_text() == ""
+    rows = save_rows(tmp_path / "rows.npz", split.X_test[:4], split.y_test[:4])
+    args = ["references", "add", "--model", path, "--data", rows, "--out", path]
+    assert cli_main([*map(str, args), "--lock-timeout", "none"]) == 0
+    assert lock_path(path).read_text() == ""

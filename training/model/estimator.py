@@ -15,7 +15,6 @@ L-BFGS iterations on the exact objective (``exact_finish``).
 
 from __future__ import annotations
 
-import json
 import warnings
 from functools import partial
 
@@ -26,7 +25,7 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 from threadpoolctl import threadpool_limits
 
 from service.core.knn import project
-from service.export.onnx_map import map_graph
+from service.export.onnx_map import estimator_metadata, map_graph, write_model
 from training.distributed.ranks import agreed_flags, current_group
 from training.model import preparation, sparse_input
 from training.model.checkpoint import FitCheckpoint, fingerprint, package_version
@@ -286,23 +285,23 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
             return sparse_input.project(X, self.projection_, self.offset_)
         return project(X, self.projection_, self.offset_)
 
-    def to_onnx(self, path=None):
+    def to_onnx(self, path=None, overwrite=False):
         """The fitted map as an ONNX model (``onnx.ModelProto``): input ``x`` (batch, D)
         float32, output ``z`` (batch, d) float32, the same function as :meth:`transform`
         (``service.export.onnx_map``: float64 accumulation, rounded once). Its metadata holds
-        the classes, D, d and the objective. ``path``: also written there. Needs the
-        """
+        the classes, D, d, the objective and the package version. ``path``: also written
+        there, whole or not at all, as ``nca-export`` writes (an existing file only with
+        ``overwrite``; a directory, a link or a missing folder is a ValueError)."""
         check_is_fitted(self, "projection_")
-        metadata = {
-            "classes": json.dumps(np.asarray(self.classes_).tolist()),
-            "n_features_in": str(self.n_features_in_),
-            "n_components": str(self.components_.shape[0]),
-            "objective": self.objective,
-        }
+        metadata = estimator_metadata(
+            np.asarray(self.classes_).tolist(),
+            self.n_features_in_,
+            self.components_.shape[0],
+            self.objective,
+        )
         model = map_graph(self.projection_, self.offset_, metadata)
         if path is not None:
-            with open(path, "wb") as handle:
-                handle.write(model.SerializeToString())
+            write_model(model, path, overwrite)
         return model
 
     def __sklearn_tags__(self):

@@ -23,7 +23,7 @@ from types import SimpleNamespace
 from typing import Any
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class FitOptions:
     """The advanced settings of a fit (what each default costs and gains:
     ``benchmarks/README.md``; what "auto" resolves to: ``training.model.plan``).
@@ -66,6 +66,10 @@ class FitOptions:
     Watching
         progress : None or a callable given a ``training.optim.stages.StageProgress`` at each
             stage's start and after each iteration (the CLI's progress bar).
+
+    A search over options takes whole values: ``GridSearchCV(pipe, {"nca__options":
+    [{"standardize": "global"}, {"standardize": "none"}]})``; there are no nested
+    ``options__name`` parameters.
     """
 
     transformation: str = "linear"
@@ -91,6 +95,23 @@ class FitOptions:
     select_stages: bool = True
     stop_stalled_stages: bool = True
     progress: Any = None
+
+    def __repr__(self) -> str:
+        """Only the fields that differ from their defaults (the estimator's repr shows it)."""
+        changed = [
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in fields(self)
+            if _differs(getattr(self, f.name), f.default)
+        ]
+        return f"FitOptions({', '.join(changed)})"
+
+
+def _differs(value: Any, default: Any) -> bool:
+    """value != default, for values without a single truth value (arrays) too."""
+    try:
+        return bool(value != default)
+    except (TypeError, ValueError):
+        return True
 
 
 OPTION_NAMES = tuple(f.name for f in fields(FitOptions))

@@ -98,7 +98,7 @@ def prepare(est, settings, X, y, X_val, y_val, group) -> Prepared:
         dtype=FLOAT_TYPES,
     )
     if sparse_input.is_sparse(X):
-        sparse_input.check_settings(settings, group.is_distributed)
+        sparse_input.check_settings(settings, group.is_distributed, n_features=X.shape[1])
         sparse_input.check_float32_range(X, "X")
     else:
         check_float32_range(X, "X")  # a ValueError naming the first such value
@@ -212,6 +212,10 @@ def held_out(est, settings, X, y_idx, classes, X_val, y_val, rng, group):
         X_val = validate_data(
             est, X_val, reset=False, accept_sparse=sparse_input.SPARSE_FORMATS, dtype=FLOAT_TYPES
         )
+        if sparse_input.is_sparse(X_val) and not sparse_input.is_sparse(X):
+            # a dense X is standardised, and its validation rows must be too: their dense
+            # copy (X itself is dense, so this is no larger than what the fit holds)
+            X_val = X_val.toarray()
         if sparse_input.is_sparse(X_val):
             sparse_input.check_float32_range(X_val, "X_val")
         else:

@@ -2,7 +2,7 @@
 
 The fit reads X only through Z = X A^T (N, d) and, by autograd, the gradient
 dA = (dL/dZ)^T X (d, D): with X a torch sparse CSR tensor both cost O(nnz d), so a sparse set
-of N rows and D features needs O(nnz + N d + d D) memory, never N x D. What a dense fit does
+of N rows and D features never needs N x D memory (below: what it does need). What a dense fit does
 differently:
 
 * **No centring.** Standardising a feature subtracts its mean, which would fill every zero;
@@ -14,7 +14,12 @@ differently:
   identity's first rows.
 * **Refused** with a ValueError naming the setting: ``standardize`` "feature" or "global",
   ``init="lda"`` (it needs the D x D within-class scatter), the diagonal transform,
-  learned prototypes, and a data-parallel fit.
+  learned prototypes, a data-parallel fit, and ``n_components=None`` (d = D) above
+  MAX_FULL_RANK_FEATURES features.
+* **Memory** is O(nnz + N d) for the data and its embedding, plus about 25 float64 copies of
+  the map (d x D): L-BFGS's history of 10 pairs, the gradient and the line search's points,
+  and at the start the randomized SVD's D x (d + 10) working set. At d = 16 and D =
+  2,000,000 that is some 6 GiB whatever N is: choose d with D in mind.
 
 ``transform`` of sparse rows is z = float32(float64(X) @ W.T + b), O(nnz d), the same
 numbers as the dense rows would give.
@@ -36,8 +41,18 @@ def is_sparse(X) -> bool:
     return sp.issparse(X)
 
 
-def check_settings(settings, distributed: bool) -> None:
+MAX_FULL_RANK_FEATURES = 1024  # n_components=None (d = D) on sparse X only up to this D
+
+
+def check_settings(settings, distributed: bool, n_features: int) -> None:
     """ValueError for a setting a sparse X cannot take (the module docstring says why)."""
+    if settings.n_components is None and n_features > MAX_FULL_RANK_FEATURES:
+        gib = 25 * n_features * n_features * 8 / 2**30
+        raise ValueError(
+            f"n_components=None means d = D = {n_features} for this sparse X: a ({n_features}, "
+            f"{n_features}) map and its optimiser's copies, about {gib:,.0f} GiB; give "
+            "n_components (e.g. 32)"
+        )
     refused = {
         "standardize": settings.standardize in ("feature", "global", True),
         "transformation": settings.transformation == "diagonal",

@@ -76,10 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument("--publish", help="symlink to repoint at --out afterwards")
         command.add_argument(
             "--lock-timeout",
-            type=float,
+            type=seconds,
             default=None,
-            help="seconds to wait for another writer of --out (or of --publish) before "
-            "giving up with nothing written (default: as long as it takes)",
+            help="seconds to wait, in all, for other writers of --publish and of --out before "
+            "giving up with nothing written (default or 'none': as long as it takes)",
         )
     return parser
 
@@ -207,11 +207,20 @@ def run(args: argparse.Namespace) -> dict:
     # with --publish, edits through one link take turns too (its lock first, then --out's):
     # each reads --model after the one before it published, so none is dropped
     timeout = args.lock_timeout
+    deadline = None if timeout is None else time.monotonic() + timeout
     publishing = (
         writer_lock(args.publish, timeout=timeout) if args.publish else contextlib.nullcontext()
     )
-    with publishing, claim.turn(source=args.model, timeout=timeout):
-        return _change(args)
+    with publishing:
+        # --out's turn within what is left of the one bound (both waits together)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        with claim.turn(source=args.model, timeout=left):
+            return _change(args)
+
+
+def seconds(text: str) -> float | None:
+    """--lock-timeout's value: a number of seconds, or 'none' (wait as long as it takes)."""
+    return None if text.strip().lower() == "none" else float(text)
 
 
 def _change(args: argparse.Namespace) -> dict:

@@ -243,7 +243,7 @@ def writer_lock(
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             if wait_notice is not None:
-                bound = "" if timeout is None else f", for at most {timeout:g} s"
+                bound = "" if timeout is None else f", for at most {_seconds(timeout)} s"
                 print(
                     f"waiting for {_holder(fd)} to finish writing {path} (lock {lock_file}){bound}",
                     file=wait_notice,
@@ -251,7 +251,10 @@ def writer_lock(
                 )
             _wait_for_lock(fd, timeout, path, lock_file)
         _record_holder(fd)
-        yield lock_file
+        try:
+            yield lock_file
+        finally:
+            _clear_holder(fd)  # a waiter never names a writer that is gone
     finally:
         os.close(fd)  # closing the descriptor releases the lock
 
@@ -272,9 +275,15 @@ def _wait_for_lock(fd: int, timeout: float | None, path, lock_file: Path) -> Non
             if left <= 0:
                 raise WriterLockTimeout(
                     f"{path}: {_holder(fd)} still holds its writer lock ({lock_file}) after "
-                    f"{timeout:g} s of waiting (--lock-timeout); nothing written"
+                    f"{_seconds(timeout)} s of waiting (--lock-timeout); nothing written"
                 ) from None
             time.sleep(min(LOCK_POLL_SECONDS, left))
+
+
+def _seconds(value: float) -> str:
+    """Seconds as a person writes them: 1.5, 30, 0.05 (what is left of a bound prints as
+    the bound did, not 1.49999)."""
+    return f"{value:.2f}".rstrip("0").rstrip(".")
 
 
 def _open_lock_file(lock_file: Path) -> int:
@@ -301,6 +310,17 @@ def _record_holder(fd: int) -> None:
         pass
 
 
+def _clear_holder(fd: int) -> None:
+    """Empty the lock file's holder line before the lock is released (nothing on a
+    descriptor opened read-only)."""
+    if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDWR:
+        return
+    try:
+        os.ftruncate(fd, 0)
+    except OSError:
+        pass
+
+
 def _holder(fd: int) -> str:
     """The holder's line from the lock file ("pid N since HH:MM:SS"), and "stopped" when
     that process is stopped (SIGSTOP, a debugger): it releases nothing until continued."""
@@ -309,6 +329,8 @@ def _holder(fd: int) -> str:
     except OSError:
         text = ""
     found = re.match(r"pid (\d+)", text)
+    if found and not Path(f"/proc/{found.group(1)}").exists():
+        return "another writer"  # the line of one that is gone (or in another PID namespace)
     if found and _is_stopped(int(found.group(1))):
         text += " (stopped: it holds the lock until it is continued with SIGCONT)"
     return text or "another writer"

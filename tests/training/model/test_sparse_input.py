@@ -111,3 +111,28 @@ def test_a_sparse_x_storing_a_value_float32_cannot_hold_is_refused(digits, bad):
     Xs.data[7] = bad
     with pytest.raises(ValueError, match=r"NaN|infinit|float32"):
         NCA(n_components=8, max_iter=2).fit(Xs, y)
+
+
+def test_sparse_validation_rows_beside_a_dense_x_are_standardised_as_it_is(digits):
+    """A dense X is standardised; its validation rows given sparse must be too: the fit
+    equals the one with the same rows given dense."""
+    X, y = digits
+    settings = dict(n_components=4, max_iter=10, random_state=0)
+    options = {"early_stopping": True, "standardize": "feature"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dense = NCA(**settings, options=options).fit(X[:400], y[:400], X[400:600], y[400:600])
+        mixed = NCA(**settings, options=options).fit(
+            X[:400], y[:400], sp.csr_matrix(X[400:600]), y[400:600]
+        )
+    assert mixed.best_val_accuracy_ == dense.best_val_accuracy_
+    np.testing.assert_array_equal(mixed.components_, dense.components_)
+
+
+def test_a_full_rank_map_of_a_wide_sparse_x_is_refused_before_any_work():
+    """n_components=None means d = D: for 20 rows of 200,000 features that is a 298 GiB
+    map; refused with the size and the fix, not a MemoryError."""
+    X = sp.random(20, 200_000, density=1e-4, format="csr", random_state=0)
+    y = np.arange(20) % 2
+    with pytest.raises(ValueError, match=r"n_components=None means d = D = 200000 .* give"):
+        NCA().fit(X, y)
