@@ -60,7 +60,13 @@ def _labels(path: Path, column: pa.ChunkedArray, name: str) -> np.ndarray:
         raise ParquetError(f"{path}: label column {name!r} has {column.null_count} nulls")
     kind = column.type
     if pa.types.is_integer(kind):
-        return column.to_numpy().astype(np.int64)
+        values = column.to_numpy()
+        if values.dtype.kind == "u" and len(values) and values.max() > np.iinfo(np.int64).max:
+            raise ParquetError(
+                f"{path}: label column {name!r} holds {int(values.max())}, beyond int64's "
+                f"range (<= {np.iinfo(np.int64).max}); store such labels as strings"
+            )
+        return values.astype(np.int64)
     if pa.types.is_string(kind) or pa.types.is_large_string(kind):
         return np.asarray(column.to_pylist(), dtype=str)
     if pa.types.is_dictionary(kind):

@@ -74,6 +74,71 @@ def zip_of_text(d: Path) -> list[str]:
     return ["--data", d / "data.npz"]
 
 
+def parquet_file(d: Path, columns: dict, **table_kwargs) -> list[str]:
+    """A Parquet file of the given columns (name -> pyarrow array or list of values)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({name: values for name, values in columns.items()}, **table_kwargs)
+    pq.write_table(table, d / "data.parquet")
+    return ["--data", d / "data.parquet"]
+
+
+def parquet_wide(**changes) -> dict:
+    """The wide layout of X_OK and Y_OK as Parquet columns, with ``changes`` applied."""
+    columns = {f"f{j}": X_OK[:, j].tolist() for j in range(X_OK.shape[1])}
+    columns["label"] = Y_OK.tolist()
+    columns.update(changes)
+    return columns
+
+
+def parquet_lists(rows: list) -> dict:
+    import pyarrow as pa
+
+    return {"pixels": pa.array(rows, type=pa.list_(pa.float32())), "label": Y_OK.tolist()}
+
+
+def truncated_parquet(d: Path) -> list[str]:
+    args = parquet_file(d, parquet_wide())
+    data = (d / "data.parquet").read_bytes()
+    (d / "data.parquet").write_bytes(data[: len(data) // 2])
+    return args
+
+
+def text_named_parquet(d: Path) -> list[str]:
+    (d / "data.parquet").write_text("label,a\n1,2\n")
+    return ["--data", d / "data.parquet"]
+
+
+def parquet_of(kind: str):
+    """A wide Parquet file whose column f1 holds values of ``kind``."""
+    import pyarrow as pa
+
+    values = {
+        "text": pa.array([str(v) for v in X_OK[:, 1]]),
+        "bool": pa.array([bool(v > 0) for v in X_OK[:, 1]]),
+        "timestamp": pa.array(np.arange(60).astype("datetime64[s]")),
+        "struct": pa.array([{"a": float(v)} for v in X_OK[:, 1]]),
+    }[kind]
+    return lambda d: parquet_file(d, parquet_wide(f1=values))
+
+
+def pa_uint64(values: list):
+    import pyarrow as pa
+
+    return pa.array(values, type=pa.uint64())
+
+
+def pa_empty(kind: str = "float64"):
+    import pyarrow as pa
+
+    return pa.array([], type=getattr(pa, kind)())
+
+
+def with_null(values: list, at: int = 3) -> list:
+    return [None if i == at else v for i, v in enumerate(values)]
+
+
 # (name, lay out the files -> CLI arguments, words of the one error line, arrays for NCA.fit)
 CORPUS = [
     ("NaN in X", lambda d: npy_pair(d, with_value(np.nan), Y_OK), "NaN or Inf", None),
@@ -185,6 +250,100 @@ CORPUS = [
         "--seed 2^32",
         lambda d: [*npy_pair(d, X_OK, Y_OK), "--seed", str(2**32)],
         "must be an integer in [0, 4294967295]",
+        None,
+    ),
+    (
+        "a truncated Parquet file",
+        truncated_parquet,
+        "not a readable Parquet file",
+        None,
+    ),
+    (
+        "a text file named .parquet",
+        text_named_parquet,
+        "not a readable Parquet file",
+        None,
+    ),
+    ("a Parquet text feature", parquet_of("text"), "'f1' has type string; expected numbers", None),
+    ("a Parquet bool feature", parquet_of("bool"), "'f1' has type bool; expected numbers", None),
+    ("a Parquet timestamp feature", parquet_of("timestamp"), "'f1' has type timestamp", None),
+    ("a Parquet struct feature", parquet_of("struct"), "'f1' has type struct", None),
+    (
+        "a Parquet null feature",
+        lambda d: parquet_file(d, parquet_wide(f2=with_null(X_OK[:, 2].tolist()))),
+        "feature column 'f2' has 1 nulls",
+        None,
+    ),
+    (
+        "a Parquet null label",
+        lambda d: parquet_file(d, parquet_wide(label=with_null(Y_OK.tolist()))),
+        "label column 'label' has 1 nulls",
+        None,
+    ),
+    (
+        "Parquet float labels",
+        lambda d: parquet_file(d, parquet_wide(label=(Y_OK + 0.5).tolist())),
+        "label column 'label' has type double; expected integers or strings",
+        None,
+    ),
+    (
+        "a Parquet NaN feature",
+        lambda d: parquet_file(d, parquet_wide(f2=with_value(np.nan)[:, 2].tolist())),
+        "NaN or Inf",
+        None,
+    ),
+    (
+        "a Parquet value beyond float32",
+        lambda d: parquet_file(d, parquet_wide(f2=with_value(1e39)[:, 2].tolist())),
+        "beyond float32's range",
+        None,
+    ),
+    (
+        "Parquet lists of different lengths",
+        lambda d: parquet_file(d, parquet_lists([[1.0, 2.0]] * 59 + [[1.0]])),
+        "lists of different lengths (row 0 has 2, row 59 has 1)",
+        None,
+    ),
+    (
+        "Parquet empty lists",
+        lambda d: parquet_file(d, parquet_lists([[]] * 60)),
+        "holds empty lists",
+        None,
+    ),
+    (
+        "a Parquet list holding a null",
+        lambda d: parquet_file(d, parquet_lists([[1.0, None]] + [[1.0, 2.0]] * 59)),
+        "null values in its lists",
+        None,
+    ),
+    (
+        "a Parquet null list",
+        lambda d: parquet_file(d, parquet_lists([None] + [[1.0, 2.0]] * 59)),
+        "has 1 null rows",
+        None,
+    ),
+    (
+        "a Parquet file without the named label column",
+        lambda d: [*parquet_file(d, parquet_wide()), "--label-column", "target"],
+        "no label column 'target'",
+        None,
+    ),
+    (
+        "a Parquet file of the label column alone",
+        lambda d: parquet_file(d, {"label": Y_OK.tolist()}),
+        "no feature columns beside the label column 'label'",
+        None,
+    ),
+    (
+        "Parquet uint64 labels beyond int64",
+        lambda d: parquet_file(d, parquet_wide(label=pa_uint64([2**63 + int(v) for v in Y_OK]))),
+        "holds 9223372036854775810, beyond int64's range",
+        None,
+    ),
+    (
+        "a Parquet file of no rows",
+        lambda d: parquet_file(d, {"f0": pa_empty(), "label": pa_empty("int64")}),
+        "",
         None,
     ),
 ]

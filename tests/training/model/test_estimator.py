@@ -563,3 +563,34 @@ def test_to_onnx_runs_in_onnx_runtime_as_transform_does(tmp_path):
     assert onnx.load(str(tmp_path / "iris.onnx")) == model
     with pytest.raises(NotFittedError):
         NCA().to_onnx()
+
+
+def test_to_onnx_writes_as_the_command_does(tmp_path):
+    """NCA.to_onnx(path): whole or not at all, never through a link, an existing file only
+    with overwrite."""
+    import onnx
+
+    X, y = load_iris(return_X_y=True)
+    nca = NCA(n_components=2, max_iter=5, random_state=0).fit(X, y)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep")
+    link = tmp_path / "link.onnx"
+    link.symlink_to(victim)
+    with pytest.raises(ValueError, match="is not a regular file"):
+        nca.to_onnx(link, overwrite=True)
+    assert victim.read_text() == "keep"
+    out = tmp_path / "iris.onnx"
+    nca.to_onnx(out)
+    with pytest.raises(ValueError, match="pass --overwrite"):
+        nca.to_onnx(out)
+    with pytest.raises(ValueError, match="does not exist"):
+        nca.to_onnx(tmp_path / "absent" / "iris.onnx")
+    props = {p.key: p.value for p in onnx.load(str(out)).metadata_props}
+    assert set(props) == {
+        "classes",
+        "n_features_in",
+        "n_components",
+        "objective",
+        "nca_knn_version",
+    }
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iris.onnx", "link.onnx", "victim.txt"]
