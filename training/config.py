@@ -143,6 +143,12 @@ class TrainConfig:
         None,
         "after writing, atomically point this symlink at the new artifact (e.g. /models/current)",
     )
+    memory_budget_gib: float | None = _opt(
+        None,
+        "GiB the features may take as float64, checked from the data file's header after "
+        "its labels and before its values are read (default: 80%% of the memory available "
+        "when the job starts)",
+    )
     lock_timeout: float | None = _opt(
         None,
         "seconds to wait for another writer of --out to finish before giving up with nothing "

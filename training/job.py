@@ -22,6 +22,7 @@ from training.data.datasets import (
     DataError,
     Dataset,
     Split,
+    default_memory_budget,
     fingerprint_from_row_digests,
     load_dataset,
     make_split,
@@ -147,6 +148,8 @@ def run(config: TrainConfig, *, log=print) -> dict:
         labels=config.labels,
         label_column=config.label_column,
         memory_map=True,
+        memory_budget=memory_budget(config.memory_budget_gib),
+        for_training=True,  # labels checked before any feature is read
     )
     split = shard_split(data, config, group) if group.is_distributed else _split(data, config)
     del data  # a data-parallel rank keeps only its rows
@@ -217,6 +220,16 @@ def _write_page(out: Path, log) -> Path | None:
         f"python -m training report {out} tries again"
     )
     return None
+
+
+def memory_budget(gib: float | None) -> int | None:
+    """--memory-budget-gib in bytes (ConfigError for a value that is not a positive finite
+    number), else the default budget (``training.data.datasets.default_memory_budget``)."""
+    if gib is None:
+        return default_memory_budget()
+    if not (isinstance(gib, (int, float)) and 0 < gib < float("inf")):
+        raise ConfigError(f"--memory-budget-gib={gib!r} must be a finite number of GiB > 0")
+    return int(gib * 2**30)
 
 
 def _split(data: Dataset, config: TrainConfig) -> Split:

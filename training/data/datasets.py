@@ -6,6 +6,14 @@ package, no network), an ``.npz`` file (``X``, ``y``, optional ``X_test``, ``y_t
 taken), a CSV file with a label column, or a Parquet file (pyarrow) whose features are either
 one numeric column each or one list column of equal-length numeric lists, beside the label
 column. Labels may be integers or strings.
+
+Cheap checks first: for ``.npz``, ``.npy`` and Parquet files the labels are read and checked
+(numbers or strings, at least two classes, two rows of each) before any feature, and the
+features' size is read from the file's header or metadata and held against a memory budget
+(the job's ``--memory-budget-gib``: by default 80% of the memory available when it starts)
+before their values are read. So a small compressed file whose arrays expand to gigabytes,
+or a sparse file with an honest large header, is refused in one line for what is wrong with
+it, without first being read. CSV files are read whole.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from pathlib import Path
 import numpy as np
 from sklearn import datasets
 
-from training.data.parquet import ParquetError, read_parquet
+from training.data.parquet import ParquetError, read_parquet, read_parquet_labels
 
 BUILTIN_DATASETS = ("digits", "iris", "wine", "breast_cancer")
 
@@ -76,11 +84,18 @@ def load_dataset(
     labels: str | None = None,
     label_column: str | None = None,
     memory_map: bool = False,
+    memory_budget: int | None = None,
+    for_training: bool = False,
 ) -> Dataset:
     """Load a data set from a built-in name or a file path (see module docstring).
 
     memory_map: a ``.npy`` feature file is mapped, not read: rows are read when taken (a
-    data-parallel rank reads only its shard). Other formats are read whole."""
+    data-parallel rank reads only its shard). Other formats are read whole.
+    memory_budget: bytes the features may take as float64 (None: no limit); checked from
+    the file's header before the features are read.
+    for_training: the labels are checked as training needs them (:func:`check_labels`)
+    before any feature is read (rows added to a reference set need not make a training
+    set)."""
     if spec in BUILTIN_DATASETS:
         return _load_builtin(spec)
     path = Path(spec)
@@ -91,13 +106,91 @@ def load_dataset(
             "or a path ending in .npz, .npy, .csv or .parquet"
         )
     check_regular_file(path, "--data")
+    label_check = check_labels if for_training else _no_check
     if suffix == ".npz":
-        return _load_npz(path)
+        return _load_npz(path, memory_budget, label_check)
     if suffix == ".npy":
-        return _load_npy_pair(path, labels, memory_map)
+        return _load_npy_pair(path, labels, memory_map, memory_budget, label_check)
     if suffix == ".parquet":
-        return load_parquet(path, label_column)
+        return load_parquet(path, label_column, memory_budget, label_check)
     return _load_csv(path, label_column)
+
+
+def _no_check(y, what: str = "") -> None:
+    """No label check (for rows that need not make a training set)."""
+
+
+def default_memory_budget(fraction: float = 0.8) -> int | None:
+    """``fraction`` of the memory available now (MemAvailable in /proc/meminfo), in bytes;
+    None where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(int(line.split()[1]) * 1024 * fraction)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_memory(shape: tuple, what: str, budget: int | None) -> None:
+    """DataError when an array of ``shape`` would take more than ``budget`` bytes as
+    float64 (how the job holds its rows)."""
+    if budget is None:
+        return
+    size = 8 * int(np.prod([int(n) for n in shape], dtype=object))
+    if size > budget:
+        raise DataError(
+            f"{what}: {' x '.join(str(int(n)) for n in shape)} values take "
+            f"{_size(size)} as float64, over the memory budget of {_size(budget)} "
+            "(--memory-budget-gib; by default 80% of the memory available when the job "
+            "started); nothing was read"
+        )
+
+
+def _size(n_bytes: int) -> str:
+    """1.5 MiB, 7,450.6 GiB."""
+    if n_bytes >= 2**30:
+        return f"{n_bytes / 2**30:,.1f} GiB"
+    return f"{n_bytes / 2**20:,.1f} MiB"
+
+
+def check_labels(y: np.ndarray, what: str = "labels") -> np.ndarray:
+    """The labels (n,) checked as training needs them, before any feature is read (the
+    checks and messages of :func:`plan_split`): integers or strings, at least 2 classes, 2
+    rows per class on average and 2 of each. Returns them (integer floats as int64, bytes
+    as str)."""
+    y = np.asarray(y)
+    if y.ndim != 1:
+        raise DataError(f"{what}: expected a 1-D array, got shape {y.shape}")
+    _, y = validate_xy(np.zeros((len(y), 1)), y, what="X")
+    classes, counts = np.unique(y, return_counts=True)
+    if len(classes) < 2:
+        raise DataError(
+            f"{what}: need at least 2 classes, found {len(classes)} ({classes.tolist()})"
+        )
+    if len(y) < 2 * len(classes):
+        raise DataError(
+            f"X: {len(y)} samples for {len(classes)} classes; need at least 2 per class on average"
+        )
+    if counts.min() < 2:
+        rare = classes[counts < 2].tolist()
+        raise DataError(f"{what}: classes {rare} have fewer than 2 samples; NCA needs 2 per class")
+    return y
+
+
+def _npz_member_shape(archive, name: str) -> tuple:
+    """The shape an .npz member's header states, read without its values (() for a header
+    version without a public reader: the budget is then not checked)."""
+    readers = {
+        (1, 0): np.lib.format.read_array_header_1_0,
+        (2, 0): np.lib.format.read_array_header_2_0,
+    }
+    with archive.zip.open(f"{name}.npy") as member:
+        version = np.lib.format.read_magic(member)
+        if version not in readers:  # a format version numpy reads but states no public reader
+            return ()
+        shape, _, _ = readers[version](member)
+    return shape
 
 
 def check_regular_file(path: Path, option: str) -> None:
@@ -129,12 +222,14 @@ def _load_npy(path: Path, what: str, memory_map: bool = False) -> np.ndarray:
     try:
         return np.load(path, allow_pickle=False, mmap_mode="r" if memory_map else None)
     except ValueError as exc:
-        raise DataError(f"{path}: cannot read {what} without pickle ({exc})") from exc
+        if "pickle" in str(exc) or "object" in str(exc).lower():
+            raise DataError(f"{path}: cannot read {what} without pickle ({exc})") from exc
+        raise DataError(f"{path}: not a readable .npy file ({exc})") from exc
     except (OSError, EOFError) as exc:
         raise DataError(f"{path}: not a readable .npy/.npz file ({exc})") from exc
 
 
-def _load_npz(path: Path) -> Dataset:
+def _load_npz(path: Path, memory_budget: int | None = None, label_check=_no_check) -> Dataset:
     try:
         archive = np.load(path, allow_pickle=False)
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
@@ -145,9 +240,17 @@ def _load_npz(path: Path) -> Dataset:
         if missing:
             raise DataError(f"{path}: missing arrays {sorted(missing)}; found {sorted(keys)}")
         try:
-            X, y = archive["X"], archive["y"]
+            y = archive["y"]
+            label_check(y, what=f"{path}: labels")  # before any feature is read
+            for name in ("X", "X_test"):
+                if name in keys:
+                    shape = _npz_member_shape(archive, name)
+                    check_memory(shape, f"{path}: {name}", memory_budget)
+            X = archive["X"]
             X_test = archive["X_test"] if "X_test" in keys else None
             y_test = archive["y_test"] if "y_test" in keys else None
+        except DataError:  # the labels' or the budget's refusal, as it is
+            raise
         except ValueError as exc:
             raise DataError(f"{path}: arrays must load without pickle ({exc})") from exc
         except (OSError, EOFError, zipfile.BadZipFile, zlib.error) as exc:  # a damaged member
@@ -157,20 +260,35 @@ def _load_npz(path: Path) -> Dataset:
     return Dataset(X=X, y=y, X_test=X_test, y_test=y_test, name=path.stem)
 
 
-def _load_npy_pair(path: Path, labels: str | None, memory_map: bool = False) -> Dataset:
+def _load_npy_pair(
+    path: Path,
+    labels: str | None,
+    memory_map: bool = False,
+    memory_budget: int | None = None,
+    label_check=_no_check,
+) -> Dataset:
     if labels is None:
         raise DataError(f"--data {path}: a .npy feature file needs --labels LABELS.npy")
     label_path = Path(labels)
     check_regular_file(label_path, "--labels")
-    return Dataset(
-        X=_load_npy(path, "features", memory_map),
-        y=_load_npy(label_path, "labels"),
-        name=path.stem,
-    )
+    y = _load_npy(label_path, "labels")
+    label_check(y, what=f"{label_path}: labels")  # before any feature is read
+    X = _load_npy(path, "features", memory_map=True)  # its header: the shape, no values
+    check_memory(X.shape, f"{path}: features", memory_budget)
+    if not memory_map:
+        X = np.array(X)
+    return Dataset(X=X, y=y, name=path.stem)
 
 
-def load_parquet(path: Path, label_column: str | None) -> Dataset:
+def load_parquet(
+    path: Path, label_column: str | None, memory_budget: int | None = None, label_check=_no_check
+) -> Dataset:
+    """The labels first (checked), then the features' size from the file's metadata against
+    the budget, then the features."""
     try:
+        y, n_rows, n_values = read_parquet_labels(path, label_column)
+        label_check(y, what=f"{path}: labels")
+        check_memory((n_rows, n_values // max(n_rows, 1)), f"{path}: features", memory_budget)
         X, y, names = read_parquet(path, label_column)
     except ParquetError as exc:
         raise DataError(str(exc)) from exc

@@ -48,6 +48,29 @@ def read_parquet(path: Path, label_column: str | None) -> tuple[np.ndarray, np.n
     return _from_wide_columns(path, columns, features), y, features
 
 
+def read_parquet_labels(path: Path, label_column: str | None) -> tuple[np.ndarray, int, int]:
+    """(y (n,), n rows, the number of feature values) from the file's label column and its
+    metadata alone: no feature value is read."""
+    try:
+        parquet = pq.ParquetFile(path)
+        names = parquet.schema_arrow.names
+        if label_column is None:
+            label_column = "label" if "label" in names else names[-1]
+        if label_column not in names:
+            raise ParquetError(f"{path}: no label column {label_column!r}; columns are {names}")
+        y = _labels(path, parquet.read(columns=[label_column]).column(0), label_column)
+        meta = parquet.metadata
+        n_values = sum(
+            meta.row_group(g).column(c).num_values
+            for g in range(meta.num_row_groups)
+            for c in range(meta.num_columns)
+            if meta.row_group(g).column(c).path_in_schema.split(".")[0] != label_column
+        )
+    except (OSError, pa.ArrowException) as exc:
+        raise ParquetError(f"{path}: not a readable Parquet file ({exc})") from exc
+    return y, meta.num_rows, n_values
+
+
 def _is_list(kind: pa.DataType) -> bool:
     return (
         pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)

@@ -21,6 +21,11 @@ X_OK = RNG.normal(size=(60, 4))
 Y_OK = np.arange(60) % 3
 
 
+def npz_arrays(d: Path, X, y) -> list[str]:
+    np.savez(d / "data.npz", X=X, y=y)
+    return ["--data", d / "data.npz"]
+
+
 def npy_pair(d: Path, X, y) -> list[str]:
     np.save(d / "X.npy", X)
     np.save(d / "y.npy", y)
@@ -64,6 +69,20 @@ def pickled_npy(d: Path) -> list[str]:
 
 def not_a_zip(d: Path) -> list[str]:
     (d / "data.npz").write_bytes(b"this is not a zip archive")
+    return ["--data", d / "data.npz"]
+
+
+def npz_claiming(d: Path, shape: tuple, y: np.ndarray) -> list[str]:
+    """An .npz whose X member's header states ``shape`` (float64) over a few bytes of
+    values: what a small compressed file expanding to terabytes looks like before it is
+    read; y is whole."""
+    header = {"descr": "<f8", "fortran_order": False, "shape": shape}
+    with zipfile.ZipFile(d / "data.npz", "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        with archive.open("X.npy", "w") as member:
+            np.lib.format.write_array_header_1_0(member, header)
+            member.write(bytes(64))
+        with archive.open("y.npy", "w") as member:
+            np.lib.format.write_array(member, y)
     return ["--data", d / "data.npz"]
 
 
@@ -181,6 +200,56 @@ CORPUS = [
     ("an .npz without y", npz_without_y, "", None),
     ("an .npz that is not a zip", not_a_zip, "", None),
     ("an .npz of text members", zip_of_text, "", None),
+    (
+        "an .npz claiming 8 TB of X, its labels one class",
+        lambda d: npz_claiming(d, (10**7, 10**5), np.zeros(10**7 // 10**4, dtype=np.int64)),
+        "labels: need at least 2 classes, found 1 ([0])",
+        None,
+    ),
+    (
+        "an .npz claiming 8 TB of X, its labels fine",
+        lambda d: npz_claiming(d, (1000, 10**9), np.arange(1000) % 2),
+        "X: 1000 x 1000000000 values take 7,450.6 GiB as float64, over the memory budget",
+        None,
+    ),
+    (
+        "an .npz over a stated budget",
+        lambda d: [
+            *npz_arrays(d, RNG.normal(size=(1000, 200)), np.arange(1000) % 2),
+            "--memory-budget-gib",
+            "0.001",
+        ],
+        "X: 1000 x 200 values take 1.5 MiB as float64, over the memory budget of 1.0 MiB",
+        None,
+    ),
+    (
+        "a .npy over a stated budget",
+        lambda d: [
+            *npy_pair(d, RNG.normal(size=(1000, 200)), np.arange(1000) % 2),
+            "--memory-budget-gib",
+            "0.001",
+        ],
+        "features: 1000 x 200 values take",
+        None,
+    ),
+    (
+        "a .npy pair whose labels are one class",
+        lambda d: npy_pair(d, X_OK, np.zeros(60, dtype=np.int64)),
+        "y.npy: labels: need at least 2 classes",
+        None,
+    ),
+    (
+        "a Parquet file over a stated budget",
+        lambda d: [*parquet_file(d, parquet_wide()), "--memory-budget-gib", "1e-7"],
+        "features: 60 x 4 values take",
+        None,
+    ),
+    (
+        "--memory-budget-gib 0",
+        lambda d: [*npy_pair(d, X_OK, Y_OK), "--memory-budget-gib", "0"],
+        "--memory-budget-gib=0.0 must be a finite number of GiB > 0",
+        None,
+    ),
     ("an empty CSV", lambda d: csv_file(d, ""), "empty CSV", None),
     (
         "a CSV row with a missing field",
