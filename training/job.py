@@ -227,9 +227,11 @@ def memory_budget(gib: float | None) -> int | None:
     number), else the default budget (``training.data.datasets.default_memory_budget``)."""
     if gib is None:
         return default_memory_budget()
-    if not (isinstance(gib, (int, float)) and 0 < gib < float("inf")):
-        raise ConfigError(f"--memory-budget-gib={gib!r} must be a finite number of GiB > 0")
-    return int(gib * 2**30)
+    if not (isinstance(gib, (int, float)) and 2**-20 <= gib < float("inf")):
+        raise ConfigError(
+            f"--memory-budget-gib={gib!r} must be a finite number of GiB, at least 2^-20 (one KiB)"
+        )
+    return min(int(gib * 2**30), 2**62)  # beyond any machine: no limit in effect
 
 
 def _split(data: Dataset, config: TrainConfig) -> Split:

@@ -18,6 +18,7 @@ it, without first being read. CSV files are read whole.
 
 from __future__ import annotations
 
+import ast
 import csv
 import hashlib
 import zipfile
@@ -132,16 +133,17 @@ def default_memory_budget(fraction: float = 0.8) -> int | None:
     return None
 
 
-def check_memory(shape: tuple, what: str, budget: int | None) -> None:
-    """DataError when an array of ``shape`` would take more than ``budget`` bytes as
-    float64 (how the job holds its rows)."""
+def check_memory(shape: tuple, what: str, budget: int | None, itemsize: int = 8) -> None:
+    """DataError when an array of ``shape`` would take more than ``budget`` bytes: its values
+    as float64 (how the job holds its rows), or as ``itemsize`` bytes when that is more."""
     if budget is None:
         return
-    size = 8 * int(np.prod([int(n) for n in shape], dtype=object))
+    size = max(8, itemsize) * int(np.prod([int(n) for n in shape], dtype=object))
     if size > budget:
+        kind = "as float64" if itemsize <= 8 else f"at {itemsize} bytes each"
         raise DataError(
             f"{what}: {' x '.join(str(int(n)) for n in shape)} values take "
-            f"{_size(size)} as float64, over the memory budget of {_size(budget)} "
+            f"{_size(size)} {kind}, over the memory budget of {_size(budget)} "
             "(--memory-budget-gib; by default 80% of the memory available when the job "
             "started); nothing was read"
         )
@@ -162,6 +164,8 @@ def check_labels(y: np.ndarray, what: str = "labels") -> np.ndarray:
     y = np.asarray(y)
     if y.ndim != 1:
         raise DataError(f"{what}: expected a 1-D array, got shape {y.shape}")
+    if y.dtype.kind == "b":
+        raise DataError(f"{what}: must be integers or strings, got booleans")
     _, y = validate_xy(np.zeros((len(y), 1)), y, what="X")
     classes, counts = np.unique(y, return_counts=True)
     if len(classes) < 2:
@@ -178,19 +182,31 @@ def check_labels(y: np.ndarray, what: str = "labels") -> np.ndarray:
     return y
 
 
-def _npz_member_shape(archive, name: str) -> tuple:
-    """The shape an .npz member's header states, read without its values (() for a header
-    version without a public reader: the budget is then not checked)."""
-    readers = {
-        (1, 0): np.lib.format.read_array_header_1_0,
-        (2, 0): np.lib.format.read_array_header_2_0,
-    }
-    with archive.zip.open(f"{name}.npy") as member:
-        version = np.lib.format.read_magic(member)
-        if version not in readers:  # a format version numpy reads but states no public reader
-            return ()
-        shape, _, _ = readers[version](member)
-    return shape
+def npy_header(stream) -> tuple[tuple, np.dtype]:
+    """(shape, dtype) from an .npy stream's header (format versions 1.0, 2.0 and 3.0),
+    its values left unread. ValueError for a stream that is not .npy."""
+    version = np.lib.format.read_magic(stream)
+    if version not in ((1, 0), (2, 0), (3, 0)):
+        raise ValueError(f"unsupported .npy format version {version}")
+    length_bytes = 2 if version == (1, 0) else 4
+    length = int.from_bytes(stream.read(length_bytes), "little")
+    text = stream.read(length).decode("utf-8" if version == (3, 0) else "latin1")
+    header = ast.literal_eval(text)
+    if not isinstance(header, dict) or not {"descr", "shape"} <= set(header):
+        raise ValueError(f"not an .npy header: {text[:80]!r}")
+    return tuple(header["shape"]), np.lib.format.descr_to_dtype(header["descr"])
+
+
+def _check_npz_member(archive, key: str, path: Path, budget: int | None, numeric: bool) -> None:
+    """An .npz member's header against the budget (and, for features, a numeric dtype),
+    before its values are read."""
+    names = archive.zip.namelist()
+    name = f"{key}.npy" if f"{key}.npy" in names else key  # np.savez adds .npy; others may not
+    with archive.zip.open(name) as member:
+        shape, dtype = npy_header(member)
+    if numeric and dtype.kind not in "biuf":
+        raise DataError(f"{path}: {key}: features must be numeric, got dtype {dtype}")
+    check_memory(shape, f"{path}: {key}", budget, dtype.itemsize)
 
 
 def check_regular_file(path: Path, option: str) -> None:
@@ -240,12 +256,11 @@ def _load_npz(path: Path, memory_budget: int | None = None, label_check=_no_chec
         if missing:
             raise DataError(f"{path}: missing arrays {sorted(missing)}; found {sorted(keys)}")
         try:
+            for key in ("y", "y_test", "X", "X_test"):  # every header before any value
+                if key in keys:
+                    _check_npz_member(archive, key, path, memory_budget, key.startswith("X"))
             y = archive["y"]
             label_check(y, what=f"{path}: labels")  # before any feature is read
-            for name in ("X", "X_test"):
-                if name in keys:
-                    shape = _npz_member_shape(archive, name)
-                    check_memory(shape, f"{path}: {name}", memory_budget)
             X = archive["X"]
             X_test = archive["X_test"] if "X_test" in keys else None
             y_test = archive["y_test"] if "y_test" in keys else None
@@ -253,7 +268,8 @@ def _load_npz(path: Path, memory_budget: int | None = None, label_check=_no_chec
             raise
         except ValueError as exc:
             raise DataError(f"{path}: arrays must load without pickle ({exc})") from exc
-        except (OSError, EOFError, zipfile.BadZipFile, zlib.error) as exc:  # a damaged member
+        except (OSError, EOFError, KeyError, SyntaxError, zipfile.BadZipFile, zlib.error) as exc:
+            raise DataError(f"{path}: not a readable .npz file ({exc})") from exc  # damaged
             raise DataError(f"{path}: not a readable .npz file ({exc})") from exc
     if (X_test is None) != (y_test is None):
         raise DataError(f"{path}: X_test and y_test must be given together")
@@ -271,10 +287,15 @@ def _load_npy_pair(
         raise DataError(f"--data {path}: a .npy feature file needs --labels LABELS.npy")
     label_path = Path(labels)
     check_regular_file(label_path, "--labels")
-    y = _load_npy(label_path, "labels")
+    labels_mapped = _load_npy(label_path, "labels", memory_map=True)  # header: no values
+    check_memory(
+        labels_mapped.shape, f"{label_path}: labels", memory_budget, labels_mapped.dtype.itemsize
+    )
+    y = np.array(labels_mapped)
+    del labels_mapped
     label_check(y, what=f"{label_path}: labels")  # before any feature is read
     X = _load_npy(path, "features", memory_map=True)  # its header: the shape, no values
-    check_memory(X.shape, f"{path}: features", memory_budget)
+    check_memory(X.shape, f"{path}: features", memory_budget, X.dtype.itemsize)
     if not memory_map:
         X = np.array(X)
     return Dataset(X=X, y=y, name=path.stem)

@@ -31,7 +31,7 @@ def read_parquet(path: Path, label_column: str | None) -> tuple[np.ndarray, np.n
     try:
         table = pq.read_table(path)
     except (OSError, pa.ArrowException) as exc:
-        raise ParquetError(f"{path}: not a readable Parquet file ({exc})") from exc
+        raise ParquetError(f"{path}: not a readable Parquet file ({one_line(exc)})") from exc
     names = table.column_names
     if label_column is None:
         label_column = "label" if "label" in names else names[-1]
@@ -67,8 +67,15 @@ def read_parquet_labels(path: Path, label_column: str | None) -> tuple[np.ndarra
             if meta.row_group(g).column(c).path_in_schema.split(".")[0] != label_column
         )
     except (OSError, pa.ArrowException) as exc:
-        raise ParquetError(f"{path}: not a readable Parquet file ({exc})") from exc
+        raise ParquetError(f"{path}: not a readable Parquet file ({one_line(exc)})") from exc
     return y, meta.num_rows, n_values
+
+
+def one_line(error: Exception) -> str:
+    """pyarrow's message on one line of printable text (a corrupt footer's message holds raw
+    bytes and newlines)."""
+    text = " ".join(str(error).split())
+    return "".join(ch if ch.isprintable() else f"\\x{ord(ch):02x}" for ch in text)
 
 
 def _is_list(kind: pa.DataType) -> bool:

@@ -20,7 +20,12 @@ from pathlib import Path
 import numpy as np
 
 from service.core.artifact import ArtifactError, OutputClaim, writer_lock
-from training.data.datasets import DataError, check_regular_file, load_dataset
+from training.data.datasets import (
+    DataError,
+    check_regular_file,
+    default_memory_budget,
+    load_dataset,
+)
 from training.errors import (
     ConfigError,
     Interrupted,
@@ -225,13 +230,23 @@ def seconds(text: str) -> float | None:
 
 def _change(args: argparse.Namespace) -> dict:
     if args.command == "add":
-        data = load_dataset(args.data, labels=args.labels, label_column=args.label_column)
+        data = load_dataset(
+            args.data,
+            labels=args.labels,
+            label_column=args.label_column,
+            memory_budget=default_memory_budget(),
+        )
         ids = None if args.ids is None else _ids_file(args.ids, "--ids")
         summary = add_references(args.model, data.X, data.y, out=args.out, ids=ids)
     elif args.command == "condense":
         X_test = y_test = None
         if args.data:
-            data = load_dataset(args.data, labels=args.labels, label_column=args.label_column)
+            data = load_dataset(
+                args.data,
+                labels=args.labels,
+                label_column=args.label_column,
+                memory_budget=default_memory_budget(),
+            )
             # an .npz with a test split (X_test, y_test) is scored on that split
             if data.X_test is not None:
                 X_test, y_test = data.X_test, data.y_test

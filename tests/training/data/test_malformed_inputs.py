@@ -72,17 +72,50 @@ def not_a_zip(d: Path) -> list[str]:
     return ["--data", d / "data.npz"]
 
 
-def npz_claiming(d: Path, shape: tuple, y: np.ndarray) -> list[str]:
-    """An .npz whose X member's header states ``shape`` (float64) over a few bytes of
+def npz_claiming(
+    d: Path, shape: tuple, y: np.ndarray, descr: str = "<f8", version=(1, 0), member="X.npy"
+) -> list[str]:
+    """An .npz whose X member's header states ``shape`` (of ``descr``) over a few bytes of
     values: what a small compressed file expanding to terabytes looks like before it is
     read; y is whole."""
-    header = {"descr": "<f8", "fortran_order": False, "shape": shape}
+    header = {"descr": descr, "fortran_order": False, "shape": shape}
     with zipfile.ZipFile(d / "data.npz", "w", compression=zipfile.ZIP_DEFLATED) as archive:
-        with archive.open("X.npy", "w") as member:
-            np.lib.format.write_array_header_1_0(member, header)
-            member.write(bytes(64))
-        with archive.open("y.npy", "w") as member:
-            np.lib.format.write_array(member, y)
+        with archive.open(member, "w") as stream:
+            write_npy_header(stream, header, version)
+            stream.write(bytes(64))
+        with archive.open("y.npy", "w") as stream:
+            np.lib.format.write_array(stream, y)
+    return ["--data", d / "data.npz"]
+
+
+def write_npy_header(stream, header: dict, version: tuple) -> None:
+    """An .npy header of format ``version`` (1.0, 2.0 or 3.0), as the format's NEP lays it."""
+    prefix = 10 if version == (1, 0) else 12
+    text = repr(header)
+    text += " " * (-(prefix + len(text) + 1) % 64) + "\n"
+    data = text.encode("utf-8" if version == (3, 0) else "latin1")
+    width = 2 if version == (1, 0) else 4
+    stream.write(b"\x93NUMPY" + bytes(version) + len(data).to_bytes(width, "little") + data)
+
+
+def npz_claiming_labels(d: Path) -> list[str]:
+    """An .npz whose y member states 10^9 labels over a few bytes."""
+    with zipfile.ZipFile(d / "data.npz", "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        with archive.open("X.npy", "w") as stream:
+            np.lib.format.write_array(stream, X_OK)
+        with archive.open("y.npy", "w") as stream:
+            header = {"descr": "<i8", "fortran_order": False, "shape": (10**9,)}
+            np.lib.format.write_array_header_1_0(stream, header)
+            stream.write(bytes(64))
+    return ["--data", d / "data.npz", "--memory-budget-gib", "0.01"]
+
+
+def npz_without_suffixes(d: Path) -> list[str]:
+    """An .npz whose members are named X and y (np.load lists them; np.savez adds .npy)."""
+    with zipfile.ZipFile(d / "data.npz", "w") as archive:
+        for name, array in (("X", X_OK), ("y", np.zeros(60, dtype=np.int64))):
+            with archive.open(name, "w") as stream:
+                np.lib.format.write_array(stream, array)
     return ["--data", d / "data.npz"]
 
 
@@ -202,7 +235,11 @@ CORPUS = [
     ("an .npz of text members", zip_of_text, "", None),
     (
         "an .npz claiming 8 TB of X, its labels one class",
-        lambda d: npz_claiming(d, (10**7, 10**5), np.zeros(10**7 // 10**4, dtype=np.int64)),
+        lambda d: [
+            *npz_claiming(d, (10**7, 10**5), np.zeros(10**7 // 10**4, dtype=np.int64)),
+            "--memory-budget-gib",
+            "100000",  # the budget lets it through: the labels refuse it, X never read
+        ],
         "labels: need at least 2 classes, found 1 ([0])",
         None,
     ),
@@ -210,6 +247,42 @@ CORPUS = [
         "an .npz claiming 8 TB of X, its labels fine",
         lambda d: npz_claiming(d, (1000, 10**9), np.arange(1000) % 2),
         "X: 1000 x 1000000000 values take 7,450.6 GiB as float64, over the memory budget",
+        None,
+    ),
+    (
+        "an .npz claiming 8 TB of X in a version 3.0 header",
+        lambda d: npz_claiming(d, (1000, 10**9), np.arange(1000) % 2, version=(3, 0)),
+        "X: 1000 x 1000000000 values take 7,450.6 GiB as float64, over the memory budget",
+        None,
+    ),
+    (
+        "an .npz claiming 40 values of 20 MB each",
+        lambda d: npz_claiming(d, (40, 1), np.arange(40) % 2, descr="|V20000000"),
+        "X: features must be numeric, got dtype |V20000000",
+        None,
+    ),
+    (
+        "an .npz claiming 10^9 labels",
+        npz_claiming_labels,
+        "y: 1000000000 values take 7.5 GiB as float64, over the memory budget of 10.2 MiB",
+        None,
+    ),
+    (
+        "an .npz of members without the .npy suffix, one class",
+        npz_without_suffixes,
+        "labels: need at least 2 classes",
+        None,
+    ),
+    (
+        "an .npz of bool labels",
+        lambda d: npz_arrays(d, X_OK, Y_OK % 2 == 0),
+        "labels: must be integers or strings, got booleans",
+        None,
+    ),
+    (
+        "--memory-budget-gib 1e-300",
+        lambda d: [*npy_pair(d, X_OK, Y_OK), "--memory-budget-gib", "1e-300"],
+        "must be a finite number of GiB, at least 2^-20",
         None,
     ),
     (
@@ -240,14 +313,14 @@ CORPUS = [
     ),
     (
         "a Parquet file over a stated budget",
-        lambda d: [*parquet_file(d, parquet_wide()), "--memory-budget-gib", "1e-7"],
+        lambda d: [*parquet_file(d, parquet_wide()), "--memory-budget-gib", "1e-6"],
         "features: 60 x 4 values take",
         None,
     ),
     (
         "--memory-budget-gib 0",
         lambda d: [*npy_pair(d, X_OK, Y_OK), "--memory-budget-gib", "0"],
-        "--memory-budget-gib=0.0 must be a finite number of GiB > 0",
+        "--memory-budget-gib=0.0 must be a finite number of GiB, at least 2^-20",
         None,
     ),
     ("an empty CSV", lambda d: csv_file(d, ""), "empty CSV", None),
