@@ -16,7 +16,9 @@ $(BIN)/python:
 # Every package but torch is pinned by requirements/lock.txt (a constraints file: the extras
 # in pyproject.toml say what is installed, the lock at which version). `make lock` refreshes it.
 EXTRAS := serve,train,dev,tracing,export
-$(VENV)/.installed: pyproject.toml requirements/lock.txt | $(BIN)/python
+# setup.py builds the native training kernels: a changed C source reinstalls (rebuilds) them
+KERNEL_SOURCES := $(wildcard training/objectives/kernels/*.c training/objectives/kernels/levels.py)
+$(VENV)/.installed: pyproject.toml setup.py requirements/lock.txt $(KERNEL_SOURCES) | $(BIN)/python
 	$(BIN)/pip install $(TORCH)
 	$(BIN)/pip install -c requirements/lock.txt -e '.[$(EXTRAS)]'
 	touch $@
