@@ -286,6 +286,8 @@ def _load_npy_pair(
     if labels is None:
         raise DataError(f"--data {path}: a .npy feature file needs --labels LABELS.npy")
     label_path = Path(labels)
+    if label_path.suffix.lower() != ".npy":
+        raise DataError(f"--labels {labels!r}: expected a .npy file of labels (n,)")
     check_regular_file(label_path, "--labels")
     labels_mapped = _load_npy(label_path, "labels", memory_map=True)  # header: no values
     check_memory(

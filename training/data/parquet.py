@@ -60,15 +60,31 @@ def read_parquet_labels(path: Path, label_column: str | None) -> tuple[np.ndarra
             raise ParquetError(f"{path}: no label column {label_column!r}; columns are {names}")
         y = _labels(path, parquet.read(columns=[label_column]).column(0), label_column)
         meta = parquet.metadata
+        # the label column's leaf columns: its fields' leaves come in schema order
+        fields = list(parquet.schema_arrow)
+        index = names.index(label_column)
+        first = sum(_leaves(f.type) for f in fields[:index])
+        labels = range(first, first + _leaves(fields[index].type))
         n_values = sum(
             meta.row_group(g).column(c).num_values
             for g in range(meta.num_row_groups)
             for c in range(meta.num_columns)
-            if meta.row_group(g).column(c).path_in_schema.split(".")[0] != label_column
+            if c not in labels
         )
     except (OSError, pa.ArrowException) as exc:
         raise ParquetError(f"{path}: not a readable Parquet file ({one_line(exc)})") from exc
     return y, meta.num_rows, n_values
+
+
+def _leaves(kind: pa.DataType) -> int:
+    """How many leaf (Parquet) columns a field of this Arrow type is stored as."""
+    if pa.types.is_struct(kind):
+        return sum(_leaves(kind.field(i).type) for i in range(kind.num_fields))
+    if pa.types.is_map(kind):
+        return _leaves(kind.key_type) + _leaves(kind.item_type)
+    if _is_list(kind):
+        return _leaves(kind.value_type)
+    return 1
 
 
 def one_line(error: Exception) -> str:

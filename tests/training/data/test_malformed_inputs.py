@@ -318,6 +318,24 @@ CORPUS = [
         None,
     ),
     (
+        "a Parquet file over a budget, its features named label.*",
+        lambda d: [
+            *parquet_file(
+                d, {**{f"label.f{j}": X_OK[:, j].tolist() for j in range(4)}, "label": Y_OK}
+            ),
+            "--memory-budget-gib",
+            "1e-6",
+        ],
+        "features: 60 x 4 values take",
+        None,
+    ),
+    (
+        "--labels an .npz",
+        lambda d: [*npy_pair(d, X_OK, Y_OK)[:3], npz_arrays(d, X_OK, Y_OK)[1]],
+        "expected a .npy file of labels",
+        None,
+    ),
+    (
         "--memory-budget-gib 0",
         lambda d: [*npy_pair(d, X_OK, Y_OK), "--memory-budget-gib", "0"],
         "--memory-budget-gib=0.0 must be a finite number of GiB, at least 2^-20",
