@@ -48,6 +48,9 @@ def recall(predicted, y, c) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--spread", type=float, default=4.0)
+    parser.add_argument(
+        "--floors", default="1", help="prototypes per class at least (--min-per-class), each"
+    )
     args = parser.parse_args()
     from service.core.artifact import read_artifact
     from service.core.knn import decide, exact_knn, project
@@ -67,11 +70,15 @@ def main() -> None:
         run(TrainConfig(data=str(data), out=str(out), plots=False, quiet=True), log=lambda *_: None)
         fit_s = time.perf_counter() - started
         versions = [("full", out, None)]
-        for reduction in (20, 50):
-            path = Path(tmp) / f"r{reduction}"
-            started = time.perf_counter()
-            condense_references(out, out=path, method="prototypes", reduction=reduction)
-            versions.append((f"{100 / reduction:g}% kept", path, time.perf_counter() - started))
+        for floor in (int(f) for f in args.floors.split(",")):
+            for reduction in (20, 50):
+                path = Path(tmp) / f"r{reduction}-floor{floor}"
+                started = time.perf_counter()
+                condense_references(
+                    out, out=path, method="prototypes", reduction=reduction, min_per_class=floor
+                )
+                name = f"{100 / reduction:g}% kept, floor {floor}"
+                versions.append((name, path, time.perf_counter() - started))
         for name, path, seconds in versions:
             artifact = read_artifact(path)
             z_test = project(X_test, artifact.projection, artifact.offset)
@@ -89,12 +96,17 @@ def main() -> None:
                     "test_accuracy": float((predicted == y_test).mean()),
                     **{f"recall_{c}": recall(predicted, y_test, c) for c in (1, 2, 5, 6)},
                     "per_class": np.bincount(np.asarray(artifact.labels), minlength=7).tolist(),
-                    "raised_to_one": budget["raised_to_one"] if budget else [],
+                    "raised": (budget.get("raised_to_one") or budget.get("raised_to_floor"))
+                    if budget
+                    else [],
                     "seconds": seconds if seconds is not None else fit_s,
                 }
             )
             print(rows[-1], flush=True)
-    print_table(rows, ["version", "references", "served_k", "test_accuracy", "per_class"])
+    print_table(
+        rows,
+        ["version", "references", "test_accuracy", "recall_1", "recall_5", "recall_6", "per_class"],
+    )
     save_json(
         "imbalanced_compress.json", {"machine": machine(), "spread": args.spread, "rows": rows}
     )

@@ -116,6 +116,13 @@ def add_condense_options(condense: argparse.ArgumentParser) -> None:
         "below its share keeping one prototype",
     )
     condense.add_argument(
+        "--min-per-class",
+        type=int,
+        default=None,
+        help="prototypes: at least this many prototypes per class (or all its rows), the "
+        "rest shared by size (default 1); a class of a few separate clusters needs a few",
+    )
+    condense.add_argument(
         "--refine",
         choices=("nca", "glvq", "none"),
         help="prototypes: how they move from the per-class k-means centres: nca (default) "
@@ -264,6 +271,7 @@ def _change(args: argparse.Namespace) -> dict:
             seed=args.seed,
             X_test=X_test,
             y_test=y_test,
+            min_per_class=args.min_per_class,
         )
     else:
         ids = _ids_from_text(args.ids, "--ids")

@@ -77,6 +77,7 @@ def compress(
     u: np.ndarray | None = None,
     loss: str = "auto",
     classes=None,
+    min_per_class: int = 1,
     **learn,
 ) -> Compressed:
     """x (N, d) embeddings (map fixed) or (N, D) standardised rows (joint, with
@@ -84,7 +85,8 @@ def compress(
     None). ``learn`` goes to ``learn_prototypes``. The rows are Wilson-edited first when
     editing would remove at least ``EDIT_MIN_FRACTION`` of them. loss: "f", "log", or "auto"
     (both learned, the better on validation kept; f without a validation split). classes:
-    the names of y's class indices, for the budget's record."""
+    the names of y's class indices, for the budget's record. min_per_class: the budget's
+    floor per class (``training.references.condense.class_budget``)."""
     if loss != "auto" and loss not in LOSSES:
         raise ValueError(f"loss must be 'auto' or one of {LOSSES}, got {loss!r}")
     u = x if u is None else u
@@ -95,7 +97,7 @@ def compress(
     outvoted = int((~keep).sum())
     edited = outvoted >= EDIT_MIN_FRACTION * len(y)
     rows = keep if edited else np.ones(len(y), dtype=bool)
-    budget = class_budget(y, reduction)  # counted on the rows before editing
+    budget = class_budget(y, reduction, min_per_class)  # counted on the rows before editing
     has_validation = x_val is not None and len(x_val) > 0
     if loss != "auto":
         losses = (loss,)
@@ -114,7 +116,7 @@ def compress(
     chosen = max(losses, key=tried.get)  # the first among equals; NaN only when one is tried
     fit, k, accuracy = fits[chosen]
     editing = {"edit_k": int(edit_k), "outvoted_rows": outvoted, "edited": bool(edited)}
-    budget_said = budget_record(y, reduction, classes, made=fit.labels)
+    budget_said = budget_record(y, reduction, classes, made=fit.labels, floor=min_per_class)
     return Compressed(
         fit, k, accuracy, editing, n_rows=len(y), loss=chosen, tried=tried, budget=budget_said
     )

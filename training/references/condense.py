@@ -49,26 +49,29 @@ from service.core.knn import RERANK_MARGIN, decide, exact_knn, rerank, squared_d
 from training.evaluation.evaluate import torch_candidates
 
 
-def class_budget(y: np.ndarray, reduction: float) -> dict[int, int]:
+def class_budget(y: np.ndarray, reduction: float, floor: int = 1) -> dict[int, int]:
     """{class: prototypes} for the classes of y (N,): a total of round(N / reduction)
-    prototypes (at least one per class), shared in proportion to the classes' sizes.
+    prototypes (at least ``floor`` per class, or all its rows), shared in proportion to the
+    classes' sizes.
 
-    A class whose share N_c * T / N_rest is below one keeps one prototype (all of its rows
-    when it has one), and the rest of the budget T is shared among the other classes in
-    proportion to their sizes, again until every share is at least one (water-filling);
-    no class gets more prototypes than it has rows. The shares are rounded by largest
+    A class whose share N_c * T / N_rest is below ``floor`` keeps min(floor, N_c)
+    prototypes, and the rest of the budget T is shared among the other classes in
+    proportion to their sizes, again until every share is at least ``floor``
+    (water-filling); no class gets more prototypes than it has rows. The total grows to the
+    sum of the floors when they alone exceed round(N / reduction). The shares are rounded by largest
     remainder in exact integer arithmetic (ties to the lower class index), so the counts sum
     to the total exactly; a class's count is its share rounded down or up, not necessarily
     to the nearest."""
     classes, counts = np.unique(np.asarray(y), return_counts=True)
     rows = {int(c): int(n) for c, n in zip(classes, counts, strict=True)}
-    total = max(len(rows), min(len(y), round(len(y) / reduction)))
+    floors = sum(min(floor, n) for n in rows.values())
+    total = max(floors, min(len(y), round(len(y) / reduction)))
     budget: dict[int, int] = {}
-    while True:  # fix the classes whose share is below one, or above their rows
+    while True:  # fix the classes whose share is below the floor, or above their rows
         active = [c for c in rows if c not in budget]
         left = total - sum(budget.values())
         pool = sum(rows[c] for c in active)
-        fixed = {c: 1 for c in active if rows[c] * left < pool}
+        fixed = {c: min(floor, rows[c]) for c in active if rows[c] * left < floor * pool}
         if left > pool:  # more prototypes than rows left: every class keeps its rows
             fixed = {c: rows[c] for c in active}
         if not fixed:
@@ -88,15 +91,16 @@ def class_budget(y: np.ndarray, reduction: float) -> dict[int, int]:
     return {c: budget[c] for c in rows}
 
 
-def budget_record(y: np.ndarray, reduction: float, classes=None, made=None) -> dict:
-    """What the manifest and the lineage say of ``class_budget(y, reduction)``: the rule,
-    the total, per class its rows and prototypes, and the classes whose proportional share
-    (N_c * total / N) was below one prototype and were raised to one. classes: the names
-    of the class indices in y (the indices themselves when None). made: the labels (M,)
-    of the prototypes actually made, when they can be fewer than the budget (a class that
-    editing left with fewer rows than its budget starts from its rows): the counts then
-    say what was made."""
-    budget = class_budget(y, reduction)
+def budget_record(y: np.ndarray, reduction: float, classes=None, made=None, floor: int = 1) -> dict:
+    """What the manifest and the lineage say of ``class_budget(y, reduction, floor)``: the
+    rule, the total, per class its rows and prototypes, and the classes whose proportional
+    share (N_c * total / N) was below the floor and were raised to it ("raised_to_one" for
+    the default floor of one; "floor" and "raised_to_floor" otherwise). classes: the names
+    of the class indices in y (the indices themselves when None). made: the labels (M,) of
+    the prototypes actually made, when they can be fewer than the budget (a class that
+    editing left with fewer rows than its budget starts from its rows): the counts then say
+    what was made."""
+    budget = class_budget(y, reduction, floor)
     if made is not None:
         counted = np.bincount(np.asarray(made, dtype=np.int64), minlength=max(budget) + 1)
         budget = {c: int(counted[c]) for c in budget}
@@ -107,13 +111,23 @@ def budget_record(y: np.ndarray, reduction: float, classes=None, made=None) -> d
     def name(c: int) -> str:
         return str(c if classes is None else list(classes)[c])
 
-    return {
+    raised = [name(c) for c in budget if rows[c] * total < floor * n]
+    record = {
         "rule": "round(N / reduction) prototypes, shared in proportion to the classes' sizes; "
-        "a class whose share is below one keeps one, the others share the rest",
+        + (
+            "a class whose share is below one keeps one, the others share the rest"
+            if floor == 1
+            else f"a class whose share is below {floor} keeps {floor} (or all its rows), "
+            "the others share the rest"
+        ),
         "total": int(total),
         "per_class": {name(c): {"rows": rows[c], "prototypes": int(m)} for c, m in budget.items()},
-        "raised_to_one": [name(c) for c in budget if rows[c] * total < n],
     }
+    if floor == 1:
+        record["raised_to_one"] = raised
+    else:
+        record.update(floor=int(floor), raised_to_floor=raised)
+    return record
 
 
 def knn_within(
@@ -254,8 +268,9 @@ def prototypes(
     seed: int = 0,
     iterations: int = 25,
     refine_epochs: int = 30,
+    floor: int = 1,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Per-class k-means prototypes, ``class_budget(y, reduction)`` centres per class,
+    """Per-class k-means prototypes, ``class_budget(y, reduction, floor)`` centres per class,
     then ``refine_epochs`` steps of ``refine_prototypes`` (0: the cluster means as they are).
 
     z: (N, d), y: (N,). Returns (centres (M, d) float32, labels (M,), representative (M,) the
@@ -263,7 +278,7 @@ def prototypes(
     each reference's cluster). A class no larger than its number of centres starts from its
     references as they are."""
     means, labels, assignment, offset = [], [], np.empty(len(z), dtype=np.int64), 0
-    budget = class_budget(y, reduction)
+    budget = class_budget(y, reduction, floor)
     for c in np.unique(y):
         members = np.flatnonzero(y == c)
         m = budget[int(c)]

@@ -304,7 +304,7 @@ def _whole(value) -> bool:
     return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
-def _prototype_settings(parent, reduction, refine, refine_epochs, seed) -> dict:
+def _prototype_settings(parent, reduction, refine, refine_epochs, seed, min_per_class=1) -> dict:
     if refine not in PROTOTYPE_REFINERS:
         raise ReferenceError(
             f"--refine must be one of {', '.join(PROTOTYPE_REFINERS)}; got {refine!r}"
@@ -321,21 +321,30 @@ def _prototype_settings(parent, reduction, refine, refine_epochs, seed) -> dict:
     refine_epochs = DEFAULT_REFINE_EPOCHS[refine] if refine_epochs is None else refine_epochs
     if not _whole(refine_epochs) or refine_epochs < 0:
         raise ReferenceError(f"--refine-epochs must be an integer >= 0, got {refine_epochs!r}")
-    return {
+    if not _whole(min_per_class) or min_per_class < 1:
+        raise ReferenceError(f"--min-per-class must be an integer >= 1, got {min_per_class!r}")
+    settings = {
         "method": "prototypes",
         "refine": refine,
         "reduction": reduction,
         "refine_epochs": int(refine_epochs),
         "seed": int(seed),
     }
+    if min_per_class != 1:  # the default leaves the record as it was
+        settings["min_per_class"] = int(min_per_class)
+    return settings
 
 
-def _condense_settings(parent, method, check_k, edit_k, reduction, refine, refine_epochs, seed):
+def _condense_settings(
+    parent, method, check_k, edit_k, reduction, refine, refine_epochs, seed, min_per_class=None
+):
     """The operation's settings, checked; they are recorded in the lineage."""
     if method == "hart":
-        if reduction is not None or refine_epochs is not None or refine is not None:
+        prototype_options = (reduction, refine_epochs, refine, min_per_class)
+        if any(option is not None for option in prototype_options):
             raise ReferenceError(
-                "--reduction, --refine and --refine-epochs apply to --method prototypes only"
+                "--reduction, --refine, --refine-epochs and --min-per-class apply to --method "
+                "prototypes only"
             )
         check_k = parent.default_k + 2 if check_k is None else int(check_k)
         if check_k < 1 or edit_k < 0:
@@ -346,7 +355,10 @@ def _condense_settings(parent, method, check_k, edit_k, reduction, refine, refin
     if method == "prototypes":
         if check_k is not None or edit_k:
             raise ReferenceError("--check-k and --edit-k apply to --method hart only")
-        return _prototype_settings(parent, reduction, refine or "nca", refine_epochs, seed)
+        floor = 1 if min_per_class is None else min_per_class
+        return _prototype_settings(
+            parent, reduction, refine or "nca", refine_epochs, seed, min_per_class=floor
+        )
     raise ReferenceError(f"--method must be one of hart, prototypes; got {method!r}")
 
 
@@ -365,6 +377,7 @@ def _learned(parent, z, y, settings) -> tuple:
         max_iter=settings["refine_epochs"],
         seed=settings["seed"],
         classes=parent.classes,
+        min_per_class=settings.get("min_per_class", 1),
     )
     fit = result.fit
     rows = representatives(z, y, fit.prototypes, fit.labels)
@@ -392,8 +405,11 @@ def _condensed(parent, z, y, settings, unchanged) -> tuple:
             reduction=settings["reduction"],
             seed=settings["seed"],
             refine_epochs=settings["refine_epochs"] if settings["refine"] == "glvq" else 0,
+            floor=settings.get("min_per_class", 1),
         )
-        budget = budget_record(y, settings["reduction"], parent.classes)
+        budget = budget_record(
+            y, settings["reduction"], parent.classes, floor=settings.get("min_per_class", 1)
+        )
         record = {
             "kind": "prototypes",
             "method": f"k-means, {settings['refine']} refinement",
@@ -458,6 +474,7 @@ def condense_references(
     seed: int = 0,
     X_test: np.ndarray | None = None,
     y_test: np.ndarray | None = None,
+    min_per_class: int | None = None,
 ) -> dict:
     """Keep the references the k-NN decision needs (``training.references.condense``); write ``out``.
 
@@ -468,10 +485,11 @@ def condense_references(
     changed since, returns it unchanged (the operation is idempotent): a second pass would
     judge the kept references without the removed ones that they vouch for.
 
-    method "prototypes": see the module's docstring."""
+    method "prototypes": see the module's docstring; ``min_per_class`` (default 1) is the
+    budget's floor per class (``training.references.condense.class_budget``)."""
     parent = read_parent(model)
     settings = _condense_settings(
-        parent, method, check_k, edit_k, reduction, refine, refine_epochs, seed
+        parent, method, check_k, edit_k, reduction, refine, refine_epochs, seed, min_per_class
     )
     classes = parent.classes
     z, y = np.asarray(parent.embeddings), np.asarray(parent.labels, dtype=np.int64)

@@ -322,9 +322,18 @@ def test_condensing_to_prototypes_writes_cluster_means_with_real_ids(model, tmp_
         ({"method": "prototypes", "edit_k": 3}, "apply to --method hart only"),
         ({"method": "prototypes", "refine_epochs": -1}, "--refine-epochs must be an integer"),
         ({"method": "prototypes", "refine_epochs": 2.5}, "--refine-epochs must be an integer"),
-        ({"reduction": 3}, "--reduction, --refine and --refine-epochs apply to --method protot"),
-        ({"refine_epochs": 3}, "--reduction, --refine and --refine-epochs apply to --method"),
-        ({"refine": "nca"}, "--reduction, --refine and --refine-epochs apply to --method"),
+        (
+            {"reduction": 3},
+            "--reduction, --refine, --refine-epochs and --min-per-class apply to --method protot",
+        ),
+        (
+            {"refine_epochs": 3},
+            "--reduction, --refine, --refine-epochs and --min-per-class apply to --method",
+        ),
+        (
+            {"refine": "nca"},
+            "--reduction, --refine, --refine-epochs and --min-per-class apply to --method",
+        ),
         ({"method": "kmeans"}, "--method must be one of hart, prototypes"),
     ],
 )

@@ -18,6 +18,7 @@ from tests.service.conftest import settings_for
 from training import NCA
 from training.cli import main as cli_main
 from training.evaluation.evaluate import knn_predictions
+from training.references.condense import budget_record
 from training.references.learned import (
     PrototypeProblem,
     check_budget,
@@ -313,6 +314,35 @@ def test_the_budget_is_shared_by_size_and_a_small_class_keeps_one(counts, reduct
     assert all(1 <= m <= n for m, n in zip(expected, counts, strict=True))
 
 
+@pytest.mark.parametrize(
+    ("counts", "reduction", "floor", "expected"),
+    [
+        ([1000, 10, 2], 100, 1, [8, 1, 1]),  # total 10: the small classes keep one each
+        ([1000, 10, 2], 100, 3, [5, 3, 2]),  # ... three each, or all of their rows
+        ([5, 5, 5], 100, 3, [3, 3, 3]),  # the floors alone exceed round(15 / 100): 9 in all
+        (SHUTTLE_LIKE, 50, 4, [673, 4, 4, 133, 48, 4, 4]),  # 870 in all: 1, 2, 5, 6 raised
+        ([100, 30, 7], 10, 1, [10, 3, 1]),  # floor 1 is the rule without a floor
+    ],
+)
+def test_a_floor_gives_every_class_that_many_prototypes_or_all_its_rows(
+    counts, reduction, floor, expected
+):
+    y = np.repeat(np.arange(len(counts)), counts)
+    budget = class_budget(y, reduction, floor)
+    assert list(budget.values()) == expected
+    floors = sum(min(floor, n) for n in counts)
+    assert sum(expected) == max(floors, min(len(y), round(len(y) / reduction)))
+    assert all(min(floor, n) <= m <= n for m, n in zip(expected, counts, strict=True))
+    record = budget_record(y, reduction, floor=floor)
+    if floor == 1:
+        assert "floor" not in record and "raised_to_one" in record
+    else:
+        assert record["floor"] == floor and "raised_to_one" not in record
+        assert record["raised_to_floor"] == [
+            str(c) for c, n in enumerate(counts) if n * sum(expected) < floor * len(y)
+        ]
+
+
 def test_the_budget_record_counts_the_prototypes_made_when_editing_left_a_class_short():
     """Wilson editing removes 5 "dog" rows that sit among the cats; at 1.25 rows per
     prototype the budget (counted before editing) gives dog 16 prototypes, but only 15 dog
@@ -378,6 +408,22 @@ def test_an_imbalanced_reference_set_compresses_and_says_which_classes_were_rais
         assert budget["per_class"]["3"] == {"rows": 5, "prototypes": 1}
         assert budget["total"] == len(labels)
         assert artifact.manifest["lineage"][-1]["budget"] == budget == summary["budget"]
+    # a floor of 3 at 5% kept: the two small classes keep three prototypes each (their
+    # shares are 0.25 and 0.6), the big ones share the rest, the record says so
+    out = tmp_path / "r20-floor3"
+    summary = condense_references(
+        tmp_path / "imbalanced",
+        out=out,
+        method="prototypes",
+        reduction=20,
+        refine_epochs=5,
+        min_per_class=3,
+    )
+    counts = np.bincount(np.asarray(read_artifact(out).labels), minlength=10)
+    assert counts[3] == 3 and counts[7] == 3 and counts.sum() == round(n / 20)
+    budget = read_artifact(out).manifest["reference_set"]["budget"]
+    assert budget["floor"] == 3 and budget["raised_to_floor"] == ["3", "7"]
+    assert read_artifact(out).manifest["lineage"][-1]["settings"]["min_per_class"] == 3
 
 
 def test_representatives_are_the_nearest_row_of_the_prototypes_class():
