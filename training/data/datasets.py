@@ -511,22 +511,10 @@ def plan_split(data: Dataset, *, test_size: float, val_size: float, seed: int) -
             "(must be < 0.9)"
         )
     _check_features_shape(data.X, "X")
-    _, y = validate_xy(np.zeros((len(data.y), 1)), data.y, what="X")
+    y = check_labels(data.y)  # (n,) numbers or strings, 2 classes at least, 2 rows of each
     if len(data.X) != len(y):
         raise DataError(f"X has {len(data.X)} rows but its labels have {len(y)}")
     classes, y_idx = np.unique(y, return_inverse=True)
-    if len(classes) < 2:
-        raise DataError(
-            f"labels: need at least 2 classes, found {len(classes)} ({classes.tolist()})"
-        )
-    if len(y) < 2 * len(classes):
-        raise DataError(
-            f"X: {len(y)} samples for {len(classes)} classes; need at least 2 per class on average"
-        )
-    counts = np.bincount(y_idx)
-    if counts.min() < 2:
-        rare = classes[counts < 2].tolist()
-        raise DataError(f"labels: classes {rare} have fewer than 2 samples; NCA needs 2 per class")
     if data.X_test is not None:
         _, y_test_raw = validate_xy(np.zeros((len(data.y_test), 1)), data.y_test, what="X_test")
         if len(data.X_test) != len(y_test_raw):

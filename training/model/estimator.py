@@ -25,7 +25,6 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 from threadpoolctl import threadpool_limits
 
 from service.core.knn import project
-from service.export.onnx_map import estimator_metadata, map_graph, write_model
 from training.distributed.ranks import agreed_flags, current_group
 from training.model import preparation, sparse_input
 from training.model.checkpoint import FitCheckpoint, fingerprint, package_version
@@ -293,6 +292,9 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         there, whole or not at all, as ``nca-export`` writes (an existing file only with
         ``overwrite``; a directory, a link or a missing folder is a ValueError)."""
         check_is_fitted(self, "projection_")
+        # here, not at the top: onnx costs a training job 0.1 s and ~27 MiB it rarely uses
+        from service.export.onnx_map import estimator_metadata, map_graph, write_model
+
         metadata = estimator_metadata(
             np.asarray(self.classes_).tolist(),
             self.n_features_in_,
