@@ -1,15 +1,228 @@
-"""Full-batch L-BFGS (scipy's L-BFGS-B) on the loss, in rounds of fresh candidate sets."""
+"""Full-batch L-BFGS on the loss, one step at a time.
+
+The optimiser is written here rather than borrowed from scipy, so that the fit's loop
+(``training.model.fitting``) owns its iterations: it takes one step at a time and stops
+between any two of them for its own reasons (held-out checks, the budget, stale candidate
+sets: ``reset`` forgets the curvature pairs) without raising through a library's callback,
+and the optimiser's whole state is a few arrays.
+
+One step (Nocedal & Wright, *Numerical Optimization*, 2nd ed., Alg. 7.4 and 7.5): the
+direction d = -H g, where H applies the inverse-Hessian estimate of the last ``memory``
+pairs (s_i = x_{i+1} - x_i, y_i = g_{i+1} - g_i) by the two-loop recursion, scaled by
+gamma = s'y / y'y of the newest pair; then a line search for a step length a that meets the
+strong Wolfe conditions (Alg. 3.5, with the zoom of Alg. 3.6 and cubic interpolation, eq. 3.59)
+
+    f(x + a d) <= f(x) + c1 a g'd        (sufficient decrease)
+    |g(x + a d)'d| <= c2 |g'd|            (curvature)
+
+with scipy's L-BFGS-B constants c1 = 1e-3, c2 = 0.9. The first step of a round (no pairs yet)
+has length 1 along -g, as scipy's. A step ends the optimisation when it converged,
+
+    (f_old - f_new) / max(|f_old|, |f_new|, 1) <= tol    or    max |g| <= tol,
+
+or when the line search finds no step that decreases f enough at this precision.
+"""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import minimize
 
 from training.optim.candidates import candidate_watch
 from training.optim.monitor import EarlyStop, FitResult, Monitor, finished_result
 from training.optim.problem import Problem
+
+SUFFICIENT_DECREASE = 1e-3  # c1
+CURVATURE = 0.9  # c2
+LINE_SEARCH_EVALUATIONS = 20  # evaluations one line search may spend, at most
+MEMORY = 10  # curvature pairs kept (scipy's default)
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """The loss f, its gradient g (n,) and what else the evaluation measured (``extra``:
+    the mean score, for the history) at one point."""
+
+    f: float
+    g: np.ndarray
+    extra: float = math.nan
+
+
+@dataclass(frozen=True)
+class Step:
+    """What one L-BFGS step did: its new point and evaluation, the evaluations it spent, and
+    why the optimisation ends there (None: it goes on)."""
+
+    x: np.ndarray
+    at: Evaluation
+    evaluations: int
+    stop: str | None  # "converged", "precision", "max_evaluations" or None
+    moved: bool  # False when the start already met the gradient test
+
+
+class LBFGS:
+    """The state of one L-BFGS run on ``fun`` (x (n,) -> :class:`Evaluation`; a
+    :class:`~training.optim.problem.Problem`'s loss when given one): its curvature pairs and
+    the evaluations spent. ``reset`` forgets the pairs (a new objective: fresh candidate
+    sets)."""
+
+    def __init__(self, fun, tol: float, memory: int = MEMORY):
+        evaluate = ProblemLoss(fun) if isinstance(fun, Problem) else fun
+        self.tol, self.memory = tol, memory
+        self.evaluations = 0
+
+        def counted(x: np.ndarray) -> Evaluation:
+            self.evaluations += 1
+            return evaluate(x)
+
+        self.fun = counted
+        self.pairs: list[tuple[np.ndarray, np.ndarray, float]] = []  # (s, y, 1 / y's)
+
+    def reset(self) -> None:
+        self.pairs = []
+
+    def start(self, x: np.ndarray) -> Evaluation:
+        """The evaluation a round starts from."""
+        return self.fun(x)
+
+    def step(self, x: np.ndarray, at: Evaluation, max_evaluations: int | None = None) -> Step:
+        """One iteration from x (evaluated: ``at``), spending at most ``max_evaluations``
+        evaluations (None: LINE_SEARCH_EVALUATIONS)."""
+        if np.max(np.abs(at.g), initial=0.0) <= self.tol:
+            return Step(x, at, 0, "converged", moved=False)
+        d = self._direction(at.g)
+        slope = float(at.g @ d)
+        if not slope < 0:  # the estimate lost positive-definiteness: steepest descent
+            self.reset()
+            d, slope = -at.g, -float(at.g @ at.g)
+        first = 1.0 if self.pairs else 1.0 / math.sqrt(-slope)  # length 1 along -g
+        budget = min(LINE_SEARCH_EVALUATIONS, max_evaluations or LINE_SEARCH_EVALUATIONS)
+        a, found, spent = line_search(self.fun, x, at, d, slope, first, budget)
+        if a == 0.0:  # no step decreased f enough
+            out_of_evaluations = max_evaluations is not None and spent >= max_evaluations
+            reason = "max_evaluations" if out_of_evaluations else "precision"
+            return Step(x, at, spent, reason, moved=False)
+        x_new = x + a * d
+        s, y = x_new - x, found.g - at.g
+        sy = float(s @ y)
+        if sy > 1e-10 * float(y @ y):  # keep H positive definite: skip pairs without curvature
+            self.pairs = [*self.pairs[-(self.memory - 1) :], (s, y, 1.0 / sy)]
+        reduction = (at.f - found.f) / max(abs(at.f), abs(found.f), 1.0)
+        stop = None
+        if reduction <= self.tol or np.max(np.abs(found.g), initial=0.0) <= self.tol:
+            stop = "converged"
+        elif max_evaluations is not None and spent >= max_evaluations:
+            stop = "max_evaluations"
+        return Step(x_new, found, spent, stop, moved=True)
+
+    def _direction(self, g: np.ndarray) -> np.ndarray:
+        """-H g by the two-loop recursion over the kept pairs (-g when there are none)."""
+        q = g.copy()
+        alphas = []
+        for s, y, rho in reversed(self.pairs):
+            alpha = rho * float(s @ q)
+            q -= alpha * y
+            alphas.append(alpha)
+        if self.pairs:
+            s, y, rho = self.pairs[-1]
+            q *= 1.0 / (rho * float(y @ y))  # gamma = s'y / y'y
+        for (s, y, rho), alpha in zip(self.pairs, reversed(alphas), strict=True):
+            beta = rho * float(y @ q)
+            q += (alpha - beta) * s
+        return -q
+
+
+def line_search(fun, x, at: Evaluation, d, slope: float, first: float, budget: int):
+    """(a, evaluation at x + a d, evaluations spent): a step length along d meeting the strong
+    Wolfe conditions (Alg. 3.5); when the budget runs out first, the best step found that
+    meets sufficient decrease, else a = 0. ``slope`` = g'd < 0 at x."""
+    a_prev, prev, prev_slope = 0.0, at, slope
+    a, spent = first, 0
+    while spent < budget:
+        here = fun(x + a * d)
+        spent += 1
+        here_slope = float(here.g @ d)
+        if here.f > at.f + SUFFICIENT_DECREASE * a * slope or (spent > 1 and here.f >= prev.f):
+            low, high = (a_prev, prev, prev_slope), (a, here, here_slope)
+            return _zoom(fun, x, at, d, slope, low, high, budget, spent)
+        if abs(here_slope) <= -CURVATURE * slope:
+            return a, here, spent
+        if here_slope >= 0:  # past a minimum: it lies between a and the previous step
+            low, high = (a, here, here_slope), (a_prev, prev, prev_slope)
+            return _zoom(fun, x, at, d, slope, low, high, budget, spent)
+        # still descending: extrapolate, between 1.01 and 10 times as far
+        a_next = cubic_minimum(
+            a_prev, prev.f, prev_slope, a, here.f, here_slope, a + 0.01 * (a - a_prev), 10.0 * a
+        )
+        a_prev, prev, prev_slope, a = a, here, here_slope, a_next
+    return (a_prev, prev, spent) if a_prev > 0 else (0.0, at, spent)
+
+
+def _zoom(fun, x, at: Evaluation, d, slope: float, low, high, budget: int, spent: int):
+    """Alg. 3.6: shrink [low, high] (each (a, evaluation, slope); low meets sufficient
+    decrease and has the lower f) until a step meets the strong Wolfe conditions."""
+    while spent < budget:
+        (a_lo, lo, lo_slope), (a_hi, hi, hi_slope) = low, high
+        width = abs(a_hi - a_lo)
+        if width * float(np.max(np.abs(d), initial=0.0)) < 1e-12:
+            break  # the interval is below the precision of x
+        inner_lo, inner_hi = min(a_lo, a_hi) + 0.1 * width, max(a_lo, a_hi) - 0.1 * width
+        a = cubic_minimum(a_lo, lo.f, lo_slope, a_hi, hi.f, hi_slope, inner_lo, inner_hi)
+        here = fun(x + a * d)
+        spent += 1
+        here_slope = float(here.g @ d)
+        if here.f > at.f + SUFFICIENT_DECREASE * a * slope or here.f >= lo.f:
+            high = (a, here, here_slope)
+            continue
+        if abs(here_slope) <= -CURVATURE * slope:
+            return a, here, spent
+        if here_slope * (a_hi - a_lo) >= 0:
+            high = low
+        low = (a, here, here_slope)
+    a_lo, lo, _ = low
+    return (a_lo, lo, spent) if a_lo > 0 else (0.0, at, spent)
+
+
+def cubic_minimum(a, fa, ga, b, fb, gb, low, high) -> float:
+    """The minimiser of the cubic through (a, fa) and (b, fb) with slopes ga and gb
+    (Nocedal & Wright eq. 3.59), clipped to [low, high]; their midpoint when the cubic has
+    no minimum there."""
+    if a == b:
+        return 0.5 * (low + high)
+    d1 = ga + gb - 3.0 * (fa - fb) / (a - b)
+    discriminant = d1 * d1 - ga * gb
+    if not discriminant >= 0:  # NaN too
+        return 0.5 * (low + high)
+    d2 = math.copysign(math.sqrt(discriminant), b - a)
+    denominator = gb - ga + 2.0 * d2
+    if denominator == 0 or not math.isfinite(denominator):
+        return 0.5 * (low + high)
+    t = b - (b - a) * (gb + d2 - d1) / denominator
+    if not math.isfinite(t):
+        return 0.5 * (low + high)
+    return min(max(t, low), high)
+
+
+class ProblemLoss:
+    """theta -> :class:`Evaluation` of the problem's loss (its mean score as ``extra``),
+    refusing a loss or gradient that is not finite (L-BFGS would carry a NaN into the map
+    and return it)."""
+
+    def __init__(self, problem: Problem):
+        self.problem, self.count = problem, 0
+
+    def __call__(self, theta: np.ndarray) -> Evaluation:
+        loss, grad, score = self.problem.loss_and_grad(theta)
+        self.count += 1
+        if not (math.isfinite(loss) and np.isfinite(grad).all()):
+            raise FloatingPointError(
+                f"the loss ({loss}) or its gradient ({int((~np.isfinite(grad)).sum())} of "
+                f"{grad.size} entries not finite) at evaluation {self.count} of "
+                f"{self.problem.objective!r} is not finite; nothing was fitted"
+            )
+        return Evaluation(loss, grad, score)
 
 
 def run_lbfgs(
@@ -25,46 +238,56 @@ def run_lbfgs(
     candidate_change_tol: float = 0.01,
     max_evaluations: int | None = None,
 ) -> FitResult:
-    """Full-batch L-BFGS-B (scipy) on the problem's loss, in rounds with candidates: a round
-    ends (L-BFGS restarts on fresh candidates) when the :class:`CandidateWatch` says so; the
-    fit ends when a round converges with candidates that hardly changed at its start (fewer
-    than ``candidate_change_tol`` of the points), or when ``max_evaluations`` objective
-    evaluations are spent."""
+    """L-BFGS on the problem's loss, one step an iteration, each step reported to the monitor.
+    With candidates, a round ends (the curvature pairs are forgotten and the sets computed
+    afresh) when the :class:`CandidateWatch` finds them stale, or when L-BFGS converged on
+    them while they had changed at the round's start by ``candidate_change_tol`` of the
+    points or more. The fit ends when the monitor stops it, after ``max_iter`` iterations,
+    when ``max_evaluations`` evaluations are spent, or when a round converges on candidates
+    that hardly changed (at once, on the exact objective)."""
     theta = np.asarray(theta0, dtype=np.float64).ravel().copy()
     watch = candidate_watch(problem, refresh_every, refresh_tol, target_mass)
-    rounds = _Rounds(problem, monitor, watch, max_iter)
-    stop_reason = "max_iter"
-    while rounds.iter < max_iter:
-        changed = watch.refresh(theta) if watch is not None else 1.0
-        rounds.refresh, iter_before = False, rounds.iter
-        options = {"maxiter": max_iter - rounds.iter}
-        if max_evaluations is not None:  # a budget for the whole fit, across its rounds
-            options["maxfun"] = max(1, max_evaluations - rounds.n_eval)
-        result = minimize(
-            rounds.loss_and_grad,
-            theta,
-            jac=True,
-            method="L-BFGS-B",
-            tol=tol,
-            callback=rounds.on_iteration,
-            options=options,
-        )
-        theta = result.x
-        if max_evaluations is not None and rounds.n_eval >= max_evaluations:
+    solver = LBFGS(problem, tol)
+    stop_reason, iteration, at = "max_iter", 0, None
+    refresh_due, changed, round_start = watch is not None, 1.0, 0
+    while iteration < max_iter:
+        if refresh_due:
+            changed, round_start, at, refresh_due = watch.refresh(theta), iteration, None, False
+            solver.reset()
+        if at is None:
+            at = solver.start(theta)
+        left = None if max_evaluations is None else max_evaluations - solver.evaluations
+        if left is not None and left <= 0:
             stop_reason = "max_evaluations"
             break
-        if rounds.refresh:
-            continue  # the candidates went stale: a new round on fresh ones
-        reason = _round_end(result)
-        round_converged = reason in ("converged", "precision")
-        if reason == "early_stopping" or watch is None:
-            stop_reason = reason
+        step = solver.step(theta, at, left)
+        if not step.moved:
+            ended = step.stop == "max_evaluations" or watch is None
+            if ended or iteration == round_start or changed < candidate_change_tol:
+                stop_reason = step.stop
+                break
+            refresh_due = True
+            continue
+        theta, at, iteration = step.x, step.at, iteration + 1
+        figures = {}
+        if watch is not None:
+            refresh_due, figures = watch.after_iteration(theta)
+        try:
+            monitor(iteration, theta, at.extra, figures)
+        except EarlyStop:
+            stop_reason = "early_stopping"
             break
-        if round_converged and (changed < candidate_change_tol or rounds.iter == iter_before):
-            stop_reason = reason
+        if step.stop == "max_evaluations" or (step.stop is not None and watch is None):
+            stop_reason = step.stop
             break
+        if step.stop is not None:
+            if changed < candidate_change_tol:
+                stop_reason = step.stop
+                break
+            refresh_due = True
+    score = math.nan if at is None else at.extra
     result = finished_result(
-        problem, monitor, theta, rounds.iter, stop_reason, rounds.score, rounds.n_eval
+        problem, monitor, theta, iteration, stop_reason, score, solver.evaluations
     )
     result.n_refreshes = 0 if watch is None else watch.n_refreshes
     result.refresh_changes = [] if watch is None else list(watch.changes)
@@ -72,54 +295,3 @@ def run_lbfgs(
     result.refresh_sizes = [] if watch is None else list(watch.sizes)
     result.search_mass_ratios = [] if watch is None else list(watch.search_mass_ratios)
     return result
-
-
-class _Rounds:
-    """What scipy's callbacks share across the rounds of one L-BFGS fit: the iteration and
-    evaluation counts, the last objective, and whether the watch asked for a refresh."""
-
-    def __init__(self, problem: Problem, monitor: Monitor, watch, max_iter: int):
-        self.problem, self.monitor, self.watch, self.max_iter = problem, monitor, watch, max_iter
-        self.iter, self.n_eval, self.score, self.refresh = 0, 0, math.nan, False
-
-    def loss_and_grad(self, theta: np.ndarray):
-        loss, grad, self.score = self.problem.loss_and_grad(theta)
-        self.n_eval += 1
-        _check_finite(loss, grad, {"n_eval": self.n_eval, "iter": self.iter}, self.problem)
-        return loss, grad
-
-    def on_iteration(self, intermediate_result) -> None:
-        self.iter += 1
-        theta = intermediate_result.x
-        figures = {}
-        if self.watch is not None:
-            self.refresh, figures = self.watch.after_iteration(theta)
-        try:
-            self.monitor(self.iter, theta, self.score, figures)
-        except EarlyStop:
-            self.refresh = False
-            raise StopIteration from None
-        if self.refresh and self.iter < self.max_iter:
-            raise StopIteration  # end the round: the candidates are stale
-
-
-def _round_end(result) -> str:
-    """Why scipy's L-BFGS-B round ended: early_stopping (the monitor stopped it),
-    converged, precision (the line search cannot improve at this precision) or max_iter."""
-    if result.status == 99 or "StopIteration" in str(result.message):
-        return "early_stopping"
-    if result.status == 0:
-        return "converged"
-    if result.status == 2 or "ABNORMAL" in str(result.message):
-        return "precision"
-    return "max_iter"
-
-
-def _check_finite(loss: float, grad: np.ndarray, state: dict, problem) -> None:
-    """L-BFGS would carry a NaN into the parameters and return it as a map: refuse first."""
-    if not (math.isfinite(loss) and np.isfinite(grad).all()):
-        raise FloatingPointError(
-            f"the loss ({loss}) or its gradient ({int((~np.isfinite(grad)).sum())} of "
-            f"{grad.size} entries not finite) at evaluation {state['n_eval']} (iteration "
-            f"{state['iter']}) of {problem.objective!r} is not finite; nothing was fitted"
-        )

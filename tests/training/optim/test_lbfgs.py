@@ -1,0 +1,116 @@
+"""Our L-BFGS (training.optim.lbfgs) against exact answers and scipy's: the minimiser of a
+quadratic, Rosenbrock's function from its classical starts within scipy's iteration counts,
+the strong Wolfe conditions at every accepted step, the cubic interpolation's formula, the
+evaluation budget, and a start that already meets the gradient test."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from scipy.optimize import minimize, rosen, rosen_der
+
+from training.optim.lbfgs import (
+    CURVATURE,
+    LBFGS,
+    SUFFICIENT_DECREASE,
+    Evaluation,
+    cubic_minimum,
+    line_search,
+)
+
+
+def evaluation_of(fun):
+    return lambda x: Evaluation(*fun(x))
+
+
+def minimise(fun, x, tol=1e-10, max_iter=1000):
+    """(x, f, iterations, evaluations, stop) of L-BFGS run until it stops."""
+    solver = LBFGS(evaluation_of(fun), tol)
+    at = solver.start(x)
+    for iteration in range(1, max_iter + 1):
+        step = solver.step(x, at)
+        x, at = step.x, step.at
+        if step.stop is not None:
+            return x, at.f, iteration, solver.evaluations, step.stop
+    return x, at.f, max_iter, solver.evaluations, None
+
+
+def quadratic(n=30, seed=1):
+    rng = np.random.default_rng(seed)
+    M = rng.normal(size=(n, n))
+    Q = M @ M.T + np.eye(n)  # positive definite
+    b = rng.normal(size=n)
+    return (lambda x: (0.5 * x @ Q @ x - b @ x, Q @ x - b)), np.linalg.solve(Q, b)
+
+
+def test_a_quadratic_is_minimised_to_its_exact_solution():
+    fun, solution = quadratic()
+    x, _, iterations, _, stop = minimise(fun, np.zeros(30))
+    assert stop == "converged"
+    np.testing.assert_allclose(x, solution, atol=1e-4)
+    reference = minimize(fun, np.zeros(30), jac=True, method="L-BFGS-B", tol=1e-10)
+    assert iterations <= reference.nit + 5
+
+
+@pytest.mark.parametrize("start", [[-1.2, 1.0], [0.0, 0.0], [0.5] * 10])
+def test_rosenbrock_is_solved_within_scipys_work(start):
+    fun = lambda x: (rosen(x), rosen_der(x))  # noqa: E731
+    x0 = np.array(start, dtype=np.float64)
+    x, f, iterations, evaluations, stop = minimise(fun, x0)
+    reference = minimize(fun, x0, jac=True, method="L-BFGS-B", tol=1e-10)
+    assert stop == "converged" and f < 1e-10
+    np.testing.assert_allclose(x, np.ones_like(x0), atol=1e-4)
+    assert iterations <= 1.2 * reference.nit + 2 and evaluations <= 1.3 * reference.nfev + 2
+
+
+def test_every_accepted_step_meets_the_strong_wolfe_conditions():
+    fun = evaluation_of(lambda x: (rosen(x), rosen_der(x)))
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        x = rng.normal(size=6)
+        at = fun(x)
+        d = -at.g
+        slope = float(at.g @ d)
+        a, found, spent = line_search(fun, x, at, d, slope, 1.0 / math.sqrt(-slope), 20)
+        assert a > 0 and spent <= 20
+        assert found.f <= at.f + SUFFICIENT_DECREASE * a * slope
+        assert abs(float(found.g @ d)) <= CURVATURE * abs(slope)
+
+
+def test_the_cubic_interpolation_finds_a_cubics_minimum():
+    # f(t) = (t - 1)^3 - 3 (t - 1) has its local minimum at t = 2
+    f = lambda t: (t - 1) ** 3 - 3 * (t - 1)  # noqa: E731
+    g = lambda t: 3 * (t - 1) ** 2 - 3  # noqa: E731
+    assert cubic_minimum(1.5, f(1.5), g(1.5), 3.0, f(3.0), g(3.0), 0.0, 10.0) == pytest.approx(2.0)
+    assert cubic_minimum(3.0, f(3.0), g(3.0), 1.5, f(1.5), g(1.5), 0.0, 10.0) == pytest.approx(2.0)
+    # clipped to its bounds, and the midpoint when there is no minimum
+    assert cubic_minimum(1.5, f(1.5), g(1.5), 3.0, f(3.0), g(3.0), 2.5, 2.8) == 2.5
+    assert cubic_minimum(0.0, 0.0, 1.0, 1.0, 2.0, 4.0, 0.0, 1.0) == 0.5  # t^3 + t
+
+
+def test_the_evaluation_budget_bounds_a_step():
+    fun, _ = quadratic()
+    solver = LBFGS(evaluation_of(fun), tol=0.0)
+    x = np.zeros(30)
+    at = solver.start(x)
+    step = solver.step(x, at, max_evaluations=1)
+    assert step.evaluations == 1 and solver.evaluations == 2
+    assert step.stop == "max_evaluations" or step.at.f < at.f
+
+
+def test_a_start_that_meets_the_gradient_test_does_not_move():
+    fun, solution = quadratic()
+    solver = LBFGS(evaluation_of(fun), tol=1e-6)
+    at = solver.start(solution)
+    step = solver.step(solution, at)
+    assert not step.moved and step.stop == "converged" and step.evaluations == 0
+
+
+def test_the_same_problem_gives_the_same_iterates_bit_for_bit():
+    fun = lambda x: (rosen(x), rosen_der(x))  # noqa: E731
+    first = minimise(fun, np.full(8, 0.3))
+    second = minimise(fun, np.full(8, 0.3))
+    np.testing.assert_array_equal(first[0], second[0])
+    assert first[2:] == second[2:]
