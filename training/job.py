@@ -468,6 +468,7 @@ def training_record_of(config: TrainConfig, estimator: NCA, warns: list[str]) ->
         "n_iter": int(estimator.n_iter_),
         "final_objective": float(estimator.objective_value_),
         "best_val_accuracy": estimator.best_val_accuracy_,
+        "kept_iteration": int(estimator.kept_iteration_),  # 0: the initial map
         "fit_seconds": float(estimator.fit_seconds_),
         "max_seconds": config.max_seconds,
         "budget_exhausted": bool(estimator.budget_exhausted_),

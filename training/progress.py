@@ -1,7 +1,7 @@
 """The CLI's view of a long fit: one tqdm bar per stage.
 
 The estimator reports each stage's start and every iteration as a
-``training.optim.stages.StageProgress`` (``NCA(options={"progress": ...})``); :class:`StageBar` shows it
+``training.model.fitting.StageProgress`` (``NCA(options={"progress": ...})``); :class:`StageBar` shows it
 as a bar per stage: the stage's name, its iterations against its most, the latest held-out
 score, tqdm's estimate of the stage's time left (its remaining iterations at its rate so
 far) and, with a budget, the fit's budget left beside it. A stage that stops early
@@ -21,7 +21,7 @@ from typing import TextIO
 from tqdm import tqdm
 
 from training.errors import ConfigError
-from training.optim.stages import StageProgress
+from training.model.fitting import StageProgress
 
 PROGRESS_MODES = ("auto", "bar", "table", "none")
 

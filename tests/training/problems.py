@@ -12,11 +12,11 @@ import torch
 
 from training import NCA
 from training.distributed.ranks import shard_bounds
+from training.model.fitting import StagedFit
 from training.model.options import with_options
 from training.objectives.registry import make_objective
-from training.optim.adam import run_adam
-from training.optim.lbfgs import run_lbfgs
-from training.optim.monitor import Monitor
+from training.optim.adam import AdamEpochs
+from training.optim.lbfgs import LBFGS
 from training.optim.problem import Problem
 from training.optim.sharded_problem import ShardedProblem
 
@@ -24,20 +24,19 @@ from training.optim.sharded_problem import ShardedProblem
 
 
 def script_validation(monkeypatch, accuracy) -> None:
-    """Every monitor that validates scores the map of its stage's ``iteration`` (1, 2, ...:
-    the stage's own count) as ``accuracy(stage, iteration)`` (stage: None for the first
-    stage, else its tag, such as "exact finish"), whatever the map. A test of what early
-    stopping keeps then decides which iterate is best, instead of relying on the
-    accuracies one floating-point path of the optimiser happens to reach."""
-    real_call = Monitor.__call__
+    """Every held-out score of a fit with a validation set is ``accuracy(stage, iteration)``
+    of the map scored (stage: None for the first stage, else its name, such as "exact
+    finish"; iteration: the stage's own count, 0 for its start), whatever the map. A test
+    of what the keep rule keeps then decides which iterate is best, instead of relying on
+    the accuracies one floating-point path of the optimiser happens to reach."""
+    real_score = StagedFit._score
 
-    def call(self, iteration, theta, objective, figures=None):
-        if self.validate is not None:
-            stage = self.tags.get("stage")
-            self.validate = lambda theta: accuracy(stage, iteration)
-        return real_call(self, iteration, theta, objective, figures)
+    def score(self, index, iteration, theta):
+        if self.prep.X_val is None:
+            return real_score(self, index, iteration, theta)
+        return accuracy(None if index == 0 else self.stages[index].name, iteration)
 
-    monkeypatch.setattr(Monitor, "__call__", call)
+    monkeypatch.setattr(StagedFit, "_score", score)
 
 
 # ---------------------------------------------------------------- data sets
@@ -172,25 +171,34 @@ def evaluate_all(X, y, theta, group=None, device="cpu"):
             out[f"{name}/{mode}/float64/default-chunk"] = np.r_[loss, grad]
     for mode, n_candidates in MODES.items():
         problem = problem_for(X, y, "nca", n_candidates, torch.float64, group, device=device)
-        monitor = Monitor(max_iter=12, validate=None, early_stopping=False)
-        # tol=0: 12 iterations on every path, not as many as one summation order needs
-        result = run_lbfgs(problem, theta, max_iter=12, tol=0.0, monitor=monitor, refresh_every=4)
-        out[f"fit/{mode}"] = np.r_[result.n_iter, result.theta]
+        # tol=0: 12 iterations on every path, not as many as one summation order needs; the
+        # candidate sets refreshed every 4 (L-BFGS forgetting its pairs then, as a fit does)
+        out[f"fit/{mode}"] = steps(LBFGS(problem, 0.0), problem, theta, 12, refresh_every=4)
         # Adam on mini-batches of 8 rows: the same seeded batches on every rank, each rank
         # scoring its share of a batch
         problem = problem_for(
             X, y, "knca-majority", n_candidates, torch.float64, group, device=device
         )
-        monitor = Monitor(max_iter=4, validate=None, early_stopping=False)
-        result = run_adam(
-            problem,
-            theta,
-            max_iter=4,
-            tol=0.0,
-            monitor=monitor,
-            learning_rate=0.05,
-            batch_size=8,
-            rng=np.random.default_rng(0),
-        )
-        out[f"adam/{mode}"] = np.r_[result.n_iter, result.theta.ravel()]
+        adam = AdamEpochs(problem, 0.05, 8, np.random.default_rng(0), tol=0.0)
+        out[f"adam/{mode}"] = steps(adam, problem, theta, 4)
     return out
+
+
+def steps(solver, problem, theta, n: int, refresh_every: int | None = None) -> np.ndarray:
+    """[the steps taken, the map after them] of ``n`` steps of ``solver`` from theta, the
+    candidate sets (if any) refreshed before the first and every ``refresh_every`` after."""
+    theta = np.asarray(theta, dtype=np.float64).ravel()
+    at, taken = None, 0
+    for i in range(n):
+        if problem.n_candidates is not None and (
+            i == 0 or (refresh_every and i % refresh_every == 0)
+        ):
+            problem.refresh_candidates(theta)
+            solver.reset()
+            at = None
+        at = solver.start(theta) if at is None else at
+        step = solver.step(theta, at)
+        if not step.moved:
+            break
+        theta, at, taken = step.x, step.at, taken + 1
+    return np.r_[taken, theta]

@@ -8,7 +8,7 @@ import io
 import pytest
 
 from training.errors import ConfigError
-from training.optim.stages import StageProgress
+from training.model.fitting import StageProgress
 from training.progress import StageBar, progress_mode
 
 

@@ -38,12 +38,15 @@ img { max-width: 100%; } code { background: #f3f3f3; padding: 0 3px; }
 
 
 def kept_iteration(training: dict) -> int | None:
-    """The iteration whose map the fit returned: with early stopping, the first validated
-    iteration at the best validation accuracy (the monitor keeps the first maximum); else
-    the last iteration. None when nothing was recorded."""
+    """The iteration whose map the fit returned (0: the initial map), as the fit recorded it
+    (``kept_iteration``); in a report written before it did: with early stopping, the first
+    validated iteration at the best validation accuracy, else the last iteration. None when
+    nothing was recorded."""
     history = training.get("history") or []
     if not history:
         return None
+    if training.get("kept_iteration") is not None:
+        return int(training["kept_iteration"])
     best = training.get("best_val_accuracy")
     if training.get("config", {}).get("early_stopping") and best is not None:
         for record in history:
@@ -57,13 +60,12 @@ def warnings_of(report: dict) -> list[str]:
     training = report.get("training", {})
     found = []
     kept = kept_iteration(training)
-    validated = [r["iteration"] for r in training.get("history", []) if "val_accuracy" in r]
-    if kept is not None and validated and kept == validated[0] and len(validated) > 1:
+    if kept == 0:  # no iteration of any stage scored above the initial map on held-out rows
         found.append(
-            f"The kept map is iteration {kept}'s, the first one validated: validation accuracy "
-            f"never rose above its {training.get('best_val_accuracy'):.4f} afterwards, so early "
-            "stopping returned an almost untrained map. The penalty (l2) or the objective may "
-            "pull the map away from what kNN needs on this data; compare the baselines below."
+            f"The kept map is the initial one: none of the fit's {training.get('n_iter')} "
+            "iterations scored better on the held-out rows, so the fit returned an untrained "
+            "map. The penalty (l2) or the objective may pull the map away from what kNN needs "
+            "on this data; compare the baselines below."
         )
     if training.get("candidate_warning"):
         found.append(f"Candidate audit: {training['candidate_warning']}")

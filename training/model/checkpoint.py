@@ -4,16 +4,16 @@ A fit runs in stages (``training.model.fitting``). When a stage ends, what the r
 fit needs from it is written to ``DIRECTORY/fit-rank{R}.npz`` (one file per process under
 torchrun), atomically (a temporary file, fsynced, renamed over the last one):
 
-    theta       float64 (P,)   the map the stage kept (its parameters)
+    theta       float64 (P,)   the map the fit keeps so far (its parameters)
     torch_rng   uint8          torch's generator state after the stage
-    meta        str (0-d)      JSON: the fingerprint, the number of stages done, the stage
-                               records, the fit's result so far without theta, the first
-                               stage's history, K at its end, numpy's generator state
+    meta        str (0-d)      JSON: the fingerprint, numpy's generator state, and the
+                               fit's state but the map (``fitting.FitState``: the stages
+                               done, their records, the history, the counts, K)
 
 A fit started with the same checkpoint directory reads it after its preparation: it skips
 the stages done and goes on from the kept map with both generators as they were, so on the
 same machine it ends with the map an uninterrupted fit ends with (the stages are
-deterministic: ``training.optim.stages`` reads no clock). A stage interrupted half-way is
+deterministic: no rule of ``training.model.fitting`` but the budget reads the clock). A stage interrupted half-way is
 run again from its start.
 
 The fingerprint is a SHA-256 of the prepared training rows (standardised, float32), their
@@ -32,7 +32,7 @@ import os
 import tempfile
 import warnings
 import zipfile
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -40,10 +40,9 @@ import scipy.sparse as sparse
 import torch
 
 from training.model import sparse_input
-from training.optim.monitor import FitResult
-from training.optim.stages import StageRecord
+from training.model.fitting import FitState, Snapshot, StageRecord
 
-FORMAT = "nca-knn-fit-checkpoint/1"
+FORMAT = "nca-knn-fit-checkpoint/2"
 # parameters that change what a fit shows, not what it computes: a fit resumed in a terminal
 # after one run into a log (or the other way round) is the same fit
 DISPLAY_PARAMS = frozenset({"verbose", "progress", "callback"})
@@ -93,59 +92,51 @@ class FitCheckpoint:
         self.key = key
         self.failed: str | None = None  # why a save failed: the fit then goes on without
 
-    def load(self) -> dict | None:
-        """The state saved (theta, torch_rng and the meta record's fields), or None when
-        there is none. ValueError when it is not a checkpoint or is another fit's."""
+    def load(self, rng: np.random.Generator) -> FitState | None:
+        """The fit's state saved, with both generators set as they were (``rng`` and
+        torch's), or None when there is none. ValueError when it is not a checkpoint or is
+        another fit's."""
         if not self.path.exists():
             return None
         try:
             with np.load(self.path, allow_pickle=False) as data:
                 meta = json.loads(str(data["meta"]))
-                state = {"theta": data["theta"], "torch_rng": data["torch_rng"], **meta}
+                theta, torch_rng = data["theta"], data["torch_rng"]
         except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
             raise ValueError(
                 f"checkpoint {self.path}: not a readable fit checkpoint ({exc})"
             ) from None
-        if state.get("format") != FORMAT:
+        if meta.get("format") != FORMAT:
             raise ValueError(f"checkpoint {self.path}: not a fit checkpoint of this format")
-        if state.get("fingerprint") != self.key:
+        if meta.get("fingerprint") != self.key:
             raise ValueError(
                 f"checkpoint {self.path} is of another fit (other data or options): remove "
                 f"{self.directory} to start over, or give the same data and options"
             )
-        return state
+        rng.bit_generator.state = meta["rng"]
+        torch.set_rng_state(torch.from_numpy(np.asarray(torch_rng, dtype=np.uint8)))
+        state = meta["state"]
+        kept = Snapshot(np.array(theta, dtype=np.float64), **state.pop("kept"))
+        records = [StageRecord(**record) for record in state.pop("records")]
+        return FitState(kept=kept, records=records, **state)
 
-    def save(
-        self,
-        *,
-        stages_done: int,
-        result: FitResult,
-        records: list[StageRecord],
-        candidate_history: list[dict],
-        n_candidates: int | None,
-        finished_iter: int,
-        rng: np.random.Generator,
-    ) -> None:
-        """Write the state after ``stages_done`` stages, atomically. A disk that refuses it
+    def save(self, state: FitState, rng: np.random.Generator) -> None:
+        """Write the fit's ``state`` and the generators, atomically. A disk that refuses it
         (full, read-only, the file-size limit) costs the checkpoint, not the fit: one
         RuntimeWarning, and no later save is tried."""
         if self.failed is not None:
             return
-        summary = {f.name: getattr(result, f.name) for f in fields(result) if f.name != "theta"}
+        saved = asdict(state)
+        saved["kept"].pop("theta")
         meta = {
             "format": FORMAT,
             "fingerprint": self.key,
-            "stages_done": stages_done,
-            "result": summary,
-            "records": [asdict(record) for record in records],
-            "candidate_history": candidate_history,
-            "n_candidates": n_candidates,
-            "finished_iter": finished_iter,
             "rng": rng.bit_generator.state,
+            "state": saved,
         }
         text = json.dumps(meta, default=_plain)
         try:
-            self._write(text, np.asarray(result.theta, dtype=np.float64))
+            self._write(text, np.asarray(state.kept.theta, dtype=np.float64))
         except OSError as exc:
             self.failed = f"{exc.strerror or exc}"
             warnings.warn(
@@ -172,16 +163,6 @@ class FitCheckpoint:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-
-    @staticmethod
-    def restore(state: dict, rng: np.random.Generator) -> tuple[FitResult, list[StageRecord]]:
-        """The result and stage records a loaded ``state`` holds; both generators set as
-        they were when it was saved."""
-        rng.bit_generator.state = state["rng"]
-        torch.set_rng_state(torch.from_numpy(np.asarray(state["torch_rng"], dtype=np.uint8)))
-        result = FitResult(theta=np.array(state["theta"], dtype=np.float64), **state["result"])
-        records = [StageRecord(**record) for record in state["records"]]
-        return result, records
 
 
 def _plain(value):

@@ -28,12 +28,11 @@ from service.core.knn import project
 from training.distributed.ranks import agreed_flags, current_group
 from training.model import preparation, sparse_input
 from training.model.checkpoint import FitCheckpoint, fingerprint, package_version
-from training.model.fitting import StagedFit
+from training.model.fitting import CONVERGED, FitClock, StagedFit
 from training.model.options import fit_settings
 from training.model.plan import FitPlan, resolve_plan
 from training.objectives.registry import kernels_used
 from training.optim.candidates import audit_disagreement, audit_rows
-from training.optim.stages import FitClock
 from training.references.compress import compress, edit_k_for
 from training.references.learned import representatives, served_k
 
@@ -83,14 +82,14 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
     mean_, scale_ : (D,) the standardisation
     plan_ : ``training.model.plan.FitPlan``, every "auto" as this fit resolved it
     classes_, n_features_in_, n_iter_, converged_, stop_reason_, objective_value_, history_,
-    init_used_, best_val_accuracy_, n_candidates_, solver_, l2_, exact_finish_iter_
+    init_used_, best_val_accuracy_, kept_iteration_, n_candidates_, solver_, l2_, exact_finish_iter_
         (the finish's iterations are in ``n_iter_``; ``converged_`` is the first stage's)
     prototypes_, prototype_labels_, prototype_rows_ : (M, d) float32 in the learned space,
         (M,) labels, (M,) for each prototype the index in X of the row of its class nearest
         it; None unless ``prototypes`` is set. A 1-NN classifier on them is the compressed
         model: ``KNeighborsClassifier(1).fit(nca.prototypes_, nca.prototype_labels_)``.
     stages_ : list of dict
-        For each stage (``training.optim.stages.StageRecord``): its name, seconds,
+        For each stage (``training.model.fitting.StageRecord``): its name, seconds,
         iterations, evaluations, refreshes, held-out checks, why it stopped, the score of its
         start and of its end, and which one was kept ("start": the stage was undone);
         ``stage_measure_`` says what the scores are.
@@ -181,51 +180,52 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         # numpy/scipy's BLAS threads (OpenBLAS) spin after each small call of the optimiser and
         # steal the cores from torch's kernels: measured 3x slower fits. One BLAS thread here.
         with threadpool_limits(1, user_api="blas"):
-            result = stages.first_stage()
-            result = stages.judged_finish(result)
-        self.stages_ = stages.describe()
+            state = stages.run()
+        self.stages_ = stages.describe(state)
         self.resumed_stages_ = stages.resumed_stages
-        self.stage_measure_ = stages.measure()
-        self.budget_exhausted_ = stages.budget_exhausted
-        self._store_fit(stages.problem, result, prep, plan, stages.finished_iter, group)
+        self.stage_measure_ = stages.measure
+        self.budget_exhausted_ = state.budget_exhausted
+        self._store_fit(stages, state, prep, plan, group)
         # the whole fit on its clock: preparation, every stage and its judgement (so each
         # stage's seconds in stages_ lie within it; prototypes, when asked for, come after)
         self.fit_seconds_ = clock.elapsed()
-        self._warn_about(result, plan, stages.candidate_history, len(prep.y), group)
+        self._warn_about(state, plan, len(prep.y), group)
         self.prototypes_ = self.prototype_labels_ = self.prototype_rows_ = None
         self.prototype_fit_ = None  # a refit without prototypes keeps none of an earlier fit's
         if settings.prototypes is not None:
             _fit_prototypes(self, settings, prep, X, y)
         return self
 
-    def _store_fit(
-        self, problem, result, prep: preparation.Prepared, plan: FitPlan, finished_iter, group
-    ):
-        """The fitted attributes; FloatingPointError instead of a map that is not finite."""
-        A = problem.components(result.theta)  # (d, D)
+    def _store_fit(self, stages, state, prep: preparation.Prepared, plan: FitPlan, group):
+        """The fitted attributes from the fit's ``state`` (``fitting.FitState``);
+        FloatingPointError instead of a map that is not finite."""
+        kept = state.kept
+        A = stages.make_problem(stages.stages[0]).components(kept.theta)  # (d, D)
         if not np.isfinite(A).all():  # never hand out a NaN map as a fitted one
             raise FloatingPointError(
                 f"[{type(self).__name__}] the learned map A has {int((~np.isfinite(A)).sum())} "
-                f"non-finite entries after {result.n_iter} iterations (solver={plan.solver!r}, "
+                f"non-finite entries after {state.iterations} iterations (solver={plan.solver!r}, "
                 f"objective={self.objective!r}); nothing was fitted"
             )
         self._set_map(A, prep.mean, prep.scale)
         self.classes_ = prep.classes
-        self.n_iter_ = result.n_iter
-        self.converged_ = result.converged
-        self.stop_reason_ = result.stop_reason
-        self.objective_value_ = result.objective
-        self.history_ = result.history
-        self.best_val_accuracy_ = result.best_val_accuracy
+        self.n_iter_ = state.iterations
+        self.stop_reason_ = str(state.fit_stop_reason)
+        self.converged_ = state.fit_stop_reason in CONVERGED
+        self.objective_value_ = kept.objective
+        self.history_ = state.history
+        self.best_val_accuracy_ = kept.score if prep.X_val is not None else None
+        self.kept_iteration_ = kept.iteration  # the map returned: 0 is the initial map
         self.init_used_ = prep.init_used
-        self.n_candidates_ = problem.n_candidates  # K at the end (the watch may change it)
-        finished = plan.finish_iter and result.stop_reason != "single_class"
+        self.n_candidates_ = state.n_candidates  # K at the end (the watch may change it)
+        finish = [r for r in state.records if r.stage == "exact finish"]
+        finished = bool(finish) and finish[0].iterations > 0
         self.l2_ = float(plan.finish_l2 if finished else plan.l2)  # of the objective optimised last
-        self.exact_finish_iter_ = finished_iter
+        self.exact_finish_iter_ = finish[0].iterations if finish else 0
         self.solver_ = plan.solver
         self.device_ = str(prep.device)
-        self.n_evaluations_ = result.n_evaluations
-        self.n_refreshes_ = result.n_refreshes  # candidate-set computations (0: exact)
+        self.n_evaluations_ = state.evaluations
+        self.n_refreshes_ = sum(r.refreshes for r in state.records)  # candidate sets (0: exact)
         self.world_size_ = group.world_size
         # which implementation evaluated each objective: "c", "torch" or "flex" (on CUDA)
         self.kernels_ = kernels_used(
@@ -243,17 +243,18 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         self.projection_ = (A / scale[None, :]).astype(np.float32)
         self.offset_ = (-(mean / scale) @ A.T).astype(np.float32)
 
-    def _warn_about(self, result, plan: FitPlan, candidate_history, n_total: int, group):
+    def _warn_about(self, state, plan: FitPlan, n_total: int, group):
         """The candidate audit's verdict (``candidate_warning_``) and non-convergence, as
         warnings on rank 0."""
         self.candidate_warning_ = None
         if plan.n_candidates is not None:
+            candidate_history = [r for r in state.history if "stage" not in r]
             self.candidate_warning_ = audit_disagreement(
                 candidate_history, len(audit_rows(n_total)), self.objective
             )
             if self.candidate_warning_ and group.rank == 0:
                 warnings.warn(self.candidate_warning_, UserWarning, stacklevel=3)
-        if result.stop_reason == "max_seconds" and group.rank == 0:
+        if state.budget_exhausted and group.rank == 0:
             warnings.warn(
                 f"[{type(self).__name__}] the fit's budget max_seconds={self.max_seconds:g} ran "
                 "out: the best judged map so far is returned (stages_ says which stages ran "
@@ -261,10 +262,10 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
                 ConvergenceWarning,
                 stacklevel=3,
             )
-        elif not result.converged and group.rank == 0:
+        elif not self.converged_ and group.rank == 0:
             warnings.warn(
                 f"[{type(self).__name__}] NCA did not converge in max_iter={self.max_iter} "
-                f"iterations (stop reason: {result.stop_reason}); increase max_iter or tol",
+                f"iterations (stop reason: {self.stop_reason_}); increase max_iter or tol",
                 ConvergenceWarning,
                 stacklevel=3,
             )

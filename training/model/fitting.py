@@ -1,24 +1,51 @@
-"""The stages of one fit: the first optimisation and the judged exact finish.
+"""The fit loop: a plan of stages, run one after the other by one loop.
 
-``StagedFit`` holds what every stage of a fit shares (the objective over the training rows,
-the monitor options, the judge of ``training.optim.stages``) and runs the stages in order:
+A fit is a list of stages (:func:`plan_stages`): an exact fit; or a stage on candidate sets
+and then the exact finish. Each says its objective (exact or on candidate sets), the rows
+its loss averages over, its penalty, its optimiser and its limits. ``StagedFit.run``
+runs them; its shape (``docs/training.md`` shows it too):
 
-1. **first stage**: L-BFGS or Adam from the initial map, on the exact objective or on
-   candidate sets (``training.optim.lbfgs``, ``training.optim.adam``);
-2. **judged finish**: after a fit on candidate sets, L-BFGS iterations on the exact objective
-   (``training.optim.finish``).
+    kept = Snapshot(the initial map)
+    for stage in stages:
+        problem = the stage's objective; theta = kept.theta; start = score(theta)
+        while no stop reason:
+            if the candidate sets are stale: refresh them (L-BFGS forgets its pairs)
+            theta = optimiser.step(theta)           # one L-BFGS iteration or Adam epoch
+            record it (history, verbose table, callback, progress)
+            on a check: score theta on held-out rows, offer it to the keep rule,
+                        stop when patience checks bring no gain (hurt or stalled)
+            stop when the optimiser says so, at max_iter, or when the budget is spent
+        offer the stage's last map to the keep rule; record the stage (stages_)
+    return kept
 
-Each stage ends with the judge keeping the better of its start and its end (docs/training.md,
-"Stages"). ``NCA.fit`` (``training.model.estimator``) reads top to bottom around it: prepare, plan,
-first stage, judged finish, publish the fitted attributes. Tested through the estimator
-(``tests/training/model/test_estimator.py``, ``tests/training/optim/test_stages.py``,
-``test_exact_finish.py``).
+**The score** of a map is the k-NN accuracy of held-out rows at the served k and rule: the
+validation split, or rows held out of the fit to judge it (``preparation.held_out``). Rows
+the map was fitted on cannot judge it: NCA makes their leave-one-out neighbourhoods pure.
+It is checked at a stage's first iteration and every ``validation_interval`` after
+(iteration counts, not the clock: the same maps are scored on every run and rank).
+
+**The keep rule** (one, for the whole fit): a map scored is kept when it scores at least
+the best score of the fit so far less the tolerance (one and a half of the rows scored), so
+the kept map is the most trained one within a row of the best. Without held-out rows (or
+with ``select_stages=False`` and no ``early_stopping``) the last map is kept.
+
+**The stop rule** (one, for every stage): ``patience`` checks in a row without a gain over
+the stage's best score (its start's included) by more than the tolerance stop the stage:
+``hurt`` when the last scores below the start by more than the tolerance, else ``stalled``
+(so a stage that hurts stops at its second check). ``patience`` is STALL_CHECKS, or
+``n_iter_no_change`` when ``early_stopping`` asked for it; the rule is off when both
+``early_stopping`` and ``stop_stalled_stages`` are. The budget (``max_seconds``,
+:class:`FitClock`) stops a stage after any iteration and skips the stages left. No rule but
+the budget reads the clock.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from enum import Enum
 
 import numpy as np
 import torch
@@ -27,219 +54,414 @@ from training.distributed.ranks import broadcast_from_rank0
 from training.model import sparse_input
 from training.numerics import evenly_spaced_rows
 from training.objectives.registry import make_objective
-from training.optim.adam import run_adam
+from training.optim.adam import AdamEpochs
 from training.optim.candidate_search import CandidateSearch
-from training.optim.candidates import candidate_audit
-from training.optim.finish import finish_exactly
-from training.optim.lbfgs import run_lbfgs
-from training.optim.monitor import FitResult, Monitor, single_class_result
+from training.optim.candidates import candidate_audit, candidate_watch
+from training.optim.lbfgs import LBFGS
 from training.optim.problem import Problem
 from training.optim.sharded_problem import ShardedProblem
-from training.optim.stages import FitClock, StageGuard, StageJudge, StageRecord
+
+STALL_CHECKS = 2  # checks in a row without a gain that stop a stage (without early_stopping)
+CANDIDATE_CHANGE_TOL = 0.01  # a round converged on sets that changed less than this: done
+CACHED_MAPS = 4  # the held-out scores of this many maps are remembered
+
+
+class StopReason(str, Enum):
+    """Why a stage ended (``stages_[i]["stop_reason"]``, ``stop_reason_``)."""
+
+    CONVERGED = "converged"  # f's relative decrease or max |g| fell below tol
+    PRECISION = "precision"  # no step along the direction decreased f at this precision
+    MAX_ITER = "max_iter"
+    MAX_EVALUATIONS = "max_evaluations"  # the stage's evaluations are spent
+    HURT = "hurt"  # a held-out check below the stage's start
+    STALLED = "stalled"  # patience checks in a row without a held-out gain
+    MAX_SECONDS = "max_seconds"  # the fit's budget ran out during the stage
+    SKIPPED = "skipped (max_seconds)"  # ... before it
+    SINGLE_CLASS = "single_class"  # one class: nothing to learn
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# the stop reasons of a fit that ended where it meant to
+CONVERGED = {
+    StopReason.CONVERGED,
+    StopReason.PRECISION,
+    StopReason.HURT,
+    StopReason.STALLED,
+    StopReason.SINGLE_CLASS,
+}
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A map the fit reached: its parameters, the mean score of the objective it was reached
+    on, its held-out score (None: not scored) and the fit's iteration count there."""
+
+    theta: np.ndarray  # (P,) float64: A (d, D) raveled, or the diagonal a (D,)
+    objective: float
+    score: float | None
+    iteration: int
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of the plan."""
+
+    name: str  # "exact fit", "candidate stage", "exact finish"
+    on_candidates: bool  # the objective on candidate sets (refreshed when stale), or exact
+    l2: float  # the penalty l2 ||A||_F^2
+    solver: str  # "lbfgs" or "adam"
+    max_iter: int
+    max_evaluations: int | None = None  # of the objective and its gradient (None: no bound)
+    max_rows: int | None = None  # query rows the loss averages over, at most (None: all)
+
+
+def plan_stages(plan, max_iter: int) -> list[Stage]:
+    """The stages of ``plan`` (``training.model.plan.FitPlan``)."""
+    if plan.n_candidates is None:
+        return [Stage("exact fit", False, plan.l2, plan.solver, max_iter)]
+    stages = [Stage("candidate stage", True, plan.l2, plan.solver, max_iter)]
+    if plan.finish_iter:
+        finish = Stage(
+            "exact finish",
+            False,
+            plan.finish_l2,
+            "lbfgs",
+            plan.finish_iter,
+            plan.finish_max_evaluations,
+            plan.finish_max_rows,
+        )
+        stages.append(finish)
+    return stages
+
+
+class FitClock:
+    """Seconds since the fit started, and its budget ``max_seconds`` (None: none).
+
+    ``agree``: (flags,) -> the flags every process uses. Under torchrun each rank has its own
+    clock, so the budget's decision is rank 0's (``ranks.agreed_flags``), taken by every rank
+    at the same point."""
+
+    def __init__(self, max_seconds=None, clock: Callable[[], float] | None = None, agree=None):
+        self.clock = clock or time.perf_counter
+        self.started = self.clock()
+        self.max_seconds = max_seconds
+        self.agree = agree or (lambda flags: flags)
+
+    def elapsed(self) -> float:
+        return self.clock() - self.started
+
+    def exhausted(self) -> bool:
+        """Whether the budget is spent (every rank's answer is rank 0's)."""
+        spent = self.max_seconds is not None and self.elapsed() >= self.max_seconds
+        return self.agree((spent,))[0]
+
+
+@dataclass(frozen=True)
+class StageProgress:
+    """Where a fit is, as its progress callback sees it: at a stage's start (iteration 0)
+    and after each of its iterations."""
+
+    stage: str
+    iteration: int  # iterations of this stage so far
+    max_iter: int  # ... and at most
+    held_out: float | None  # the stage's latest held-out score (None: not scored)
+    seconds: float  # since the fit started
+    max_seconds: float | None  # the fit's budget (None: none)
+
+
+@dataclass
+class StageRecord:
+    """What one stage did (``NCA.stages_``; the training report shows it)."""
+
+    stage: str
+    start_score: float | None  # held-out score of its start (None: not judged)
+    end_score: float | None  # ... and of the best map it reached
+    kept: str  # "end", "start" (the stage was undone) or "end (not judged)"
+    seconds: float  # the stage's wall time, its checks included
+    iterations: int
+    evaluations: int  # of the objective and its gradient
+    refreshes: int  # candidate-set computations
+    checks: int  # held-out scores computed (its start's included)
+    check_seconds: float  # ... and their time
+    stop_reason: str
+    # per candidate refresh: the fraction of sets it changed (the first: 1), the share of
+    # entries it replaced, K (the candidates per kind it kept) and an IVF search's neighbour
+    # mass against exact sets' (None: exact search)
+    refresh_changes: list[float] = field(default_factory=list)
+    refresh_replaced: list[float] = field(default_factory=list)
+    refresh_sizes: list[int] = field(default_factory=list)
+    search_mass_ratios: list[float | None] = field(default_factory=list)
+
+    def describe(self) -> dict:
+        return asdict(self)
+
+
+class HeldOut:
+    """Scores maps on held-out rows (``score``: theta -> accuracy on ``n_rows`` rows), the
+    last CACHED_MAPS remembered; ``tolerance`` is one and a half rows."""
+
+    def __init__(self, score: Callable[[np.ndarray], float], n_rows: int, measure: str):
+        self.score, self.measure = score, measure
+        self.tolerance = 1.5 / max(1, n_rows)
+        self.checks, self.seconds = 0, 0.0  # scores computed, and their time
+        self._cache: list[tuple[np.ndarray, float]] = []
+
+    def __call__(self, theta: np.ndarray) -> float:
+        value = self._cached(theta)
+        if value is not None:
+            return value
+        started = time.perf_counter()
+        value = float(self.score(theta))
+        self.checks += 1
+        self.seconds += time.perf_counter() - started
+        self.remember(theta, value)
+        return value
+
+    def _cached(self, theta: np.ndarray) -> float | None:
+        for cached, value in self._cache:
+            if np.array_equal(cached, theta):
+                return value
+        return None
+
+    def remember(self, theta: np.ndarray, value: float | None) -> None:
+        if value is not None:
+            self._cache = [*self._cache[-(CACHED_MAPS - 1) :], (np.array(theta, copy=True), value)]
+
+
+@dataclass
+class FitState:
+    """Everything a fit has done so far: what a checkpoint saves after each stage."""
+
+    kept: Snapshot  # the map the fit returns if it ends now
+    best_score: float | None = None  # the best held-out score of the fit
+    records: list[StageRecord] = field(default_factory=list)
+    history: list[dict] = field(default_factory=list)  # one record per iteration
+    iterations: int = 0
+    evaluations: int = 0
+    stop_reason: str | None = None  # the first stage's
+    n_candidates: int | None = None  # K at the end of the candidate stage
+    stages_done: int = 0
+
+    def offer(self, snapshot: Snapshot, tolerance: float | None) -> bool:
+        """The keep rule (the module's docstring); ``tolerance`` None: not judged, the
+        latest map is kept. Whether ``snapshot`` is now the kept map."""
+        if tolerance is None or snapshot.score is None:
+            self.kept = snapshot
+            return True
+        best = snapshot.score if self.best_score is None else self.best_score
+        self.best_score = max(best, snapshot.score)
+        if snapshot.score >= self.best_score - tolerance:
+            self.kept = snapshot
+            return True
+        return False
+
+    @property
+    def budget_exhausted(self) -> bool:
+        reasons = (StopReason.MAX_SECONDS, StopReason.SKIPPED)
+        return any(record.stop_reason in reasons for record in self.records)
+
+    @property
+    def fit_stop_reason(self) -> str:
+        """The first stage's stop reason (a finish runs a fixed budget by design), unless the
+        budget cut a stage short."""
+        return StopReason.MAX_SECONDS if self.budget_exhausted else self.stop_reason
 
 
 class StagedFit:
     """The stages of the estimator ``est``'s fit on the prepared rows ``prep``
-    (``training.model.preparation.Prepared``) under the ``plan``
-    (``training.model.plan.FitPlan``), in the process group ``group``, on the fit's
-    ``clock`` (its budget: ``training.optim.stages.FitClock``)."""
+    (``preparation.Prepared``) under ``plan`` (``plan.FitPlan``), in the process group
+    ``group``, on the fit's ``clock``; ``checkpoint`` (``checkpoint.FitCheckpoint`` or None)
+    saves the state after each stage and holds a killed fit's."""
 
     def __init__(self, est, settings, prep, plan, group, clock: FitClock, checkpoint=None):
-        # settings: every setting of the fit by name (training.model.options.fit_settings)
         self.name, self.settings = type(est).__name__, settings
         self.prep, self.plan, self.group, self.clock = prep, plan, group, clock
-        # training.model.checkpoint.FitCheckpoint, or None: the stages a killed fit finished
         self.checkpoint = checkpoint
-        self.saved = None if checkpoint is None else checkpoint.load()
-        self.resumed_stages = 0  # stages a checkpoint held
+        self.stages = plan_stages(plan, settings.max_iter)
         self.make_problem = self._problem_factory()
-        self.problem = self.make_problem()
-        self.validate = prep.validate(self.problem)
-        self.monitor = self._monitor()
-        self.judge = self._judge() if settings.select_stages else None
-        self.records: list[StageRecord] = []
-        self.finished_iter = 0  # iterations of the exact finish
-        self.candidate_history: list[dict] = []  # the first stage's history
+        self.held_out = self._held_out()
+        self.patience = self._patience()
+        # whether the keep rule reads the scores (early stopping keeps the best validated map)
+        keep_best = settings.select_stages or settings.early_stopping
+        self.judged = self.held_out is not None and keep_best
+        self.verbose = bool(settings.verbose) and group.rank == 0
+        self.header_printed, self.last_line = False, 0.0
+        self.resumed_stages = 0
 
-    # ------------------------------------------------------------------ stages
+    # ------------------------------------------------------------------ the loop
 
-    def first_stage(self) -> FitResult:
-        """The first optimisation from the initial map, judged against it; one class alone
-        has nothing to learn and keeps the initial map, as does a fit whose budget is spent
-        before it starts."""
-        prep, problem, plan = self.prep, self.problem, self.plan
-        if len(prep.classes) == 1:  # every neighbour is of the same class
-            result = single_class_result(problem, prep.theta0, self.monitor)
-            self.candidate_history = result.history
-            return result
-        stage = "exact fit" if plan.n_candidates is None else "candidate stage"
-        if self.saved is not None:  # a fit that was killed after this stage
-            return self._resume()
-        if self.clock.exhausted():
-            self._skip(stage)
-            unfitted = FitResult(
-                np.array(prep.theta0, copy=True), 0, False, "max_seconds", math.nan
-            )
-            return self._result_at(prep.theta0, problem, unfitted)
-        started = self.clock.elapsed()
-        guard = self.monitor.guard = self._guard(prep.theta0, stage, self.settings.max_iter)
-        result = self._optimise(problem, prep.theta0, plan.solver, prep.rng)
-        kept = self._settle(stage, prep.theta0, result, guard, started)
-        result = self._result_at(kept, problem, result, guard)
-        self.candidate_history = result.history
-        self._save(1, result)
-        return result
+    def run(self) -> FitState:
+        """Run every stage not done yet (a checkpoint's stages are done) from the initial
+        map, and return the fit's state."""
+        state = self._resume() or FitState(Snapshot(self._start_theta(), math.nan, None, 0))
+        if len(self.prep.classes) == 1:  # every neighbour has the point's class: nothing to learn
+            state.kept = self._evaluated(state.kept)
+            state.stop_reason, state.evaluations = StopReason.SINGLE_CLASS, 1
+            return state
+        self.last_line = self.clock.elapsed()  # the verbose table's first time counts from here
+        for index, stage in enumerate(self.stages):
+            if index < state.stages_done:
+                continue
+            self._run_stage(index, stage, state)
+            state.stages_done = index + 1
+            if self.checkpoint is not None:
+                self.checkpoint.save(state, self.prep.rng)
+        if math.isnan(state.kept.objective):  # the budget skipped every stage
+            state.kept = self._evaluated(state.kept)
+            state.evaluations += 1
+        self._close()
+        return state
 
-    def judged_finish(self, result: FitResult) -> FitResult:
-        """After a fit on candidate sets, ``plan.finish_iter`` L-BFGS iterations on the exact
-        objective, judged against the first stage's map; otherwise ``result`` unchanged.
-        Skipped when the fit's budget is spent."""
-        plan = self.plan
-        if not plan.finish_iter or result.stop_reason == "single_class":
-            return result
-        if self.saved is not None and self.saved["stages_done"] >= 2:
-            return self._resume()
-        if self.clock.exhausted():
-            self._skip("exact finish")
-            return result
-        exact = self.make_problem(l2=plan.finish_l2, n_candidates=None, n_draws=0)
-        start, started = result.theta, self.clock.elapsed()
-        guard = self._guard(start, "exact finish", plan.finish_iter)
-        merged, finish = finish_exactly(
-            exact,
-            result,
-            self.monitor,
-            n_iter=plan.finish_iter,
-            max_rows=plan.finish_max_rows,
-            tol=self.settings.tol,
-            validate=self.prep.validate(exact),
-            monitor_options={**self.monitor_options(), "guard": guard},
-            max_evaluations=plan.finish_max_evaluations,
-        )
-        self.finished_iter = finish.n_iter
-        kept = self._settle("exact finish", start, finish, guard, started)
-        merged = replace(merged, stop_reason=self._fit_stop_reason(result.stop_reason))
-        result = self._result_at(kept, exact, merged, guard)
-        self._save(2, result)
-        return result
-
-    # ------------------------------------------------------------------ checkpoints
-
-    def _save(self, stages_done: int, result: FitResult) -> None:
-        """The checkpoint after ``stages_done`` stages (``training.model.checkpoint``)."""
-        if self.checkpoint is None:
-            return
-        self.checkpoint.save(
-            stages_done=stages_done,
-            result=result,
-            records=self.records,
-            candidate_history=self.candidate_history,
-            n_candidates=self.problem.n_candidates,
-            finished_iter=self.finished_iter,
-            rng=self.prep.rng,
-        )
-
-    def _resume(self) -> FitResult:
-        """The result, records and generators a checkpoint saved: the stages it holds are
-        done. Its first stage's state is used once; a later stage's when asked again."""
-        saved = self.saved
-        result, self.records = self.checkpoint.restore(saved, self.prep.rng)
-        self.candidate_history = saved["candidate_history"]
-        self.problem.n_candidates = saved["n_candidates"]
-        self.finished_iter = saved["finished_iter"]
-        if saved["stages_done"] < 2:
-            self.saved = None  # the finish runs from here
-        self.resumed_stages = saved["stages_done"]
-        return result
-
-    def _guard(self, start: np.ndarray, stage: str, max_iter: int) -> StageGuard:
-        """The guard of the stage ``stage`` that starts at ``start`` and runs at most
-        ``max_iter`` iterations (``training.optim.stages``); it tells the estimator's
-        ``progress`` callback (on rank 0) where the fit is."""
-        return StageGuard(
-            self.clock,
-            self.judge,
-            start,
-            stop_stalled=self.settings.stop_stalled_stages,
-            stage=stage,
-            max_iter=max_iter,
-            progress=self.settings.progress if self.group.rank == 0 else None,
-        )
-
-    def _settle(self, stage, start, result: FitResult, guard, started) -> np.ndarray:
-        """The map a stage leaves, and its record: its end (the better of its last iterate
-        and the best map its guard checked), or its start when the judge undoes it."""
-        end = result.theta
-        if self.judge is not None and guard.best_theta is not None:
-            if self.judge.score_of(guard.best_theta) > self.judge.score_of(end):
-                end = guard.best_theta
-        judgement = None if self.judge is None else self.judge.judge(start, end)
-        kept = "end (not judged)" if judgement is None else judgement.kept
-        self.records.append(
-            StageRecord(
-                stage=stage,
-                start_score=None if judgement is None else judgement.start_score,
-                end_score=None if judgement is None else judgement.end_score,
-                kept=kept,
-                seconds=self.clock.elapsed() - started,
-                iterations=result.n_iter,
-                evaluations=result.n_evaluations,
-                refreshes=result.n_refreshes,
-                checks=guard.checks,
-                check_seconds=guard.check_seconds,
-                stop_reason=result.stop_reason,
-                refresh_changes=list(result.refresh_changes),
-                refresh_replaced=list(result.refresh_replaced),
-                refresh_sizes=list(result.refresh_sizes),
-                search_mass_ratios=list(result.search_mass_ratios),
-            )
-        )
-        return start if kept == "start" else end
-
-    def _skip(self, stage: str) -> None:
-        """The record of a stage the spent budget skipped."""
-        self.records.append(
-            StageRecord(stage, None, None, "start", 0.0, 0, 0, 0, 0, 0.0, "skipped (max_seconds)")
-        )
-
-    def _fit_stop_reason(self, first: str) -> str:
-        """The fit's stop reason: the first stage's, unless the budget cut any stage short."""
-        if any(r.stop_reason in ("max_seconds", "skipped (max_seconds)") for r in self.records):
-            return "max_seconds"
-        return first
-
-    @staticmethod
-    def _result_at(theta: np.ndarray, problem, result: FitResult, guard=None) -> FitResult:
-        """``result`` at the map ``theta``: the objective the monitor reported there when it
-        is the guard's best checked map, else computed afresh on ``problem`` (on fresh
-        candidates for a candidate problem)."""
-        if theta is result.theta:
-            return result
-        if guard is not None and theta is guard.best_theta:
-            return replace(
-                result, theta=np.array(theta, dtype=np.float64), objective=guard.best_objective
-            )
-        if problem.n_candidates is not None:
-            problem.refresh_candidates(theta)
+    def _evaluated(self, snapshot: Snapshot) -> Snapshot:
+        """``snapshot`` with its objective: the first stage's mean score at its map (one
+        class: every p_i is 1, on any candidate sets)."""
+        problem = self.make_problem(self.stages[0])
+        if problem.n_candidates is not None and len(self.prep.classes) > 1:
+            problem.refresh_candidates(snapshot.theta)
         with torch.no_grad():
-            objective = float(problem.mean_score(problem.to_tensor(theta), problem.query_rows))
-        return replace(
-            result,
-            theta=np.array(theta, dtype=np.float64),
-            objective=objective,
-            n_evaluations=result.n_evaluations + 1,
+            at = problem.to_tensor(snapshot.theta)
+            objective = float(problem.mean_score(at, problem.query_rows))
+        return replace(snapshot, objective=objective)
+
+    def _run_stage(self, index: int, stage: Stage, state: FitState) -> None:
+        """One stage from the kept map, by the rules of the module's docstring."""
+        started, before = self.clock.elapsed(), state.iterations
+        if self.clock.exhausted():
+            state.records.append(skipped_record(stage.name))
+            return
+        problem = self.make_problem(stage)
+        solver = self._solver(stage, problem)
+        watch = audit = None
+        if stage.on_candidates:
+            settings = self.settings
+            watch = candidate_watch(
+                problem, settings.refresh_every, settings.refresh_tol, settings.candidate_mass
+            )
+            audit = candidate_audit(problem)
+        self._announce(stage, problem)
+        held, theta = self.held_out, state.kept.theta
+        check = StageChecks(held, self.patience)
+        check.start(self._score(index, 0, theta))
+        if self.judged:  # the start, scored: the kept map (the keep rule's invariant holds)
+            state.offer(replace(state.kept, score=check.start_score), held.tolerance)
+        self._progress(stage, 0, check.last_score)
+        stop, iteration, at = None, 0, None
+        rounds = Rounds(watch)
+        while stop is None:
+            if iteration >= stage.max_iter:
+                stop = StopReason.MAX_ITER
+                break
+            if rounds.due:  # a new round: fresh candidate sets, a fresh curvature estimate
+                rounds.refresh(theta, iteration)
+                solver.reset()
+                at = None
+            if at is None:
+                at = solver.start(theta)
+                if iteration == 0:  # the start's objective, on this stage's problem
+                    state.kept = replace(state.kept, objective=at.extra)
+            left = None
+            if stage.max_evaluations is not None:
+                left = stage.max_evaluations - solver.evaluations
+                if left <= 0:
+                    stop = StopReason.MAX_EVALUATIONS
+                    break
+            step = solver.step(theta, at, left)
+            if not step.moved:  # the start meets the gradient test, or no step decreases f
+                stop = rounds.stop_for(step.stop, iteration, moved=False)
+                continue
+            theta, at, iteration = step.x, step.at, iteration + 1
+            state.iterations += 1
+            figures = rounds.after_iteration(theta)
+            scheduled = iteration == 1 or iteration % self.settings.validation_interval == 0
+            if scheduled and audit is not None:
+                figures.update(audit(theta))
+            record = self._record(index, stage, problem, theta, at.extra, figures, state)
+            score = self._score(index, iteration, theta) if scheduled else None
+            if score is not None and self.prep.X_val is not None:
+                record["val_accuracy"] = score
+            self._print(record)
+            if score is not None:
+                state.offer(Snapshot(theta, at.extra, score, state.iterations), self._tolerance)
+                stop = check.after(score)
+            self._progress(stage, iteration, check.last_score)
+            if stop is None and self.clock.exhausted():
+                stop = StopReason.MAX_SECONDS
+            elif stop is None and step.stop is not None:
+                stop = rounds.stop_for(step.stop, iteration, moved=True)
+        if iteration > 0:  # the stage's last map, offered to the keep rule too
+            score = self._score(index, iteration, theta)
+            check.seen(score)
+            state.offer(Snapshot(theta, at.extra, score, state.iterations), self._tolerance)
+        state.evaluations += solver.evaluations
+        if index == 0:
+            state.stop_reason = stop
+        if watch is not None:
+            state.n_candidates = problem.n_candidates
+        state.records.append(
+            StageRecord(
+                stage=stage.name,
+                start_score=check.start_score if self.judged else None,
+                end_score=check.end_score if self.judged else None,
+                kept=self._kept_label(state, before),
+                seconds=self.clock.elapsed() - started,
+                iterations=iteration,
+                evaluations=solver.evaluations,
+                refreshes=0 if watch is None else watch.n_refreshes,
+                checks=check.count,
+                check_seconds=check.seconds,
+                stop_reason=stop,
+                refresh_changes=[] if watch is None else list(watch.changes),
+                refresh_replaced=[] if watch is None else list(watch.replaced),
+                refresh_sizes=[] if watch is None else list(watch.sizes),
+                search_mass_ratios=[] if watch is None else list(watch.search_mass_ratios),
+            )
         )
+
+    # ------------------------------------------------------------------ what the loop uses
+
+    def _score(self, index: int, iteration: int, theta: np.ndarray) -> float | None:
+        """The held-out score of ``theta``, the map stage ``index`` reached at its
+        ``iteration`` (0: its start); None without held-out rows."""
+        return None if self.held_out is None else self.held_out(theta)
 
     @property
-    def budget_exhausted(self) -> bool:
-        """Whether the budget cut the fit short (a stage stopped by it, or skipped)."""
-        return self._fit_stop_reason("") == "max_seconds"
+    def _tolerance(self) -> float | None:
+        """The keep rule's tolerance; None when maps are not judged (the latest is kept)."""
+        return self.held_out.tolerance if self.judged else None
 
-    # ------------------------------------------------------------------ what the stages share
+    def _kept_label(self, state: FitState, iterations_before: int) -> str:
+        if not self.judged:
+            return "end (not judged)"
+        return "end" if state.kept.iteration > iterations_before else "start"
+
+    def _start_theta(self) -> np.ndarray:
+        return np.asarray(self.prep.theta0, dtype=np.float64).ravel().copy()
+
+    def _resume(self) -> FitState | None:
+        """The state a checkpoint holds (its stages are done; both generators as they were),
+        or None."""
+        if self.checkpoint is None:
+            return None
+        state = self.checkpoint.load(self.prep.rng)
+        if state is not None:
+            self.resumed_stages = state.stages_done
+            if self.held_out is not None:  # the kept map's score, remembered
+                self.held_out.remember(state.kept.theta, state.kept.score)
+        return state
+
+    def _solver(self, stage: Stage, problem):
+        settings = self.settings
+        if stage.solver == "adam":
+            return AdamEpochs(
+                problem, settings.learning_rate, settings.batch_size, self.prep.rng, settings.tol
+            )
+        return LBFGS(problem, settings.tol)
 
     def _problem_factory(self):
-        """problem(**overrides) -> the objective over the training points as the plan says
-        (sharded across ranks under torchrun), with ``overrides`` for the exact finish."""
+        """stage -> the objective over the training points the stage says (sharded across
+        ranks under torchrun): exact or on candidate sets, its rows, its penalty."""
         settings, prep, plan, group = self.settings, self.prep, self.plan, self.group
         draw_seed = 0  # a seed only when drawing: the generator's stream (Adam's) stays as it was
         if plan.candidate_draws:
@@ -247,43 +469,42 @@ class StagedFit:
             if group.is_distributed:  # every rank draws the same candidates
                 seed = torch.tensor([draw_seed], dtype=torch.int64, device=prep.device)
                 draw_seed = int(broadcast_from_rank0(seed, group)[0])
-        defaults = dict(
-            transform=settings.transformation,
-            n_components=prep.d,
-            l2=plan.l2,
-            n_candidates=plan.n_candidates,
-            n_draws=plan.candidate_draws,
-            seed=draw_seed,
-            chunk_size=settings.chunk_size,
-            search=CandidateSearch(kind=settings.candidate_search, seed=draw_seed),
-        )
         if sparse_input.is_sparse(prep.X):  # (N, D) sparse CSR: Z = X A^T costs O(nnz d)
             X = sparse_input.torch_csr(prep.X, prep.device)
         else:
             X = torch.as_tensor(prep.X, dtype=torch.float32, device=prep.device)
         labels = torch.as_tensor(prep.y, dtype=torch.long, device=prep.device)
         objective = make_objective(settings.objective, settings.k, n_classes=len(prep.classes))
-        if plan.candidate_rows is not None and not group.is_distributed:
-            rows = evenly_spaced_rows(len(prep.y), plan.candidate_rows)
-            defaults["candidate_rows"] = torch.as_tensor(rows, device=prep.device)
+        n = len(prep.y)
 
-        def make_problem(**overrides):
-            kwargs = {**defaults, **overrides}
-            if kwargs["n_candidates"] is None:  # the exact finish chooses its own rows
-                kwargs.pop("candidate_rows", None)
+        def make_problem(stage: Stage):
+            rows = None  # the query rows the loss averages over (None: all)
+            if stage.on_candidates and plan.candidate_rows is not None and not group.is_distributed:
+                rows = evenly_spaced_rows(n, plan.candidate_rows)
+            if not stage.on_candidates and stage.max_rows is not None and n > stage.max_rows:
+                rows = evenly_spaced_rows(n, stage.max_rows)
+            kwargs = dict(
+                transform=settings.transformation,
+                n_components=prep.d,
+                l2=stage.l2,
+                n_candidates=plan.n_candidates if stage.on_candidates else None,
+                n_draws=plan.candidate_draws if stage.on_candidates else 0,
+                seed=draw_seed,
+                chunk_size=settings.chunk_size,
+                search=CandidateSearch(kind=settings.candidate_search, seed=draw_seed),
+                query_rows=None if rows is None else torch.as_tensor(rows, device=prep.device),
+            )
             if group.is_distributed:
                 return ShardedProblem(X, labels, objective, group=group, **kwargs)
             return Problem(X, labels, objective, **kwargs)
 
         return make_problem
 
-    def _judge(self) -> StageJudge | None:
-        """What each stage's start and end are scored by (``training.optim.stages``): the
-        k-NN accuracy of the validation split, or of the rows held out to judge the fit
-        (``preparation.held_out``); None when no rows are held out (a small fit without
-        validation)."""
+    def _held_out(self) -> HeldOut | None:
+        """The held-out rows' scorer: the validation split's, or that of the rows held out
+        of the fit to judge it (``preparation.held_out``); None when no rows are held out."""
         prep = self.prep
-        score = prep.judge(self.problem)
+        score = prep.judge(self.make_problem(self.stages[0]))
         if score is None:
             return None
         measure = (
@@ -291,56 +512,163 @@ class StagedFit:
             if prep.X_val is not None
             else f"k-NN accuracy of {prep.n_judged} training rows held out of the fit"
         )
-        return StageJudge(score, measure, prep.n_judged)
+        return HeldOut(score, prep.n_judged, measure)
 
-    def _monitor(self) -> Monitor:
-        problem = self.problem
-        return Monitor(
-            max_iter=self.settings.max_iter,
-            validate=self.validate,
-            components=problem.components,
-            audit=candidate_audit(problem),
-            penalty=problem.penalty,
-            **self.monitor_options(),
-        )
+    def _patience(self) -> int | None:
+        """Checks in a row without a gain that stop a stage (None: the rule is off)."""
+        if self.settings.early_stopping:
+            return self.settings.n_iter_no_change
+        return STALL_CHECKS if self.settings.stop_stalled_stages else None
 
-    def monitor_options(self) -> dict:
-        """What every stage's Monitor shares: early stopping, the table, the callback."""
-        settings = self.settings
-        return dict(
-            early_stopping=settings.early_stopping,
-            interval=settings.validation_interval,
-            patience=settings.n_iter_no_change,
-            verbose=bool(settings.verbose) and self.group.rank == 0,
-            name=self.name,
-            callback=settings.callback,
-        )
+    # ------------------------------------------------------------------ what the loop reports
 
-    def _optimise(self, problem, theta0, solver, rng) -> FitResult:
-        settings = self.settings
-        shared = dict(  # what both optimisers take: the budget, the monitor, the refreshes
-            max_iter=settings.max_iter,
-            tol=settings.tol,
-            monitor=self.monitor,
-            refresh_every=settings.refresh_every,
-            refresh_tol=settings.refresh_tol,
-            target_mass=settings.candidate_mass,
-        )
-        if solver == "lbfgs":
-            return run_lbfgs(problem, theta0, **shared)
-        return run_adam(
-            problem,
-            theta0,
-            learning_rate=settings.learning_rate,
-            batch_size=settings.batch_size,
-            rng=rng,
-            **shared,
-        )
+    def _record(self, index, stage, problem, theta, objective, figures, state) -> dict:
+        """The iteration's history record (kept in ``state``; the held-out score is added
+        to it when checked), and the callback."""
+        record = {"iteration": state.iterations, "objective": objective}
+        record["seconds"] = self.clock.elapsed()
+        if index > 0:  # a later stage's records are tagged with its name
+            record["stage"] = stage.name
+        record.update(figures)
+        record["penalty"] = problem.penalty(theta)
+        state.history.append(record)
+        if self.settings.callback is not None:  # scikit-learn's form: (A raveled, iteration)
+            self.settings.callback(problem.components(theta).ravel(), state.iterations)
+        return record
 
-    def describe(self) -> list[dict]:
-        """What each stage did (``NCA.stages_``): time, work, scores, what was kept."""
-        return [record.describe() for record in self.records]
+    def _print(self, record: dict) -> None:
+        """The iteration's line of the verbose table (scikit-learn's, and the validation
+        accuracy when it was measured)."""
+        if not self.verbose:
+            return
+        self._print_header()
+        line = f"[{self.name}] {record['iteration']:>10} {record['objective']:>20.6e}"
+        line += f" {record['seconds'] - self.last_line:>10.2f}"
+        if "val_accuracy" in record:
+            line += f"  val_accuracy {record['val_accuracy']:.4f}"
+        print(line, flush=True)
+        self.last_line = record["seconds"]
 
+    def _print_header(self) -> None:
+        if not self.header_printed:
+            header = "{:>10} {:>20} {:>10}".format("Iteration", "Objective Value", "Time(s)")
+            print(f"[{self.name}]\n[{self.name}] {header}\n[{self.name}] {'-' * len(header)}")
+            self.header_printed = True
+
+    def _announce(self, stage: Stage, problem) -> None:
+        """The verbose line that opens a later stage."""
+        if self.verbose and stage.name == "exact finish":
+            n = problem.n_samples
+            rows = n if problem.query_rows is None else len(problem.query_rows)
+            print(
+                f"[{self.name}] Finishing on the exact objective: {stage.max_iter} iterations "
+                f"over {rows} of {n} query rows, l2={stage.l2:g}",
+                flush=True,
+            )
+
+    def _progress(self, stage: Stage, iteration: int, held_out: float | None) -> None:
+        if self.settings.progress is not None and self.group.rank == 0:
+            self.settings.progress(
+                StageProgress(
+                    stage.name,
+                    iteration,
+                    stage.max_iter,
+                    held_out,
+                    self.clock.elapsed(),
+                    self.clock.max_seconds,
+                )
+            )
+
+    def _close(self) -> None:
+        if self.verbose:
+            self._print_header()
+            print(f"[{self.name}] Training took {self.clock.elapsed():8.2f}s.", flush=True)
+
+    def describe(self, state: FitState) -> list[dict]:
+        """What each stage did (``NCA.stages_``)."""
+        return [record.describe() for record in state.records]
+
+    @property
     def measure(self) -> str | None:
         """What the scores in the records are (``NCA.stage_measure_``)."""
-        return None if self.judge is None else self.judge.measure
+        return self.held_out.measure if self.judged else None
+
+
+class Rounds:
+    """The rounds of a stage on candidate sets (one round on the exact objective). A round
+    starts on fresh sets; it ends when the candidate watch (``optim.candidates``) finds them
+    stale, or when the optimiser converged on them while they had changed at the round's
+    start (CANDIDATE_CHANGE_TOL of the points or more). Converging on sets that hardly
+    changed ends the stage."""
+
+    def __init__(self, watch):
+        self.watch = watch
+        self.due = watch is not None  # a refresh before the next step
+        self.changed = 1.0  # the fraction of sets the round's refresh changed
+        self.started_at = 0  # the iteration the round started at
+
+    def refresh(self, theta: np.ndarray, iteration: int) -> None:
+        self.changed, self.started_at, self.due = self.watch.refresh(theta), iteration, False
+
+    def after_iteration(self, theta: np.ndarray) -> dict:
+        """The watch's figures for the history; a refresh is due when they went stale."""
+        if self.watch is None:
+            return {}
+        self.due, figures = self.watch.after_iteration(theta)
+        return figures
+
+    def stop_for(self, reason: str, iteration: int, moved: bool) -> StopReason | None:
+        """The stage's stop when the optimiser says ``reason``, or None: a new round."""
+        if reason == StopReason.MAX_EVALUATIONS or self.watch is None:
+            return StopReason(reason)
+        if self.changed < CANDIDATE_CHANGE_TOL or (not moved and iteration == self.started_at):
+            return StopReason(reason)
+        self.due = True
+        return None
+
+
+class StageChecks:
+    """The held-out checks of one stage: its start's score, its best and last, the checks in
+    a row without a gain, and the stop rule on each (the module's docstring)."""
+
+    def __init__(self, held: HeldOut | None, patience: int | None):
+        self.held, self.patience = held, patience
+        self.seconds_before = 0.0 if held is None else held.seconds
+        self.count = 0  # checks made (the start's included)
+        self.start_score = self.best_score = self.last_score = self.end_score = None
+        self.reached = False  # whether a map of the stage was scored
+        self.flat = 0  # checks in a row without a gain over best_score
+
+    def start(self, score: float | None) -> None:
+        """The stage's start's score."""
+        self.start_score = self.best_score = self.last_score = self.end_score = score
+        self.count += score is not None
+
+    def after(self, score: float) -> StopReason | None:
+        """A check's score: the stop rule's verdict."""
+        self.count += 1
+        self.seen(score)
+        self.last_score = score
+        tolerance = self.held.tolerance
+        if score > self.best_score + tolerance:
+            self.best_score, self.flat = score, 0
+            return None
+        self.flat += 1
+        if self.patience is None or self.flat < self.patience:
+            return None
+        return StopReason.HURT if score < self.start_score - tolerance else StopReason.STALLED
+
+    def seen(self, score: float | None) -> None:
+        if score is not None:
+            self.end_score = score if not self.reached else max(self.end_score, score)
+            self.reached = True
+
+    @property
+    def seconds(self) -> float:
+        """The time the stage's scores took."""
+        return 0.0 if self.held is None else self.held.seconds - self.seconds_before
+
+
+def skipped_record(stage: str) -> StageRecord:
+    """The record of a stage the spent budget skipped."""
+    return StageRecord(stage, None, None, "start", 0.0, 0, 0, 0, 0, 0.0, StopReason.SKIPPED)

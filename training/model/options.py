@@ -64,7 +64,7 @@ class FitOptions:
         stop_stalled_stages : stop a stage after two held-out checks in a row without a gain
             (False: every stage runs its iterations).
     Watching
-        progress : None or a callable given a ``training.optim.stages.StageProgress`` at each
+        progress : None or a callable given a ``training.model.fitting.StageProgress`` at each
             stage's start and after each iteration (the CLI's progress bar).
 
     A search over options takes whole values: ``GridSearchCV(pipe, {"nca__options":

@@ -13,7 +13,7 @@ sample) accumulate in float64 over blocks.
 Held-out rows: an explicit validation set, or with early stopping a stratified
 ``validation_fraction``; otherwise, with ``select_stages`` on more than
 ``HOLDOUT_MIN_SAMPLES`` rows, a stratified sample of ``min(SELECTION_ROWS, N / 10)`` rows is
-held out of the fit to judge its stages on (``training.optim.stages``): rows the map was
+held out of the fit to judge its stages on (``training.model.fitting``): rows the map was
 trained on cannot tell an overfit stage from a better one.
 
 Tested by ``tests/training/model/test_estimator.py`` and ``test_distributed.py``.
@@ -39,11 +39,11 @@ from training.model.initialization import check_lda, initial_components, resolve
 from training.model.options import validation_ks
 from training.model.plan import AUTO_EXACT_MAX_SAMPLES
 from training.numerics import evenly_spaced_rows
-from training.optim.stages import SELECTION_ROWS
 from training.references.learned import check_budget
 
 VALIDATION_MAX_ROWS = 8192  # validation rows a check during the fit classifies
 HOLDOUT_MIN_SAMPLES = AUTO_EXACT_MAX_SAMPLES  # below, a fit without validation holds none out
+SELECTION_ROWS = 4096  # ... and above, min(SELECTION_ROWS, N / 10) rows held out to judge it
 # standardize= values: booleans keep their meaning from before "global" and "auto" existed
 STANDARDIZE_MODES = {True: "feature", False: "none"}
 BUILT_INITS = ("pca", "lda", "identity", "random")  # the initial maps init_scale applies to
@@ -70,7 +70,7 @@ class Prepared:
     init_used: str
     classes: np.ndarray
     validate: Callable  # problem -> (theta -> validation accuracy) or None
-    judge: Callable  # problem -> (theta -> held-out accuracy) or None (training.optim.stages)
+    judge: Callable  # problem -> (theta -> held-out accuracy) or None (training.model.fitting)
     n_judged: int = 0  # held-out rows the judge scores
     X_val: np.ndarray | None = None  # (V, D) standardised validation rows (this process's)
     y_val: np.ndarray | None = None  # (V,) their class indices

@@ -1,4 +1,15 @@
-"""Mini-batch Adam over query rows on the loss, in rounds of fresh candidate sets."""
+"""Mini-batch Adam over query rows on the loss, one epoch a step.
+
+``AdamEpochs`` has L-BFGS's interface (``training.optim.lbfgs.LBFGS``: ``start``, ``step``,
+``reset``, ``evaluations``), so the fit's loop (``training.model.fitting``) runs either. One
+step is one epoch: the rows in a fresh order (the fit's generator), in batches of
+``batch_size``, one Adam update (Kingma & Ba 2015, torch's) per batch on
+
+    L_B(A) = -(1 / |B|) sum_{i in B} score_i(A) + l2 ||A||_F^2.
+
+The epoch's mean score is reported; the fit has converged when it changed by at most
+``tol`` (relative, at least absolute) over one epoch.
+"""
 
 from __future__ import annotations
 
@@ -7,68 +18,58 @@ import math
 import numpy as np
 import torch
 
-from training.optim.candidates import candidate_watch
-from training.optim.monitor import EarlyStop, FitResult, Monitor, finished_result
+from training.optim.lbfgs import Evaluation, Step
 from training.optim.problem import Problem
 
 
-def run_adam(
-    problem: Problem,
-    theta0: np.ndarray,
-    *,
-    max_iter: int,
-    tol: float,
-    monitor: Monitor,
-    learning_rate: float,
-    batch_size: int,
-    rng: np.random.Generator,
-    refresh_every: int = 50,
-    refresh_tol: float | None = 0.05,
-    target_mass: float | None = None,
-) -> FitResult:
-    """Mini-batch Adam over query rows; one iteration is one epoch over the rows. With
-    candidates, the :class:`CandidateWatch` is asked after every epoch."""
-    params = problem.to_tensor(theta0, requires_grad=True)
-    optimiser = torch.optim.Adam([params], lr=learning_rate)
-    n = problem.n_samples
-    batch_size = max(1, min(batch_size, n))
-    previous = math.nan
-    stop_reason = "max_iter"
-    epoch = 0
-    n_eval = 0
-    score = math.nan
-    watch = candidate_watch(problem, refresh_every, refresh_tol, target_mass)
-    due = watch is not None
-    try:
-        for epoch in range(1, max_iter + 1):
-            if due:
-                watch.refresh(params.detach().cpu().numpy().astype(np.float64))
-            order = torch.as_tensor(rng.permutation(n), device=problem.X.device)
-            total, count = 0.0, 0
-            for start in range(0, n, batch_size):
-                rows = order[start : start + batch_size]
-                optimiser.zero_grad(set_to_none=True)
-                loss, batch_score = problem.loss(params, rows)
-                loss.backward()
-                optimiser.step()
-                n_eval += 1
-                total += batch_score * rows.shape[0]
-                count += rows.shape[0]
-            score = total / count
-            theta = params.detach().cpu().numpy().astype(np.float64)
-            due, figures = (False, {}) if watch is None else watch.after_iteration(theta)
-            monitor(epoch, theta, score, figures)
-            if abs(score - previous) <= tol * max(1.0, abs(score)):
-                stop_reason = "converged"
-                break
-            previous = score
-    except EarlyStop:
-        stop_reason = "early_stopping"
-    theta = params.detach().cpu().numpy().astype(np.float64)
-    result = finished_result(problem, monitor, theta, epoch, stop_reason, score, n_eval)
-    result.n_refreshes = 0 if watch is None else watch.n_refreshes
-    result.refresh_changes = [] if watch is None else list(watch.changes)
-    result.refresh_replaced = [] if watch is None else list(watch.replaced)
-    result.refresh_sizes = [] if watch is None else list(watch.sizes)
-    result.search_mass_ratios = [] if watch is None else list(watch.search_mass_ratios)
-    return result
+class AdamEpochs:
+    """Adam's state on ``problem``: the parameters, the moments (kept across candidate
+    refreshes: ``reset`` forgets nothing) and the last epoch's mean score."""
+
+    def __init__(
+        self,
+        problem: Problem,
+        learning_rate: float,
+        batch_size: int,
+        rng: np.random.Generator,
+        tol: float,
+    ):
+        self.problem, self.rng, self.tol = problem, rng, tol
+        self.batch_size = max(1, min(batch_size, problem.n_samples))
+        self.params: torch.Tensor | None = None
+        self.learning_rate = learning_rate
+        self.optimiser: torch.optim.Adam | None = None
+        self.previous = math.nan  # the last epoch's mean score
+        self.evaluations = 0  # batches
+
+    def reset(self) -> None:
+        """Nothing: Adam's moments carry over fresh candidate sets."""
+
+    def start(self, theta: np.ndarray) -> Evaluation:
+        """No evaluation: an epoch measures its own mean score."""
+        return Evaluation(math.nan, np.empty(0), math.nan)
+
+    def step(self, theta: np.ndarray, at: Evaluation, max_evaluations=None) -> Step:
+        """One epoch from theta (P,)."""
+        if self.params is None:
+            self.params = self.problem.to_tensor(theta, requires_grad=True)
+            self.optimiser = torch.optim.Adam([self.params], lr=self.learning_rate)
+        n = self.problem.n_samples
+        order = torch.as_tensor(self.rng.permutation(n), device=self.problem.X.device)
+        total, count = 0.0, 0
+        for start in range(0, n, self.batch_size):
+            rows = order[start : start + self.batch_size]
+            self.optimiser.zero_grad(set_to_none=True)
+            loss, batch_score = self.problem.loss(self.params, rows)
+            loss.backward()
+            self.optimiser.step()
+            self.evaluations += 1
+            total += batch_score * rows.shape[0]
+            count += rows.shape[0]
+        score = total / count
+        converged = abs(score - self.previous) <= self.tol * max(1.0, abs(score))
+        self.previous = score
+        x = self.params.detach().cpu().numpy().astype(np.float64).ravel()
+        batches = -(-n // self.batch_size)
+        stop = "converged" if converged else None
+        return Step(x, Evaluation(math.nan, np.empty(0), score), batches, stop, moved=True)

@@ -139,13 +139,14 @@ class CandidateWatch:
         """Recompute the candidates at theta (choosing K first when adaptive); return the
         fraction of points whose set changed."""
         inside = None  # mass inside the new candidates, when the choice of K measured it
+        k = None  # K for the new sets (None: as it is)
         if self.target_mass is not None:
             masses = self.problem.fresh_inside_mass(theta, self.rows, self.ladder)
             chosen = next(
                 (i for i, m in enumerate(masses) if m >= self.target_mass), len(masses) - 1
             )
-            self.problem.n_candidates, inside = self.ladder[chosen], masses[chosen]
-        changed = self.problem.refresh_candidates(theta)
+            k, inside = self.ladder[chosen], masses[chosen]
+        changed = self.problem.refresh_candidates(theta, n_candidates=k)
         self.sizes.append(self.problem.n_candidates)
         self.changes.append(float(changed))
         self.replaced.append(float(self.problem.replaced_share))

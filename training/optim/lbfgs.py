@@ -30,8 +30,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from training.optim.candidates import candidate_watch
-from training.optim.monitor import EarlyStop, FitResult, Monitor, finished_result
 from training.optim.problem import Problem
 
 SUFFICIENT_DECREASE = 1e-3  # c1
@@ -223,75 +221,3 @@ class ProblemLoss:
                 f"{self.problem.objective!r} is not finite; nothing was fitted"
             )
         return Evaluation(loss, grad, score)
-
-
-def run_lbfgs(
-    problem: Problem,
-    theta0: np.ndarray,
-    *,
-    max_iter: int,
-    tol: float,
-    monitor: Monitor,
-    refresh_every: int = 50,
-    refresh_tol: float | None = 0.05,
-    target_mass: float | None = None,
-    candidate_change_tol: float = 0.01,
-    max_evaluations: int | None = None,
-) -> FitResult:
-    """L-BFGS on the problem's loss, one step an iteration, each step reported to the monitor.
-    With candidates, a round ends (the curvature pairs are forgotten and the sets computed
-    afresh) when the :class:`CandidateWatch` finds them stale, or when L-BFGS converged on
-    them while they had changed at the round's start by ``candidate_change_tol`` of the
-    points or more. The fit ends when the monitor stops it, after ``max_iter`` iterations,
-    when ``max_evaluations`` evaluations are spent, or when a round converges on candidates
-    that hardly changed (at once, on the exact objective)."""
-    theta = np.asarray(theta0, dtype=np.float64).ravel().copy()
-    watch = candidate_watch(problem, refresh_every, refresh_tol, target_mass)
-    solver = LBFGS(problem, tol)
-    stop_reason, iteration, at = "max_iter", 0, None
-    refresh_due, changed, round_start = watch is not None, 1.0, 0
-    while iteration < max_iter:
-        if refresh_due:
-            changed, round_start, at, refresh_due = watch.refresh(theta), iteration, None, False
-            solver.reset()
-        if at is None:
-            at = solver.start(theta)
-        left = None if max_evaluations is None else max_evaluations - solver.evaluations
-        if left is not None and left <= 0:
-            stop_reason = "max_evaluations"
-            break
-        step = solver.step(theta, at, left)
-        if not step.moved:
-            ended = step.stop == "max_evaluations" or watch is None
-            if ended or iteration == round_start or changed < candidate_change_tol:
-                stop_reason = step.stop
-                break
-            refresh_due = True
-            continue
-        theta, at, iteration = step.x, step.at, iteration + 1
-        figures = {}
-        if watch is not None:
-            refresh_due, figures = watch.after_iteration(theta)
-        try:
-            monitor(iteration, theta, at.extra, figures)
-        except EarlyStop:
-            stop_reason = "early_stopping"
-            break
-        if step.stop == "max_evaluations" or (step.stop is not None and watch is None):
-            stop_reason = step.stop
-            break
-        if step.stop is not None:
-            if changed < candidate_change_tol:
-                stop_reason = step.stop
-                break
-            refresh_due = True
-    score = math.nan if at is None else at.extra
-    result = finished_result(
-        problem, monitor, theta, iteration, stop_reason, score, solver.evaluations
-    )
-    result.n_refreshes = 0 if watch is None else watch.n_refreshes
-    result.refresh_changes = [] if watch is None else list(watch.changes)
-    result.refresh_replaced = [] if watch is None else list(watch.replaced)
-    result.refresh_sizes = [] if watch is None else list(watch.sizes)
-    result.search_mass_ratios = [] if watch is None else list(watch.search_mass_ratios)
-    return result

@@ -101,10 +101,10 @@ class Problem:
     X: (N, D) standardised inputs on ``device``; labels: (N,) int64 class indices.
     transform 'linear': theta holds A (d, D), Z = X A^T; 'diagonal': theta holds a (D,), Z = X * a.
 
-    candidate_rows: (B,) the query rows the loss averages over when it is evaluated on
-    candidate sets, which are then searched and kept for these rows only (a ``RowTable``):
-    each evaluation and refresh costs O(B M d) and the search of B queries, whatever N, and
-    every one of the N points is still a neighbour. None: every row.
+    query_rows: (B,) the query rows the loss averages over (every one of the N points is
+    still a neighbour); on candidate sets, the sets are then searched and kept for these rows
+    only (a ``RowTable``): each evaluation and refresh costs O(B M d) and the search of B
+    queries, whatever N. None: every row.
     """
 
     def __init__(
@@ -121,7 +121,7 @@ class Problem:
         seed: int = 0,
         chunk_size: int | None = None,
         search: CandidateSearch | None = None,
-        candidate_rows: torch.Tensor | None = None,
+        query_rows: torch.Tensor | None = None,
     ):
         self.X = X
         self.labels = labels
@@ -133,8 +133,8 @@ class Problem:
         # per kind and point, uniform draws beyond the nearest candidates that estimate the
         # mass those leave out (NCA objectives; 0: the nearest candidates only)
         self.n_draws = n_draws
-        if n_draws and candidate_rows is not None:
-            raise ValueError("drawn candidates need every row's set: give no candidate_rows")
+        if n_draws and query_rows is not None:
+            raise ValueError("drawn candidates need every row's set: give no query_rows")
         if n_draws and not isinstance(objective, NCAObjective):
             raise ValueError(
                 f"n_draws={n_draws}: drawn candidates weight NCA's objectives only, "
@@ -150,8 +150,8 @@ class Problem:
         self.candidate_log_weights: torch.Tensor | None = None  # (N, M) or None
         self.search_mass_ratio: float | None = None  # measured at the last refresh
         # (B,) the query rows the loss averages over (None: all N); neighbours are all points
-        self.query_rows: torch.Tensor | None = candidate_rows
-        self.candidate_rows = candidate_rows
+        self.query_rows: torch.Tensor | None = query_rows
+        self.candidate_rows = query_rows if n_candidates is not None else None
         n_features = X.shape[1]
         self.shape = (n_features,) if transform == "diagonal" else (n_components, n_features)
 
@@ -196,10 +196,13 @@ class Problem:
         found = self.search.find(z, self.labels, self.n_candidates, rows=self.candidate_rows)
         return RowTable(found, self.candidate_rows, self.n_samples)
 
-    def refresh_candidates(self, theta: np.ndarray) -> float:
-        """Recompute candidate sets in the current projection, and draw the candidates beyond
-        them afresh when ``n_draws``; return the fraction of nearest sets that changed. An
-        approximate search is measured on sample rows (``search_mass_ratio``)."""
+    def refresh_candidates(self, theta: np.ndarray, n_candidates: int | None = None) -> float:
+        """Recompute candidate sets in the current projection (``n_candidates`` per kind from
+        now on, when given), and draw the candidates beyond them afresh when ``n_draws``;
+        return the fraction of nearest sets that changed. An approximate search is measured
+        on sample rows (``search_mass_ratio``)."""
+        if n_candidates is not None:
+            self.n_candidates = n_candidates
         with torch.no_grad():
             z = self.embed(self.to_tensor(theta))
             new = self.find_candidates(z)

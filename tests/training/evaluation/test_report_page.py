@@ -102,11 +102,18 @@ def test_kept_iteration_is_the_first_best_with_early_stopping_else_the_last():
     assert kept_iteration(history(0.9, 0.95, 0.95, 0.93)) == 2
     assert kept_iteration(history(0.9, 0.95, 0.93, early_stopping=False)) == 3
     assert kept_iteration({"history": []}) is None
+    # a report that records it: as recorded (0: the initial map)
+    assert kept_iteration({**history(0.9, 0.95), "kept_iteration": 0}) == 0
+    assert kept_iteration({**history(0.9, 0.95, 0.94), "kept_iteration": 3}) == 3
 
 
-def test_warnings_name_a_first_iteration_map_an_audit_and_non_convergence():
-    first = warnings_of({"training": history(0.99, 0.98, 0.97)})
-    assert len(first) == 1 and "kept map is iteration 1's" in first[0]
+def test_warnings_name_an_untrained_map_an_audit_and_non_convergence():
+    untrained = {**history(0.99, 0.98, 0.97), "kept_iteration": 0, "n_iter": 3}
+    first = warnings_of({"training": untrained})
+    assert len(first) == 1 and "kept map is the initial one" in first[0]
+    assert "none of the fit's 3 iterations" in first[0]
+    # one iteration's map, at the ceiling of a small validation set, is a trained map
+    assert warnings_of({"training": {**history(0.99, 0.98, 0.97), "kept_iteration": 1}}) == []
     assert warnings_of({"training": history(0.9, 0.95)}) == []
     training = {**history(0.9, 0.95), "converged": False, "stop_reason": "max_iter", "n_iter": 2}
     training["candidate_warning"] = "the candidate-set objective rose"
@@ -116,7 +123,8 @@ def test_warnings_name_a_first_iteration_map_an_audit_and_non_convergence():
 
 
 def test_warnings_stand_before_every_section():
-    report = {"training": history(0.99, 0.98), "data": {"name": "toy"}, "metrics": {}}
+    training = {**history(0.99, 0.98), "kept_iteration": 0}
+    report = {"training": training, "data": {"name": "toy"}, "metrics": {}}
     page = render_page(report, {"classes": [0, 1]}, {})
     assert page.index('class="warning"') < page.index("<h2>")
     assert "No warnings" in render_page({"training": history(0.9, 0.95)}, {}, {})

@@ -100,7 +100,11 @@ def test_a_job_killed_in_its_finish_resumes_when_run_again(python_m_training, tm
     assert code == 0, err
     # killed (os._exit) when the exact finish starts: the candidate stage is checkpointed
     kill = (
-        "import os\nimport training.optim.finish as f\nf.run_lbfgs = lambda *a, **k: os._exit(9)\n"
+        "import os\nimport training.model.fitting as f\nreal = f.StagedFit._run_stage\n"
+        "def run(self, index, stage, state):\n"
+        "    if stage.name == 'exact finish':\n        os._exit(9)\n"
+        "    return real(self, index, stage, state)\n"
+        "f.StagedFit._run_stage = run\n"
     )
     code, _, err = python_m_training(*args, "--out", tmp_path / "m", prelude=kill)
     assert code == 9, err

@@ -292,7 +292,7 @@ def test_early_stopping_keeps_best_validation_model(monkeypatch):
     script_validation(monkeypatch, lambda stage, i: PEAK_AT_2.get(i, 0.6))
     X, y = load_digits(return_X_y=True)
     nca = early_stopping_nca(2).fit(X[:600], y[:600])
-    assert nca.stop_reason_ == "early_stopping" and nca.n_iter_ == 4
+    assert nca.stop_reason_ == "stalled" and nca.n_iter_ == 4
     checked = [h["val_accuracy"] for h in nca.history_ if "val_accuracy" in h]
     assert checked == [0.5, 0.7, 0.6, 0.6]
     assert nca.best_val_accuracy_ == 0.7
@@ -392,7 +392,7 @@ def test_early_stopping_returns_the_best_components_and_their_objective(monkeypa
     nca = early_stopping_nca(
         3, callback=lambda transformation, n_iter: seen.__setitem__(n_iter, transformation.copy())
     ).fit(X[:600], y[:600])
-    assert nca.stop_reason_ == "early_stopping"
+    assert nca.stop_reason_ == "stalled"
     checks = [h for h in nca.history_ if "val_accuracy" in h]
     best = max(checks, key=lambda h: h["val_accuracy"])  # max keeps the first of equals
     last = nca.history_[-1]["iteration"]
@@ -507,18 +507,19 @@ def test_a_non_finite_gradient_stops_the_fit_with_an_error_not_a_nan_map(monkeyp
 
 def test_a_non_finite_map_from_any_solver_is_refused(monkeypatch):
     """Whatever the optimiser returns, a map with NaN entries is not a fit."""
+    from dataclasses import replace
+
     from sklearn.exceptions import NotFittedError
 
-    import training.model.fitting
+    from training.optim.adam import AdamEpochs
 
-    real = training.model.fitting.run_adam
+    real = AdamEpochs.step
 
-    def nan_result(problem, theta0, **kwargs):
-        result = real(problem, theta0, **kwargs)
-        result.theta = np.full_like(result.theta, np.nan)
-        return result
+    def nan_step(self, theta, at, max_evaluations=None):
+        step = real(self, theta, at, max_evaluations)
+        return replace(step, x=np.full_like(step.x, np.nan))
 
-    monkeypatch.setattr(training.model.fitting, "run_adam", nan_result)
+    monkeypatch.setattr(AdamEpochs, "step", nan_step)
     X, y = load_iris(return_X_y=True)
     model = NCA(n_components=2, max_iter=2, random_state=0, options=dict(solver="adam"))
     with pytest.raises(FloatingPointError, match=r"A has 8 non-finite entries after 2 iterations"):

@@ -4,6 +4,8 @@ standardiser, the choice of k and the optimiser's monitor."""
 from __future__ import annotations
 
 import itertools
+import re
+import warnings
 
 import numpy as np
 import pytest
@@ -13,7 +15,6 @@ from training.data.datasets import fit_standardizer, stratified_split
 from training.evaluation.evaluate import choose_k, choose_rule_and_k
 from training.model.initialization import initial_components, resolve_auto
 from training.optim.candidates import audit_disagreement, audit_rows
-from training.optim.monitor import EarlyStop, Monitor
 
 # ------------------------------------------------------------------ resolve_auto
 
@@ -134,96 +135,41 @@ def test_choose_rule_and_k(by_rule, fallback, expected):
     assert choose_rule_and_k(by_rule, fallback=fallback) == expected
 
 
-# ------------------------------------------------------------------ Monitor
+# ------------------------------------------------------------------ the verbose table
+
+HEADER = "{:>10} {:>20} {:>10}".format("Iteration", "Objective Value", "Time(s)")
+ROW = r"\[NCA\] +{} +-?\d\.\d{{6}}e[+-]\d\d +\d+\.\d\d"
 
 
-class Ticks:
-    """A clock that advances one second per reading."""
+def verbose_fit(capsys, **params) -> list[str]:
+    """The lines a verbose 2-d fit on 300 blob rows (the last 100 its validation set) prints."""
+    from tests.training.problems import blobs
 
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        self.now += 1.0
-        return self.now
-
-
-def test_monitor_records_history_validates_on_schedule_and_stops_at_patience():
-    scores = iter([0.5, 0.7, 0.6, 0.65, 0.69])  # best at the second check, then 3 worse
-    calls = []
-    monitor = Monitor(
-        max_iter=100,
-        validate=lambda theta: next(scores),
-        early_stopping=True,
-        interval=2,
-        patience=3,
-        callback=lambda A, it: calls.append((A.shape, it)),
-        components=lambda theta: np.asarray(theta).reshape(2, 3),
-        clock=Ticks(),
-    )
-    with pytest.raises(EarlyStop):
-        for iteration in range(1, 100):
-            monitor(iteration, np.full(6, float(iteration)), objective=-float(iteration))
-    # checks at iterations 1, 2, 4, 6, 8: the third worse check (8) stops
-    checked = [r["iteration"] for r in monitor.history if "val_accuracy" in r]
-    assert checked == [1, 2, 4, 6, 8] and len(monitor.history) == 8
-    assert monitor.best_acc == 0.7 and np.array_equal(monitor.best_theta, np.full(6, 2.0))
-    assert [r["seconds"] for r in monitor.history] == [float(i) for i in range(1, 9)]
-    assert calls == [((6,), i) for i in range(1, 9)]  # A raveled (d * D,), iteration
+    X, y = blobs(300)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        NCA(n_components=2, random_state=0, tol=0, verbose=1, **params).fit(
+            X[:200], y[:200], X[200:], y[200:]
+        )
+    return capsys.readouterr().out.splitlines()
 
 
-def test_monitor_without_validation_never_stops_early():
-    monitor = Monitor(max_iter=10, validate=None, early_stopping=True, clock=Ticks())
-    for iteration in range(1, 11):
-        monitor(iteration, np.zeros(2), objective=0.0)
-    assert not monitor.early_stopping and monitor.best_theta is None
-    assert all("val_accuracy" not in r for r in monitor.history)
+def test_verbose_prints_scikit_learns_table_with_the_validation_accuracy(capsys):
+    lines = verbose_fit(capsys, max_iter=2)
+    at = lines.index(f"[NCA] {HEADER}")
+    assert lines[at - 1] == "[NCA]" and lines[at + 1] == f"[NCA] {'-' * len(HEADER)}"
+    assert re.fullmatch(ROW.format(1) + r"  val_accuracy \d\.\d{4}", lines[at + 2])
+    assert re.fullmatch(ROW.format(2), lines[at + 3])  # not a check (every 5 iterations)
+    assert re.fullmatch(r"\[NCA\] Training took +\d+\.\d\ds\.", lines[-1])
 
 
-def test_monitor_keeps_a_copy_of_the_best_parameters():
-    monitor = Monitor(max_iter=10, validate=lambda t: 1.0, early_stopping=True, clock=Ticks())
-    theta = np.zeros(3)
-    monitor(1, theta, objective=0.0)
-    theta[:] = 5.0  # the optimiser reuses its buffer
-    assert np.array_equal(monitor.best_theta, np.zeros(3))
-
-
-def test_monitor_verbose_prints_scikit_learns_table(capsys):
-    monitor = Monitor(
-        max_iter=5, validate=lambda t: 0.5, early_stopping=False, verbose=True, clock=Ticks()
-    )
-    monitor(1, np.zeros(2), objective=12.5)
-    monitor(2, np.zeros(2), objective=13.0)
-    monitor.close()
-    lines = capsys.readouterr().out.splitlines()
-    header = "{:>10} {:>20} {:>10}".format("Iteration", "Objective Value", "Time(s)")
-    assert lines[:3] == ["[NCA]", f"[NCA] {header}", f"[NCA] {'-' * len(header)}"]
-    assert lines[3] == "[NCA]          1         1.250000e+01       2.00  val_accuracy 0.5000"
-    assert lines[4] == "[NCA]          2         1.300000e+01       2.00"
-    assert lines[5] == "[NCA] Training took     5.00s."  # the clock advances 1 s a reading
-
-
-def test_monitor_of_a_later_stage_says_its_own_time_and_the_fits(capsys):
-    clock = Ticks()
-    first = Monitor(max_iter=2, validate=None, early_stopping=False, verbose=True, clock=clock)
-    first(1, np.zeros(2), objective=1.0)
-    first.close()
-    later = Monitor(
-        max_iter=2,
-        validate=None,
-        early_stopping=False,
-        verbose=True,
-        clock=clock,
-        first_iteration=2,
-        tags={"stage": "exact finish"},
-    )
-    later.start, later.header_printed = first.start, first.header_printed
-    later(1, np.zeros(2), objective=2.0)
-    later.close()
-    lines = capsys.readouterr().out.splitlines()
-    # readings: first stage 101-104 (start, two per iteration, close), later 105-108
-    assert lines[-1] == "[NCA] The exact finish took     3.00s; training took     7.00s in all."
-    assert sum("Iteration" in line for line in lines) == 1  # one table header for both
+def test_a_later_stage_announces_itself_and_shares_the_table(capsys):
+    lines = verbose_fit(capsys, max_iter=2, n_candidates=5, options=dict(exact_finish=2))
+    assert sum(HEADER in line for line in lines) == 1
+    opening = [i for i, line in enumerate(lines) if "Finishing on the exact objective" in line]
+    assert len(opening) == 1
+    assert lines[opening[0]].endswith("2 iterations over 200 of 200 query rows, l2=0.03")
+    assert re.fullmatch(ROW.format(3) + r"  val_accuracy \d\.\d{4}", lines[opening[0] + 1])
 
 
 # ------------------------------------------------------------------ candidate-mode audit

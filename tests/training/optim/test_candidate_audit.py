@@ -122,7 +122,9 @@ class ScriptedProblem:
         self.masses = list(masses)
         self.refreshed_at = []
 
-    def refresh_candidates(self, theta):
+    def refresh_candidates(self, theta, n_candidates=None):
+        if n_candidates is not None:
+            self.n_candidates = n_candidates
         self.refreshed_at.append(float(theta[0]))
         return 1.0
 

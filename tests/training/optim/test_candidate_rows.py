@@ -1,4 +1,4 @@
-"""A candidate stage on sampled query rows (``Problem(candidate_rows=...)``, the plan's
+"""A candidate stage on sampled query rows (``Problem(query_rows=...)``, the plan's
 ``candidate_rows``): candidate sets kept for those rows only read exactly like the rows of
 the full table, the loss and gradient equal those of full tables averaged over the same
 rows, a row without a kept set is an error, and the estimator samples rows above
@@ -53,7 +53,7 @@ def test_the_loss_on_kept_rows_equals_the_full_tables_on_the_same_rows(data, obj
         search=CandidateSearch(kind="exact"),
     )
     made = make_objective(objective, 3 if objective.startswith("knca") else 1, n_classes=4)
-    kept = Problem(X, y, made, candidate_rows=rows, **common)
+    kept = Problem(X, y, made, query_rows=rows, **common)
     full = Problem(X, y, made, **common)
     full.query_rows = rows
     theta = np.random.default_rng(0).normal(size=3 * X.shape[1]) * 0.3
@@ -81,7 +81,7 @@ def test_drawn_candidates_need_every_rows_set(data):
             n_components=2,
             n_candidates=4,
             n_draws=2,
-            candidate_rows=torch.arange(10),
+            query_rows=torch.arange(10),
         )
 
 

@@ -1,7 +1,7 @@
-"""A stage pays for its time and a fit keeps to its budget (training.optim.stages): the guard's
-rules on a scripted clock and judge, then through the estimator, where the scores of the maps
-each iteration reaches and the seconds each iteration takes are scripted, so that what the
-rules decide does not hang on this machine's speed or on one floating-point path."""
+"""A stage pays for its work and a fit keeps to its budget (training.model.fitting): the stop
+rule and the keep rule on scripted scores, then through the estimator, where the scores of
+the maps each iteration reaches and the seconds each iteration takes are scripted, so that
+what the rules decide does not hang on this machine's speed or on one floating-point path."""
 
 from __future__ import annotations
 
@@ -14,9 +14,8 @@ from sklearn.exceptions import ConvergenceWarning
 from tests.training.problems import blobs
 from training import NCA
 from training.model import fitting, preparation
+from training.model.fitting import FitClock, FitState, HeldOut, Snapshot, StageChecks, StopReason
 from training.model.options import with_options
-from training.optim import stages
-from training.optim.stages import FitClock, StageGuard, StageJudge, StageStop
 
 
 class Clock:
@@ -29,95 +28,74 @@ class Clock:
         return self.now
 
 
-def scripted_judge(scores: dict[float, float]) -> StageJudge:
-    """Maps are 1-element arrays; a map's score is ``scores[its value]``."""
-    return StageJudge(lambda theta: scores[float(theta[0])], "scripted", n_rows=100)
+def verdicts(start: float, scores: list[float], patience: int | None = 2, n_rows: int = 100):
+    """The stop rule's verdict after each check of a stage that starts at ``start``."""
+    checks = StageChecks(HeldOut(lambda theta: 0.0, n_rows, "scripted"), patience)
+    checks.start(start)
+    return [checks.after(score) for score in scores], checks
 
 
-def test_a_stage_that_stops_rising_stops_after_two_checks_without_a_gain_whatever_the_clock():
-    for seconds_per_iteration in (0.001, 1000.0):  # a fast machine and a crawling one
-        clock = Clock()
-        fit_clock = FitClock(clock=clock)
-        clock.now = 10.0  # the fit before the stage
-        judge = scripted_judge({0: 0.5, 1: 0.6, 2: 0.6, 3: 0.605, 4: 0.61, 5: 0.9})
-        guard = StageGuard(fit_clock, judge, np.array([0.0]))
-        clock.now += seconds_per_iteration
-        guard.after_iteration(np.array([1.0]), scheduled=True)  # rises by 10 rows
-        clock.now += seconds_per_iteration
-        guard.after_iteration(np.array([2.0]), scheduled=True)  # the first check without a gain
-        clock.now += seconds_per_iteration
-        guard.after_iteration(np.array([3.0]), scheduled=False)  # not a scheduled check
-        clock.now += seconds_per_iteration
-        with pytest.raises(StageStop, match="stalled"):  # 0.61 < 0.6 + 1.5 rows: the second
-            guard.after_iteration(np.array([4.0]), scheduled=True)
-        assert guard.stop_reason == "stalled"
-        assert guard.best_theta[0] == 1.0 and guard.best_score == 0.6  # before the plateau
-        assert guard.checks == 4  # the start and three scheduled checks (iteration 3 had none)
+def test_a_stage_that_stops_rising_stops_after_two_checks_without_a_gain():
+    # rises by 10 rows, then 0.6 and 0.61: neither beats 0.6 by more than 1.5 rows
+    said, checks = verdicts(0.5, [0.6, 0.6, 0.61])
+    assert said == [None, None, StopReason.STALLED]
+    assert checks.best_score == 0.6 and checks.end_score == 0.61 and checks.count == 4
 
 
 def test_a_stage_below_its_start_at_two_checks_stops_as_hurt():
-    clock = Clock()
-    judge = scripted_judge({0: 0.5, 1: 0.45, 2: 0.44, 3: 0.9})
-    guard = StageGuard(FitClock(clock=clock), judge, np.array([0.0]))
-    guard.after_iteration(np.array([1.0]), scheduled=True)  # below its start: one check
-    with pytest.raises(StageStop, match="hurt"):  # and the second
-        guard.after_iteration(np.array([2.0]), scheduled=True)
-    assert guard.stop_reason == "hurt" and guard.best_theta is None  # ends on its start
+    said, _ = verdicts(0.5, [0.45, 0.44])
+    assert said == [None, StopReason.HURT]
 
 
-def test_without_the_rule_a_stage_runs_on_and_still_remembers_its_best():
-    clock = Clock()
-    judge = scripted_judge({0: 0.5, 1: 0.6, 2: 0.4, 3: 0.4, 4: 0.4})
-    guard = StageGuard(FitClock(clock=clock), judge, np.array([0.0]), stop_stalled=False)
-    for i in range(1, 5):
-        guard.after_iteration(np.array([float(i)]), scheduled=True)
-    assert guard.stop_reason is None and guard.best_theta[0] == 1.0
+def test_without_the_rule_a_stage_runs_on():
+    said, checks = verdicts(0.5, [0.6, 0.4, 0.4, 0.4], patience=None)
+    assert said == [None] * 4 and checks.end_score == 0.6
 
 
 def test_a_stage_that_keeps_rising_runs_on():
-    clock = Clock()
-    fit_clock = FitClock(clock=clock)
-    clock.now = 1.0
-    judge = scripted_judge({float(i): 0.5 + 0.05 * i for i in range(10)})
-    guard = StageGuard(fit_clock, judge, np.array([0.0]))
-    for i in range(1, 10):
-        clock.now += 5.0  # far longer than the 1 s before the stage
-        guard.after_iteration(np.array([float(i)]), scheduled=True)
-    assert guard.stop_reason is None and guard.best_theta[0] == 9.0
+    said, _ = verdicts(0.5, [0.5 + 0.05 * i for i in range(1, 10)])
+    assert said == [None] * 9
 
 
-def test_the_budget_stops_a_stage_whatever_its_score():
+def test_the_keep_rule_keeps_the_latest_map_within_a_row_and_a_half_of_the_best():
+    state = FitState(Snapshot(np.zeros(1), 0.0, None, 0))
+    tolerance = 1.5 / 100
+    offered = [0.5, 0.6, 0.59, 0.589, 0.58, 0.62, 0.61]
+    kept = []
+    for i, score in enumerate(offered, start=1):
+        state.offer(Snapshot(np.full(1, float(i)), 0.0, score, i), tolerance)
+        kept.append(state.kept.iteration)
+    # 0.59 and 0.589 are within 0.015 of the best 0.6 (kept: more trained); 0.58 is not;
+    # the drift stops there: 0.589 is not a new best the next must stay near
+    assert kept == [1, 2, 3, 4, 4, 6, 7]
+    assert state.best_score == 0.62
+
+
+def test_unjudged_maps_are_kept_as_they_come():
+    state = FitState(Snapshot(np.zeros(1), 0.0, None, 0))
+    for i, score in enumerate([0.9, 0.1], start=1):
+        state.offer(Snapshot(np.full(1, float(i)), 0.0, score, i), None)
+    assert state.kept.iteration == 2
+
+
+def test_the_held_out_scorer_computes_a_map_once():
+    calls = []
+    held = HeldOut(lambda theta: calls.append(float(theta[0])) or float(theta[0]), 10, "t")
+    for value in (1.0, 2.0, 1.0, 2.0, 3.0):
+        held(np.array([value]))
+    assert calls == [1.0, 2.0, 3.0] and held.checks == 3
+
+
+def test_the_budget_is_rank_0s_decision():
+    """Under torchrun every rank's clock is its own: the decision is rank 0's."""
     clock = Clock()
     fit_clock = FitClock(max_seconds=5.0, clock=clock)
-    judge = scripted_judge({float(i): 0.5 + 0.05 * i for i in range(10)})
-    guard = StageGuard(fit_clock, judge, np.array([0.0]))
-    clock.now = 4.0
-    guard.after_iteration(np.array([1.0]), scheduled=True)
+    clock.now = 4.9
+    assert not fit_clock.exhausted()
     clock.now = 5.0
-    with pytest.raises(StageStop, match="max_seconds"):
-        guard.after_iteration(np.array([2.0]), scheduled=False)
-    assert fit_clock.exhausted() and guard.stop_reason == "max_seconds"
-
-
-def test_without_a_judge_only_the_budget_applies():
-    clock = Clock()
-    guard = StageGuard(FitClock(max_seconds=3.0, clock=clock), None, np.array([0.0]))
-    clock.now = 2.0
-    guard.after_iteration(np.array([1.0]), scheduled=True)
-    assert guard.checks == 0
-    clock.now = 3.5
-    with pytest.raises(StageStop):
-        guard.after_iteration(np.array([2.0]), scheduled=True)
-
-
-def test_ranks_take_the_clocks_decisions_of_rank_0():
-    """Under torchrun every rank's clock is its own: the decisions are rank 0's."""
-    clock = Clock()
-    rank0_says = (True, True)
-    fit_clock = FitClock(max_seconds=100.0, clock=clock, agree=lambda flags: rank0_says)
-    guard = StageGuard(fit_clock, None, np.array([0.0]))
-    with pytest.raises(StageStop, match="max_seconds"):  # this rank's clock is at 0 s
-        guard.after_iteration(np.array([1.0]), scheduled=False)
+    assert fit_clock.exhausted()
+    rank0_says = (True,)
+    assert FitClock(max_seconds=100.0, clock=Clock(), agree=lambda flags: rank0_says).exhausted()
 
 
 # ---------------------------------------------------------------- through the estimator
@@ -130,7 +108,7 @@ def scripted(monkeypatch):
     "finish"; the initial map is iteration 0 of the first stage). Returns (the script's
     holder, {iteration: the map it reached}, the clock)."""
     clock = Clock()
-    monkeypatch.setattr(stages.time, "perf_counter", clock)
+    monkeypatch.setattr(fitting.time, "perf_counter", clock)
     reached: dict[bytes, tuple[str, int]] = {}
     maps: dict[int, np.ndarray] = {}
     holder = {"script": lambda stage, it: 0.5, "finish_from": None}
@@ -149,10 +127,10 @@ def scripted(monkeypatch):
         stage, iteration = reached.get(np.asarray(theta, dtype=np.float64).tobytes(), ("first", 0))
         return holder["script"](stage, iteration)
 
-    def judge(self):
-        return StageJudge(score, "scripted", n_rows=1000)
+    def held_out(self):
+        return HeldOut(score, 1000, "scripted")
 
-    monkeypatch.setattr(fitting.StagedFit, "_judge", judge)
+    monkeypatch.setattr(fitting.StagedFit, "_held_out", held_out)
     holder["callback"] = callback
     return holder, maps, clock
 
@@ -216,7 +194,7 @@ def test_the_same_fit_under_two_scripted_clocks_gives_the_same_map(monkeypatch):
     X, y = blobs(900, seed=3)
     X, y, X_val, y_val = X[:600], y[:600], X[600:], y[600:]  # the stages are judged on these
     clock = Clock()
-    monkeypatch.setattr(stages.time, "perf_counter", clock)
+    monkeypatch.setattr(fitting.time, "perf_counter", clock)
     real_prepare = preparation.prepare
 
     def fit_under(prepare_seconds: float, seconds_per_reading: float) -> NCA:
@@ -229,7 +207,7 @@ def test_the_same_fit_under_two_scripted_clocks_gives_the_same_map(monkeypatch):
             return clock.now
 
         monkeypatch.setattr(preparation, "prepare", prepare)
-        monkeypatch.setattr(stages.time, "perf_counter", reading)
+        monkeypatch.setattr(fitting.time, "perf_counter", reading)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model = NCA(
@@ -295,31 +273,6 @@ def test_a_budget_spent_before_the_first_stage_returns_the_initial_map(monkeypat
     np.testing.assert_array_equal(model.components_, prepared[0].theta0)
 
 
-def test_the_progress_callback_hears_the_start_every_iteration_and_the_stop():
-    clock = Clock()
-    fit_clock = FitClock(max_seconds=30.0, clock=clock)
-    clock.now = 10.0
-    judge = scripted_judge({0: 0.5, 1: 0.6, 2: 0.6})
-    events = []
-    guard = StageGuard(
-        fit_clock, judge, np.array([0.0]), stage="exact finish", max_iter=7, progress=events.append
-    )
-    clock.now = 13.0
-    guard.after_iteration(np.array([1.0]), scheduled=True)
-    clock.now = 16.0
-    guard.after_iteration(np.array([2.0]), scheduled=False)
-    clock.now = 31.0
-    with pytest.raises(StageStop, match="max_seconds"):
-        guard.after_iteration(np.array([2.0]), scheduled=True)
-    assert [(e.iteration, e.held_out, e.seconds) for e in events] == [
-        (0, 0.5, 10.0),  # the start, scored
-        (1, 0.6, 13.0),
-        (2, 0.6, 16.0),  # not a check: the latest score
-        (3, 0.6, 31.0),  # the iteration the budget stopped is reported too
-    ]
-    assert {(e.stage, e.max_iter, e.max_seconds) for e in events} == {("exact finish", 7, 30.0)}
-
-
 def fit_with_events(**params):
     """(the model, the StageProgress events it reported) of a 2-d fit on 300 blob rows."""
     X, y = blobs(300)
@@ -378,5 +331,5 @@ def test_the_iteration_early_stopping_ends_on_is_reported_too(monkeypatch):
         max_iter=50, early_stopping=True, n_iter_no_change=2, stop_stalled_stages=False
     )
     (record,) = model.stages_
-    assert model.stop_reason_ == "early_stopping" and record["iterations"] == 3
+    assert model.stop_reason_ == "stalled" and record["iterations"] == 3
     assert [e.iteration for e in events] == [0, 1, 2, 3]

@@ -1,12 +1,11 @@
-"""Every stage keeps the better of its start and its end (training.optim.stages): the judge,
-the leave-one-out score it uses without a validation split, a stage forced to hurt being
-undone, and a property over seeded random problems: the default fit never ends below the
-better of its initial map and its first stage's map on held-out rows."""
+"""A stage that does not pay is undone (training.model.fitting's keep rule): a finish forced
+to hurt, the held-out rows it is judged on, small fits that are not judged, and a property
+over seeded random problems: the default fit never ends below the better of its initial map
+and its first stage's map on held-out rows."""
 
 from __future__ import annotations
 
 import warnings
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -20,30 +19,7 @@ from training.model import fitting as fitting_module
 from training.model import preparation
 from training.model.initialization import initial_components
 from training.model.options import with_options
-from training.optim.stages import StageJudge
-
-
-def test_the_judge_keeps_the_end_unless_it_scores_lower_by_more_than_one_row():
-    scores = {0: 0.90, 1: 0.90 - 0.9 / 100, 2: 0.90 - 1.6 / 100, 3: 0.95}
-    judge = StageJudge(lambda theta: scores[int(theta[0])], "test", n_rows=100)
-    judgements = [judge.judge(np.array([0.0]), np.array([float(end)])) for end in (1, 2, 3)]
-    # within a row: the end; two rows lower: the start; higher: the end
-    assert [j.kept for j in judgements] == ["end", "start", "end"]
-    assert (judgements[1].start_score, judgements[1].end_score) == (0.90, 0.90 - 0.016)
-
-
-def test_the_judge_scores_a_map_once():
-    calls = []
-
-    def score(theta):
-        calls.append(float(theta[0]))
-        return float(theta[0])
-
-    judge = StageJudge(score, "test", n_rows=10)
-    judge.judge(np.array([1.0]), np.array([2.0]))
-    judge.judge(np.array([2.0]), np.array([3.0]))  # its start is the first's end
-    judge.judge(np.array([1.0]), np.array([3.0]))  # both still remembered
-    assert calls == [1.0, 2.0, 3.0]
+from training.optim.lbfgs import Step
 
 
 def problem(n: int, seed: int, n_features: int = 24):
@@ -76,20 +52,41 @@ def separable_problem():
     return X.astype(np.float64), y
 
 
+class Collapsing:
+    """A solver whose every step goes to the zero map."""
+
+    def __init__(self, solver, starts: list):
+        self.solver, self.starts = solver, starts
+
+    def reset(self):
+        self.solver.reset()
+
+    def start(self, theta):
+        self.starts.append(np.array(theta, copy=True))
+        return self.solver.start(theta)
+
+    def step(self, theta, at, max_evaluations=None):
+        return Step(np.zeros_like(theta), at, 0, None, moved=True)
+
+    @property
+    def evaluations(self):
+        return self.solver.evaluations
+
+
 @pytest.fixture
 def collapsing_finish(monkeypatch):
-    """The exact finish replaced by one that ends on the zero map: every row then lands on
-    one point and has the same neighbours, so every judged row gets the same label and the
-    end scores at most the largest class's share of them, whatever the arithmetic. Returns
-    the maps the finish started from."""
+    """The exact finish's solver replaced by one that ends on the zero map: every row then
+    lands on one point and has the same neighbours, so every judged row gets the same label
+    and the end scores at most the largest class's share of them, whatever the arithmetic.
+    Returns the maps the finish started from."""
     starts = []
+    real_solver = fitting_module.StagedFit._solver
 
-    def collapse(exact, first, *args, **kwargs):
-        starts.append(np.array(first.theta, copy=True))
-        collapsed = replace(first, theta=np.zeros_like(first.theta))
-        return collapsed, replace(collapsed, n_iter=1, n_evaluations=1, history=[])
+    def solver(self, stage, problem):
+        made = real_solver(self, stage, problem)
+        return Collapsing(made, starts) if stage.name == "exact finish" else made
 
-    monkeypatch.setattr(fitting_module, "finish_exactly", collapse)
+    monkeypatch.setattr(fitting_module.StagedFit, "_solver", solver)
     return starts
 
 
