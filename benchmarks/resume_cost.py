@@ -7,7 +7,8 @@ On the real MNIST training set (60,000 x 784), ``NCA(n_components=32, random_sta
 3. the same fit again with that checkpoint, timed (R), its map compared with 1's.
 
 Prints T, the kill time, R, the overhead (kill time + R - T) / T, the stages the resume
-skipped, whether the maps are equal bit for bit, and the machine's float32 GEMM rate; saves
+and iterations skipped, whether the maps are equal bit for bit, and the machine's float32 GEMM
+rate; saves
 ``benchmarks/results/resume_cost.json``. Each fit runs alone, in a process of its own.
 
     taskset -c 0,1 python benchmarks/resume_cost.py [--kill-at 0.7]
@@ -46,6 +47,7 @@ with warnings.catch_warnings():
 np.save(sys.argv[2], model.components_)
 print(json.dumps({"seconds": time.perf_counter() - started,
                   "resumed_stages": model.resumed_stages_,
+                  "resumed_iterations": getattr(model, "resumed_iterations_", None),
                   "stages": [(r["stage"], r["seconds"]) for r in model.stages_]}))
 """
 
@@ -88,7 +90,8 @@ def main() -> None:
     print(f"killed at           {kill_after:7.1f} s  ({args.kill_at:.0%})")
     print(
         f"resumed fit         {resumed['seconds']:7.1f} s  skipped {resumed['resumed_stages']} "
-        f"stage(s); the same map: {same}"
+        f"stage(s) and {resumed.get('resumed_iterations')} iteration(s) in all; the same map: "
+        f"{same}"
     )
     print(f"overhead of the kill: {overhead:.0%} of an uninterrupted fit")
     print(f"float32 GEMM {gemm:.1f} GFLOP/s")

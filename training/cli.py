@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -21,7 +22,7 @@ from training.errors import (
     raise_on_interrupt,
 )
 from training.evaluation.report_page import write_report_page
-from training.job import run
+from training.job import checkpoint_dir_for, run
 from training.references.cli import main as references_main
 
 
@@ -62,7 +63,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error{where}: {describe_os_error(exc)}", file=sys.stderr, flush=True)
         return 2
     except Interrupted as exc:  # SIGINT or SIGTERM: one line, no traceback
-        line = interrupted_line(exc, time.perf_counter() - started, config.out or "--out")
+        checkpoint = checkpoint_dir_for(config, Path(config.out)) if config.out else None
+        line = interrupted_line(
+            exc, time.perf_counter() - started, config.out or "--out", checkpoint
+        )
         print(f"error{where}: {line}", file=sys.stderr, flush=True)
         return exc.exit_status
     finally:

@@ -22,6 +22,7 @@ import os
 import signal
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 
 class ConfigError(ValueError):
@@ -121,13 +122,14 @@ def raise_on_interrupt() -> None:
         signal.signal(signum, handler)
 
 
-def interrupted_line(exc: Interrupted, seconds: float, out: str | None) -> str:
-    """The one line an interrupted command prints."""
+def interrupted_line(exc: Interrupted, seconds: float, out: str | None, checkpoint=None) -> str:
+    """The one line an interrupted command prints; ``checkpoint``: the fit's checkpoint
+    directory (a Path, or None), named when it holds a fit's state to resume from."""
     where = f"; nothing was written at {out} (a version already there is intact)" if out else ""
-    return (
-        f"interrupted by {exc.args[0]} after {seconds:.1f} s{where}; run the same command "
-        "again to start over"
-    )
+    again = "run the same command again to start over"
+    if checkpoint is not None and any(Path(checkpoint).glob("fit-rank*.npz")):
+        again = f"run the same command again to resume from the checkpoint in {checkpoint}"
+    return f"interrupted by {exc.args[0]} after {seconds:.1f} s{where}; {again}"
 
 
 SEED_MAX = 2**32 - 1  # numpy's and torch's seeds: 0 .. 2^32 - 1

@@ -163,8 +163,11 @@ def run(config: TrainConfig, *, log=print) -> dict:
     )
     checkpoint = checkpoint_dir_for(config, out)
     convergence_warnings = fit_estimator(estimator, split, checkpoint)
-    if estimator.resumed_stages_:
-        log(f"resumed from {checkpoint}: {estimator.resumed_stages_} stage(s) were done")
+    if estimator.resumed_iterations_ or estimator.resumed_stages_:
+        log(
+            f"resumed from {checkpoint}: {estimator.resumed_stages_} stage(s) were done, "
+            f"{estimator.resumed_iterations_} iteration(s) in all"
+        )
     evaluation = evaluate(estimator, split, config, group)
     report: dict = {}
     if group.rank == 0:

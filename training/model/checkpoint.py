@@ -1,20 +1,27 @@
-"""A fit's checkpoint: the state at the end of each stage, so that a killed fit resumes.
+"""A fit's checkpoint: the state at the end of each stage, and within an exact L-BFGS stage
+(the exact finish, an exact fit) after an iteration once ``fitting.CHECKPOINT_SECONDS`` have
+passed since the last save, so that a killed fit resumes where it was.
 
-A fit runs in stages (``training.model.fitting``). When a stage ends, what the rest of the
-fit needs from it is written to ``DIRECTORY/fit-rank{R}.npz`` (one file per process under
-torchrun), atomically (a temporary file, fsynced, renamed over the last one):
+A fit runs in stages (``training.model.fitting``). What the rest of the fit needs is written
+to ``DIRECTORY/fit-rank{R}.npz`` (one file per process under torchrun), atomically (a
+temporary file, fsynced, renamed over the last one):
 
     theta       float64 (P,)   the map the fit keeps so far (its parameters)
     torch_rng   uint8          torch's generator state after the stage
     meta        str (0-d)      JSON: the fingerprint, numpy's generator state, and the
                                fit's state but the map (``fitting.FitState``: the stages
-                               done, their records, the history, the counts, K)
+                               done, their records, the history, the counts, K;
+                               mid-stage, the stage's iteration, loss and checks)
+    resume_*    float64        mid-stage only: the iterate (P,), its gradient (P,) and
+                               L-BFGS's curvature pairs s, y (m, P)
 
 A fit started with the same checkpoint directory reads it after its preparation: it skips
-the stages done and goes on from the kept map with both generators as they were, so on the
-same machine it ends with the map an uninterrupted fit ends with (the stages are
-deterministic: no rule of ``training.model.fitting`` but the budget reads the clock). A stage interrupted half-way is
-run again from its start.
+the stages done and goes on from the kept map with both generators as they were, or, in an
+exact L-BFGS stage, from the saved iterate with L-BFGS's pairs and the stage's checks as
+they were. So on the same machine it ends with the map an uninterrupted fit ends with (the
+stages are deterministic: no rule of ``training.model.fitting`` but the budget reads the
+clock). A stage on candidate sets interrupted half-way runs again from its start: its
+sets and their search are not saved.
 
 The fingerprint is a SHA-256 of the prepared training rows (standardised, float32), their
 labels, the validation rows, the estimator's parameters (but those that only change what
@@ -40,9 +47,11 @@ import scipy.sparse as sparse
 import torch
 
 from training.model import sparse_input
-from training.model.fitting import FitState, Snapshot, StageRecord
+from training.model.fitting import FitState, Snapshot, StageRecord, StageResume
 
 FORMAT = "nca-knn-fit-checkpoint/2"
+# a mid-stage state's arrays (StageResume's theta, g, pairs_s, pairs_y), members of their own
+RESUME_ARRAYS = ("resume_theta", "resume_g", "resume_pairs_s", "resume_pairs_y")
 # parameters that change what a fit shows, not what it computes: a fit resumed in a terminal
 # after one run into a log (or the other way round) is the same fit
 DISPLAY_PARAMS = frozenset({"verbose", "progress", "callback"})
@@ -102,6 +111,7 @@ class FitCheckpoint:
             with np.load(self.path, allow_pickle=False) as data:
                 meta = json.loads(str(data["meta"]))
                 theta, torch_rng = data["theta"], data["torch_rng"]
+                arrays = {name: data[name] for name in RESUME_ARRAYS if name in data.files}
         except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
             raise ValueError(
                 f"checkpoint {self.path}: not a readable fit checkpoint ({exc})"
@@ -118,7 +128,12 @@ class FitCheckpoint:
         state = meta["state"]
         kept = Snapshot(np.array(theta, dtype=np.float64), **state.pop("kept"))
         records = [StageRecord(**record) for record in state.pop("records")]
-        return FitState(kept=kept, records=records, **state)
+        resume = state.pop("resume")
+        if resume is not None:  # mid-stage: its arrays are members of their own
+            for name in RESUME_ARRAYS:
+                resume[name.removeprefix("resume_")] = np.asarray(arrays[name], dtype=np.float64)
+            resume = StageResume(**resume)
+        return FitState(kept=kept, records=records, resume=resume, **state)
 
     def save(self, state: FitState, rng: np.random.Generator) -> None:
         """Write the fit's ``state`` and the generators, atomically. A disk that refuses it
@@ -128,6 +143,10 @@ class FitCheckpoint:
             return
         saved = asdict(state)
         saved["kept"].pop("theta")
+        arrays = {"theta": np.asarray(state.kept.theta, dtype=np.float64)}
+        if saved["resume"] is not None:
+            for name in RESUME_ARRAYS:
+                arrays[name] = saved["resume"].pop(name.removeprefix("resume_"))
         meta = {
             "format": FORMAT,
             "fingerprint": self.key,
@@ -136,7 +155,7 @@ class FitCheckpoint:
         }
         text = json.dumps(meta, default=_plain)
         try:
-            self._write(text, np.asarray(state.kept.theta, dtype=np.float64))
+            self._write(text, arrays)
         except OSError as exc:
             self.failed = f"{exc.strerror or exc}"
             warnings.warn(
@@ -146,17 +165,12 @@ class FitCheckpoint:
                 stacklevel=3,
             )
 
-    def _write(self, text: str, theta: np.ndarray) -> None:
+    def _write(self, text: str, arrays: dict[str, np.ndarray]) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".fit.", suffix=".tmp", dir=self.directory)
         try:
             with os.fdopen(fd, "wb") as fh:
-                np.savez(
-                    fh,
-                    theta=theta,
-                    torch_rng=torch.get_rng_state().numpy(),
-                    meta=np.array(text),
-                )
+                np.savez(fh, torch_rng=torch.get_rng_state().numpy(), meta=np.array(text), **arrays)
                 fh.flush()
                 os.fsync(fh.fileno())
             os.replace(tmp, self.path)

@@ -98,6 +98,8 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         "nca_candidates", "knca"): "c" (the native kernels built at install), "torch", or "flex" (exact NCA on CUDA); report.json records it.
     resumed_stages_ : int
         Stages a ``fit(..., checkpoint=DIR)`` found done in DIR and skipped (0: none).
+    resumed_iterations_ : int
+        ... and the iterations it found done, those of an exact stage killed mid-way included.
     budget_exhausted_ : bool
         Whether ``max_seconds`` cut the fit short.
     candidate_warning_ : str or None
@@ -146,10 +148,11 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         """Learn the transformation from X (N, D) and labels y (N,).
 
         X_val, y_val: an explicit validation set for early stopping (optional).
-        checkpoint: a directory where the fit's state is written at the end of each stage
+        checkpoint: a directory where the fit's state is written at the end of each stage, and
+        within the exact finish (or an exact fit) at each held-out check
         (``training.model.checkpoint``); a fit of the same data and parameters started with
-        it again skips the stages done and ends with the same map. ``resumed_stages_`` says
-        how many it skipped.
+        it again goes on from there and ends with the same map. ``resumed_stages_`` and
+        ``resumed_iterations_`` say how much it found done.
 
         Steps: prepare (validate the data and parameters, seed, split off the held-out rows,
         standardise, initialise A: ``training.model.preparation``); plan (every "auto"
@@ -183,6 +186,7 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
             state = stages.run()
         self.stages_ = stages.describe(state)
         self.resumed_stages_ = stages.resumed_stages
+        self.resumed_iterations_ = stages.resumed_iterations
         self.stage_measure_ = stages.measure
         self.budget_exhausted_ = state.budget_exhausted
         self._store_fit(stages, state, prep, plan, group)
@@ -214,10 +218,12 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         self.converged_ = state.fit_stop_reason in CONVERGED
         self.objective_value_ = kept.objective
         self.history_ = state.history
-        self.best_val_accuracy_ = kept.score if prep.X_val is not None else None
+        # the best validation accuracy any map reached (the kept map is within 1.5 rows of it)
+        self.best_val_accuracy_ = state.best_score if prep.X_val is not None else None
         self.kept_iteration_ = kept.iteration  # the map returned: 0 is the initial map
         self.init_used_ = prep.init_used
-        self.n_candidates_ = state.n_candidates  # K at the end (the watch may change it)
+        # K at the end (the watch may change it); the plan's when no candidate stage ran
+        self.n_candidates_ = state.n_candidates or plan.n_candidates
         finish = [r for r in state.records if r.stage == "exact finish"]
         finished = bool(finish) and finish[0].iterations > 0
         self.l2_ = float(plan.finish_l2 if finished else plan.l2)  # of the objective optimised last

@@ -61,13 +61,16 @@ from training.objectives.registry import make_objective
 from training.optim.adam import AdamEpochs
 from training.optim.candidate_search import CandidateSearch
 from training.optim.candidates import candidate_audit, candidate_watch
-from training.optim.lbfgs import LBFGS
+from training.optim.lbfgs import LBFGS, Evaluation
 from training.optim.problem import Problem
 from training.optim.sharded_problem import ShardedProblem
 
 STALL_CHECKS = 2  # checks in a row without a gain that stop a stage (without early_stopping)
 CANDIDATE_CHANGE_TOL = 0.01  # a round converged on sets that changed less than this: done
 CACHED_MAPS = 4  # the held-out scores of this many maps are remembered
+# an exact L-BFGS stage is checkpointed after an iteration when this many seconds have passed
+# since the last save (the clock decides when to save, never what the fit computes)
+CHECKPOINT_SECONDS = 30.0
 
 
 class StopReason(str, Enum):
@@ -100,7 +103,9 @@ CONVERGED = {
 @dataclass(frozen=True)
 class Snapshot:
     """A map the fit reached: its parameters, the mean score of the objective it was reached
-    on, its held-out score (None: not scored) and the fit's iteration count there."""
+    on (of the later stage's objective once a later stage starts from it: ``objective_value_``
+    is of the objective optimised last, as ``l2_`` is), its held-out score (None: not
+    scored) and the fit's iteration count there."""
 
     theta: np.ndarray  # (P,) float64: A (d, D) raveled, or the diagonal a (D,)
     objective: float
@@ -235,8 +240,28 @@ class HeldOut:
 
 
 @dataclass
+class StageResume:
+    """Where an exact L-BFGS stage (the exact finish, an exact fit) stood after an
+    iteration: what a killed fit goes on from, mid-stage, to the map an
+    uninterrupted fit reaches (L-BFGS's step depends on nothing else)."""
+
+    index: int  # of the stage in the plan
+    iteration: int  # the stage's iterations so far
+    theta: np.ndarray  # (P,) the iterate
+    f: float  # the loss there, its gradient (P,) and mean score
+    g: np.ndarray
+    extra: float
+    pairs_s: np.ndarray  # (m, P) L-BFGS's curvature pairs, oldest first
+    pairs_y: np.ndarray  # (m, P)
+    evaluations: int  # the stage's evaluations so far
+    seconds: float  # the stage's time so far
+    checks: dict  # the stage's held-out checks (StageChecks' numbers)
+
+
+@dataclass
 class FitState:
-    """Everything a fit has done so far: what a checkpoint saves after each stage."""
+    """Everything a fit has done so far: what a checkpoint saves after each stage, and
+    within an exact L-BFGS stage every CHECKPOINT_SECONDS (``resume``)."""
 
     kept: Snapshot  # the map the fit returns if it ends now
     best_score: float | None = None  # the best held-out score of the fit
@@ -247,6 +272,7 @@ class FitState:
     stop_reason: str | None = None  # the first stage's
     n_candidates: int | None = None  # K at the end of the candidate stage
     stages_done: int = 0
+    resume: StageResume | None = None  # the running stage's, mid-stage
 
     def offer(self, snapshot: Snapshot, tolerance: float | None) -> bool:
         """The keep rule (the module's docstring); ``tolerance`` None: not judged, the
@@ -286,13 +312,14 @@ class StagedFit:
         self.stages = plan_stages(plan, settings.max_iter)
         self.make_problem = self._problem_factory()
         self.held_out = self._held_out()
-        self.patience = self._patience()
         # whether the keep rule reads the scores (early stopping keeps the best validated map)
         keep_best = settings.select_stages or settings.early_stopping
         self.judged = self.held_out is not None and keep_best
+        self.patience = self._patience()
         self.verbose = bool(settings.verbose) and group.rank == 0
         self.header_printed, self.last_line = False, 0.0
-        self.resumed_stages = 0
+        self.resumed_stages = 0  # stages a checkpoint held done
+        self.resumed_iterations = 0  # ... and iterations, mid-stage ones included
 
     # ------------------------------------------------------------------ the loop
 
@@ -305,13 +332,14 @@ class StagedFit:
             state.stop_reason, state.evaluations = StopReason.SINGLE_CLASS, 1
             return state
         self.last_line = self.clock.elapsed()  # the verbose table's first time counts from here
+        self.last_save = self.last_line  # when the checkpoint was last written
         for index, stage in enumerate(self.stages):
             if index < state.stages_done:
                 continue
             self._run_stage(index, stage, state)
             state.stages_done = index + 1
             if self.checkpoint is not None:
-                self.checkpoint.save(state, self.prep.rng)
+                self._save(state)
         if math.isnan(state.kept.objective):  # the budget skipped every stage
             state.kept = self._evaluated(state.kept)
             state.evaluations += 1
@@ -347,12 +375,19 @@ class StagedFit:
         self._announce(stage, problem)
         held, theta = self.held_out, state.kept.theta
         check = StageChecks(held, self.patience)
-        check.start(self._score(index, 0, theta))
-        if self.judged:  # the start, scored: the kept map (the keep rule's invariant holds)
-            state.offer(replace(state.kept, score=check.start_score), held.tolerance)
-        self._progress(stage, 0, check.last_score)
         stop, iteration, at = None, 0, None
         rounds = Rounds(watch)
+        resume, state.resume = state.resume, None
+        if resume is not None and resume.index == index:  # a killed fit, mid-stage
+            theta, at, iteration = resume.theta, resume_point(resume), resume.iteration
+            solver.restore(resume.pairs_s, resume.pairs_y, resume.evaluations)
+            check.restore(resume.checks)
+            started, before = started - resume.seconds, before - resume.iteration
+        else:
+            check.start(self._score(index, 0, theta))
+            if self.judged:  # the start, scored: the kept map (the keep rule's invariant)
+                state.offer(replace(state.kept, score=check.start_score), held.tolerance)
+            self._progress(stage, 0, check.last_score)
         while stop is None:
             if iteration >= stage.max_iter:
                 stop = StopReason.MAX_ITER
@@ -397,6 +432,10 @@ class StagedFit:
                 stop = StopReason.MAX_SECONDS
             elif stop is None and step.stop is not None:
                 stop = rounds.stop_for(step.stop, iteration, moved=True)
+            if stop is None and self._saves_mid_stage(stage):
+                state.resume = self._where(index, iteration, theta, at, solver, check, started)
+                self._save(state)
+                state.resume = None
         if iteration > 0:  # the stage's last map, offered to the keep rule too
             score = self._score(index, iteration, theta)
             check.seen(score)
@@ -418,7 +457,7 @@ class StagedFit:
                 refreshes=0 if watch is None else watch.n_refreshes,
                 checks=check.count,
                 check_seconds=check.seconds,
-                stop_reason=stop,
+                stop_reason=str(stop),
                 refresh_changes=[] if watch is None else list(watch.changes),
                 refresh_replaced=[] if watch is None else list(watch.replaced),
                 refresh_sizes=[] if watch is None else list(watch.sizes),
@@ -454,9 +493,40 @@ class StagedFit:
         state = self.checkpoint.load(self.prep.rng)
         if state is not None:
             self.resumed_stages = state.stages_done
+            self.resumed_iterations = state.iterations
             if self.held_out is not None:  # the kept map's score, remembered
                 self.held_out.remember(state.kept.theta, state.kept.score)
         return state
+
+    def _saves_mid_stage(self, stage: Stage) -> bool:
+        """Whether to checkpoint the stage now, mid-stage: an exact L-BFGS stage's, once
+        CHECKPOINT_SECONDS have passed since the last save (a stage on candidate sets starts
+        over: its sets and search are not saved)."""
+        if self.checkpoint is None or stage.on_candidates or stage.solver != "lbfgs":
+            return False
+        return self.clock.elapsed() - self.last_save >= CHECKPOINT_SECONDS
+
+    def _where(self, index, iteration, theta, at, solver, check, started) -> StageResume:
+        """Where the running stage stands (a mid-stage checkpoint's)."""
+        s, y = solver.pairs_arrays()
+        seconds = self.clock.elapsed() - started
+        return StageResume(
+            index,
+            iteration,
+            theta,
+            at.f,
+            at.g,
+            at.extra,
+            s,
+            y,
+            solver.evaluations,
+            seconds,
+            check.numbers(),
+        )
+
+    def _save(self, state: FitState) -> None:
+        self.checkpoint.save(state, self.prep.rng)
+        self.last_save = self.clock.elapsed()
 
     def _solver(self, stage: Stage, problem):
         settings = self.settings
@@ -522,7 +592,10 @@ class StagedFit:
         return HeldOut(score, prep.n_judged, measure)
 
     def _patience(self) -> int | None:
-        """Checks in a row without a gain that stop a stage (None: the rule is off)."""
+        """Checks in a row without a gain that stop a stage (None: the rule is off, as it is
+        when the scores judge nothing: ``select_stages=False`` without early stopping)."""
+        if not self.judged:
+            return None
         if self.settings.early_stopping:
             return self.settings.n_iter_no_change
         return STALL_CHECKS if self.settings.stop_stalled_stages else None
@@ -670,12 +743,27 @@ class StageChecks:
             self.end_score = score if not self.reached else max(self.end_score, score)
             self.reached = True
 
+    NUMBERS = ("count", "start_score", "best_score", "last_score", "end_score", "reached", "flat")
+
+    def numbers(self) -> dict:
+        """What a checkpoint keeps of the checks (``restore`` takes it back)."""
+        return {name: getattr(self, name) for name in self.NUMBERS}
+
+    def restore(self, numbers: dict) -> None:
+        for name in self.NUMBERS:
+            setattr(self, name, numbers[name])
+
     @property
     def seconds(self) -> float:
         """The time the stage's scores took."""
         return 0.0 if self.held is None else self.held.seconds - self.seconds_before
 
 
+def resume_point(resume: StageResume) -> Evaluation:
+    """The evaluation a resumed stage stood at."""
+    return Evaluation(resume.f, np.asarray(resume.g, dtype=np.float64), resume.extra)
+
+
 def skipped_record(stage: str) -> StageRecord:
     """The record of a stage the spent budget skipped."""
-    return StageRecord(stage, None, None, "start", 0.0, 0, 0, 0, 0, 0.0, StopReason.SKIPPED)
+    return StageRecord(stage, None, None, "start", 0.0, 0, 0, 0, 0, 0.0, str(StopReason.SKIPPED))

@@ -69,7 +69,6 @@ class Prepared:
     theta0: np.ndarray
     init_used: str
     classes: np.ndarray
-    validate: Callable  # problem -> (theta -> validation accuracy) or None
     judge: Callable  # problem -> (theta -> held-out accuracy) or None (training.model.fitting)
     n_judged: int = 0  # held-out rows the judge scores
     X_val: np.ndarray | None = None  # (V, D) standardised validation rows (this process's)
@@ -140,7 +139,6 @@ def prepare(est, settings, X, y, X_val, y_val, group) -> Prepared:
         theta0=theta0,
         init_used=init_used,
         classes=classes,
-        validate=scores.validate if X_val is not None else (lambda problem: None),
         judge=scores.validate,
         n_judged=scores.n_rows,
         X_val=Xv_s if X_val is not None else None,

@@ -81,6 +81,19 @@ class LBFGS:
     def reset(self) -> None:
         self.pairs = []
 
+    def pairs_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """The curvature pairs as (s (m, P), y (m, P)), oldest first (a checkpoint's)."""
+        n = 0 if not self.pairs else self.pairs[0][0].size
+        s = np.array([pair[0] for pair in self.pairs]).reshape(len(self.pairs), n)
+        y = np.array([pair[1] for pair in self.pairs]).reshape(len(self.pairs), n)
+        return s, y
+
+    def restore(self, s: np.ndarray, y: np.ndarray, evaluations: int) -> None:
+        """The state ``pairs_arrays`` saved, and the evaluations spent: the next step is
+        the one the saved run took."""
+        self.pairs = [(si, yi, 1.0 / float(si @ yi)) for si, yi in zip(s, y, strict=True)]
+        self.evaluations = evaluations
+
     def start(self, x: np.ndarray) -> Evaluation:
         """The evaluation a round starts from."""
         return self.fun(x)
@@ -106,7 +119,7 @@ class LBFGS:
         s, y = x_new - x, found.g - at.g
         sy = float(s @ y)
         if sy > 1e-10 * float(y @ y):  # keep H positive definite: skip pairs without curvature
-            self.pairs = [*self.pairs[-(self.memory - 1) :], (s, y, 1.0 / sy)]
+            self.pairs = [*self.pairs, (s, y, 1.0 / sy)][-self.memory :]
         reduction = (at.f - found.f) / max(abs(at.f), abs(found.f), 1.0)
         stop = None
         if reduction <= self.tol or np.max(np.abs(found.g), initial=0.0) <= self.tol:
@@ -142,7 +155,7 @@ def line_search(fun, x, at: Evaluation, d, slope: float, first: float, budget: i
         here = fun(x + a * d)
         spent += 1
         here_slope = float(here.g @ d)
-        if here.f > at.f + SUFFICIENT_DECREASE * a * slope or (spent > 1 and here.f >= prev.f):
+        if _too_far(here, here_slope, at, a, slope) or (spent > 1 and here.f >= prev.f):
             low, high = (a_prev, prev, prev_slope), (a, here, here_slope)
             return _zoom(fun, x, at, d, slope, low, high, budget, spent)
         if abs(here_slope) <= -CURVATURE * slope:
@@ -150,10 +163,12 @@ def line_search(fun, x, at: Evaluation, d, slope: float, first: float, budget: i
         if here_slope >= 0:  # past a minimum: it lies between a and the previous step
             low, high = (a, here, here_slope), (a_prev, prev, prev_slope)
             return _zoom(fun, x, at, d, slope, low, high, budget, spent)
-        # still descending: extrapolate, between 1.01 and 10 times as far
-        a_next = cubic_minimum(
-            a_prev, prev.f, prev_slope, a, here.f, here_slope, a + 0.01 * (a - a_prev), 10.0 * a
-        )
+        # still descending: extrapolate to the cubic's minimum beyond a, at most 10 times as
+        # far; 4 times when the cubic puts none beyond a (MINPACK's rule: clipped to just
+        # past a, such a guess crawls)
+        t = _cubic_minimiser(a_prev, prev.f, prev_slope, a, here.f, here_slope)
+        low = a + 0.01 * (a - a_prev)
+        a_next = 4.0 * a if t is None or t <= low else min(t, 10.0 * a)
         a_prev, prev, prev_slope, a = a, here, here_slope, a_next
     return (a_prev, prev, spent) if a_prev > 0 else (0.0, at, spent)
 
@@ -171,7 +186,7 @@ def _zoom(fun, x, at: Evaluation, d, slope: float, low, high, budget: int, spent
         here = fun(x + a * d)
         spent += 1
         here_slope = float(here.g @ d)
-        if here.f > at.f + SUFFICIENT_DECREASE * a * slope or here.f >= lo.f:
+        if _too_far(here, here_slope, at, a, slope) or not here.f < lo.f:
             high = (a, here, here_slope)
             continue
         if abs(here_slope) <= -CURVATURE * slope:
@@ -183,24 +198,35 @@ def _zoom(fun, x, at: Evaluation, d, slope: float, low, high, budget: int, spent
     return (a_lo, lo, spent) if a_lo > 0 else (0.0, at, spent)
 
 
+def _too_far(here: Evaluation, here_slope: float, at: Evaluation, a: float, slope: float) -> bool:
+    """Whether the step a fails sufficient decrease, or lands where the loss or its slope is
+    not finite (an overflow: a shorter step is tried)."""
+    decreased = here.f <= at.f + SUFFICIENT_DECREASE * a * slope  # False for NaN
+    return not decreased or not math.isfinite(here_slope)
+
+
 def cubic_minimum(a, fa, ga, b, fb, gb, low, high) -> float:
     """The minimiser of the cubic through (a, fa) and (b, fb) with slopes ga and gb
     (Nocedal & Wright eq. 3.59), clipped to [low, high]; their midpoint when the cubic has
-    no minimum there."""
+    no minimum."""
+    t = _cubic_minimiser(a, fa, ga, b, fb, gb)
+    return 0.5 * (low + high) if t is None else min(max(t, low), high)
+
+
+def _cubic_minimiser(a, fa, ga, b, fb, gb) -> float | None:
+    """Eq. 3.59's minimiser, or None when the cubic has none (or the arithmetic fails)."""
     if a == b:
-        return 0.5 * (low + high)
+        return None
     d1 = ga + gb - 3.0 * (fa - fb) / (a - b)
     discriminant = d1 * d1 - ga * gb
     if not discriminant >= 0:  # NaN too
-        return 0.5 * (low + high)
+        return None
     d2 = math.copysign(math.sqrt(discriminant), b - a)
     denominator = gb - ga + 2.0 * d2
     if denominator == 0 or not math.isfinite(denominator):
-        return 0.5 * (low + high)
+        return None
     t = b - (b - a) * (gb + d2 - d1) / denominator
-    if not math.isfinite(t):
-        return 0.5 * (low + high)
-    return min(max(t, low), high)
+    return t if math.isfinite(t) else None
 
 
 class ProblemLoss:

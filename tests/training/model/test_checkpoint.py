@@ -14,6 +14,7 @@ import pytest
 from service.core.artifact import read_artifact
 from tests.training.problems import blobs
 from training import NCA
+from training.model import fitting
 from training.model.options import with_options
 
 PARAMS = dict(n_components=2, n_candidates=5, max_iter=12, random_state=0, validation_interval=2)
@@ -40,29 +41,62 @@ def fit(checkpoint=None, **extra):
     X, y, X_val, y_val = data()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return NCA(**with_options(dict(**PARAMS, **extra))).fit(
+        return NCA(**with_options({**PARAMS, **extra})).fit(
             X, y, X_val, y_val, checkpoint=checkpoint
         )
 
 
-def test_a_fit_killed_in_its_finish_resumes_there_and_ends_with_the_same_map(tmp_path):
+def timeless(records: list[dict]) -> list[dict]:
+    return [record | {"seconds": 0, "check_seconds": 0} for record in records]
+
+
+@pytest.fixture
+def save_every_iteration(monkeypatch):
+    """A mid-stage checkpoint after every iteration of an exact stage (30 s apart by
+    default: more often than these fits take)."""
+    monkeypatch.setattr(fitting, "CHECKPOINT_SECONDS", 0.0)
+
+
+@pytest.mark.parametrize("killed_at", [2, 3])
+def test_a_fit_killed_in_its_finish_resumes_there_and_ends_with_the_same_map(
+    tmp_path, save_every_iteration, killed_at
+):
+    """Killed at the finish's iteration ``killed_at`` (in its callback, before that
+    iteration is saved): the checkpoint holds the candidate stage and the finish as it
+    stood an iteration before, and the resumed fit goes on from there to the same map, the
+    same records and the same history as a fit never interrupted."""
     whole = fit()
     first_iterations = whole.stages_[0]["iterations"]
     assert [r["stage"] for r in whole.stages_] == ["candidate stage", "exact finish"]
-    with pytest.raises(Killed):  # killed at the finish's second iteration
-        fit(tmp_path / "ckpt", callback=killer(first_iterations + 2))
+    assert whole.stages_[1]["iterations"] > killed_at
+    with pytest.raises(Killed):
+        fit(tmp_path / "ckpt", callback=killer(first_iterations + killed_at))
     assert (tmp_path / "ckpt" / "fit-rank0.npz").is_file()
     resumed = fit(tmp_path / "ckpt")
     assert resumed.resumed_stages_ == 1 and whole.resumed_stages_ == 0
+    assert resumed.resumed_iterations_ == first_iterations + killed_at - 1
     np.testing.assert_array_equal(resumed.components_, whole.components_)
-    assert resumed.stages_[0] | {"seconds": 0, "check_seconds": 0} == whole.stages_[0] | {
-        "seconds": 0,
-        "check_seconds": 0,
-    }
+    assert timeless(resumed.stages_) == timeless(whole.stages_)
+    strip = [{k: v for k, v in r.items() if k != "seconds"} for r in whole.history_]
+    assert [{k: v for k, v in r.items() if k != "seconds"} for r in resumed.history_] == strip
     assert resumed.n_iter_ == whole.n_iter_ and resumed.n_candidates_ == whole.n_candidates_
+    assert resumed.objective_value_ == whole.objective_value_
+    assert resumed.n_evaluations_ == whole.n_evaluations_
     again = fit(tmp_path / "ckpt")  # every stage done: nothing to run
     assert again.resumed_stages_ == 2
     np.testing.assert_array_equal(again.components_, whole.components_)
+
+
+def test_an_exact_fit_killed_mid_way_resumes_at_its_last_iteration(tmp_path, save_every_iteration):
+    exact = dict(n_candidates=None, tol=0, stop_stalled_stages=False)  # runs its 12
+    whole = fit(**exact)
+    assert [r["stage"] for r in whole.stages_] == ["exact fit"] and whole.n_iter_ > 4
+    with pytest.raises(Killed):  # at iteration 4, before it is saved
+        fit(tmp_path / "ckpt", **exact, callback=killer(4))
+    resumed = fit(tmp_path / "ckpt", **exact)
+    assert resumed.resumed_stages_ == 0 and resumed.resumed_iterations_ == 3
+    np.testing.assert_array_equal(resumed.components_, whole.components_)
+    assert timeless(resumed.stages_) == timeless(whole.stages_)
 
 
 def test_a_fit_killed_in_its_first_stage_starts_that_stage_over(tmp_path):
@@ -128,3 +162,36 @@ def test_a_checkpoint_the_disk_refuses_costs_the_checkpoint_not_the_fit(tmp_path
             X, y, X_val, y_val, checkpoint=blocker / "ckpt"
         )
     np.testing.assert_array_equal(model.components_, fit().components_)
+
+
+def test_a_job_sigtermed_in_its_exact_fit_resumes_there_when_run_again(python_m_training, tmp_path):
+    """A node drain's SIGTERM at the exact fit's 6th iteration (checkpointed after every
+    iteration here): exit 143 with one line naming the checkpoint to resume from; the same
+    command run again goes on from the 5th iteration and writes the uninterrupted map."""
+    X, y, _, _ = data()
+    np.save(tmp_path / "X.npy", X)
+    np.save(tmp_path / "y.npy", y)
+    args = ["--data", tmp_path / "X.npy", "--labels", tmp_path / "y.npy", "--n-components", "2"]
+    args += ["--n-candidates", "exact", "--max-iter", "30", "--tol", "0", "--no-plots"]
+    args += ["--quiet"]
+    every_iteration = "import training.model.fitting as f\nf.CHECKPOINT_SECONDS = 0.0\n"
+    code, _, err = python_m_training(*args, "--out", tmp_path / "whole")
+    assert code == 0, err
+    drain = every_iteration + (
+        "import os, signal\nreal = f.StagedFit._record\n"
+        "def record(self, index, stage, problem, theta, objective, figures, state):\n"
+        "    if state.iterations == 6:\n        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    return real(self, index, stage, problem, theta, objective, figures, state)\n"
+        "f.StagedFit._record = record\n"
+    )
+    code, _, err = python_m_training(*args, "--out", tmp_path / "m", prelude=drain)
+    checkpoint = tmp_path / ".m.checkpoint"
+    assert code == 143, err
+    assert "Traceback" not in err
+    assert f"resume from the checkpoint in {checkpoint}" in err.strip().splitlines()[-1]
+    code, _, err = python_m_training(*args, "--out", tmp_path / "m", prelude=every_iteration)
+    assert code == 0, err
+    assert f"resumed from {checkpoint}: 0 stage(s) were done, 5 iteration(s) in all" in err
+    np.testing.assert_array_equal(
+        read_artifact(tmp_path / "m").projection, read_artifact(tmp_path / "whole").projection
+    )

@@ -97,7 +97,9 @@ def test_the_evaluation_budget_bounds_a_step():
     at = solver.start(x)
     step = solver.step(x, at, max_evaluations=1)
     assert step.evaluations == 1 and solver.evaluations == 2
-    assert step.stop == "max_evaluations" or step.at.f < at.f
+    # the one trial (length 1 along -g) overshoots this quadratic: no step, and the budget's
+    # end is said (not "precision")
+    assert step.stop == "max_evaluations" and not step.moved and step.at is at
 
 
 def test_a_start_that_meets_the_gradient_test_does_not_move():
@@ -114,3 +116,50 @@ def test_the_same_problem_gives_the_same_iterates_bit_for_bit():
     second = minimise(fun, np.full(8, 0.3))
     np.testing.assert_array_equal(first[0], second[0])
     assert first[2:] == second[2:]
+
+
+def test_a_line_that_keeps_descending_is_extrapolated_not_crawled():
+    """A line whose slope steepens, then flattens at -200 (a concave start: the cubic puts
+    its minimum behind each trial): the steps grow 4x a trial, as MINPACK's, to an
+    acceptable step in 4 evaluations (scipy: 5); clipping the cubic's answer to just
+    beyond the last trial once crawled 1.1x a trial and spent all 20."""
+
+    def fun(x):
+        a = float(x[0])
+        v, g = -(a**3 + 4.5 * a**2 + 6 * a), -(3 * a * a + 9 * a + 6)
+        t = math.tanh(-v / 200)
+        return Evaluation(-200 * t, np.array([(1 - t * t) * g]))
+
+    x = np.zeros(1)
+    at = fun(x)
+    _, found, spent = line_search(fun, x, at, np.ones(1), float(at.g[0]), 1 / 6, 20)
+    assert spent <= 6 and found.f < -199
+    assert abs(float(found.g[0])) <= CURVATURE * abs(float(at.g[0]))
+
+
+def test_a_trial_where_the_loss_is_not_finite_is_a_step_too_far():
+    """NaN beyond x = 0.5 (an overflow): the search shortens the step instead of taking
+    the NaN as a decrease."""
+
+    def fun(x):
+        if x[0] > 0.5:
+            return Evaluation(math.nan, np.array([math.nan]))
+        return Evaluation(float((x[0] - 3) ** 2), np.array([2 * (x[0] - 3)]))
+
+    solver = LBFGS(fun, 1e-8)
+    x = np.zeros(1)
+    step = solver.step(x, solver.start(x))
+    assert step.moved and 0 < step.x[0] <= 0.5 and math.isfinite(step.at.f)
+
+
+def test_the_memory_bounds_the_pairs_kept():
+    for memory in (1, 3):
+        solver = LBFGS(lambda x: Evaluation(float(x @ x), 2 * x), 0.0, memory=memory)
+        x = np.arange(1.0, 6.0)
+        at = solver.start(x)
+        for _ in range(6):
+            step = solver.step(x, at)
+            x, at = step.x, step.at
+            if step.stop:
+                break
+        assert len(solver.pairs) <= memory

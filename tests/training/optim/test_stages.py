@@ -225,3 +225,23 @@ def test_the_fit_records_which_kernels_evaluated_its_objectives(monkeypatch):
     assert staged.kernels_ == {"nca_exact": built, "nca_candidates": built}
     assert knca.kernels_ == {"knca": built}
     assert off.kernels_ == {"nca_exact": "torch", "nca_candidates": "torch"}
+
+
+def test_without_stage_selection_a_validation_set_stops_and_undoes_nothing():
+    """select_stages=False: the stages run as the optimiser ends them, whatever the
+    validation set scores (the stop rule judges for the keep rule only)."""
+    X, y = separable_problem()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = NCA(
+            n_components=4,
+            random_state=0,
+            n_candidates=6,
+            max_iter=10,
+            tol=0,
+            options=dict(select_stages=False, exact_finish=3, validation_interval=1),
+        ).fit(X[:200], y[:200], X[200:], y[200:])
+    stops = [r["stop_reason"] for r in model.stages_]
+    assert not {"hurt", "stalled"} & set(stops), stops  # the optimiser's reasons only
+    assert [r["kept"] for r in model.stages_] == ["end (not judged)"] * 2
+    assert model.kept_iteration_ == model.n_iter_
