@@ -163,12 +163,16 @@ def line_search(fun, x, at: Evaluation, d, slope: float, first: float, budget: i
         if here_slope >= 0:  # past a minimum: it lies between a and the previous step
             low, high = (a, here, here_slope), (a_prev, prev, prev_slope)
             return _zoom(fun, x, at, d, slope, low, high, budget, spent)
-        # still descending: extrapolate to the cubic's minimum beyond a, at most 10 times as
-        # far; 4 times when the cubic puts none beyond a (MINPACK's rule: clipped to just
-        # past a, such a guess crawls)
+        # still descending: extrapolate, as MINPACK's search does (Moré & Thuente 1994):
+        # at most to a + 4 (a - a_prev); that far when the slope did not flatten (the line
+        # is concave here) or the cubic puts no minimum beyond a, else to the cubic's minimum
+        farthest = a + 4.0 * (a - a_prev)
         t = _cubic_minimiser(a_prev, prev.f, prev_slope, a, here.f, here_slope)
-        low = a + 0.01 * (a - a_prev)
-        a_next = 4.0 * a if t is None or t <= low else min(t, 10.0 * a)
+        steepened = abs(here_slope) >= abs(prev_slope)
+        if steepened or t is None or t <= a:
+            a_next = farthest
+        else:
+            a_next = min(max(t, a + 0.01 * (a - a_prev)), farthest)
         a_prev, prev, prev_slope, a = a, here, here_slope, a_next
     return (a_prev, prev, spent) if a_prev > 0 else (0.0, at, spent)
 

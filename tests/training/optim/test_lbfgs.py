@@ -120,8 +120,8 @@ def test_the_same_problem_gives_the_same_iterates_bit_for_bit():
 
 def test_a_line_that_keeps_descending_is_extrapolated_not_crawled():
     """A line whose slope steepens, then flattens at -200 (a concave start: the cubic puts
-    its minimum behind each trial): the steps grow 4x a trial, as MINPACK's, to an
-    acceptable step in 4 evaluations (scipy: 5); clipping the cubic's answer to just
+    its minimum behind each trial): each step goes to a + 4 (a - a_prev), as MINPACK's, to
+    an acceptable step in 4 evaluations (scipy: 5); clipping the cubic's answer to just
     beyond the last trial once crawled 1.1x a trial and spent all 20."""
 
     def fun(x):
