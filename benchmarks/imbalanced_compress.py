@@ -1,16 +1,17 @@
-"""Imbalanced classes compress: a set shaped like UCI's Shuttle (43,500 training rows of 9
-features in 7 classes of 34,108, 37, 132, 6,748, 2,458, 6 and 11 rows; 14,500 test rows in
-the same proportions) trained by the job and compressed with ``references condense --method
-prototypes`` at 5% and 2% kept.
+"""Imbalanced classes compress: UCI's Shuttle (43,500 training rows of 9 features in 7 classes
+of 34,108, 37, 132, 6,748, 2,458, 6 and 11 rows; 14,500 test rows), trained by the job and
+compressed with ``references condense --method prototypes`` at 5% and 2% kept, each with
+the floors of prototypes per class that ``--floors`` lists (``--min-per-class``).
 
-The rows are synthetic (the real set is not in this environment): each class a Gaussian
-mixture of 3 clusters in 9 dimensions, centres drawn with ``--spread`` (classes overlap a
-little). What is measured is what the budget does: every class keeps at least one
-prototype (the old rule refused: "--reduction=20 is above the size of class 5"), the total
-is round(N / reduction), and the small classes' test recall before and after.
+``--data shuttle`` (the default) reads the real set that ``benchmarks/prepare_uci.py`` writes;
+``--data synthetic`` makes a set of the same shape instead: each class a Gaussian mixture of
+3 clusters in 9 dimensions, centres drawn with ``--spread`` (classes overlap a little). What
+is measured is what the budget does: every class keeps at least its floor of prototypes
+(the rule before refused: "--reduction=20 is above the size of class 5"), the total is
+round(N / reduction), and the small classes' test recall before and after.
 
-Usage: python benchmarks/imbalanced_compress.py [--spread 4.0]
-Writes benchmarks/results/imbalanced_compress.json.
+Usage: python benchmarks/imbalanced_compress.py [--data shuttle|synthetic] [--floors 1,3]
+Writes benchmarks/results/imbalanced_compress[_synthetic].json.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness.data import shuttle
 from harness.report import machine, print_table, save_json
 
 SHUTTLE_TRAIN = (34108, 37, 132, 6748, 2458, 6, 11)
@@ -47,7 +49,8 @@ def recall(predicted, y, c) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--spread", type=float, default=4.0)
+    parser.add_argument("--data", choices=("shuttle", "synthetic"), default="shuttle")
+    parser.add_argument("--spread", type=float, default=4.0, help="synthetic only")
     parser.add_argument(
         "--floors", default="1", help="prototypes per class at least (--min-per-class), each"
     )
@@ -58,12 +61,18 @@ def main() -> None:
     from training.job import run
     from training.references.versions import condense_references
 
-    centres = np.random.default_rng(0).normal(scale=args.spread, size=(7, 3, 9))
-    X, y = shuttle_like(SHUTTLE_TRAIN, centres, 1)
-    X_test, y_test = shuttle_like(SHUTTLE_TEST, centres, 2)
+    if args.data == "shuttle":
+        real = shuttle()
+        if real is None:
+            raise SystemExit("run benchmarks/prepare_uci.py first (or pass --data synthetic)")
+        X, y, X_test, y_test = real
+    else:
+        centres = np.random.default_rng(0).normal(scale=args.spread, size=(7, 3, 9))
+        X, y = shuttle_like(SHUTTLE_TRAIN, centres, 1)
+        X_test, y_test = shuttle_like(SHUTTLE_TEST, centres, 2)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        data = Path(tmp) / "shuttle_like.npz"
+        data = Path(tmp) / f"{args.data}.npz"
         np.savez(data, X=X, y=y, X_test=X_test, y_test=y_test)
         out = Path(tmp) / "model"
         started = time.perf_counter()
@@ -107,9 +116,13 @@ def main() -> None:
         rows,
         ["version", "references", "test_accuracy", "recall_1", "recall_5", "recall_6", "per_class"],
     )
-    save_json(
-        "imbalanced_compress.json", {"machine": machine(), "spread": args.spread, "rows": rows}
+    name = (
+        "imbalanced_compress.json"
+        if args.data == "shuttle"
+        else "imbalanced_compress_synthetic.json"
     )
+    setting = {"data": args.data, **({"spread": args.spread} if args.data == "synthetic" else {})}
+    save_json(name, {"machine": machine(), **setting, "rows": rows})
 
 
 if __name__ == "__main__":

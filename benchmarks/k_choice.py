@@ -22,7 +22,7 @@ gained.
 
 Data (the map is fixed, so the rule is judged alone): USPS (7,291 training, 2,007 test, raw
 pixels); MNIST's first 10,000 training rows and its 10,000 test rows, in 50 principal
-components of the training rows; UCI letters (``benchmarks/prepare_letters.py``; 16,000
+components of the training rows; UCI letters (``benchmarks/prepare_uci.py``; 16,000
 training, 4,000 test) when prepared. Sets whose data is absent are skipped.
 
 Usage: python benchmarks/k_choice.py [--seeds 20] [--val-fraction 0.1]

@@ -20,7 +20,7 @@ k = 1; seconds are the compression's alone.
 Sets: usps (7,291 - 700 validation rows, 256 pixels, d = 32; USPS's own 2,007 test rows),
 letters (UCI's letter recognition, ``harness.data.letters``: the first 16,000 rows, 1,600 of
 them validation, train; the last 4,000 test; 16 features, 26 classes, d = 12; run
-``benchmarks/prepare_letters.py`` once first), usps784 (``harness.data.usps_784``: 60,000
+``benchmarks/prepare_uci.py`` once first), usps784 (``harness.data.usps_784``: 60,000
 references of 784 pixels, d = 32), mnist (the real MNIST digits, ``../shared/data/mnist.npz``:
 54,000 references, 6,000 validation rows, the 10,000 test rows; d = 32), letters26 (scikit-learn's make_classification: 20,000 rows, 16 features, 26 classes, two clusters
 each, class_sep 3; 16,400 / 1,600 / 2,000; d = 12).

@@ -97,7 +97,7 @@ def main() -> None:
     args = parser.parse_args()
     loaded = letters()
     if loaded is None:
-        raise SystemExit("run benchmarks/prepare_letters.py first")
+        raise SystemExit("run benchmarks/prepare_uci.py first")
     X, y, X_val, y_val, X_test, y_test = loaded
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -1,4 +1,5 @@
-"""The benchmark data sets: ``synthetic`` and ``usps_784`` (real digits at MNIST's size)."""
+"""The benchmark data sets: ``synthetic``, ``usps_784`` (real digits at MNIST's size) and the
+UCI sets that ``benchmarks/prepare_uci.py`` writes (letters, Shuttle, Satellite)."""
 
 from __future__ import annotations
 
@@ -78,8 +79,11 @@ def usps_784(n: int, n_validation: int, n_test: int, seed: int = 0):
     return X_ref, y_ref, X_val, y_val, X_test, y_test
 
 
-LETTERS_PATH = Path(__file__).resolve().parents[1] / "data" / "letter-recognition.npz"
-LETTERS_PACKAGE = "r-cran-mlbench"  # Debian's R mlbench, which ships UCI's letter recognition
+UCI_FOLDER = Path(__file__).resolve().parents[1] / "data"  # benchmarks/prepare_uci.py writes
+LETTERS_PATH = UCI_FOLDER / "letter-recognition.npz"
+SHUTTLE_PATH = UCI_FOLDER / "shuttle.npz"
+SATELLITE_PATH = UCI_FOLDER / "satellite.npz"
+MLBENCH_PACKAGE = "r-cran-mlbench"  # Debian's R mlbench, which ships these UCI sets
 
 
 def letters(n_validation: int = 1600, seed: int = 0):
@@ -87,7 +91,7 @@ def letters(n_validation: int = 1600, seed: int = 0):
     26 classes. The first 16,000 rows train, as UCI's description says (``n_validation`` of
     them, drawn with ``seed``, validate), and the last 4,000 test. Returns (X_ref, y_ref,
     X_val, y_val, X_test, y_test), X float32, y int64 (A = 0), or None when
-    ``benchmarks/prepare_letters.py`` has not written ``benchmarks/data/letter-recognition.npz``.
+    ``benchmarks/prepare_uci.py`` has not written ``benchmarks/data/letter-recognition.npz``.
     """
     if not LETTERS_PATH.exists():
         return None
@@ -96,3 +100,26 @@ def letters(n_validation: int = 1600, seed: int = 0):
     order = np.random.default_rng(seed).permutation(16000)
     validation, train = order[:n_validation], order[n_validation:]
     return X[train], y[train], X[validation], y[validation], X[16000:], y[16000:]
+
+
+def uci_split(path: Path, n_train: int):
+    """(X_train, y_train, X_test, y_test) of a set that ``benchmarks/prepare_uci.py`` wrote,
+    UCI's training file its first ``n_train`` rows; X float32, y int64. None when it has not
+    been written."""
+    if not path.exists():
+        return None
+    data = np.load(path)
+    X, y = data["X"].astype(np.float32), data["y"].astype(np.int64)
+    return X[:n_train], y[:n_train], X[n_train:], y[n_train:]
+
+
+def shuttle():
+    """UCI's Shuttle (Statlog): 43,500 training rows of 9 integer features in 7 classes of
+    34,108, 37, 132, 6,748, 2,458, 6 and 11 rows, and 14,500 test rows."""
+    return uci_split(SHUTTLE_PATH, 43500)
+
+
+def satellite():
+    """UCI's Satellite (Statlog Landsat): 4,435 training rows of 36 integer features (3 x 3
+    pixels in 4 spectral bands) in 6 classes, and 2,000 test rows."""
+    return uci_split(SATELLITE_PATH, 4435)

@@ -17,7 +17,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from harness.data import LETTERS_PATH, letters  # noqa: E402
+from harness.data import (  # noqa: E402
+    LETTERS_PATH,
+    SATELLITE_PATH,
+    SHUTTLE_PATH,
+    letters,
+    satellite,
+    shuttle,
+)
 from harness.rdata import data_frame, read_rdata  # noqa: E402
 
 HAS_ATTRIBUTES, HAS_TAG, IS_OBJECT = 1 << 9, 1 << 10, 1 << 8
@@ -126,7 +133,7 @@ def test_a_type_the_reader_lacks_is_named(tmp_path):
         read_rdata(path)
 
 
-@pytest.mark.skipif(not LETTERS_PATH.exists(), reason="benchmarks/prepare_letters.py not run")
+@pytest.mark.skipif(not LETTERS_PATH.exists(), reason="benchmarks/prepare_uci.py not run")
 def test_the_prepared_letters_match_uci():
     X, y, X_val, y_val, X_test, y_test = letters()
     assert X.shape == (14400, 16) and X_val.shape == (1600, 16) and X_test.shape == (4000, 16)
@@ -135,3 +142,24 @@ def test_the_prepared_letters_match_uci():
     first = np.load(LETTERS_PATH)
     np.testing.assert_array_equal(first["X"][0], [2, 8, 3, 5, 1, 8, 13, 0, 6, 6, 10, 8, 0, 8, 0, 8])
     assert first["y"][0] == ord("T") - ord("A")
+
+
+@pytest.mark.skipif(not SHUTTLE_PATH.exists(), reason="benchmarks/prepare_uci.py not run")
+def test_the_prepared_shuttle_matches_uci():
+    X, y, X_test, y_test = shuttle()
+    assert X.shape == (43500, 9) and X_test.shape == (14500, 9)
+    assert np.bincount(y, minlength=7).tolist() == [34108, 37, 132, 6748, 2458, 6, 11]
+    assert np.bincount(y_test, minlength=7).tolist() == [11478, 13, 39, 2155, 809, 4, 2]
+    # UCI's first training row: 50 21 77 0 28 0 27 48 22, class 2 (Fpv Close)
+    np.testing.assert_array_equal(X[0], [50, 21, 77, 0, 28, 0, 27, 48, 22])
+    assert y[0] == 1
+
+
+@pytest.mark.skipif(not SATELLITE_PATH.exists(), reason="benchmarks/prepare_uci.py not run")
+def test_the_prepared_satellite_matches_uci():
+    X, y, X_test, y_test = satellite()
+    assert X.shape == (4435, 36) and X_test.shape == (2000, 36)
+    assert np.bincount(y_test, minlength=6).tolist() == [461, 224, 397, 211, 237, 470]
+    # UCI's first training row begins 92 115 120 94, class 3 (grey soil)
+    np.testing.assert_array_equal(X[0, :4], [92, 115, 120, 94])
+    assert y[0] == 2
