@@ -327,10 +327,18 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A parser whose usage errors are one line, as every other error of the job is:
+    ``error: PROG: MESSAGE (PROG --help lists the options)``, exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {self.prog}: {message} ({self.prog} --help lists the options)\n")
+
+
 def build_parser(show_advanced: bool = False) -> argparse.ArgumentParser:
     """The job's parser. The estimator's advanced settings (``FitOptions``' fields but
     --prototypes) are accepted always and listed only by ``--help-advanced``."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="python -m training",
         description=(
             "Learn a linear map A by NCA on a labelled data set, evaluate kNN in the learned "

@@ -166,7 +166,7 @@ def check_labels(y: np.ndarray, what: str = "labels") -> np.ndarray:
         raise DataError(f"{what}: expected a 1-D array, got shape {y.shape}")
     if y.dtype.kind == "b":
         raise DataError(f"{what}: must be integers or strings, got booleans")
-    _, y = validate_xy(np.zeros((len(y), 1)), y, what="X")
+    y = label_values(y, what)
     classes, counts = np.unique(y, return_counts=True)
     if len(classes) < 2:
         raise DataError(
@@ -419,17 +419,19 @@ def validate_xy(X, y, *, what: str = "X") -> tuple[np.ndarray, np.ndarray]:
         bad = np.argwhere(~np.isfinite(X))[0]
         raise DataError(f"{what}: contains NaN or Inf (first at row {bad[0]}, column {bad[1]})")
     check_float32_range(X, what, DataError)
+    return X.astype(np.float64), label_values(y, f"labels for {what}")
+
+
+def label_values(y: np.ndarray, what: str) -> np.ndarray:
+    """Labels (n,) as training takes them: integers (integer-valued floats as int64) or
+    strings (bytes as str); ``what`` names them in the error for any other kind."""
     if y.dtype.kind == "f":
         if not np.all(np.isfinite(y)) or not np.all(y == np.round(y)):
-            raise DataError(
-                f"labels for {what}: must be integers or strings, got non-integer floats"
-            )
-        y = y.astype(np.int64)
-    elif y.dtype.kind not in "biuUS":
-        raise DataError(f"labels for {what}: must be integers or strings, got dtype {y.dtype}")
-    if y.dtype.kind == "S":
-        y = y.astype(str)
-    return X.astype(np.float64), y
+            raise DataError(f"{what}: must be integers or strings, got non-integer floats")
+        return y.astype(np.int64)
+    if y.dtype.kind not in "biuUS":
+        raise DataError(f"{what}: must be integers or strings, got dtype {y.dtype}")
+    return y.astype(str) if y.dtype.kind == "S" else y
 
 
 def row_digests(X: np.ndarray) -> np.ndarray:

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from service.core.artifact import ArtifactError, OutputClaim, writer_lock
+from training.config import OneLineParser
 from training.data.datasets import (
     DataError,
     check_regular_file,
@@ -47,7 +48,7 @@ from training.references.versions import (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="python -m training references",
         description="Add, remove or condense the references of a trained model without retraining.",
     )

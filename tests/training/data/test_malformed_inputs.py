@@ -220,11 +220,22 @@ CORPUS = [
         None,
     ),
     ("1-D X", lambda d: npy_pair(d, X_OK[:, 0], Y_OK), "2-D", None),
-    ("2-D labels", lambda d: npy_pair(d, X_OK, Y_OK[:, None]), "1-D", None),
+    (
+        "2-D labels",
+        lambda d: npy_pair(d, X_OK, Y_OK[:, None]),
+        "y.npy: labels: expected a 1-D",
+        None,
+    ),
+    (
+        "complex labels",
+        lambda d: npy_pair(d, X_OK, Y_OK.astype(np.complex64)),
+        "y.npy: labels: must be integers or strings, got dtype complex64",
+        None,
+    ),
     (
         "non-integer float labels",
         lambda d: npy_pair(d, X_OK, Y_OK + 0.5),
-        "non-integer floats",
+        "y.npy: labels: must be integers or strings, got non-integer floats",
         None,
     ),
     ("string features", lambda d: npy_pair(d, X_OK.astype(str), Y_OK), "numeric", None),
@@ -648,3 +659,20 @@ def test_an_ids_file_beyond_int64_is_refused_in_one_line(
     )
     assert code == 2 and "Traceback" not in stderr, stderr
     assert "99999999999999999999 is beyond the 64-bit integer range" in stderr
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--memory-budget-gib", "abc"], "argument --memory-budget-gib: invalid float value"),
+        (["--max-iter"], "argument --max-iter: expected one argument"),
+        (["references", "add", "--model"], "references add: argument --model: expected one"),
+        (["references", "remove", "--model", "m"], "the following arguments are required"),
+        (["references", "bogus"], "invalid choice: 'bogus'"),
+    ],
+)
+def test_a_usage_error_is_one_line_naming_the_option(python_m_training, args, words):
+    code, stdout, stderr = python_m_training(*args)
+    assert code == 2 and stdout == ""
+    assert stderr.count("\n") == 1 and stderr.startswith("error: python -m training"), stderr
+    assert words in stderr and "--help lists the options" in stderr
