@@ -129,9 +129,9 @@ class Settings(BaseSettings):
         60.0,
         gt=0,
         description="once an answer stops draining, the client must take 64 KiB of it (or "
-        "the rest) in every window of this many seconds, counted on what leaves the "
-        "process and the kernel's send queue; else the connection is reset and the answer "
-        "dropped",
+        "the rest) for every window of this many seconds, on average over the last 4 "
+        "windows (1 in the first), counted on what its kernel acknowledged; else the "
+        "connection is reset and the answer dropped",
     )
     max_body_bytes_in_flight: int = Field(
         256 * 2**20,

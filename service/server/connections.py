@@ -38,8 +38,15 @@ connection (``python -m service`` runs uvicorn with it; the settings are read fr
   When the client stops reading an answer (the transport's buffer passes its high-water
   mark), what the connection holds (the transport's buffer plus the kernel's send queue,
   ``TIOCOUTQ``: bytes the client has not acknowledged) must shrink by
-  ``MIN_SEND_PROGRESS_BYTES`` (or to nothing) in every window of ``send_timeout_seconds``;
-  otherwise the connection is **reset** (``SO_LINGER`` 0, then abort: an RST, and the
+  ``MIN_SEND_PROGRESS_BYTES`` (or to nothing) for every window of ``send_timeout_seconds``,
+  on average over the last ``SEND_WINDOWS`` windows (fewer while fewer have passed: a client
+  that took nothing in its first window is reset then). What is measured is what the
+  client's kernel acknowledged, and it acknowledges what its application reads in steps
+  (what its receive buffer already held was acknowledged earlier; it opens its window again
+  only once enough room is free), so a client reading in bursts above the rate can show a
+  window below it; the average over a few windows keeps it, and a client that stops after
+  a fast start is still reset within SEND_WINDOWS windows. Otherwise the connection is
+  **reset** (``SO_LINGER`` 0, then abort: an RST, and the
   kernel drops its queue at once) and the answer dropped. An answer the server gives up
   on is always dropped by a reset, never by a close that would leave its bytes queued.
 * **answers in flight** (``max_answer_bytes_in_flight``): the reservation an answer took in
@@ -108,8 +115,10 @@ LINGER_SECONDS = 2.0  # after a refusal, how long to drop input before closing
 # requests a connection may queue behind an answer not yet sent (HTTP/1.1 pipelining): each
 # holds its headers (at most max_header_bytes); beyond, the connection is closed
 MAX_PIPELINED = 8
-# an answer the client is slow to take must shrink by this much every send_timeout_seconds
+# an answer the client is slow to take must shrink by this much every send_timeout_seconds,
+# on average over the last SEND_WINDOWS windows
 MIN_SEND_PROGRESS_BYTES = 65536
+SEND_WINDOWS = 4
 # a body that streams in must grow by this much every body_progress_seconds
 MIN_BODY_PROGRESS_BYTES = 65536
 # at the cap, a body below that rate for this long (at most a quarter of a window) gives its
@@ -357,7 +366,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self.chunk_started: int | None = None
         self.read_tail = b""
         self.send_timer: asyncio.TimerHandle | None = None
-        self.queued_bytes = 0  # the transport's buffer plus the kernel's queue at the last check
+        # what the connection held for the client (the transport's buffer plus the kernel's
+        # queue) at the start of each of the last SEND_WINDOWS send windows, the newest last
+        self.held_at_windows: list[int] = []
         self.answer_holds: list[AnswerHold] = []  # answers sent, not yet out of the process
         self.lost = False  # connection_lost has run
         self.linger_timer: asyncio.TimerHandle | None = None
@@ -420,6 +431,24 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def shutdown(self) -> None:
         accept.batch.close()  # the server stops accepting
         super().shutdown()
+
+    def timeout_keep_alive_handler(self) -> None:
+        """uvicorn's idle close, keep_alive_timeout_seconds after an answer was handed to
+        the transport. A connection whose client is still taking its answer is not idle:
+        the send rule watches it (armed here when the answer never filled the transport's
+        buffer, so all of it went to the kernel's queue), and the idle clock starts again.
+        Closing it would hand the answer to the kernel's rule instead (TCP_USER_TIMEOUT,
+        ``close``), which drops a client reading in bursts well above the documented rate:
+        a zero window between bursts does not count as progress there."""
+        if not self.lost and not self.refused and not self.transport.is_closing():
+            if self.unsent():
+                if self.send_timer is None:
+                    self.arm_send_timer()
+                self.timeout_keep_alive_task = self.loop.call_later(
+                    self.timeout_keep_alive, self.timeout_keep_alive_handler
+                )
+                return
+        super().timeout_keep_alive_handler()
 
     def connection_lost(self, exc) -> None:
         self.lost = True
@@ -645,20 +674,23 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         return transport.get_write_buffer_size() + kernel_send_queue(transport)
 
     def arm_send_timer(self) -> None:
-        self.queued_bytes = self.unsent()
+        self.held_at_windows = [*self.held_at_windows, self.unsent()][-SEND_WINDOWS:]
         self.send_timer = self.loop.call_later(
             self.guard.send_timeout_seconds, self.on_send_timeout
         )
 
     def on_send_timeout(self) -> None:
         """A client slow to take its answer is given another send_timeout_seconds each time
-        it took MIN_SEND_PROGRESS_BYTES (or the rest) meanwhile, counted on what the
+        it took, over the last n = min(SEND_WINDOWS, windows so far) windows, at least
+        n MIN_SEND_PROGRESS_BYTES (or all that was held n windows ago), counted on what the
         connection holds in the process and in the kernel; one that did not is reset."""
         self.send_timer = None
         unsent = self.unsent()
         if not unsent:
-            return  # all taken
-        if self.queued_bytes - unsent >= min(MIN_SEND_PROGRESS_BYTES, self.queued_bytes):
+            self.held_at_windows = []  # all taken: a later stall starts a new count
+            return
+        held, n = self.held_at_windows[0], len(self.held_at_windows)  # n windows ago
+        if held - unsent >= min(n * MIN_SEND_PROGRESS_BYTES, held):
             self.arm_send_timer()  # it is reading: keep going
             return
         observer.refused("send_timeout")

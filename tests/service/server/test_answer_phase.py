@@ -7,6 +7,7 @@ it measured."""
 
 from __future__ import annotations
 
+import signal
 import socket
 import threading
 import time
@@ -16,7 +17,7 @@ import httpx
 import numpy as np
 import pytest
 
-from service.server.connections import MIN_SEND_PROGRESS_BYTES
+from service.server.connections import MIN_SEND_PROGRESS_BYTES, SEND_WINDOWS
 from tests.service.conftest import npy
 from tests.service.servers import error_type, refused_count, rss_mib, running_server, wait_for
 
@@ -125,6 +126,39 @@ class Reader(threading.Thread):
         self.sock.close()
 
 
+class BurstReader(Reader):
+    """Takes ``burst`` bytes every ``period`` seconds (the first as soon as the answer
+    starts), reading each burst at once."""
+
+    def __init__(self, sock: socket.socket, burst: int, period: float):
+        super().__init__(sock, rate=0)
+        self.burst, self.period = burst, period
+
+    def run(self) -> None:
+        try:
+            while not self.stopping.is_set():
+                due = self.burst
+                if self.first_byte is not None:
+                    bursts = int((time.monotonic() - self.first_byte) / self.period) + 1
+                    due = bursts * self.burst - self.taken
+                    if due <= 0:
+                        time.sleep(0.01)
+                        continue
+                chunk = self.sock.recv(min(65536, due))
+                if not chunk:
+                    self.end("eof")
+                    return
+                if self.first_byte is None:
+                    self.first_byte = time.monotonic()
+                if len(self.head) < 512:
+                    self.head += chunk[:512]
+                self.taken += len(chunk)
+        except ConnectionResetError:
+            self.end("reset")
+        except OSError:
+            pass
+
+
 def readers(port: int, n: int, rate: float, request: bytes = REQUEST) -> list[Reader]:
     """``n`` clients that send ``request`` and take its answer at ``rate``, each reading from
     the moment it has asked (an answer not read while the others ask would be reset)."""
@@ -176,25 +210,19 @@ def test_an_answer_not_taken_is_dropped_by_a_reset_that_frees_the_kernels_queue(
     assert reset_after <= SEND_TIMEOUT + 4
 
 
-def test_an_answer_left_in_the_kernels_queue_at_a_close_is_dropped_by_the_kernel(server):
+def test_an_answer_left_in_the_kernels_queue_is_dropped_by_a_reset(server):
     """An answer small enough for the kernel's send queue (1.5 MiB) that the client never
-    reads: the process holds nothing, and the keep-alive timeout closes the connection with
-    the answer still queued; the kernel then drops it once nothing was taken for
-    send_timeout_seconds (TCP_USER_TIMEOUT), instead of keeping it in FIN-WAIT-1."""
+    reads: the process holds nothing of it, and the keep-alive timeout does not close a
+    connection whose client has not taken its answer; the send rule watches it and resets
+    it after a window, so the kernel drops the answer at once."""
     port = server[0]
     sock = ask(port, neighbors_request(256))
     client_port = sock.getsockname()[1]
     started = time.monotonic()
-    closing = wait_for(
-        lambda: [s for s in server_sockets(port) if s[0] == client_port and s[1] != "ESTABLISHED"],
-        timeout=KEEP_ALIVE + 10,
-        what="the keep-alive close",
-    )
-    closed_after = time.monotonic() - started
     gone = wait_for(
         lambda: not [s for s in server_sockets(port) if s[0] == client_port],
-        timeout=SEND_TIMEOUT + 3,
-        what="the kernel's socket gone",
+        timeout=KEEP_ALIVE + SEND_TIMEOUT + 5,
+        what="the server's socket gone",
         raises=False,
     )
     gone_after = time.monotonic() - started
@@ -203,10 +231,46 @@ def test_an_answer_left_in_the_kernels_queue_at_a_close_is_dropped_by_the_kernel
     reader.join(10)
     sock.close()
     print(
-        f"an answer left in the kernel: closed {closed_after:.2f} s after the request as "
-        f"{closing}, gone at {gone_after:.2f} s; the client took {reader.taken} bytes, then "
-        f"{reader.ended}"
+        f"an answer never read: the server's socket gone {gone_after:.2f} s after the "
+        f"request; the client took {reader.taken} bytes, then {reader.ended}"
     )
+    assert gone
+    assert reader.ended is not None and reader.ended[0] == "reset"
+
+
+def test_an_answer_still_queued_at_shutdown_is_dropped_by_the_kernel(model_artifact):
+    """A graceful shutdown closes a connection whose answer (1.5 MiB, never read) is still
+    in the kernel's queue: the process exits, and the kernel drops the orphaned socket once
+    nothing was taken for send_timeout_seconds (TCP_USER_TIMEOUT), instead of keeping it in
+    FIN-WAIT-1."""
+    with running_server(
+        model_artifact[0],
+        NCAKNN_SEND_TIMEOUT_SECONDS=SEND_TIMEOUT,
+        NCAKNN_KEEP_ALIVE_TIMEOUT_SECONDS=30,
+    ) as (port, _, proc):
+        sock = ask(port, neighbors_request(256))
+        client_port = sock.getsockname()[1]
+        wait_for(
+            lambda: [s for s in server_sockets(port) if s[0] == client_port and s[2] > 0],
+            timeout=10,
+            what="the answer queued",
+        )
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        exited = time.monotonic()
+        gone = wait_for(
+            lambda: not [s for s in server_sockets(port) if s[0] == client_port],
+            timeout=SEND_TIMEOUT + 5,
+            what="the kernel's socket gone",
+            raises=False,
+        )
+        gone_after = time.monotonic() - exited
+    reader = Reader(sock, rate=10**9)
+    reader.start()
+    reader.join(10)
+    sock.close()
+    print(f"at shutdown: gone {gone_after:.2f} s after the exit; then {reader.ended}")
+    assert proc.returncode in (0, -signal.SIGTERM)  # uvicorn re-raises the signal
     assert gone
     assert reader.ended is not None and reader.ended[0] == "reset"
 
@@ -242,6 +306,37 @@ def test_the_minimum_rate_is_measured_on_what_the_client_took(server):
     assert above.ended is None
     assert below.ended is not None and below.ended[0] == "reset"
     assert below.ended[1] <= 3 * SEND_TIMEOUT + 0.5
+    assert refused_count(url, "send_timeout") == before + 1
+
+
+def test_a_reader_taking_bursts_above_the_rule_outlives_the_keep_alive_timeout(server):
+    """The issue's reader, scaled to a 1 s window: 65 KiB every 0.8 windows (1.27 times the
+    rule) stays connected for 6 windows, beyond the keep-alive timeout (1 s after the answer
+    was handed over), where the idle close used to hand the answer to the kernel's
+    TCP_USER_TIMEOUT, which reset it at 1.6 s: a zero window between bursts is no progress
+    there. 40 KiB every 0.8 windows (0.78 times the rule) is reset by the send rule, on
+    average over its last SEND_WINDOWS windows."""
+    port, url, _ = server
+    before = refused_count(url, "send_timeout")
+    above = BurstReader(ask(port), burst=65 * 1024, period=0.8 * SEND_TIMEOUT)
+    below = BurstReader(ask(port), burst=40 * 1024, period=0.8 * SEND_TIMEOUT)
+    above.start()
+    below.start()
+    try:
+        wait_for(lambda: below.ended, timeout=SEND_WINDOWS * SEND_TIMEOUT + 10, what="a reset")
+        wait_for(lambda: above.first_byte, timeout=10, what="the answer")
+        wait_for(
+            lambda: above.ended or time.monotonic() - above.first_byte > 6 * SEND_TIMEOUT,
+            timeout=6 * SEND_TIMEOUT + 5,
+            what="six windows",
+        )
+    finally:
+        above.stop()
+        below.stop()
+    print(f"bursts above: {above.taken} bytes, {above.ended or 'connected'}; below: {below.ended}")
+    assert above.status == below.status == 200
+    assert above.ended is None and above.taken >= 7 * 65 * 1024
+    assert below.ended is not None and below.ended[0] == "reset"
     assert refused_count(url, "send_timeout") == before + 1
 
 
