@@ -204,7 +204,7 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         """The fitted attributes from the fit's ``state`` (``fitting.FitState``);
         FloatingPointError instead of a map that is not finite."""
         kept = state.kept
-        A = stages.make_problem(stages.stages[0]).components(kept.theta)  # (d, D)
+        A = stages.components(kept.theta)  # (d, D)
         if not np.isfinite(A).all():  # never hand out a NaN map as a fitted one
             raise FloatingPointError(
                 f"[{type(self).__name__}] the learned map A has {int((~np.isfinite(A)).sum())} "

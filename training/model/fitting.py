@@ -50,6 +50,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
+from functools import partial
 
 import numpy as np
 import torch
@@ -62,7 +63,7 @@ from training.optim.adam import AdamEpochs
 from training.optim.candidate_search import CandidateSearch
 from training.optim.candidates import candidate_audit, candidate_watch
 from training.optim.lbfgs import LBFGS, Evaluation
-from training.optim.problem import Problem
+from training.optim.problem import Problem, map_components
 from training.optim.sharded_problem import ShardedProblem
 
 STALL_CHECKS = 2  # checks in a row without a gain that stop a stage (without early_stopping)
@@ -311,6 +312,9 @@ class StagedFit:
         self.checkpoint = checkpoint
         self.stages = plan_stages(plan, settings.max_iter)
         self.make_problem = self._problem_factory()
+        D = prep.X.shape[1]
+        # theta -> the map A (d, D) it holds
+        self.components = partial(map_components, transform=settings.transformation, d=prep.d, D=D)
         self.held_out = self._held_out()
         # whether the keep rule reads the scores (early stopping keeps the best validated map)
         keep_best = settings.select_stages or settings.early_stopping
@@ -581,7 +585,7 @@ class StagedFit:
         """The held-out rows' scorer: the validation split's, or that of the rows held out
         of the fit to judge it (``preparation.held_out``); None when no rows are held out."""
         prep = self.prep
-        score = prep.judge(self.make_problem(self.stages[0]))
+        score = prep.judge(self.components)
         if score is None:
             return None
         measure = (
@@ -613,7 +617,7 @@ class StagedFit:
         record["penalty"] = problem.penalty(theta)
         state.history.append(record)
         if self.settings.callback is not None:  # scikit-learn's form: (A raveled, iteration)
-            self.settings.callback(problem.components(theta).ravel(), state.iterations)
+            self.settings.callback(self.components(theta).ravel(), state.iterations)
         return record
 
     def _print(self, record: dict) -> None:

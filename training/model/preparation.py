@@ -69,7 +69,9 @@ class Prepared:
     theta0: np.ndarray
     init_used: str
     classes: np.ndarray
-    judge: Callable  # problem -> (theta -> held-out accuracy) or None (training.model.fitting)
+    # components (theta -> A (d, D)) -> (theta -> held-out accuracy), or None without held-out
+    # rows (training.model.fitting)
+    judge: Callable
     n_judged: int = 0  # held-out rows the judge scores
     X_val: np.ndarray | None = None  # (V, D) standardised validation rows (this process's)
     y_val: np.ndarray | None = None  # (V,) their class indices
@@ -334,12 +336,12 @@ class HeldOutScores:
         held_rows = 0 if X_held is None else self.X_held.shape[0]
         self.n_rows = sharded_stats.total_rows(held_rows, group)
 
-    def validate(self, problem):
+    def validate(self, components):
         if self.n_rows == 0:
             return None
 
         def score(theta: np.ndarray) -> float:
-            A = problem.components(theta).astype(np.float32)  # (d, D)
+            A = components(theta).astype(np.float32)  # (d, D)
             z_tr = sharded_stats.gather_array(self.Xs @ A.T, self.n, self.group)  # (N, d)
             accuracies = sharded_stats.knn_accuracy(
                 z_tr,

@@ -95,6 +95,14 @@ def _leave_one_out_neighbours(z: torch.Tensor, rows: torch.Tensor, k: int):
     return torch.cat(dists), torch.cat(indices)
 
 
+def map_components(theta: np.ndarray, transform: str, d: int, D: int) -> np.ndarray:
+    """The (d, D) matrix A that the parameters ``theta`` hold: A itself for the 'linear'
+    transform (d D values), diag(a) for the 'diagonal' one (D values, d = D)."""
+    if transform == "diagonal":
+        return np.diag(np.asarray(theta, dtype=np.float64).reshape(D))
+    return np.asarray(theta, dtype=np.float64).reshape(d, D)
+
+
 class Problem:
     """Data, objective and parametrisation: theta (flat float64) -> loss and gradient.
 
@@ -176,8 +184,7 @@ class Problem:
 
     def components(self, theta: np.ndarray) -> np.ndarray:
         """The (d, D) matrix A for parameters theta."""
-        theta = np.asarray(theta, dtype=np.float64).reshape(self.shape)
-        return np.diag(theta) if self.transform == "diagonal" else theta
+        return map_components(theta, self.transform, self.n_components, self.X.shape[1])
 
     def sample_rows(self, count: int) -> torch.Tensor:
         """``count`` evenly spaced rows (all when fewer) among those with candidate sets: the
