@@ -129,9 +129,11 @@ class Settings(BaseSettings):
         60.0,
         gt=0,
         description="once an answer stops draining, the client must take 64 KiB of it (or "
-        "the rest) for every window of this many seconds, on average over the last 4 "
-        "windows (1 in the first), counted on what its kernel acknowledged; else the "
-        "connection is reset and the answer dropped",
+        "all it was sent) for every window of this many seconds, on average over the last "
+        "4 windows (the first alone at the first check), counted on what its kernel "
+        "acknowledged; else the connection is reset and the answer dropped. A connection "
+        "closed with bytes not taken is dropped by the kernel after 4 windows without an "
+        "acknowledgement",
     )
     max_body_bytes_in_flight: int = Field(
         256 * 2**20,

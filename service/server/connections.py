@@ -35,28 +35,32 @@ connection (``python -m service`` runs uvicorn with it; the settings are read fr
   no body), no more of the body is read: the connection is closed after the answer, so a
   client that keeps dripping the body it declared holds neither a slot nor memory.
 * **response: a minimum rate, measured on what the client took** (``send_timeout_seconds``).
-  When the client stops reading an answer (the transport's buffer passes its high-water
-  mark), what the connection holds (the transport's buffer plus the kernel's send queue,
-  ``TIOCOUTQ``: bytes the client has not acknowledged) must shrink by
-  ``MIN_SEND_PROGRESS_BYTES`` (or to nothing) for every window of ``send_timeout_seconds``,
-  on average over the last ``SEND_WINDOWS`` windows (fewer while fewer have passed: a client
-  that took nothing in its first window is reset then). What is measured is what the
-  client's kernel acknowledged, and it acknowledges what its application reads in steps
-  (what its receive buffer already held was acknowledged earlier; it opens its window again
-  only once enough room is free), so a client reading in bursts above the rate can show a
-  window below it; the average over a few windows keeps it, and a client that stops after
-  a fast start is still reset within SEND_WINDOWS windows. Otherwise the connection is
-  **reset** (``SO_LINGER`` 0, then abort: an RST, and the
-  kernel drops its queue at once) and the answer dropped. An answer the server gives up
-  on is always dropped by a reset, never by a close that would leave its bytes queued.
+  Once an answer stops draining (the transport's buffer passes its high-water mark, or an
+  answer of MIN_SEND_PROGRESS_BYTES or more is complete while the kernel still holds that
+  much of it), the client must take ``MIN_SEND_PROGRESS_BYTES`` (or all it was sent) for
+  every window of ``send_timeout_seconds``, on average over the last ``SEND_WINDOWS``
+  windows (fewer while fewer have passed: a client that took nothing in its first window is
+  reset then; one that stops after a fast start, within SEND_WINDOWS windows). What it took
+  is counted as the bytes written to it less what the connection still holds (the
+  transport's buffer plus the kernel's send queue, ``TIOCOUTQ``: bytes it has not
+  acknowledged), so an answer written meanwhile (the next request's) does not count against
+  it. A client's kernel acknowledges what its application reads in steps (what its receive
+  buffer held was acknowledged before; it reopens its window once enough room is free), so
+  a client reading in bursts above the rate can show a window below it: the average over a
+  few windows keeps it. Otherwise the connection is **reset** (``SO_LINGER`` 0, then abort:
+  an RST, and the kernel drops its queue at once) and the answer dropped. An answer the
+  server gives up on is always dropped by a reset, never by a close that would leave its
+  bytes queued.
 * **answers in flight** (``max_answer_bytes_in_flight``): the reservation an answer took in
   ``service.ops.answers`` is handed to its connection (``hold_answer``), which releases it
   once the bytes have left the process (below the high-water mark at the answer's end, at
   ``resume_writing``, or when the connection ends).
 * **idle keep-alive** (``keep_alive_timeout_seconds``, uvicorn's own): a connection idle
-  between requests is closed. A connection closed while the kernel still holds bytes for
-  the client gets ``TCP_USER_TIMEOUT`` = ``send_timeout_seconds``: the kernel drops it
-  once the client has taken nothing for that long.
+  between requests is closed; one whose client is still taking its answer is not idle (the
+  send rule watches it). A connection closed while the kernel still holds bytes for the
+  client (``Connection: close``, HTTP/1.0, the client's half-close, a graceful shutdown)
+  gets ``TCP_USER_TIMEOUT`` = SEND_WINDOWS ``send_timeout_seconds``: the kernel drops it
+  once the client has acknowledged nothing for that long.
 
 Every refusal carries the service's one error body (``{"error", "error_type"}``, statuses
 from ``service.errors.STATUS``) and ``Connection: close``, and is counted by reason through
@@ -324,12 +328,19 @@ class _Transport:
     def __init__(self, inner: asyncio.Transport, protocol: GuardedHttpProtocol):
         self.inner = inner
         self.protocol = protocol
-        # the calls of the request path, bound once
-        self.write = inner.write
+        # the calls of the request path, bound once (write counts what it is given)
         self.is_closing = inner.is_closing
         self.pause_reading = inner.pause_reading
         self.resume_reading = inner.resume_reading
         self.get_extra_info = inner.get_extra_info
+
+    def write(self, data) -> None:
+        self.protocol.written_bytes += len(data)
+        self.inner.write(data)
+
+    def writelines(self, chunks) -> None:
+        for chunk in chunks:
+            self.write(chunk)
 
     def close(self) -> None:
         self.protocol.close()
@@ -366,9 +377,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self.chunk_started: int | None = None
         self.read_tail = b""
         self.send_timer: asyncio.TimerHandle | None = None
-        # what the connection held for the client (the transport's buffer plus the kernel's
-        # queue) at the start of each of the last SEND_WINDOWS send windows, the newest last
-        self.held_at_windows: list[int] = []
+        self.written_bytes = 0  # bytes of answers given to the transport, in all
+        # (bytes the client acknowledged, bytes written) at the start of each of the last
+        # SEND_WINDOWS send windows, the newest last
+        self.send_windows: list[tuple[int, int]] = []
         self.answer_holds: list[AnswerHold] = []  # answers sent, not yet out of the process
         self.lost = False  # connection_lost has run
         self.linger_timer: asyncio.TimerHandle | None = None
@@ -636,6 +648,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             return
         super().on_response_complete()
         self.cycles = self.unanswered()
+        if self.send_timer is None and not self.refused and not self.transport.is_closing():
+            if self.unsent() >= MIN_SEND_PROGRESS_BYTES:
+                # an answer that went to the kernel's queue whole (the transport's buffer
+                # never paused writing) is watched from here, as one that paused is
+                self.arm_send_timer()
         if self.raw_header_bytes is None and not self.in_body:
             # waiting for the next request's headers (unless a pipelined request's have
             # come and its body is streaming in: its bytes are not headers)
@@ -673,8 +690,15 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         transport = self.transport.inner
         return transport.get_write_buffer_size() + kernel_send_queue(transport)
 
+    def acknowledged(self) -> int:
+        """Bytes of answers the client has taken (its kernel acknowledged) on this
+        connection, in all: written less what is still held. It only grows, whatever is
+        written meanwhile."""
+        return self.written_bytes - self.unsent()
+
     def arm_send_timer(self) -> None:
-        self.held_at_windows = [*self.held_at_windows, self.unsent()][-SEND_WINDOWS:]
+        window = (self.acknowledged(), self.written_bytes)
+        self.send_windows = [*self.send_windows, window][-SEND_WINDOWS:]
         self.send_timer = self.loop.call_later(
             self.guard.send_timeout_seconds, self.on_send_timeout
         )
@@ -687,10 +711,13 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self.send_timer = None
         unsent = self.unsent()
         if not unsent:
-            self.held_at_windows = []  # all taken: a later stall starts a new count
+            self.send_windows = []  # all taken: a later stall starts a new count
             return
-        held, n = self.held_at_windows[0], len(self.held_at_windows)  # n windows ago
-        if held - unsent >= min(n * MIN_SEND_PROGRESS_BYTES, held):
+        taken_then, _ = self.send_windows[0]  # n windows ago
+        n = len(self.send_windows)
+        taken = self.written_bytes - unsent - taken_then
+        owed = self.written_bytes - taken_then  # all it could have taken since
+        if taken >= min(n * MIN_SEND_PROGRESS_BYTES, owed):
             self.arm_send_timer()  # it is reading: keep going
             return
         observer.refused("send_timeout")
@@ -863,16 +890,30 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def close(self) -> None:
         """Close the connection: a lingering close while the client may still be sending
         the request's body or more requests after a refusal, else at once. Bytes the client
-        has not taken yet are still sent, and the kernel drops the connection if the client
-        takes none of them for send_timeout_seconds (TCP_USER_TIMEOUT: the process no
-        longer watches it)."""
+        has not taken yet are still sent, under the kernel's rule (the process no longer
+        watches them): ``bound_unsent``."""
         if self.in_body or self.refused:
             self.linger_close()
             return
         transport = self.transport.inner
-        if not self.lost and not transport.is_closing() and self.unsent():
-            bound_unacknowledged(transport, self.guard.send_timeout_seconds)
+        if not self.lost and not transport.is_closing():
+            self.bound_unsent()
         transport.close()
+
+    def bound_unsent(self) -> None:
+        """Before the transport closes with bytes the client has not taken: have the kernel
+        drop the connection once the client acknowledges nothing for SEND_WINDOWS send
+        windows (TCP_USER_TIMEOUT), the longest the send rule lets a client take nothing."""
+        if self.unsent():
+            seconds = SEND_WINDOWS * self.guard.send_timeout_seconds
+            bound_unacknowledged(self.transport.inner, seconds)
+
+    def eof_received(self) -> None:
+        """The client half-closed: the transport closes itself (uvicorn's answer), with what
+        the client has not taken under the kernel's rule, as at ``close``."""
+        if not self.lost and not self.transport.is_closing():
+            self.bound_unsent()
+        return super().eof_received()
 
     def linger_close(self, seconds: float = LINGER_SECONDS) -> None:
         """Send what is buffered and a FIN, then read and drop the client's input for up to

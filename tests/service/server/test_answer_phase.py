@@ -120,9 +120,13 @@ class Reader(threading.Thread):
     def end(self, how: str) -> None:
         self.ended = (how, time.monotonic() - (self.first_byte or time.monotonic()))
 
-    def stop(self) -> None:
+    def stop_reading(self) -> None:
+        """Stop the thread; the socket stays open."""
         self.stopping.set()
         self.join(10)
+
+    def stop(self) -> None:
+        self.stop_reading()
         self.sock.close()
 
 
@@ -210,39 +214,130 @@ def test_an_answer_not_taken_is_dropped_by_a_reset_that_frees_the_kernels_queue(
     assert reset_after <= SEND_TIMEOUT + 4
 
 
-def test_an_answer_left_in_the_kernels_queue_is_dropped_by_a_reset(server):
-    """An answer small enough for the kernel's send queue (1.5 MiB) that the client never
-    reads: the process holds nothing of it, and the keep-alive timeout does not close a
-    connection whose client has not taken its answer; the send rule watches it and resets
-    it after a window, so the kernel drops the answer at once."""
-    port = server[0]
-    sock = ask(port, neighbors_request(256))
-    client_port = sock.getsockname()[1]
-    started = time.monotonic()
-    gone = wait_for(
+def server_socket_gone(port: int, client_port: int, timeout: float) -> bool:
+    """Whether the server's socket to ``client_port`` is gone within ``timeout`` seconds."""
+    return wait_for(
         lambda: not [s for s in server_sockets(port) if s[0] == client_port],
-        timeout=KEEP_ALIVE + SEND_TIMEOUT + 5,
+        timeout=timeout,
         what="the server's socket gone",
         raises=False,
     )
-    gone_after = time.monotonic() - started
+
+
+def how_it_ended(sock: socket.socket) -> tuple[int, tuple[str, float] | None]:
+    """(bytes a client takes at once from ``sock``, then how the connection ended)."""
     reader = Reader(sock, rate=10**9)
     reader.start()
     reader.join(10)
     sock.close()
+    return reader.taken, reader.ended
+
+
+def take_answer(sock: socket.socket, rate: float) -> None:
+    """Read one answer from ``sock``: its head, then its body (Content-Length bytes) at
+    ``rate`` bytes a second; no more."""
+    head = b""
+    while not head.endswith(b"\r\n\r\n"):
+        head += sock.recv(1)
+    fields = dict(line.split(b":", 1) for line in head.split(b"\r\n")[1:] if b":" in line)
+    length = int(next(v for k, v in fields.items() if k.strip().lower() == b"content-length"))
+    started, taken = time.monotonic(), 0
+    while taken < length:
+        due = min(rate * (time.monotonic() - started) - taken, length - taken)
+        if due < min(1024, length - taken):
+            time.sleep(0.01)
+            continue
+        chunk = sock.recv(min(4096, int(due)))
+        assert chunk, "the connection ended within the first answer"
+        taken += len(chunk)
+
+
+def test_an_answer_left_in_the_kernels_queue_is_reset_by_the_send_rule(server):
+    """An answer small enough for the kernel's send queue (1.5 MiB) that the client never
+    reads: the process holds nothing of it (the transport never paused writing), and the
+    send rule watches it from the answer's end: reset after a window, the kernel's queue
+    dropped at once (not left to the keep-alive timeout's close)."""
+    port, url, _ = server
+    before = refused_count(url, "send_timeout")
+    sock = ask(port, neighbors_request(256))
+    started = time.monotonic()
+    gone = server_socket_gone(port, sock.getsockname()[1], timeout=SEND_TIMEOUT + 5)
+    gone_after = time.monotonic() - started
+    _, ended = how_it_ended(sock)
+    print(f"never read: the server's socket gone {gone_after:.2f} s after the request; {ended}")
+    assert gone and gone_after < KEEP_ALIVE + SEND_TIMEOUT
+    assert ended is not None and ended[0] == "reset"
+    assert refused_count(url, "send_timeout") == before + 1
+
+
+def test_an_answer_not_read_while_more_requests_come_is_reset(server):
+    """A client that never reads its 1.5 MiB answer but keeps the connection busy with
+    requests (each cancels the keep-alive timer) is still reset by the send rule."""
+    port, url, _ = server
+    before = refused_count(url, "send_timeout")
+    sock = ask(port, neighbors_request(256))
+    started = time.monotonic()
+    reset_seen = False
+    try:
+        for _ in range(5):  # fewer than the pipelining limit allows
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nhost: t\r\n\r\n")
+            time.sleep(0.4 * SEND_TIMEOUT)
+    except ConnectionResetError:
+        reset_seen = True
     print(
-        f"an answer never read: the server's socket gone {gone_after:.2f} s after the "
-        f"request; the client took {reader.taken} bytes, then {reader.ended}"
+        f"never read, requests meanwhile: reset seen {reset_seen} at {time.monotonic() - started:.2f} s"
     )
-    assert gone
-    assert reader.ended is not None and reader.ended[0] == "reset"
+    if not reset_seen:
+        _, ended = how_it_ended(sock)
+        reset_seen = ended is not None and ended[0] == "reset"
+    assert reset_seen
+    assert refused_count(url, "send_timeout") == before + 1
+
+
+def test_a_client_that_stops_after_a_fast_start_is_reset_within_the_windows(server):
+    """The rule's average reaches back SEND_WINDOWS windows, no further: a client that took
+    2 MiB at once and then stopped is reset within SEND_WINDOWS + 1 windows."""
+    port, url, _ = server
+    before = refused_count(url, "send_timeout")
+    sock = ask(port)
+    taken = 0
+    while taken < 2 * 2**20:
+        taken += len(sock.recv(65536))
+    stopped = time.monotonic()
+    gone = server_socket_gone(
+        port, sock.getsockname()[1], timeout=(SEND_WINDOWS + 1) * SEND_TIMEOUT + 1
+    )
+    print(f"stopped after 2 MiB: gone {time.monotonic() - stopped:.2f} s later")
+    _, ended = how_it_ended(sock)
+    assert gone and ended is not None and ended[0] == "reset"
+    assert refused_count(url, "send_timeout") == before + 1
+
+
+def test_an_answer_after_a_slowly_taken_one_is_judged_on_its_own(server):
+    """Two answers on one connection: the first (384 KiB) taken at twice the rule, so the
+    send rule watches the connection, then a 6 MiB one asked for and taken at 16 times the
+    rule. The second answer's bytes are not counted against the client (the rule counts what
+    it acknowledged, which only grows): it takes all of it."""
+    port, url, _ = server
+    before = refused_count(url, "send_timeout")
+    sock = ask(port, neighbors_request(64))  # 64 x 256 x 24 bytes
+    take_answer(sock, rate=2 * MIN_SEND_PROGRESS_BYTES / SEND_TIMEOUT)
+    sock.sendall(REQUEST)
+    second = Reader(sock, rate=16 * MIN_SEND_PROGRESS_BYTES / SEND_TIMEOUT)
+    second.start()
+    wait_for(lambda: second.taken >= ANSWER or second.ended, timeout=30, what="the second")
+    second.stop()
+    print(f"first answer then second: took {second.taken} bytes of the second; {second.ended}")
+    assert second.taken >= ANSWER
+    assert second.ended is None or second.ended[0] == "eof"  # the keep-alive close after it
+    assert refused_count(url, "send_timeout") == before
 
 
 def test_an_answer_still_queued_at_shutdown_is_dropped_by_the_kernel(model_artifact):
     """A graceful shutdown closes a connection whose answer (1.5 MiB, never read) is still
     in the kernel's queue: the process exits, and the kernel drops the orphaned socket once
-    nothing was taken for send_timeout_seconds (TCP_USER_TIMEOUT), instead of keeping it in
-    FIN-WAIT-1."""
+    the client acknowledged nothing for SEND_WINDOWS windows (TCP_USER_TIMEOUT), instead of
+    keeping it in FIN-WAIT-1."""
     with running_server(
         model_artifact[0],
         NCAKNN_SEND_TIMEOUT_SECONDS=SEND_TIMEOUT,
@@ -255,24 +350,39 @@ def test_an_answer_still_queued_at_shutdown_is_dropped_by_the_kernel(model_artif
             timeout=10,
             what="the answer queued",
         )
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGTERM)  # within the send rule's first window
         proc.wait(30)
         exited = time.monotonic()
-        gone = wait_for(
-            lambda: not [s for s in server_sockets(port) if s[0] == client_port],
-            timeout=SEND_TIMEOUT + 5,
-            what="the kernel's socket gone",
-            raises=False,
-        )
+        gone = server_socket_gone(port, client_port, SEND_WINDOWS * SEND_TIMEOUT + 5)
         gone_after = time.monotonic() - exited
-    reader = Reader(sock, rate=10**9)
-    reader.start()
-    reader.join(10)
-    sock.close()
-    print(f"at shutdown: gone {gone_after:.2f} s after the exit; then {reader.ended}")
+    _, ended = how_it_ended(sock)
+    print(f"at shutdown: gone {gone_after:.2f} s after the exit; then {ended}")
     assert proc.returncode in (0, -signal.SIGTERM)  # uvicorn re-raises the signal
     assert gone
-    assert reader.ended is not None and reader.ended[0] == "reset"
+    assert ended is not None and ended[0] == "reset"
+
+
+def test_an_answer_queued_at_the_clients_half_close_is_dropped_by_the_kernel(server):
+    """A client that half-closes (shutdown(SHUT_WR)) after its request and reads nothing: the
+    transport closes itself, and the kernel drops what it still holds for the client once it
+    acknowledged nothing for SEND_WINDOWS windows, with a reset (before, the socket stayed
+    in LAST-ACK with the answer queued, and a late reader got all of it)."""
+    port = server[0]
+    sock = ask(port, neighbors_request(256))
+    client_port = sock.getsockname()[1]
+    wait_for(
+        lambda: [s for s in server_sockets(port) if s[0] == client_port and s[2] > 0],
+        timeout=10,
+        what="the answer queued",
+    )
+    sock.shutdown(socket.SHUT_WR)
+    started = time.monotonic()
+    gone = server_socket_gone(port, client_port, SEND_WINDOWS * SEND_TIMEOUT + 5)
+    gone_after = time.monotonic() - started
+    _, ended = how_it_ended(sock)
+    print(f"half-closed: gone {gone_after:.2f} s after the request; then {ended}")
+    assert gone
+    assert ended is not None and ended[0] == "reset"
 
 
 def test_the_minimum_rate_is_measured_on_what_the_client_took(server):
