@@ -1,0 +1,96 @@
+"""k chosen for unseen rows on real UCI sets: the job with its defaults (the served k and vote
+chosen on its validation split, ``--decision-rule auto``) on UCI's Satellite, letters and
+Shuttle, each with UCI's own test rows, and what the served pair scores on them beside the
+best k on test (the same vote) and 5-NN.
+
+Reads the sets that ``benchmarks/prepare_uci.py`` writes (a set not prepared is skipped).
+The regret is the best test accuracy over k minus the served one, in points: what choosing k
+on validation cost on unseen rows. ``nearest_reference_distance.ratio`` (validation rows'
+median distance to their nearest reference over the test rows') says whether the
+validation rows are as far from the references as test rows (near 1) or near-copies.
+
+Usage: python benchmarks/uci_served_k.py [--sets satellite,letters,shuttle]
+Writes benchmarks/results/uci_served_k.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness.data import letters, satellite, shuttle
+from harness.report import machine, print_table, save_json
+
+
+def uci_sets(names: list[str]):
+    """name -> (X_train, y_train, X_test, y_test) for each prepared set."""
+    for name in names:
+        if name == "letters":
+            split = letters(n_validation=0)
+            found = None if split is None else (split[0], split[1], split[4], split[5])
+        else:
+            found = {"satellite": satellite, "shuttle": shuttle}[name]()
+        if found is None:
+            print(f"{name}: not prepared (benchmarks/prepare_uci.py), skipped")
+            continue
+        yield name, found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sets", default="satellite,letters,shuttle")
+    args = parser.parse_args()
+    from training.config import TrainConfig
+    from training.job import run
+
+    rows = []
+    for name, (X, y, X_test, y_test) in uci_sets(args.sets.split(",")):
+        with tempfile.TemporaryDirectory() as tmp:
+            data = Path(tmp) / f"{name}.npz"
+            np.savez(data, X=X, y=y, X_test=X_test, y_test=y_test)
+            out = Path(tmp) / "model"
+            started = time.perf_counter()
+            run(
+                TrainConfig(data=str(data), out=str(out), plots=False, quiet=True),
+                log=lambda *_: None,
+            )
+            seconds = time.perf_counter() - started
+            metrics = json.loads((out / "report.json").read_text())["metrics"]
+        test = {int(k): v for k, v in metrics["test_accuracy"].items()}
+        served = metrics["default_k"]
+        best_k = max(test, key=lambda k: (test[k], -k))
+        distance = metrics.get("nearest_reference_distance") or {}
+        rows.append(
+            {
+                "set": name,
+                "n_train": len(y),
+                "n_test": len(y_test),
+                "served_k": served,
+                "rule": metrics.get("decision_rule", "majority"),
+                "val_at_served": metrics["val_accuracy_at_default_k"],
+                "test_at_served": test[served],
+                "test_at_5": test.get(5),
+                "best_test_k": best_k,
+                "test_at_best": test[best_k],
+                "regret_points": 100 * (test[best_k] - test[served]),
+                "distance_ratio": distance.get("ratio"),
+                "val_curve": metrics["val_accuracy"],
+                "test_curve": metrics["test_accuracy"],
+                "job_seconds": seconds,
+            }
+        )
+        print(rows[-1], flush=True)
+    columns = ["set", "served_k", "rule", "test_at_served", "test_at_5", "best_test_k"]
+    print_table(rows, [*columns, "test_at_best", "regret_points", "distance_ratio", "job_seconds"])
+    save_json("uci_served_k.json", {"machine": machine(), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
