@@ -70,8 +70,12 @@ STALL_CHECKS = 2  # checks in a row without a gain that stop a stage (without ea
 CANDIDATE_CHANGE_TOL = 0.01  # a round converged on sets that changed less than this: done
 CACHED_MAPS = 4  # the held-out scores of this many maps are remembered
 # an exact L-BFGS stage is checkpointed after an iteration when this many seconds have passed
-# since the last save (the clock decides when to save, never what the fit computes)
-CHECKPOINT_SECONDS = 30.0
+# since the last save (the clock decides when to save, never what the fit computes). A save
+# writes the map and the optimiser's pairs (about 2 MiB at 32 x 784), some milliseconds
+# against the seconds of an exact iteration at 60k; at 30 s a finish killed before its
+# first save (the real digits' finish takes about 35 s) was redone whole
+# (benchmarks/results/resume_cost.json)
+CHECKPOINT_SECONDS = 10.0
 
 
 class StopReason(str, Enum):
