@@ -212,6 +212,19 @@ class StageRecord:
         return asdict(self)
 
 
+def with_refreshes(record: StageRecord, watch) -> StageRecord:
+    """``record`` with what the candidate sets' watch (``candidates.candidate_watch``) saw
+    at each refresh."""
+    return replace(
+        record,
+        refreshes=watch.n_refreshes,
+        refresh_changes=list(watch.changes),
+        refresh_replaced=list(watch.replaced),
+        refresh_sizes=list(watch.sizes),
+        search_mass_ratios=list(watch.search_mass_ratios),
+    )
+
+
 class HeldOut:
     """Scores maps on held-out rows (``score``: theta -> accuracy on ``n_rows`` rows), the
     last CACHED_MAPS remembered; ``tolerance`` is one and a half rows."""
@@ -381,21 +394,12 @@ class StagedFit:
             )
             audit = candidate_audit(problem)
         self._announce(stage, problem)
-        held, theta = self.held_out, state.kept.theta
-        check = StageChecks(held, self.patience)
-        stop, iteration, at = None, 0, None
+        check = StageChecks(self.held_out, self.patience)
         rounds = Rounds(watch)
-        resume, state.resume = state.resume, None
-        if resume is not None and resume.index == index:  # a killed fit, mid-stage
-            theta, at, iteration = resume.theta, resume_point(resume), resume.iteration
-            solver.restore(resume.pairs_s, resume.pairs_y, resume.evaluations)
-            check.restore(resume.checks)
-            started, before = started - resume.seconds, before - resume.iteration
-        else:
-            check.start(self._score(index, 0, theta))
-            if self.judged:  # the start, scored: the kept map (the keep rule's invariant)
-                state.offer(replace(state.kept, score=check.start_score), held.tolerance)
-            self._progress(stage, 0, check.last_score)
+        theta, at, iteration, resumed = self._stage_start(index, stage, state, solver, check)
+        if resumed is not None:  # mid-stage: the stage's time and iterations so far count
+            started, before = started - resumed.seconds, before - resumed.iteration
+        stop = None
         while stop is None:
             if iteration >= stage.max_iter:
                 stop = StopReason.MAX_ITER
@@ -453,25 +457,36 @@ class StagedFit:
             state.stop_reason = stop
         if watch is not None:
             state.n_candidates = problem.n_candidates
-        state.records.append(
-            StageRecord(
-                stage=stage.name,
-                start_score=check.start_score if self.judged else None,
-                end_score=check.end_score if self.judged else None,
-                kept=self._kept_label(state, before),
-                seconds=self.clock.elapsed() - started,
-                iterations=iteration,
-                evaluations=solver.evaluations,
-                refreshes=0 if watch is None else watch.n_refreshes,
-                checks=check.count,
-                check_seconds=check.seconds,
-                stop_reason=str(stop),
-                refresh_changes=[] if watch is None else list(watch.changes),
-                refresh_replaced=[] if watch is None else list(watch.replaced),
-                refresh_sizes=[] if watch is None else list(watch.sizes),
-                search_mass_ratios=[] if watch is None else list(watch.search_mass_ratios),
-            )
+        record = StageRecord(
+            stage=stage.name,
+            start_score=check.start_score if self.judged else None,
+            end_score=check.end_score if self.judged else None,
+            kept=self._kept_label(state, before),
+            seconds=self.clock.elapsed() - started,
+            iterations=iteration,
+            evaluations=solver.evaluations,
+            refreshes=0,
+            checks=check.count,
+            check_seconds=check.seconds,
+            stop_reason=str(stop),
         )
+        state.records.append(record if watch is None else with_refreshes(record, watch))
+
+    def _stage_start(self, index, stage, state, solver, check) -> tuple:
+        """(theta, L-BFGS's point or None, iterations done, the ``StageResume`` or None)
+        where stage ``index`` starts: the kept map, scored and offered to the keep rule; or,
+        for a fit killed within the stage, where its checkpoint says (the solver's pairs and
+        the checks restored)."""
+        resume, state.resume = state.resume, None
+        if resume is not None and resume.index == index:  # a killed fit, mid-stage
+            solver.restore(resume.pairs_s, resume.pairs_y, resume.evaluations)
+            check.restore(resume.checks)
+            return resume.theta, resume_point(resume), resume.iteration, resume
+        check.start(self._score(index, 0, state.kept.theta))
+        if self.judged:  # the start, scored: the kept map (the keep rule's invariant)
+            state.offer(replace(state.kept, score=check.start_score), self.held_out.tolerance)
+        self._progress(stage, 0, check.last_score)
+        return state.kept.theta, None, 0, None
 
     # ------------------------------------------------------------------ what the loop uses
 
