@@ -114,7 +114,7 @@ def load_dataset(
         return _load_npy_pair(path, labels, memory_map, memory_budget, label_check)
     if suffix == ".parquet":
         return load_parquet(path, label_column, memory_budget, label_check)
-    return _load_csv(path, label_column)
+    return _load_csv(path, label_column, memory_budget)
 
 
 def _no_check(y, what: str = "") -> None:
@@ -326,12 +326,15 @@ def _is_number(text: str) -> bool:
     return True
 
 
-def _load_csv(path: Path, label_column: str | None) -> Dataset:
-    # utf-8-sig: a byte-order mark (a spreadsheet's "CSV UTF-8") is read as such, never as
-    # part of the first column's name
+def _csv_rows(path: Path):
+    """The non-empty rows of a CSV file, streamed (each a list of str). utf-8-sig: a
+    byte-order mark (a spreadsheet's "CSV UTF-8") is read as such, never as part of the
+    first column's name. Decoding and parsing errors are DataErrors naming the file."""
     try:
         with open(path, newline="", encoding="utf-8-sig") as fh:
-            rows = [row for row in csv.reader(fh) if row]
+            for row in csv.reader(fh):
+                if row:
+                    yield row
     except UnicodeDecodeError as exc:
         raise DataError(
             f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason}); save it as UTF-8 "
@@ -339,30 +342,52 @@ def _load_csv(path: Path, label_column: str | None) -> Dataset:
         ) from None
     except csv.Error as exc:
         raise DataError(f"{path}: not a readable CSV file ({exc})") from None
-    if not rows:
+
+
+def _load_csv(path: Path, label_column: str | None, memory_budget: int | None = None) -> Dataset:
+    """Features and labels of a CSV file, read in two passes: the first counts the rows and
+    checks every row's width, so that the features (rows x columns as float64) are held
+    against ``memory_budget`` before any value is parsed; the second parses each row into
+    its place."""
+    header, n_rows, widths = None, 0, set()
+    for row in _csv_rows(path):
+        if header is None:
+            header = row
+        else:
+            widths.add(len(row))
+        n_rows += 1
+    if header is None:
         raise DataError(f"{path}: empty CSV file")
-    header = rows[0]
     has_header = not all(_is_number(cell) for cell in header) and label_column != "-1"
-    if has_header:
-        body = rows[1:]
-    else:
-        header = [str(i) for i in range(len(rows[0]))]
-        body = rows
+    if not has_header:
+        widths.add(len(header))
+        header = [str(i) for i in range(len(header))]
+    n_body = n_rows - 1 if has_header else n_rows
+    if n_body == 0:
+        raise DataError(f"{path}: a header and no rows")
     if label_column is None:
         label_column = "label" if "label" in header else header[-1]
     if label_column not in header:
         raise DataError(f"{path}: no label column {label_column!r}; columns are {header}")
     li = header.index(label_column)
-    widths = {len(r) for r in body}
-    if widths != {len(header)}:
+    if widths - {len(header)}:
         raise DataError(f"{path}: every row must have {len(header)} fields, found {sorted(widths)}")
-    try:
-        X = np.array(
-            [[float(v) for j, v in enumerate(r) if j != li] for r in body], dtype=np.float64
-        )
-    except ValueError as exc:
-        raise DataError(f"{path}: non-numeric feature value ({exc})") from exc
-    raw = [r[li] for r in body]
+    check_memory((n_body, len(header) - 1), f"{path}: features", memory_budget)
+    X = np.empty((n_body, len(header) - 1), dtype=np.float64)  # (n, D)
+    raw = []  # (n,) the label column's text
+    rows = _csv_rows(path)
+    if has_header:
+        next(rows)
+    for i, row in enumerate(rows):
+        if i >= n_body:
+            raise DataError(f"{path}: changed while it was read")
+        try:
+            X[i] = [float(v) for j, v in enumerate(row) if j != li]
+        except ValueError as exc:
+            raise DataError(f"{path}: non-numeric feature value ({exc})") from exc
+        raw.append(row[li])
+    if len(raw) != n_body:
+        raise DataError(f"{path}: changed while it was read")
     y = np.array([int(v) for v in raw]) if all(_is_int(v) for v in raw) else np.array(raw)
     names = [h for j, h in enumerate(header) if j != li]
     return Dataset(X=X, y=y, name=path.stem, feature_names=names)

@@ -353,6 +353,19 @@ CORPUS = [
         None,
     ),
     ("an empty CSV", lambda d: csv_file(d, ""), "empty CSV", None),
+    ("a CSV of a header alone", lambda d: csv_file(d, "label,a,b\n"), "a header and no rows", None),
+    (
+        # refused from its rows and columns, before a value is parsed (the bad last value
+        # is never reached)
+        "a CSV over the memory budget",
+        lambda d: [
+            *csv_file(d, "label,a,b\n" + "1,2,3\n" * 200 + "2,x,3\n"),
+            "--memory-budget-gib",
+            str(2**-20),
+        ],
+        "data.csv: features: 201 x 2 values take",
+        None,
+    ),
     (
         "a CSV row with a missing field",
         lambda d: csv_file(d, "label,a,b\n1,2,3\n2,3\n"),
