@@ -28,6 +28,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -93,34 +94,56 @@ def feature_matrix(columns: dict, names: list[str], rda: Path, dtype) -> np.ndar
     return X.astype(dtype)
 
 
-def shuttle_arrays(rda: Path) -> tuple[np.ndarray, np.ndarray]:
-    """X (58000, 9) int16 and y (58000,) int64, UCI's training rows first; checked against
-    UCI's description (43,500 training rows in classes of 34,108 ... 11 rows)."""
-    columns = data_frame(read_rdata(rda)["Shuttle"])
-    X = feature_matrix(columns, [f"V{j}" for j in range(1, 10)], rda, np.int16)
-    y = coded(np.asarray(columns["Class"]), SHUTTLE_CLASSES, rda)
-    counts = tuple(np.bincount(y[:43500], minlength=7).tolist())
-    if X.shape != (58000, 9) or counts != SHUTTLE_TRAIN_COUNTS:
-        raise ValueError(
-            f"{rda}: expected UCI's 58,000 x 9 rows, training counts "
-            f"{SHUTTLE_TRAIN_COUNTS}; got {X.shape}, {counts}"
-        )
-    return X, y
+@dataclass(frozen=True)
+class StatlogSet:
+    """How one of mlbench's Statlog data frames is read and checked against UCI's
+    description: its frame's name, feature and class columns, class names in UCI's order,
+    the shape of all its rows, and the class counts of its first ``n_train`` (UCI's
+    training file)."""
+
+    frame: str
+    features: tuple[str, ...]
+    class_column: str
+    classes: tuple[str, ...]
+    shape: tuple[int, int]
+    n_train: int
+    train_counts: tuple[int, ...]
+    dtype: type
+
+    def arrays(self, rda: Path) -> tuple[np.ndarray, np.ndarray]:
+        """X (rows, features) of ``dtype`` and y (rows,) int64, UCI's training rows first."""
+        columns = data_frame(read_rdata(rda)[self.frame])
+        X = feature_matrix(columns, list(self.features), rda, self.dtype)
+        y = coded(np.asarray(columns[self.class_column]), self.classes, rda)
+        counts = tuple(np.bincount(y[: self.n_train], minlength=len(self.classes)).tolist())
+        if X.shape != self.shape or counts != self.train_counts:
+            raise ValueError(
+                f"{rda}: expected UCI's {self.shape} rows, training counts "
+                f"{self.train_counts}; got {X.shape}, {counts}"
+            )
+        return X, y
 
 
-def satellite_arrays(rda: Path) -> tuple[np.ndarray, np.ndarray]:
-    """X (6435, 36) uint8 and y (6435,) int64, UCI's training rows first; checked against
-    UCI's description (4,435 training rows in classes of 1,072 ... 1,038 rows)."""
-    columns = data_frame(read_rdata(rda)["Satellite"])
-    X = feature_matrix(columns, [f"x.{j}" for j in range(1, 37)], rda, np.uint8)
-    y = coded(np.asarray(columns["classes"]), SATELLITE_CLASSES, rda)
-    counts = tuple(np.bincount(y[:4435], minlength=6).tolist())
-    if X.shape != (6435, 36) or counts != SATELLITE_TRAIN_COUNTS:
-        raise ValueError(
-            f"{rda}: expected UCI's 6,435 x 36 rows, training counts "
-            f"{SATELLITE_TRAIN_COUNTS}; got {X.shape}, {counts}"
-        )
-    return X, y
+SHUTTLE = StatlogSet(
+    frame="Shuttle",
+    features=tuple(f"V{j}" for j in range(1, 10)),
+    class_column="Class",
+    classes=SHUTTLE_CLASSES,
+    shape=(58000, 9),
+    n_train=43500,
+    train_counts=SHUTTLE_TRAIN_COUNTS,
+    dtype=np.int16,
+)
+SATELLITE = StatlogSet(
+    frame="Satellite",
+    features=tuple(f"x.{j}" for j in range(1, 37)),
+    class_column="classes",
+    classes=SATELLITE_CLASSES,
+    shape=(6435, 36),
+    n_train=4435,
+    train_counts=SATELLITE_TRAIN_COUNTS,
+    dtype=np.uint8,
+)
 
 
 def write(path: Path, X: np.ndarray, y: np.ndarray) -> None:
@@ -140,8 +163,8 @@ def main() -> None:
         folder = args.folder or downloaded_folder(Path(tmp))
         sets = [
             (LETTERS_PATH, letters_arrays(folder / "LetterRecognition.rda")),
-            (SHUTTLE_PATH, shuttle_arrays(folder / "Shuttle.rda")),
-            (SATELLITE_PATH, satellite_arrays(folder / "Satellite.rda")),
+            (SHUTTLE_PATH, SHUTTLE.arrays(folder / "Shuttle.rda")),
+            (SATELLITE_PATH, SATELLITE.arrays(folder / "Satellite.rda")),
         ]
     for path, (X, y) in sets:
         write(path, X, y)

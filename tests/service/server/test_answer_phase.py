@@ -95,15 +95,21 @@ class Reader(threading.Thread):
     def status(self) -> int | None:
         return int(self.head.split()[1]) if b"\r\n" in self.head else None
 
+    def due(self) -> int:
+        """Bytes to take now (the first read takes up to 4 KiB, then at ``rate``)."""
+        if self.first_byte is None:
+            return 4096
+        due = self.rate * (time.monotonic() - self.first_byte) - self.taken
+        return min(4096, int(due)) if due >= 1024 else 0
+
     def run(self) -> None:
         try:
             while not self.stopping.is_set():
-                if self.first_byte is not None:
-                    due = self.rate * (time.monotonic() - self.first_byte) - self.taken
-                    if due < 1024:
-                        time.sleep(0.02)
-                        continue
-                chunk = self.sock.recv(4096 if self.first_byte is None else min(4096, int(due)))
+                due = self.due()
+                if due <= 0:
+                    time.sleep(0.01)
+                    continue
+                chunk = self.sock.recv(due)
                 if not chunk:
                     self.end("eof")
                     return
@@ -138,29 +144,33 @@ class BurstReader(Reader):
         super().__init__(sock, rate=0)
         self.burst, self.period = burst, period
 
-    def run(self) -> None:
-        try:
-            while not self.stopping.is_set():
-                due = self.burst
-                if self.first_byte is not None:
-                    bursts = int((time.monotonic() - self.first_byte) / self.period) + 1
-                    due = bursts * self.burst - self.taken
-                    if due <= 0:
-                        time.sleep(0.01)
-                        continue
-                chunk = self.sock.recv(min(65536, due))
-                if not chunk:
-                    self.end("eof")
-                    return
-                if self.first_byte is None:
-                    self.first_byte = time.monotonic()
-                if len(self.head) < 512:
-                    self.head += chunk[:512]
-                self.taken += len(chunk)
-        except ConnectionResetError:
-            self.end("reset")
-        except OSError:
-            pass
+    def due(self) -> int:
+        """Bytes to take now: the rest of the bursts due so far, up to 64 KiB at a time."""
+        if self.first_byte is None:
+            return min(65536, self.burst)
+        bursts = int((time.monotonic() - self.first_byte) / self.period) + 1
+        return min(65536, bursts * self.burst - self.taken)
+
+
+def race(above: Reader, below: Reader, windows: int) -> None:
+    """Start a reader above the send rule and one below it; return once the one below has
+    been reset and the one above has been connected for ``windows`` windows (or ended),
+    both stopped."""
+    above.start()
+    below.start()
+    try:
+        wait_for(
+            lambda: below.ended, timeout=(SEND_WINDOWS + 1) * SEND_TIMEOUT + 10, what="a reset"
+        )
+        wait_for(lambda: above.first_byte, timeout=10, what="the answer")
+        wait_for(
+            lambda: above.ended or time.monotonic() - above.first_byte > windows * SEND_TIMEOUT,
+            timeout=windows * SEND_TIMEOUT + 5,
+            what=f"{windows} windows",
+        )
+    finally:
+        above.stop()
+        below.stop()
 
 
 def readers(port: int, n: int, rate: float, request: bytes = REQUEST) -> list[Reader]:
@@ -222,6 +232,19 @@ def server_socket_gone(port: int, client_port: int, timeout: float) -> bool:
         what="the server's socket gone",
         raises=False,
     )
+
+
+def ask_until_queued(port: int) -> tuple[socket.socket, int]:
+    """(a client that asked for a 1.5 MiB answer and reads nothing, its port), once the
+    server's kernel holds bytes of the answer for it."""
+    sock = ask(port, neighbors_request(256))
+    client_port = sock.getsockname()[1]
+    wait_for(
+        lambda: [s for s in server_sockets(port) if s[0] == client_port and s[2] > 0],
+        timeout=10,
+        what="the answer queued",
+    )
+    return sock, client_port
 
 
 def how_it_ended(sock: socket.socket) -> tuple[int, tuple[str, float] | None]:
@@ -343,13 +366,7 @@ def test_an_answer_still_queued_at_shutdown_is_dropped_by_the_kernel(model_artif
         NCAKNN_SEND_TIMEOUT_SECONDS=SEND_TIMEOUT,
         NCAKNN_KEEP_ALIVE_TIMEOUT_SECONDS=30,
     ) as (port, _, proc):
-        sock = ask(port, neighbors_request(256))
-        client_port = sock.getsockname()[1]
-        wait_for(
-            lambda: [s for s in server_sockets(port) if s[0] == client_port and s[2] > 0],
-            timeout=10,
-            what="the answer queued",
-        )
+        sock, client_port = ask_until_queued(port)
         proc.send_signal(signal.SIGTERM)  # within the send rule's first window
         proc.wait(30)
         exited = time.monotonic()
@@ -368,13 +385,7 @@ def test_an_answer_queued_at_the_clients_half_close_is_dropped_by_the_kernel(ser
     acknowledged nothing for SEND_WINDOWS windows, with a reset (before, the socket stayed
     in LAST-ACK with the answer queued, and a late reader got all of it)."""
     port = server[0]
-    sock = ask(port, neighbors_request(256))
-    client_port = sock.getsockname()[1]
-    wait_for(
-        lambda: [s for s in server_sockets(port) if s[0] == client_port and s[2] > 0],
-        timeout=10,
-        what="the answer queued",
-    )
+    sock, client_port = ask_until_queued(port)
     sock.shutdown(socket.SHUT_WR)
     started = time.monotonic()
     gone = server_socket_gone(port, client_port, SEND_WINDOWS * SEND_TIMEOUT + 5)
@@ -395,19 +406,7 @@ def test_the_minimum_rate_is_measured_on_what_the_client_took(server):
     before = refused_count(url, "send_timeout")
     above = Reader(ask(port), rate=1.25 * MIN_SEND_PROGRESS_BYTES / SEND_TIMEOUT)
     below = Reader(ask(port), rate=0.75 * MIN_SEND_PROGRESS_BYTES / SEND_TIMEOUT)
-    above.start()
-    below.start()
-    try:
-        wait_for(lambda: below.ended, timeout=4 * SEND_TIMEOUT + 10, what="the slow one reset")
-        wait_for(lambda: above.first_byte, timeout=10, what="the answer")
-        wait_for(
-            lambda: above.ended or time.monotonic() - above.first_byte > 3 * SEND_TIMEOUT,
-            timeout=3 * SEND_TIMEOUT + 5,
-            what="three windows",
-        )
-    finally:
-        above.stop()
-        below.stop()
+    race(above, below, windows=3)
     print(
         f"above the rule: {above.taken} bytes in 3 windows, {above.ended or 'connected'}; "
         f"below it: {below.taken} bytes, {below.ended}"
@@ -430,19 +429,7 @@ def test_a_reader_taking_bursts_above_the_rule_outlives_the_keep_alive_timeout(s
     before = refused_count(url, "send_timeout")
     above = BurstReader(ask(port), burst=65 * 1024, period=0.8 * SEND_TIMEOUT)
     below = BurstReader(ask(port), burst=40 * 1024, period=0.8 * SEND_TIMEOUT)
-    above.start()
-    below.start()
-    try:
-        wait_for(lambda: below.ended, timeout=SEND_WINDOWS * SEND_TIMEOUT + 10, what="a reset")
-        wait_for(lambda: above.first_byte, timeout=10, what="the answer")
-        wait_for(
-            lambda: above.ended or time.monotonic() - above.first_byte > 6 * SEND_TIMEOUT,
-            timeout=6 * SEND_TIMEOUT + 5,
-            what="six windows",
-        )
-    finally:
-        above.stop()
-        below.stop()
+    race(above, below, windows=6)
     print(f"bursts above: {above.taken} bytes, {above.ended or 'connected'}; below: {below.ended}")
     assert above.status == below.status == 200
     assert above.ended is None and above.taken >= 7 * 65 * 1024
