@@ -118,9 +118,12 @@ def evaluate_baselines(split, mean, scale, d: int, rule: str) -> dict:
 
 def resolve_out(out: str | None, data_name: str, now: float | None = None) -> Path:
     """The artifact path: --out with '{timestamp}' replaced by the UTC time ``now`` (seconds
-    since the epoch; default: the clock), or models/<data>."""
-    if not out:
+    since the epoch; default: the clock), or models/<data> when --out is not given. An
+    empty --out is refused: it is a path mistyped, not a request for the default."""
+    if out is None:
         return Path("models") / data_name
+    if not out.strip():
+        raise ConfigError(f"--out {out!r}: expected a directory path, got an empty one")
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(time.time() if now is None else now))
     return Path(out.replace("{timestamp}", stamp))
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import ast
 import csv
 import hashlib
+import re
 import zipfile
 import zlib
 from dataclasses import dataclass
@@ -388,17 +389,35 @@ def _load_csv(path: Path, label_column: str | None, memory_budget: int | None = 
         raw.append(row[li])
     if len(raw) != n_body:
         raise DataError(f"{path}: changed while it was read")
-    y = np.array([int(v) for v in raw]) if all(_is_int(v) for v in raw) else np.array(raw)
+    y = _csv_labels(raw, path)
     names = [h for j, h in enumerate(header) if j != li]
     return Dataset(X=X, y=y, name=path.stem, feature_names=names)
 
 
-def _is_int(text: str) -> bool:
-    try:
-        int(text)
-    except ValueError:
-        return False
-    return True
+INTEGER = re.compile(r"[+-]?[0-9]+")
+INT64 = np.iinfo(np.int64)
+
+
+def _csv_labels(raw: list[str], path: Path) -> np.ndarray:
+    """(n,) the label column: int64 when every label is an integer, written as one ("7") or
+    as an integer-valued decimal ("7.0", the same class as "7"), else the strings as they
+    are. An empty label, or an integer beyond int64, is refused naming its data row."""
+    for i, text in enumerate(raw):
+        if not text.strip():
+            raise DataError(f"{path}: the label of data row {i + 1} is empty")
+    if all(INTEGER.fullmatch(text.strip()) for text in raw):
+        values = [int(text) for text in raw]
+    elif all(_is_number(text) and float(text).is_integer() for text in raw):
+        values = [int(float(text)) for text in raw]
+    else:
+        return np.array(raw)
+    for i, value in enumerate(values):
+        if not INT64.min <= value <= INT64.max:
+            raise DataError(
+                f"{path}: the label {raw[i].strip()} of data row {i + 1} is beyond the 64-bit "
+                f"integer range ({INT64.min}..{INT64.max})"
+            )
+    return np.array(values, dtype=np.int64)
 
 
 # --------------------------------------------------------------------------- validation

@@ -355,6 +355,18 @@ CORPUS = [
     ("an empty CSV", lambda d: csv_file(d, ""), "empty CSV", None),
     ("a CSV of a header alone", lambda d: csv_file(d, "label,a,b\n"), "a header and no rows", None),
     (
+        "a CSV with an empty label",
+        lambda d: csv_file(d, "label,a\n1,2\n,3\n2,4\n"),
+        "data.csv: the label of data row 2 is empty",
+        None,
+    ),
+    (
+        "a CSV label beyond int64",
+        lambda d: csv_file(d, "label,a\n9223372036854775808,2\n1,3\n1,4\n"),
+        "the label 9223372036854775808 of data row 1 is beyond the 64-bit integer range",
+        None,
+    ),
+    (
         # refused from its rows and columns, before a value is parsed (the bad last value
         # is never reached)
         "a CSV over the memory budget",
@@ -689,3 +701,24 @@ def test_a_usage_error_is_one_line_naming_the_option(python_m_training, args, wo
     assert code == 2 and stdout == ""
     assert stderr.count("\n") == 1 and stderr.startswith("error: python -m training"), stderr
     assert words in stderr and "--help lists the options" in stderr
+
+
+def test_csv_labels_written_as_integer_decimals_are_the_same_classes(tmp_path):
+    """ "1" and "1.0" in a CSV's label column are one class (as integer-valued float labels
+    of an .npy are); labels that are not all integers stay strings."""
+    from training.data.datasets import load_dataset
+
+    path = tmp_path / "mixed.csv"
+    path.write_text("label,a\n0,1\n0.0,2\n1,3\n1.0,4\n2,5\n2.00,6\n")
+    assert load_dataset(path).y.tolist() == [0, 0, 1, 1, 2, 2]
+    path.write_text("label,a\ncat,1\n1,2\n")
+    assert load_dataset(path).y.tolist() == ["cat", "1"]
+
+
+def test_an_empty_out_is_refused_before_the_data_is_read(python_m_training, tmp_path):
+    """--out "" is a path mistyped, not a request for the default models/<data>: refused in
+    one line before the data is read (the data here is not even there)."""
+    args = ["--data", tmp_path / "absent.npy", "--labels", tmp_path / "absent_y.npy"]
+    code, _, stderr = python_m_training(*args, "--out", "", "--quiet", "--max-iter", "2")
+    assert code == 2 and stderr.count("\n") == 1, stderr
+    assert "--out '': expected a directory path" in stderr
