@@ -16,7 +16,7 @@ import inspect
 from dataclasses import MISSING, asdict, dataclass, field, fields
 
 from service.core.vocabulary import NEIGHBOUR_RULES, DecisionRule
-from training.errors import ConfigError
+from training.errors import ConfigError, OneLineParser
 from training.model.estimator import NCA
 from training.model.options import OPTION_NAMES, FitOptions
 from training.progress import progress_mode
@@ -325,14 +325,6 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default is None or "default" in text:
             return text
         return super()._get_help_string(action)
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """A parser whose usage errors are one line, as every other error of the job is:
-    ``error: PROG: MESSAGE (PROG --help lists the options)``, exit status 2."""
-
-    def error(self, message: str):
-        self.exit(2, f"error: {self.prog}: {message} ({self.prog} --help lists the options)\n")
 
 
 def build_parser(show_advanced: bool = False) -> argparse.ArgumentParser:

@@ -16,6 +16,7 @@ that fails replaces nothing.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import errno
 import os
@@ -148,3 +149,12 @@ def check_seed(value: int, option: str = "--seed") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= SEED_MAX:
         raise ConfigError(f"{option}={value!r} must be an integer in [0, {SEED_MAX}]")
     return value
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """The command line's parser (the job's and the references command's), whose usage
+    errors are one line, as every other error of the job is: ``error: PROG: MESSAGE (PROG
+    --help lists the options)``, exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {self.prog}: {message} ({self.prog} --help lists the options)\n")

@@ -378,6 +378,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self.read_tail = b""
         self.send_timer: asyncio.TimerHandle | None = None
         self.written_bytes = 0  # bytes of answers given to the transport, in all
+        self.taking_answer = False  # the keep-alive timeout found an answer not yet taken
         # (bytes the client acknowledged, bytes written) at the start of each of the last
         # SEND_WINDOWS send windows, the newest last
         self.send_windows: list[tuple[int, int]] = []
@@ -451,11 +452,16 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         buffer, so all of it went to the kernel's queue), and the idle clock starts again.
         Closing it would hand the answer to the kernel's rule instead (TCP_USER_TIMEOUT,
         ``close``), which drops a client reading in bursts well above the documented rate:
-        a zero window between bursts does not count as progress there."""
+        a zero window between bursts does not count as progress there. Once the answer is
+        found taken, the client gets one whole idle period from then, as it would have had
+        from the answer's end (closed at once, its next request, sent as it took the last
+        byte, would meet a closed connection)."""
         if not self.lost and not self.refused and not self.transport.is_closing():
-            if self.unsent():
-                if self.send_timer is None:
-                    self.arm_send_timer()
+            still_taking = bool(self.unsent())
+            if still_taking and self.send_timer is None:
+                self.arm_send_timer()
+            if still_taking or self.taking_answer:
+                self.taking_answer = still_taking
                 self.timeout_keep_alive_task = self.loop.call_later(
                     self.timeout_keep_alive, self.timeout_keep_alive_handler
                 )
@@ -648,6 +654,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             return
         super().on_response_complete()
         self.cycles = self.unanswered()
+        self.taking_answer = False  # the keep-alive timeout's count starts from this answer
         if self.send_timer is None and not self.refused and not self.transport.is_closing():
             if self.unsent() >= MIN_SEND_PROGRESS_BYTES:
                 # an answer that went to the kernel's queue whole (the transport's buffer

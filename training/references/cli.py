@@ -20,7 +20,6 @@ from pathlib import Path
 import numpy as np
 
 from service.core.artifact import ArtifactError, OutputClaim, writer_lock
-from training.config import OneLineParser
 from training.data.datasets import (
     DataError,
     check_regular_file,
@@ -30,6 +29,7 @@ from training.data.datasets import (
 from training.errors import (
     ConfigError,
     Interrupted,
+    OneLineParser,
     check_lock_timeout,
     check_seed,
     describe_os_error,
