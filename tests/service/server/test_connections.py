@@ -45,17 +45,22 @@ ROW = [0.5] * 64
 FRESH_CLIENT_BOUND = 2.0  # seconds for a fresh client's answer while others hold connections
 
 
-@pytest.fixture(scope="module")
-def server(model_artifact):
-    with running_server(
-        model_artifact[0],
+def connection_server(model, header_timeout: float):
+    """The server these tests run against, with a header deadline of ``header_timeout``."""
+    return running_server(
+        model,
         NCAKNN_API_KEY=KEY,
         NCAKNN_MAX_CONNECTIONS=MAX_CONNECTIONS,
-        NCAKNN_HEADER_TIMEOUT_SECONDS=HEADER_TIMEOUT,
+        NCAKNN_HEADER_TIMEOUT_SECONDS=header_timeout,
         NCAKNN_KEEP_ALIVE_TIMEOUT_SECONDS=KEEP_ALIVE,
         NCAKNN_MAX_HEADER_BYTES=MAX_HEADER_BYTES,
         NCAKNN_MAX_HEADERS=MAX_HEADERS,
-    ) as running:
+    )
+
+
+@pytest.fixture(scope="module")
+def server(model_artifact):
+    with connection_server(model_artifact[0], HEADER_TIMEOUT) as running:
         yield running
 
 
@@ -198,13 +203,7 @@ def patient_server(model_artifact):
     """The module's server with a header deadline of CAP_HEADER_TIMEOUT: time for a loaded
     machine to fill the cap before the silent connections meet it (at 1 s, a CI run once saw
     the fresh client served, not refused, within 0.8 s)."""
-    with running_server(
-        model_artifact[0],
-        NCAKNN_API_KEY=KEY,
-        NCAKNN_MAX_CONNECTIONS=MAX_CONNECTIONS,
-        NCAKNN_HEADER_TIMEOUT_SECONDS=CAP_HEADER_TIMEOUT,
-        NCAKNN_KEEP_ALIVE_TIMEOUT_SECONDS=KEEP_ALIVE,
-    ) as running:
+    with connection_server(model_artifact[0], CAP_HEADER_TIMEOUT) as running:
         yield running
 
 
