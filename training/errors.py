@@ -125,10 +125,12 @@ def raise_on_interrupt() -> None:
 
 def interrupted_line(exc: Interrupted, seconds: float, out: str | None, checkpoint=None) -> str:
     """The one line an interrupted command prints; ``checkpoint``: the fit's checkpoint
-    directory (a Path, or None), named when it holds a fit's state to resume from."""
+    directory (a Path, or None), named when it holds a fit's or a prototype learning's state
+    to resume from."""
     where = f"; nothing was written at {out} (a version already there is intact)" if out else ""
     again = "run the same command again to start over"
-    if checkpoint is not None and any(Path(checkpoint).glob("fit-rank*.npz")):
+    saved = ("fit-rank*.npz", "prototypes-*.npz")  # a fit's, a condense's prototype learning
+    if checkpoint is not None and any(any(Path(checkpoint).glob(name)) for name in saved):
         again = f"run the same command again to resume from the checkpoint in {checkpoint}"
     return f"interrupted by {exc.args[0]} after {seconds:.1f} s{where}; {again}"
 

@@ -62,6 +62,7 @@ from training.progress import StageBar, progress_mode
 from training.publish import check_publish_link, publish
 from training.references.compress import reference_set_record
 from training.references.learned import check_budget
+from training.state_file import checkpoint_beside
 
 
 def build_estimator(config: TrainConfig, n_features: int) -> NCA:
@@ -319,8 +320,7 @@ def checkpoint_dir_for(config: TrainConfig, out: Path) -> Path | None:
         return None
     if config.checkpoint_dir == "auto":
         named = Path(config.out) if config.out and "{timestamp}" in config.out else out
-        absolute = named.absolute()
-        return absolute.with_name(f".{absolute.name}.checkpoint")
+        return checkpoint_beside(named)
     return Path(config.checkpoint_dir)
 
 

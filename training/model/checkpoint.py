@@ -33,10 +33,8 @@ silently used.
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 import os
-import tempfile
 import warnings
 import zipfile
 from dataclasses import asdict
@@ -48,6 +46,7 @@ import torch
 
 from training.model import sparse_input
 from training.model.fitting import FitState, Snapshot, StageRecord, StageResume
+from training.state_file import digest_array, write_npz_atomically
 
 FORMAT = "nca-knn-fit-checkpoint/2"
 # a mid-stage state's arrays (StageResume's theta, g, pairs_s, pairs_y), members of their own
@@ -57,30 +56,17 @@ RESUME_ARRAYS = ("resume_theta", "resume_g", "resume_pairs_s", "resume_pairs_y")
 DISPLAY_PARAMS = frozenset({"verbose", "progress", "callback"})
 
 
-def package_version() -> str:
-    """This installation's version of the package (a checkpoint of another is refused)."""
-    try:
-        return importlib.metadata.version("nca-knn")
-    except importlib.metadata.PackageNotFoundError:  # run from a source tree
-        return "unknown"
-
-
 def fingerprint(X: np.ndarray, y: np.ndarray, X_val, y_val, params: dict, version: str) -> str:
     """SHA-256 of what decides a fit: the prepared rows X (N, D) and labels y (N,), the
     validation rows and labels (or None), the parameters (callables by their type only)."""
     digest = hashlib.sha256()
     for array in (X, y, X_val, y_val):
-        if array is None:
-            digest.update(b"none")
-            continue
         if sparse.issparse(array):  # a sparse X: its shape, index arrays and values
             digest.update(b"csr")
             for part in sparse_input.fingerprint_parts(array):
                 digest.update(np.ascontiguousarray(part).tobytes())
             continue
-        array = np.ascontiguousarray(array)
-        digest.update(f"{array.dtype.str}{array.shape}".encode())
-        digest.update(memoryview(array).cast("B"))
+        digest_array(digest, array)
     described = {
         name: (type(value).__name__ if callable(value) else repr(value))
         for name, value in sorted(params.items())
@@ -166,17 +152,8 @@ class FitCheckpoint:
             )
 
     def _write(self, text: str, arrays: dict[str, np.ndarray]) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".fit.", suffix=".tmp", dir=self.directory)
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                np.savez(fh, torch_rng=torch.get_rng_state().numpy(), meta=np.array(text), **arrays)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, self.path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        torch_rng = torch.get_rng_state().numpy()
+        write_npz_atomically(self.path, {"torch_rng": torch_rng, "meta": np.array(text), **arrays})
 
 
 def _plain(value):

@@ -27,7 +27,7 @@ from threadpoolctl import threadpool_limits
 from service.core.knn import project
 from training.distributed.ranks import agreed_flags, current_group
 from training.model import preparation, sparse_input
-from training.model.checkpoint import FitCheckpoint, fingerprint, package_version
+from training.model.checkpoint import FitCheckpoint, fingerprint
 from training.model.fitting import CONVERGED, FitClock, StagedFit
 from training.model.options import fit_settings
 from training.model.plan import FitPlan, resolve_plan
@@ -35,6 +35,7 @@ from training.objectives.registry import kernels_used
 from training.optim.candidates import audit_disagreement, audit_rows
 from training.references.compress import compress, edit_k_for
 from training.references.learned import representatives, served_k
+from training.state_file import package_version
 
 
 class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):

@@ -45,6 +45,7 @@ from training.references.versions import (
     condense_references,
     remove_references,
 )
+from training.state_file import checkpoint_beside
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -273,6 +274,7 @@ def _change(args: argparse.Namespace) -> dict:
             X_test=X_test,
             y_test=y_test,
             min_per_class=args.min_per_class,
+            checkpoint_dir=checkpoint_beside(args.out),
         )
     else:
         ids = _ids_from_text(args.ids, "--ids")
@@ -296,7 +298,8 @@ def main(argv: list[str]) -> int:
     try:
         summary = run(args)
     except Interrupted as exc:  # SIGINT or SIGTERM: one line, no traceback
-        line = interrupted_line(exc, time.perf_counter() - started, args.out)
+        checkpoint = checkpoint_beside(args.out) if args.command == "condense" else None
+        line = interrupted_line(exc, time.perf_counter() - started, args.out, checkpoint)
         print(f"error: {line}", file=sys.stderr)
         return exc.exit_status
     except (ReferenceError, DataError, ConfigError, ArtifactError) as exc:

@@ -25,11 +25,13 @@ accumulated chunk by chunk), never N x N.
 
 The starting prototypes are per-class k-means centres in the starting embedding
 (``training.references.condense.kmeans``), round(N / reduction) in all, shared in proportion
-to the classes' sizes, at least one per class (``training.references.condense.class_budget``). Full-batch L-BFGS (scipy's L-BFGS-B)
-moves them; every ``check_every`` iterations the validation accuracy of the 1-NN rule on
-the prototypes is measured and the best parameters are kept (the log loss can fall for
-long after the 1-NN boundaries stop improving). The k to serve is chosen afterwards on
-validation (``training.evaluation.evaluate.choose_k``), where 1 usually wins.
+to the classes' sizes, at least one per class (``training.references.condense.class_budget``).
+Full-batch L-BFGS (``training.optim.lbfgs``) moves them; every ``check_every`` iterations
+the validation accuracy of the 1-NN rule on the prototypes is measured and the best
+parameters are kept (the log loss can fall for long after the 1-NN boundaries stop
+improving); a learning checkpointed in a directory (``checkpoint_dir``) resumes there.
+The k to serve is chosen afterwards on validation
+(``training.evaluation.evaluate.choose_k``), where 1 usually wins.
 
 Tests: ``tests/training/references/test_learned_references.py``.
 """
@@ -38,15 +40,20 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
-from scipy.optimize import minimize
 
 from training.evaluation.evaluate import K_VALUES, choose_k, knn_accuracies
+from training.optim.lbfgs import LBFGS, Evaluation
+from training.references.checkpoint import LearningState, PrototypeCheckpoint, learning_key
 from training.references.condense import _nearest, class_budget, kmeans
 
 LOSSES = ("log", "f")
+# L-BFGS ends when a step lowers the loss by at most this fraction, or max |g| is this small
+# (scipy's L-BFGS-B factr 1e7 times machine epsilon, as the learning used before)
+TOLERANCE = 2.2e-9
 
 
 @dataclass
@@ -70,6 +77,7 @@ class PrototypeFit:
     best_iter: int = 0
     seconds: float = 0.0
     n_rows: int = 0  # the training rows it learned from
+    stop: str | None = None  # why the learning ended (converged, stalled, max_iter, ...)
 
 
 def initial_prototypes(
@@ -241,6 +249,7 @@ def learn_prototypes(
     seed: int = 0,
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
+    checkpoint_dir: str | Path | None = None,
 ) -> PrototypeFit:
     """Learn ``class_budget(y, reduction)`` prototypes per class (or a budget {class: count}).
 
@@ -248,7 +257,12 @@ def learn_prototypes(
     Joint: x (N, D) standardised inputs, projection (d, D) the starting map A (the fitted
     NCA map); both A and the prototypes move. x_val / y_val (validation rows in the same
     space as x) choose the kept iteration by 1-NN accuracy on the prototypes.
-    Deterministic for a seed on CPU."""
+
+    The loop: L-BFGS (``training.optim.lbfgs``) one step at a time, at most ``max_iter``
+    steps and 2 max_iter evaluations; every ``check_every`` steps the validation check,
+    ending after ``patience`` checks without a gain. With ``checkpoint_dir``, its state is
+    saved there (``training.references.checkpoint``) and a learning found there resumes.
+    Deterministic for a seed on CPU, resumed or not."""
     started = time.perf_counter()
     x = np.asarray(x)
     y = np.asarray(y, dtype=np.int64)
@@ -266,35 +280,79 @@ def learn_prototypes(
         device=device,
         dtype=dtype,
     )
-    tracker = _BestOnValidation(problem, x_val, y_val, labels, check_every, patience)
-    tracker.check(theta0, 0)
-    loss_start, _ = problem.loss_and_grad(theta0)
-    result = minimize(
-        problem.loss_and_grad,
-        theta0,
-        jac=True,
-        method="L-BFGS-B",
-        callback=tracker.on_iteration,
-        options={"maxiter": max_iter, "maxfun": 2 * max_iter},
-    )
-    tracker.check(result.x, tracker.iteration, final=True)
-    theta = tracker.best_theta
-    z, a, scale = problem.split(theta)
-    loss_end, _ = problem.loss_and_grad(theta)
+    tracker = BestOnValidation(problem, x_val, y_val, labels, check_every)
+    solver = LBFGS(lambda theta: Evaluation(*problem.loss_and_grad(theta)), tol=TOLERANCE)
+    saving = None
+    if checkpoint_dir is not None:
+        settings = {
+            "budget": reduction,
+            "joint": joint,
+            "loss": loss,
+            "scale_factor": scale_factor,
+            "max_iter": max_iter,
+            "check_every": check_every,
+            "patience": patience,
+            "seed": seed,
+            "device": device,
+            "dtype": str(dtype),
+        }
+        key = learning_key([x, y, x_val, y_val, projection], settings)
+        saving = PrototypeCheckpoint(checkpoint_dir, loss, key)
+    state = _resumed_or_started(saving, solver, tracker, theta0)
+    while state.stop is None:
+        evaluations_left = 2 * max_iter - solver.evaluations
+        if state.iteration >= max_iter or evaluations_left <= 0:
+            state.stop = "max_iter" if state.iteration >= max_iter else "max_evaluations"
+        else:
+            step = solver.step(state.theta, Evaluation(state.f, state.g), evaluations_left)
+            state.theta, state.f, state.g, state.stop = step.x, step.at.f, step.at.g, step.stop
+            if step.moved:
+                state.iteration += 1
+            if step.moved and state.iteration % tracker.check_every == 0:
+                tracker.check(state.theta, state.f, state.iteration)
+                if state.stop is None and patience and tracker.stale >= patience:
+                    state.stop = "stalled"  # no validation gain over ``patience`` checks
+        if saving is not None and (state.stop is not None or saving.due()):
+            saving.save(_with_solver(state, solver, tracker))
+    tracker.check(state.theta, state.f, state.iteration, final=True)
+    z, a, scale = problem.split(tracker.best_theta)
     return PrototypeFit(
         prototypes=z.astype(np.float32),
         labels=labels,
         projection=a,
         scale=scale,
-        loss_start=float(loss_start),
-        loss_end=float(loss_end),
-        n_iter=int(result.nit),
-        n_eval=problem.n_eval,
+        loss_start=float(state.loss_start),
+        loss_end=float(tracker.best_f),
+        n_iter=int(state.iteration),
+        n_eval=solver.evaluations,
         history=tracker.history,
         best_iter=tracker.best_iter,
         seconds=time.perf_counter() - started,
         n_rows=len(y),
+        stop=state.stop,
     )
+
+
+def _resumed_or_started(saving, solver: LBFGS, tracker: BestOnValidation, theta0) -> LearningState:
+    """The state a checkpoint saved (the solver's pairs and the checks restored), or the
+    start: theta0 evaluated and checked."""
+    state = None if saving is None else saving.load()
+    if state is not None:
+        solver.restore(state.pairs_s, state.pairs_y, state.evaluations)
+        tracker.restore(state.checks, state.best_theta)
+        return state
+    at = solver.start(theta0)
+    tracker.check(theta0, at.f, 0)
+    empty = np.empty((0, theta0.size))
+    return LearningState(theta0, at.f, at.g, empty, empty, 1, 0, None, at.f)
+
+
+def _with_solver(state: LearningState, solver: LBFGS, tracker: BestOnValidation):
+    """``state`` with the solver's pairs and evaluations and the checks, as saved."""
+    state.pairs_s, state.pairs_y = solver.pairs_arrays()
+    state.evaluations = solver.evaluations
+    state.checks, state.best_theta = tracker.state(), tracker.best_theta
+    return state
 
 
 def _starting_point(x, y, reduction, projection, joint, scale_factor, seed):
@@ -321,29 +379,24 @@ def _starting_log_scale(u: np.ndarray, prototypes: np.ndarray) -> float:
     return float(-np.log(max(median, 1e-12)))
 
 
-class _BestOnValidation:
+class BestOnValidation:
     """Every ``check_every`` iterations, the validation 1-NN accuracy of the prototypes; the
-    parameters with the best so far (the earliest among equals) are kept. Without a
-    validation set, the last parameters are kept."""
+    parameters with the best so far (the earliest among equals) are kept, with the loss
+    there, and ``stale`` counts the checks since the last gain. Without a validation set,
+    the last parameters checked are kept."""
 
-    def __init__(self, problem, x_val, y_val, labels, check_every, patience):
+    def __init__(self, problem, x_val, y_val, labels, check_every):
         self.problem, self.labels, self.check_every = problem, labels, max(1, check_every)
-        self.patience, self.stale = patience, 0
         self.x_val = None if x_val is None or len(x_val) == 0 else np.asarray(x_val)
         self.y_val = None if y_val is None else np.asarray(y_val, dtype=np.int64)
-        self.iteration, self.history = 0, []
-        self.best_theta, self.best_iter, self.best = None, 0, -1.0
+        self.history: list[tuple[int, float]] = []  # (iteration, accuracy)
+        self.best_theta, self.best_iter, self.best, self.best_f, self.stale = None, 0, -1.0, 0.0, 0
 
-    def on_iteration(self, theta: np.ndarray) -> None:
-        self.iteration += 1
-        if self.iteration % self.check_every == 0:
-            self.check(theta, self.iteration)
-            if self.patience and self.stale >= self.patience:
-                raise StopIteration  # L-BFGS-B ends here and returns the current point
-
-    def check(self, theta: np.ndarray, iteration: int, final: bool = False) -> None:
+    def check(self, theta: np.ndarray, f: float, iteration: int, final: bool = False) -> None:
+        """Score theta (its loss f) at ``iteration``; ``final``: the learning's last point,
+        not scored again when this iteration was."""
         if self.x_val is None:
-            self.best_theta, self.best_iter = np.array(theta, copy=True), iteration
+            self.best_theta, self.best_iter, self.best_f = np.array(theta, copy=True), iteration, f
             return
         if final and self.history and self.history[-1][0] == iteration:
             return
@@ -352,14 +405,32 @@ class _BestOnValidation:
         accuracy = nearest_accuracy(u, self.y_val, z.astype(np.float32), self.labels)
         self.history.append((iteration, accuracy))
         if accuracy > self.best:
-            self.best_theta, self.best_iter, self.best = (
+            self.best_theta, self.best_iter, self.best, self.best_f = (
                 np.array(theta, copy=True),
                 iteration,
                 accuracy,
+                f,
             )
             self.stale = 0
         else:
             self.stale += 1
+
+    def state(self) -> dict:
+        """What a checkpoint keeps of the checks (``restore`` takes it back; the kept
+        parameters travel as an array of their own)."""
+        return {
+            "history": [[int(i), float(a)] for i, a in self.history],
+            "best_iter": int(self.best_iter),
+            "best": float(self.best),
+            "best_f": float(self.best_f),
+            "stale": int(self.stale),
+        }
+
+    def restore(self, checks: dict, best_theta: np.ndarray | None) -> None:
+        self.history = [(int(i), float(a)) for i, a in checks["history"]]
+        self.best_iter, self.best = checks["best_iter"], checks["best"]
+        self.best_f, self.stale = checks["best_f"], checks["stale"]
+        self.best_theta = None if best_theta is None else np.array(best_theta, dtype=np.float64)
 
 
 def check_budget(

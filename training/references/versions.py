@@ -55,9 +55,10 @@ from training.data.datasets import DataError, validate_xy
 from training.errors import WriteError
 from training.evaluation.calibration import calibrate
 from training.evaluation.evaluate import knn_accuracies
+from training.references.checkpoint import remove_checkpoints
 from training.references.compress import compress, edit_k_for, reference_set_record
 from training.references.condense import budget_record, condense, prototypes
-from training.references.learned import check_budget, representatives
+from training.references.learned import LOSSES, check_budget, representatives
 
 
 class ReferenceError(ValueError):
@@ -362,9 +363,10 @@ def _condense_settings(
     raise ReferenceError(f"--method must be one of hart, prototypes; got {method!r}")
 
 
-def _learned(parent, z, y, settings) -> tuple:
+def _learned(parent, z, y, settings, checkpoint_dir) -> tuple:
     """Prototypes learned with NCA's objective, the map fixed: (prototypes, labels, ids,
-    counts, served k, reference_set record)."""
+    counts, served k, reference_set record); the learning checkpointed in
+    ``checkpoint_dir`` (None: not)."""
     result = compress(
         z,
         y,
@@ -378,6 +380,7 @@ def _learned(parent, z, y, settings) -> tuple:
         seed=settings["seed"],
         classes=parent.classes,
         min_per_class=settings.get("min_per_class", 1),
+        checkpoint_dir=checkpoint_dir,
     )
     fit = result.fit
     rows = representatives(z, y, fit.prototypes, fit.labels)
@@ -390,14 +393,14 @@ def _learned(parent, z, y, settings) -> tuple:
     return fit.prototypes, fit.labels, parent.ids[rows], counts, result.k, record
 
 
-def _condensed(parent, z, y, settings, unchanged) -> tuple:
+def _condensed(parent, z, y, settings, unchanged, checkpoint_dir) -> tuple:
     """(embeddings, labels, ids, counts, served k or None, reference_set or None) of the
     condensed set; the parent's when unchanged."""
     if unchanged:
         counts = {"removed_by_editing": 0, "removed_by_condensing": 0}
         return z, y, parent.ids, counts, None, parent.manifest.get("reference_set")
     if settings.get("method") == "prototypes" and settings["refine"] == "nca":
-        return _learned(parent, z, y, settings)
+        return _learned(parent, z, y, settings, checkpoint_dir)
     if settings.get("method") == "prototypes":
         centres, labels, representative, _ = prototypes(
             z,
@@ -475,6 +478,7 @@ def condense_references(
     X_test: np.ndarray | None = None,
     y_test: np.ndarray | None = None,
     min_per_class: int | None = None,
+    checkpoint_dir: str | Path | None = None,
 ) -> dict:
     """Keep the references the k-NN decision needs (``training.references.condense``); write ``out``.
 
@@ -486,7 +490,9 @@ def condense_references(
     judge the kept references without the removed ones that they vouch for.
 
     method "prototypes": see the module's docstring; ``min_per_class`` (default 1) is the
-    budget's floor per class (``training.references.condense.class_budget``)."""
+    budget's floor per class (``training.references.condense.class_budget``). The learning
+    is checkpointed in ``checkpoint_dir`` (None: not): a condense killed mid-way and run
+    again resumes there, and its files are removed once the new version is written."""
     parent = read_parent(model)
     settings = _condense_settings(
         parent, method, check_k, edit_k, reduction, refine, refine_epochs, seed, min_per_class
@@ -500,7 +506,9 @@ def condense_references(
             "the model's references are already prototypes: learn prototypes from the version "
             f"with the training rows instead (parent {last.get('parent_version')})"
         )
-    new_z, new_y, new_ids, counts, k, record = _condensed(parent, z, y, settings, unchanged)
+    new_z, new_y, new_ids, counts, k, record = _condensed(
+        parent, z, y, settings, unchanged, checkpoint_dir
+    )
     check_k = settings.get("check_k", parent.default_k)
     ks = tuple(sorted({1, parent.default_k, check_k} | ({k} if k else set())))
     accuracy = _before_and_after(parent, (z, y), (new_z, new_y), ks, X_test, y_test)
@@ -529,4 +537,6 @@ def condense_references(
         default_k=default_k,
         reference_set=record,
     )
+    if checkpoint_dir is not None:
+        remove_checkpoints(checkpoint_dir, LOSSES)
     return {**entry, "artifact": str(path)}

@@ -1,0 +1,172 @@
+"""A killed prototype learning resumes (``training.references.checkpoint``): the learning's
+state is saved beside the new version, and the same learning started again goes on from it
+to the prototypes an uninterrupted learning ends with, bit for bit; a finished learning is
+read back, not redone; the state of another learning is refused; through the CLI, a
+``references condense --method prototypes`` stopped by SIGTERM says where it will resume,
+resumes when run again, writes the uninterrupted version and leaves no checkpoint behind."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from service.core.artifact import read_artifact
+from tests.training.problems import blobs
+from training.references import checkpoint
+from training.references.checkpoint import PrototypeCheckpoint, checkpoint_path
+from training.references.learned import learn_prototypes
+
+
+class Killed(Exception):
+    """Stands for the process's death right after a save."""
+
+
+@pytest.fixture
+def save_every_iteration(monkeypatch):
+    """A save after every iteration (10 s apart by default: longer than these learnings)."""
+    monkeypatch.setattr(checkpoint, "CHECKPOINT_SECONDS", 0.0)
+
+
+@pytest.fixture
+def killed_after_save(monkeypatch):
+    """``killed_after_save(n)``: the n-th save of this test writes its file, then the
+    learning dies (the file then holds the state n iterations in); returns the iterations
+    saved, in order."""
+
+    def arm(n: int):
+        saves = []
+        real = PrototypeCheckpoint.save
+
+        def save(self, state):
+            real(self, state)
+            saves.append(state.iteration)
+            if len(saves) == n:
+                raise Killed(state.iteration)
+
+        monkeypatch.setattr(PrototypeCheckpoint, "save", save)
+        return saves
+
+    return arm
+
+
+def learn_on(x, y, checkpoint_dir, seed=0, **extra):
+    settings = dict(reduction=25, max_iter=40, check_every=3, patience=20, loss="log")
+    return learn_prototypes(
+        x[:500],
+        y[:500],
+        x_val=x[500:],
+        y_val=y[500:],
+        seed=seed,
+        checkpoint_dir=checkpoint_dir,
+        **{**settings, **extra},
+    )
+
+
+def learn(checkpoint_dir=None, **extra):
+    """A learning on 500 rows of four classes, 20 prototypes, validated on 200 more."""
+    return learn_on(*blobs(700, seed=3), checkpoint_dir, **extra)
+
+
+def same_learning(a, b):
+    np.testing.assert_array_equal(a.prototypes, b.prototypes)
+    np.testing.assert_array_equal(a.labels, b.labels)
+    assert (a.n_iter, a.n_eval, a.best_iter, a.stop) == (b.n_iter, b.n_eval, b.best_iter, b.stop)
+    assert (a.loss_start, a.loss_end) == (b.loss_start, b.loss_end)
+    assert a.history == b.history
+
+
+@pytest.mark.parametrize("killed_at", [1, 4, 11])
+def test_a_learning_killed_mid_way_resumes_to_the_same_prototypes(
+    tmp_path, save_every_iteration, killed_after_save, killed_at
+):
+    whole = learn()
+    assert whole.n_iter > killed_at and whole.stop in ("max_iter", "converged", "stalled")
+    saves = killed_after_save(killed_at)
+    with pytest.raises(Killed):
+        learn(tmp_path / "ckpt")
+    assert saves == list(range(1, killed_at + 1))
+    assert checkpoint_path(tmp_path / "ckpt", "log").is_file()
+    resumed = learn(tmp_path / "ckpt")  # saves again from the next iteration on
+    same_learning(resumed, whole)
+    assert saves[killed_at] == killed_at + 1
+
+
+def test_a_finished_learning_is_read_back_not_redone(tmp_path, save_every_iteration):
+    first = learn(tmp_path / "ckpt")
+    path = checkpoint_path(tmp_path / "ckpt", "log")
+    saved = path.read_bytes()
+    again = learn(tmp_path / "ckpt")
+    same_learning(again, first)
+    assert path.read_bytes() == saved  # nothing was learned, so nothing was saved
+
+
+def test_without_a_checkpoint_the_learning_is_the_same(tmp_path):
+    same_learning(learn(tmp_path / "ckpt"), learn())
+
+
+@pytest.mark.parametrize("other", [dict(seed=1), dict(max_iter=39), dict(reduction=20)])
+def test_the_state_of_a_learning_with_other_settings_is_refused(tmp_path, other):
+    learn(tmp_path / "ckpt")
+    with pytest.raises(ValueError, match="is of another condense"):
+        learn(tmp_path / "ckpt", **other)
+
+
+def test_the_state_of_a_learning_on_other_rows_is_refused(tmp_path):
+    learn(tmp_path / "ckpt")
+    x, y = blobs(700, seed=4)
+    with pytest.raises(ValueError, match="is of another condense"):
+        learn_on(x, y, tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize("content", [b"", b"not a zip", b"PK\x03\x04 truncated"])
+def test_a_damaged_checkpoint_is_refused_in_one_line(tmp_path, content):
+    path = checkpoint_path(tmp_path / "ckpt", "log")
+    path.parent.mkdir()
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match="not a readable prototype checkpoint") as raised:
+        learn(tmp_path / "ckpt")
+    assert "\n" not in str(raised.value)
+
+
+def test_a_checkpoint_the_disk_refuses_costs_the_checkpoint_not_the_learning(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("a regular file where the checkpoint directory would go")
+    with pytest.warns(RuntimeWarning, match="cannot write the prototypes' checkpoint"):
+        learned = learn(blocker / "ckpt")
+    same_learning(learned, learn())
+
+
+CONDENSE = ["references", "condense", "--method", "prototypes", "--reduction", "4"]
+EVERY_SAVE = "import training.references.checkpoint as c\nc.CHECKPOINT_SECONDS = 0.0\n"
+SIGTERM_AT_SAVE_5 = EVERY_SAVE + (
+    "import os, signal\nreal = c.PrototypeCheckpoint.save\nsaves = []\n"
+    "def save(self, state):\n    real(self, state)\n    saves.append(1)\n"
+    "    if len(saves) == 5:\n        os.kill(os.getpid(), signal.SIGTERM)\n"
+    "c.PrototypeCheckpoint.save = save\n"
+)
+
+
+def test_a_condense_sigtermed_mid_way_resumes_when_run_again(
+    python_m_training, digits_like_model, tmp_path
+):
+    """A node drain's SIGTERM after the learning's 5th save: exit 143 with one line naming
+    the checkpoint; the same command again resumes, writes the version an uninterrupted
+    condense writes, and removes its checkpoint."""
+    model, _ = digits_like_model
+    args = [*CONDENSE, "--model", model]
+    code, _, err = python_m_training(*args, "--out", tmp_path / "whole", prelude=EVERY_SAVE)
+    assert code == 0, err
+    code, _, err = python_m_training(*args, "--out", tmp_path / "p", prelude=SIGTERM_AT_SAVE_5)
+    ckpt = tmp_path / ".p.checkpoint"
+    assert code == 143, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert f"resume from the checkpoint in {ckpt}" in err
+    assert not (tmp_path / "p").exists() and any(ckpt.glob("prototypes-*.npz"))
+    code, _, err = python_m_training(*args, "--out", tmp_path / "p", prelude=EVERY_SAVE)
+    assert code == 0, err
+    resumed, whole = read_artifact(tmp_path / "p"), read_artifact(tmp_path / "whole")
+    np.testing.assert_array_equal(resumed.embeddings, whole.embeddings)
+    np.testing.assert_array_equal(resumed.ids, whole.ids)
+    timeless = [{**a.manifest["reference_set"], "seconds": 0} for a in (resumed, whole)]
+    assert timeless[0] == timeless[1]
+    assert not ckpt.exists() and not (tmp_path / ".whole.checkpoint").exists()

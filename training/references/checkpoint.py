@@ -1,0 +1,161 @@
+"""The checkpoint of one prototype learning (``training.references.learned``), so that a
+killed ``references condense --method prototypes`` resumes where it was.
+
+One file per loss learned, ``DIRECTORY/prototypes-{loss}.npz``, written atomically
+(``training.state_file``) every ``CHECKPOINT_SECONDS`` of learning (after an iteration) and
+when the learning ends:
+
+    theta      float64 (P,)    the iterate (prototypes, and the map in the joint mode)
+    g          float64 (P,)    the loss's gradient there
+    pairs_s    float64 (m, P)  L-BFGS's curvature pairs, oldest first
+    pairs_y    float64 (m, P)
+    best       float64 (P,)    the parameters kept so far (best on validation)
+    meta       str (0-d)       JSON: the key, the loss there, the iteration, the
+                               evaluations, why it stopped (None: it goes on), the loss at
+                               the start, and the checks (history, best accuracy, its
+                               iteration and loss, checks without a gain)
+
+The learning has no random state after its k-means start (deterministic for a seed), so a
+resumed learning takes the steps the uninterrupted one takes and ends with the same
+prototypes, bit for bit on the same machine. The key is a SHA-256 of the rows, labels,
+validation rows, budget, starting map and settings and the package's version: the state of
+other work is refused with a ValueError, never used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import warnings
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from training.state_file import digest_array, package_version, write_npz_atomically
+
+FORMAT = "nca-knn-prototype-checkpoint/1"
+CHECKPOINT_SECONDS = 10.0  # a save after an iteration once this long has passed since the last
+
+
+@dataclass
+class LearningState:
+    """Where one prototype learning stands: the iterate ``theta`` (P,), its loss ``f`` and
+    gradient ``g`` (P,), L-BFGS's pairs (m, P) and evaluations, the iterations done, why it
+    stopped (None: it goes on), the loss at the start, and the validation checks (see
+    ``learned.BestOnValidation``)."""
+
+    theta: np.ndarray
+    f: float
+    g: np.ndarray
+    pairs_s: np.ndarray
+    pairs_y: np.ndarray
+    evaluations: int
+    iteration: int
+    stop: str | None
+    loss_start: float
+    checks: dict = field(default_factory=dict)
+    best_theta: np.ndarray | None = None
+
+
+def learning_key(arrays: list, settings: dict) -> str:
+    """SHA-256 of the arrays that decide a learning (None allowed), its settings (JSON) and
+    the package's version."""
+    digest = hashlib.sha256()
+    for array in arrays:
+        digest_array(digest, None if array is None else np.asarray(array))
+    digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
+    digest.update(package_version().encode())
+    return digest.hexdigest()
+
+
+def checkpoint_path(directory: str | Path, loss: str) -> Path:
+    """The file of the learning with ``loss`` in ``directory``."""
+    return Path(directory) / f"prototypes-{loss}.npz"
+
+
+class PrototypeCheckpoint:
+    """The checkpoint file of the learning keyed ``key`` with loss ``loss`` in ``directory``.
+    ``clock`` (seconds, monotonic) decides when a save is due, never what is computed."""
+
+    def __init__(self, directory: str | Path, loss: str, key: str, clock=time.monotonic):
+        self.path = checkpoint_path(directory, loss)
+        self.key, self.clock = key, clock
+        self.last_save = clock()
+        self.failed: str | None = None  # why a save failed: the learning goes on without
+
+    def load(self) -> LearningState | None:
+        """The saved state, or None when there is none; ValueError when the file is not a
+        checkpoint of this format or is another learning's."""
+        if not self.path.exists():
+            return None
+        try:
+            with np.load(self.path, allow_pickle=False) as data:
+                arrays = {name: np.asarray(data[name]) for name in data.files}
+            meta = json.loads(str(arrays.pop("meta")))
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
+            raise ValueError(
+                f"checkpoint {self.path}: not a readable prototype checkpoint ({exc})"
+            ) from None
+        if meta.get("format") != FORMAT:
+            raise ValueError(f"checkpoint {self.path}: not a prototype checkpoint of this format")
+        if meta.get("key") != self.key:
+            raise ValueError(
+                f"checkpoint {self.path} is of another condense (other model, data or "
+                f"options): remove {self.path} to start over, or give the same ones"
+            )
+        best = arrays.pop("best") if "best" in arrays else None
+        return LearningState(**arrays, **meta["state"], best_theta=best)
+
+    def due(self) -> bool:
+        """Whether CHECKPOINT_SECONDS have passed since the last save."""
+        return self.clock() - self.last_save >= CHECKPOINT_SECONDS
+
+    def save(self, state: LearningState) -> None:
+        """Write ``state`` atomically. A disk that refuses it costs the checkpoint, not the
+        learning: one RuntimeWarning, and no later save is tried."""
+        self.last_save = self.clock()
+        if self.failed is not None:
+            return
+        scalars = {
+            "f": float(state.f),
+            "evaluations": int(state.evaluations),
+            "iteration": int(state.iteration),
+            "stop": state.stop,
+            "loss_start": float(state.loss_start),
+            "checks": state.checks,
+        }
+        meta = {"format": FORMAT, "key": self.key, "state": scalars}
+        arrays = {
+            "theta": state.theta,
+            "g": state.g,
+            "pairs_s": state.pairs_s,
+            "pairs_y": state.pairs_y,
+            "meta": np.array(json.dumps(meta)),
+        }
+        if state.best_theta is not None:
+            arrays["best"] = state.best_theta
+        try:
+            write_npz_atomically(self.path, arrays)
+        except OSError as exc:
+            self.failed = f"{exc.strerror or exc}"
+            warnings.warn(
+                f"cannot write the prototypes' checkpoint {self.path}: {self.failed}; the "
+                "learning goes on without one (a killed condense would start over)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+
+def remove_checkpoints(directory: str | Path, losses) -> None:
+    """Delete the checkpoint files of the learnings with these losses in ``directory`` (their
+    result is written), and the directory when that leaves it empty; nothing else."""
+    directory = Path(directory)
+    for loss in losses:
+        checkpoint_path(directory, loss).unlink(missing_ok=True)
+    try:
+        directory.rmdir()
+    except OSError:  # not empty (files not ours), or already gone
+        pass

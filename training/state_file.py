@@ -1,0 +1,61 @@
+"""Saved state that a killed command reads back: written atomically, keyed by a digest.
+
+The fit's checkpoint (``training.model.checkpoint``) and the prototype learning's
+(``training.references.checkpoint``) are both an ``.npz`` of arrays written here: to a
+temporary file in the same directory, fsynced, then renamed over the last one, so a reader
+sees the old file or the new one, never half of one. Each is keyed by a SHA-256 of what
+decides the work (the rows, the labels, the settings, this package's version), so that the
+state of other work is refused rather than used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+
+def package_version() -> str:
+    """This installation's version of the package (a checkpoint of another is refused)."""
+    try:
+        return importlib.metadata.version("nca-knn")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree
+        return "unknown"
+
+
+def digest_array(digest: hashlib._Hash, array: np.ndarray | None) -> None:
+    """Feed a dense array's dtype, shape and bytes to ``digest`` (None: a marker)."""
+    if array is None:
+        digest.update(b"none")
+        return
+    array = np.ascontiguousarray(array)
+    digest.update(f"{array.dtype.str}{array.shape}".encode())
+    digest.update(memoryview(array).cast("B"))
+
+
+def checkpoint_beside(out: str | Path) -> Path:
+    """The checkpoint directory of a command writing ``out``: ``.NAME.checkpoint`` beside it
+    (on the same volume, so that a restarted job finds it)."""
+    absolute = Path(out).absolute()
+    return absolute.with_name(f".{absolute.name}.checkpoint")
+
+
+def write_npz_atomically(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    """Write ``arrays`` as the .npz ``path``, creating its directory: a temporary file beside
+    it, fsynced, renamed over ``path``. OSError when the disk refuses; no partial file
+    stays."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            np.savez(fh, **arrays)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
