@@ -17,8 +17,10 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 
 from service.core.vocabulary import NEIGHBOUR_RULES, DecisionRule
 from training.errors import ConfigError, OneLineParser
+from training.model import parameters
 from training.model.estimator import NCA
-from training.model.options import OPTION_NAMES, FitOptions
+from training.model.options import OPTION_NAMES, FitOptions, fit_settings, with_options
+from training.model.preparation import resolve_device
 from training.progress import progress_mode
 
 # the estimator's defaults by setting name: its constructor's and its options' (FitOptions)
@@ -127,7 +129,9 @@ class TrainConfig:
     )
     labels: str | None = _opt(None, "label file (.npy) when --data is a .npy feature file")
     label_column: str | None = _opt(
-        None, "CSV or Parquet label column ('label' if present, else the last)"
+        None,
+        "CSV or Parquet label column by name ('label' if present, else the last); in a CSV "
+        "also by position (0 the first, -1 the last)",
     )
     out: str | None = _opt(
         None,
@@ -312,6 +316,48 @@ class TrainConfig:
         )
         return params
 
+    def check_estimator_settings(self) -> None:
+        """The estimator's settings checked before any data is read, each against the
+        estimator's table (``training.model.parameters``), the device against this machine and
+        ``--init`` as a name or a directory: ConfigError naming the option, the value given
+        and what it accepts. The checks that need the data (d <= D, k < N) come after the read,
+        still before the fit (``check_against_features``)."""
+        params = self.estimator_params(n_features=1)  # d itself: checked against D after the read
+        if self.n_components is not None and not parameters.Integer(1).accepts(
+            params["n_components"]
+        ):
+            raise ConfigError(f"--n-components={self.n_components!r} must be an integer >= 1")
+        settings = vars(fit_settings(NCA(**with_options(params)).get_params()))
+        found = parameters.violation(settings)
+        if found is not None:
+            name, value, accepted = found
+            option = self._option_of(name)
+            given = getattr(self, option[2:].replace("-", "_")) if option[2:] else value
+            raise ConfigError(f"{option}={given!r} must be {accepted}")
+        for name, check in (("init", parameters.check_init_name), ("device", resolve_device)):
+            try:
+                check(settings[name])
+            except ValueError as exc:
+                raise ConfigError(f"--{exc}") from None
+
+    def check_against_features(self, n_features: int) -> None:
+        """--n-components within the data's D (read from the data, before the fit):
+        ConfigError naming both."""
+        d = self.estimator_params(n_features)["n_components"]
+        if d > n_features:
+            raise ConfigError(
+                f"--n-components={self.n_components!r} must be at most the data's number of "
+                f"features, D = {n_features}"
+            )
+
+    def _option_of(self, estimator_name: str) -> str:
+        """The command line's option for an estimator setting (``--max-iter``); ``--`` alone
+        when no option sets it."""
+        for f in fields(self):
+            if f.metadata.get("estimator") == estimator_name:
+                return "--" + f.name.replace("_", "-")
+        return "--"
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -429,6 +475,17 @@ def parse_command(argv: list[str] | None = None) -> TrainConfig | ReportCommand 
     namespace, unparsed = parser.parse_known_args(argv)
     args = vars(namespace)
     command = args.pop("command")
+    if command in ("references", "report"):  # the training run's options do not apply
+        given = [
+            "--" + name.replace("_", "-")
+            for name, value in args.items()
+            if name not in ("arguments", "model_dir") and value != parser.get_default(name)
+        ]
+        if given:
+            parser.error(
+                f"{' '.join(given)} before '{command}' are the training run's options, not "
+                f"'{command}''s; give '{command}' first, then its own options"
+            )
     if command == "references":  # its options (--help too) are its own
         return [*args["arguments"], *unparsed]
     if command == "report":

@@ -141,6 +141,7 @@ def run(config: TrainConfig, *, log=print) -> dict:
     group = current_group()
     check_seed(config.seed)
     check_lock_timeout(config.lock_timeout)
+    config.check_estimator_settings()  # an option's value: refused before the data is read
     out = resolve_out(config.out, _data_name(config))
     check_publish_link(config.publish, out)
     # refused before any work when --out holds anything we did not write; its version now,
@@ -158,6 +159,7 @@ def run(config: TrainConfig, *, log=print) -> dict:
     split = shard_split(data, config, group) if group.is_distributed else _split(data, config)
     del data  # a data-parallel rank keeps only its rows
     _check_prototypes(config, split, group)
+    config.check_against_features(split.X_train.shape[1])
     estimator = build_estimator(config, split.X_train.shape[1])
     parallel = f", {group.world_size} ranks ({group.backend})" if group.is_distributed else ""
     log(

@@ -175,7 +175,7 @@ def write_npz(path, **arrays):
         (
             lambda p, r: write_npz(p, X=r.normal(size=(20, 3)), y=np.arange(20) % 2),
             ["--n-components", "4"],
-            r"`n_components` \(4\) cannot be greater than the given data dimensionality \(3\)",
+            "--n-components=4 must be at most the data.s number of features, D = 3",
         ),
         (
             lambda p, r: write_npz(p, X=r.normal(size=(20, 3)), y=np.arange(20) % 2),
@@ -200,7 +200,7 @@ def write_npz(path, **arrays):
         (
             lambda p, r: write_npz(p, X=r.normal(size=(20, 3)), y=np.arange(20) % 2),
             ["--candidate-draws", "-3"],
-            "candidate_draws=-3 must be an integer >= 0",
+            "--candidate-draws=-3 must be an integer >= 0",
         ),
         (
             lambda p, r: write_npz(p, X=r.normal(size=(20, 3)), y=np.arange(20) % 2),

@@ -19,6 +19,7 @@ it, without first being read. CSV files are read whole.
 from __future__ import annotations
 
 import ast
+import codecs
 import csv
 import hashlib
 import re
@@ -49,6 +50,11 @@ class Dataset:
     y_test: np.ndarray | None = None  # (n_test,)
     name: str = "data"
     feature_names: list[str] | None = None
+    source: str | None = None  # the file it was read from (None: a built-in set, arrays)
+
+    def named(self, what: str) -> str:
+        """``what`` (X, labels, ...) as an error names it: with the file when there is one."""
+        return f"{self.source}: {what}" if self.source else what
 
 
 @dataclass
@@ -98,15 +104,25 @@ def load_dataset(
     for_training: the labels are checked as training needs them (:func:`check_labels`)
     before any feature is read (rows added to a reference set need not make a training
     set)."""
-    if spec in BUILTIN_DATASETS:
-        return _load_builtin(spec)
-    path = Path(spec)
-    suffix = path.suffix.lower()
-    if suffix not in (".npz", ".npy", ".csv", ".parquet"):
+    suffix = "" if spec in BUILTIN_DATASETS else Path(spec).suffix.lower()
+    if spec not in BUILTIN_DATASETS and suffix not in (".npz", ".npy", ".csv", ".parquet"):
         raise DataError(
             f"--data {spec!r}: expected one of the built-in sets {list(BUILTIN_DATASETS)} "
             "or a path ending in .npz, .npy, .csv or .parquet"
         )
+    if labels is not None and suffix != ".npy":
+        raise DataError(
+            f"--labels applies to a .npy feature file, not to --data {spec!r} (an .npz holds "
+            "y; a CSV or Parquet file its label column: --label-column)"
+        )
+    if label_column is not None and suffix not in (".csv", ".parquet"):
+        raise DataError(
+            f"--label-column applies to a CSV or Parquet file, not to --data {spec!r} (an "
+            ".npz holds y; a .npy's labels are --labels)"
+        )
+    if spec in BUILTIN_DATASETS:
+        return _load_builtin(spec)
+    path = Path(spec)
     check_regular_file(path, "--data")
     label_check = check_labels if for_training else _no_check
     if suffix == ".npz":
@@ -175,7 +191,8 @@ def check_labels(y: np.ndarray, what: str = "labels") -> np.ndarray:
         )
     if len(y) < 2 * len(classes):
         raise DataError(
-            f"X: {len(y)} samples for {len(classes)} classes; need at least 2 per class on average"
+            f"{what}: {len(y)} samples for {len(classes)} classes; need at least 2 per class "
+            "on average"
         )
     if counts.min() < 2:
         rare = classes[counts < 2].tolist()
@@ -235,7 +252,13 @@ def _load_builtin(name: str) -> Dataset:
     )
 
 
+NPY_MAGIC = b"\x93NUMPY"  # the first bytes of every .npy file
+
+
 def _load_npy(path: Path, what: str, memory_map: bool = False) -> np.ndarray:
+    with open(path, "rb") as fh:
+        if fh.read(len(NPY_MAGIC)) != NPY_MAGIC:  # numpy would try it as a pickle
+            raise DataError(f"{path}: not a .npy file (it does not start with .npy's magic bytes)")
     try:
         return np.load(path, allow_pickle=False, mmap_mode="r" if memory_map else None)
     except ValueError as exc:
@@ -274,7 +297,7 @@ def _load_npz(path: Path, memory_budget: int | None = None, label_check=_no_chec
             raise DataError(f"{path}: not a readable .npz file ({exc})") from exc
     if (X_test is None) != (y_test is None):
         raise DataError(f"{path}: X_test and y_test must be given together")
-    return Dataset(X=X, y=y, X_test=X_test, y_test=y_test, name=path.stem)
+    return Dataset(X=X, y=y, X_test=X_test, y_test=y_test, name=path.stem, source=str(path))
 
 
 def _load_npy_pair(
@@ -301,7 +324,7 @@ def _load_npy_pair(
     check_memory(X.shape, f"{path}: features", memory_budget, X.dtype.itemsize)
     if not memory_map:
         X = np.array(X)
-    return Dataset(X=X, y=y, name=path.stem)
+    return Dataset(X=X, y=y, name=path.stem, source=str(path))
 
 
 def load_parquet(
@@ -316,7 +339,7 @@ def load_parquet(
         X, y, names = read_parquet(path, label_column)
     except ParquetError as exc:
         raise DataError(str(exc)) from exc
-    return Dataset(X=X, y=y, name=path.stem, feature_names=names)
+    return Dataset(X=X, y=y, name=path.stem, feature_names=names, source=str(path))
 
 
 def _is_number(text: str) -> bool:
@@ -338,11 +361,62 @@ def _csv_rows(path: Path):
                     yield row
     except UnicodeDecodeError as exc:
         raise DataError(
-            f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason}); save it as UTF-8 "
-            "(a spreadsheet's 'CSV UTF-8')"
+            f"{path}: not UTF-8 text (byte {_first_bad_utf8(path)}: {exc.reason}); save it as "
+            "UTF-8 (a spreadsheet's 'CSV UTF-8')"
         ) from None
     except csv.Error as exc:
         raise DataError(f"{path}: not a readable CSV file ({exc})") from None
+
+
+def _first_bad_utf8(path: Path, chunk: int = 1 << 20) -> int:
+    """The offset in the file of its first byte that is not UTF-8 (the decoder's error
+    counts from the start of the chunk it was decoding)."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0  # bytes of the file handed to the decoder so far
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            pending = len(decoder.getstate()[0])  # a sequence split by the last block
+            try:
+                decoder.decode(block)
+            except UnicodeDecodeError as exc:
+                return offset - pending + exc.start
+            offset += len(block)
+    return offset
+
+
+def _feature_error(path: Path, i: int, values: list[str], names: list[str]) -> DataError:
+    """The refusal of data row ``i``'s first feature value that is not a plain decimal
+    number (digits, a point, an exponent; inf and nan are read, and refused later)."""
+    for value, name in zip(values, names, strict=True):
+        try:
+            if "_" in value or not value.isascii():
+                raise ValueError
+            float(value)
+        except ValueError:
+            return DataError(
+                f"{path}: data row {i + 1}, column {name!r}: {value[:40]!r} is not a number "
+                "(expected a decimal such as 1.5 or -2e3)"
+            )
+    return DataError(f"{path}: data row {i + 1} changed while it was read")
+
+
+def _label_index(path: Path, header: list[str], label_column: str | None) -> int:
+    """The label column's index in ``header`` (a headerless file's columns are named '0',
+    '1', ...): a name in the header, else a position (0 the first, -1 the last), else
+    'label' or the last column when none is given. DataError naming the columns."""
+    if label_column is None:
+        return header.index("label") if "label" in header else len(header) - 1
+    if label_column in header:
+        return header.index(label_column)
+    if re.fullmatch(r"-?[0-9]+", label_column.strip(), re.ASCII):
+        position = int(label_column)
+        if -len(header) <= position < len(header):
+            return position % len(header)
+        raise DataError(
+            f"{path}: --label-column {label_column}: no column at that position; the file has "
+            f"{len(header)} columns (0 to {len(header) - 1}, or -1 for the last)"
+        )
+    raise DataError(f"{path}: no label column {label_column!r}; columns are {header}")
 
 
 def _load_csv(path: Path, label_column: str | None, memory_budget: int | None = None) -> Dataset:
@@ -359,18 +433,19 @@ def _load_csv(path: Path, label_column: str | None, memory_budget: int | None = 
         n_rows += 1
     if header is None:
         raise DataError(f"{path}: empty CSV file")
-    has_header = not all(_is_number(cell) for cell in header) and label_column != "-1"
+    has_header = not all(_is_number(cell) for cell in header)
     if not has_header:
         widths.add(len(header))
         header = [str(i) for i in range(len(header))]
     n_body = n_rows - 1 if has_header else n_rows
     if n_body == 0:
         raise DataError(f"{path}: a header and no rows")
-    if label_column is None:
-        label_column = "label" if "label" in header else header[-1]
-    if label_column not in header:
-        raise DataError(f"{path}: no label column {label_column!r}; columns are {header}")
-    li = header.index(label_column)
+    twice = sorted({name for name in header if header.count(name) > 1})
+    if twice:
+        raise DataError(
+            f"{path}: header names {twice[:10]} appear more than once; give each column its own name"
+        )
+    li = _label_index(path, header, label_column)
     if widths - {len(header)}:
         raise DataError(f"{path}: every row must have {len(header)} fields, found {sorted(widths)}")
     check_memory((n_body, len(header) - 1), f"{path}: features", memory_budget)
@@ -382,16 +457,20 @@ def _load_csv(path: Path, label_column: str | None, memory_budget: int | None = 
     for i, row in enumerate(rows):
         if i >= n_body:
             raise DataError(f"{path}: changed while it was read")
+        values = [v for j, v in enumerate(row) if j != li]
         try:
-            X[i] = [float(v) for j, v in enumerate(row) if j != li]
-        except ValueError as exc:
-            raise DataError(f"{path}: non-numeric feature value ({exc})") from exc
+            if any("_" in v or not v.isascii() for v in values):  # float() takes 1_000, ١
+                raise ValueError
+            X[i] = [float(v) for v in values]
+        except ValueError:
+            names = [h for j, h in enumerate(header) if j != li]
+            raise _feature_error(path, i, values, names) from None
         raw.append(row[li])
     if len(raw) != n_body:
         raise DataError(f"{path}: changed while it was read")
     y = _csv_labels(raw, path)
     names = [h for j, h in enumerate(header) if j != li]
-    return Dataset(X=X, y=y, name=path.stem, feature_names=names)
+    return Dataset(X=X, y=y, name=path.stem, feature_names=names, source=str(path))
 
 
 INTEGER = re.compile(r"[+-]?[0-9]+")
@@ -556,10 +635,11 @@ def plan_split(data: Dataset, *, test_size: float, val_size: float, seed: int) -
             f"--test-size + --val-size = {test_size + val_size:.2f} leaves too little to train on "
             "(must be < 0.9)"
         )
-    _check_features_shape(data.X, "X")
-    y = check_labels(data.y)  # (n,) numbers or strings, 2 classes at least, 2 rows of each
+    _check_features_shape(data.X, data.named("X"))
+    # (n,) numbers or strings, 2 classes at least, 2 rows of each
+    y = check_labels(data.y, data.named("labels"))
     if len(data.X) != len(y):
-        raise DataError(f"X has {len(data.X)} rows but its labels have {len(y)}")
+        raise DataError(f"{data.named('X')} has {len(data.X)} rows but its labels have {len(y)}")
     classes, y_idx = np.unique(y, return_inverse=True)
     if data.X_test is not None:
         _, y_test_raw = validate_xy(np.zeros((len(data.y_test), 1)), data.y_test, what="X_test")
@@ -592,10 +672,10 @@ def take_rows(data: Dataset, rows: np.ndarray, *, what: str) -> np.ndarray:
 
 def make_split(data: Dataset, *, test_size: float, val_size: float, seed: int) -> Split:
     """Validate, encode labels and split into train / validation / test."""
-    X, _ = validate_xy(data.X, data.y, what="X")
+    X, _ = validate_xy(data.X, data.y, what=data.named("X"))
     plan = plan_split(data, test_size=test_size, val_size=val_size, seed=seed)
     if plan.test_idx is None:
-        X_test, _ = validate_xy(data.X_test, data.y_test, what="X_test")
+        X_test, _ = validate_xy(data.X_test, data.y_test, what=data.named("X_test"))
         y_test = plan.y_test
     else:
         X_test, y_test = X[plan.test_idx], plan.y_idx[plan.test_idx]

@@ -144,12 +144,33 @@ def describe(constraints: list) -> str:
     return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
 
 
-def check(params: dict[str, Any]) -> None:
-    """ValueError naming the first parameter whose value no constraint of its row accepts."""
+def violation(params: dict[str, Any]) -> tuple[str, Any, str] | None:
+    """(name, value, what it accepts) of the first parameter whose value no constraint of
+    its row accepts, or None."""
     for name, constraints in CONSTRAINTS.items():
         value = params[name]
         if not any(c.accepts(value) for c in constraints):
-            raise ValueError(f"{name}={value!r} must be {describe(constraints)}")
+            return name, value, describe(constraints)
+    return None
+
+
+def check(params: dict[str, Any]) -> None:
+    """ValueError naming the first parameter whose value no constraint of its row accepts."""
+    found = violation(params)
+    if found is not None:
+        name, value, accepted = found
+        raise ValueError(f"{name}={value!r} must be {accepted}")
+
+
+def check_init_name(init: Any) -> None:
+    """ValueError when ``init`` is a name (text or a path) that is neither an initialisation
+    nor an existing artifact directory."""
+    if isinstance(init, (str, os.PathLike)) and str(init) not in INIT_NAMES:
+        if not os.path.isdir(init):
+            raise ValueError(
+                f"init={str(init)!r} must be one of {INIT_NAMES}, an array of shape "
+                "(n_components, n_features) or an existing artifact directory"
+            )
 
 
 def check_against_data(est, n_samples: int, n_features: int) -> int:
@@ -189,10 +210,5 @@ def check_against_data(est, n_samples: int, n_features: int) -> int:
     for vk in validation_ks(est, n_samples):
         if not Integer(1).accepts(vk):
             raise ValueError(f"validation_k={vk!r} must be an integer >= 1")
-    if isinstance(est.init, (str, os.PathLike)) and str(est.init) not in INIT_NAMES:
-        if not os.path.isdir(est.init):
-            raise ValueError(
-                f"init={str(est.init)!r} must be one of {INIT_NAMES}, an array of shape "
-                "(n_components, n_features) or an existing artifact directory"
-            )
+    check_init_name(est.init)
     return int(d)

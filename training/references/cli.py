@@ -60,7 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--data", required=True, help="the new rows: .npz (X, y), .npy with --labels, or .csv"
     )
     add.add_argument("--labels", help="label file (.npy) when --data is a .npy feature file")
-    add.add_argument("--label-column", help="CSV label column (default: 'label', else the last)")
+    add.add_argument(
+        "--label-column",
+        help="CSV label column by name (default: 'label', else the last) or position (-1 the last)",
+    )
     add.add_argument(
         "--ids",
         help="ids of the new rows: a .npy file of int64, or a text file with one per line "
@@ -146,7 +149,9 @@ def add_condense_options(condense: argparse.ArgumentParser) -> None:
         "an .npz, its X_test and y_test when it has them",
     )
     condense.add_argument("--labels", help="label file (.npy) when --data is a .npy file")
-    condense.add_argument("--label-column", help="CSV label column")
+    condense.add_argument(
+        "--label-column", help="CSV label column by name or position (-1 the last)"
+    )
 
 
 INT64 = np.iinfo(np.int64)

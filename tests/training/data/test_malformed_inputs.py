@@ -49,6 +49,20 @@ def with_value(value: float, at=(5, 2)) -> np.ndarray:
     return X
 
 
+def text_named_npy(d: Path) -> list[str]:
+    """Features written as text under a .npy name (numpy would try to unpickle it)."""
+    args = npy_pair(d, X_OK, Y_OK)
+    (d / "X.npy").write_text("1,2,3\n")
+    return args
+
+
+def latin1_past_a_megabyte(d: Path) -> list[str]:
+    """A CSV whose one latin-1 byte (é) lies at byte 8 + 4 * 300,000 + 5, far past the first
+    chunk a reader decodes."""
+    (d / "big.csv").write_bytes(b"label,a\n" + b"1,2\n" * 300_000 + b"2,caf\xe9\n")
+    return ["--data", d / "big.csv"]
+
+
 def truncated_npz(d: Path) -> list[str]:
     np.savez(d / "data.npz", X=X_OK, y=Y_OK)
     data = (d / "data.npz").read_bytes()
@@ -387,7 +401,49 @@ CORPUS = [
     (
         "a CSV with a text feature",
         lambda d: csv_file(d, "label,a\n1,2\n2,x\n"),
-        "non-numeric",
+        "data row 2, column 'a': 'x' is not a number",
+        None,
+    ),
+    (
+        "a CSV feature with an underscore",
+        lambda d: csv_file(d, "label,a,b\n1,2,3\n2,1_000,4\n"),
+        "data row 2, column 'a': '1_000' is not a number",
+        None,
+    ),
+    (
+        "a CSV feature of Arabic-Indic digits",
+        lambda d: csv_file(d, "label,a,b\n1,2,3\n2,\u0661,4\n"),
+        "data row 2, column 'a': '\u0661' is not a number",
+        None,
+    ),
+    (
+        "a CSV header naming a column twice",
+        lambda d: csv_file(d, "label,a,a\n1,2,3\n2,3,4\n"),
+        "header names ['a'] appear more than once",
+        None,
+    ),
+    (
+        "--labels beside an .npz",
+        lambda d: [*npz_arrays(d, X_OK, Y_OK), "--labels", d / "y.npy"],
+        "--labels applies to a .npy feature file",
+        None,
+    ),
+    (
+        "--label-column beside a .npy",
+        lambda d: [*npy_pair(d, X_OK, Y_OK), "--label-column", "label"],
+        "--label-column applies to a CSV or Parquet file",
+        None,
+    ),
+    (
+        "a text file named .npy",
+        text_named_npy,
+        "not a .npy file (it does not start with .npy's magic bytes)",
+        None,
+    ),
+    (
+        "a latin-1 byte past the first megabyte of a CSV",
+        latin1_past_a_megabyte,
+        f"not UTF-8 text (byte {8 + 4 * 300_000 + 5}",
         None,
     ),
     (
@@ -722,3 +778,70 @@ def test_an_empty_out_is_refused_before_the_data_is_read(python_m_training, tmp_
     code, _, stderr = python_m_training(*args, "--out", "", "--quiet", "--max-iter", "2")
     assert code == 2 and stderr.count("\n") == 1, stderr
     assert "--out '': expected a directory path" in stderr
+
+
+OPTION_VALUES = [  # (options, the refusal's words): each before the data is read
+    (["--max-iter", "-1"], "--max-iter=-1 must be an integer >= 1"),
+    (["--k", "0"], "--k=0 must be an integer >= 1"),
+    (["--objective", "bogus"], "--objective='bogus' must be one of"),
+    (["--tol", "-1"], "--tol=-1.0 must be a finite real number >= 0"),
+    (["--solver", "newton"], "--solver='newton' must be one of ('auto', 'lbfgs', 'adam')"),
+    (["--n-components", "0"], "--n-components=0 must be an integer >= 1"),
+    (["--init", "bogus"], "--init='bogus' must be one of"),
+    (["--device", "bogus"], "--device='bogus' is not a valid torch device"),
+]
+
+
+@pytest.mark.parametrize("options, words", OPTION_VALUES, ids=[o[0] for o, _ in OPTION_VALUES])
+def test_an_option_value_is_refused_before_the_data_is_read(
+    python_m_training, tmp_path, options, words
+):
+    """The estimator's table checks each option's value first: the data named here is not
+    there, so a refusal that names the option came before the read (it used to come after
+    the read and name the setting, max_iter=-1)."""
+    args = ["--data", tmp_path / "absent.npy", "--labels", tmp_path / "absent_y.npy", *options]
+    code, _, stderr = python_m_training(*args, "--out", tmp_path / "out", "--quiet")
+    assert code == 2 and stderr.count("\n") == 1, stderr
+    assert words in stderr and "absent" not in stderr, stderr
+
+
+def test_n_components_above_the_datas_features_names_the_option_before_the_fit(
+    python_m_training, tmp_path
+):
+    args = [*npy_pair(tmp_path, X_OK, Y_OK), "--n-components", "99", "--quiet"]
+    code, _, stderr = python_m_training(*args, "--out", tmp_path / "out")
+    assert code == 2 and stderr.count("\n") == 1, stderr
+    d = X_OK.shape[1]
+    assert f"--n-components=99 must be at most the data's number of features, D = {d}" in stderr
+
+
+@pytest.mark.parametrize(
+    "column, label_of_first_row",
+    [("-1", 0), ("label", 0), ("2", 0), ("0", 1), ("-3", 1), ("a", 1)],
+)
+def test_a_csv_label_column_is_a_name_or_a_position(tmp_path, column, label_of_first_row):
+    """--label-column names a header column, or counts positions (0 the first, -1 the
+    last); -1 used to switch a file with a header to headerless reading and fail."""
+    from training.data.datasets import load_dataset
+
+    path = tmp_path / "t.csv"
+    path.write_text("a,b,label\n1,2,0\n3,4,1\n")
+    data = load_dataset(path, label_column=column)
+    assert data.y.tolist()[0] == label_of_first_row and data.X.shape == (2, 2)
+
+
+@pytest.mark.parametrize("column", ["3", "-4"])
+def test_a_csv_label_column_position_outside_the_file_is_refused(tmp_path, column):
+    from training.data.datasets import DataError, load_dataset
+
+    path = tmp_path / "t.csv"
+    path.write_text("a,b,label\n1,2,0\n3,4,1\n")
+    with pytest.raises(DataError, match=f"--label-column {column}: no column at that position"):
+        load_dataset(path, label_column=column)
+
+
+@pytest.mark.parametrize("command", [["references", "add"], ["report", "m"]])
+def test_training_options_before_a_command_are_refused_not_ignored(python_m_training, command):
+    code, _, stderr = python_m_training("--max-iter", "3", *command)
+    assert code == 2 and stderr.count("\n") == 1, stderr
+    assert f"--max-iter before '{command[0]}' are the training run's options" in stderr
