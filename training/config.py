@@ -140,8 +140,9 @@ class TrainConfig:
     checkpoint_dir: str = _opt(
         "auto",
         "where the fit's state is written at each stage's end, so that the same command run "
-        "again after a kill resumes there: auto is .OUT.checkpoint beside --out (removed once "
-        "the artifact is written); none writes none",
+        "again after a kill resumes there: auto is .OUT.checkpoint beside --out; a directory "
+        "given keeps its other files; the fit's files are removed once the artifact is "
+        "written; none writes none",
     )
     publish: str | None = _opt(
         None,

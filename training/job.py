@@ -193,6 +193,9 @@ def run(config: TrainConfig, *, log=print) -> dict:
                 log(f"published {config.publish} -> {out}")
             if checkpoint is not None and config.checkpoint_dir == "auto":
                 shutil.rmtree(checkpoint, ignore_errors=True)  # ours, and done with
+            elif checkpoint is not None:  # the user's directory: only the files we wrote
+                for rank in range(group.world_size):
+                    (checkpoint / f"fit-rank{rank}.npz").unlink(missing_ok=True)
         k = evaluation.default_k
         if "euclidean" in evaluation.baselines:
             euclidean = evaluation.baselines["euclidean"].get("test_accuracy", {})

@@ -479,8 +479,9 @@ INT64 = np.iinfo(np.int64)
 
 def _csv_labels(raw: list[str], path: Path) -> np.ndarray:
     """(n,) the label column: int64 when every label is an integer, written as one ("7") or
-    as an integer-valued decimal ("7.0", the same class as "7"), else the strings as they
-    are. An empty label, or an integer beyond int64, is refused naming its data row."""
+    as an integer-valued decimal ("7.0", the same class as "7"), else the strings without
+    the spaces around them (" cat" and "cat" are one class, as " 7" and "7" are). An empty
+    label, or an integer beyond int64, is refused naming its data row."""
     for i, text in enumerate(raw):
         if not text.strip():
             raise DataError(f"{path}: the label of data row {i + 1} is empty")
@@ -489,7 +490,7 @@ def _csv_labels(raw: list[str], path: Path) -> np.ndarray:
     elif all(_is_number(text) and float(text).is_integer() for text in raw):
         values = [int(float(text)) for text in raw]
     else:
-        return np.array(raw)
+        return np.array([text.strip() for text in raw])
     for i, value in enumerate(values):
         if not INT64.min <= value <= INT64.max:
             raise DataError(

@@ -845,3 +845,23 @@ def test_training_options_before_a_command_are_refused_not_ignored(python_m_trai
     code, _, stderr = python_m_training("--max-iter", "3", *command)
     assert code == 2 and stderr.count("\n") == 1, stderr
     assert f"--max-iter before '{command[0]}' are the training run's options" in stderr
+
+
+def test_csv_string_labels_are_trimmed_as_integer_labels_are(tmp_path):
+    from training.data.datasets import load_dataset
+
+    path = tmp_path / "labels.csv"
+    path.write_text("label,a\ncat,1\n cat ,2\ndog,3\ndog ,4\n")
+    assert load_dataset(path).y.tolist() == ["cat", "cat", "dog", "dog"]
+
+
+def test_a_checkpoint_dir_of_the_users_keeps_its_files_and_loses_ours(python_m_training, tmp_path):
+    """--checkpoint-dir pointed at a directory of the user's: the job's own checkpoint file
+    is removed once the artifact is written, the user's files and the directory stay."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("the user's")
+    args = [*npy_pair(tmp_path, X_OK, Y_OK), "--checkpoint-dir", mine, "--quiet"]
+    code, _, stderr = python_m_training(*args, "--max-iter", "3", "--out", tmp_path / "out")
+    assert code == 0, stderr
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
