@@ -196,6 +196,7 @@ def run(config: TrainConfig, *, log=print) -> dict:
             elif checkpoint is not None:  # the user's directory: only the files we wrote
                 for rank in range(group.world_size):
                     (checkpoint / f"fit-rank{rank}.npz").unlink(missing_ok=True)
+                    (checkpoint / f"fit-rank{rank}.previous.npz").unlink(missing_ok=True)
         k = evaluation.default_k
         if "euclidean" in evaluation.baselines:
             euclidean = evaluation.baselines["euclidean"].get("test_accuracy", {})

@@ -184,7 +184,12 @@ def test_multinode_indexed_job_torchrun_and_headless_service_agree():
     spec = job["spec"]
     pod = spec["template"]["spec"]
     (container,) = pod["containers"]
-    assert spec["completionMode"] == "Indexed" and spec["backoffLimit"] == 0
+    assert spec["completionMode"] == "Indexed" and spec["backoffLimit"] >= 1
+    # a replaced pod (drain, preemption) does not spend a retry: the world resumes from the
+    # checkpoint (tests/training/distributed/test_torchrun_job.py kills a rank and checks that)
+    ignore = {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]}
+    assert ignore in spec["podFailurePolicy"]["rules"]
+    assert pod["restartPolicy"] == "Never"  # podFailurePolicy requires it
     assert container["command"] == ["torchrun"]
     args = container["args"]
     split = args.index("-m")
@@ -195,6 +200,7 @@ def test_multinode_indexed_job_torchrun_and_headless_service_agree():
     launcher = get_args_parser().parse_args([*expanded, "placeholder.py"])
     assert int(launcher.nnodes) == spec["completions"] == spec["parallelism"] >= 2
     assert launcher.node_rank == 1
+    assert launcher.max_restarts >= 1  # a dead rank restarts the world, which resumes
     (index_env,) = [e for e in container["env"] if e["name"] == "JOB_COMPLETION_INDEX"]
     assert "job-completion-index" in index_env["valueFrom"]["fieldRef"]["fieldPath"]
     assert launcher.rdzv_backend == "c10d"

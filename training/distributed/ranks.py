@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -55,7 +56,24 @@ def init_from_environment(device: str = "auto") -> ProcessGroup:
     use_cuda = device != "cpu" and torch.cuda.is_available()
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+    backend = "nccl" if use_cuda else "gloo"
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None:
+        dist.init_process_group(backend)
+        return current_group()
+    # torchrun restarted the world (--max-restarts): its agent's store outlives the last
+    # world and still holds that world's addresses, which a new world would read and fail to
+    # connect to. Each world's keys go under a prefix of its own.
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=False,
+        timeout=timedelta(minutes=30),
+    )
+    prefixed = dist.PrefixStore(f"nca-knn/world{restart}", store)
+    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size)
     return current_group()
 
 
@@ -91,6 +109,17 @@ def broadcast_from_rank0(values: torch.Tensor, group: ProcessGroup) -> torch.Ten
     if group.is_distributed:
         dist.broadcast(values, src=0)
     return values
+
+
+def lowest_and_highest(value: int, group: ProcessGroup) -> tuple[int, int]:
+    """(the smallest, the largest) of every rank's ``value`` (two all-reduces); (value,
+    value) in a single process."""
+    if not group.is_distributed:
+        return value, value
+    device = torch.device("cuda", torch.cuda.current_device()) if group.backend == "nccl" else None
+    values = torch.tensor([value, -value], dtype=torch.int64, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MIN)
+    return int(values[0]), -int(values[1])
 
 
 def agreed_flags(flags: tuple[bool, ...], group: ProcessGroup) -> tuple[bool, ...]:

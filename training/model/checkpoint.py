@@ -23,6 +23,11 @@ stages are deterministic: no rule of ``training.model.fitting`` but the budget r
 clock). A stage on candidate sets interrupted half-way runs again from its start: its
 sets and their search are not saved.
 
+Each save first renames the last one to ``fit-rank{R}.previous.npz``. Under torchrun every
+rank saves at the same iterations (rank 0's clock decides), so a rank killed between the
+ranks' writes leaves the others one save ahead; a restarted world resumes from the newest
+point every rank holds (``fitting.StagedFit._resume``), or starts over when there is none.
+
 The fingerprint is a SHA-256 of the prepared training rows (standardised, float32), their
 labels, the validation rows, the estimator's parameters (but those that only change what
 is shown: ``DISPLAY_PARAMS``) and the package's version: a
@@ -84,29 +89,33 @@ class FitCheckpoint:
     def __init__(self, directory: str | os.PathLike, key: str, rank: int = 0):
         self.directory = Path(directory)
         self.path = self.directory / f"fit-rank{rank}.npz"
+        # the save before the last (under torchrun a rank killed between the ranks' writes
+        # leaves the others one save ahead: they go back to it)
+        self.previous_path = self.directory / f"fit-rank{rank}.previous.npz"
         self.key = key
         self.failed: str | None = None  # why a save failed: the fit then goes on without
 
-    def load(self, rng: np.random.Generator) -> FitState | None:
-        """The fit's state saved, with both generators set as they were (``rng`` and
-        torch's), or None when there is none. ValueError when it is not a checkpoint or is
-        another fit's."""
-        if not self.path.exists():
+    def load(self, rng: np.random.Generator, previous: bool = False) -> FitState | None:
+        """The fit's state saved (``previous``: the save before it), with both generators
+        set as they were (``rng`` and torch's), or None when there is none. ValueError when
+        it is not a checkpoint or is another fit's."""
+        path = self.previous_path if previous else self.path
+        if not path.exists() and not previous:  # killed between the two renames of a save
+            path = self.previous_path
+        if not path.exists():
             return None
         try:
-            with np.load(self.path, allow_pickle=False) as data:
+            with np.load(path, allow_pickle=False) as data:
                 meta = json.loads(str(data["meta"]))
                 theta, torch_rng = data["theta"], data["torch_rng"]
                 arrays = {name: data[name] for name in RESUME_ARRAYS if name in data.files}
         except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
-            raise ValueError(
-                f"checkpoint {self.path}: not a readable fit checkpoint ({exc})"
-            ) from None
+            raise ValueError(f"checkpoint {path}: not a readable fit checkpoint ({exc})") from None
         if meta.get("format") != FORMAT:
-            raise ValueError(f"checkpoint {self.path}: not a fit checkpoint of this format")
+            raise ValueError(f"checkpoint {path}: not a fit checkpoint of this format")
         if meta.get("fingerprint") != self.key:
             raise ValueError(
-                f"checkpoint {self.path} is of another fit (other data or options): remove "
+                f"checkpoint {path} is of another fit (other data or options): remove "
                 f"{self.directory} to start over, or give the same data and options"
             )
         rng.bit_generator.state = meta["rng"]
@@ -152,6 +161,8 @@ class FitCheckpoint:
             )
 
     def _write(self, text: str, arrays: dict[str, np.ndarray]) -> None:
+        if self.path.exists():  # the last save becomes the previous one
+            os.replace(self.path, self.previous_path)
         torch_rng = torch.get_rng_state().numpy()
         write_npz_atomically(self.path, {"torch_rng": torch_rng, "meta": np.array(text), **arrays})
 

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
@@ -55,7 +56,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from training.distributed.ranks import broadcast_from_rank0
+from training.distributed.ranks import broadcast_from_rank0, lowest_and_highest
 from training.model import sparse_input
 from training.numerics import evenly_spaced_rows
 from training.objectives.registry import make_objective
@@ -317,6 +318,11 @@ class FitState:
         return StopReason.MAX_SECONDS if self.budget_exhausted else self.stop_reason
 
 
+def _position(state: FitState | None) -> int:
+    """Where a saved state stands in the fit, as one ordered number (-1: no state)."""
+    return -1 if state is None else state.stages_done * 10**9 + state.iterations
+
+
 class StagedFit:
     """The stages of the estimator ``est``'s fit on the prepared rows ``prep``
     (``preparation.Prepared``) under ``plan`` (``plan.FitPlan``), in the process group
@@ -510,10 +516,32 @@ class StagedFit:
 
     def _resume(self) -> FitState | None:
         """The state a checkpoint holds (its stages are done; both generators as they were),
-        or None."""
+        or None. Under torchrun every rank resumes from the same point or none does: a rank
+        whose last save is ahead of another's (it was killed between the two ranks' writes)
+        takes its previous save; when the ranks still disagree, the fit starts over."""
         if self.checkpoint is None:
             return None
+        rng, torch_rng = self.prep.rng.bit_generator.state, torch.get_rng_state()
         state = self.checkpoint.load(self.prep.rng)
+        lowest, highest = lowest_and_highest(_position(state), self.group)
+        disagreed = lowest != highest
+        if disagreed and _position(state) != lowest:
+            state = self.checkpoint.load(self.prep.rng, previous=True)
+            if _position(state) != lowest:
+                state = None
+            lowest, highest = lowest_and_highest(_position(state), self.group)
+        if lowest != highest:
+            state = None
+        if state is None:  # no common point: start over, the generators as drawn
+            self.prep.rng.bit_generator.state = rng
+            torch.set_rng_state(torch_rng)
+            if disagreed and self.group.rank == 0:
+                warnings.warn(
+                    f"the ranks' checkpoints in {self.checkpoint.directory} hold no point of "
+                    "the fit in common; the fit starts over",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
         if state is not None:
             self.resumed_stages = state.stages_done
             self.resumed_iterations = state.iterations
@@ -524,10 +552,11 @@ class StagedFit:
     def _saves_mid_stage(self, stage: Stage) -> bool:
         """Whether to checkpoint the stage now, mid-stage: an exact L-BFGS stage's, once
         CHECKPOINT_SECONDS have passed since the last save (a stage on candidate sets starts
-        over: its sets and search are not saved)."""
+        over: its sets and search are not saved). Under torchrun rank 0's clock decides for
+        every rank, so that all save at the same iterations."""
         if self.checkpoint is None or stage.on_candidates or stage.solver != "lbfgs":
             return False
-        return self.clock.elapsed() - self.last_save >= CHECKPOINT_SECONDS
+        return self.clock.agree((self.clock.elapsed() - self.last_save >= CHECKPOINT_SECONDS,))[0]
 
     def _where(self, index, iteration, theta, at, solver, check, started) -> StageResume:
         """Where the running stage stands (a mid-stage checkpoint's)."""

@@ -1,5 +1,6 @@
 """The training job under ``torchrun`` (2 ranks on gloo, CPU): the artifact equals the
-1-rank one, and a rank killed mid-fit fails the job without touching the previous artifact.
+1-rank one; a rank killed mid-fit fails the job without touching the previous artifact, or,
+with ``--max-restarts``, the restarted world resumes from the checkpoint to the same map.
 
 Slow (each torchrun start imports torch in every rank): run with ``make test-slow``.
 """
@@ -21,6 +22,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
+ROOT = Path(__file__).resolve().parents[3]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 ARRAYS = ("embeddings", "labels", "projection", "offset", "mean", "scale")
 
@@ -189,3 +191,79 @@ def test_bad_rows_on_one_rank_fail_the_job_with_a_message_naming_that_rank(tmp_p
     assert code != 0
     assert "error (rank 1 of 2): X (rank 1's training rows): contains NaN or Inf" in err, err
     assert not (tmp_path / "model").exists()
+
+
+SAVE_EVERY_ITERATION = """\
+import sys
+import time
+import training.model.fitting as fitting
+from training.cli import main
+fitting.CHECKPOINT_SECONDS = 0.0  # a checkpoint after every iteration of the exact fit
+save = fitting.StagedFit._save
+def slow_save(self, state):  # 0.1 s a save: the kill lands mid-fit even on a loaded machine
+    save(self, state)
+    time.sleep(0.1)
+fitting.StagedFit._save = slow_save
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_world_restarted_after_a_rank_is_killed_resumes_to_the_uninterrupted_map(tmp_path):
+    """torchrun --max-restarts 1 (the multinode overlay's setting): rank 1 SIGKILLed in the
+    middle of an exact fit that checkpoints every iteration; torchrun restarts both ranks,
+    they resume from the newest point both saved, and the artifact's map is the one an
+    uninterrupted 2-rank run writes, bit for bit."""
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(6000, 60)) + np.repeat(rng.normal(size=(6, 60)), 1000, 0) * 0.3
+    np.save(tmp_path / "X.npy", X)
+    np.save(tmp_path / "y.npy", np.repeat(np.arange(6), 1000))
+    script = tmp_path / "train.py"
+    script.write_text(SAVE_EVERY_ITERATION)
+    args = ["--data", str(tmp_path / "X.npy"), "--labels", str(tmp_path / "y.npy")]
+    args += ["--n-candidates", "exact", "--max-iter", "40", "--tol", "0", "--l2", "0"]
+    args += ["--no-early-stopping", "--no-stop-stalled-stages", "--no-plots"]  # all 40 run
+
+    def launch(out: Path, *extra: str) -> subprocess.Popen:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        command = [*TORCHRUN, *extra, "--nproc_per_node", "2", str(script), *args]
+        return subprocess.Popen(
+            [*command, "--out", str(out)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=tmp_path,
+        )
+
+    code, err = finished(launch(tmp_path / "whole"))
+    assert code == 0, err
+    process = launch(tmp_path / "resumed", "--max-restarts", "1")
+    victim = _rank_pid(process.pid, 1)
+    streams = {"stdout": [], "stderr": []}
+    iterating = threading.Event()
+
+    def read(name):
+        for line in getattr(process, name):
+            streams[name].append(line)
+            found = re.match(r"\[NCA\]\s+(\d+)\s", line)
+            if name == "stdout" and found and int(found.group(1)) >= 10:
+                iterating.set()
+
+    readers = [threading.Thread(target=read, args=(name,)) for name in streams]
+    for reader in readers:
+        reader.start()
+    assert iterating.wait(240), "".join(streams["stderr"])[-2000:]
+    os.kill(victim, signal.SIGKILL)
+    process.wait(300)
+    for reader in readers:
+        reader.join(30)
+    err = "".join(streams["stderr"])
+    assert process.returncode == 0, err[-3000:]
+    resumed = re.search(r"resumed from \S+: 0 stage\(s\) were done, (\d+) iteration", err)
+    assert resumed and 9 <= int(resumed.group(1)) < 40, err[-3000:]
+    for name in ("projection", "embeddings"):
+        np.testing.assert_array_equal(
+            np.load(tmp_path / "resumed" / f"{name}.npy"),
+            np.load(tmp_path / "whole" / f"{name}.npy"),
+        )
+    assert not (tmp_path / ".resumed.checkpoint").exists()

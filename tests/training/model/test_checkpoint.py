@@ -88,7 +88,7 @@ def test_a_fit_killed_in_its_finish_resumes_there_and_ends_with_the_same_map(
 
 
 def test_an_exact_fit_killed_mid_way_resumes_at_its_last_iteration(tmp_path, save_every_iteration):
-    exact = dict(n_candidates=None, tol=0, stop_stalled_stages=False)  # runs its 12
+    exact = EXACT
     whole = fit(**exact)
     assert [r["stage"] for r in whole.stages_] == ["exact fit"] and whole.n_iter_ > 4
     with pytest.raises(Killed):  # at iteration 4, before it is saved
@@ -97,6 +97,64 @@ def test_an_exact_fit_killed_mid_way_resumes_at_its_last_iteration(tmp_path, sav
     assert resumed.resumed_stages_ == 0 and resumed.resumed_iterations_ == 3
     np.testing.assert_array_equal(resumed.components_, whole.components_)
     assert timeless(resumed.stages_) == timeless(whole.stages_)
+
+
+EXACT = dict(n_candidates=None, tol=0, stop_stalled_stages=False)  # runs its 12 iterations
+
+
+def test_a_save_keeps_the_one_before_and_a_lost_last_save_resumes_from_it(
+    tmp_path, save_every_iteration
+):
+    """Each save renames the last one to fit-rank0.previous.npz; with the last one gone (a
+    kill between the two renames of a save) the fit resumes from the previous, one
+    iteration earlier, to the same map."""
+    whole = fit(**EXACT)
+    with pytest.raises(Killed):
+        fit(tmp_path / "ckpt", **EXACT, callback=killer(5))
+    assert (tmp_path / "ckpt" / "fit-rank0.previous.npz").is_file()
+    (tmp_path / "ckpt" / "fit-rank0.npz").unlink()
+    resumed = fit(tmp_path / "ckpt", **EXACT)
+    assert resumed.resumed_iterations_ == 3  # the last save was at 4
+    np.testing.assert_array_equal(resumed.components_, whole.components_)
+
+
+@pytest.mark.parametrize(
+    "other_rank, resumed_at, warns",
+    [
+        (lambda mine: mine, 4, False),  # the ranks agree: the last save
+        (lambda mine: mine - 1, 3, False),  # another rank one save behind: the previous
+        (lambda mine: -1, 0, True),  # another rank has none: the fit starts over
+    ],
+    ids=["agree", "one-behind", "none"],
+)
+def test_ranks_resume_from_the_newest_point_they_all_saved(
+    tmp_path, save_every_iteration, monkeypatch, other_rank, resumed_at, warns
+):
+    """Under torchrun the ranks compare where their saves stand (lowest_and_highest, an
+    all-reduce): stood in for here by another rank at ``other_rank(mine)``. The fit resumes
+    from the newest point both hold, or starts over, with its generators as drawn, and the
+    map is always the uninterrupted one."""
+    whole = fit(**EXACT)
+    with pytest.raises(Killed):
+        fit(tmp_path / "ckpt", **EXACT, callback=killer(5))
+
+    other = []  # the other rank's position: fixed at its first answer
+
+    def lowest_and_highest(mine, group):
+        other.append(other[0] if other else other_rank(mine))
+        return min(mine, other[0]), max(mine, other[0])
+
+    monkeypatch.setattr(fitting, "lowest_and_highest", lowest_and_highest)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        X, y, X_val, y_val = data()
+        resumed = NCA(**with_options({**PARAMS, **EXACT})).fit(
+            X, y, X_val, y_val, checkpoint=tmp_path / "ckpt"
+        )
+    said = [str(w.message) for w in caught if "no point of the fit in common" in str(w.message)]
+    assert bool(said) == warns, said
+    assert resumed.resumed_iterations_ == resumed_at
+    np.testing.assert_array_equal(resumed.components_, whole.components_)
 
 
 def test_a_fit_killed_in_its_first_stage_starts_that_stage_over(tmp_path):
