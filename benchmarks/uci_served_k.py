@@ -12,9 +12,14 @@ validation rows are as far from the references as test rows (near 1) or near-cop
 Beside the job's validation curve, the leave-one-out curve over the references themselves
 (each reference's k nearest other references vote, majority rule, in the learned space):
 ten times the rows of the validation split, but rows the map was fitted to. It is measured
-here, not used by the job: which k it would have chosen, and that choice's test accuracy.
+here, not used by the job: which k it would have chosen, and that choice's test accuracy;
+and the pooled choice, the k with the most right votes over the validation rows and the
+references together (validation's counts plus leave-one-out's).
 
-Usage: python benchmarks/uci_served_k.py [--sets satellite,letters,shuttle]
+``--sets mnist`` adds the real MNIST digits (``../shared/data/mnist.npz``: 60,000 training,
+10,000 test), skipped when absent.
+
+Usage: python benchmarks/uci_served_k.py [--sets satellite,letters,shuttle,mnist]
 Writes benchmarks/results/uci_served_k.json.
 """
 
@@ -33,11 +38,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness.data import letters, satellite, shuttle
 from harness.report import machine, print_table, save_json
 
+MNIST = Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist.npz"
+
 
 def uci_sets(names: list[str]):
     """name -> (X_train, y_train, X_test, y_test) for each prepared set."""
     for name in names:
-        if name == "letters":
+        if name == "mnist":
+            found = None
+            if MNIST.exists():
+                with np.load(MNIST) as d:
+                    found = (d["X"], d["y"], d["X_test"], d["y_test"])
+        elif name == "letters":
             split = letters(n_validation=0)
             found = None if split is None else (split[0], split[1], split[4], split[5])
         else:
@@ -74,7 +86,7 @@ def leave_one_out_curve(model: Path, ks: list[int]) -> dict[int, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sets", default="satellite,letters,shuttle")
+    parser.add_argument("--sets", default="satellite,letters,shuttle,mnist")
     args = parser.parse_args()
     from training.config import TrainConfig
     from training.job import run
@@ -93,10 +105,17 @@ def main() -> None:
             seconds = time.perf_counter() - started
             metrics = json.loads((out / "report.json").read_text())["metrics"]
             loo = leave_one_out_curve(out, [int(k) for k in metrics["test_accuracy"]])
+            n_references = len(np.load(out / "labels.npy"))
         test = {int(k): v for k, v in metrics["test_accuracy"].items()}
         served = metrics["default_k"]
         best_k = max(test, key=lambda k: (test[k], -k))
         distance = metrics.get("nearest_reference_distance") or {}
+        n_val = len(y) - n_references
+        pooled = {  # right votes over validation rows and references, as a fraction
+            k: (n_val * metrics["val_accuracy"][str(k)] + n_references * loo[k])
+            / (n_val + n_references)
+            for k in loo
+        }
         rows.append(
             {
                 "set": name,
@@ -113,6 +132,9 @@ def main() -> None:
                 "distance_ratio": distance.get("ratio"),
                 "loo_k": (loo_k := max(loo, key=lambda k: (loo[k], -k))),
                 "test_at_loo_k": test.get(loo_k),
+                "pooled_k": (pooled_k := max(pooled, key=lambda k: (pooled[k], -k))),
+                "test_at_pooled_k": test.get(pooled_k),
+                "regret_pooled_points": 100 * (test[best_k] - test[pooled_k]),
                 "loo_curve": loo,
                 "val_curve": metrics["val_accuracy"],
                 "test_curve": metrics["test_accuracy"],
@@ -121,10 +143,8 @@ def main() -> None:
         )
         print(rows[-1], flush=True)
     columns = ["set", "served_k", "rule", "test_at_served", "test_at_5", "best_test_k"]
-    print_table(
-        rows,
-        [*columns, "test_at_best", "regret_points", "distance_ratio", "loo_k", "test_at_loo_k"],
-    )
+    columns += ["test_at_best", "regret_points", "distance_ratio", "loo_k", "test_at_loo_k"]
+    print_table(rows, [*columns, "pooled_k", "regret_pooled_points"])
     save_json("uci_served_k.json", {"machine": machine(), "rows": rows})
 
 
