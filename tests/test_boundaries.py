@@ -252,6 +252,9 @@ LAZY_IMPORTS = {
     "training/evaluation/report.py": {"matplotlib", "matplotlib.pyplot"},
     # onnx (0.1 s and ~27 MiB at import) only when a fitted map is exported
     "training/model/estimator.py": {"service.export.onnx_map"},
+    # torch (seconds) only when NCA is first used: `python -m training` sets its signal
+    # handlers before the imports (training/__main__.py)
+    "training/__init__.py": {"training.model.estimator"},
 }
 
 

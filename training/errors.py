@@ -16,12 +16,14 @@ that fails replaces nothing.
 
 from __future__ import annotations
 
+import _thread
 import argparse
 import contextlib
 import errno
 import os
 import signal
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -106,21 +108,84 @@ class Interrupted(BaseException):
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
+        self.written: str | None = None  # an artifact written whole before the command stopped
 
     @property
     def exit_status(self) -> int:
         return 128 + self.signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
 
 
+class _Hold:
+    """A signal held by ``holding_interrupts``: which (None: none yet), and the timer that
+    raises it when the hold's time is up."""
+
+    def __init__(self, seconds: float | None):
+        self.seconds = seconds
+        self.signum: int | None = None
+        self.timer: threading.Timer | None = None
+
+
+_hold: _Hold | None = None  # the hold in force (None: a signal raises at once)
+
+
+def _on_signal(signum, frame):
+    hold = _hold
+    if hold is None or hold.signum is not None:  # no hold, or a second signal: at once
+        if hold is not None and hold.timer is not None:
+            hold.timer.cancel()
+        raise Interrupted(hold.signum if hold is not None and hold.signum else signum)
+    hold.signum = signum
+    if hold.seconds is not None:  # then raised, wherever the work is
+        hold.timer = threading.Timer(hold.seconds, _thread.interrupt_main, args=(signum,))
+        hold.timer.daemon = True
+        hold.timer.start()
+
+
 def raise_on_interrupt() -> None:
     """SIGINT and SIGTERM raise :class:`Interrupted` in the main thread (a Kubernetes node
-    drain sends SIGTERM), so the command ends with one line, not a traceback or silence."""
-
-    def handler(signum, frame):
-        raise Interrupted(signum)
-
+    drain sends SIGTERM), so the command ends with one line, not a traceback or silence;
+    within ``holding_interrupts`` the first is held."""
     for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, handler)
+        signal.signal(signum, _on_signal)
+
+
+@contextlib.contextmanager
+def holding_interrupts(seconds: float | None) -> Iterator[_Hold]:
+    """Within it a first SIGINT or SIGTERM is held rather than raised, so that the work in
+    hand can end at a point of its choosing: ``held_interrupt()`` names it, and the work
+    raises it (``raise_held``) once it has saved what it must. A second signal, or
+    ``seconds`` after the first (None: no limit), raises it wherever the work is. A signal
+    still held when the block ends is the caller's to act on (``hold.signum``). Inert when
+    the process's handler is not ``raise_on_interrupt``'s (the estimator used from Python),
+    and in any thread but the main one."""
+    global _hold
+    main = threading.current_thread() is threading.main_thread()
+    if not main or signal.getsignal(signal.SIGTERM) is not _on_signal:
+        yield _Hold(seconds)
+        return
+    outer, _hold = _hold, _Hold(seconds)
+    hold = _hold
+    try:
+        yield hold
+    finally:
+        if hold.timer is not None:
+            hold.timer.cancel()
+        _hold = outer
+        if outer is not None and hold.signum is not None and outer.signum is None:
+            outer.signum = hold.signum  # an outer hold keeps it for its own end
+
+
+def held_interrupt() -> int | None:
+    """The signal the hold in force has held (None: none, or no hold)."""
+    return None if _hold is None else _hold.signum
+
+
+def raise_held() -> None:
+    """Raise the held signal as :class:`Interrupted` (nothing when none is held)."""
+    if _hold is not None and _hold.signum is not None:
+        if _hold.timer is not None:
+            _hold.timer.cancel()
+        raise Interrupted(_hold.signum)
 
 
 def interrupted_line(exc: Interrupted, seconds: float, out: str | None, checkpoint=None) -> str:
@@ -128,6 +193,8 @@ def interrupted_line(exc: Interrupted, seconds: float, out: str | None, checkpoi
     directory (a Path, or None), named when it holds a fit's or a prototype learning's state
     to resume from."""
     where = f"; nothing was written at {out} (a version already there is intact)" if out else ""
+    if exc.written:  # the signal came once the artifact was written
+        where = f"; {exc.written} was written whole first (its --publish may not be repointed)"
     again = "run the same command again to start over"
     saved = ("fit-rank*.npz", "prototypes-*.npz")  # a fit's, a condense's prototype learning
     if checkpoint is not None and any(any(Path(checkpoint).glob(name)) for name in saved):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import signal
 import sys
 import time
 import warnings
@@ -34,9 +35,11 @@ from training.distributed.ranks import ProcessGroup, current_group, shard_bounds
 from training.distributed.sharded_stats import gather_array
 from training.errors import (
     ConfigError,
+    Interrupted,
     check_lock_timeout,
     check_seed,
     describe_os_error,
+    holding_interrupts,
     writing,
 )
 from training.evaluation.baselines import BASELINES
@@ -63,6 +66,17 @@ from training.publish import check_publish_link, publish
 from training.references.compress import reference_set_record
 from training.references.learned import check_budget
 from training.state_file import checkpoint_beside
+
+
+def _remove_checkpoint(config: TrainConfig, checkpoint: Path | None, world_size: int) -> None:
+    """The fit's checkpoint, once the artifact is written: the directory beside --out (ours)
+    whole; in a --checkpoint-dir of the user's only the files the fit wrote."""
+    if checkpoint is not None and config.checkpoint_dir == "auto":
+        shutil.rmtree(checkpoint, ignore_errors=True)
+    elif checkpoint is not None:
+        for rank in range(world_size):
+            (checkpoint / f"fit-rank{rank}.npz").unlink(missing_ok=True)
+            (checkpoint / f"fit-rank{rank}.previous.npz").unlink(missing_ok=True)
 
 
 def build_estimator(config: TrainConfig, n_features: int) -> NCA:
@@ -148,6 +162,7 @@ def run(config: TrainConfig, *, log=print) -> dict:
     # which must still be there when the artifact replaces it (``OutputClaim.turn``)
     with writing("the artifact", out):  # a read-only disk: said now, not after the fit
         claim = OutputClaim(out)
+    check_checkpoint_dir(checkpoint_dir_for(config, out), config.checkpoint_dir)
     data: Dataset = load_dataset(
         config.data,
         labels=config.labels,
@@ -185,18 +200,18 @@ def run(config: TrainConfig, *, log=print) -> dict:
         }
         # writers of --out take turns (waiting at most --lock-timeout); one that landed
         # meanwhile is kept
-        with claim.turn(timeout=config.lock_timeout):
+        # from here a first SIGINT / SIGTERM waits for the job's end (a second one does not)
+        with claim.turn(timeout=config.lock_timeout), holding_interrupts(None) as hold:
             save_artifact(out, config, _data_name(config), split, estimator, evaluation, report)
-            page = _write_page(out, log)
-            if config.publish:
-                publish(config.publish, out)
-                log(f"published {config.publish} -> {out}")
-            if checkpoint is not None and config.checkpoint_dir == "auto":
-                shutil.rmtree(checkpoint, ignore_errors=True)  # ours, and done with
-            elif checkpoint is not None:  # the user's directory: only the files we wrote
-                for rank in range(group.world_size):
-                    (checkpoint / f"fit-rank{rank}.npz").unlink(missing_ok=True)
-                    (checkpoint / f"fit-rank{rank}.previous.npz").unlink(missing_ok=True)
+            try:
+                page = _write_page(out, log)
+                if config.publish:
+                    publish(config.publish, out)
+                    log(f"published {config.publish} -> {out}")
+                _remove_checkpoint(config, checkpoint, group.world_size)
+            except Interrupted as exc:  # the second signal: the artifact is written
+                exc.written = str(out)
+                raise
         k = evaluation.default_k
         if "euclidean" in evaluation.baselines:
             euclidean = evaluation.baselines["euclidean"].get("test_accuracy", {})
@@ -213,6 +228,9 @@ def run(config: TrainConfig, *, log=print) -> dict:
             log(f"warning: {warning}")
         if page is not None:
             log(f"report: {page}")
+        if hold.signum is not None:
+            name = signal.Signals(hold.signum).name
+            log(f"{name} arrived while {out} was being written: the job finished first")
     if group.is_distributed:
         dist.barrier()  # the other ranks end after the artifact exists
     return report
@@ -328,6 +346,24 @@ def checkpoint_dir_for(config: TrainConfig, out: Path) -> Path | None:
         named = Path(config.out) if config.out and "{timestamp}" in config.out else out
         return checkpoint_beside(named)
     return Path(config.checkpoint_dir)
+
+
+def check_checkpoint_dir(checkpoint: Path | None, given: str) -> None:
+    """A checkpoint directory the fit can use, checked before the data is read: a directory
+    or a path that can become one (created at the first save), not a file, and not under
+    one. ConfigError naming --checkpoint-dir (when given) and what is in the way."""
+    if checkpoint is None:
+        return
+    option = "--checkpoint-dir " if given != "auto" else "the checkpoint directory "
+    for path in (checkpoint, *checkpoint.parents):
+        if path.exists() or path.is_symlink():
+            if not path.is_dir():
+                what = "is" if path == checkpoint else f"is under {path}, which is"
+                raise ConfigError(
+                    f"{option}{checkpoint} {what} not a directory: expected a directory, or "
+                    "a path where one can be made"
+                )
+            return
 
 
 def fit_estimator(estimator: NCA, split, checkpoint: Path | None = None) -> list[str]:

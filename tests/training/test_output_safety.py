@@ -496,3 +496,55 @@ def test_a_released_lock_names_no_holder_and_none_means_no_bound(model, tmp_path
     args = ["references", "add", "--model", path, "--data", rows, "--out", path]
     assert cli_main([*map(str, args), "--lock-timeout", "none"]) == 0
     assert lock_path(path).read_text() == ""
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file"])
+def test_a_checkpoint_dir_that_cannot_be_a_directory_is_refused_before_the_data_is_read(
+    tmp_path, capsys, where
+):
+    """--checkpoint-dir naming a file of the user's, or a path under one: one line naming
+    it, exit 2, before the data is read (the data file here does not exist), the file as
+    it was. Before, the fit ran, warned that the checkpoint could not be written, wrote
+    the artifact and then failed removing the checkpoint (three lines, exit 2)."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    given = notes if where == "a file" else notes / "checkpoints"
+    args = ["--data", str(tmp_path / "absent.npy"), "--labels", str(tmp_path / "absent-y.npy")]
+    code = cli_main([*args, "--out", str(tmp_path / "m"), "--checkpoint-dir", str(given)])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"--checkpoint-dir {given} " in err and "not a directory" in err
+    assert notes.read_text() == "mine" and not (tmp_path / "m").exists()
+
+
+def test_a_signal_while_an_edit_is_written_says_the_version_was_written(
+    model, tmp_path, capsys, monkeypatch
+):
+    """SIGTERM as `references add` starts writing its version: the write ends first (the
+    signal is held), then the command exits 143 with one line saying the version was
+    written, where before it said 'nothing was written' of a version that had landed."""
+    import training.references.versions as versions
+
+    path, split = model
+    rows = save_rows(tmp_path / "rows.npz", split.X_test[:4], split.y_test[:4])
+    before = len(read_artifact(path).labels)
+    real = versions.write_artifact
+
+    def write_with_a_signal(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(versions, "write_artifact", write_with_a_signal)
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = cli_main(
+            ["references", "add", "--model", str(path), "--data", str(rows), "--out", str(path)]
+        )
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    err = capsys.readouterr().err
+    assert code == 143 and len(err.strip().splitlines()) == 1, err
+    assert f"{path} was written whole first" in err and "nothing was written" not in err
+    assert len(read_artifact(path).labels) == before + 4
+    assert lineage(path)[-1]["operation"] == "add"

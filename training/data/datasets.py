@@ -262,18 +262,28 @@ def _load_npy(path: Path, what: str, memory_map: bool = False) -> np.ndarray:
     try:
         return np.load(path, allow_pickle=False, mmap_mode="r" if memory_map else None)
     except ValueError as exc:
+        if "max_header_size" in str(exc):  # numpy's refusal of a header over 10,000 bytes
+            raise DataError(
+                f"{path}: not a readable .npy file (its header is over numpy's limit of "
+                "10,000 bytes; the files numpy writes have headers far under it)"
+            ) from exc
         if "pickle" in str(exc) or "object" in str(exc).lower():
-            raise DataError(f"{path}: cannot read {what} without pickle ({exc})") from exc
-        raise DataError(f"{path}: not a readable .npy file ({exc})") from exc
+            raise DataError(f"{path}: cannot read {what} without pickle ({_line(exc)})") from exc
+        raise DataError(f"{path}: not a readable .npy file ({_line(exc)})") from exc
     except (OSError, EOFError) as exc:
-        raise DataError(f"{path}: not a readable .npy/.npz file ({exc})") from exc
+        raise DataError(f"{path}: not a readable .npy/.npz file ({_line(exc)})") from exc
+
+
+def _line(exc: BaseException) -> str:
+    """An exception's text on one line (numpy's may run over several)."""
+    return " ".join(str(exc).split())
 
 
 def _load_npz(path: Path, memory_budget: int | None = None, label_check=_no_check) -> Dataset:
     try:
         archive = np.load(path, allow_pickle=False)
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
-        raise DataError(f"{path}: not a readable .npz file ({exc})") from exc
+        raise DataError(f"{path}: not a readable .npz file ({_line(exc)})") from exc
     with archive:
         keys = set(archive.files)
         missing = {"X", "y"} - keys
@@ -293,8 +303,8 @@ def _load_npz(path: Path, memory_budget: int | None = None, label_check=_no_chec
         except ValueError as exc:
             raise DataError(f"{path}: arrays must load without pickle ({exc})") from exc
         except (OSError, EOFError, KeyError, SyntaxError, zipfile.BadZipFile, zlib.error) as exc:
-            raise DataError(f"{path}: not a readable .npz file ({exc})") from exc  # damaged
-            raise DataError(f"{path}: not a readable .npz file ({exc})") from exc
+            raise DataError(f"{path}: not a readable .npz file ({_line(exc)})") from exc  # damaged
+            raise DataError(f"{path}: not a readable .npz file ({_line(exc)})") from exc
     if (X_test is None) != (y_test is None):
         raise DataError(f"{path}: X_test and y_test must be given together")
     return Dataset(X=X, y=y, X_test=X_test, y_test=y_test, name=path.stem, source=str(path))
@@ -506,6 +516,13 @@ def _csv_labels(raw: list[str], path: Path) -> np.ndarray:
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
+def check_finite(X: np.ndarray, what: str, error: type[Exception] = ValueError) -> None:
+    """Raise ``error`` naming the first NaN or infinite value of X (n, D)."""
+    if X.dtype.kind in "fc" and not np.all(np.isfinite(X)):
+        row, column = np.argwhere(~np.isfinite(X))[0]
+        raise error(f"{what}: contains NaN or Inf (first at row {row}, column {column})")
+
+
 def check_float32_range(X: np.ndarray, what: str, error: type[Exception] = ValueError) -> None:
     """Raise ``error`` naming the first value of X (n, D) beyond float32's range (about
     3.4e38): the map, the references and the service compute in float32, where such a value
@@ -539,9 +556,7 @@ def validate_xy(X, y, *, what: str = "X") -> tuple[np.ndarray, np.ndarray]:
         raise DataError(f"labels for {what}: expected a 1-D array, got shape {y.shape}")
     if len(X) != len(y):
         raise DataError(f"{what} has {len(X)} rows but its labels have {len(y)}")
-    if not np.all(np.isfinite(X)):
-        bad = np.argwhere(~np.isfinite(X))[0]
-        raise DataError(f"{what}: contains NaN or Inf (first at row {bad[0]}, column {bad[1]})")
+    check_finite(X, what, DataError)
     check_float32_range(X, what, DataError)
     return X.astype(np.float64), label_values(y, f"labels for {what}")
 
@@ -550,8 +565,14 @@ def label_values(y: np.ndarray, what: str) -> np.ndarray:
     """Labels (n,) as training takes them: integers (integer-valued floats as int64) or
     strings (bytes as str); ``what`` names them in the error for any other kind."""
     if y.dtype.kind == "f":
-        if not np.all(np.isfinite(y)) or not np.all(y == np.round(y)):
-            raise DataError(f"{what}: must be integers or strings, got non-integer floats")
+        with np.errstate(invalid="ignore"):
+            whole = np.isfinite(y) & (y == np.round(y))
+        if not np.all(whole):
+            row = int(np.flatnonzero(~whole.ravel())[0])
+            raise DataError(
+                f"{what}: must be integers or strings, got non-integer floats (first at row "
+                f"{row}: {float(y.ravel()[row])!r})"
+            )
         return y.astype(np.int64)
     if y.dtype.kind not in "biuUS":
         raise DataError(f"{what}: must be integers or strings, got dtype {y.dtype}")

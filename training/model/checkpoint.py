@@ -82,6 +82,27 @@ def fingerprint(X: np.ndarray, y: np.ndarray, X_val, y_val, params: dict, versio
     return digest.hexdigest()
 
 
+def _wrong_arrays(theta: np.ndarray, arrays: dict[str, np.ndarray]) -> str | None:
+    """What is wrong with a checkpoint's arrays (None: nothing): the kept map ``theta`` (p,)
+    and a mid-stage point's iterate and gradient (q,) and curvature pairs (m, q), all
+    finite numbers."""
+    for name, array in {"theta": theta, **arrays}.items():
+        if array.dtype.kind != "f" or not np.all(np.isfinite(array)):
+            return f"its {name} is not all finite numbers"
+    if theta.ndim != 1:
+        return f"its theta has shape {theta.shape}, expected a vector"
+    if arrays:
+        q = arrays.get("resume_theta", np.empty(0)).shape
+        if len(q) != 1 or arrays.get("resume_g", np.empty(0)).shape != q:
+            return "its mid-stage iterate and gradient are not vectors of one length"
+        for name in ("resume_pairs_s", "resume_pairs_y"):
+            shape = arrays.get(name, np.empty((0, 0, 0))).shape
+            pairs_of_q = len(shape) == 2 and (shape[0] == 0 or shape[1] == q[0])  # (0, 0): none
+            if not pairs_of_q or shape != arrays["resume_pairs_s"].shape:
+                return f"its {name} has shape {shape}, expected (pairs, {q[0]})"
+    return None
+
+
 class FitCheckpoint:
     """The checkpoint of one fit in ``directory`` (rank ``rank``'s file), for the fit whose
     :func:`fingerprint` is ``key``."""
@@ -110,25 +131,34 @@ class FitCheckpoint:
                 theta, torch_rng = data["theta"], data["torch_rng"]
                 arrays = {name: data[name] for name in RESUME_ARRAYS if name in data.files}
         except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
-            raise ValueError(f"checkpoint {path}: not a readable fit checkpoint ({exc})") from None
-        if meta.get("format") != FORMAT:
-            raise ValueError(f"checkpoint {path}: not a fit checkpoint of this format")
+            raise self._unusable(path, f"not a readable fit checkpoint ({exc})") from None
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise self._unusable(path, "not a fit checkpoint of this format")
         if meta.get("fingerprint") != self.key:
             raise ValueError(
                 f"checkpoint {path} is of another fit (other data or options): remove "
                 f"{self.directory} to start over, or give the same data and options"
             )
-        rng.bit_generator.state = meta["rng"]
-        torch.set_rng_state(torch.from_numpy(np.asarray(torch_rng, dtype=np.uint8)))
-        state = meta["state"]
-        kept = Snapshot(np.array(theta, dtype=np.float64), **state.pop("kept"))
-        records = [StageRecord(**record) for record in state.pop("records")]
-        resume = state.pop("resume")
-        if resume is not None:  # mid-stage: its arrays are members of their own
-            for name in RESUME_ARRAYS:
-                resume[name.removeprefix("resume_")] = np.asarray(arrays[name], dtype=np.float64)
-            resume = StageResume(**resume)
-        return FitState(kept=kept, records=records, resume=resume, **state)
+        wrong = _wrong_arrays(theta, arrays)
+        if wrong is not None:  # the fingerprint matched: the file was changed after the save
+            raise self._unusable(path, wrong)
+        try:
+            rng.bit_generator.state = meta["rng"]
+            torch.set_rng_state(torch.from_numpy(np.asarray(torch_rng, dtype=np.uint8)))
+            state = dict(meta["state"])
+            kept = Snapshot(np.array(theta, dtype=np.float64), **state.pop("kept"))
+            records = [StageRecord(**record) for record in state.pop("records")]
+            resume = state.pop("resume")
+            if resume is not None:  # mid-stage: its arrays are members of their own
+                for name in RESUME_ARRAYS:
+                    resume[name.removeprefix("resume_")] = np.asarray(arrays[name], np.float64)
+                resume = StageResume(**resume)
+            return FitState(kept=kept, records=records, resume=resume, **state)
+        except (TypeError, KeyError, ValueError, RuntimeError) as exc:
+            raise self._unusable(path, f"its state does not read back ({exc})") from None
+
+    def _unusable(self, path: Path, why: str) -> ValueError:
+        return ValueError(f"checkpoint {path}: {why}; remove {self.directory} to start over")
 
     def save(self, state: FitState, rng: np.random.Generator) -> None:
         """Write the fit's ``state`` and the generators, atomically. A disk that refuses it

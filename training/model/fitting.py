@@ -45,7 +45,9 @@ the budget reads the clock.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import signal
 import time
 import warnings
 from collections.abc import Callable
@@ -57,6 +59,7 @@ import numpy as np
 import torch
 
 from training.distributed.ranks import broadcast_from_rank0, lowest_and_highest
+from training.errors import Interrupted, held_interrupt, holding_interrupts, raise_held
 from training.model import sparse_input
 from training.numerics import evenly_spaced_rows
 from training.objectives.registry import make_objective
@@ -77,6 +80,8 @@ CACHED_MAPS = 4  # the held-out scores of this many maps are remembered
 # first save (the real digits' finish takes about 35 s) was redone whole
 # (benchmarks/results/resume_cost.json)
 CHECKPOINT_SECONDS = 10.0
+# a signal in a checkpointed stage waits at most this long for the iteration's end (its save)
+HOLD_SECONDS = 5.0
 
 
 class StopReason(str, Enum):
@@ -363,10 +368,15 @@ class StagedFit:
         for index, stage in enumerate(self.stages):
             if index < state.stages_done:
                 continue
-            self._run_stage(index, stage, state)
-            state.stages_done = index + 1
-            if self.checkpoint is not None:
-                self._save(state)
+            # SIGINT / SIGTERM in a checkpointed stage are held to the iteration's end, then
+            # saved there and raised (training.errors.holding_interrupts)
+            holds = self._checkpoints_mid_stage(stage)
+            with holding_interrupts(HOLD_SECONDS) if holds else contextlib.nullcontext():
+                self._run_stage(index, stage, state)
+                state.stages_done = index + 1
+                if self.checkpoint is not None:
+                    self._save(state)
+                raise_held()  # held through the stage's end: raised once that is saved
         if math.isnan(state.kept.objective):  # the budget skipped every stage
             state.kept = self._evaluated(state.kept)
             state.evaluations += 1
@@ -450,10 +460,13 @@ class StagedFit:
                 stop = StopReason.MAX_SECONDS
             elif stop is None and step.stop is not None:
                 stop = rounds.stop_for(step.stop, iteration, moved=True)
-            if stop is None and self._saves_mid_stage(stage):
+            save, interrupted = self._saves_mid_stage(stage) if stop is None else (False, False)
+            if save or interrupted:
                 state.resume = self._where(index, iteration, theta, at, solver, check, started)
                 self._save(state)
                 state.resume = None
+            if interrupted:  # a rank's signal, held to here: every rank saved, all stop
+                raise Interrupted(held_interrupt() or signal.SIGTERM)
         if iteration > 0:  # the stage's last map, offered to the keep rule too
             score = self._score(index, iteration, theta)
             check.seen(score)
@@ -549,14 +562,22 @@ class StagedFit:
                 self.held_out.remember(state.kept.theta, state.kept.score)
         return state
 
-    def _saves_mid_stage(self, stage: Stage) -> bool:
-        """Whether to checkpoint the stage now, mid-stage: an exact L-BFGS stage's, once
-        CHECKPOINT_SECONDS have passed since the last save (a stage on candidate sets starts
-        over: its sets and search are not saved). Under torchrun rank 0's clock decides for
-        every rank, so that all save at the same iterations."""
-        if self.checkpoint is None or stage.on_candidates or stage.solver != "lbfgs":
-            return False
-        return self.clock.agree((self.clock.elapsed() - self.last_save >= CHECKPOINT_SECONDS,))[0]
+    def _checkpoints_mid_stage(self, stage: Stage) -> bool:
+        """Whether the stage is checkpointed mid-stage: an exact L-BFGS stage's (a stage on
+        candidate sets starts over: its sets and search are not saved)."""
+        return self.checkpoint is not None and not stage.on_candidates and stage.solver == "lbfgs"
+
+    def _saves_mid_stage(self, stage: Stage) -> tuple[bool, bool]:
+        """(save, interrupted) after an iteration: save once CHECKPOINT_SECONDS have passed
+        since the last save; interrupted when a rank holds a signal (it is saved, then
+        raised). Under torchrun rank 0's clock decides the save and any rank's signal the
+        stop, for every rank, so that all save at the same iterations."""
+        if not self._checkpoints_mid_stage(stage):
+            return False, False
+        due = self.clock.elapsed() - self.last_save >= CHECKPOINT_SECONDS
+        save = self.clock.agree((due,))[0]
+        interrupted = lowest_and_highest(int(held_interrupt() is not None), self.group)[1] == 1
+        return save, interrupted
 
     def _where(self, index, iteration, theta, at, solver, check, started) -> StageResume:
         """Where the running stage stands (a mid-stage checkpoint's)."""

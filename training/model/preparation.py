@@ -30,7 +30,7 @@ import torch
 from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import validate_data
 
-from training.data.datasets import check_float32_range, stratified_split
+from training.data.datasets import check_finite, check_float32_range, stratified_split
 from training.distributed import sharded_stats
 from training.distributed.ranks import shard_bounds
 from training.model import parameters, sparse_input
@@ -97,12 +97,14 @@ def prepare(est, settings, X, y, X_val, y_val, group) -> Prepared:
         accept_sparse=sparse_input.SPARSE_FORMATS,  # CSR / CSC kept sparse (sparse_input)
         ensure_min_samples=1 if group.is_distributed else 2,
         dtype=FLOAT_TYPES,
+        ensure_all_finite=False,  # checked below, naming the row and column
     )
     if sparse_input.is_sparse(X):
         sparse_input.check_settings(settings, group.is_distributed, n_features=X.shape[1])
         sparse_input.check_float32_range(X, "X")
     else:
-        check_float32_range(X, "X")  # a ValueError naming the first such value
+        check_finite(X, "X")  # ValueErrors naming the first such value, as the CLI does
+        check_float32_range(X, "X")
     check_classification_targets(y)
     classes = sharded_stats.union_classes(y, group)
     y_idx = np.searchsorted(classes, y)
@@ -210,7 +212,12 @@ def held_out(est, settings, X, y_idx, classes, X_val, y_val, rng, group):
     every = np.arange(X.shape[0])
     if X_val is not None and X_val.shape[0]:
         X_val = validate_data(
-            est, X_val, reset=False, accept_sparse=sparse_input.SPARSE_FORMATS, dtype=FLOAT_TYPES
+            est,
+            X_val,
+            reset=False,
+            accept_sparse=sparse_input.SPARSE_FORMATS,
+            dtype=FLOAT_TYPES,
+            ensure_all_finite=False,  # checked below, naming the row and column
         )
         if sparse_input.is_sparse(X_val) and not sparse_input.is_sparse(X):
             # a dense X is standardised, and its validation rows must be too: their dense
@@ -219,6 +226,7 @@ def held_out(est, settings, X, y_idx, classes, X_val, y_val, rng, group):
         if sparse_input.is_sparse(X_val):
             sparse_input.check_float32_range(X_val, "X_val")
         else:
+            check_finite(X_val, "X_val")
             check_float32_range(X_val, "X_val")
         y_val = np.asarray(y_val)
         unknown = np.setdiff1d(np.unique(y_val), classes)

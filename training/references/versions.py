@@ -52,7 +52,7 @@ from service.core.artifact import (
 )
 from service.core.knn import project
 from training.data.datasets import DataError, validate_xy
-from training.errors import WriteError
+from training.errors import Interrupted, WriteError, holding_interrupts
 from training.evaluation.calibration import calibrate
 from training.evaluation.evaluate import knn_accuracies
 from training.references.checkpoint import remove_checkpoints
@@ -142,28 +142,35 @@ def write_version(
         {**entry, "parent_version": parent.version, "at": _now()},
     ]
     try:
-        return write_artifact(
-            out,
-            projection=parent.projection,
-            offset=parent.offset,
-            embeddings=embeddings,
-            labels=labels,
-            classes=classes,
-            mean=parent.mean,
-            scale=parent.scale,
-            default_k=parent.default_k if default_k is None else default_k,
-            decision_rule=parent.decision_rule,
-            ids=ids,
-            validation_embeddings=parent.validation_embeddings,
-            validation_labels=parent.validation_labels,
-            index_bytes=None,
-            extra_files=read_extras(parent),
-            metadata={**kept, "lineage": lineage},
-        )
+        # a first SIGINT / SIGTERM waits for the write's end, then says it was written
+        with holding_interrupts(None) as hold:
+            path = write_artifact(
+                out,
+                projection=parent.projection,
+                offset=parent.offset,
+                embeddings=embeddings,
+                labels=labels,
+                classes=classes,
+                mean=parent.mean,
+                scale=parent.scale,
+                default_k=parent.default_k if default_k is None else default_k,
+                decision_rule=parent.decision_rule,
+                ids=ids,
+                validation_embeddings=parent.validation_embeddings,
+                validation_labels=parent.validation_labels,
+                index_bytes=None,
+                extra_files=read_extras(parent),
+                metadata={**kept, "lineage": lineage},
+            )
     except ArtifactError as exc:
         raise ReferenceError(f"cannot write {out}: {exc}") from exc
     except OSError as exc:  # a full or read-only disk, the file-size limit: nothing replaced
         raise WriteError("the artifact", out, exc) from exc
+    if hold.signum is not None:  # the version is written whole: the command stops here
+        interrupted = Interrupted(hold.signum)
+        interrupted.written = str(path)
+        raise interrupted
+    return path
 
 
 def add_references(

@@ -56,6 +56,17 @@ def text_named_npy(d: Path) -> list[str]:
     return args
 
 
+def huge_npy_header(d: Path) -> list[str]:
+    """A .npy whose honest header is padded to 60,000 bytes, over numpy's 10,000-byte limit
+    (numpy's refusal ran over three lines and advised allow_pickle=True)."""
+    args = npy_pair(d, X_OK, Y_OK)
+    text = repr({"descr": "<f8", "fortran_order": False, "shape": X_OK.shape}).encode()
+    text = text + b" " * (60_000 - 12 - len(text) - 1) + b"\n"
+    header = b"\x93NUMPY\x02\x00" + len(text).to_bytes(4, "little") + text
+    (d / "X.npy").write_bytes(header + X_OK.astype("<f8").tobytes())
+    return args
+
+
 def latin1_past_a_megabyte(d: Path) -> list[str]:
     """A CSV whose one latin-1 byte (é) lies at byte 8 + 4 * 300,000 + 5, far past the first
     chunk a reader decodes."""
@@ -207,8 +218,18 @@ def with_null(values: list, at: int = 3) -> list:
 
 # (name, lay out the files -> CLI arguments, words of the one error line, arrays for NCA.fit)
 CORPUS = [
-    ("NaN in X", lambda d: npy_pair(d, with_value(np.nan), Y_OK), "NaN or Inf", None),
-    ("Inf in X", lambda d: npy_pair(d, with_value(np.inf), Y_OK), "NaN or Inf", None),
+    (  # the estimator names the row and column too (was scikit-learn's lines without them)
+        "NaN in X",
+        lambda d: npy_pair(d, with_value(np.nan), Y_OK),
+        "NaN or Inf (first at row 5, column 2)",
+        (with_value(np.nan), Y_OK),
+    ),
+    (
+        "Inf in X",
+        lambda d: npy_pair(d, with_value(np.inf), Y_OK),
+        "NaN or Inf (first at row 5, column 2)",
+        (with_value(np.inf), Y_OK),
+    ),
     (
         "a value beyond float32 (1e39)",
         lambda d: npy_pair(d, with_value(1e39), Y_OK),
@@ -249,7 +270,13 @@ CORPUS = [
     (
         "non-integer float labels",
         lambda d: npy_pair(d, X_OK, Y_OK + 0.5),
-        "y.npy: labels: must be integers or strings, got non-integer floats",
+        "y.npy: labels: must be integers or strings, got non-integer floats (first at row 0: 0.5)",
+        None,
+    ),
+    (
+        "a NaN label",
+        lambda d: npy_pair(d, X_OK, np.where(np.arange(60) == 3, np.nan, Y_OK.astype(float))),
+        "y.npy: labels: must be integers or strings, got non-integer floats (first at row 3: nan)",
         None,
     ),
     ("string features", lambda d: npy_pair(d, X_OK.astype(str), Y_OK), "numeric", None),
@@ -438,6 +465,12 @@ CORPUS = [
         "a text file named .npy",
         text_named_npy,
         "not a .npy file (it does not start with .npy's magic bytes)",
+        None,
+    ),
+    (
+        "a .npy header of 60,000 bytes",
+        huge_npy_header,
+        "its header is over numpy's limit of 10,000 bytes",
         None,
     ),
     (

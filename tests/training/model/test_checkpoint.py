@@ -222,21 +222,25 @@ def test_a_checkpoint_the_disk_refuses_costs_the_checkpoint_not_the_fit(tmp_path
     np.testing.assert_array_equal(model.components_, fit().components_)
 
 
-def test_a_job_sigtermed_in_its_exact_fit_resumes_there_when_run_again(python_m_training, tmp_path):
-    """A node drain's SIGTERM at the exact fit's 6th iteration (checkpointed after every
-    iteration here): exit 143 with one line naming the checkpoint to resume from; the same
-    command run again goes on from the 5th iteration and writes the uninterrupted map."""
+def test_a_job_sigtermed_in_its_exact_fit_saves_there_and_resumes_there(
+    python_m_training, tmp_path
+):
+    """A node drain's SIGTERM during the exact fit's 6th iteration, long before a periodic
+    save is due: the signal is held to the iteration's end, the state is saved there, and
+    the job exits 143 with one line naming the checkpoint; the same command run again goes
+    on from the 6th iteration and writes the uninterrupted map. (Before, the signal raised
+    at once and nothing was saved: the run again started over.)"""
     X, y, _, _ = data()
     np.save(tmp_path / "X.npy", X)
     np.save(tmp_path / "y.npy", y)
     args = ["--data", tmp_path / "X.npy", "--labels", tmp_path / "y.npy", "--n-components", "2"]
     args += ["--n-candidates", "exact", "--max-iter", "30", "--tol", "0", "--no-plots"]
     args += ["--quiet"]
-    every_iteration = "import training.model.fitting as f\nf.CHECKPOINT_SECONDS = 0.0\n"
     code, _, err = python_m_training(*args, "--out", tmp_path / "whole")
     assert code == 0, err
-    drain = every_iteration + (
-        "import os, signal\nreal = f.StagedFit._record\n"
+    drain = (
+        "import os, signal\nimport training.model.fitting as f\n"
+        "f.CHECKPOINT_SECONDS = 1e9  # no periodic save\nreal = f.StagedFit._record\n"
         "def record(self, index, stage, problem, theta, objective, figures, state):\n"
         "    if state.iterations == 6:\n        os.kill(os.getpid(), signal.SIGTERM)\n"
         "    return real(self, index, stage, problem, theta, objective, figures, state)\n"
@@ -247,9 +251,42 @@ def test_a_job_sigtermed_in_its_exact_fit_resumes_there_when_run_again(python_m_
     assert code == 143, err
     assert "Traceback" not in err
     assert f"resume from the checkpoint in {checkpoint}" in err.strip().splitlines()[-1]
-    code, _, err = python_m_training(*args, "--out", tmp_path / "m", prelude=every_iteration)
+    code, _, err = python_m_training(*args, "--out", tmp_path / "m")
     assert code == 0, err
-    assert f"resumed from {checkpoint}: 0 stage(s) were done, 5 iteration(s) in all" in err
+    assert f"resumed from {checkpoint}: 0 stage(s) were done, 6 iteration(s) in all" in err
     np.testing.assert_array_equal(
         read_artifact(tmp_path / "m").projection, read_artifact(tmp_path / "whole").projection
     )
+
+
+def _tamper(path, change):
+    with np.load(path, allow_pickle=False) as data:
+        arrays = {name: data[name] for name in data.files}
+    change(arrays)
+    np.savez(path, **arrays)
+
+
+TAMPERED = {  # a checkpoint changed after its save (its fingerprint still matches)
+    "pairs of another length": lambda a: a.update(resume_pairs_s=a["resume_pairs_s"][:, :5]),
+    "an infinite iterate": lambda a: a.update(resume_theta=np.full_like(a["resume_theta"], np.inf)),
+    "a NaN kept map": lambda a: a.update(theta=np.full_like(a["theta"], np.nan)),
+    "a kept map as a matrix": lambda a: a.update(theta=a["theta"].reshape(1, -1)),
+    "a state of other fields": lambda a: a.update(
+        meta=np.array(str(a["meta"]).replace('"records"', '"recorded"'))
+    ),
+}
+
+
+@pytest.mark.parametrize("change", list(TAMPERED), ids=list(TAMPERED))
+def test_a_tampered_checkpoint_is_refused_naming_it_and_the_remedy(
+    tmp_path, save_every_iteration, change
+):
+    """Before, a shorter pair array failed inside the optimiser with numpy's matmul error,
+    an infinite iterate was blamed on the loss, a NaN map resumed, a state of other fields
+    raised TypeError: now each is one ValueError naming the checkpoint and its remedy."""
+    with pytest.raises(Killed):
+        fit(tmp_path / "ckpt", **EXACT, callback=killer(5))
+    _tamper(tmp_path / "ckpt" / "fit-rank0.npz", TAMPERED[change])
+    with pytest.raises(ValueError, match=f"remove {tmp_path / 'ckpt'} to start over") as caught:
+        fit(tmp_path / "ckpt", **EXACT)
+    assert str(tmp_path / "ckpt" / "fit-rank0.npz") in str(caught.value)

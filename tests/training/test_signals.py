@@ -1,0 +1,123 @@
+"""SIGINT and SIGTERM in ``python -m training`` (``training.errors.holding_interrupts``): in a
+checkpointed stage a first signal is held to the iteration's end and saved there, but not
+longer than HOLD_SECONDS, and a second one raises at once; once the artifact's write has
+begun a first signal waits for the job's end (exit 0, the artifact whole), a second one
+ends it with a line that says the artifact was written; during the imports a signal ends
+the command in one line, never a traceback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from service.core.artifact import read_artifact
+from tests.training.problems import blobs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# SIGTERM sent (``signals``: how many, each a line of Python) during the exact fit's 6th
+# iteration, after which the iteration goes on for ``linger`` seconds
+SIGNAL_AT_ITERATION_6 = """\
+import os, signal, time
+import training.model.fitting as f
+f.CHECKPOINT_SECONDS = 0.0  # a periodic save after every iteration
+f.HOLD_SECONDS = {hold}
+real = f.StagedFit._record
+def record(self, index, stage, problem, theta, objective, figures, state):
+    if state.iterations == 6:
+        for _ in range({signals}):
+            os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep({linger})
+    return real(self, index, stage, problem, theta, objective, figures, state)
+f.StagedFit._record = record
+"""
+
+
+def fit_args(tmp_path):
+    X, y = blobs(900, seed=5)
+    X, y = X[:600], y[:600]  # an exact fit that runs its 30 iterations
+    np.save(tmp_path / "X.npy", X)
+    np.save(tmp_path / "y.npy", y)
+    args = ["--data", tmp_path / "X.npy", "--labels", tmp_path / "y.npy", "--n-components", "2"]
+    return [*args, "--n-candidates", "exact", "--max-iter", "30", "--tol", "0", "--no-plots"]
+
+
+def test_a_signal_held_past_its_limit_or_a_second_one_stops_the_fit_at_once(
+    python_m_training, tmp_path
+):
+    """The 6th iteration outlasts the hold (2 s against 0.2 s), or a second SIGTERM follows
+    the first: the fit stops inside the iteration, so the checkpoint is the 5th
+    iteration's periodic save, and the run again resumes there to the uninterrupted map."""
+    args = fit_args(tmp_path)
+    code, _, err = python_m_training(*args, "--out", tmp_path / "whole", "--quiet")
+    assert code == 0, err
+    for name, prelude in {
+        "outlasted": SIGNAL_AT_ITERATION_6.format(hold=0.2, signals=1, linger=2.0),
+        "second": SIGNAL_AT_ITERATION_6.format(hold=60.0, signals=2, linger=0.0),
+    }.items():
+        out = tmp_path / name
+        code, _, err = python_m_training(*args, "--out", out, "--quiet", prelude=prelude)
+        assert code == 143 and "Traceback" not in err, err
+        code, _, err = python_m_training(*args, "--out", out, "--quiet")
+        assert code == 0, err
+        assert "0 stage(s) were done, 5 iteration(s) in all" in err, (name, err)
+        np.testing.assert_array_equal(
+            read_artifact(out).projection, read_artifact(tmp_path / "whole").projection
+        )
+
+
+def test_a_signal_while_the_artifact_is_written_waits_for_the_job_to_end(
+    python_m_training, tmp_path
+):
+    """SIGTERM as the artifact's write begins: the job finishes (the artifact, --publish,
+    the checkpoint removed), says the signal came, and exits 0. A second signal, SIGINT
+    while the page is written, ends it with 130 and a line saying the artifact was
+    written, not that nothing was (its status the first signal's)."""
+    args = [*fit_args(tmp_path), "--quiet"]
+    drain_at_write = (
+        "import os, signal\nimport training.job as job\nreal = job.save_artifact\n"
+        "def save(*a, **k):\n    os.kill(os.getpid(), signal.SIGTERM)\n    return real(*a, **k)\n"
+        "job.save_artifact = save\n"
+    )
+    out, current = tmp_path / "m", tmp_path / "current"
+    code, _, err = python_m_training(
+        *args, "--out", out, "--publish", current, prelude=drain_at_write
+    )
+    assert code == 0, err
+    assert f"SIGTERM arrived while {out} was being written: the job finished first" in err
+    assert read_artifact(out).projection.shape == (2, 6) and current.resolve() == out
+    assert not (tmp_path / ".m.checkpoint").exists()
+    second = drain_at_write + (
+        "real_page = job._write_page\n"
+        "def page(*a, **k):\n    os.kill(os.getpid(), signal.SIGINT)\n    return real_page(*a, **k)\n"
+        "job._write_page = page\n"
+    )
+    code, _, err = python_m_training(*args, "--out", tmp_path / "m2", prelude=second)
+    assert code == 143 and "Traceback" not in err, err
+    line = err.strip().splitlines()[-1]
+    assert (
+        f"{tmp_path / 'm2'} was written whole first" in line and "nothing was written" not in line
+    )
+    assert read_artifact(tmp_path / "m2").projection.shape == (2, 6)
+
+
+def test_a_signal_during_the_imports_ends_the_command_in_one_line(tmp_path):
+    """SIGINT 0.3 s after ``python -m training`` starts (torch and the readers still being
+    imported, ~2 s): exit 130 and one line; before, a KeyboardInterrupt traceback (or, in
+    polars' import, a RuntimeError and exit 1). Whenever it lands, never a traceback."""
+    command = [sys.executable, "-m", "training", "--data", "iris", "--out", str(tmp_path / "m")]
+    process = subprocess.Popen(
+        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    time.sleep(0.3)
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 130, err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("error: interrupted by SIGINT"), err
+    assert not (tmp_path / "m").exists()
