@@ -232,7 +232,8 @@ class TrainConfig:
     stop_stalled_stages: bool = _shared(
         "stop_stalled_stages",
         "stop a stage after two held-out checks in a row without a gain "
-        "(--no-stop-stalled-stages: every stage runs its iterations)",
+        "(--no-stop-stalled-stages: every stage runs its iterations, unless early stopping, "
+        "on by default, stops the fit first: add --no-early-stopping)",
     )
     select_stages: bool = _shared(
         "select_stages",
@@ -250,7 +251,9 @@ class TrainConfig:
     batch_size: int = _shared("batch_size", "Adam mini-batch size (query rows)")
     learning_rate: float = _shared("learning_rate", "Adam step size")
     early_stopping: bool = _shared(
-        "early_stopping", "stop when validation kNN accuracy stops improving"
+        "early_stopping",
+        "stop when validation kNN accuracy stops improving (the report's stop reason: "
+        "stalled); --no-early-stopping: the fit runs until its other rules stop it",
     )
     n_iter_no_change: int = _shared(
         "n_iter_no_change", "early stopping patience, in validation checks"
