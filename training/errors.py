@@ -126,17 +126,31 @@ class _Hold:
 
 
 _hold: _Hold | None = None  # the hold in force (None: a signal raises at once)
+_from_timer = False  # the next signal is a hold's timer's (``_expire``), not the system's
+
+
+def _expire(hold: _Hold) -> None:
+    """A hold's time is up: its signal raised in the main thread, if the hold is still in
+    force (a timer that fires as its hold ends does nothing)."""
+    global _from_timer
+    if _hold is hold:
+        _from_timer = True
+        _thread.interrupt_main(hold.signum)
 
 
 def _on_signal(signum, frame):
+    global _from_timer
+    from_timer, _from_timer = _from_timer, False
     hold = _hold
+    if from_timer and (hold is None or hold.timer is None):  # its hold ended meanwhile
+        return
     if hold is None or hold.signum is not None:  # no hold, or a second signal: at once
         if hold is not None and hold.timer is not None:
             hold.timer.cancel()
         raise Interrupted(hold.signum if hold is not None and hold.signum else signum)
     hold.signum = signum
     if hold.seconds is not None:  # then raised, wherever the work is
-        hold.timer = threading.Timer(hold.seconds, _thread.interrupt_main, args=(signum,))
+        hold.timer = threading.Timer(hold.seconds, _expire, args=(hold,))
         hold.timer.daemon = True
         hold.timer.start()
 
@@ -153,7 +167,7 @@ def raise_on_interrupt() -> None:
 def holding_interrupts(seconds: float | None) -> Iterator[_Hold]:
     """Within it a first SIGINT or SIGTERM is held rather than raised, so that the work in
     hand can end at a point of its choosing: ``held_interrupt()`` names it, and the work
-    raises it (``raise_held``) once it has saved what it must. A second signal, or
+    raises it once it has saved what it must. A second signal, or
     ``seconds`` after the first (None: no limit), raises it wherever the work is. A signal
     still held when the block ends is the caller's to act on (``hold.signum``). Inert when
     the process's handler is not ``raise_on_interrupt``'s (the estimator used from Python),
@@ -180,21 +194,16 @@ def held_interrupt() -> int | None:
     return None if _hold is None else _hold.signum
 
 
-def raise_held() -> None:
-    """Raise the held signal as :class:`Interrupted` (nothing when none is held)."""
-    if _hold is not None and _hold.signum is not None:
-        if _hold.timer is not None:
-            _hold.timer.cancel()
-        raise Interrupted(_hold.signum)
-
-
 def interrupted_line(exc: Interrupted, seconds: float, out: str | None, checkpoint=None) -> str:
     """The one line an interrupted command prints; ``checkpoint``: the fit's checkpoint
     directory (a Path, or None), named when it holds a fit's or a prototype learning's state
     to resume from."""
+    if exc.written:  # the signal came once the artifact was written: nothing to run again
+        return (
+            f"interrupted by {exc.args[0]} after {seconds:.1f} s; {exc.written} was written "
+            "whole first (its --publish may not be repointed)"
+        )
     where = f"; nothing was written at {out} (a version already there is intact)" if out else ""
-    if exc.written:  # the signal came once the artifact was written
-        where = f"; {exc.written} was written whole first (its --publish may not be repointed)"
     again = "run the same command again to start over"
     saved = ("fit-rank*.npz", "prototypes-*.npz")  # a fit's, a condense's prototype learning
     if checkpoint is not None and any(any(Path(checkpoint).glob(name)) for name in saved):

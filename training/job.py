@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import signal
 import sys
@@ -191,49 +192,61 @@ def run(config: TrainConfig, *, log=print) -> dict:
         )
     evaluation = evaluate(estimator, split, config, group)
     report: dict = {}
-    if group.rank == 0:
-        report = {
-            "artifact": str(out),
-            **build_report(
-                config, _data_name(config), split, estimator, evaluation, convergence_warnings
-            ),
-        }
-        # writers of --out take turns (waiting at most --lock-timeout); one that landed
-        # meanwhile is kept
-        # from here a first SIGINT / SIGTERM waits for the job's end (a second one does not)
-        with claim.turn(timeout=config.lock_timeout), holding_interrupts(None) as hold:
-            save_artifact(out, config, _data_name(config), split, estimator, evaluation, report)
-            try:
-                page = _write_page(out, log)
-                if config.publish:
-                    publish(config.publish, out)
-                    log(f"published {config.publish} -> {out}")
-                _remove_checkpoint(config, checkpoint, group.world_size)
-            except Interrupted as exc:  # the second signal: the artifact is written
-                exc.written = str(out)
-                raise
-        k = evaluation.default_k
-        if "euclidean" in evaluation.baselines:
-            euclidean = evaluation.baselines["euclidean"].get("test_accuracy", {})
-            baseline = f"Euclidean baseline {euclidean.get(k, float('nan')):.4f}"
+    # from the artifact's write to the job's end a first SIGINT / SIGTERM waits (a second
+    # one does not); the other ranks hold from the barrier, where they wait for rank 0
+    with contextlib.ExitStack() as ending:
+        if group.rank == 0:
+            report = {
+                "artifact": str(out),
+                **build_report(
+                    config, _data_name(config), split, estimator, evaluation, convergence_warnings
+                ),
+            }
+            # writers of --out take turns (waiting at most --lock-timeout); one that landed
+            # meanwhile is kept
+            with claim.turn(timeout=config.lock_timeout):
+                hold = ending.enter_context(holding_interrupts(None))
+                save_artifact(out, config, _data_name(config), split, estimator, evaluation, report)
+                try:  # --publish too within the turn: its writers take turns as well
+                    _finish(
+                        config, out, checkpoint, group, estimator, evaluation, report, log, started
+                    )
+                except Interrupted as exc:  # the second signal: the artifact is written
+                    exc.written = str(out)
+                    raise
         else:
-            baseline = "baselines not computed: no rank holds the raw training set"
-        log(
-            f"wrote {out}: test accuracy {evaluation.test_accuracy.get(k, float('nan')):.4f} at "
-            f"k={k}, {evaluation.rule} vote ({baseline}); {estimator.n_iter_} iterations, "
-            f"{estimator.stop_reason_}, "
-            f"{time.perf_counter() - started:.1f} s"
-        )
-        for warning in warnings_of(report):  # what report.html puts first, on screen too
-            log(f"warning: {warning}")
-        if page is not None:
-            log(f"report: {page}")
+            hold = ending.enter_context(holding_interrupts(None))
+        if group.is_distributed:
+            dist.barrier()  # the other ranks end after the artifact exists
         if hold.signum is not None:
             name = signal.Signals(hold.signum).name
             log(f"{name} arrived while {out} was being written: the job finished first")
-    if group.is_distributed:
-        dist.barrier()  # the other ranks end after the artifact exists
     return report
+
+
+def _finish(config, out, checkpoint, group, estimator, evaluation, report, log, started) -> None:
+    """After the artifact's write: its report page, --publish, the checkpoint removed, and
+    the lines that say what was written (with the seconds since ``started``)."""
+    page = _write_page(out, log)
+    if config.publish:
+        publish(config.publish, out)
+        log(f"published {config.publish} -> {out}")
+    _remove_checkpoint(config, checkpoint, group.world_size)
+    k = evaluation.default_k
+    if "euclidean" in evaluation.baselines:
+        euclidean = evaluation.baselines["euclidean"].get("test_accuracy", {})
+        baseline = f"Euclidean baseline {euclidean.get(k, float('nan')):.4f}"
+    else:
+        baseline = "baselines not computed: no rank holds the raw training set"
+    log(
+        f"wrote {out}: test accuracy {evaluation.test_accuracy.get(k, float('nan')):.4f} at "
+        f"k={k}, {evaluation.rule} vote ({baseline}); {estimator.n_iter_} iterations, "
+        f"{estimator.stop_reason_}, {time.perf_counter() - started:.1f} s"
+    )
+    for warning in warnings_of(report):  # what report.html puts first, on screen too
+        log(f"warning: {warning}")
+    if page is not None:
+        log(f"report: {page}")
 
 
 def _write_page(out: Path, log) -> Path | None:

@@ -14,9 +14,11 @@ import sys
 import time
 
 import numpy as np
+import pytest
 
 from service.core.artifact import read_artifact
 from tests.training.problems import blobs
+from training import errors
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -121,3 +123,66 @@ def test_a_signal_during_the_imports_ends_the_command_in_one_line(tmp_path):
     assert "Traceback" not in err
     assert err.strip().splitlines()[-1].startswith("error: interrupted by SIGINT"), err
     assert not (tmp_path / "m").exists()
+
+
+@pytest.fixture
+def our_handler():
+    """raise_on_interrupt's handler for the test, the process's own restored after it."""
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    errors.raise_on_interrupt()
+    yield
+    for signum, handler in previous.items():
+        signal.signal(signum, handler)
+
+
+def test_a_hold_keeps_the_first_signal_and_raises_the_second_at_once(our_handler):
+    with errors.holding_interrupts(None) as hold:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert errors.held_interrupt() == signal.SIGTERM  # held, not raised
+        with pytest.raises(errors.Interrupted) as caught:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)  # the handler runs at the next bytecode: never reached
+        assert caught.value.signum == signal.SIGTERM  # the first signal's status
+    assert hold.signum == signal.SIGTERM and errors.held_interrupt() is None
+    with pytest.raises(errors.Interrupted):  # no hold: at once
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(1)
+
+
+def test_a_holds_timer_raises_only_while_its_hold_is_in_force(our_handler):
+    """The time limit raises the held signal wherever the work is; a timer that fires as
+    its hold ends (too late to be cancelled) does nothing: before, it raised into
+    whatever ran next, the job's error handling included."""
+    with pytest.raises(errors.Interrupted):
+        with errors.holding_interrupts(0.05):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the work outlasts the hold's 0.05 s
+    with errors.holding_interrupts(60.0) as hold:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)  # the handler has run: the timer is armed
+    errors._expire(hold)  # as a timer that fired just as the hold ended
+    time.sleep(0.05)  # nothing raised
+
+
+def test_a_line_for_a_written_artifact_does_not_ask_for_a_run_again(tmp_path):
+    exc = errors.Interrupted(signal.SIGTERM)
+    exc.written = str(tmp_path / "m")
+    (tmp_path / ".m.checkpoint").mkdir()
+    (tmp_path / ".m.checkpoint" / "fit-rank0.npz").write_bytes(b"")
+    line = errors.interrupted_line(exc, 1.0, str(tmp_path / "m"), tmp_path / ".m.checkpoint")
+    assert f"{tmp_path / 'm'} was written whole first" in line
+    assert "nothing was written" not in line and "run the same command again" not in line
+
+
+def test_a_second_signal_during_the_imports_is_one_line_too(tmp_path):
+    command = [sys.executable, "-m", "training", "--data", "iris", "--out", str(tmp_path / "m")]
+    process = subprocess.Popen(
+        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    time.sleep(0.3)
+    process.send_signal(signal.SIGINT)
+    time.sleep(0.3)
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 130 and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: interrupted by SIGINT")

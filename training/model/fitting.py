@@ -59,7 +59,7 @@ import numpy as np
 import torch
 
 from training.distributed.ranks import broadcast_from_rank0, lowest_and_highest
-from training.errors import Interrupted, held_interrupt, holding_interrupts, raise_held
+from training.errors import Interrupted, held_interrupt, holding_interrupts
 from training.model import sparse_input
 from training.numerics import evenly_spaced_rows
 from training.objectives.registry import make_objective
@@ -371,12 +371,16 @@ class StagedFit:
             # SIGINT / SIGTERM in a checkpointed stage are held to the iteration's end, then
             # saved there and raised (training.errors.holding_interrupts)
             holds = self._checkpoints_mid_stage(stage)
-            with holding_interrupts(HOLD_SECONDS) if holds else contextlib.nullcontext():
+            # under torchrun no rank stops on its own clock (a rank raising mid-iteration
+            # would leave the others in a collective): the ranks stop together, agreed
+            seconds = None if self.group.is_distributed else HOLD_SECONDS
+            with holding_interrupts(seconds) if holds else contextlib.nullcontext() as hold:
                 self._run_stage(index, stage, state)
                 state.stages_done = index + 1
                 if self.checkpoint is not None:
                     self._save(state)
-                raise_held()  # held through the stage's end: raised once that is saved
+            if holds and self._any_rank_signalled(hold.signum):  # held to the stage's end
+                raise Interrupted(hold.signum or signal.SIGTERM)
         if math.isnan(state.kept.objective):  # the budget skipped every stage
             state.kept = self._evaluated(state.kept)
             state.evaluations += 1
@@ -576,8 +580,12 @@ class StagedFit:
             return False, False
         due = self.clock.elapsed() - self.last_save >= CHECKPOINT_SECONDS
         save = self.clock.agree((due,))[0]
-        interrupted = lowest_and_highest(int(held_interrupt() is not None), self.group)[1] == 1
-        return save, interrupted
+        return save, self._any_rank_signalled(held_interrupt())
+
+    def _any_rank_signalled(self, signum: int | None) -> bool:
+        """Whether any rank holds a signal (``signum``: this rank's, None for none): one
+        all-reduce under torchrun, so that every rank stops at the same point."""
+        return lowest_and_highest(int(signum is not None), self.group)[1] == 1
 
     def _where(self, index, iteration, theta, at, solver, check, started) -> StageResume:
         """Where the running stage stands (a mid-stage checkpoint's)."""

@@ -533,17 +533,22 @@ def condense_references(
     if k is not None and k != parent.default_k:  # the k the prototypes serve best
         entry["default_k_chosen_on_validation"] = [parent.default_k, k]
     default_k = _default_k_for(parent, n_after, entry, k)
-    path = write_version(
-        parent,
-        out,
-        embeddings=new_z,
-        labels=new_y,
-        ids=new_ids,
-        classes=classes,
-        entry=entry,
-        default_k=default_k,
-        reference_set=record,
-    )
+    try:
+        path = write_version(
+            parent,
+            out,
+            embeddings=new_z,
+            labels=new_y,
+            ids=new_ids,
+            classes=classes,
+            entry=entry,
+            default_k=default_k,
+            reference_set=record,
+        )
+    except Interrupted as exc:  # a signal during the write: the version may be in place
+        if exc.written and checkpoint_dir is not None:  # it is: the learning is done with
+            remove_checkpoints(checkpoint_dir, LOSSES)
+        raise
     if checkpoint_dir is not None:
         remove_checkpoints(checkpoint_dir, LOSSES)
     return {**entry, "artifact": str(path)}

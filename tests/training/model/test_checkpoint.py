@@ -14,6 +14,7 @@ import pytest
 from service.core.artifact import read_artifact
 from tests.training.problems import blobs
 from training import NCA
+from training.errors import Interrupted
 from training.model import fitting
 from training.model.options import with_options
 
@@ -290,3 +291,27 @@ def test_a_tampered_checkpoint_is_refused_naming_it_and_the_remedy(
     with pytest.raises(ValueError, match=f"remove {tmp_path / 'ckpt'} to start over") as caught:
         fit(tmp_path / "ckpt", **EXACT)
     assert str(tmp_path / "ckpt" / "fit-rank0.npz") in str(caught.value)
+
+
+def test_a_rank_without_a_signal_stops_with_the_rank_that_has_one(tmp_path, monkeypatch):
+    """Under torchrun every rank asks whether any rank holds a signal after each iteration
+    of a checkpointed stage (an all-reduce, stood in for here: another rank's signal from
+    the 4th iteration): this rank, which has none, saves there and stops with the others."""
+    signalled = []
+
+    def lowest_and_highest(value, group):  # another rank: a signal once signalled is set
+        return (value, 1) if signalled else (value, value)
+
+    def callback(components, iteration):
+        if iteration == 4:
+            signalled.append(True)
+
+    monkeypatch.setattr(fitting, "lowest_and_highest", lowest_and_highest)
+    X, y, X_val, y_val = data()
+    params = with_options({**PARAMS, **EXACT, "callback": callback})
+    with pytest.raises(Interrupted):
+        NCA(**params).fit(X, y, X_val, y_val, checkpoint=tmp_path / "ckpt")
+    signalled.clear()
+    params = with_options({**PARAMS, **EXACT})
+    resumed = NCA(**params).fit(X, y, X_val, y_val, checkpoint=tmp_path / "ckpt")
+    assert resumed.resumed_iterations_ == 4
