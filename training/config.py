@@ -125,9 +125,12 @@ def _init_scale(value):
 class TrainConfig:
     data: str = _opt(
         "digits",
-        "built-in set (digits, iris, wine, breast_cancer) or a .npz / .npy / .csv / .parquet path",
+        "built-in set (digits, iris, wine, breast_cancer) or a .npz / .npy / .csv / .parquet "
+        "path; a sparse matrix saved by scipy.sparse.save_npz is fitted without densifying it",
     )
-    labels: str | None = _opt(None, "label file (.npy) when --data is a .npy feature file")
+    labels: str | None = _opt(
+        None, "label file (.npy) when --data is a .npy feature file or a sparse .npz"
+    )
     label_column: str | None = _opt(
         None,
         "CSV or Parquet label column by name ('label' if present, else the last); in a CSV "

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import scipy.sparse as sp
 import torch.distributed as dist
 from sklearn.exceptions import ConvergenceWarning
 
@@ -51,6 +52,7 @@ from training.evaluation.evaluate import (
     knn_accuracies,
     knn_accuracies_by_rule,
     knn_predictions,
+    sparse_knn_accuracies,
 )
 from training.evaluation.report import (
     json_bytes,
@@ -59,6 +61,7 @@ from training.evaluation.report import (
     plot_objective,
 )
 from training.evaluation.report_page import warnings_of, write_report_page
+from training.model import sparse_input
 from training.model.estimator import NCA
 from training.model.options import with_options
 from training.numerics import evenly_spaced_rows
@@ -171,6 +174,7 @@ def run(config: TrainConfig, *, log=print) -> dict:
         memory_map=True,
         memory_budget=memory_budget(config.memory_budget_gib),
         for_training=True,  # labels checked before any feature is read
+        sparse=True,  # a scipy.sparse .npz is fitted as CSR, never densified
     )
     split = shard_split(data, config, group) if group.is_distributed else _split(data, config)
     del data  # a data-parallel rank keeps only its rows
@@ -180,7 +184,7 @@ def run(config: TrainConfig, *, log=print) -> dict:
     parallel = f", {group.world_size} ranks ({group.backend})" if group.is_distributed else ""
     log(
         f"data {_data_name(config)}: {split.n_train} train / {split.n_val} validation / "
-        f"{len(split.X_test)} test, D={split.X_train.shape[1]}, {len(split.classes)} classes; "
+        f"{split.X_test.shape[0]} test, D={split.X_train.shape[1]}, {len(split.classes)} classes; "
         f"learning d={estimator.n_components} ({config.objective}){parallel}"
     )
     checkpoint = checkpoint_dir_for(config, out)
@@ -313,6 +317,11 @@ def shard_split(data: Dataset, config: TrainConfig, group: ProcessGroup) -> Spli
     """This rank's rows of the training and validation splits (rank 0 also takes the test
     split), from the split every rank plans from the labels alone. Only these rows are read
     from a memory-mapped ``.npy``, and only they are checked for NaN and Inf."""
+    if sp.issparse(data.X):
+        raise DataError(
+            f"--data {config.data} is a sparse matrix: a data-parallel run (torchrun) takes "
+            "dense rows; fit it in one process (python -m training)"
+        )
     plan = plan_split(data, test_size=config.test_size, val_size=config.val_size, seed=config.seed)
     n_train, n_val = len(plan.train_idx), len(plan.val_idx)
     if n_train < group.world_size:
@@ -383,7 +392,7 @@ def fit_estimator(estimator: NCA, split, checkpoint: Path | None = None) -> list
     """Fit on the training split, validating on the validation split, with the fit's
     checkpoint in ``checkpoint``; returns the convergence warnings and a checkpoint that
     could not be written (also printed to stderr, and recorded in the artifact)."""
-    has_val = len(split.X_val) > 0
+    has_val = split.X_val.shape[0] > 0
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -442,6 +451,29 @@ BASELINES_SKIPPED = (
 )
 
 
+BASELINES_SKIPPED_SPARSE = (
+    "not computed for sparse rows (the Euclidean one is): whitening, PCA, LDA and RCA centre "
+    "the features or need their D x D covariance, which would densify them"
+)
+
+
+def sparse_baselines(split, rule: str) -> dict:
+    """The baselines of a sparse split: kNN on the rows as they are (the sparse fit does not
+    standardise them), on evenly spaced validation and test rows within
+    BASELINE_SEARCH_BUDGET (a query costs about N times a row's non-zeros); the others
+    skipped (BASELINES_SKIPPED_SPARSE)."""
+    n_train = split.X_train.shape[0]
+    per_row = max(1, split.X_train.nnz // max(1, n_train))  # non-zeros a row
+    record = {"n_components": int(split.X_train.shape[1])}
+    for part, X, y in (("val", split.X_val, split.y_val), ("test", split.X_test, split.y_test)):
+        rows = baseline_rows(X.shape[0], n_train, per_row)
+        record[f"{part}_accuracy"] = sparse_knn_accuracies(
+            split.X_train, split.y_train, X[rows], y[rows], len(split.classes), K_VALUES, rule
+        )
+        record[f"{part}_rows"] = len(rows)
+    return {"euclidean": record, "skipped": BASELINES_SKIPPED_SPARSE}
+
+
 def evaluate(
     estimator: NCA, split, config: TrainConfig, group: ProcessGroup | None = None
 ) -> Evaluation | None:
@@ -453,7 +485,10 @@ def evaluate(
     labels and row digests are gathered; rank 0 scores them, the other ranks return None."""
     group = group or ProcessGroup()
     W, b = estimator.projection_, estimator.offset_
-    z_train, z_val, z_test = (project(x, W, b) for x in (split.X_train, split.X_val, split.X_test))
+    z_train, z_val, z_test = (
+        (sparse_input.project if sp.issparse(x) else project)(x, W, b)
+        for x in (split.X_train, split.X_val, split.X_test)
+    )
     y_train, y_val = split.y_train, split.y_val
     digests = row_digests(split.X_train)
     if group.is_distributed:
@@ -480,6 +515,8 @@ def evaluate(
     predictions = knn_predictions(z_ref, y_ref, z_test, n_classes, (default_k,), rule)
     if group.is_distributed:
         baselines = {"skipped": BASELINES_SKIPPED}
+    elif sp.issparse(split.X_train):
+        baselines = sparse_baselines(split, rule)
     else:
         baselines = evaluate_baselines(
             split, estimator.mean_, estimator.scale_, estimator.n_components, rule
@@ -614,7 +651,7 @@ def build_report(
         ),
         "n_train": len(ev.y_train),
         "n_val": len(ev.y_val),
-        "n_test": len(split.X_test),
+        "n_test": int(split.X_test.shape[0]),
         "n_features": int(split.X_train.shape[1]),
     }
     return {

@@ -29,8 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import scipy.sparse as sp
 from sklearn import datasets
 
+from training.data import sparse_file
 from training.data.parquet import ParquetError, read_parquet, read_parquet_labels
 
 BUILTIN_DATASETS = ("digits", "iris", "wine", "breast_cancer")
@@ -76,11 +78,11 @@ class Split:
 
     @property
     def n_train(self) -> int:
-        return len(self.X_train) if self.n_train_total is None else self.n_train_total
+        return self.X_train.shape[0] if self.n_train_total is None else self.n_train_total
 
     @property
     def n_val(self) -> int:
-        return len(self.X_val) if self.n_val_total is None else self.n_val_total
+        return self.X_val.shape[0] if self.n_val_total is None else self.n_val_total
 
 
 # --------------------------------------------------------------------------- loading
@@ -94,6 +96,7 @@ def load_dataset(
     memory_map: bool = False,
     memory_budget: int | None = None,
     for_training: bool = False,
+    sparse: bool = False,
 ) -> Dataset:
     """Load a data set from a built-in name or a file path (see module docstring).
 
@@ -103,17 +106,19 @@ def load_dataset(
     the file's header before the features are read.
     for_training: the labels are checked as training needs them (:func:`check_labels`)
     before any feature is read (rows added to a reference set need not make a training
-    set)."""
+    set).
+    sparse: the caller takes a sparse X, so a ``scipy.sparse.save_npz`` file is read (as
+    CSR, with ``labels``: ``training.data.sparse_file``); otherwise such a file is refused."""
     suffix = "" if spec in BUILTIN_DATASETS else Path(spec).suffix.lower()
     if spec not in BUILTIN_DATASETS and suffix not in (".npz", ".npy", ".csv", ".parquet"):
         raise DataError(
             f"--data {spec!r}: expected one of the built-in sets {list(BUILTIN_DATASETS)} "
             "or a path ending in .npz, .npy, .csv or .parquet"
         )
-    if labels is not None and suffix != ".npy":
+    if labels is not None and suffix not in (".npy", ".npz"):
         raise DataError(
-            f"--labels applies to a .npy feature file, not to --data {spec!r} (an .npz holds "
-            "y; a CSV or Parquet file its label column: --label-column)"
+            f"--labels applies to a .npy feature file or a sparse .npz, not to --data {spec!r} "
+            "(a CSV or Parquet file holds its label column: --label-column)"
         )
     if label_column is not None and suffix not in (".csv", ".parquet"):
         raise DataError(
@@ -126,7 +131,7 @@ def load_dataset(
     check_regular_file(path, "--data")
     label_check = check_labels if for_training else _no_check
     if suffix == ".npz":
-        return _load_npz(path, memory_budget, label_check)
+        return _load_npz(path, memory_budget, label_check, labels, sparse)
     if suffix == ".npy":
         return _load_npy_pair(path, labels, memory_map, memory_budget, label_check)
     if suffix == ".parquet":
@@ -218,13 +223,17 @@ def npy_header(stream) -> tuple[tuple, np.dtype]:
 def _check_npz_member(archive, key: str, path: Path, budget: int | None, numeric: bool) -> None:
     """An .npz member's header against the budget (and, for features, a numeric dtype),
     before its values are read."""
-    names = archive.zip.namelist()
-    name = f"{key}.npy" if f"{key}.npy" in names else key  # np.savez adds .npy; others may not
-    with archive.zip.open(name) as member:
+    with archive.zip.open(_member_name(archive, key)) as member:
         shape, dtype = npy_header(member)
     if numeric and dtype.kind not in "biuf":
         raise DataError(f"{path}: {key}: features must be numeric, got dtype {dtype}")
     check_memory(shape, f"{path}: {key}", budget, dtype.itemsize)
+
+
+def _member_name(archive, key: str) -> str:
+    """The zip member of an .npz's array ``key``: np.savez adds .npy; others may not."""
+    names = archive.zip.namelist()
+    return f"{key}.npy" if f"{key}.npy" in names else key
 
 
 def check_regular_file(path: Path, option: str) -> None:
@@ -279,17 +288,26 @@ def _line(exc: BaseException) -> str:
     return " ".join(str(exc).split())
 
 
-def _load_npz(path: Path, memory_budget: int | None = None, label_check=_no_check) -> Dataset:
+def _load_npz(
+    path: Path,
+    memory_budget: int | None = None,
+    label_check=_no_check,
+    labels: str | None = None,
+    sparse: bool = False,
+) -> Dataset:
     try:
         archive = np.load(path, allow_pickle=False)
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
         raise DataError(f"{path}: not a readable .npz file ({_line(exc)})") from exc
     with archive:
         keys = set(archive.files)
-        missing = {"X", "y"} - keys
-        if missing:
-            raise DataError(f"{path}: missing arrays {sorted(missing)}; found {sorted(keys)}")
+        if not (sparse_file.is_sparse_layout(keys) or labels is not None):
+            missing = {"X", "y"} - keys
+            if missing:
+                raise DataError(f"{path}: missing arrays {sorted(missing)}; found {sorted(keys)}")
         try:
+            if sparse_file.is_sparse_layout(keys) or labels is not None:
+                return _load_sparse_npz(archive, path, memory_budget, label_check, labels, sparse)
             for key in ("y", "y_test", "X", "X_test"):  # every header before any value
                 if key in keys:
                     _check_npz_member(archive, key, path, memory_budget, key.startswith("X"))
@@ -304,10 +322,58 @@ def _load_npz(path: Path, memory_budget: int | None = None, label_check=_no_chec
             raise DataError(f"{path}: arrays must load without pickle ({exc})") from exc
         except (OSError, EOFError, KeyError, SyntaxError, zipfile.BadZipFile, zlib.error) as exc:
             raise DataError(f"{path}: not a readable .npz file ({_line(exc)})") from exc  # damaged
-            raise DataError(f"{path}: not a readable .npz file ({_line(exc)})") from exc
     if (X_test is None) != (y_test is None):
         raise DataError(f"{path}: X_test and y_test must be given together")
     return Dataset(X=X, y=y, X_test=X_test, y_test=y_test, name=path.stem, source=str(path))
+
+
+def _load_sparse_npz(
+    archive, path: Path, memory_budget: int | None, label_check, labels: str | None, sparse: bool
+) -> Dataset:
+    """A ``scipy.sparse.save_npz`` file and its ``--labels`` (``training.data.sparse_file``);
+    the labels read and checked before any feature."""
+    if not sparse_file.is_sparse_layout(set(archive.files)):
+        raise DataError(
+            f"--labels applies to a .npy feature file or a sparse .npz (scipy.sparse.save_npz), "
+            f"not to --data {path}, which holds arrays {sorted(archive.files)} (its y are the "
+            "labels)"
+        )
+    if not sparse:
+        raise DataError(
+            f"--data {path} is a sparse matrix (scipy.sparse.save_npz): the training job "
+            "(python -m training) reads it; this command takes dense rows (densify them with "
+            "X.toarray(), or save them with np.savez(X=..., y=...))"
+        )
+    if labels is None:
+        raise DataError(
+            f"--data {path} is a sparse matrix (scipy.sparse.save_npz), which holds no labels: "
+            "give them as --labels LABELS.npy"
+        )
+    y = _read_labels(labels, memory_budget, label_check)  # before any feature is read
+
+    def header_of(archive, key: str):
+        with archive.zip.open(_member_name(archive, key)) as member:
+            return npy_header(member)
+
+    X = sparse_file.read_sparse_npz(archive, path, memory_budget, header_of, DataError)
+    return Dataset(X=X, y=y, name=path.stem, source=str(path))
+
+
+def _read_labels(labels: str, memory_budget: int | None, label_check) -> np.ndarray:
+    """--labels LABELS.npy: (n,) read whole (its size held against the budget first) and
+    checked by ``label_check``."""
+    label_path = Path(labels)
+    if label_path.suffix.lower() != ".npy":
+        raise DataError(f"--labels {labels!r}: expected a .npy file of labels (n,)")
+    check_regular_file(label_path, "--labels")
+    labels_mapped = _load_npy(label_path, "labels", memory_map=True)  # header: no values
+    check_memory(
+        labels_mapped.shape, f"{label_path}: labels", memory_budget, labels_mapped.dtype.itemsize
+    )
+    y = np.array(labels_mapped)
+    del labels_mapped
+    label_check(y, what=f"{label_path}: labels")
+    return y
 
 
 def _load_npy_pair(
@@ -319,17 +385,7 @@ def _load_npy_pair(
 ) -> Dataset:
     if labels is None:
         raise DataError(f"--data {path}: a .npy feature file needs --labels LABELS.npy")
-    label_path = Path(labels)
-    if label_path.suffix.lower() != ".npy":
-        raise DataError(f"--labels {labels!r}: expected a .npy file of labels (n,)")
-    check_regular_file(label_path, "--labels")
-    labels_mapped = _load_npy(label_path, "labels", memory_map=True)  # header: no values
-    check_memory(
-        labels_mapped.shape, f"{label_path}: labels", memory_budget, labels_mapped.dtype.itemsize
-    )
-    y = np.array(labels_mapped)
-    del labels_mapped
-    label_check(y, what=f"{label_path}: labels")  # before any feature is read
+    y = _read_labels(labels, memory_budget, label_check)  # before any feature is read
     X = _load_npy(path, "features", memory_map=True)  # its header: the shape, no values
     check_memory(X.shape, f"{path}: features", memory_budget, X.dtype.itemsize)
     if not memory_map:
@@ -580,7 +636,10 @@ def label_values(y: np.ndarray, what: str) -> np.ndarray:
 
 
 def row_digests(X: np.ndarray) -> np.ndarray:
-    """sha256 of each row's features (float64, C order): (n, 32) uint8."""
+    """sha256 of each row's features (float64, C order): (n, 32) uint8; of a sparse row's
+    canonical CSR form (``training.data.sparse_file.row_digests``)."""
+    if sp.issparse(X):
+        return sparse_file.row_digests(X)
     rows = np.ascontiguousarray(X, dtype=np.float64)
     out = np.empty((len(rows), 32), dtype=np.uint8)
     for i, row in enumerate(rows):
@@ -660,8 +719,10 @@ def plan_split(data: Dataset, *, test_size: float, val_size: float, seed: int) -
     _check_features_shape(data.X, data.named("X"))
     # (n,) numbers or strings, 2 classes at least, 2 rows of each
     y = check_labels(data.y, data.named("labels"))
-    if len(data.X) != len(y):
-        raise DataError(f"{data.named('X')} has {len(data.X)} rows but its labels have {len(y)}")
+    if data.X.shape[0] != len(y):
+        raise DataError(
+            f"{data.named('X')} has {data.X.shape[0]} rows but its labels have {len(y)}"
+        )
     classes, y_idx = np.unique(y, return_inverse=True)
     if data.X_test is not None:
         _, y_test_raw = validate_xy(np.zeros((len(data.y_test), 1)), data.y_test, what="X_test")
@@ -693,8 +754,12 @@ def take_rows(data: Dataset, rows: np.ndarray, *, what: str) -> np.ndarray:
 
 
 def make_split(data: Dataset, *, test_size: float, val_size: float, seed: int) -> Split:
-    """Validate, encode labels and split into train / validation / test."""
-    X, _ = validate_xy(data.X, data.y, what=data.named("X"))
+    """Validate, encode labels and split into train / validation / test. A sparse X (CSR,
+    checked by its reader: ``training.data.sparse_file``) stays sparse in every split."""
+    if sp.issparse(data.X):
+        X = data.X
+    else:
+        X, _ = validate_xy(data.X, data.y, what=data.named("X"))
     plan = plan_split(data, test_size=test_size, val_size=val_size, seed=seed)
     if plan.test_idx is None:
         X_test, _ = validate_xy(data.X_test, data.y_test, what=data.named("X_test"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import faiss
 import numpy as np
+import scipy.sparse as sp
 import torch
 
 from service.core.knn import RERANK_MARGIN, FarPrior, decide, rerank
@@ -170,3 +171,45 @@ def choose_k(val_accuracies: dict[int, float], fallback: int) -> int:
     if val_accuracies.get(fallback) == best:
         return fallback
     return min(k for k, acc in val_accuracies.items() if acc == best)
+
+
+def sparse_knn_accuracies(
+    X_ref: sp.csr_matrix,
+    y_ref: np.ndarray,
+    X_query: sp.csr_matrix,
+    y_query: np.ndarray,
+    n_classes: int,
+    ks: tuple[int, ...] = K_VALUES,
+    rule: str = "majority",
+) -> dict[int, float]:
+    """:func:`knn_accuracies` on sparse rows as they are (the Euclidean baseline of a sparse
+    set): ||q - r||^2 = ||q||^2 + ||r||^2 - 2 q.r in float64, q.r by a sparse product, a
+    chunk of queries at a time (query_chunk), ties by smaller index. X_ref (N, D) and
+    X_query (n, D) CSR; y_ref (N,), y_query (n,) class indices."""
+    ks = tuple(k for k in ks if k <= X_ref.shape[0])
+    n = X_query.shape[0]
+    if n == 0 or not ks:
+        return {}
+    m = max(ks)
+    ref_sq = np.asarray(X_ref.multiply(X_ref).sum(axis=1)).ravel()  # (N,)
+    query_sq = np.asarray(X_query.multiply(X_query).sum(axis=1)).ravel()  # (n,)
+    ref_t = X_ref.T.tocsr()  # (D, N)
+    idx = np.empty((n, m), dtype=np.int64)
+    dist = np.empty((n, m), dtype=np.float64)
+    chunk = query_chunk(X_ref.shape[0])
+    for start in range(0, n, chunk):
+        stop = min(n, start + chunk)
+        dots = (X_query[start:stop] @ ref_t).toarray()  # (c, N)
+        d2 = np.maximum(query_sq[start:stop, None] + ref_sq[None, :] - 2.0 * dots, 0.0)
+        part = np.argpartition(d2, m - 1, axis=1)[:, :m] if m < d2.shape[1] else None
+        if part is None:
+            part = np.broadcast_to(np.arange(d2.shape[1]), d2.shape)
+        part_d = np.take_along_axis(d2, part, axis=1)
+        order = np.lexsort((part, part_d), axis=1)  # by distance, then by index
+        idx[start:stop] = np.take_along_axis(part, order, axis=1)
+        dist[start:stop] = np.take_along_axis(part_d, order, axis=1)
+    labels = y_ref[idx]
+    return {
+        k: float(np.mean(decide(labels[:, :k], dist[:, :k], n_classes, rule)[0] == y_query))
+        for k in ks
+    }

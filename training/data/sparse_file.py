@@ -1,0 +1,145 @@
+"""Sparse feature files: a SciPy ``.npz`` as ``scipy.sparse.save_npz`` writes it (CSR, CSC
+or COO), read as CSR without ever densifying it.
+
+Such a file holds the matrix alone (members ``format``, ``shape``, ``data`` and
+``indices``/``indptr`` or ``row``/``col``); its labels come from ``--labels y.npy``. The
+reader takes the same care as the dense ones (``training.data.datasets``): every member's
+header is read and its size held against the memory budget before any value is read, and
+the matrix is then checked whole (indices within the shape, a non-decreasing ``indptr``,
+numeric, finite values within float32's range), so that a hostile or damaged file is refused
+in one line naming what is wrong rather than failing mid-fit.
+
+A row's digest (the training set's fingerprint in the artifact) is the sha256 of its
+canonical CSR form: the column indices (int64, ascending, no duplicates: duplicates are
+summed as SciPy sums them) followed by the values (float64), with explicit zeros dropped.
+Hashing the dense row instead would cost D x 8 bytes a row (400 KB at D = 50,000).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import scipy.sparse as sp
+
+FORMATS = {  # format -> the members that hold its arrays
+    "csr": ("data", "indices", "indptr"),
+    "csc": ("data", "indices", "indptr"),
+    "coo": ("data", "row", "col"),
+}
+INDEX_BYTES = 8  # an index once read (int64 at worst)
+
+
+def is_sparse_layout(members: set[str]) -> bool:
+    """True for the members of a ``scipy.sparse.save_npz`` file."""
+    return {"format", "shape", "data"} <= members
+
+
+def read_sparse_npz(archive, path: Path, budget: int | None, header_of, error) -> sp.csr_matrix:
+    """The matrix of an open ``.npz`` ``archive`` in ``save_npz``'s layout, as CSR float64
+    with sorted, summed indices. ``header_of(archive, key)`` gives a member's (shape,
+    dtype) without its values; ``error`` is the exception raised, naming ``path``."""
+    members = set(archive.files)
+    fmt = _format_of(archive, path, error)
+    missing = [key for key in FORMATS[fmt] if key not in members]
+    if missing:
+        raise error(
+            f"{path}: a sparse {fmt} .npz needs the arrays {list(FORMATS[fmt])}; missing {missing}"
+        )
+    n_rows, n_features = _shape_of(archive, path, error)
+    n_bytes = 0
+    for key in FORMATS[fmt]:
+        shape, dtype = header_of(archive, key)
+        if len(shape) != 1:
+            raise error(f"{path}: {key} must be 1-D, got shape {tuple(shape)}")
+        wanted = "biuf" if key == "data" else "iu"
+        if dtype.kind not in wanted:
+            what = "numbers" if key == "data" else "integers"
+            raise error(f"{path}: {key} must hold {what}, got dtype {dtype}")
+        n_bytes += shape[0] * (8 if key == "data" else INDEX_BYTES)
+    if budget is not None and n_bytes > budget:
+        raise error(
+            f"{path}: the sparse matrix ({n_rows} x {n_features}) takes {n_bytes / 2**30:.2f} "
+            f"GiB once read, over the memory budget of {budget / 2**30:.2f} GiB "
+            "(--memory-budget-gib)"
+        )
+    arrays = {key: archive[key] for key in FORMATS[fmt]}
+    try:
+        X = _matrix(fmt, arrays, (n_rows, n_features))
+    except (ValueError, IndexError, TypeError, OverflowError) as exc:
+        reason = " ".join(str(exc).split())
+        raise error(f"{path}: not a valid sparse {fmt} matrix ({reason})") from None
+    check_values(X, str(path), error)
+    return X
+
+
+def _format_of(archive, path: Path, error) -> str:
+    raw = archive["format"]
+    value = raw.item() if raw.ndim == 0 else None
+    if isinstance(value, bytes):
+        value = value.decode("ascii", "replace")
+    if value not in FORMATS:
+        raise error(
+            f"{path}: sparse format {value!r} is not read; expected one of {sorted(FORMATS)} "
+            "(convert with X.tocsr() before scipy.sparse.save_npz)"
+        )
+    return value
+
+
+def _shape_of(archive, path: Path, error) -> tuple[int, int]:
+    shape = archive["shape"]
+    if shape.shape != (2,) or shape.dtype.kind not in "iu" or (shape < 0).any():
+        raise error(f"{path}: shape must be two non-negative integers, got {shape.tolist()!r}")
+    n_rows, n_features = (int(v) for v in shape)
+    if n_features == 0:
+        raise error(f"{path}: the sparse matrix has 0 features")
+    return n_rows, n_features
+
+
+def _matrix(fmt: str, arrays: dict, shape: tuple[int, int]) -> sp.csr_matrix:
+    """The CSR float64 matrix, its structure checked in full (ValueError when broken)."""
+    data = arrays["data"].astype(np.float64)
+    if fmt == "coo":
+        row, col = arrays["row"].astype(np.int64), arrays["col"].astype(np.int64)
+        for name, index, bound in (("row", row, shape[0]), ("col", col, shape[1])):
+            if len(index) and (index.min() < 0 or index.max() >= bound):
+                raise ValueError(f"{name} index out of range [0, {bound})")
+        X = sp.coo_matrix((data, (row, col)), shape=shape).tocsr()
+    else:
+        indices, indptr = arrays["indices"].astype(np.int64), arrays["indptr"].astype(np.int64)
+        major = shape[0] if fmt == "csr" else shape[1]
+        if len(indptr) != major + 1:
+            raise ValueError(f"indptr has {len(indptr)} entries, expected {major + 1}")
+        kind = sp.csr_matrix if fmt == "csr" else sp.csc_matrix
+        X = kind((data, indices, indptr), shape=shape)
+        X.check_format(full_check=True)  # indices in range, indptr non-decreasing
+        X = X.tocsr()
+    X.sum_duplicates()  # sorted indices, one value a column
+    return X
+
+
+def check_values(X: sp.csr_matrix, what: str, error) -> None:
+    """``error`` naming the first row whose stored value is NaN, infinite or beyond
+    float32's range (the map and the service compute in float32)."""
+    bad = ~np.isfinite(X.data) | (np.abs(X.data) > np.finfo(np.float32).max)
+    if bad.any():
+        at = int(np.flatnonzero(bad)[0])
+        row = int(np.searchsorted(X.indptr, at, side="right") - 1)
+        value = X.data[at]
+        kind = "NaN or Inf" if not np.isfinite(value) else f"{value:.6g}, beyond float32's range"
+        raise error(f"{what}: row {row}, column {int(X.indices[at])} holds {kind}")
+
+
+def row_digests(X: sp.csr_matrix) -> np.ndarray:
+    """sha256 of each row's canonical CSR form (module docstring): (n, 32) uint8."""
+    X = sp.csr_matrix(X, dtype=np.float64)
+    X.sum_duplicates()
+    X.eliminate_zeros()
+    out = np.empty((X.shape[0], 32), dtype=np.uint8)
+    for i in range(X.shape[0]):
+        start, stop = X.indptr[i], X.indptr[i + 1]
+        digest = hashlib.sha256(X.indices[start:stop].astype(np.int64).tobytes())
+        digest.update(X.data[start:stop].tobytes())
+        out[i] = np.frombuffer(digest.digest(), dtype=np.uint8)
+    return out
