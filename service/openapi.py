@@ -128,6 +128,27 @@ def request_schemas(limits: dict[str, Any]) -> dict[str, dict]:
         "description": f"1 to {limits['max_batch_rows']} rows of "
         f"{limits.get('n_features') or 'D'} finite numbers each",
     }
+    index: dict[str, Any] = {"type": "integer", "minimum": 0}
+    if limits.get("n_features"):
+        index["maximum"] = limits["n_features"] - 1
+    sparse_instances = {
+        "type": "array",
+        "items": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["indices", "values"],
+            "properties": {
+                "indices": {"type": "array", "items": index, "uniqueItems": True},
+                "values": {"type": "array", "items": value},
+            },
+        },
+        "minItems": 1,
+        "maxItems": limits["max_batch_rows"],
+        "description": f"1 to {limits['max_batch_rows']} rows by their non-zeros: column "
+        f"indices in [0, {limits.get('n_features') or 'D'}) (any order, none twice) and as "
+        "many values; the columns not named are 0. The embedding costs the non-zeros times d "
+        "(for models of sparse inputs, where a dense row is D numbers)",
+    }
     k = {"type": "integer", "minimum": 1, "maximum": limits["max_k"]}
     k_or_null = {
         "anyOf": [k, {"type": "null"}],
@@ -138,8 +159,12 @@ def request_schemas(limits: dict[str, Any]) -> dict[str, dict]:
         return {
             "type": "object",
             "additionalProperties": False,
-            "required": ["instances"],
-            "properties": {"instances": instances, **extra},
+            "oneOf": [{"required": ["instances"]}, {"required": ["sparse_instances"]}],
+            "properties": {
+                "instances": instances,
+                "sparse_instances": sparse_instances,
+                **extra,
+            },
         }
 
     return {

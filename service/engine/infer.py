@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from service.core.knn import decide, outlier_threshold, project
+from service.core.sparse import SparseRows, project_sparse
 from service.core.vocabulary import RULES, DecisionRule
 from service.errors import InvalidInput, ServiceError
 from service.search.index import search
@@ -140,15 +141,32 @@ def threshold_at(model, quantile: float | None = None) -> float | None:
         raise InvalidInput(str(exc)) from None
 
 
-def embed(model, x: np.ndarray) -> np.ndarray:
-    """x (n, D) -> z = x W^T + b (n, d) float32; InvalidInput naming the first row whose
-    embedding is not finite in float32."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        z = project(x, model.projection, model.offset)
+def embed(model, x: np.ndarray | SparseRows) -> np.ndarray:
+    """x (n, D), dense or sparse -> z = x W^T + b (n, d) float32; InvalidInput naming the
+    first row whose embedding is not finite in float32."""
+    z = project_rows(model, [x])
     bad = non_finite_rows(z)
     if len(bad):
         raise embedding_overflow(int(bad[0]))
     return z
+
+
+def project_rows(model, parts: Sequence[np.ndarray | SparseRows]) -> np.ndarray:
+    """The embeddings (sum n_i, d) float32 of the parts' rows in order: dense parts by one
+    projection of their concatenation, sparse ones by their non-zeros
+    (``service.core.sparse``); overflow is left as inf for the caller to name."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        if not any(isinstance(part, SparseRows) for part in parts):
+            rows = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            return project(rows, model.projection, model.offset)
+        return np.concatenate(
+            [
+                project_sparse(part, model.projection, model.offset)
+                if isinstance(part, SparseRows)
+                else project(part, model.projection, model.offset)
+                for part in parts
+            ]
+        )
 
 
 def non_finite_rows(z: np.ndarray) -> np.ndarray:
@@ -165,16 +183,14 @@ def embedding_overflow(row: int) -> InvalidInput:
 
 
 def infer(model, parts: Sequence[tuple[np.ndarray, Query]]) -> list[Answer | ServiceError]:
-    """The answers of ``parts`` (rows (n_i, D) float32, Query), all with the same k: one
-    projection, one search and one decision per (rule, threshold). A part whose rows cannot
+    """The answers of ``parts`` (rows (n_i, D) float32 or ``SparseRows``, Query), all with
+    the same k: one projection (of the dense parts; sparse parts each by their non-zeros), one search and one decision per (rule, threshold). A part whose rows cannot
     be embedded (an embedding beyond float32) gets its own InvalidInput; the others are
     answered without it."""
     k = parts[0][1].k
     assert all(query.k == k for _, query in parts), "infer: one k per call"
     started = time.time_ns()
-    rows = parts[0][0] if len(parts) == 1 else np.concatenate([r for r, _ in parts])
-    with np.errstate(over="ignore", invalid="ignore"):
-        z = project(rows, model.projection, model.offset)  # (n, d)
+    z = project_rows(model, [rows for rows, _ in parts])  # (n, d)
     out: list[Answer | ServiceError | None] = [None] * len(parts)
     spans, start = [], 0  # (part, first row, end row) in z
     for i, (part_rows, _) in enumerate(parts):

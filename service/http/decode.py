@@ -23,6 +23,7 @@ import numpy as np
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
+from service.core.sparse import SparseRows
 from service.core.vocabulary import RULES
 from service.engine.infer import Query, resolve, threshold_at
 from service.engine.model import LoadedModel
@@ -42,6 +43,7 @@ from service.wire import (
     read_body,
     state_of,
     to_rows,
+    to_sparse_rows,
 )
 
 BOOL_VALUES = {"true": True, "false": False}
@@ -52,8 +54,19 @@ PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 Rule = Literal[RULES]  # type: ignore[valid-type]  (the values of DecisionRule)
 
 
+class SparseInstance(msgspec.Struct, forbid_unknown_fields=True):
+    """One row by its non-zeros: column indices and their values (any order)."""
+
+    indices: list[int]
+    values: list[float]
+
+
 class InstancesBody(msgspec.Struct, forbid_unknown_fields=True):
-    instances: list[list[float]]
+    """Rows of D numbers (``instances``), or rows by their non-zeros (``sparse_instances``):
+    exactly one of the two."""
+
+    instances: list[list[float]] | msgspec.UnsetType = msgspec.UNSET
+    sparse_instances: list[SparseInstance] | msgspec.UnsetType = msgspec.UNSET
 
 
 class EmbedBody(InstancesBody, forbid_unknown_fields=True):
@@ -77,7 +90,7 @@ class InferenceRequest:
 
     state: AppState
     model: LoadedModel
-    rows: np.ndarray  # (n, D) float32
+    rows: np.ndarray | SparseRows  # (n, D) float32, or n sparse rows of D columns
     body: InstancesBody | None  # the decoded JSON body; None for npy
     options: dict[str, Any]  # strict query options
     response_type: str  # negotiated media type of the answer
@@ -124,6 +137,22 @@ def _parse(body: bytes, kind: str, schema: type[InstancesBody], model: LoadedMod
         parsed, instances = None, parse_npy(body, n_features=d, max_rows=max_rows)
     else:
         parsed = parse_json(body, schema, n_features=d, max_rows=max_rows)
+        dense, sparse = parsed.instances, parsed.sparse_instances
+        if (dense is msgspec.UNSET) == (sparse is msgspec.UNSET):
+            given = "neither" if dense is msgspec.UNSET else "both"
+            raise InvalidInput(
+                f"the body gives {given} of `instances` and `sparse_instances`; send exactly "
+                f"one: `instances` as rows of {d} numbers, or `sparse_instances` as rows "
+                'of {"indices": [...], "values": [...]}'
+            )
+        if sparse is not msgspec.UNSET:
+            rows = to_sparse_rows(
+                sparse,
+                n_features=d,
+                max_rows=max_rows,
+                abs_max=model.input_abs_max,
+            )
+            return parsed, rows
         instances = parsed.instances
     rows = to_rows(instances, n_features=d, max_rows=max_rows, abs_max=model.input_abs_max)
     return parsed, rows

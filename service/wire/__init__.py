@@ -22,7 +22,7 @@ from service.wire.bodies import THREAD_PARSE_BYTES, body_limit, describe_unicode
 from service.wire.caller import check_key, state_of
 from service.wire.integers import check_int_range, finite_number, parse_count
 from service.wire.media import JSON, NPY, check_media, negotiate
-from service.wire.rows import to_rows
+from service.wire.rows import to_rows, to_sparse_rows
 
 __all__ = [
     "JSON",
@@ -42,4 +42,5 @@ __all__ = [
     "read_body",
     "state_of",
     "to_rows",
+    "to_sparse_rows",
 ]

@@ -1,11 +1,13 @@
 """Input rows: not empty (400), within the row limit (413), D values each (422), every value
 finite and within the model's input range ``[-abs_max, abs_max]`` (beyond it the embedding
-would overflow float32) (422), as a C-contiguous float32 array (n, D)."""
+would overflow float32) (422), as a C-contiguous float32 array (n, D); or rows given by their
+non-zeros (:func:`to_sparse_rows`), the same checks on their values, as ``SparseRows``."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from service.core.sparse import SparseRows
 from service.errors import EmptyBatch, InvalidInput, PayloadTooLarge
 
 
@@ -44,3 +46,76 @@ def to_rows(instances, *, n_features: int, max_rows: int, abs_max: float) -> np.
             f"range [-{abs_max:.6g}, {abs_max:.6g}] (beyond it the embedding overflows float32)"
         )
     return np.ascontiguousarray(values, dtype=np.float32)
+
+
+def to_sparse_rows(instances, *, n_features: int, max_rows: int, abs_max: float) -> SparseRows:
+    """Validate rows given by their non-zeros (objects with ``indices`` and ``values``,
+    decoded strictly: integers and numbers) and return them as :class:`SparseRows`: not
+    empty (400), within the row limit (413), as many values as indices, every index in
+    [0, D) and none twice in a row, every value finite and within the model's input range
+    (422, naming the row and the position)."""
+    n = len(instances)
+    if n == 0:
+        raise EmptyBatch("sparse_instances is empty; send at least one row")
+    if n > max_rows:
+        raise PayloadTooLarge(f"{n} instances in one request; the limit is {max_rows}")
+    counts = np.empty(n, dtype=np.int64)
+    for i, row in enumerate(instances):
+        if len(row.indices) != len(row.values):
+            raise InvalidInput(
+                f"sparse_instances[{i}] has {len(row.indices)} indices and {len(row.values)} "
+                "values; each index needs its value"
+            )
+        counts[i] = len(row.indices)
+    indptr = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(counts, out=indptr[1:])
+    flat_indices = [j for row in instances for j in row.indices]
+    flat_values = [v for row in instances for v in row.values]
+    try:
+        indices = np.array(flat_indices, dtype=np.int64)
+    except OverflowError:
+        indices = None
+    if indices is None or (len(indices) and (indices.min() < 0 or indices.max() >= n_features)):
+        at = next(p for p, j in enumerate(flat_indices) if not 0 <= j < n_features)
+        row, position = _located(indptr, at)
+        raise InvalidInput(
+            f"sparse_instances[{row}].indices[{position}] = {flat_indices[at]} is not a column "
+            f"of this model: indices lie in [0, {n_features})"
+        )
+    values = np.array(flat_values, dtype=np.float64)
+    inside = np.abs(values) <= abs_max  # False for NaN and Inf
+    if not inside.all():
+        at = int(np.flatnonzero(~inside)[0])
+        row, position = _located(indptr, at)
+        where = f"sparse_instances[{row}].values[{position}]"
+        if not np.isfinite(values[at]):
+            raise InvalidInput(f"{where} is NaN or Inf; all values must be finite")
+        raise InvalidInput(
+            f"{where} = {values[at]:.6g} is outside this model's input range [-{abs_max:.6g}, "
+            f"{abs_max:.6g}] (beyond it the embedding overflows float32)"
+        )
+    _check_no_repeats(indices, indptr)
+    return SparseRows(indptr, indices, values.astype(np.float32), n_features)
+
+
+def _located(indptr: np.ndarray, at: int) -> tuple[int, int]:
+    """(row, position in the row) of the ``at``-th non-zero."""
+    row = int(np.searchsorted(indptr, at, side="right") - 1)
+    return row, at - int(indptr[row])
+
+
+def _check_no_repeats(indices: np.ndarray, indptr: np.ndarray) -> None:
+    """InvalidInput naming the first row that gives a column twice (its two values would be
+    summed silently otherwise)."""
+    if len(indices) < 2:
+        return
+    rows = np.repeat(np.arange(len(indptr) - 1), np.diff(indptr))
+    order = np.lexsort((indices, rows))  # by row, then column
+    same = (rows[order][1:] == rows[order][:-1]) & (indices[order][1:] == indices[order][:-1])
+    if same.any():
+        at = int(np.flatnonzero(same)[0])
+        row, column = int(rows[order][at]), int(indices[order][at])
+        raise InvalidInput(
+            f"sparse_instances[{row}].indices gives column {column} twice; each column at "
+            "most once a row"
+        )

@@ -20,6 +20,7 @@ SEARCH_ROUTES = ("/v1/classify", "/v1/neighbors")
 JSON_H = {"content-type": "application/json"}
 NPY_H = {"content-type": "application/x-npy"}
 ROW = [0.5] * D
+SPARSE_ROW = {"indices": [9, 2, 40], "values": [0.5, 1.0, 3.0]}
 
 
 def js(value) -> bytes:
@@ -851,6 +852,112 @@ CASES = [
         "payload_too_large",
         "max_response_values",
     ),
+    # ---- rows by their non-zeros (sparse_instances)
+    *[
+        (f"sparse: {name}", ROUTES, JSON_H, js(body), "", status, error_type, fragment)
+        for name, body, status, error_type, fragment in [
+            ("neither form", {}, 422, "invalid_input", "gives neither"),
+            (
+                "both forms",
+                {"instances": [ROW], "sparse_instances": [SPARSE_ROW]},
+                422,
+                "invalid_input",
+                "gives both",
+            ),
+            ("empty batch", {"sparse_instances": []}, 400, "empty_batch", "sparse_instances is"),
+            (
+                "a row as a list",
+                {"sparse_instances": [[1, 2]]},
+                422,
+                "invalid_input",
+                "Expected `object`",
+            ),
+            (
+                "values missing",
+                {"sparse_instances": [{"indices": [1]}]},
+                422,
+                "invalid_input",
+                "missing required field `values`",
+            ),
+            (
+                "an unknown field in a row",
+                {"sparse_instances": [{**SPARSE_ROW, "shape": [1, 64]}]},
+                422,
+                "invalid_input",
+                "unknown field `shape`",
+            ),
+            (
+                "more values than indices",
+                {"sparse_instances": [SPARSE_ROW, {"indices": [1], "values": [1.0, 2.0]}]},
+                422,
+                "invalid_input",
+                "sparse_instances[1] has 1 indices and 2 values",
+            ),
+            (
+                "an index past the features",
+                {"sparse_instances": [{"indices": [3, 64], "values": [1.0, 1.0]}]},
+                422,
+                "invalid_input",
+                "sparse_instances[0].indices[1] = 64 is not a column",
+            ),
+            (
+                "a negative index",
+                {"sparse_instances": [{"indices": [-1], "values": [1.0]}]},
+                422,
+                "invalid_input",
+                "indices[0] = -1 is not a column",
+            ),
+            (
+                "an index beyond int64",
+                {"sparse_instances": [{"indices": [2**70], "values": [1.0]}]},
+                422,
+                "invalid_input",
+                "is not a column",
+            ),
+            (
+                "a float index",
+                {"sparse_instances": [{"indices": [1.0], "values": [1.0]}]},
+                422,
+                "invalid_input",
+                "Expected `int`, got `float`",
+            ),
+            (
+                "an index as text",
+                {"sparse_instances": [{"indices": ["1"], "values": [1.0]}]},
+                422,
+                "invalid_input",
+                "Expected `int`, got `str`",
+            ),
+            (
+                "a column twice",
+                {"sparse_instances": [SPARSE_ROW, {"indices": [5, 2, 5], "values": [1, 2, 3]}]},
+                422,
+                "invalid_input",
+                "sparse_instances[1].indices gives column 5 twice",
+            ),
+            (
+                "a value as text",
+                {"sparse_instances": [{"indices": [1], "values": ["x"]}]},
+                422,
+                "invalid_input",
+                "Expected `float`, got `str`",
+            ),
+            (
+                "a value beyond the input range",
+                {"sparse_instances": [{"indices": [0, 7], "values": [1.0, 1e300]}]},
+                422,
+                "invalid_input",
+                "sparse_instances[0].values[1] = 1e+300 is outside this model's input range",
+            ),
+            (
+                "too many rows",
+                {"sparse_instances": [SPARSE_ROW] * 4097},
+                413,
+                "payload_too_large",
+                "4097 instances in one request",
+            ),
+        ]
+    ],
 ]
 
 PARAMS = [

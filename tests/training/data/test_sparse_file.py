@@ -11,7 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import scipy.sparse as sp
+from fastapi.testclient import TestClient
 
+from service.app import create_app
 from service.config import Settings
 from service.engine.infer import embed
 from service.engine.model import load_model
@@ -222,6 +224,14 @@ def test_a_sparse_file_is_fitted_and_served_as_its_dense_rows_would_be(python_m_
     np.testing.assert_allclose(served, offline, rtol=1e-5, atol=1e-6)
     references = sparse_input.project(split.X_train, model.projection, model.offset)
     np.testing.assert_allclose(model.embeddings, references, rtol=1e-5, atol=1e-6)
+    rows = [  # the test rows by their non-zeros, as a client of a sparse model sends them
+        {"indices": split.X_test[i].indices.tolist(), "values": split.X_test[i].data.tolist()}
+        for i in range(split.X_test.shape[0])
+    ]
+    with TestClient(create_app(Settings(model_path=str(out), grpc_port=0))) as client:
+        answer = client.post("/v1/embed", json={"sparse_instances": rows})
+    assert answer.status_code == 200, answer.text
+    np.testing.assert_allclose(answer.json()["embeddings"], offline, rtol=1e-6, atol=1e-6)
     report = json.loads((out / "report.json").read_text())
     baselines = report["metrics"]["baselines"]
     assert "densify" in baselines["skipped"]

@@ -1,0 +1,57 @@
+"""Sparse request rows: n rows given by their non-zeros, embedded in O(nnz d).
+
+A model fitted on sparse inputs (TF-IDF rows, say: D of 50,000 and a few hundred
+non-zeros a row) maps a row x to z = x W^T + b. Sent densely, a row is D numbers; sent as
+its column indices and values, the embedding reads only the map's columns it names::
+
+    z_i = sum_{j in nz(i)} x_ij W[:, j] + b        (float64 accumulation, float32 result)
+
+which is :func:`service.core.knn.project` of the dense row, summed in another order: the
+two agree to float32 rounding (the float64 sums differ in their last bits at most). A row's
+embedding depends on its own non-zeros only, so it does not depend on its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SparseRows:
+    """n rows of n_features columns in CSR form, checked by the wire that built them
+    (``service.wire.rows.to_sparse_rows``): indices within [0, n_features), no column twice
+    in a row, values finite and within the model's input range."""
+
+    indptr: np.ndarray  # (n + 1,) int64: row i's non-zeros are [indptr[i], indptr[i + 1])
+    indices: np.ndarray  # (nnz,) int64 column of each non-zero
+    values: np.ndarray  # (nnz,) float32 value of each non-zero
+    n_features: int
+
+    def __len__(self) -> int:
+        return len(self.indptr) - 1
+
+    def toarray(self) -> np.ndarray:
+        """The dense rows (n, n_features) float32 (for tests and small models)."""
+        dense = np.zeros((len(self), self.n_features), dtype=np.float32)
+        rows = np.repeat(np.arange(len(self)), np.diff(self.indptr))
+        dense[rows, self.indices] = self.values
+        return dense
+
+
+def project_sparse(rows: SparseRows, projection: np.ndarray, offset: np.ndarray) -> np.ndarray:
+    """rows (n, D) sparse, W (d, D) float32, b (d,) float32 -> z (n, d) float32 (module
+    docstring): the columns of W the non-zeros name, weighted by their values and summed
+    row by row in float64, plus b, rounded once."""
+    n, d = len(rows), projection.shape[0]
+    z = np.zeros((n, d), dtype=np.float64)
+    if len(rows.indices):
+        columns = np.take(projection, rows.indices, axis=1).astype(np.float64)  # (d, nnz)
+        weighted = columns * rows.values.astype(np.float64)[None, :]  # (d, nnz)
+        filled = np.flatnonzero(np.diff(rows.indptr) > 0)  # rows with a non-zero
+        # reduceat sums [indptr[i], indptr[i + 1]) for each row that has one
+        sums = np.add.reduceat(weighted, rows.indptr[filled], axis=1)  # (d, n_filled)
+        z[filled] = sums.T
+    z += np.asarray(offset, dtype=np.float32)
+    return z.astype(np.float32)

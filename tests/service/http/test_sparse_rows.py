@@ -1,0 +1,108 @@
+"""Rows by their non-zeros (``sparse_instances``) on /v1/classify, /v1/embed and
+/v1/neighbors: the same answers as the dense rows, whatever the order of a row's indices and
+whatever the rows are batched with. The refusals are in test_bad_input_corpus.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from service.core.knn import project
+from service.core.sparse import SparseRows, project_sparse
+from service.engine.infer import Query, infer
+from tests.service.conftest import module_client
+
+client = module_client()
+
+
+def sparse_form(X: np.ndarray, shuffle_seed: int | None = None) -> list[dict]:
+    """Each row of X (n, D) as {"indices", "values"} of its non-zeros (shuffled order when
+    a seed is given)."""
+    rng = np.random.default_rng(shuffle_seed)
+    rows = []
+    for row in X:
+        nz = np.flatnonzero(row)
+        if shuffle_seed is not None:
+            nz = rng.permutation(nz)
+        rows.append({"indices": nz.tolist(), "values": row[nz].tolist()})
+    return rows
+
+
+def thinned(X: np.ndarray, keep: float = 0.2, seed: int = 0) -> np.ndarray:
+    """X with about 1 - keep of its values set to 0, the first row all zeros."""
+    rng = np.random.default_rng(seed)
+    out = np.where(rng.random(X.shape) < keep, X, 0.0).astype(np.float32)
+    out[0] = 0.0
+    return out
+
+
+def csr_of(X: np.ndarray) -> SparseRows:
+    nz = [np.flatnonzero(row) for row in X]
+    indptr = np.concatenate([[0], np.cumsum([len(c) for c in nz])]).astype(np.int64)
+    indices = np.concatenate(nz).astype(np.int64)
+    values = np.concatenate([row[c] for row, c in zip(X, nz, strict=True)]).astype(np.float32)
+    return SparseRows(indptr, indices, values, X.shape[1])
+
+
+def test_the_sparse_projection_is_the_dense_one_to_float32_rounding():
+    rng = np.random.default_rng(3)
+    W = rng.normal(size=(7, 300)).astype(np.float32)
+    b = rng.normal(size=7).astype(np.float32)
+    X = thinned(rng.normal(size=(50, 300)) * 10, keep=0.05)
+    X[7] = 0.0  # empty rows in the middle and at the start
+    rows = csr_of(X)
+    assert np.array_equal(rows.toarray(), X)
+    z = project_sparse(rows, W, b)
+    expected = project(X, W, b)
+    assert z.dtype == np.float32 and z.shape == (50, 7)
+    np.testing.assert_allclose(z, expected, rtol=2e-7, atol=1e-6)
+    assert np.array_equal(z[0], b) and np.array_equal(z[7], b)  # no non-zero: z = b
+    # a row's embedding does not depend on its batch
+    assert np.array_equal(project_sparse(csr_of(X[20:21]), W, b), z[20:21])
+
+
+def test_sparse_rows_get_the_dense_rows_answers(client, model_artifact):
+    split = model_artifact[2]
+    X = thinned(split.X_test[:40])
+    body = {"return_neighbors": True, "k": 7}
+    dense = client.post("/v1/classify", json={"instances": X.tolist(), **body})
+    sparse = client.post("/v1/classify", json={"sparse_instances": sparse_form(X, 1), **body})
+    assert dense.status_code == sparse.status_code == 200, sparse.text
+    assert sparse.json() == dense.json()
+    dense_n = client.post("/v1/neighbors", json={"instances": X.tolist()})
+    sparse_n = client.post("/v1/neighbors", json={"sparse_instances": sparse_form(X)})
+    assert sparse_n.json() == dense_n.json()
+    z_dense = np.array(
+        client.post("/v1/embed", json={"instances": X.tolist()}).json()["embeddings"]
+    )
+    z_sparse = np.array(
+        client.post("/v1/embed", json={"sparse_instances": sparse_form(X, 2)}).json()["embeddings"]
+    )
+    np.testing.assert_allclose(z_sparse, z_dense, rtol=2e-7, atol=1e-6)
+
+
+def test_the_npy_answer_of_sparse_rows_is_the_dense_rows(client, model_artifact):
+    X = thinned(model_artifact[2].X_test[:5])
+    npy = {"accept": "application/x-npy"}
+    dense = client.post("/v1/classify", json={"instances": X.tolist()}, headers=npy)
+    sparse = client.post("/v1/classify", json={"sparse_instances": sparse_form(X)}, headers=npy)
+    assert sparse.status_code == 200 and sparse.content == dense.content
+
+
+@pytest.mark.parametrize("rule", ["majority", "soft"])
+def test_sparse_and_dense_parts_batched_together_get_their_own_answers(client, rule):
+    """The batcher merges requests of both forms into one infer call: each part's answer
+    equals the one it gets alone."""
+    model = client.app.state.ncaknn.engine.current()
+    rng = np.random.default_rng(5)
+    X = thinned(rng.uniform(0, 16, size=(30, model.n_features)))
+    query = Query(5, rule)
+    parts = [(X[:10], query), (csr_of(X[10:20]), query), (X[20:], query)]
+    merged = infer(model, parts)
+    for (rows, q), answer in zip(parts, merged, strict=True):
+        (alone,) = infer(model, [(rows, q)])
+        np.testing.assert_array_equal(answer.indices, alone.indices)
+        np.testing.assert_array_equal(answer.distances, alone.distances)
+        np.testing.assert_array_equal(answer.predicted, alone.predicted)
+    (as_dense,) = infer(model, [(X[10:20], query)])
+    np.testing.assert_array_equal(merged[1].indices, as_dense.indices)
