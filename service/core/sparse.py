@@ -40,18 +40,40 @@ class SparseRows:
         return dense
 
 
+CHUNK_NONZEROS = (
+    1 << 17
+)  # non-zeros embedded at once: a (d, 131,072) float64 block, 32 MiB at d = 32
+
+
 def project_sparse(rows: SparseRows, projection: np.ndarray, offset: np.ndarray) -> np.ndarray:
     """rows (n, D) sparse, W (d, D) float32, b (d,) float32 -> z (n, d) float32 (module
     docstring): the columns of W the non-zeros name, weighted by their values and summed
-    row by row in float64, plus b, rounded once."""
+    row by row in float64, plus b, rounded once. Rows are taken in blocks of about
+    CHUNK_NONZEROS non-zeros (a row is never split), so the working memory is bounded
+    whatever the request holds."""
     n, d = len(rows), projection.shape[0]
     z = np.zeros((n, d), dtype=np.float64)
-    if len(rows.indices):
-        columns = np.take(projection, rows.indices, axis=1).astype(np.float64)  # (d, nnz)
-        weighted = columns * rows.values.astype(np.float64)[None, :]  # (d, nnz)
-        filled = np.flatnonzero(np.diff(rows.indptr) > 0)  # rows with a non-zero
-        # reduceat sums [indptr[i], indptr[i + 1]) for each row that has one
-        sums = np.add.reduceat(weighted, rows.indptr[filled], axis=1)  # (d, n_filled)
-        z[filled] = sums.T
+    start = 0
+    while start < n:
+        # the block [start, stop): rows up to CHUNK_NONZEROS non-zeros past start's first
+        limit = rows.indptr[start] + CHUNK_NONZEROS
+        stop = max(start + 1, int(np.searchsorted(rows.indptr, limit, side="right")) - 1)
+        stop = min(stop, n)
+        _project_block(rows, start, stop, projection, z)
+        start = stop
     z += np.asarray(offset, dtype=np.float32)
     return z.astype(np.float32)
+
+
+def _project_block(rows: SparseRows, start: int, stop: int, projection, z: np.ndarray) -> None:
+    """z[start:stop] += the rows' non-zeros times their columns of W, in float64."""
+    first, last = rows.indptr[start], rows.indptr[stop]
+    if first == last:
+        return
+    columns = np.take(projection, rows.indices[first:last], axis=1).astype(np.float64)
+    weighted = columns * rows.values[first:last].astype(np.float64)[None, :]  # (d, nnz)
+    counts = np.diff(rows.indptr[start : stop + 1])
+    filled = np.flatnonzero(counts > 0)  # the block's rows with a non-zero
+    # reduceat sums [indptr[i], indptr[i + 1]) for each row that has one
+    sums = np.add.reduceat(weighted, rows.indptr[start:stop][filled] - first, axis=1)
+    z[start + filled] = sums.T  # (n_filled, d)

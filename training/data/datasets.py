@@ -355,7 +355,7 @@ def _load_sparse_npz(
         with archive.zip.open(_member_name(archive, key)) as member:
             return npy_header(member)
 
-    X = sparse_file.read_sparse_npz(archive, path, memory_budget, header_of, DataError)
+    X = sparse_file.read_sparse_npz(archive, path, memory_budget, header_of, DataError, len(y))
     return Dataset(X=X, y=y, name=path.stem, source=str(path))
 
 

@@ -36,10 +36,15 @@ def is_sparse_layout(members: set[str]) -> bool:
     return {"format", "shape", "data"} <= members
 
 
-def read_sparse_npz(archive, path: Path, budget: int | None, header_of, error) -> sp.csr_matrix:
+def read_sparse_npz(
+    archive, path: Path, budget: int | None, header_of, error, n_labels: int
+) -> sp.csr_matrix:
     """The matrix of an open ``.npz`` ``archive`` in ``save_npz``'s layout, as CSR float64
-    with sorted, summed indices. ``header_of(archive, key)`` gives a member's (shape,
-    dtype) without its values; ``error`` is the exception raised, naming ``path``."""
+    with sorted, summed indices; its rows must be the ``n_labels`` labels' (checked from
+    its shape, before any value is read). ``header_of(archive, key)`` gives a member's
+    (shape, dtype) without its values; ``error`` is the exception raised, naming ``path``.
+    The budget holds what the read and the conversion to CSR take at their peak: the stored
+    arrays twice (as read, then as int64 / float64) and the CSR row pointers twice."""
     members = set(archive.files)
     fmt = _format_of(archive, path, error)
     missing = [key for key in FORMATS[fmt] if key not in members]
@@ -48,7 +53,9 @@ def read_sparse_npz(archive, path: Path, budget: int | None, header_of, error) -
             f"{path}: a sparse {fmt} .npz needs the arrays {list(FORMATS[fmt])}; missing {missing}"
         )
     n_rows, n_features = _shape_of(archive, path, error)
-    n_bytes = 0
+    if n_rows != n_labels:
+        raise error(f"{path}: X has {n_rows} rows but its labels have {n_labels}")
+    n_bytes = 2 * (n_rows + 1) * INDEX_BYTES  # the CSR row pointers, built and copied
     for key in FORMATS[fmt]:
         shape, dtype = header_of(archive, key)
         if len(shape) != 1:
@@ -57,7 +64,7 @@ def read_sparse_npz(archive, path: Path, budget: int | None, header_of, error) -
         if dtype.kind not in wanted:
             what = "numbers" if key == "data" else "integers"
             raise error(f"{path}: {key} must hold {what}, got dtype {dtype}")
-        n_bytes += shape[0] * (8 if key == "data" else INDEX_BYTES)
+        n_bytes += 2 * shape[0] * (8 if key == "data" else INDEX_BYTES)
     if budget is not None and n_bytes > budget:
         raise error(
             f"{path}: the sparse matrix ({n_rows} x {n_features}) takes {n_bytes / 2**30:.2f} "

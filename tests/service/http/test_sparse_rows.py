@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from service.core import sparse
 from service.core.knn import project
 from service.core.sparse import SparseRows, project_sparse
 from service.engine.infer import Query, infer
@@ -59,6 +60,22 @@ def test_the_sparse_projection_is_the_dense_one_to_float32_rounding():
     assert np.array_equal(z[0], b) and np.array_equal(z[7], b)  # no non-zero: z = b
     # a row's embedding does not depend on its batch
     assert np.array_equal(project_sparse(csr_of(X[20:21]), W, b), z[20:21])
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 40, 10**6])
+def test_the_sparse_projection_in_blocks_is_the_same_bit_for_bit(monkeypatch, chunk):
+    """Blocks of about ``chunk`` non-zeros (a row never split, rows longer than a block
+    alone in theirs) give the embedding of one block: a row's sum is its own."""
+    rng = np.random.default_rng(4)
+    W = rng.normal(size=(5, 90)).astype(np.float32)
+    b = rng.normal(size=5).astype(np.float32)
+    X = thinned(rng.normal(size=(60, 90)), keep=0.15)
+    X[30:33] = 0.0
+    X[40] = rng.normal(size=90)  # one row longer than most blocks
+    whole = project_sparse(csr_of(X), W, b)
+    monkeypatch.setattr(sparse, "CHUNK_NONZEROS", chunk)
+    assert np.array_equal(project_sparse(csr_of(X), W, b), whole)
+    np.testing.assert_allclose(whole, project(X, W, b), rtol=2e-7, atol=1e-6)
 
 
 def test_sparse_rows_get_the_dense_rows_answers(client, model_artifact):

@@ -158,6 +158,20 @@ SPARSE_CORPUS = [  # (name, lay out the files, words of the one-line refusal)
         "the sparse matrix has 0 features",
     ),
     ("a csr file without indptr", lambda d: raw_sparse(d, indptr=None), "missing ['indptr']"),
+    (  # was: scipy's CSR conversion allocating row pointers for 10^12 rows
+        "a COO file claiming 10^12 rows",
+        lambda d: raw_sparse(
+            d,
+            format=np.array(b"coo"),
+            shape=np.array([10**12, 400]),
+            row=np.arange(3),
+            col=np.arange(3),
+            data=np.ones(3),
+            indices=None,
+            indptr=None,
+        ),
+        "X has 1000000000000 rows but its labels have 240",
+    ),
     (
         "labels of another length",
         lambda d: sparse_pair(d, y=Y_SPARSE[:-10]),
