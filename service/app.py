@@ -35,6 +35,7 @@ from starlette.requests import ClientDisconnect
 
 from service import __version__
 from service.config import Settings
+from service.core.artifact import artifact_fingerprint
 from service.engine.batcher import Batcher
 from service.engine.engine import Engine
 from service.errors import (
@@ -78,6 +79,7 @@ log = logging.getLogger("service.app")
 GIL_SWITCH_INTERVAL = 0.0002  # seconds
 UNMATCHED_ROUTE = "unmatched"  # the route label of every path the app does not serve
 INLINE_SEARCH_ROWS = 256  # merged searches this small may run on the event loop (see Batcher)
+STARTUP_RETRY_SECONDS = 30.0  # a first load torn by a publish is tried again this long
 SHUTDOWN_BODY = msgspec.json.encode(
     {
         "error": "the server is shutting down and could not finish this request within its "
@@ -493,10 +495,11 @@ def _probe_state(state: AppState) -> str:
 
 async def _load_at_startup(state: AppState) -> None:
     """Load the model; a failure stops the start (fail fast) unless
-    require_model_at_startup is off, in which case the service starts unready."""
+    require_model_at_startup is off, in which case the service starts unready
+    (:func:`_first_load` says which failures are tried again first)."""
     settings = state.settings
     try:
-        await run_in_threadpool(state.engine.load)
+        await _first_load(state)
     except Exception as exc:
         if settings.require_model_at_startup:
             raise RuntimeError(
@@ -505,6 +508,29 @@ async def _load_at_startup(state: AppState) -> None:
                 "NCAKNN_REQUIRE_MODEL_AT_STARTUP=false to start unready and wait for it."
             ) from exc
         log.warning("starting without a model", extra={"error": str(exc)})
+
+
+async def _first_load(state: AppState) -> None:
+    """The engine's first load. One that failed while the model path was repointed or its
+    artifact replaced (the path's fingerprint after the load differs from the one before: a
+    read torn by a publish, as when a worker starts during a rollout) is tried again, for up
+    to STARTUP_RETRY_SECONDS; an artifact that fails unchanged is a broken one, and its
+    error is raised."""
+    path = state.settings.model_path
+    deadline = time.monotonic() + STARTUP_RETRY_SECONDS
+    while True:
+        before = await run_in_threadpool(artifact_fingerprint, path)
+        try:
+            await run_in_threadpool(state.engine.load)
+            return
+        except Exception as exc:
+            after = await run_in_threadpool(artifact_fingerprint, path)
+            if after is None or after == before or time.monotonic() >= deadline:
+                raise
+            log.info(
+                "the artifact was replaced while it was read at startup; reading it again",
+                extra={"error": str(exc)},
+            )
 
 
 def _start_batcher(state: AppState) -> Batcher | None:

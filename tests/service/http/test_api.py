@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import io
+import os
+import shutil
 
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
 from service.app import create_app
+from service.core.artifact import ArtifactError
 from tests.service.conftest import brute_force_knn, npy, post_all, settings_for
 from tests.service.servers import ROOT
 
@@ -305,6 +308,43 @@ def test_not_ready_is_503_until_a_model_arrives(tmp_path, model_artifact):
 def test_startup_fails_fast_without_a_model(tmp_path):
     app = create_app(settings_for(tmp_path / "missing"))
     with pytest.raises(RuntimeError, match=r"cannot serve: the model at .*missing failed to load"):
+        with TestClient(app):
+            pass
+
+
+def test_a_first_load_torn_by_a_publish_is_read_again(model_artifact, tmp_path):
+    """A worker that starts while its artifact is replaced (a rollout) reads it again, not
+    dies: the first load fails as a torn read does, and the path now names another
+    artifact. Was: startup failed, and uvicorn stopped every worker with it (CI, stop 66)."""
+    v1, v2 = tmp_path / "v1", tmp_path / "v2"
+    shutil.copytree(model_artifact[0], v1)
+    shutil.copytree(model_artifact[0], v2)
+    served = tmp_path / "served"
+    served.symlink_to(v1)
+    app = create_app(settings_for(served))
+    engine = app.state.ncaknn.engine
+    load, calls = engine.load, []
+
+    def torn_load(path=None):
+        calls.append(path)
+        if len(calls) == 1:  # the publish lands during the first read
+            link = tmp_path / ".link"
+            link.symlink_to(v2)
+            os.replace(link, served)
+            raise ArtifactError(f"{served}/labels.npy: missing (listed in the manifest)")
+        return load(path)
+
+    engine.load = torn_load
+    with TestClient(app) as c:
+        assert c.get("/readyz").status_code == 200
+        assert c.get("/v1/model").json()["artifact_directory"] == str(v2)
+    assert len(calls) == 2
+
+
+def test_a_first_load_that_fails_on_an_unchanged_artifact_fails_fast(model_dir):
+    (model_dir / "labels.npy").write_bytes(b"garbage")
+    app = create_app(settings_for(model_dir))
+    with pytest.raises(RuntimeError, match="checksum mismatch"):
         with TestClient(app):
             pass
 
