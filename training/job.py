@@ -10,6 +10,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import scipy.sparse as sp
@@ -176,6 +177,8 @@ def run(config: TrainConfig, *, log=print) -> dict:
         for_training=True,  # labels checked before any feature is read
         sparse=True,  # a scipy.sparse .npz is fitted as CSR, never densified
     )
+    if sp.issparse(data.X):  # the settings a sparse X cannot take, before anything is said
+        check_sparse_settings(config, data.X.shape[1])
     split = shard_split(data, config, group) if group.is_distributed else _split(data, config)
     del data  # a data-parallel rank keeps only its rows
     _check_prototypes(config, split, group)
@@ -280,6 +283,16 @@ def memory_budget(gib: float | None) -> int | None:
             f"--memory-budget-gib={gib!r} must be a finite number of GiB, at least 2^-20 (one KiB)"
         )
     return min(int(gib * 2**30), 2**62)  # beyond any machine: no limit in effect
+
+
+def check_sparse_settings(config: TrainConfig, n_features: int) -> None:
+    """ConfigError naming a setting a sparse X cannot take (``--standardize feature``,
+    ``--init lda``, ``--prototypes``, ...: ``training.model.sparse_input.check_settings``)."""
+    settings = SimpleNamespace(**config.estimator_params(n_features))
+    try:
+        sparse_input.check_settings(settings, distributed=False, n_features=n_features)
+    except ValueError as exc:
+        raise ConfigError(f"--data {config.data} is a sparse matrix: {exc}") from None
 
 
 def _split(data: Dataset, config: TrainConfig) -> Split:

@@ -217,17 +217,35 @@ def npy_header(stream) -> tuple[tuple, np.dtype]:
     header = ast.literal_eval(text)
     if not isinstance(header, dict) or not {"descr", "shape"} <= set(header):
         raise ValueError(f"not an .npy header: {text[:80]!r}")
-    return tuple(header["shape"]), np.lib.format.descr_to_dtype(header["descr"])
+    shape = header["shape"]
+    if not isinstance(shape, tuple) or not all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape
+    ):
+        raise ValueError(f"its shape {str(shape)[:80]} is not a tuple of non-negative integers")
+    try:
+        dtype = np.lib.format.descr_to_dtype(header["descr"])
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"its dtype {str(header['descr'])[:80]!r} is not one ({exc})") from None
+    return shape, dtype
 
 
 def _check_npz_member(archive, key: str, path: Path, budget: int | None, numeric: bool) -> None:
     """An .npz member's header against the budget (and, for features, a numeric dtype),
     before its values are read."""
-    with archive.zip.open(_member_name(archive, key)) as member:
-        shape, dtype = npy_header(member)
+    shape, dtype = member_header(archive, key, path)
     if numeric and dtype.kind not in "biuf":
         raise DataError(f"{path}: {key}: features must be numeric, got dtype {dtype}")
     check_memory(shape, f"{path}: {key}", budget, dtype.itemsize)
+
+
+def member_header(archive, key: str, path: Path) -> tuple[tuple, np.dtype]:
+    """(shape, dtype) of an .npz's member ``key`` from its header, its values unread;
+    DataError naming the member when the header is not a readable .npy one."""
+    try:
+        with archive.zip.open(_member_name(archive, key)) as member:
+            return npy_header(member)
+    except (ValueError, SyntaxError, MemoryError, RecursionError, UnicodeDecodeError) as exc:
+        raise DataError(f"{path}: {key}: not a readable .npy header ({_line(exc)})") from None
 
 
 def _member_name(archive, key: str) -> str:
@@ -333,10 +351,10 @@ def _load_sparse_npz(
     """A ``scipy.sparse.save_npz`` file and its ``--labels`` (``training.data.sparse_file``);
     the labels read and checked before any feature."""
     if not sparse_file.is_sparse_layout(set(archive.files)):
+        holds = "its y are the labels" if "y" in archive.files else "not a sparse matrix"
         raise DataError(
             f"--labels applies to a .npy feature file or a sparse .npz (scipy.sparse.save_npz), "
-            f"not to --data {path}, which holds arrays {sorted(archive.files)} (its y are the "
-            "labels)"
+            f"not to --data {path}, which holds arrays {sorted(archive.files)} ({holds})"
         )
     if not sparse:
         raise DataError(
@@ -352,8 +370,7 @@ def _load_sparse_npz(
     y = _read_labels(labels, memory_budget, label_check)  # before any feature is read
 
     def header_of(archive, key: str):
-        with archive.zip.open(_member_name(archive, key)) as member:
-            return npy_header(member)
+        return member_header(archive, key, path)
 
     X = sparse_file.read_sparse_npz(archive, path, memory_budget, header_of, DataError, len(y))
     return Dataset(X=X, y=y, name=path.stem, source=str(path))

@@ -32,44 +32,66 @@ INDEX_BYTES = 8  # an index once read (int64 at worst)
 
 
 def is_sparse_layout(members: set[str]) -> bool:
-    """True for the members of a ``scipy.sparse.save_npz`` file."""
-    return {"format", "shape", "data"} <= members
+    """True for the members of a ``scipy.sparse.save_npz`` file (and not of an ``.npz`` of
+    dense ``X`` and ``y``, which is read as such whatever else it holds)."""
+    return {"format", "shape", "data"} <= members and "X" not in members
+
+
+# The fit's memory per feature at the default d = 32, held against the budget with the
+# stored arrays: about 25 float64 copies of the (d, D) map (training.model.sparse_input).
+FIT_BYTES_PER_FEATURE = 25 * 32 * 8
 
 
 def read_sparse_npz(
     archive, path: Path, budget: int | None, header_of, error, n_labels: int
 ) -> sp.csr_matrix:
     """The matrix of an open ``.npz`` ``archive`` in ``save_npz``'s layout, as CSR float64
-    with sorted, summed indices; its rows must be the ``n_labels`` labels' (checked from
-    its shape, before any value is read). ``header_of(archive, key)`` gives a member's
-    (shape, dtype) without its values; ``error`` is the exception raised, naming ``path``.
-    The budget holds what the read and the conversion to CSR take at their peak: the stored
-    arrays twice (as read, then as int64 / float64) and the CSR row pointers twice."""
+    with sorted, summed indices; its rows must be the ``n_labels`` labels'.
+
+    Every member's header is checked before any value is read (``header_of(archive, key)``
+    gives its (shape, dtype)): ``format`` a string, ``shape`` two integers, the arrays 1-D
+    of numbers (data, at most 8 bytes) or integers (indices), as many indices as values and
+    no more values than the shape holds. The budget holds what the read, the conversion to
+    CSR and the fit take: the stored arrays twice (as read, then as int64 / float64), the
+    CSR row pointers twice and FIT_BYTES_PER_FEATURE a column. Then the structure is checked
+    whole before scipy touches it (row pointers from 0, non-decreasing, ending at the
+    number of values; indices within the shape). ``error`` is the exception raised, naming
+    ``path``."""
     members = set(archive.files)
-    fmt = _format_of(archive, path, error)
+    fmt = _format_of(archive, path, header_of, error)
     missing = [key for key in FORMATS[fmt] if key not in members]
     if missing:
         raise error(
             f"{path}: a sparse {fmt} .npz needs the arrays {list(FORMATS[fmt])}; missing {missing}"
         )
-    n_rows, n_features = _shape_of(archive, path, error)
+    n_rows, n_features = _shape_of(archive, path, header_of, error)
     if n_rows != n_labels:
         raise error(f"{path}: X has {n_rows} rows but its labels have {n_labels}")
-    n_bytes = 2 * (n_rows + 1) * INDEX_BYTES  # the CSR row pointers, built and copied
+    lengths = {}
     for key in FORMATS[fmt]:
         shape, dtype = header_of(archive, key)
         if len(shape) != 1:
             raise error(f"{path}: {key} must be 1-D, got shape {tuple(shape)}")
-        wanted = "biuf" if key == "data" else "iu"
-        if dtype.kind not in wanted:
-            what = "numbers" if key == "data" else "integers"
-            raise error(f"{path}: {key} must hold {what}, got dtype {dtype}")
-        n_bytes += 2 * shape[0] * (8 if key == "data" else INDEX_BYTES)
+        if key == "data" and (dtype.kind not in "biuf" or dtype.itemsize > 8):
+            raise error(f"{path}: data must hold numbers of at most 8 bytes, got dtype {dtype}")
+        if key != "data" and dtype.kind not in "iu":
+            raise error(f"{path}: {key} must hold integers, got dtype {dtype}")
+        lengths[key] = shape[0]
+    nnz = lengths["data"]
+    for key in ("indices", "row", "col"):
+        if key in lengths and lengths[key] != nnz:
+            raise error(f"{path}: {key} has {lengths[key]} entries, data has {nnz}: one each")
+    if nnz > n_rows * n_features:
+        raise error(
+            f"{path}: {nnz} stored values are more than the {n_rows} x {n_features} matrix holds"
+        )
+    n_bytes = sum(2 * n * 8 for n in lengths.values()) + 2 * (n_rows + 1) * INDEX_BYTES
+    n_bytes += n_features * FIT_BYTES_PER_FEATURE
     if budget is not None and n_bytes > budget:
         raise error(
-            f"{path}: the sparse matrix ({n_rows} x {n_features}) takes {n_bytes / 2**30:.2f} "
-            f"GiB once read, over the memory budget of {budget / 2**30:.2f} GiB "
-            "(--memory-budget-gib)"
+            f"{path}: the sparse matrix ({n_rows} x {n_features}, {nnz} stored values) and "
+            f"the fit's copies of a d = 32 map take {n_bytes / 2**30:.2f} GiB, over the memory "
+            f"budget of {budget / 2**30:.2f} GiB (--memory-budget-gib)"
         )
     arrays = {key: archive[key] for key in FORMATS[fmt]}
     try:
@@ -81,22 +103,31 @@ def read_sparse_npz(
     return X
 
 
-def _format_of(archive, path: Path, error) -> str:
-    raw = archive["format"]
-    value = raw.item() if raw.ndim == 0 else None
-    if isinstance(value, bytes):
-        value = value.decode("ascii", "replace")
+def _format_of(archive, path: Path, header_of, error) -> str:
+    shape, dtype = header_of(archive, "format")
+    value = None
+    if shape == () and dtype.kind in "SU" and dtype.itemsize <= 64:
+        value = archive["format"].item()
+        if isinstance(value, bytes):
+            value = value.decode("ascii", "replace")
     if value not in FORMATS:
+        got = repr(value) if value is not None else f"an array of shape {shape}, dtype {dtype}"
         raise error(
-            f"{path}: sparse format {value!r} is not read; expected one of {sorted(FORMATS)} "
-            "(convert with X.tocsr() before scipy.sparse.save_npz)"
+            f"{path}: format must be one of {sorted(FORMATS)}, got {got} (convert with "
+            "X.tocsr() before scipy.sparse.save_npz)"
         )
     return value
 
 
-def _shape_of(archive, path: Path, error) -> tuple[int, int]:
+def _shape_of(archive, path: Path, header_of, error) -> tuple[int, int]:
+    shape_shape, dtype = header_of(archive, "shape")
+    if shape_shape != (2,) or dtype.kind not in "iu":
+        raise error(
+            f"{path}: shape must be two non-negative integers, got an array of shape "
+            f"{shape_shape}, dtype {dtype}"
+        )
     shape = archive["shape"]
-    if shape.shape != (2,) or shape.dtype.kind not in "iu" or (shape < 0).any():
+    if (shape < 0).any():
         raise error(f"{path}: shape must be two non-negative integers, got {shape.tolist()!r}")
     n_rows, n_features = (int(v) for v in shape)
     if n_features == 0:
@@ -115,12 +146,18 @@ def _matrix(fmt: str, arrays: dict, shape: tuple[int, int]) -> sp.csr_matrix:
         X = sp.coo_matrix((data, (row, col)), shape=shape).tocsr()
     else:
         indices, indptr = arrays["indices"].astype(np.int64), arrays["indptr"].astype(np.int64)
-        major = shape[0] if fmt == "csr" else shape[1]
+        major, minor = (shape[0], shape[1]) if fmt == "csr" else (shape[1], shape[0])
         if len(indptr) != major + 1:
             raise ValueError(f"indptr has {len(indptr)} entries, expected {major + 1}")
+        if indptr[0] != 0 or (np.diff(indptr) < 0).any() or indptr[-1] != len(data):
+            raise ValueError(
+                f"indptr must rise from 0 to the number of stored values ({len(data)}) without "
+                f"falling; it runs from {indptr[0]} to {indptr[-1]}"
+            )
+        if len(indices) and (indices.min() < 0 or indices.max() >= minor):
+            raise ValueError(f"an index is out of range [0, {minor})")
         kind = sp.csr_matrix if fmt == "csr" else sp.csc_matrix
         X = kind((data, indices, indptr), shape=shape)
-        X.check_format(full_check=True)  # indices in range, indptr non-decreasing
         X = X.tocsr()
     X.sum_duplicates()  # sorted indices, one value a column
     return X

@@ -6,6 +6,7 @@ sparse files, each refused in one line naming what is wrong, nothing written at 
 from __future__ import annotations
 
 import json
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -64,6 +65,20 @@ def raw_sparse(d: Path, y=Y_SPARSE, **arrays) -> list[str]:
     return ["--data", d / "X.npz", "--labels", d / "y.npy"]
 
 
+def with_member_header(d: Path, key: str, header: str) -> list[str]:
+    """The CSR of X_SPARSE with member ``key`` replaced by a hand-written .npy header
+    (format 1.0) over 64 zero bytes."""
+    args = raw_sparse(d)
+    text = header + " " * (-(10 + len(header) + 1) % 64) + "\n"
+    member = b"\x93NUMPY\x01\x00" + len(text).to_bytes(2, "little") + text.encode("latin1")
+    with zipfile.ZipFile(d / "X.npz") as archive:
+        kept = {name: archive.read(name) for name in archive.namelist()}
+    with zipfile.ZipFile(d / "X.npz", "w") as archive:
+        for name, data in kept.items():
+            archive.writestr(name, member + bytes(64) if name == f"{key}.npy" else data)
+    return args
+
+
 def with_data_value(value: float, at: int = 7) -> np.ndarray:
     data = X_SPARSE.data.copy()
     data[at] = value
@@ -115,7 +130,7 @@ SPARSE_CORPUS = [  # (name, lay out the files, words of the one-line refusal)
     (
         "data and indices of different lengths",
         lambda d: raw_sparse(d, data=X_SPARSE.data[:-3]),
-        "not a valid sparse csr matrix",
+        f"indices has {X_SPARSE.nnz} entries, data has {X_SPARSE.nnz - 3}: one each",
     ),
     (
         "a NaN value",
@@ -140,7 +155,7 @@ SPARSE_CORPUS = [  # (name, lay out the files, words of the one-line refusal)
     (
         "a format scipy writes but we do not read",
         lambda d: raw_sparse(d, format=np.array(b"dia")),
-        "sparse format 'dia' is not read",
+        "format must be one of ['coo', 'csc', 'csr'], got 'dia'",
     ),
     (
         "a shape of three numbers",
@@ -176,6 +191,88 @@ SPARSE_CORPUS = [  # (name, lay out the files, words of the one-line refusal)
         "labels of another length",
         lambda d: sparse_pair(d, y=Y_SPARSE[:-10]),
         "has 240 rows but its labels have 230",
+    ),
+    (  # the hostile pass's rows (were: tracebacks, a 201 MB line, or silently dropped values)
+        "10^12 columns in a tiny file",
+        lambda d: raw_sparse(d, shape=np.array([240, 10**12])),
+        "over the memory budget",
+    ),
+    (
+        "indptr ending at 0 with values stored",
+        lambda d: raw_sparse(d, indptr=np.r_[0, 3, np.zeros(239, dtype=np.int64)]),
+        "indptr must rise from 0 to the number of stored values",
+    ),
+    (
+        "values past the last row pointer",
+        lambda d: raw_sparse(d, indptr=np.r_[X_SPARSE.indptr[:-1], X_SPARSE.nnz - 3]),
+        f"indptr must rise from 0 to the number of stored values ({X_SPARSE.nnz})",
+    ),
+    (
+        "indptr not starting at 0",
+        lambda d: raw_sparse(d, indptr=X_SPARSE.indptr + 1),
+        "it runs from 1 to",
+    ),
+    (
+        "a format of 2^29 bytes",
+        lambda d: raw_sparse(d, format=np.zeros(2**20, np.uint8)),
+        "format must be one of ['coo', 'csc', 'csr'], got an array of shape (1048576,)",
+    ),
+    (
+        "format as a one-element array",
+        lambda d: raw_sparse(d, format=np.array([b"csr"])),
+        "got an array of shape (1,)",
+    ),
+    (
+        "a shape of 2^20 numbers",
+        lambda d: raw_sparse(d, shape=np.zeros(2**20, np.int64)),
+        "shape must be two non-negative integers, got an array of shape (1048576,)",
+    ),
+    (
+        "a header claiming a negative length",
+        lambda d: with_member_header(
+            d, "indices", "{'descr': '<i8', 'fortran_order': False, 'shape': (-5,), }"
+        ),
+        "indices: not a readable .npy header (its shape (-5,) is not a tuple of non-negative",
+    ),
+    (
+        "a header whose shape is text",
+        lambda d: with_member_header(
+            d, "data", "{'descr': '<f8', 'fortran_order': False, 'shape': ('a',), }"
+        ),
+        "data: not a readable .npy header",
+    ),
+    (
+        "a header of an unknown dtype",
+        lambda d: with_member_header(
+            d, "data", "{'descr': 'zz9', 'fortran_order': False, 'shape': (3,), }"
+        ),
+        "its dtype 'zz9' is not one",
+    ),
+    (
+        "data and indices claiming 10^11 values",
+        lambda d: with_member_header(
+            d, "data", "{'descr': '<f8', 'fortran_order': False, 'shape': (100000000000,), }"
+        ),
+        f"indices has {X_SPARSE.nnz} entries, data has 100000000000",
+    ),
+    (
+        "long doubles",
+        lambda d: raw_sparse(d, data=X_SPARSE.data.astype(np.longdouble)),
+        "data must hold numbers of at most 8 bytes",
+    ),
+    (
+        "a format and a shape alone, with --labels",
+        lambda d: (
+            (np.savez(d / "X.npz", format=np.array(b"csr"), shape=np.array([2, 2])), None)[1]
+            or (np.save(d / "y.npy", Y_SPARSE), None)[1]
+            or ["--data", d / "X.npz", "--labels", d / "y.npy"]
+        ),
+        "holds arrays ['format', 'shape'] (not a sparse matrix)",
+    ),
+    (
+        "--standardize feature (refused before anything is said)",
+        lambda d: [*sparse_pair(d), "--standardize", "feature"],
+        "is a sparse matrix: standardize='feature' centres every feature",
     ),
     (
         "more stored values than the memory budget",
@@ -285,3 +382,18 @@ def test_a_sparse_file_is_refused_by_a_data_parallel_split(tmp_path):
     config = TrainConfig(data=str(tmp_path / "X.npz"))
     with pytest.raises(ValueError, match="a data-parallel run \\(torchrun\\) takes dense rows"):
         shard_split(data, config, ProcessGroup(0, 2, "gloo"))
+
+
+def test_an_npz_of_x_and_y_is_read_densely_whatever_else_it_holds(tmp_path):
+    """X and y make an .npz the dense layout, as before sparse files were read (the hostile
+    pass's file held both: it was read as sparse and asked for --labels)."""
+    np.savez(
+        tmp_path / "both.npz",
+        X=np.ones((6, 2)),
+        y=np.arange(6) % 2,
+        format=np.array(b"csr"),
+        shape=np.array([6, 2]),
+        data=np.ones(3),
+    )
+    data = load_dataset(str(tmp_path / "both.npz"), sparse=True)
+    assert not sp.issparse(data.X) and data.X.shape == (6, 2)
