@@ -15,7 +15,10 @@ Batch invariance: a row's answer must not depend on which other rows share its b
 service merges concurrent requests). float32 GEMMs and FAISS's distance kernels round
 differently for different batch shapes, so ``project`` accumulates in float64 before rounding
 to float32, and final neighbour distances are recomputed per pair in float64 by ``rerank``
-and ordered by (distance, id). Offline and online answers then agree to the bit.
+and ordered by (distance, id). Offline and online answers then agree to the bit, with one
+known exception: BLAS's float64 sum runs in an order that depends on the batch's shape (one
+row, a few, many), so a row whose sum cancels to within float32's rounding can embed one
+float32 step apart in different batches (docs/service.md).
 """
 
 from __future__ import annotations

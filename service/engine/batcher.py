@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from service.core.sparse import dense_rows_equivalent
 from service.engine.infer import Answer, Query, infer
 from service.engine.model import LoadedModel
 
@@ -101,7 +102,7 @@ class Batcher:
             for group in _groups(jobs):
                 group_started = time.time_ns()
                 try:
-                    if sum(len(j.rows) for j in group) <= self.inline_rows:
+                    if sum(dense_rows_equivalent(j.rows) for j in group) <= self.inline_rows:
                         results = _run_group(group)
                     else:
                         results = await loop.run_in_executor(self._executor, _run_group, group)

@@ -35,6 +35,7 @@ import numpy as np
 from service.config import Settings
 from service.core.artifact import ArtifactError, artifact_fingerprint
 from service.core.knn import outlier_flags
+from service.core.sparse import dense_rows_equivalent
 from service.engine.batcher import Batcher
 from service.engine.events import EngineEvents
 from service.engine.infer import Answer, Query, embed, infer_one
@@ -242,7 +243,8 @@ class Engine:
 
     async def project(self, model: LoadedModel, rows: np.ndarray) -> np.ndarray:
         """rows (n, D) -> embeddings (n, d): on the event loop up to INLINE_EMBED_ROWS rows
-        (a thread hop costs more), else in a worker thread."""
-        if len(rows) <= INLINE_EMBED_ROWS:
+        (a thread hop costs more; sparse rows counted by their non-zeros' work:
+        ``dense_rows_equivalent``), else in a worker thread."""
+        if dense_rows_equivalent(rows) <= INLINE_EMBED_ROWS:
             return embed(model, rows)
         return await asyncio.get_running_loop().run_in_executor(None, embed, model, rows)

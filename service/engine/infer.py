@@ -152,21 +152,26 @@ def embed(model, x: np.ndarray | SparseRows) -> np.ndarray:
 
 
 def project_rows(model, parts: Sequence[np.ndarray | SparseRows]) -> np.ndarray:
-    """The embeddings (sum n_i, d) float32 of the parts' rows in order: dense parts by one
-    projection of their concatenation, sparse ones by their non-zeros
-    (``service.core.sparse``); overflow is left as inf for the caller to name."""
+    """The embeddings (sum n_i, d) float32 of the parts' rows in order: the dense parts by one
+    projection of their concatenation (so a dense row's embedding is the one it gets in a
+    batch of the same dense rows, whether sparse parts are merged beside them or not), the
+    sparse ones by their non-zeros (``service.core.sparse``); overflow is left as inf for
+    the caller to name."""
+    dense = [part for part in parts if not isinstance(part, SparseRows)]
     with np.errstate(over="ignore", invalid="ignore"):
-        if not any(isinstance(part, SparseRows) for part in parts):
-            rows = parts[0] if len(parts) == 1 else np.concatenate(parts)
-            return project(rows, model.projection, model.offset)
-        return np.concatenate(
-            [
-                project_sparse(part, model.projection, model.offset)
-                if isinstance(part, SparseRows)
-                else project(part, model.projection, model.offset)
-                for part in parts
-            ]
-        )
+        if dense:  # one projection of every dense part, whatever sparse parts are beside them
+            rows = dense[0] if len(dense) == 1 else np.concatenate(dense)
+            z_dense = project(rows, model.projection, model.offset)
+            if len(dense) == len(parts):
+                return z_dense
+        z_parts, start = [], 0
+        for part in parts:
+            if isinstance(part, SparseRows):
+                z_parts.append(project_sparse(part, model.projection, model.offset))
+            else:
+                z_parts.append(z_dense[start : start + len(part)])
+                start += len(part)
+        return np.concatenate(z_parts)
 
 
 def non_finite_rows(z: np.ndarray) -> np.ndarray:

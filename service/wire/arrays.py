@@ -26,7 +26,8 @@ def describe_decode_error(exc: msgspec.MsgspecError) -> str:
 
 def parse_json(body: bytes, schema: type[msgspec.Struct], *, n_features: int, max_rows: int):
     """One strict decode of a JSON body into ``schema``; the instances are not yet checked."""
-    if body.count(b",") > max_rows * (n_features + 1) + 64:
+    # rows of D numbers, or of at most D (index, value) pairs each: 2D + 2 commas a row
+    if body.count(b",") > max_rows * (2 * n_features + 2) + 64:
         raise PayloadTooLarge(
             f"the body holds more values than {max_rows} instances of {n_features} "
             f"(max_batch_rows x D); send fewer rows per request"

@@ -242,7 +242,7 @@ CASES = [
         "too many values (commas)",
         ROUTES,
         JSON_H,
-        b'{"instances": [[' + b"0," * 300_000 + b"0]]}",
+        b'{"instances": [[' + b"0," * 600_000 + b"0]]}",
         "",
         413,
         "payload_too_large",

@@ -10,7 +10,7 @@ import pytest
 from service.core import sparse
 from service.core.knn import project
 from service.core.sparse import SparseRows, project_sparse
-from service.engine.infer import Query, infer
+from service.engine.infer import Query, infer, project_rows
 from tests.service.conftest import module_client
 
 client = module_client()
@@ -123,3 +123,106 @@ def test_sparse_and_dense_parts_batched_together_get_their_own_answers(client, r
         np.testing.assert_array_equal(answer.predicted, alone.predicted)
     (as_dense,) = infer(model, [(X[10:20], query)])
     np.testing.assert_array_equal(merged[1].indices, as_dense.indices)
+
+
+# A row whose float64 sum cancels (found by a hostile pass against the session's model):
+# BLAS embeds it alone one float32 step from where it embeds it beside another row.
+CANCELLING_ROW = [
+    8.288018226623535,
+    1529885.375,
+    3.400812864303589,
+    7.802827835083008,
+    -5.710346698760986,
+    -3208585.5,
+    9.31806468963623,
+    7.536799907684326,
+    722951.875,
+    5.554887771606445,
+    -8.63155746459961,
+    20.417892456054688,
+    6.360015392303467,
+    -7.76732873916626,
+    13.633283615112305,
+    -9.113144874572754,
+    -2057456.75,
+    -4.949761867523193,
+    -3618970.75,
+    -6.754124164581299,
+    -4.742569923400879,
+    -1149000.125,
+    1.9359904527664185,
+    -5916151.5,
+    8.476877212524414,
+    1.9879333972930908,
+    1914508.0,
+    11.198548316955566,
+    7.615123748779297,
+    -6.387674331665039,
+    -12.645193099975586,
+    1.4609036445617676,
+    7.266770362854004,
+    9.217916488647461,
+    -2268672.75,
+    -6.946831703186035,
+    -937227.6875,
+    -830184.6875,
+    8.80366325378418,
+    10.04974365234375,
+    13.251859664916992,
+    11.147391319274902,
+    3.7427215576171875,
+    11.188701629638672,
+    9.114797592163086,
+    17.29402732849121,
+    3.5275824069976807,
+    10.755744934082031,
+    -5.536532878875732,
+    -2433583.5,
+    -1933596.125,
+    25.05907440185547,
+    13.712793350219727,
+    9.069766998291016,
+    7.008359432220459,
+    5.334096431732178,
+    3891596.25,
+    3688295.75,
+    6.508040428161621,
+    -3.7589216232299805,
+    -59495.1328125,
+    -1695699.75,
+    8.573005676269531,
+    25.45052146911621,
+]
+
+
+def test_a_dense_part_embeds_as_in_its_dense_batch_whatever_sparse_parts_are_merged(client):
+    """The dense parts of a merged batch are projected together whether sparse parts sit
+    beside them or not (was: each part alone once a sparse part was there, so a dense
+    request's answer depended on a sparse request it was merged with)."""
+    model = client.app.state.ncaknn.engine.current()
+    row = np.array([CANCELLING_ROW], dtype=np.float32)  # (1, 64)
+    other = np.full((1, model.n_features), 8.0, dtype=np.float32)
+    sparse_part = csr_of(thinned(np.full((3, model.n_features), 2.0), keep=0.3))
+    dense_only = project_rows(model, [row, other])
+    mixed = project_rows(model, [row, sparse_part, other])
+    assert np.array_equal(mixed[0], dense_only[0])
+    assert np.array_equal(mixed[4], dense_only[1])
+    assert np.array_equal(mixed[1:4], project_sparse(sparse_part, model.projection, model.offset))
+
+
+def test_sparse_rows_count_by_their_non_zeros_for_the_event_loop():
+    """A projection runs on the event loop only when its work is small: sparse rows count by
+    their non-zeros (a few full rows of D = 50,000 took over a second)."""
+    few = SparseRows(np.array([0, 2, 3]), np.array([1, 7, 4]), np.ones(3, np.float32), 50_000)
+    assert sparse.dense_rows_equivalent(few) == 2
+    full = SparseRows(np.array([0, 50_000]), np.arange(50_000), np.ones(50_000, np.float32), 50_000)
+    assert sparse.dense_rows_equivalent(full) == sparse.SPARSE_NONZERO_COST
+    assert sparse.dense_rows_equivalent(np.zeros((5, 10), np.float32)) == 5
+
+
+def test_sparse_rows_near_the_row_limit_are_not_refused_by_the_value_guard(client):
+    """2,100 full sparse rows are 2 x 64 numbers a row, under the row limit (was: 413, "more
+    values than 4096 instances of 64", for a body the dense form of which was accepted)."""
+    full = {"indices": list(range(64)), "values": [0.5] * 64}
+    answer = client.post("/v1/embed", json={"sparse_instances": [full] * 2100})
+    assert answer.status_code == 200, answer.text[:200]
