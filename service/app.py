@@ -80,6 +80,7 @@ GIL_SWITCH_INTERVAL = 0.0002  # seconds
 UNMATCHED_ROUTE = "unmatched"  # the route label of every path the app does not serve
 INLINE_SEARCH_ROWS = 256  # merged searches this small may run on the event loop (see Batcher)
 STARTUP_RETRY_SECONDS = 30.0  # a first load torn by a publish is tried again this long
+STARTUP_RETRY_PAUSE = 0.1  # seconds between those tries
 SHUTDOWN_BODY = msgspec.json.encode(
     {
         "error": "the server is shutting down and could not finish this request within its "
@@ -511,11 +512,11 @@ async def _load_at_startup(state: AppState) -> None:
 
 
 async def _first_load(state: AppState) -> None:
-    """The engine's first load. One that failed while the model path was repointed or its
-    artifact replaced (the path's fingerprint after the load differs from the one before: a
-    read torn by a publish, as when a worker starts during a rollout) is tried again, for up
-    to STARTUP_RETRY_SECONDS; an artifact that fails unchanged is a broken one, and its
-    error is raised."""
+    """The engine's first load. One that failed while the model path changed (its
+    fingerprint after the load differs from the one before: repointed, replaced, its
+    manifest written or removed; a read torn by a publish, as when a worker starts during a
+    rollout) is tried again after STARTUP_RETRY_PAUSE, for up to STARTUP_RETRY_SECONDS; a
+    load that fails on an unchanged path (a broken artifact, or none) raises its error."""
     path = state.settings.model_path
     deadline = time.monotonic() + STARTUP_RETRY_SECONDS
     while True:
@@ -525,12 +526,13 @@ async def _first_load(state: AppState) -> None:
             return
         except Exception as exc:
             after = await run_in_threadpool(artifact_fingerprint, path)
-            if after is None or after == before or time.monotonic() >= deadline:
+            if after == before or time.monotonic() >= deadline:
                 raise
             log.info(
-                "the artifact was replaced while it was read at startup; reading it again",
+                "the artifact changed while it was read at startup; reading it again",
                 extra={"error": str(exc)},
             )
+            await asyncio.sleep(STARTUP_RETRY_PAUSE)
 
 
 def _start_batcher(state: AppState) -> Batcher | None:

@@ -178,7 +178,7 @@ def run(config: TrainConfig, *, log=print) -> dict:
         sparse=True,  # a scipy.sparse .npz is fitted as CSR, never densified
     )
     if sp.issparse(data.X):  # the settings a sparse X cannot take, before anything is said
-        check_sparse_settings(config, data.X.shape[1])
+        check_sparse_settings(config, data.X.shape[1], memory_budget(config.memory_budget_gib))
     split = shard_split(data, config, group) if group.is_distributed else _split(data, config)
     del data  # a data-parallel rank keeps only its rows
     _check_prototypes(config, split, group)
@@ -285,14 +285,31 @@ def memory_budget(gib: float | None) -> int | None:
     return min(int(gib * 2**30), 2**62)  # beyond any machine: no limit in effect
 
 
-def check_sparse_settings(config: TrainConfig, n_features: int) -> None:
+# The sparse fit's memory per (component, feature): about 25 float64 copies of the (d, D)
+# map, L-BFGS's history, the gradient and the randomized SVD's working set
+# (training.model.sparse_input)
+SPARSE_FIT_MAP_COPIES = 25
+
+
+def check_sparse_settings(config: TrainConfig, n_features: int, budget: int | None) -> None:
     """ConfigError naming a setting a sparse X cannot take (``--standardize feature``,
-    ``--init lda``, ``--prototypes``, ...: ``training.model.sparse_input.check_settings``)."""
+    ``--init lda``, ``--prototypes``, ...: ``training.model.sparse_input.check_settings``),
+    or a d whose copies of the (d, D) map exceed the memory budget (a few stored values
+    over a vast D would otherwise fail in the fit)."""
     settings = SimpleNamespace(**config.estimator_params(n_features))
     try:
         sparse_input.check_settings(settings, distributed=False, n_features=n_features)
     except ValueError as exc:
         raise ConfigError(f"--data {config.data} is a sparse matrix: {exc}") from None
+    d = settings.n_components or n_features
+    needed = SPARSE_FIT_MAP_COPIES * d * n_features * 8
+    if budget is not None and needed > budget:
+        raise ConfigError(
+            f"--data {config.data} has {n_features} features: at d = {d} the fit holds about "
+            f"{SPARSE_FIT_MAP_COPIES} copies of the ({d}, {n_features}) map, "
+            f"{needed / 2**30:.2f} GiB, over the memory budget of {budget / 2**30:.2f} GiB "
+            "(--memory-budget-gib); choose a smaller --n-components or fewer features"
+        )
 
 
 def _split(data: Dataset, config: TrainConfig) -> Split:

@@ -17,8 +17,9 @@ differently for different batch shapes, so ``project`` accumulates in float64 be
 to float32, and final neighbour distances are recomputed per pair in float64 by ``rerank``
 and ordered by (distance, id). Offline and online answers then agree to the bit, with one
 known exception: BLAS's float64 sum runs in an order that depends on the batch's shape (one
-row, a few, many), so a row whose sum cancels to within float32's rounding can embed one
-float32 step apart in different batches (docs/service.md).
+row, a few, many), so a row whose sum cancels can embed differently in different batches (by one
+float32 step when it cancels to within float32's rounding, by more when it cancels beyond
+float64's precision: docs/service.md).
 """
 
 from __future__ import annotations

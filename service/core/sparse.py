@@ -6,9 +6,11 @@ its column indices and values, the embedding reads only the map's columns it nam
 
     z_i = sum_{j in nz(i)} x_ij W[:, j] + b        (float64 accumulation, float32 result)
 
-which is :func:`service.core.knn.project` of the dense row, summed in another order: the
-two agree to float32 rounding (the float64 sums differ in their last bits at most). A row's
-embedding depends on its own non-zeros only, so it does not depend on its batch.
+which is :func:`service.core.knn.project` of the dense row, summed in another order
+(ascending columns here, BLAS's order there): the two are equal except where the float64
+sum cancels, where the orders can round differently (by more than one float32 step when it
+cancels beyond float64's precision). A row's embedding depends on its own non-zeros only,
+so it does not depend on its batch or on the order its indices were sent in.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ import numpy as np
 @dataclass(frozen=True)
 class SparseRows:
     """n rows of n_features columns in CSR form, checked by the wire that built them
-    (``service.wire.rows.to_sparse_rows``): indices within [0, n_features), no column twice
-    in a row, values finite and within the model's input range."""
+    (``service.wire.rows.to_sparse_rows``): indices within [0, n_features), ascending and
+    no column twice in a row, values finite and within the model's input range."""
 
     indptr: np.ndarray  # (n + 1,) int64: row i's non-zeros are [indptr[i], indptr[i + 1])
     indices: np.ndarray  # (nnz,) int64 column of each non-zero
@@ -44,7 +46,8 @@ class SparseRows:
 # numpy gather and reduceat against a BLAS product: 64 full rows of D = 50,000 at d = 32
 # took 1.17 s sparse and 0.03 s dense); it sizes what may run on the event loop.
 SPARSE_NONZERO_COST = 40
-# non-zeros embedded at once: a (d, 131,072) float64 block, 32 MiB at d = 32
+# non-zeros embedded at once: at d = 32 a block's float32 gather and its two float64
+# (d, 131,072) arrays hold about 80 MiB
 CHUNK_NONZEROS = 1 << 17
 
 
@@ -79,7 +82,8 @@ def project_sparse(rows: SparseRows, projection: np.ndarray, offset: np.ndarray)
 
 
 def _project_block(rows: SparseRows, start: int, stop: int, projection, z: np.ndarray) -> None:
-    """z[start:stop] += the rows' non-zeros times their columns of W, in float64."""
+    """z[start:stop] = the sums of the rows' non-zeros times their columns of W, in float64
+    (rows without a non-zero keep their 0)."""
     first, last = rows.indptr[start], rows.indptr[stop]
     if first == last:
         return

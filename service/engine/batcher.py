@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from service.core.sparse import dense_rows_equivalent
+from service.core.sparse import SparseRows, dense_rows_equivalent
 from service.engine.infer import Answer, Query, infer
 from service.engine.model import LoadedModel
 
@@ -28,7 +28,7 @@ class Job:
     """One request waiting in the batcher's queue."""
 
     model: LoadedModel
-    rows: np.ndarray  # (n, D) float32
+    rows: np.ndarray | SparseRows  # (n, D) float32, or n sparse rows
     query: Query
     future: asyncio.Future
     enqueued: float = field(default_factory=time.perf_counter)
@@ -68,7 +68,7 @@ class Batcher:
         self._executor.shutdown(wait=True)
 
     async def submit(self, model, rows: np.ndarray, query: Query) -> Answer:
-        """The answer to ``query`` for raw rows (n, D), computed with whatever else is
+        """The answer to ``query`` for raw rows (n, D) or SparseRows, computed with whatever else is
         waiting for the same (model, k)."""
         future = asyncio.get_running_loop().create_future()
         self._queue.put_nowait(Job(model, rows, query, future))

@@ -183,10 +183,10 @@ class Engine:
         route: str,
         with_embedding: bool = False,
     ) -> Answer:
-        """Neighbours and a decision for rows (n, D) float32, with ``outliers`` (n,) bool
-        when the query has an outlier threshold (counted as an event) and ``embedding``
-        (n, d) when asked for. InvalidInput for rows whose embedding overflows, Overloaded
-        at the in-flight limit."""
+        """Neighbours and a decision for rows (n, D) float32 (or SparseRows), with
+        ``outliers`` (n,) bool when the query has an outlier threshold (counted as an event)
+        and ``embedding`` (n, d) when asked for. InvalidInput for rows whose embedding
+        overflows, Overloaded at the in-flight limit."""
         with self.admit(route, len(rows)):
             answer = await self.search(model, rows, query)
             if with_embedding:
@@ -200,12 +200,13 @@ class Engine:
     async def neighbors(
         self, model: LoadedModel, rows: np.ndarray, query: Query, route: str
     ) -> Answer:
-        """The k nearest references of rows (n, D) float32 (a query that decides nothing)."""
+        """The k nearest references of rows (n, D) float32 or SparseRows (a query that
+        decides nothing)."""
         with self.admit(route, len(rows)):
             return await self.search(model, rows, query)
 
     async def embed(self, model: LoadedModel, rows: np.ndarray, route: str) -> np.ndarray:
-        """rows (n, D) float32 -> embeddings (n, d) float32."""
+        """rows (n, D) float32 or SparseRows -> embeddings (n, d) float32."""
         with self.admit(route, len(rows)):
             return await self.project(model, rows)
 

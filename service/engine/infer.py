@@ -15,7 +15,8 @@ For rows x (n, D) of one model and one k, :func:`infer` computes::
 
 The projection, the final distances and the decision are computed row by row
 (service.core.knn), so a part's answer does not depend on the parts searched with it: a
-batched answer equals the answer the request gets alone.
+batched answer equals the answer the request gets alone (but for rows whose float64
+projection cancels: service.core.knn's docstring).
 """
 
 from __future__ import annotations
@@ -147,7 +148,8 @@ def embed(model, x: np.ndarray | SparseRows) -> np.ndarray:
     z = project_rows(model, [x])
     bad = non_finite_rows(z)
     if len(bad):
-        raise embedding_overflow(int(bad[0]))
+        field = "sparse_instances" if isinstance(x, SparseRows) else "instances"
+        raise embedding_overflow(int(bad[0]), field)
     return z
 
 
@@ -179,19 +181,22 @@ def non_finite_rows(z: np.ndarray) -> np.ndarray:
     return np.flatnonzero(~np.isfinite(z).all(axis=1))
 
 
-def embedding_overflow(row: int) -> InvalidInput:
+def embedding_overflow(row: int, field: str = "instances") -> InvalidInput:
     return InvalidInput(
-        f"instances[{row}] projects to an embedding beyond float32 range "
+        f"{field}[{row}] projects to an embedding beyond float32 range "
         f"(|z| > {FLOAT32_MAX:.4g}): its values are too large for this model's map; "
         "rows must have finite values whose embedding is finite"
     )
 
 
-def infer(model, parts: Sequence[tuple[np.ndarray, Query]]) -> list[Answer | ServiceError]:
+def infer(
+    model, parts: Sequence[tuple[np.ndarray | SparseRows, Query]]
+) -> list[Answer | ServiceError]:
     """The answers of ``parts`` (rows (n_i, D) float32 or ``SparseRows``, Query), all with
-    the same k: one projection (of the dense parts; sparse parts each by their non-zeros), one search and one decision per (rule, threshold). A part whose rows cannot
-    be embedded (an embedding beyond float32) gets its own InvalidInput; the others are
-    answered without it."""
+    the same k: one projection of the dense parts (sparse parts each by their non-zeros:
+    :func:`project_rows`), one search and one decision per (rule, threshold). A part whose
+    rows cannot be embedded (an embedding beyond float32) gets its own InvalidInput; the
+    others are answered without it."""
     k = parts[0][1].k
     assert all(query.k == k for _, query in parts), "infer: one k per call"
     started = time.time_ns()
@@ -207,7 +212,8 @@ def infer(model, parts: Sequence[tuple[np.ndarray, Query]]) -> list[Answer | Ser
         for i, a, b in spans:
             bad_here = bad[(bad >= a) & (bad < b)]
             if len(bad_here):
-                out[i] = embedding_overflow(int(bad_here[0]) - a)
+                field = "sparse_instances" if isinstance(parts[i][0], SparseRows) else "instances"
+                out[i] = embedding_overflow(int(bad_here[0]) - a, field)
                 keep[a:b] = False
         z = z[keep]
         spans = _served_spans(parts, out)
@@ -222,7 +228,7 @@ def infer(model, parts: Sequence[tuple[np.ndarray, Query]]) -> list[Answer | Ser
     return out  # type: ignore[return-value]
 
 
-def infer_one(model, rows: np.ndarray, query: Query) -> Answer:
+def infer_one(model, rows: np.ndarray | SparseRows, query: Query) -> Answer:
     """:func:`infer` of one part; raises its error."""
     (result,) = infer(model, [(rows, query)])
     if isinstance(result, ServiceError):

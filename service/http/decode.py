@@ -5,7 +5,8 @@ while it streams (413) -> one strict parse (400/413/422) -> query options (422) 
 answering health probes.
 
 :func:`receive` checks and parses a request into an :class:`InferenceRequest` (its rows
-(n, D) float32, its body and query options, the negotiated answer type), and
+(n, D) float32, or SparseRows for sparse_instances, its body and query options, the
+negotiated answer type), and
 :func:`query_of` resolves its k, rule and outlier quantile through the engine's one
 ``resolve``. The JSON bodies are decoded strictly (``service.wire.arrays.parse_json``):
 numbers that are not JSON numbers, a k that is not an integer, a return_neighbors that is

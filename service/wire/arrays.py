@@ -26,10 +26,14 @@ def describe_decode_error(exc: msgspec.MsgspecError) -> str:
 
 def parse_json(body: bytes, schema: type[msgspec.Struct], *, n_features: int, max_rows: int):
     """One strict decode of a JSON body into ``schema``; the instances are not yet checked."""
-    # rows of D numbers, or of at most D (index, value) pairs each: 2D + 2 commas a row
-    if body.count(b",") > max_rows * (2 * n_features + 2) + 64:
+    # rows of D numbers (D + 1 commas a row), or of at most D (index, value) pairs each
+    # (2D + 2) when the body names sparse_instances
+    sparse = b'"sparse_instances"' in body
+    per_row = 2 * n_features + 2 if sparse else n_features + 1
+    if body.count(b",") > max_rows * per_row + 64:
+        what = f"{n_features} (index, value) pairs" if sparse else f"{n_features} values"
         raise PayloadTooLarge(
-            f"the body holds more values than {max_rows} instances of {n_features} "
+            f"the body holds more values than {max_rows} instances of {what} "
             f"(max_batch_rows x D); send fewer rows per request"
         )
     try:

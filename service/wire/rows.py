@@ -58,7 +58,7 @@ def to_sparse_rows(instances, *, n_features: int, max_rows: int, abs_max: float)
     if n == 0:
         raise EmptyBatch("sparse_instances is empty; send at least one row")
     if n > max_rows:
-        raise PayloadTooLarge(f"{n} instances in one request; the limit is {max_rows}")
+        raise PayloadTooLarge(f"{n} sparse_instances in one request; the limit is {max_rows}")
     counts = np.empty(n, dtype=np.int64)
     for i, row in enumerate(instances):
         if len(row.indices) != len(row.values):
@@ -94,8 +94,10 @@ def to_sparse_rows(instances, *, n_features: int, max_rows: int, abs_max: float)
             f"{where} = {values[at]:.6g} is outside this model's input range [-{abs_max:.6g}, "
             f"{abs_max:.6g}] (beyond it the embedding overflows float32)"
         )
-    _check_no_repeats(indices, indptr)
-    return SparseRows(indptr, indices, values.astype(np.float32), n_features)
+    order = _check_no_repeats(indices, indptr)
+    # each row's non-zeros by ascending column: its sum then does not depend on the order
+    # the client sent them in
+    return SparseRows(indptr, indices[order], values[order].astype(np.float32), n_features)
 
 
 def _located(indptr: np.ndarray, at: int) -> tuple[int, int]:
@@ -104,11 +106,10 @@ def _located(indptr: np.ndarray, at: int) -> tuple[int, int]:
     return row, at - int(indptr[row])
 
 
-def _check_no_repeats(indices: np.ndarray, indptr: np.ndarray) -> None:
-    """InvalidInput naming the first row that gives a column twice (its two values would be
-    summed silently otherwise)."""
-    if len(indices) < 2:
-        return
+def _check_no_repeats(indices: np.ndarray, indptr: np.ndarray) -> np.ndarray:
+    """The order (nnz,) that sorts the non-zeros by row, then column; InvalidInput naming
+    the first row that gives a column twice (its two values would be summed silently
+    otherwise)."""
     rows = np.repeat(np.arange(len(indptr) - 1), np.diff(indptr))
     order = np.lexsort((indices, rows))  # by row, then column
     same = (rows[order][1:] == rows[order][:-1]) & (indices[order][1:] == indices[order][:-1])
@@ -119,3 +120,4 @@ def _check_no_repeats(indices: np.ndarray, indptr: np.ndarray) -> None:
             f"sparse_instances[{row}].indices gives column {column} twice; each column at "
             "most once a row"
         )
+    return order

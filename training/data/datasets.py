@@ -205,6 +205,9 @@ def check_labels(y: np.ndarray, what: str = "labels") -> np.ndarray:
     return y
 
 
+NPY_HEADER_MAX_BYTES = 100_000  # numpy itself reads headers of up to 10,000 bytes
+
+
 def npy_header(stream) -> tuple[tuple, np.dtype]:
     """(shape, dtype) from an .npy stream's header (format versions 1.0, 2.0 and 3.0),
     its values left unread. ValueError for a stream that is not .npy."""
@@ -213,6 +216,11 @@ def npy_header(stream) -> tuple[tuple, np.dtype]:
         raise ValueError(f"unsupported .npy format version {version}")
     length_bytes = 2 if version == (1, 0) else 4
     length = int.from_bytes(stream.read(length_bytes), "little")
+    if length > NPY_HEADER_MAX_BYTES:
+        raise ValueError(
+            f"its header is {length} bytes, over {NPY_HEADER_MAX_BYTES} (numpy writes headers "
+            "far under it)"
+        )
     text = stream.read(length).decode("utf-8" if version == (3, 0) else "latin1")
     header = ast.literal_eval(text)
     if not isinstance(header, dict) or not {"descr", "shape"} <= set(header):

@@ -18,6 +18,8 @@ Hashing the dense row instead would cost D x 8 bytes a row (400 KB at D = 50,000
 from __future__ import annotations
 
 import hashlib
+import zipfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -37,11 +39,6 @@ def is_sparse_layout(members: set[str]) -> bool:
     return {"format", "shape", "data"} <= members and "X" not in members
 
 
-# The fit's memory per feature at the default d = 32, held against the budget with the
-# stored arrays: about 25 float64 copies of the (d, D) map (training.model.sparse_input).
-FIT_BYTES_PER_FEATURE = 25 * 32 * 8
-
-
 def read_sparse_npz(
     archive, path: Path, budget: int | None, header_of, error, n_labels: int
 ) -> sp.csr_matrix:
@@ -51,12 +48,13 @@ def read_sparse_npz(
     Every member's header is checked before any value is read (``header_of(archive, key)``
     gives its (shape, dtype)): ``format`` a string, ``shape`` two integers, the arrays 1-D
     of numbers (data, at most 8 bytes) or integers (indices), as many indices as values and
-    no more values than the shape holds. The budget holds what the read, the conversion to
-    CSR and the fit take: the stored arrays twice (as read, then as int64 / float64), the
-    CSR row pointers twice and FIT_BYTES_PER_FEATURE a column. Then the structure is checked
-    whole before scipy touches it (row pointers from 0, non-decreasing, ending at the
-    number of values; indices within the shape). ``error`` is the exception raised, naming
-    ``path``."""
+    The budget holds what the read and the conversion to CSR take at their peak: the stored
+    arrays twice (as read, then as int64 / float64; three times for CSC and COO, which
+    tocsr copies once more) and the CSR row pointers twice (the fit's own memory, which
+    depends on d, is the job's check: ``training.job.check_sparse_settings``). Then the
+    structure is checked whole before scipy touches it (row pointers from 0,
+    non-decreasing, ending at the number of values; indices within the shape). ``error`` is
+    the exception raised, naming ``path``."""
     members = set(archive.files)
     fmt = _format_of(archive, path, header_of, error)
     missing = [key for key in FORMATS[fmt] if key not in members]
@@ -81,21 +79,25 @@ def read_sparse_npz(
     for key in ("indices", "row", "col"):
         if key in lengths and lengths[key] != nnz:
             raise error(f"{path}: {key} has {lengths[key]} entries, data has {nnz}: one each")
-    if nnz > n_rows * n_features:
-        raise error(
-            f"{path}: {nnz} stored values are more than the {n_rows} x {n_features} matrix holds"
-        )
-    n_bytes = sum(2 * n * 8 for n in lengths.values()) + 2 * (n_rows + 1) * INDEX_BYTES
-    n_bytes += n_features * FIT_BYTES_PER_FEATURE
+    copies = 2 if fmt == "csr" else 3
+    n_bytes = sum(copies * n * 8 for n in lengths.values()) + 2 * (n_rows + 1) * INDEX_BYTES
     if budget is not None and n_bytes > budget:
         raise error(
-            f"{path}: the sparse matrix ({n_rows} x {n_features}, {nnz} stored values) and "
-            f"the fit's copies of a d = 32 map take {n_bytes / 2**30:.2f} GiB, over the memory "
-            f"budget of {budget / 2**30:.2f} GiB (--memory-budget-gib)"
+            f"{path}: the sparse matrix ({n_rows} x {n_features}, {nnz} stored values) takes "
+            f"{n_bytes / 2**30:.2f} GiB to read, over the memory budget of "
+            f"{budget / 2**30:.2f} GiB (--memory-budget-gib)"
         )
-    arrays = {key: archive[key] for key in FORMATS[fmt]}
+    try:
+        arrays = {key: archive[key] for key in FORMATS[fmt]}
+    except MemoryError:
+        raise error(f"{path}: the sparse matrix does not fit in memory ({n_bytes} bytes)") from None
+    except (ValueError, OSError, EOFError, zlib.error, zipfile.BadZipFile) as exc:
+        reason = " ".join(str(exc).split())
+        raise error(f"{path}: a member is damaged ({reason})") from None
     try:
         X = _matrix(fmt, arrays, (n_rows, n_features))
+    except MemoryError:
+        raise error(f"{path}: the sparse matrix does not fit in memory ({n_bytes} bytes)") from None
     except (ValueError, IndexError, TypeError, OverflowError) as exc:
         reason = " ".join(str(exc).split())
         raise error(f"{path}: not a valid sparse {fmt} matrix ({reason})") from None

@@ -335,7 +335,7 @@ def test_a_first_load_torn_by_a_publish_is_read_again(model_artifact, tmp_path):
         return load(path)
 
     engine.load = torn_load
-    with TestClient(app) as c:
+    with TestClient(app) as c:  # (the same for a manifest written or removed meanwhile)
         assert c.get("/readyz").status_code == 200
         assert c.get("/v1/model").json()["artifact_directory"] == str(v2)
     assert len(calls) == 2
@@ -344,9 +344,13 @@ def test_a_first_load_torn_by_a_publish_is_read_again(model_artifact, tmp_path):
 def test_a_first_load_that_fails_on_an_unchanged_artifact_fails_fast(model_dir):
     (model_dir / "labels.npy").write_bytes(b"garbage")
     app = create_app(settings_for(model_dir))
+    engine = app.state.ncaknn.engine
+    load, calls = engine.load, []
+    engine.load = lambda path=None: (calls.append(path), load(path))[1]
     with pytest.raises(RuntimeError, match="checksum mismatch"):
         with TestClient(app):
             pass
+    assert len(calls) == 1  # not tried again: nothing changed
 
 
 def test_reload_of_a_corrupt_artifact_is_409_and_the_old_model_serves(model_dir):

@@ -242,7 +242,7 @@ CASES = [
         "too many values (commas)",
         ROUTES,
         JSON_H,
-        b'{"instances": [[' + b"0," * 600_000 + b"0]]}",
+        b'{"instances": [[' + b"0," * 300_000 + b"0]]}",
         "",
         413,
         "payload_too_large",
@@ -900,6 +900,32 @@ CASES = [
                 "invalid_input",
                 "sparse_instances[0].indices[1] = 64 is not a column",
             ),
+            (  # the row and position are counted past an empty row
+                "an index past the features in a later row",
+                {
+                    "sparse_instances": [
+                        SPARSE_ROW,
+                        {"indices": [], "values": []},
+                        {"indices": [4, 70], "values": [1.0, 1.0]},
+                    ]
+                },
+                422,
+                "invalid_input",
+                "sparse_instances[2].indices[1] = 70 is not a column",
+            ),
+            (
+                "a value out of range in a later row",
+                {
+                    "sparse_instances": [
+                        {"indices": [], "values": []},
+                        SPARSE_ROW,
+                        {"indices": [4, 9, 11], "values": [1.0, 2.0, -1e300]},
+                    ]
+                },
+                422,
+                "invalid_input",
+                "sparse_instances[2].values[2] = -1e+300 is outside",
+            ),
             (
                 "a negative index",
                 {"sparse_instances": [{"indices": [-1], "values": [1.0]}]},
@@ -954,7 +980,7 @@ CASES = [
                 {"sparse_instances": [SPARSE_ROW] * 4097},
                 413,
                 "payload_too_large",
-                "4097 instances in one request",
+                "4097 sparse_instances in one request",
             ),
         ]
     ],

@@ -67,15 +67,28 @@ def raw_sparse(d: Path, y=Y_SPARSE, **arrays) -> list[str]:
 
 def with_member_header(d: Path, key: str, header: str) -> list[str]:
     """The CSR of X_SPARSE with member ``key`` replaced by a hand-written .npy header
-    (format 1.0) over 64 zero bytes."""
+    (format 1.0, or 2.0 for a header over 65,535 bytes) over 64 zero bytes."""
     args = raw_sparse(d)
-    text = header + " " * (-(10 + len(header) + 1) % 64) + "\n"
-    member = b"\x93NUMPY\x01\x00" + len(text).to_bytes(2, "little") + text.encode("latin1")
+    version, width = ((1, 0), 2) if len(header) < 65_000 else ((2, 0), 4)
+    text = header + " " * (-(8 + width + len(header) + 1) % 64) + "\n"
+    member = b"\x93NUMPY" + bytes(version) + len(text).to_bytes(width, "little")
+    member += text.encode("latin1")
     with zipfile.ZipFile(d / "X.npz") as archive:
         kept = {name: archive.read(name) for name in archive.namelist()}
     with zipfile.ZipFile(d / "X.npz", "w") as archive:
         for name, data in kept.items():
             archive.writestr(name, member + bytes(64) if name == f"{key}.npy" else data)
+    return args
+
+
+def truncated_member(d: Path, key: str) -> list[str]:
+    """The CSR of X_SPARSE with member ``key`` cut short by 16 bytes (stored uncompressed)."""
+    args = raw_sparse(d)
+    with zipfile.ZipFile(d / "X.npz") as archive:
+        kept = {name: archive.read(name) for name in archive.namelist()}
+    with zipfile.ZipFile(d / "X.npz", "w") as archive:
+        for name, data in kept.items():
+            archive.writestr(name, data[:-16] if name == f"{key}.npy" else data)
     return args
 
 
@@ -86,7 +99,8 @@ def with_data_value(value: float, at: int = 7) -> np.ndarray:
 
 
 def row_of(at: int) -> int:
-    return int(np.searchsorted(X_SPARSE.indptr, at, side="right") - 1)
+    """The row of X_SPARSE's ``at``-th stored value, counted by hand."""
+    return next(i for i in range(X_SPARSE.shape[0]) if X_SPARSE.indptr[i + 1] > at)
 
 
 SPARSE_CORPUS = [  # (name, lay out the files, words of the one-line refusal)
@@ -108,19 +122,19 @@ SPARSE_CORPUS = [  # (name, lay out the files, words of the one-line refusal)
         lambda d: raw_sparse(
             d, indices=np.where(np.arange(X_SPARSE.nnz) == 5, 400, X_SPARSE.indices)
         ),
-        "not a valid sparse csr matrix",
+        "not a valid sparse csr matrix (an index is out of range [0, 400))",
     ),
     (
         "a negative column index",
         lambda d: raw_sparse(
             d, indices=np.where(np.arange(X_SPARSE.nnz) == 5, -1, X_SPARSE.indices)
         ),
-        "not a valid sparse csr matrix",
+        "not a valid sparse csr matrix (an index is out of range [0, 400))",
     ),
     (
         "indptr decreasing",
         lambda d: raw_sparse(d, indptr=np.r_[X_SPARSE.indptr[:3], 1, X_SPARSE.indptr[4:]]),
-        "not a valid sparse csr matrix",
+        "indptr must rise from 0 to the number of stored values",
     ),
     (
         "indptr of the wrong length",
@@ -136,6 +150,11 @@ SPARSE_CORPUS = [  # (name, lay out the files, words of the one-line refusal)
         "a NaN value",
         lambda d: raw_sparse(d, data=with_data_value(np.nan)),
         f"row {row_of(7)}, column {X_SPARSE.indices[7]} holds NaN or Inf",
+    ),
+    (  # rows 0 to 4 hold 12 values each at most: the 100th value is in a later row
+        "a NaN value in a later row",
+        lambda d: raw_sparse(d, data=with_data_value(np.nan, at=100)),
+        f"row {row_of(100)}, column {X_SPARSE.indices[100]} holds NaN or Inf",
     ),
     (
         "a value beyond float32",
@@ -195,7 +214,7 @@ SPARSE_CORPUS = [  # (name, lay out the files, words of the one-line refusal)
     (  # the hostile pass's rows (were: tracebacks, a 201 MB line, or silently dropped values)
         "10^12 columns in a tiny file",
         lambda d: raw_sparse(d, shape=np.array([240, 10**12])),
-        "over the memory budget",
+        "at d = 32 the fit holds about 25 copies of the (32, 1000000000000) map",
     ),
     (
         "indptr ending at 0 with values stored",
@@ -213,7 +232,7 @@ SPARSE_CORPUS = [  # (name, lay out the files, words of the one-line refusal)
         "it runs from 1 to",
     ),
     (
-        "a format of 2^29 bytes",
+        "a format of 2^20 bytes",
         lambda d: raw_sparse(d, format=np.zeros(2**20, np.uint8)),
         "format must be one of ['coo', 'csc', 'csr'], got an array of shape (1048576,)",
     ),
@@ -226,6 +245,18 @@ SPARSE_CORPUS = [  # (name, lay out the files, words of the one-line refusal)
         "a shape of 2^20 numbers",
         lambda d: raw_sparse(d, shape=np.zeros(2**20, np.int64)),
         "shape must be two non-negative integers, got an array of shape (1048576,)",
+    ),
+    (
+        "a header of 200,000 bytes",
+        lambda d: with_member_header(
+            d, "data", "{'descr': '<f8', 'fortran_order': False, 'shape': (3,), }" + " " * 200_000
+        ),
+        "over 100000",
+    ),
+    (
+        "a truncated member",
+        lambda d: truncated_member(d, "data"),
+        "a member is damaged",
     ),
     (
         "a header claiming a negative length",
@@ -276,8 +307,8 @@ SPARSE_CORPUS = [  # (name, lay out the files, words of the one-line refusal)
     ),
     (
         "more stored values than the memory budget",
-        lambda d: [*sparse_pair(d), "--memory-budget-gib", str(2**-20)],
-        "over the memory budget",
+        lambda d: [*sparse_pair(d), "--memory-budget-gib", str(2**-18)],  # over the labels'
+        "to read, over the memory budget of 0.00 GiB",
     ),
 ]
 
