@@ -136,13 +136,15 @@ def knn_accuracies_by_rule(
     if len(z_query) == 0 or not ks:
         return {rule: {} for rule in rules}
     dist, idx = nearest_references(z_query, z_ref, max(ks))
-    labels = y_ref[idx]
+    return {rule: accuracies_at(y_ref[idx], dist, y_query, n_classes, ks, rule) for rule in rules}
+
+
+def accuracies_at(labels, dist, y_query, n_classes: int, ks, rule: str) -> dict[int, float]:
+    """{k: accuracy} of the rule's decision from the k nearest of each query: labels (n, m)
+    and dist (n, m) of its neighbours in order, m >= max(ks); y_query (n,)."""
     return {
-        rule: {
-            k: float(np.mean(decide(labels[:, :k], dist[:, :k], n_classes, rule)[0] == y_query))
-            for k in ks
-        }
-        for rule in rules
+        k: float(np.mean(decide(labels[:, :k], dist[:, :k], n_classes, rule)[0] == y_query))
+        for k in ks
     }
 
 
@@ -208,8 +210,4 @@ def sparse_knn_accuracies(
         order = np.lexsort((part, part_d), axis=1)  # by distance, then by index
         idx[start:stop] = np.take_along_axis(part, order, axis=1)
         dist[start:stop] = np.take_along_axis(part_d, order, axis=1)
-    labels = y_ref[idx]
-    return {
-        k: float(np.mean(decide(labels[:, :k], dist[:, :k], n_classes, rule)[0] == y_query))
-        for k in ks
-    }
+    return accuracies_at(y_ref[idx], dist, y_query, n_classes, ks, rule)

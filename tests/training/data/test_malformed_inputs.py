@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.training.conftest import refused_in_one_line
 from training import NCA
 
 RNG = np.random.default_rng(0)
@@ -641,17 +642,8 @@ def npy_pair_x_only(d: Path) -> list[str]:
 
 @pytest.mark.parametrize("name, lay_out, words, arrays", CORPUS, ids=[c[0] for c in CORPUS])
 def test_the_job_refuses_in_one_line(python_m_training, tmp_path, name, lay_out, words, arrays):
-    data = tmp_path / "data"
-    data.mkdir()
-    out = tmp_path / "out"
-    args = lay_out(data)
-    code, _, stderr = python_m_training(*args, "--out", out, "--quiet", "--max-iter", "2")
-    lines = [line for line in stderr.splitlines() if line.strip()]
-    assert code == 2, (name, stderr)
-    assert "Traceback" not in stderr, stderr
-    assert len(lines) == 1 and lines[0].startswith("error"), lines
-    assert words in lines[0], lines[0]
-    assert not out.exists()
+    line = refused_in_one_line(python_m_training, tmp_path, lay_out)
+    assert words in line, line
     if arrays is not None:  # the estimator says the same
         with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
             NCA(n_components=2, max_iter=2).fit(*arrays)

@@ -18,6 +18,7 @@ from service.app import create_app
 from service.config import Settings
 from service.engine.infer import embed
 from service.engine.model import load_model
+from tests.training.conftest import refused_in_one_line
 from training.config import TrainConfig
 from training.data.datasets import load_dataset, make_split, row_digests
 from training.data.sparse_file import row_digests as sparse_row_digests
@@ -317,16 +318,8 @@ SPARSE_CORPUS = [  # (name, lay out the files, words of the one-line refusal)
 def test_the_job_refuses_a_malformed_sparse_file_in_one_line(
     python_m_training, tmp_path, name, lay_out, words
 ):
-    data = tmp_path / "data"
-    data.mkdir()
-    out = tmp_path / "out"
-    code, _, stderr = python_m_training(*lay_out(data), "--out", out, "--quiet", "--max-iter", "2")
-    lines = [line for line in stderr.splitlines() if line.strip()]
-    assert code == 2, (name, stderr)
-    assert "Traceback" not in stderr, stderr
-    assert len(lines) == 1 and lines[0].startswith("error"), lines
-    assert words in lines[0], lines[0]
-    assert not out.exists()
+    line = refused_in_one_line(python_m_training, tmp_path, lay_out)
+    assert words in line, (name, line)
 
 
 def test_the_references_commands_refuse_a_sparse_file_in_one_line(
