@@ -1,6 +1,7 @@
 """``python -m service`` / ``nca-serve``: run the service under uvicorn.
 
     python -m service --model models/digits --host 127.0.0.1 --port 8000
+    python -m service --model-repository models/ --port 8000   (every model by name)
 
 Options override the NCAKNN_* environment (they are passed to uvicorn's workers through it).
 """
@@ -23,6 +24,7 @@ from service.server.workers import METRICS_DIR
 
 OPTIONS = (  # command-line option -> the NCAKNN_* variable it sets
     ("model", "NCAKNN_MODEL_PATH"),
+    ("model_repository", "NCAKNN_MODEL_REPOSITORY"),
     ("host", "NCAKNN_HOST"),
     ("port", "NCAKNN_PORT"),
     ("workers", "NCAKNN_WORKERS"),
@@ -80,6 +82,11 @@ def apply_options(argv: list[str] | None) -> None:
     read their settings from it)."""
     parser = argparse.ArgumentParser(prog="python -m service", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="artifact directory (NCAKNN_MODEL_PATH)")
+    parser.add_argument(
+        "--model-repository",
+        help="serve every model under this directory by name, DIR/NAME/ or DIR/NAME/VERSION/ "
+        "(NCAKNN_MODEL_REPOSITORY; in place of --model)",
+    )
     parser.add_argument("--host", help="interface to bind (NCAKNN_HOST)")
     parser.add_argument("--port", type=int, help="TCP port (NCAKNN_PORT)")
     parser.add_argument("--workers", type=int, help="worker processes (NCAKNN_WORKERS)")

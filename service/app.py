@@ -50,11 +50,13 @@ from service.errors import (
     body_of,
     status_of,
 )
+from service.http import card as card_module
 from service.http import head
 from service.http.card import ModelCard
+from service.http.decode import MODEL_NAME_KEY
 from service.http.deps import check_api_key
 from service.http.routes import health, inference, model
-from service.oip import grpc_server
+from service.oip import grpc_server, repository
 from service.oip import rest as v2
 from service.openapi import build_openapi
 from service.ops import memory
@@ -212,7 +214,8 @@ class ServiceMiddleware:
         metrics by sending new paths."""
         if path in self.routes:
             return path
-        template = v2.route_template(path)
+        template = v2.route_template(path) or inference.named_template(path)
+        template = template or repository.route_template(path)
         return template if template in self.routes else UNMATCHED_ROUTE
 
 
@@ -252,6 +255,10 @@ class ServiceApp(FastAPI):
             endpoint = self.direct_routes.get(scope["path"])
             if endpoint is None and v2.infer_target(scope["path"]) is not None:
                 endpoint = v2.infer
+            named = inference.named_target(scope["path"]) if endpoint is None else None
+            if named is not None:
+                scope[MODEL_NAME_KEY], route = named
+                endpoint = self.direct_routes[route]
             if endpoint is not None:
                 scope["app"] = self
                 await self.call_direct(endpoint, scope, receive, send)
@@ -341,10 +348,24 @@ async def _keep_model_in_sync(state: AppState) -> None:
                 continue
             if poll > 0 and time.monotonic() - last_poll >= poll - 1e-3:
                 last_poll = time.monotonic()
-                if await run_in_threadpool(state.engine.changed_on_disk):
+                if state.engine.repository is not None:
+                    await _sync_repository(state)
+                elif await run_in_threadpool(state.engine.changed_on_disk):
                     await _reload_in_background(state, "the artifact on disk changed")
         except Exception as exc:  # whatever the disk holds, the sync goes on
             log.error("model sync failed; retrying", exc_info=exc)
+
+
+async def _sync_repository(state: AppState) -> None:
+    """Reload each repository model whose artifact changed on disk (a new version folder,
+    a republish), each on its own."""
+    repository = state.engine.repository
+    for name in await run_in_threadpool(repository.changed_on_disk):
+        try:
+            await run_in_threadpool(repository.load, name)
+        except Exception:  # recorded in the model's slot (the index's reason) and logged
+            continue
+        log.info("model synchronised", extra={"model": name})
 
 
 def _install_drain_on_sigterm(state: AppState, on_stop: Callable[[], None]) -> None:
@@ -413,8 +434,10 @@ def create_app(
     app.include_router(model.router)
     app.include_router(health.router)
     app.include_router(v2.router)
+    app.include_router(repository.router)
     _install_openapi(app, state)
-    routes = set(build_openapi(app, _limits(state), secured=False)["paths"])
+    every_route = {**_limits(state), "repository": True}  # the metrics' route labels
+    routes = set(build_openapi(app, every_route, secured=False)["paths"])
     routes |= {"/openapi.json", "/docs", "/redoc", "/"}
     app.direct_routes = dict(inference.DIRECT_LANE)
     app.service_middleware = ServiceMiddleware(app.dispatch, state=state, routes=routes)
@@ -499,6 +522,9 @@ async def _load_at_startup(state: AppState) -> None:
     require_model_at_startup is off, in which case the service starts unready
     (:func:`_first_load` says which failures are tried again first)."""
     settings = state.settings
+    if state.engine.repository is not None:
+        await _load_repository_at_startup(state)
+        return
     try:
         await _first_load(state)
     except Exception as exc:
@@ -509,6 +535,24 @@ async def _load_at_startup(state: AppState) -> None:
                 "NCAKNN_REQUIRE_MODEL_AT_STARTUP=false to start unready and wait for it."
             ) from exc
         log.warning("starting without a model", extra={"error": str(exc)})
+
+
+async def _load_repository_at_startup(state: AppState) -> None:
+    """Load every model of the repository, each on its own (a broken one is UNAVAILABLE
+    with its reason, the others serve). With require_model_at_startup, a repository where
+    no model loads stops the start."""
+    repository = state.engine.repository
+    await run_in_threadpool(repository.load_all)
+    if repository.any_ready() or not state.settings.require_model_at_startup:
+        if not repository.any_ready():
+            log.warning("starting without a model", extra={"repository": str(repository.root)})
+        return
+    reasons = "; ".join(f"{e.name}: {e.reason}" for e in repository.index()[:5])
+    raise RuntimeError(
+        f"cannot serve: no model of the repository {repository.root} loaded "
+        f"({reasons or 'it holds no model folder'}). Set NCAKNN_REQUIRE_MODEL_AT_STARTUP=false "
+        "to start unready and load models later."
+    )
 
 
 async def _first_load(state: AppState) -> None:
@@ -604,6 +648,8 @@ def _limits(state: AppState) -> dict:
         "n_features": None,
         "input_abs_max": None,
         "v2_model_name": settings.v2_model_name,
+        "model_names": [entry["name"] for entry in state.engine.repository_index(True)],
+        "repository": state.engine.repository is not None,
         "version": None,
     }
     loaded = state.engine.peek()
@@ -659,6 +705,12 @@ def _install_openapi(app: FastAPI, state: AppState) -> None:
     async def model_card(request: Request) -> HTMLResponse:
         """The model card (service.http.card), rendered in a worker thread."""
         guard(request)
+        if state.engine.repository is not None:
+            entries = state.engine.repository_index()
+            page = await run_in_threadpool(
+                card_module.render_repository, entries, state.metrics.registry
+            )
+            return HTMLResponse(page)
         model = state.engine.current()
         page = await run_in_threadpool(
             card.render, model, state.metrics.registry, state.engine.last_error

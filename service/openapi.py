@@ -29,9 +29,11 @@ ERROR_DESCRIPTIONS = {
     429: "overloaded: too many requests in flight",
     503: "no model loaded yet, shutting down, or (an inference answer) the worker's budget of "
     "answers not yet taken by their clients is spent (answer_budget_spent)",
-    404: "unknown model or version (the Open Inference Protocol's routes)",
+    404: "unknown model or version (a named route), or an unnamed route of a server that "
+    "serves a model repository",
 }
 INFERENCE_ERRORS = (400, 401, 406, 413, 415, 422, 429, 503)
+NAMED_ERRORS = (400, 401, 404, 406, 413, 415, 422, 429, 503)  # 404: no model of that name
 V2_INFER_ERRORS = (400, 401, 404, 413, 415, 422, 429, 503)  # no Accept negotiation
 NPY_ANSWERS = {  # the 200 answer with Accept: application/x-npy (see service.http.routes.inference)
     "embed": "float32 array (n, d)",
@@ -45,7 +47,12 @@ ROUTE_ERRORS = {
     "/v1/classify": INFERENCE_ERRORS,
     "/v1/embed": INFERENCE_ERRORS,
     "/v1/neighbors": INFERENCE_ERRORS,
+    "/v1/models/{model_name}/classify": NAMED_ERRORS,
+    "/v1/models/{model_name}/embed": NAMED_ERRORS,
+    "/v1/models/{model_name}/neighbors": NAMED_ERRORS,
     "/v1/model": (401, 503),
+    "/v1/models": (401,),
+    "/v1/models/{model_name}": (401, 404, 503),
     "/v1/admin/reload": (401, 409),
     "/readyz": (503,),
     "/metrics": (401,),
@@ -58,7 +65,15 @@ ROUTE_ERRORS = {
     "/v2/models/{model_name}/versions/{model_version}/ready": (401, 404, 503),
     "/v2/models/{model_name}/infer": V2_INFER_ERRORS,
     "/v2/models/{model_name}/versions/{model_version}/infer": V2_INFER_ERRORS,
+    # the repository extension (service.oip.repository), behind the admin key; documented
+    # when the server serves a repository
+    "/v2/repository/index": (401, 413, 422),
+    "/v2/repository/models/{model_name}/load": (401, 404, 409, 413, 422),
+    "/v2/repository/models/{model_name}/unload": (401, 404, 413, 422),
 }
+# with a repository, the unnamed routes answer 404 (name the model)
+REPOSITORY_ERRORS = {path: (404,) for path in ("/v1/classify", "/v1/embed", "/v1/neighbors")}
+REPOSITORY_ERRORS |= {"/v1/model": (404,), "/v1/admin/reload": (404,)}
 V2_HEADER_LENGTH = {
     "name": "Inference-Header-Content-Length",
     "in": "header",
@@ -224,6 +239,10 @@ def build_openapi(app: FastAPI, limits: dict[str, Any], secured: bool) -> dict:
     schemas["V2ErrorBody"] = V2_ERROR_BODY
     if secured:
         components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    repository = bool(limits.get("repository"))
+    if not repository:  # one model: the repository's load and unload only refuse
+        for path in [p for p in spec["paths"] if p.startswith("/v2/repository/")]:
+            del spec["paths"][path]
     for path, operations in spec["paths"].items():
         for operation in operations.values():
             responses = operation.setdefault("responses", {})
@@ -246,6 +265,8 @@ def build_openapi(app: FastAPI, limits: dict[str, Any], secured: bool) -> dict:
                     },
                 }
                 operation["parameters"] = query_parameters(query or [], limits)
+                if "{model_name}" in path:
+                    operation["parameters"].insert(0, model_name_parameter(limits))
             if npy_out:
                 responses["200"]["content"][NPY] = {
                     "schema": {"type": "string", "format": "binary"},
@@ -258,7 +279,8 @@ def build_openapi(app: FastAPI, limits: dict[str, Any], secured: bool) -> dict:
                 }
             v2 = path == "/v2" or path.startswith("/v2/")
             error_ref = "#/components/schemas/" + ("V2ErrorBody" if v2 else "ErrorBody")
-            for status in ROUTE_ERRORS.get(path, ()):
+            extra = REPOSITORY_ERRORS.get(path, ()) if repository else ()
+            for status in sorted({*ROUTE_ERRORS.get(path, ()), *extra}):
                 responses[str(status)] = {
                     "description": ERROR_DESCRIPTIONS[status],
                     "content": {JSON: {"schema": {"$ref": error_ref}}},
@@ -270,14 +292,73 @@ def build_openapi(app: FastAPI, limits: dict[str, Any], secured: bool) -> dict:
     return spec
 
 
+REPOSITORY_INDEX = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "required": ["name", "version", "state", "reason"],
+        "properties": {
+            "name": {"type": "string"},
+            "version": {"type": "string"},
+            "state": {"type": "string", "enum": ["READY", "LOADING", "UNAVAILABLE"]},
+            "reason": {"type": "string"},
+        },
+    },
+}
+
+
+def _optional_body(properties: dict) -> dict:
+    return {
+        "required": False,
+        "content": {
+            JSON: {
+                "schema": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": properties,
+                }
+            }
+        },
+    }
+
+
+REPOSITORY_BODIES = {  # (an empty body takes the defaults)
+    "index": _optional_body({"ready": {"type": "boolean", "description": "ready models only"}}),
+    "load": _optional_body({"parameters": {"type": "object", "maxProperties": 0}}),
+    "unload": _optional_body(
+        {
+            "parameters": {
+                "type": "object",
+                "additionalProperties": False,
+                "properties": {"unload_dependents": {"type": "boolean"}},
+            }
+        }
+    ),
+}
+
+
+def model_name_parameter(limits: dict[str, Any]) -> dict:
+    """A named route's model: one of the served names (any other answers 404)."""
+    names = limits.get("model_names") or [limits.get("v2_model_name")]
+    return {
+        "name": "model_name",
+        "in": "path",
+        "required": True,
+        "schema": {"type": "string", "enum": names},
+        "description": "the model's name (v2_model_name, or a repository's folder name)",
+    }
+
+
 def _describe_v2(path: str, operation: dict, limits: dict[str, Any]) -> None:
     """The protocol's routes: path parameters limited to the served name and version (any
     other answers 404), the infer body, and the 200 answers as the protocol's JSON."""
-    names = {"model_name": limits.get("v2_model_name"), "model_version": limits.get("version")}
     for parameter in operation.get("parameters", []):
-        value = names.get(parameter.get("name"))
-        if parameter.get("in") == "path" and value:
-            parameter["schema"] = {"type": "string", "enum": [value]}
+        if parameter.get("in") != "path":
+            continue
+        if parameter.get("name") == "model_name":
+            parameter["schema"] = model_name_parameter(limits)["schema"]
+        elif parameter.get("name") == "model_version" and limits.get("version"):
+            parameter["schema"] = {"type": "string", "enum": [limits["version"]]}
     if path.endswith("/infer"):
         operation["requestBody"] = V2_INFER_BODY
         operation.setdefault("parameters", []).append(V2_HEADER_LENGTH)
@@ -288,6 +369,13 @@ def _describe_v2(path: str, operation: dict, limits: dict[str, Any]) -> None:
                 JSON: {"schema": {"type": "object"}},
                 "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
             },
+        }
+    elif path.startswith("/v2/repository/"):
+        operation["requestBody"] = REPOSITORY_BODIES[path.rsplit("/", 1)[1]]
+        index = path == "/v2/repository/index"
+        operation["responses"]["200"] = {
+            "description": "every model: name, version, state, reason" if index else "done",
+            "content": {JSON: {"schema": REPOSITORY_INDEX if index else {"type": "object"}}},
         }
     else:
         operation["responses"]["200"] = {

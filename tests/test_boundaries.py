@@ -313,7 +313,12 @@ def test_the_direct_lane_serves_exactly_the_declared_inference_routes():
     from service.http.routes import inference
 
     declared = {route.path: route.endpoint for route in inference.router.routes}
-    assert inference.DIRECT_LANE == declared
+    assert inference.DIRECT_LANE == {p: e for p, e in declared.items() if "{" not in p}
+    named = {p: e for p, e in declared.items() if "{model_name}" in p}
+    assert len(named) == len(inference.DIRECT_LANE)  # each route also by a model's name
+    for path, endpoint in named.items():
+        model, route = inference.named_target(path.replace("{model_name}", "a-model"))
+        assert model == "a-model" and inference.DIRECT_LANE[route] is endpoint
 
 
 ENGINE_PARTS = {"admit", "search", "project", "batcher", "in_flight", "events"}

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import logging
-import threading
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -33,29 +31,24 @@ from pathlib import Path
 import numpy as np
 
 from service.config import Settings
-from service.core.artifact import ArtifactError, artifact_fingerprint
 from service.core.knn import outlier_flags
 from service.core.sparse import dense_rows_equivalent
 from service.engine.batcher import Batcher
 from service.engine.events import EngineEvents
 from service.engine.infer import Answer, Query, embed, infer_one
-from service.engine.model import LoadedModel, load_model
-from service.errors import NotReady, Overloaded, ReloadFailed
+from service.engine.model import LoadedModel
+from service.engine.repository import READY, UNAVAILABLE, Repository
+from service.engine.slot import ModelSlot
+from service.errors import NotFound, Overloaded, ReloadFailed
 from service.ops.tracing import NoTracing, Tracing, record_inference
 
-log = logging.getLogger("service.engine")
 INLINE_EMBED_ROWS = 64  # below this, projection runs on the event loop
 
 
 class Engine:
-    """Holds the current model (loads a new one off to the side and swaps it in) and runs
-    requests on it: :meth:`classify`, :meth:`neighbors` and :meth:`embed`.
-
-    Failed loads are remembered by the artifact's fingerprint (directory identity, manifest
-    hash, file sizes and times: ``artifact_fingerprint``), not by its version: a version that
-    failed while it was being written is retried as soon as its files change, and any failed
-    artifact again after ``retry_failed_seconds``.
-    """
+    """Holds the served model (a :class:`ModelSlot`: loads a new one off to the side and
+    swaps it in) and runs requests on it: :meth:`classify`, :meth:`neighbors` and
+    :meth:`embed`."""
 
     def __init__(
         self,
@@ -69,16 +62,18 @@ class Engine:
         # every load that swapped a model in or failed, whoever asked for it (startup, the
         # reload route, the poller), every request admitted and every outlier flagged
         self.events = events if events is not None else EngineEvents()
-        self.clock = clock
-        self.retry_failed_seconds = retry_failed_seconds
-        self._model: LoadedModel | None = None
-        self._load_lock = threading.Lock()  # one load at a time; others are refused
-        self._load_started = 0.0
-        self.last_error: str | None = None
+        # one model (``single``), or a repository of named ones (``repository``)
+        self.repository: Repository | None = None
+        self.single: ModelSlot | None = None
+        if settings.model_repository is not None:
+            self.repository = Repository(
+                settings.model_repository, settings, self.events, clock, retry_failed_seconds
+            )
+        else:
+            self.single = ModelSlot(
+                "", settings.model_path, settings, self.events, clock, retry_failed_seconds
+            )
         self.draining = False
-        self._loaded_fingerprint: tuple | None = None
-        self._failed_fingerprint: tuple | None = None
-        self._failed_at = 0.0
         # serving: the in-flight gate, the batcher (set by the app's lifespan), tracing
         self.in_flight = 0
         self.batcher: Batcher | None = None
@@ -86,94 +81,121 @@ class Engine:
 
     @property
     def ready(self) -> bool:
-        return self._model is not None and not self.draining
+        """Not draining, and a model serves (in a repository: at least one)."""
+        if self.draining:
+            return False
+        if self.repository is not None:
+            return self.repository.any_ready()
+        return self.single.peek() is not None
+
+    @property
+    def last_error(self) -> str | None:
+        """What the single model's last failed load said (None after a load that swapped
+        a model in; a repository's models give theirs in its index)."""
+        return self.single.last_error if self.single is not None else None
 
     def peek(self) -> LoadedModel | None:
-        """The loaded model, or None."""
-        return self._model
+        """The single model, or None (none loaded, or a repository)."""
+        return self.single.peek() if self.single is not None else None
 
     def current(self) -> LoadedModel:
-        model = self._model
-        if model is None:
-            raise NotReady(
-                "no model is loaded yet; "
-                + (f"the last load failed: {self.last_error}" if self.last_error else "loading")
+        """The single model: what the unnamed routes serve. NotReady when none is loaded;
+        NotFound with a repository, whose models are asked for by name."""
+        if self.single is None:
+            raise NotFound(
+                "this server serves a model repository: name the model "
+                "(/v1/models/{name}/classify, /v2/models/{name}/infer; GET /v1/models lists "
+                "them)"
+            )
+        return self.single.current()
+
+    def model(self, name: str, version: str | None = None) -> LoadedModel:
+        """The model serving under ``name`` (and ``version``, when given). With one model,
+        its name is the setting v2_model_name and its version the artifact's. NotFound for
+        another name or version, NotReady for a model that is not loaded."""
+        if self.repository is not None:
+            return self.repository.model(name, version)
+        served = self.settings.v2_model_name
+        if name != served:
+            raise NotFound(f"unknown model {name!r}; this server serves {served!r}")
+        model = self.current()
+        if version not in (None, "") and version != model.version:
+            raise NotFound(
+                f"unknown version {version!r} of model {name!r}; the loaded version is "
+                f"{model.version!r}"
             )
         return model
+
+    def name_of(self, model: LoadedModel) -> str:
+        """A model's name in the protocol: its repository name, else v2_model_name."""
+        return model.name or self.settings.v2_model_name
 
     def load(self, path: str | Path | None = None) -> LoadedModel:
-        """Load the artifact at ``path`` (default: the configured one) and swap it in.
-
-        Raises the load error after recording it; the current model keeps serving.
-        """
-        path = Path(path or self.settings.model_path)
-        if not self._load_lock.acquire(blocking=False):
-            raise ReloadFailed(
-                f"another load of the model has been running for "
-                f"{time.monotonic() - self._load_started:.1f} s; a load does not queue behind "
-                "it: retry when it has finished (GET /v1/model shows the result)"
-            )
-        self._load_started = time.monotonic()
-        try:
-            return self._load(path)
-        finally:
-            self._load_lock.release()
-
-    def _load(self, path: Path) -> LoadedModel:
-        """Load ``path`` and swap it in, with the load lock held (:meth:`load`).
-
-        The model is remembered with the fingerprint of exactly the bytes it was built from
-        (``Artifact.fingerprint``, taken through the directory the reader pinned), and a
-        failure with the fingerprint of what failed (None when the reader did not get as far
-        as a manifest, or failed outside the artifact's checks: then it is retried at the
-        next poll). Whatever the path was repointed to during the read, the poller's next
-        look (:meth:`changed_on_disk`) sees that the path names something else."""
-        try:
-            model = load_model(path, self.settings, on_fallback=self.events.search_fell_back)
-        except Exception as exc:
-            self._failed_fingerprint = exc.fingerprint if isinstance(exc, ArtifactError) else None
-            self._failed_at = self.clock()
-            self.last_error = f"{type(exc).__name__}: {exc}"
-            log.error("model load failed", extra={"path": str(path), "error": self.last_error})
-            self.events.model_load_failed(exc)
-            raise
-        self._model = model  # one reference assignment: the swap
-        self._loaded_fingerprint = model.artifact.fingerprint
-        self._failed_fingerprint = None
-        self.last_error = None
-        log.info(
-            "model loaded",
-            extra={
-                "path": str(path),
-                "model_version": model.version,
-                "seconds": model.load_seconds,
-            },
-        )
-        self.events.model_loaded(model)
-        return model
+        """Load the single model's artifact at ``path`` (default: the configured one) and
+        swap it in (:meth:`ModelSlot.load`). Raises the load error after recording it; the
+        current model keeps serving."""
+        return self._single().load(path)
 
     async def reload(self, timeout: float) -> LoadedModel:
-        """:meth:`load` in a worker thread, waited for at most ``timeout`` seconds: past it
-        ReloadFailed, while the load goes on in the background (a model it completes is
-        swapped in then; a failure is recorded as any other)."""
-        loop = asyncio.get_running_loop()
-        try:
-            return await asyncio.wait_for(loop.run_in_executor(None, self.load), timeout)
-        except TimeoutError:
-            raise ReloadFailed(
-                f"the load did not finish within {timeout:g} s (reload_timeout_seconds); it "
-                "goes on in the background, and GET /v1/model shows what it brought"
-            ) from None
+        """:meth:`load` in a worker thread, waited for at most ``timeout`` seconds
+        (:meth:`ModelSlot.reload`)."""
+        return await self._single().reload(timeout)
 
     def changed_on_disk(self) -> bool:
         """True when the model path holds an artifact other than the one loaded, and not one
         that already failed unchanged (unless ``retry_failed_seconds`` have passed)."""
-        fingerprint = artifact_fingerprint(self.settings.model_path)
-        if fingerprint is None or fingerprint == self._loaded_fingerprint:
-            return False
-        if fingerprint == self._failed_fingerprint:
-            return self.clock() - self._failed_at >= self.retry_failed_seconds
-        return True
+        return self._single().changed_on_disk()
+
+    def repository_index(self, ready_only: bool = False) -> list[dict[str, str]]:
+        """The protocol's repository index: each model's name, version, state and reason.
+        With one model, that model (READY, or UNAVAILABLE with its last error)."""
+        if self.repository is not None:
+            return [entry.as_dict() for entry in self.repository.index(ready_only)]
+        model, name = self.single.peek(), self.settings.v2_model_name
+        if model is not None:
+            return [{"name": name, "version": model.version, "state": READY, "reason": ""}]
+        if ready_only:
+            return []
+        reason = self.single.last_error or "loading"
+        return [{"name": name, "version": "", "state": UNAVAILABLE, "reason": reason}]
+
+    async def load_named(self, name: str, timeout: float) -> LoadedModel:
+        """Load (or reload) the repository's model ``name`` in a worker thread, waited for
+        at most ``timeout`` seconds: past it ReloadFailed while the load goes on."""
+        repository = self._repository()
+        loop = asyncio.get_running_loop()
+        try:
+            return await asyncio.wait_for(
+                loop.run_in_executor(None, repository.load, name), timeout
+            )
+        except TimeoutError:
+            raise ReloadFailed(
+                f"the load of model {name!r} did not finish within {timeout:g} s "
+                "(reload_timeout_seconds); it goes on in the background, and POST "
+                "/v2/repository/index shows what it brought"
+            ) from None
+
+    async def unload_named(self, name: str) -> None:
+        """Stop serving the repository's model ``name`` (in a worker thread: it waits for a
+        load of the repository in progress)."""
+        repository = self._repository()
+        await asyncio.get_running_loop().run_in_executor(None, repository.unload, name)
+
+    def _repository(self) -> Repository:
+        if self.repository is None:
+            raise NotFound(
+                "this server serves one model (model_path), not a repository: start it with "
+                "--model-repository DIR to load and unload models by name"
+            )
+        return self.repository
+
+    def _single(self) -> ModelSlot:
+        if self.single is None:
+            raise NotFound(
+                "this server serves a model repository: load a model with POST "
+                "/v2/repository/models/{name}/load"
+            )
+        return self.single
 
     async def classify(
         self,
@@ -187,7 +209,7 @@ class Engine:
         ``outliers`` (n,) bool when the query has an outlier threshold (counted as an event)
         and ``embedding`` (n, d) when asked for. InvalidInput for rows whose embedding
         overflows, Overloaded at the in-flight limit."""
-        with self.admit(route, len(rows)):
+        with self.admit(route, len(rows), model):
             answer = await self.search(model, rows, query)
             if with_embedding:
                 answer = dataclasses.replace(answer, embedding=await self.project(model, rows))
@@ -202,17 +224,18 @@ class Engine:
     ) -> Answer:
         """The k nearest references of rows (n, D) float32 or SparseRows (a query that
         decides nothing)."""
-        with self.admit(route, len(rows)):
+        with self.admit(route, len(rows), model):
             return await self.search(model, rows, query)
 
     async def embed(self, model: LoadedModel, rows: np.ndarray, route: str) -> np.ndarray:
         """rows (n, D) float32 or SparseRows -> embeddings (n, d) float32."""
-        with self.admit(route, len(rows)):
+        with self.admit(route, len(rows), model):
             return await self.project(model, rows)
 
     @contextmanager
-    def admit(self, route: str, rows: int):
-        """The in-flight gate: fail fast with 429 rather than queue without bound."""
+    def admit(self, route: str, rows: int, model: LoadedModel | None = None):
+        """The in-flight gate: fail fast with 429 rather than queue without bound. A
+        repository's model counts its own requests (``model_request``)."""
         if self.in_flight >= self.settings.max_in_flight:
             raise Overloaded(
                 f"{self.in_flight} requests in flight, the limit is "
@@ -221,6 +244,8 @@ class Engine:
         self.in_flight += 1
         try:
             self.events.request_admitted(route, rows)
+            if model is not None and model.name:
+                self.events.model_request(model.name, rows)
             yield
         finally:
             self.in_flight -= 1

@@ -32,3 +32,12 @@ class EngineEvents:
 
     def batch_searched(self, rows: int, waited_seconds: float) -> None:
         """The batcher searched ``rows`` rows at once; its oldest request waited this long."""
+
+    def model_request(self, name: str, rows: int) -> None:
+        """A request of ``rows`` instances to the repository's model ``name`` was admitted."""
+
+    def repository_model_ready(self, name: str, nbytes: int) -> None:
+        """The repository's model ``name`` serves, holding ``nbytes`` of memory."""
+
+    def repository_model_removed(self, name: str) -> None:
+        """The repository's model ``name`` was unloaded: its series go."""

@@ -67,6 +67,7 @@ class LoadedModel:
     version: str = ""  # the artifact's model version, read once at load
     default_k: int = 1  # the artifact's, read once at load
     decision_rule: str = "majority"
+    name: str = ""  # its name in a model repository ("" when the service serves one model)
     # the shapes, set from the arrays: plain attributes, read on every request
     n_features: int = field(init=False)  # D
     n_components: int = field(init=False)  # d

@@ -174,6 +174,30 @@ class ModelCard:
         )
 
 
+def render_repository(entries: list[dict[str, str]], registry: CollectorRegistry) -> str:
+    """The card of a model repository: every model, its version, state and reason, each
+    ready one linking to its own description (GET /v1/models/{name})."""
+    rows = []
+    for entry in entries:
+        name = html.escape(entry["name"])
+        link = f'<a href="/v1/models/{name}">{name}</a>' if entry["state"] == "READY" else name
+        cells = [link, html.escape(entry["version"]), entry["state"], html.escape(entry["reason"])]
+        rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+    table = (
+        "<table><tr><th>model</th><th>version</th><th>state</th><th>reason</th></tr>"
+        + "".join(rows)
+        + "</table>"
+    )
+    return (
+        '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
+        f"<title>nca-knn models</title><style>{STYLE}</style></head><body>"
+        f"<h1>nca-knn: {len(entries)} models</h1>"
+        '<p><a href="/docs">API documentation</a> · <a href="/v1/models">GET /v1/models</a> · '
+        '<a href="/metrics">metrics</a></p>'
+        f"{table}{live_section(registry)}</body></html>"
+    )
+
+
 def artifact_images(model) -> dict[str, bytes]:
     """The card's plots from the model's artifact, checked against their sha256; none when
     the artifact has no extras or they cannot be read."""

@@ -1,5 +1,5 @@
 """Reading a /v1 inference request, each step refusing before the work the next one does:
-API key (401) -> a loaded model (503) -> Accept (406) -> Content-Type (415) -> body size,
+API key (401) -> a loaded model, by name on a named route (404, 503) -> Accept (406) -> Content-Type (415) -> body size,
 while it streams (413) -> one strict parse (400/413/422) -> query options (422) -> k (422)
 -> answer size (413). Large bodies are parsed in a worker thread, so the event loop keeps
 answering health probes.
@@ -47,6 +47,7 @@ from service.wire import (
     to_sparse_rows,
 )
 
+MODEL_NAME_KEY = "ncaknn.model_name"  # the scope key of a named route's model name
 BOOL_VALUES = {"true": True, "false": False}
 DECIMAL = re.compile(r"[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?")  # unsigned, finite, no "nan"
 
@@ -96,6 +97,7 @@ class InferenceRequest:
     options: dict[str, Any]  # strict query options
     response_type: str  # negotiated media type of the answer
     body_bytes: int
+    route: str  # the metrics' route label: /v1/classify, or /v1/models/{model_name}/classify
 
 
 def query_options(request: Request, allowed: tuple[str, ...]) -> dict[str, Any]:
@@ -168,7 +170,10 @@ async def receive(
 ) -> InferenceRequest:
     state = state_of(request)
     check_key(request.headers.getlist("authorization"), state.settings.api_key)
-    model = state.engine.current()
+    path = request.scope["path"]
+    name = request.scope.get(MODEL_NAME_KEY)  # set by the direct lane for a named route
+    model = state.engine.current() if name is None else state.engine.model(name)
+    route = path if name is None else "/v1/models/{model_name}/" + path.rsplit("/", 1)[1]
     response_type = negotiate(request.headers.get("accept"), offered)
     kind = check_media(request.headers.get("content-type"), (JSON, NPY))
     settings = state.settings
@@ -193,7 +198,7 @@ async def receive(
             )
         else:
             parsed, rows = _parse(body, kind, schema, model, settings.max_batch_rows)
-    return InferenceRequest(state, model, rows, parsed, options, response_type, len(body))
+    return InferenceRequest(state, model, rows, parsed, options, response_type, len(body), route)
 
 
 def query_of(request: InferenceRequest, decides: bool) -> Query:

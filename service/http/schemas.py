@@ -102,3 +102,10 @@ class ReloadResponse(BaseModel):
     other_workers_within_seconds: float = Field(
         description="the other workers load the same artifact within this many seconds"
     )
+
+
+class RepositoryEntry(BaseModel):
+    name: str = Field(description="the model's name (its folder in a repository)")
+    version: str = Field(description="the version it serves; empty when it serves none")
+    state: Literal["READY", "LOADING", "UNAVAILABLE"]
+    reason: str = Field(description="why it is not READY (a load's error, or 'unloaded')")

@@ -21,7 +21,15 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from service import __version__
-from service.errors import InvalidInput, RequestTimeout, ServiceError, Unauthorized, status_of
+from service.engine.repository import check_request_parameters
+from service.errors import (
+    InvalidInput,
+    NotReady,
+    RequestTimeout,
+    ServiceError,
+    Unauthorized,
+    status_of,
+)
 from service.oip import tensors as oip
 from service.oip.protocol import HEALTH_SERVICE, INFERENCE_SERVICE, message
 from service.ops.tracing import REQUEST_ID_HEADER, current_span, trace_id_of
@@ -74,6 +82,12 @@ MESSAGES = {
         "ModelMetadataResponse",
         "ModelInferRequest",
         "ModelInferResponse",
+        "RepositoryIndexRequest",
+        "RepositoryIndexResponse",
+        "RepositoryModelLoadRequest",
+        "RepositoryModelLoadResponse",
+        "RepositoryModelUnloadRequest",
+        "RepositoryModelUnloadResponse",
     )
 }
 HealthCheckRequest = message("grpc.health.v1.HealthCheckRequest")
@@ -149,9 +163,7 @@ class InferenceService:
                 tracing.finish_request(span, route, status, seconds)
 
     def model(self, name: str, version: str):
-        model = self.state.engine.current()
-        oip.check_model(model, name, version, self.state.settings.v2_model_name)
-        return model
+        return self.state.engine.model(name, version)
 
     # -------------------------------------------------------------- RPCs
 
@@ -162,8 +174,11 @@ class InferenceService:
         return MESSAGES["ServerReadyResponse"](ready=self.state.engine.ready)
 
     async def model_ready(self, request, context):
-        self.model(request.name, request.version)
-        return MESSAGES["ModelReadyResponse"](ready=self.state.engine.ready)
+        try:
+            self.model(request.name, request.version)
+        except NotReady:  # a repository's model that does not serve now
+            return MESSAGES["ModelReadyResponse"](ready=False)
+        return MESSAGES["ModelReadyResponse"](ready=not self.state.engine.draining)
 
     async def server_metadata(self, request, context):
         return MESSAGES["ServerMetadataResponse"](
@@ -172,7 +187,7 @@ class InferenceService:
 
     async def model_metadata(self, request, context):
         model = self.model(request.name, request.version)
-        meta = oip.model_metadata(model, self.state.settings.v2_model_name)
+        meta = oip.model_metadata(model, self.state.engine.name_of(model))
         return MESSAGES["ModelMetadataResponse"](**meta)
 
     async def model_infer(self, request, context):
@@ -184,12 +199,42 @@ class InferenceService:
             self.state, model, call, query, f"grpc {INFERENCE_SERVICE}/ModelInfer"
         )
         response = MESSAGES["ModelInferResponse"](
-            model_name=settings.v2_model_name, model_version=model.version, id=request.id
+            model_name=self.state.engine.name_of(model), model_version=model.version, id=request.id
         )
         for tensor in tensors:
             response.outputs.add(name=tensor.name, datatype=tensor.datatype, shape=tensor.shape)
             response.raw_output_contents.append(tensor.raw())
         return response
+
+    async def repository_index(self, request, context):
+        check_repository_name(request.repository_name)
+        response = MESSAGES["RepositoryIndexResponse"]()
+        for entry in self.state.engine.repository_index(request.ready):
+            response.models.add(**entry)
+        return response
+
+    async def repository_model_load(self, request, context):
+        check_repository_name(request.repository_name)
+        parameters = {k: parameter(v) for k, v in request.parameters.items()}
+        check_request_parameters(request.model_name, parameters, set())
+        timeout = self.state.settings.reload_timeout_seconds
+        await self.state.engine.load_named(request.model_name, timeout)
+        return MESSAGES["RepositoryModelLoadResponse"]()
+
+    async def repository_model_unload(self, request, context):
+        check_repository_name(request.repository_name)
+        parameters = {k: parameter(v) for k, v in request.parameters.items()}
+        check_request_parameters(request.model_name, parameters, {"unload_dependents"})
+        await self.state.engine.unload_named(request.model_name)
+        return MESSAGES["RepositoryModelUnloadResponse"]()
+
+
+def check_repository_name(name: str) -> None:
+    """The server has one repository, which the calls leave unnamed."""
+    if name:
+        raise InvalidInput(
+            f"repository_name {name[:100]!r}: this server has one repository; leave the name empty"
+        )
 
 
 def infer_call(request, model, max_rows: int) -> oip.InferCall:
@@ -278,7 +323,8 @@ def _deadline_passed(context) -> bool:
 
 
 class KeyCheck(grpc.aio.ServerInterceptor):
-    """The API key, checked on a call's metadata before its message is read: a call without
+    """The API key (the admin key for the repository calls), checked on a call's metadata
+    before its message is read: a call without
     a valid key gets UNAUTHENTICATED from a handler that never reads the request, so an
     unauthenticated client costs neither the message's memory nor its parsing. Health
     checking needs no key."""
@@ -287,7 +333,10 @@ class KeyCheck(grpc.aio.ServerInterceptor):
         self.state = state
 
     async def intercept_service(self, continuation, details):
-        key = self.state.settings.api_key
+        settings = self.state.settings
+        key = settings.api_key
+        if details.method.rsplit("/", 1)[-1] in REPOSITORY_RPCS:  # the admin key's calls
+            key = settings.admin_api_key or settings.api_key
         if key is None or details.method.startswith(f"/{HEALTH_SERVICE}/"):
             return await continuation(details)
         values = [v for k, v in (details.invocation_metadata or ()) if k == "authorization"]
@@ -379,6 +428,7 @@ def _unary(handler, request_type, response_type):
     )
 
 
+REPOSITORY_RPCS = ("RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload")
 RPC_NAMES = (
     "ServerLive",
     "ServerReady",
@@ -386,6 +436,7 @@ RPC_NAMES = (
     "ServerMetadata",
     "ModelMetadata",
     "ModelInfer",
+    *REPOSITORY_RPCS,
 )
 
 
@@ -402,6 +453,9 @@ def handlers(state: AppState, limit: int) -> list:
         "ServerMetadata": service.server_metadata,
         "ModelMetadata": service.model_metadata,
         "ModelInfer": service.model_infer,
+        "RepositoryIndex": service.repository_index,
+        "RepositoryModelLoad": service.repository_model_load,
+        "RepositoryModelUnload": service.repository_model_unload,
     }
 
     def wrapped(name, method):

@@ -97,9 +97,7 @@ def v2_errors(endpoint):
 def served_model(request: Request, name: str, version: str | None):
     state = state_of(request)
     check_key(request.headers.getlist("authorization"), state.settings.api_key)
-    model = state.engine.current()
-    oip.check_model(model, name, version, state.settings.v2_model_name)
-    return state, model
+    return state, state.engine.model(name, version)
 
 
 # ------------------------------------------------------------------ metadata and health
@@ -131,7 +129,7 @@ async def ready(request: Request) -> Response:
 @v2_errors
 async def model_metadata(request: Request, model_name: str, model_version: str | None = None):
     state, model = served_model(request, model_name, model_version)
-    body = oip.model_metadata(model, state.settings.v2_model_name)
+    body = oip.model_metadata(model, state.engine.name_of(model))
     return Response(encode(body), media_type=JSON)
 
 
@@ -350,7 +348,7 @@ async def infer(request: Request, model_name: str | None = None, model_version=N
             f"is {settings.max_response_values}: ask for binary outputs or send fewer rows"
         )
     tensors = await oip.run_call(state, model, call, query, INFER_ROUTE)
-    content, head_length = encode_answer(call, model, settings.v2_model_name, tensors)
+    content, head_length = encode_answer(call, model, state.engine.name_of(model), tensors)
     headers = {"x-model-version": model.version}
     if head_length is None:
         return Response(content, media_type=JSON, headers=headers)

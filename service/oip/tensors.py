@@ -6,7 +6,8 @@ and the engine's answer into :class:`OutputTensor` objects through this module, 
 protocols accept the same inputs, refuse the same mistakes with the same messages, and
 answer the same numbers as ``/v1/classify``.
 
-The model (name: the setting ``v2_model_name``; version: the artifact's version):
+The model (name: the setting ``v2_model_name``, or its folder's name in a model repository;
+version: the artifact's version):
 
 * input ``input``: [n, D], FP32; FP64, FP16 and every INT / UINT type are accepted too and
   converted to float32 (the values must lie in the model's input range, as for /v1).
@@ -40,7 +41,7 @@ import numpy as np
 from service.core.vocabulary import RULES
 from service.engine.infer import Answer, Query, resolve
 from service.engine.model import LoadedModel, class_array
-from service.errors import EmptyBatch, InvalidInput, NotFound, PayloadTooLarge
+from service.errors import EmptyBatch, InvalidInput, PayloadTooLarge
 from service.state import AppState
 from service.wire import check_int_range, finite_number, to_rows
 
@@ -62,7 +63,7 @@ DTYPES: dict[str, np.dtype] = {
     "FP64": np.dtype("<f8"),
 }
 INPUT_DATATYPES = tuple(name for name in DTYPES if name != "BOOL")  # converted to FP32
-EXTENSIONS = ["binary_tensor_data"]  # the protocol's extensions this server speaks
+EXTENSIONS = ["binary_tensor_data", "model_repository"]  # the protocol extensions spoken here
 PARAMETERS = ("k", "rule", "outlier_quantile")
 # what the protocol's clients may send besides ours (REST: binary output; tritonclient's
 # reserved ones are accepted only when they ask for nothing we would have to honour)
@@ -135,17 +136,6 @@ class OutputTensor:
 
 
 # ------------------------------------------------------------------ the model
-
-
-def check_model(model: LoadedModel, name: str, version: str | None, served_name: str) -> None:
-    """NotFound unless ``name`` (and ``version``, when given) is the served model."""
-    if name != served_name:
-        raise NotFound(f"unknown model {name!r}; this server serves {served_name!r}")
-    if version not in (None, "") and version != model.version:
-        raise NotFound(
-            f"unknown version {version!r} of model {name!r}; the loaded version is "
-            f"{model.version!r}"
-        )
 
 
 def values_per_row(model: LoadedModel, name: str, k: int) -> int:

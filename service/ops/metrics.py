@@ -81,6 +81,7 @@ class Metrics(EngineEvents):
         self._define_serving_metrics(r)
         self._define_model_metrics(r)
         self._define_connection_metrics(r)
+        self._define_repository_metrics(r)
 
     def _define_serving_metrics(self, r: CollectorRegistry) -> None:
         """Batches, queueing, errors by type, requests in flight."""
@@ -149,6 +150,30 @@ class Metrics(EngineEvents):
             registry=r,
         )
 
+    def _define_repository_metrics(self, r: CollectorRegistry) -> None:
+        """Per model of a repository, labelled by its name: the label's values are the
+        repository's loaded models (an unloaded model's series are removed), so they stay
+        bounded by the repository, never by what clients send."""
+        self.model_requests = Counter(
+            "ncaknn_repository_model_requests",
+            "inference requests admitted per repository model",
+            ["model"],
+            registry=r,
+        )
+        self.model_rows = Counter(
+            "ncaknn_repository_model_rows",
+            "instances admitted per repository model",
+            ["model"],
+            registry=r,
+        )
+        self.model_memory = Gauge(
+            "ncaknn_repository_model_memory_bytes",
+            "memory a repository model holds (its arrays and index), while it serves",
+            ["model"],
+            registry=r,
+            multiprocess_mode="liveall",
+        )
+
     def _define_connection_metrics(self, r: CollectorRegistry) -> None:
         """Connections refused before any route, by reason; open connections."""
         self.connections_refused = Counter(
@@ -207,7 +232,24 @@ class Metrics(EngineEvents):
         self.batch_rows.observe(rows)
         self.queue_wait.observe(waited_seconds)
 
+    def model_request(self, name: str, rows: int) -> None:
+        self.model_requests.labels(name).inc()
+        self.model_rows.labels(name).inc(rows)
+
+    def repository_model_ready(self, name: str, nbytes: int) -> None:
+        self.model_memory.labels(name).set(nbytes)
+
+    def repository_model_removed(self, name: str) -> None:
+        for family in (self.model_requests, self.model_rows, self.model_memory):
+            try:
+                family.remove(name)
+            except KeyError:  # no series of that name yet
+                pass
+
     def model_loaded(self, model) -> None:
+        if model.name:  # a repository's model: its series are the labelled ones above
+            self.model_loads.inc()
+            return
         self.model_info.set(model.version, model.index_type)  # the only series of this worker
         self.model_loaded_at.set(model.loaded_at)
         created = created_timestamp(model.artifact.manifest.get("created_at"))

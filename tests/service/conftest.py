@@ -187,6 +187,27 @@ def republish_scaled(path, factor: float) -> str:
     return read_artifact(path).version
 
 
+@pytest.fixture
+def repository(model_artifact, tmp_path):
+    """A model repository: digits (the session model), scaled (its map and references x 2),
+    versioned (folders 1 and 2, 2 = x 3), broken (a truncated references file), and a
+    hidden folder that is not a model."""
+    root = tmp_path / "repository"
+    root.mkdir()
+    source = model_artifact[0]
+    shutil.copytree(source, root / "digits")
+    shutil.copytree(source, root / "scaled")
+    republish_scaled(root / "scaled", 2.0)
+    shutil.copytree(source, root / "versioned" / "1")
+    shutil.copytree(source, root / "versioned" / "2")
+    republish_scaled(root / "versioned" / "2", 3.0)
+    shutil.copytree(source, root / "broken")
+    data = (root / "broken" / "embeddings.npy").read_bytes()
+    (root / "broken" / "embeddings.npy").write_bytes(data[: len(data) // 2])
+    (root / ".hidden").mkdir()
+    return root
+
+
 def brute_force_knn(model, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """(squared distances (n, k), reference rows (n, k)) of rows (n, D) by plain numpy in
     float64: every reference's distance, sorted, ties by row. Independent of service.core.knn and

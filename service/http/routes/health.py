@@ -21,10 +21,20 @@ async def healthz() -> dict:
     return {"status": "ok"}
 
 
-@router.get("/readyz", summary="Readiness: a model is loaded and warmed up, not draining")
+@router.get(
+    "/readyz",
+    summary="Readiness: a model is loaded and warmed up (in a repository: at least one), not "
+    "draining",
+)
 async def readyz(state: State) -> JSONResponse:
     if state.engine.draining:
         raise NotReady("shutting down: draining requests in flight")
+    repository = state.engine.repository
+    if repository is not None:  # ready while at least one of its models serves
+        serving = [entry.name for entry in repository.index(ready_only=True)]
+        if not serving:
+            raise NotReady("no model of the repository is loaded")
+        return JSONResponse({"status": "ready", "models": len(serving)})
     model = state.engine.peek()
     if model is None:
         raise NotReady("no model is loaded yet")

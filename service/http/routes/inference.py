@@ -64,6 +64,16 @@ router = APIRouter(prefix="/v1", tags=["inference"])
         "x-ncaknn-npy-out": "classify",
     },
 )
+@router.post(
+    "/models/{model_name}/classify",
+    response_model=ClassifyResponse,
+    summary="(a named model) Classify instances by kNN in the learned space",
+    openapi_extra={
+        "x-ncaknn-body": "ClassifyRequest",
+        "x-ncaknn-query": ["k", "rule", "return_neighbors", "outlier_quantile"],
+        "x-ncaknn-npy-out": "classify",
+    },
+)
 async def classify(request: Request) -> Response:
     req = await receive(
         request,
@@ -79,7 +89,7 @@ async def classify(request: Request) -> Response:
     values_per_row = len(req.model.classes) + 2 + (3 * query.k if with_neighbors else 0)
     if req.response_type == JSON:
         check_answer_size(req, values_per_row)
-    answer = await req.state.engine.classify(req.model, req.rows, query, "/v1/classify")
+    answer = await req.state.engine.classify(req.model, req.rows, query, req.route)
     model = req.model
     n_values = len(req.rows) * values_per_row
     if req.response_type == NPY:
@@ -99,11 +109,21 @@ async def classify(request: Request) -> Response:
         "x-ncaknn-npy-out": "embed",
     },
 )
+@router.post(
+    "/models/{model_name}/embed",
+    response_model=EmbedResponse,
+    summary="(a named model) Project instances into the learned d-dimensional space (batch embedding)",
+    openapi_extra={
+        "x-ncaknn-body": "EmbedRequest",
+        "x-ncaknn-query": [],
+        "x-ncaknn-npy-out": "embed",
+    },
+)
 async def embed_route(request: Request) -> Response:
     req = await receive(request, EmbedBody, query=(), offered=(JSON, NPY))
     if req.response_type == JSON:
         check_answer_size(req, req.model.n_components)
-    z = await req.state.engine.embed(req.model, req.rows, "/v1/embed")
+    z = await req.state.engine.embed(req.model, req.rows, req.route)
     model = req.model
     if req.response_type == NPY:
         return Response(npy_bytes(z), media_type=NPY, headers={"x-model-version": model.version})
@@ -122,12 +142,22 @@ async def embed_route(request: Request) -> Response:
         "x-ncaknn-npy-out": "neighbors",
     },
 )
+@router.post(
+    "/models/{model_name}/neighbors",
+    response_model=NeighborsResponse,
+    summary="(a named model) The k nearest reference points of each instance",
+    openapi_extra={
+        "x-ncaknn-body": "NeighborsRequest",
+        "x-ncaknn-query": ["k"],
+        "x-ncaknn-npy-out": "neighbors",
+    },
+)
 async def neighbors(request: Request) -> Response:
     req = await receive(request, NeighborsBody, query=("k",), offered=(JSON, NPY))
     query = query_of(req, decides=False)
     if req.response_type == JSON:
         check_answer_size(req, 3 * query.k)
-    answer = await req.state.engine.neighbors(req.model, req.rows, query, "/v1/neighbors")
+    answer = await req.state.engine.neighbors(req.model, req.rows, query, req.route)
     model = req.model
     n_values = len(req.rows) * 3 * query.k
     if req.response_type == NPY:
@@ -137,9 +167,27 @@ async def neighbors(request: Request) -> Response:
 
 # The direct lane: a POST to these paths calls the endpoint with the raw Request, past
 # FastAPI's routing and dependencies (``service.app.ServiceApp``); the decorators above give
-# their OpenAPI description and the 405 for other methods. This table is what serves them.
+# their OpenAPI description and the 405 for other methods. This table is what serves them,
+# and a model's named routes (/v1/models/{name}/classify, ...: ``named_target``) too.
 DIRECT_LANE = {
     "/v1/classify": classify,
     "/v1/embed": embed_route,
     "/v1/neighbors": neighbors,
 }
+
+
+def named_target(path: str) -> tuple[str, str] | None:
+    """(model name, the unnamed route) of a named inference path
+    ``/v1/models/{name}/classify|embed|neighbors``; None for any other path."""
+    parts = path.split("/")  # "", "v1", "models", name, operation
+    if len(parts) == 5 and parts[:3] == ["", "v1", "models"] and parts[3]:
+        route = f"/v1/{parts[4]}"
+        if route in DIRECT_LANE:
+            return parts[3], route
+    return None
+
+
+def named_template(path: str) -> str | None:
+    """The metrics' route label of a named inference path (names vary, labels do not)."""
+    target = named_target(path)
+    return None if target is None else target[1].replace("/v1/", "/v1/models/{model_name}/")

@@ -1,4 +1,4 @@
-"""GET /v1/model and POST /v1/admin/reload."""
+"""GET /v1/model, GET /v1/models[/{name}] and POST /v1/admin/reload."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import os
 
 from fastapi import APIRouter, Depends
 
-from service.errors import ReloadFailed
+from service.errors import NotFound, ReloadFailed
 from service.http.deps import State, require_admin_key, require_api_key
-from service.http.schemas import ModelInfo, ReloadResponse
+from service.http.schemas import ModelInfo, ReloadResponse, RepositoryEntry
 
 router = APIRouter(prefix="/v1", tags=["model"])
 
@@ -20,7 +20,31 @@ router = APIRouter(prefix="/v1", tags=["model"])
     dependencies=[Depends(require_api_key)],
 )
 async def model_info(state: State) -> ModelInfo:
-    model = state.engine.current()
+    return describe(state, state.engine.current(), state.engine.last_error)
+
+
+@router.get(
+    "/models",
+    response_model=list[RepositoryEntry],
+    summary="Every model this server holds: name, version, state and why it is not ready",
+    dependencies=[Depends(require_api_key)],
+)
+async def models(state: State) -> list[RepositoryEntry]:
+    return [RepositoryEntry(**entry) for entry in state.engine.repository_index()]
+
+
+@router.get(
+    "/models/{model_name}",
+    response_model=ModelInfo,
+    summary="What is loaded under a model's name",
+    dependencies=[Depends(require_api_key)],
+)
+async def named_model_info(state: State, model_name: str) -> ModelInfo:
+    return describe(state, state.engine.model(model_name), None)
+
+
+def describe(state, model, last_error: str | None) -> ModelInfo:
+    """A loaded model as GET /v1/model shows it."""
     manifest = model.artifact.manifest
     settings = state.settings
     return ModelInfo(
@@ -49,7 +73,7 @@ async def model_info(state: State) -> ModelInfo:
         },
         loaded_at=model.loaded_at,
         load_seconds=model.load_seconds,
-        last_reload_error=state.engine.last_error,
+        last_reload_error=last_error,
         workers=settings.workers,
         limits={
             "max_batch_rows": settings.max_batch_rows,
@@ -81,7 +105,7 @@ async def reload(state: State) -> ReloadResponse:
     before = loaded.version if loaded is not None else None
     try:
         model = await state.engine.reload(state.settings.reload_timeout_seconds)
-    except ReloadFailed:
+    except (ReloadFailed, NotFound):  # NotFound: a repository loads models by name
         raise
     except Exception as exc:
         raise ReloadFailed(

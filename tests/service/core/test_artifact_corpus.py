@@ -269,9 +269,9 @@ def test_a_reload_has_a_deadline_and_loads_do_not_queue(model_dir, monkeypatch):
     meanwhile is refused at once (not queued), and the slow load, once done, swaps in."""
     import time
 
-    from service.engine import engine
+    from service.engine import slot
 
-    real_load = engine.load_model
+    real_load = slot.load_model
 
     def slow_load(*args, **kwargs):
         time.sleep(2.0)
@@ -280,7 +280,7 @@ def test_a_reload_has_a_deadline_and_loads_do_not_queue(model_dir, monkeypatch):
     with TestClient(create_app(settings_for(model_dir, reload_timeout_seconds=0.5))) as client:
         before = client.get("/v1/model").json()["model_version"]
         republished = republish_scaled(model_dir, 1.5)
-        monkeypatch.setattr(engine, "load_model", slow_load)
+        monkeypatch.setattr(slot, "load_model", slow_load)
         started = time.perf_counter()
         first = client.post("/v1/admin/reload")
         waited = time.perf_counter() - started

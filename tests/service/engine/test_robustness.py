@@ -262,7 +262,7 @@ def test_the_poller_retries_a_version_once_it_heals(model_dir):
     now[0] = 61.0
     assert engine.changed_on_disk()  # ... but after retry_failed_seconds
     now[0] = 0.0
-    engine._failed_at = 0.0
+    engine.single._failed_at = 0.0
     (model_dir / "embeddings.npy").write_bytes(good)  # healed
     assert engine.changed_on_disk()
     assert engine.load().version == new_version

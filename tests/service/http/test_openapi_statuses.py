@@ -39,7 +39,16 @@ def v2_body(rows: list) -> dict:
 def body_for(path: str, rows=ROW) -> dict | None:
     if path.endswith("/infer"):
         return v2_body(rows)
-    return {"instances": rows} if path in ("/v1/classify", "/v1/embed", "/v1/neighbors") else None
+    return {"instances": rows} if operation_of(path) else None
+
+
+def operation_of(path: str) -> str | None:
+    """classify, embed or neighbors for a /v1 inference route, named or not; else None."""
+    operation = path.rsplit("/", 1)[1]
+    named = path.startswith("/v1/models/{model_name}/")
+    if operation in ("classify", "embed", "neighbors") and (named or path.count("/") == 2):
+        return operation
+    return None
 
 
 def is_v2(path: str) -> bool:
@@ -151,9 +160,9 @@ def check_answer(path: str, answer: dict, model_dir) -> None:
     z = np.asarray(art.offset, np.float64)  # the embedding of x = 0
     d2 = ((np.asarray(art.embeddings, np.float64) - z) ** 2).sum(axis=1)  # (N,)
     nearest = np.argsort(d2, kind="stable")[: art.default_k]
-    if path == "/v1/embed":
+    if operation_of(path) == "embed":
         np.testing.assert_allclose(answer["embeddings"], [z], rtol=1e-5, atol=1e-6)
-    elif path == "/v1/neighbors":
+    elif operation_of(path) == "neighbors":
         assert [n["id"] for n in answer["neighbors"][0]] == art.ids[nearest].tolist()
     else:
         votes = np.bincount(art.labels[nearest], minlength=len(art.classes))
@@ -195,7 +204,7 @@ def test_every_listed_status_is_produced(model_dir, app_for, path, method, statu
         assert set(response.json()) == ({"error"} if is_v2(path) else {"error", "error_type"})
         message = response.json()["error"]
         assert re.search(STATUS_MESSAGE[status], message, re.IGNORECASE), (status, message)
-    elif path in ("/v1/classify", "/v1/neighbors", "/v1/embed"):
+    elif operation_of(path):
         check_answer(path, response.json(), app_for().app.state.ncaknn.settings.model_path)
 
 

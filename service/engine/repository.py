@@ -1,0 +1,344 @@
+"""A model repository: every artifact under one directory served by name, side by side.
+
+Layout (Triton's): ``ROOT/NAME/`` is a model. It is either an artifact itself (it holds
+``manifest.json``) or a folder of versions ``ROOT/NAME/1/``, ``ROOT/NAME/2/``, ... of which
+the highest-numbered one is served. A name is 1 to 128 characters of letters, digits,
+``_``, ``.`` and ``-``, not starting with a dot; other folders are not models and are
+left alone.
+
+Each model has its own :class:`ModelSlot`: it loads, swaps and fails on its own, so a
+broken artifact makes that model unavailable (with the reason in :meth:`index`) while the
+others serve, and a reload swaps the whole model in one assignment (an answer never mixes
+two versions). Loads and unloads are serialised by one lock, which keeps the one memory
+budget the repository shares (``repository_memory_mib``) exact:
+
+    used(others) + size(new model) <= budget
+
+checked twice: against the artifact's size on disk before anything is read, then against
+the built model's size (its arrays and its index) before it is swapped in. A refused load
+leaves the models that serve, that one's previous version included, serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import faiss
+import numpy as np
+
+from service.config import Settings
+from service.core.artifact import MANIFEST_FILE, artifact_fingerprint
+from service.engine.events import EngineEvents
+from service.engine.model import LoadedModel
+from service.engine.slot import ModelSlot
+from service.errors import InvalidInput, NotFound, NotReady, ReloadFailed
+
+log = logging.getLogger("service.repository")
+MODEL_NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}$")
+MIB = 2**20
+
+READY, UNAVAILABLE, LOADING = "READY", "UNAVAILABLE", "LOADING"  # the protocol's states
+
+
+@dataclass(frozen=True)
+class IndexEntry:
+    """One model of the repository index: its name, the version it serves (or would),
+    its state and why it is not ready."""
+
+    name: str
+    version: str
+    state: str
+    reason: str
+
+    def as_dict(self) -> dict[str, str]:
+        return {
+            "name": self.name,
+            "version": self.version,
+            "state": self.state,
+            "reason": self.reason,
+        }
+
+
+def check_model_name(name: str) -> None:
+    """NotFound for a name that no repository folder can have (path separators, dots
+    first, over 128 characters)."""
+    if not MODEL_NAME.match(name):
+        raise NotFound(
+            f"{name[:140]!r} is not a model name: names are 1 to 128 letters, digits, '_', "
+            "'.' and '-', not starting with a dot"
+        )
+
+
+def check_request_parameters(name: str, parameters: dict | None, allowed: set[str]) -> None:
+    """Refuse what a load or unload call asks that this server cannot do (a config or files
+    sent with a load: the model is what its folder holds) rather than ignore it. An unload
+    takes ``unload_dependents``, a boolean (models here have no dependents)."""
+    unknown = set(parameters or {}) - allowed
+    if unknown:
+        raise InvalidInput(
+            f"model {name[:140]!r}: unsupported parameters {sorted(unknown)}; a load takes the "
+            "model as its folder holds it (no config or file overrides)"
+            + (f", and an unload takes {sorted(allowed)}" if allowed else "")
+        )
+    dependents = (parameters or {}).get("unload_dependents", False)
+    if not isinstance(dependents, bool):
+        raise InvalidInput(f"unload_dependents must be a boolean, got {dependents!r}")
+
+
+def version_folders(model_dir: Path) -> list[int]:
+    """The numbered version folders of a model folder, ascending."""
+    try:
+        entries = list(os.scandir(model_dir))
+    except OSError:
+        return []
+    return sorted(
+        int(e.name)
+        for e in entries
+        if e.name.isdigit() and not e.name.startswith("0") and e.is_dir() and len(e.name) < 19
+    )
+
+
+def served_path(model_dir: Path) -> Path:
+    """The artifact a model folder serves: itself when it holds a manifest, else its
+    highest-numbered version folder (else itself, whose load then says what is missing)."""
+    if (model_dir / MANIFEST_FILE).exists():
+        return model_dir
+    versions = version_folders(model_dir)
+    return model_dir / str(versions[-1]) if versions else model_dir
+
+
+def artifact_bytes(path: Path) -> int:
+    """The bytes of the files directly in an artifact directory (what a load reads: a lower
+    bound of the model's memory)."""
+    total = 0
+    try:
+        for entry in os.scandir(path):
+            if entry.is_file():
+                total += entry.stat().st_size
+    except OSError:
+        return 0
+    return total
+
+
+def model_bytes(model: LoadedModel) -> int:
+    """The memory a loaded model holds: its arrays and its artifact's, each buffer counted
+    once, and its FAISS index as serialised (a flat index holds its own copy of the
+    references)."""
+    arrays = [
+        model.projection,
+        model.offset,
+        model.embeddings,
+        model.labels,
+        model.ids,
+        model.artifact.projection,
+        model.artifact.offset,
+        model.artifact.embeddings,
+        model.artifact.labels,
+        model.artifact.mean,
+        model.artifact.scale,
+        model.artifact.ids,
+        model.artifact.validation_embeddings,
+        model.artifact.validation_labels,
+    ]
+    seen: dict[int, int] = {}
+    for array in arrays:
+        if isinstance(array, np.ndarray):
+            owner = array
+            while isinstance(owner.base, np.ndarray):
+                owner = owner.base
+            seen[id(owner)] = max(seen.get(id(owner), 0), owner.nbytes)
+    index_size = len(faiss.serialize_index(model.index))
+    return sum(seen.values()) + index_size + len(model.artifact.index_bytes or b"")
+
+
+class Repository:
+    """The models of one repository directory, each in its own slot, under one memory
+    budget. Every method that loads runs in a worker thread (the caller's)."""
+
+    def __init__(
+        self,
+        root: Path,
+        settings: Settings,
+        events: EngineEvents,
+        clock: Callable[[], float] = time.monotonic,
+        retry_failed_seconds: float = 60.0,
+    ):
+        self.root = Path(root)
+        self.settings = settings
+        self.events = events
+        self.clock = clock
+        self.retry_failed_seconds = retry_failed_seconds
+        self.budget = int(settings.repository_memory_mib * MIB)  # bytes; 0: no budget
+        self.slots: dict[str, ModelSlot] = {}
+        self.sizes: dict[str, int] = {}  # name -> bytes of the model it serves
+        self.loading: set[str] = set()
+        self._lock = threading.Lock()  # one load or unload at a time: the budget stays exact
+
+    # ------------------------------------------------------------------ what is there
+
+    def names_on_disk(self) -> list[str]:
+        """The model folders under the root, sorted."""
+        try:
+            entries = list(os.scandir(self.root))
+        except OSError as exc:
+            log.error("cannot list the model repository", extra={"error": str(exc)})
+            return []
+        return sorted(e.name for e in entries if MODEL_NAME.match(e.name) and e.is_dir())
+
+    def index(self, ready_only: bool = False) -> list[IndexEntry]:
+        """Every model on disk or loaded: READY (serving), LOADING (its first load runs) or
+        UNAVAILABLE with the reason (its load failed, or it is not loaded)."""
+        if ready_only:  # what serves (no look at the disk: readiness probes ask this)
+            return [IndexEntry(n, v, READY, "") for n, v in self.ready_versions().items()]
+        entries = []
+        for name in sorted(set(self.names_on_disk()) | set(self.slots)):
+            slot = self.slots.get(name)
+            model = slot.peek() if slot is not None else None
+            if model is not None:
+                entries.append(IndexEntry(name, model.version, READY, ""))
+            else:
+                state = LOADING if name in self.loading else UNAVAILABLE
+                reason = "loading" if state == LOADING else "unloaded"
+                if slot is not None and slot.last_error and state == UNAVAILABLE:
+                    reason = slot.last_error
+                entries.append(IndexEntry(name, "", state, reason))
+        return entries
+
+    def used_bytes(self, excluding: str | None = None) -> int:
+        return sum(size for name, size in self.sizes.items() if name != excluding)
+
+    def ready_versions(self) -> dict[str, str]:
+        """{name: version} of the models that serve now, by name."""
+        serving = {name: slot.peek() for name, slot in list(self.slots.items())}
+        return {name: model.version for name, model in sorted(serving.items()) if model}
+
+    def any_ready(self) -> bool:
+        return any(slot.peek() is not None for slot in list(self.slots.values()))
+
+    # ------------------------------------------------------------------ serving
+
+    def model(self, name: str, version: str | None = None) -> LoadedModel:
+        """The model serving under ``name`` (and ``version``, when given: the served
+        artifact's version, or its version folder's number). NotFound for a name the
+        repository does not hold, NotReady for one that is not loaded."""
+        slot = self.slots.get(name)
+        if slot is None:
+            check_model_name(name)
+            if name in self.names_on_disk():
+                raise NotReady(
+                    f"model {name!r} is not loaded; load it with POST "
+                    f"/v2/repository/models/{name}/load"
+                )
+            known = [entry.name for entry in self.index()]
+            shown = ", ".join(repr(n) for n in known[:20]) + (" ..." if len(known) > 20 else "")
+            raise NotFound(f"unknown model {name!r}; the repository holds {shown or 'none'}")
+        model = slot.peek()
+        if model is None:
+            reason = slot.last_error or ("loading" if name in self.loading else "not loaded")
+            raise NotReady(f"model {name!r} is unavailable: {reason}")
+        if version not in (None, "") and version not in (model.version, self.folder_of(model)):
+            raise NotFound(
+                f"unknown version {version!r} of model {name!r}; the loaded version is "
+                f"{model.version!r}"
+            )
+        return model
+
+    def folder_of(self, model: LoadedModel) -> str | None:
+        """The version folder's number a model was read from, None for an unversioned one."""
+        name = Path(model.artifact.path).name
+        return name if name.isdigit() else None
+
+    # ------------------------------------------------------------------ loads
+
+    def load(self, name: str) -> LoadedModel:
+        """Load (or reload) the model ``name`` and swap it in, within the memory budget.
+        ReloadFailed names what stopped it; whatever served before keeps serving."""
+        check_model_name(name)
+        if name not in self.slots and name not in self.names_on_disk():
+            raise NotFound(f"no model folder {name!r} in the repository {self.root}")
+        with self._lock:
+            slot = self.slots.get(name)
+            if slot is None:
+                model_dir = self.root / name
+                slot = ModelSlot(
+                    name,
+                    lambda: served_path(model_dir),
+                    self.settings,
+                    self.events,
+                    self.clock,
+                    self.retry_failed_seconds,
+                )
+                self.slots[name] = slot
+            self.loading.add(name)
+            try:
+                return self._load_within_budget(slot)
+            finally:
+                self.loading.discard(name)
+
+    def _load_within_budget(self, slot: ModelSlot) -> LoadedModel:
+        name, path = slot.name, slot.path
+        others = self.used_bytes(excluding=name)
+        if self.budget:
+            on_disk = artifact_bytes(path)
+            if others + on_disk > self.budget:
+                error = ReloadFailed(self._over_budget(name, on_disk, others, "on disk"))
+                slot.record_failure(f"ReloadFailed: {error}", artifact_fingerprint(path))
+                self.events.model_load_failed(error)
+                raise error
+
+        def admit(model: LoadedModel) -> None:
+            size = model_bytes(model)
+            if self.budget and others + size > self.budget:
+                raise ReloadFailed(self._over_budget(name, size, others, "loaded"))
+
+        try:
+            model = slot.load(admit=admit)
+        except ReloadFailed:
+            raise
+        except Exception as exc:
+            raise ReloadFailed(f"cannot load model {name!r} from {path}: {exc}") from None
+        self.sizes[name] = model_bytes(model)
+        self.events.repository_model_ready(name, self.sizes[name])
+        return model
+
+    def _over_budget(self, name: str, size: int, others: int, measured: str) -> str:
+        return (
+            f"model {name!r} needs {size / MIB:.1f} MiB ({measured}) and the models serving "
+            f"hold {others / MIB:.1f} MiB: over the repository's memory budget of "
+            f"{self.budget / MIB:.1f} MiB (repository_memory_mib); unload a model or raise "
+            "the budget"
+        )
+
+    def unload(self, name: str) -> None:
+        """Stop serving ``name``: requests that captured it finish on it; its memory is
+        released when the last of them ends. NotFound for a name that is not loaded."""
+        check_model_name(name)
+        with self._lock:
+            slot = self.slots.pop(name, None)
+            if slot is None:
+                raise NotFound(f"model {name!r} is not loaded")
+            slot.unload()
+            self.sizes.pop(name, None)
+        self.events.repository_model_removed(name)
+        log.info("model unloaded", extra={"model": name})
+
+    def load_all(self) -> None:
+        """Load every model on disk (at startup), in name order; a model that fails is
+        recorded UNAVAILABLE and the others load."""
+        for name in self.names_on_disk():
+            try:
+                self.load(name)
+            except Exception as exc:
+                log.error("model not loaded", extra={"model": name, "error": str(exc)})
+
+    def changed_on_disk(self) -> list[str]:
+        """The loaded models whose artifact changed (a new version folder, a republish),
+        and those whose failed artifact changed since (per ``ModelSlot.changed_on_disk``)."""
+        return [name for name, slot in list(self.slots.items()) if slot.changed_on_disk()]

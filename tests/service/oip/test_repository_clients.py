@@ -1,0 +1,79 @@
+"""tritonclient's model repository calls, over HTTP and gRPC, against a real server that
+serves a repository: the index, load and unload behind the admin key, and inference by
+name on both wires."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tritonclient.grpc as triton_grpc
+import tritonclient.http as triton_http
+from tritonclient.utils import InferenceServerException
+
+from tests.service.servers import free_port, running_server
+
+API = {"authorization": "Bearer api-key"}
+ADMIN = {"authorization": "Bearer admin-key"}
+
+
+@pytest.fixture
+def server(repository):
+    grpc_port = free_port()
+    with running_server(
+        repository / "digits",  # --model is ignored when a repository is named
+        NCAKNN_MODEL_REPOSITORY=repository,
+        NCAKNN_GRPC_PORT=grpc_port,
+        NCAKNN_API_KEY="api-key",
+        NCAKNN_ADMIN_API_KEY="admin-key",
+    ) as (_, url, _proc):
+        yield [
+            ("http", triton_http, triton_http.InferenceServerClient(url.removeprefix("http://"))),
+            ("grpc", triton_grpc, triton_grpc.InferenceServerClient(f"127.0.0.1:{grpc_port}")),
+        ]
+
+
+def states(wire, client) -> dict[str, str]:
+    index = client.get_model_repository_index(headers=dict(ADMIN))
+    if wire == "grpc":
+        index = [{"name": m.name, "state": m.state} for m in index.models]
+    return {entry["name"]: entry["state"] for entry in index}
+
+
+def embed(module, client, name: str, x: np.ndarray) -> np.ndarray:
+    tensor = module.InferInput("input", list(x.shape), "FP32")
+    tensor.set_data_from_numpy(x)
+    outputs = [module.InferRequestedOutput("embedding")]
+    answer = client.infer(name, [tensor], outputs=outputs, headers=dict(API))
+    return answer.as_numpy("embedding")
+
+
+def test_tritonclient_index_load_unload_and_infer_by_name(server, model_artifact):
+    x = np.ascontiguousarray(model_artifact[2].X_test[:3], dtype=np.float32)
+    for wire, module, client in server:
+        assert states(wire, client) == {
+            "broken": "UNAVAILABLE",
+            "digits": "READY",
+            "scaled": "READY",
+            "versioned": "READY",
+        }, wire
+        plain = embed(module, client, "digits", x)
+        assert embed(module, client, "scaled", x).shape == plain.shape
+        assert client.is_model_ready("scaled", headers=dict(API))
+        assert not client.is_model_ready("broken", headers=dict(API))
+
+        client.unload_model("scaled", headers=dict(ADMIN))
+        assert states(wire, client)["scaled"] == "UNAVAILABLE"
+        assert not client.is_model_ready("scaled", headers=dict(API))
+        with pytest.raises(InferenceServerException, match="not loaded"):
+            embed(module, client, "scaled", x)
+        client.load_model("scaled", headers=dict(ADMIN))
+        assert states(wire, client)["scaled"] == "READY"
+        np.testing.assert_array_equal(embed(module, client, "digits", x), plain)
+
+        with pytest.raises(InferenceServerException, match="no model folder"):
+            client.load_model("nope", headers=dict(ADMIN))
+        with pytest.raises(InferenceServerException, match="config"):
+            client.load_model("digits", headers=dict(ADMIN), config="{}")
+        with pytest.raises(InferenceServerException):  # the API key is not the admin key
+            client.unload_model("digits", headers=dict(API))
+        assert states(wire, client)["digits"] == "READY"
