@@ -26,10 +26,14 @@ def server(repository):
         NCAKNN_API_KEY="api-key",
         NCAKNN_ADMIN_API_KEY="admin-key",
     ) as (_, url, _proc):
-        yield [
-            ("http", triton_http, triton_http.InferenceServerClient(url.removeprefix("http://"))),
-            ("grpc", triton_grpc, triton_grpc.InferenceServerClient(f"127.0.0.1:{grpc_port}")),
-        ]
+        yield url, grpc_port
+
+
+def clients(url: str, grpc_port: int) -> list:
+    return [
+        ("http", triton_http, triton_http.InferenceServerClient(url.removeprefix("http://"))),
+        ("grpc", triton_grpc, triton_grpc.InferenceServerClient(f"127.0.0.1:{grpc_port}")),
+    ]
 
 
 def states(wire, client) -> dict[str, str]:
@@ -49,7 +53,7 @@ def embed(module, client, name: str, x: np.ndarray) -> np.ndarray:
 
 def test_tritonclient_index_load_unload_and_infer_by_name(server, model_artifact):
     x = np.ascontiguousarray(model_artifact[2].X_test[:3], dtype=np.float32)
-    for wire, module, client in server:
+    for wire, module, client in clients(*server):
         assert states(wire, client) == {
             "broken": "UNAVAILABLE",
             "digits": "READY",
@@ -77,3 +81,38 @@ def test_tritonclient_index_load_unload_and_infer_by_name(server, model_artifact
         with pytest.raises(InferenceServerException):  # the API key is not the admin key
             client.unload_model("digits", headers=dict(API))
         assert states(wire, client)["digits"] == "READY"
+
+
+def test_loads_and_unloads_race_requests_on_a_real_server(server, model_artifact):
+    """Four clients ask two models while one of them is unloaded and loaded again and
+    again: the other always answers 200, the raced one 200 or 503 naming the load call,
+    never anything else."""
+    import threading
+
+    import httpx
+
+    url, _ = server
+    body = {"instances": model_artifact[2].X_test[:8].tolist()}
+    stop, outcomes = threading.Event(), []
+
+    def ask(name: str) -> None:
+        with httpx.Client(base_url=url, headers=API, timeout=30) as client:
+            while not stop.is_set():
+                answer = client.post(f"/v1/models/{name}/classify", json=body)
+                outcomes.append((name, answer.status_code, answer.text[:200]))
+
+    threads = [threading.Thread(target=ask, args=(n,)) for n in ("digits", "scaled") * 2]
+    for thread in threads:
+        thread.start()
+    try:
+        with httpx.Client(base_url=url, headers=ADMIN, timeout=30) as admin:
+            for _ in range(10):
+                assert admin.post("/v2/repository/models/scaled/unload").status_code == 200
+                assert admin.post("/v2/repository/models/scaled/load").status_code == 200
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    assert {status for name, status, _ in outcomes if name == "digits"} == {200}
+    raced = {(status, "load" in text) for name, status, text in outcomes if name == "scaled"}
+    assert raced <= {(200, False), (503, True)} and (200, False) in raced
