@@ -73,7 +73,7 @@ from service.ops.tracing import (
 from service.search.index import available_cores
 from service.server import connections
 from service.server.probes import Heartbeat
-from service.server.workers import ReloadGeneration
+from service.server.workers import ReloadGeneration, RepositoryActions
 from service.state import AppState
 from service.wire import JSON as JSON_TYPE
 
@@ -335,14 +335,17 @@ async def _keep_model_in_sync(state: AppState) -> None:
     on, when the artifact on disk changed (or a failed one healed)."""
     settings = state.settings
     poll = settings.reload_poll_seconds
+    shared = state.generation is not None or state.repository_actions is not None
     interval = min(
         poll if poll > 0 else float("inf"),
-        settings.worker_sync_seconds if state.generation is not None else float("inf"),
+        settings.worker_sync_seconds if shared else float("inf"),
     )
     last_poll = time.monotonic()
     while True:
         await asyncio.sleep(interval)
         try:
+            if state.repository_actions is not None:
+                await _replay_repository_actions(state)
             if state.generation is not None and state.generation.changed():
                 await _reload_in_background(state, "another worker reloaded")
                 continue
@@ -354,6 +357,24 @@ async def _keep_model_in_sync(state: AppState) -> None:
                     await _reload_in_background(state, "the artifact on disk changed")
         except Exception as exc:  # whatever the disk holds, the sync goes on
             log.error("model sync failed; retrying", exc_info=exc)
+
+
+async def _replay_repository_actions(state: AppState, at_startup: bool = False) -> None:
+    """Apply the loads and unloads other workers recorded (``RepositoryActions``), each on
+    its own: an unload unloads a model served here; a load loads (or reloads) it, except
+    at startup for a model the startup has just loaded."""
+    repository = state.engine.repository
+    for name, action in state.repository_actions.changes():
+        try:
+            if action == "unload" and name in repository.slots:
+                await run_in_threadpool(repository.unload, name)
+            elif action == "load" and not (at_startup and name in repository.ready_versions()):
+                await run_in_threadpool(repository.load, name)
+        except Exception as exc:  # recorded in the model's slot and logged; the rest goes on
+            log.error(
+                "repository action of another worker failed here",
+                extra={"model": name, "action": action, "error": str(exc)},
+            )
 
 
 async def _sync_repository(state: AppState) -> None:
@@ -456,7 +477,11 @@ def _lifespan(state: AppState):
         sys.setswitchinterval(GIL_SWITCH_INTERVAL)
         runtime_dir = state.settings.runtime_dir
         if runtime_dir is not None and state.settings.workers > 1:
-            state.generation = ReloadGeneration(runtime_dir)
+            if state.engine.repository is not None:
+                state.repository_actions = RepositoryActions(runtime_dir)
+                state.engine.announce = state.repository_actions.record
+            else:
+                state.generation = ReloadGeneration(runtime_dir)
         heartbeat = None
         if runtime_dir is not None and state.settings.probe_port:
             beat = Heartbeat(runtime_dir, lambda: _probe_state(state))
@@ -467,7 +492,8 @@ def _lifespan(state: AppState):
         if state.settings.grpc_port:
             grpc = await grpc_server.start(state)
         sync = None
-        if state.settings.reload_poll_seconds > 0 or state.generation is not None:
+        shared = state.generation is not None or state.repository_actions is not None
+        if state.settings.reload_poll_seconds > 0 or shared:
             sync = asyncio.get_running_loop().create_task(_keep_model_in_sync(state))
         grpc_stopping: list[asyncio.Task] = []
 
@@ -543,6 +569,8 @@ async def _load_repository_at_startup(state: AppState) -> None:
     no model loads stops the start."""
     repository = state.engine.repository
     await run_in_threadpool(repository.load_all)
+    if state.repository_actions is not None:  # what the other workers did before this start
+        await _replay_repository_actions(state, at_startup=True)
     if repository.any_ready() or not state.settings.require_model_at_startup:
         if not repository.any_ready():
             log.warning("starting without a model", extra={"repository": str(repository.root)})

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.core.vocabulary import INDEX_KINDS
@@ -25,12 +25,12 @@ class Settings(BaseSettings):
     model_repository: Path | None = Field(
         None,
         description="serve every model under this directory by name (DIR/NAME/, or "
-        "DIR/NAME/VERSION/ with the highest version served) instead of model_path; with "
-        "one worker",
+        "DIR/NAME/VERSION/ with the highest version served) instead of model_path",
     )
     repository_memory_mib: float = Field(
         0.0,
         ge=0,
+        allow_inf_nan=False,
         description="the memory all of a repository's models may hold together, MiB (0: no "
         "budget); a load past it is refused and the models serving keep serving",
     )
@@ -264,15 +264,6 @@ class Settings(BaseSettings):
         if any(c.isspace() or not c.isprintable() for c in key):
             raise ValueError(f"{info.field_name} contains whitespace or control characters")
         return SecretStr(key)
-
-    @model_validator(mode="after")
-    def _repository_with_one_worker(self) -> Settings:
-        if self.model_repository is not None and self.workers > 1:
-            raise ValueError(
-                f"model_repository is served by one worker per process, got workers="
-                f"{self.workers}: run one worker per pod (or per process) and scale out"
-            )
-        return self
 
     @field_validator("log_level")
     @classmethod

@@ -13,7 +13,7 @@ from service.ops.answers import AnswerBudget
 from service.ops.bodies import BodyBudget
 from service.ops.metrics import Metrics
 from service.ops.tracing import NoTracing, Tracing
-from service.server.workers import ReloadGeneration
+from service.server.workers import ReloadGeneration, RepositoryActions
 
 
 @dataclass
@@ -22,6 +22,7 @@ class AppState:
     engine: Engine
     metrics: Metrics
     generation: ReloadGeneration | None = None  # shared with the other workers, if any
+    repository_actions: RepositoryActions | None = None  # ... with a model repository
     tracing: Tracing | NoTracing = field(default_factory=NoTracing)
     bodies: BodyBudget | None = None  # request bodies in flight (set from the settings)
     answers: AnswerBudget | None = None  # answers not yet taken (set from the settings)

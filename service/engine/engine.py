@@ -73,6 +73,9 @@ class Engine:
             self.single = ModelSlot(
                 "", settings.model_path, settings, self.events, clock, retry_failed_seconds
             )
+        # called with (name, "load" | "unload") after a repository call succeeded: how the
+        # other workers hear of it (the app's RepositoryActions.record; None: one worker)
+        self.announce: Callable[[str, str], None] | None = None
         self.draining = False
         # serving: the in-flight gate, the batcher (set by the app's lifespan), tracing
         self.in_flight = 0
@@ -163,11 +166,16 @@ class Engine:
         """Load (or reload) the repository's model ``name`` in a worker thread, waited for
         at most ``timeout`` seconds: past it ReloadFailed while the load goes on."""
         repository = self._repository()
+
+        def load_and_announce() -> LoadedModel:
+            model = repository.load(name)
+            if self.announce is not None:
+                self.announce(name, "load")
+            return model
+
         loop = asyncio.get_running_loop()
         try:
-            return await asyncio.wait_for(
-                loop.run_in_executor(None, repository.load, name), timeout
-            )
+            return await asyncio.wait_for(loop.run_in_executor(None, load_and_announce), timeout)
         except TimeoutError:
             raise ReloadFailed(
                 f"the load of model {name!r} did not finish within {timeout:g} s "
@@ -180,6 +188,8 @@ class Engine:
         load of the repository in progress)."""
         repository = self._repository()
         await asyncio.get_running_loop().run_in_executor(None, repository.unload, name)
+        if self.announce is not None:
+            self.announce(name, "unload")
 
     def _repository(self) -> Repository:
         if self.repository is None:

@@ -152,8 +152,10 @@ class Metrics(EngineEvents):
 
     def _define_repository_metrics(self, r: CollectorRegistry) -> None:
         """Per model of a repository, labelled by its name: the label's values are the
-        repository's loaded models (an unloaded model's series are removed), so they stay
-        bounded by the repository, never by what clients send."""
+        repository's loaded models (an unloaded model's series are removed; with several
+        workers, whose files keep every series, its memory goes to 0 and its counters stay
+        until the restart), so they stay bounded by the repository, never by what clients
+        send."""
         self.model_requests = Counter(
             "ncaknn_repository_model_requests",
             "inference requests admitted per repository model",
@@ -240,6 +242,9 @@ class Metrics(EngineEvents):
         self.model_memory.labels(name).set(nbytes)
 
     def repository_model_removed(self, name: str) -> None:
+        if multiprocess_mode():  # the workers' files keep every series: what can be said
+            self.model_memory.labels(name).set(0)  # is that this worker holds nothing
+            return
         for family in (self.model_requests, self.model_rows, self.model_memory):
             try:
                 family.remove(name)

@@ -288,11 +288,6 @@ def test_the_poller_serves_a_new_version_folder(repository, model_artifact):
         assert client.get("/v2/models/versioned/versions/10/ready").status_code == 200
 
 
-def test_a_repository_with_several_workers_is_refused_in_one_line(tmp_path):
-    with pytest.raises(ValueError, match="one worker per pod"):
-        Settings(model_repository=tmp_path, workers=2)
-
-
 def test_a_repository_where_nothing_loads_stops_the_start(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(RuntimeError, match="no model of the repository"):

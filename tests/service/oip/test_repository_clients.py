@@ -116,3 +116,65 @@ def test_loads_and_unloads_race_requests_on_a_real_server(server, model_artifact
     assert {status for name, status, _ in outcomes if name == "digits"} == {200}
     raced = {(status, "load" in text) for name, status, text in outcomes if name == "scaled"}
     assert raced <= {(200, False), (503, True)} and (200, False) in raced
+
+
+def test_two_workers_serve_the_same_models_after_a_load_or_unload(repository, model_artifact):
+    """With two workers, the worker that unloads (or loads) a model records it and the
+    other replays it within worker_sync_seconds: every fresh connection, whichever worker
+    takes it, then sees the same models. A worker restarted afterwards replays the record."""
+    import os
+    import signal
+    import time
+
+    import httpx
+
+    body = {"instances": model_artifact[2].X_test[:2].tolist()}
+
+    def statuses(url: str) -> set[int]:
+        """The scaled model's status on 24 fresh connections (both workers answer some)."""
+        seen = set()
+        for _ in range(24):
+            with httpx.Client(base_url=url, headers=API, timeout=30) as client:
+                seen.add(client.post("/v1/models/scaled/embed", json=body).status_code)
+        return seen
+
+    def worker_pids(url: str) -> set[int]:
+        pids = set()
+        for _ in range(24):
+            with httpx.Client(base_url=url, headers=API, timeout=30) as client:
+                answer = client.get("/v1/models/digits")
+                if answer.status_code == 200:
+                    pids.add(answer.json()["worker_pid"])
+        return pids
+
+    def converge(url: str, expected: int) -> None:
+        deadline = time.monotonic() + 20
+        while statuses(url) != {expected}:
+            assert time.monotonic() < deadline, f"the workers never all answered {expected}"
+            time.sleep(0.2)
+
+    with running_server(
+        repository / "digits",
+        NCAKNN_MODEL_REPOSITORY=repository,
+        NCAKNN_WORKERS=2,
+        NCAKNN_WORKER_SYNC_SECONDS=0.2,
+        NCAKNN_API_KEY="api-key",
+        NCAKNN_ADMIN_API_KEY="admin-key",
+    ) as (_, url, _proc):
+        assert statuses(url) == {200}
+        with httpx.Client(base_url=url, headers=ADMIN, timeout=30) as admin:
+            assert admin.post("/v2/repository/models/scaled/unload").status_code == 200
+            converge(url, 503)
+            assert admin.post("/v2/repository/models/scaled/load").status_code == 200
+            converge(url, 200)
+            assert admin.post("/v2/repository/models/scaled/unload").status_code == 200
+            converge(url, 503)
+        # a worker killed now is restarted, and the new one replays the unload at its start
+        pids = worker_pids(url)
+        assert len(pids) == 2
+        os.kill(pids.pop(), signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while not (worker_pids(url) - pids):
+            assert time.monotonic() < deadline, "no worker took the killed one's place"
+            time.sleep(0.5)
+        assert statuses(url) == {503}
