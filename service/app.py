@@ -35,7 +35,7 @@ from starlette.requests import ClientDisconnect
 
 from service import __version__
 from service.config import Settings
-from service.core.artifact import artifact_fingerprint
+from service.core.artifact import MANIFEST_FILE, artifact_fingerprint
 from service.engine.batcher import Batcher
 from service.engine.engine import Engine
 from service.errors import (
@@ -568,6 +568,16 @@ async def _load_repository_at_startup(state: AppState) -> None:
     with its reason, the others serve). With require_model_at_startup, a repository where
     no model loads stops the start."""
     repository = state.engine.repository
+    if not repository.root.is_dir():
+        problem = (
+            f"the model repository {repository.root} is not a directory"
+            if repository.root.exists()
+            else f"the model repository {repository.root} does not exist"
+        )
+        if state.settings.require_model_at_startup:
+            raise RuntimeError(f"cannot serve: {problem} (NCAKNN_MODEL_REPOSITORY)")
+        log.warning("starting without a model", extra={"error": problem})
+        return
     await run_in_threadpool(repository.load_all)
     if state.repository_actions is not None:  # what the other workers did before this start
         await _replay_repository_actions(state, at_startup=True)
@@ -576,10 +586,13 @@ async def _load_repository_at_startup(state: AppState) -> None:
             log.warning("starting without a model", extra={"repository": str(repository.root)})
         return
     reasons = "; ".join(f"{e.name}: {e.reason}" for e in repository.index()[:5])
+    if not reasons:
+        reasons = "it holds no model folder"
+        if (repository.root / MANIFEST_FILE).exists():
+            reasons += ": it is an artifact itself, which --model serves"
     raise RuntimeError(
-        f"cannot serve: no model of the repository {repository.root} loaded "
-        f"({reasons or 'it holds no model folder'}). Set NCAKNN_REQUIRE_MODEL_AT_STARTUP=false "
-        "to start unready and load models later."
+        f"cannot serve: no model of the repository {repository.root} loaded ({reasons}). "
+        "Set NCAKNN_REQUIRE_MODEL_AT_STARTUP=false to start unready and load models later."
     )
 
 
@@ -734,7 +747,7 @@ def _install_openapi(app: FastAPI, state: AppState) -> None:
         """The model card (service.http.card), rendered in a worker thread."""
         guard(request)
         if state.engine.repository is not None:
-            entries = state.engine.repository_index()
+            entries = await run_in_threadpool(state.engine.repository_index)
             page = await run_in_threadpool(
                 card_module.render_repository, entries, state.metrics.registry
             )

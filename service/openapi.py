@@ -15,7 +15,10 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from service.core.vocabulary import RULES
+from service.engine.repository import MODEL_NAME
 from service.wire import JSON, NPY
+
+MODEL_NAME_PATTERN = MODEL_NAME.pattern
 
 ERROR_DESCRIPTIONS = {
     400: "empty batch",
@@ -337,14 +340,21 @@ REPOSITORY_BODIES = {  # (an empty body takes the defaults)
 }
 
 
-def model_name_parameter(limits: dict[str, Any]) -> dict:
-    """A named route's model: one of the served names (any other answers 404)."""
-    names = limits.get("model_names") or [limits.get("v2_model_name")]
+def model_name_parameter(limits: dict[str, Any], any_folder: bool = False) -> dict:
+    """A named route's model: one of the served names (any other answers 404); with a
+    repository, one of the models serving now, or (``any_folder``: the load and unload
+    calls, and while none serves) any name a model folder can have."""
+    if not limits.get("repository"):
+        schema = {"type": "string", "enum": [limits.get("v2_model_name")]}
+    elif limits.get("model_names") and not any_folder:
+        schema = {"type": "string", "enum": limits["model_names"]}
+    else:
+        schema = {"type": "string", "pattern": MODEL_NAME_PATTERN}
     return {
         "name": "model_name",
         "in": "path",
         "required": True,
-        "schema": {"type": "string", "enum": names},
+        "schema": schema,
         "description": "the model's name (v2_model_name, or a repository's folder name)",
     }
 
@@ -356,7 +366,8 @@ def _describe_v2(path: str, operation: dict, limits: dict[str, Any]) -> None:
         if parameter.get("in") != "path":
             continue
         if parameter.get("name") == "model_name":
-            parameter["schema"] = model_name_parameter(limits)["schema"]
+            any_folder = path.startswith("/v2/repository/")
+            parameter["schema"] = model_name_parameter(limits, any_folder)["schema"]
         elif parameter.get("name") == "model_version" and limits.get("version"):
             parameter["schema"] = {"type": "string", "enum": [limits["version"]]}
     if path.endswith("/infer"):

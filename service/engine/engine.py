@@ -254,7 +254,9 @@ class Engine:
         self.in_flight += 1
         try:
             self.events.request_admitted(route, rows)
-            if model is not None and model.name:
+            # counted while the repository holds the model (one captured by a request just
+            # before its unload does not bring its series back)
+            if model is not None and model.name and self.repository.serves(model):
                 self.events.model_request(model.name, rows)
             yield
         finally:

@@ -22,11 +22,13 @@ leaves the models that serve, that one's previous version included, serving.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import threading
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,7 +43,8 @@ from service.engine.slot import ModelSlot
 from service.errors import InvalidInput, NotFound, NotReady, ReloadFailed
 
 log = logging.getLogger("service.repository")
-MODEL_NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}$")
+MODEL_NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}$", re.ASCII)
+VERSION_NAME = re.compile(r"^[1-9][0-9]{0,17}$", re.ASCII)
 MIB = 2**20
 
 READY, UNAVAILABLE, LOADING = "READY", "UNAVAILABLE", "LOADING"  # the protocol's states
@@ -92,26 +95,41 @@ def check_request_parameters(name: str, parameters: dict | None, allowed: set[st
         raise InvalidInput(f"unload_dependents must be a boolean, got {dependents!r}")
 
 
-def version_folders(model_dir: Path) -> list[int]:
-    """The numbered version folders of a model folder, ascending."""
+def is_folder(entry: os.DirEntry) -> bool:
+    """Whether a directory entry is a folder (following a symlink); False for one that
+    cannot be read (a symlink loop, a vanished entry, no permission)."""
     try:
-        entries = list(os.scandir(model_dir))
+        return entry.is_dir()
+    except OSError:
+        return False
+
+
+def folders(path: Path, pattern: re.Pattern) -> list[str]:
+    """The names of the folders in ``path`` that match ``pattern`` (none when ``path``
+    cannot be listed)."""
+    try:
+        entries = list(os.scandir(path))
     except OSError:
         return []
-    return sorted(
-        int(e.name)
-        for e in entries
-        if e.name.isdigit() and not e.name.startswith("0") and e.is_dir() and len(e.name) < 19
-    )
+    return [e.name for e in entries if pattern.match(e.name) and is_folder(e)]
+
+
+def version_folders(model_dir: Path) -> list[int]:
+    """The version folders of a model folder (named 1, 2, ...: ASCII digits, no leading
+    zero), ascending."""
+    return sorted(int(name) for name in folders(model_dir, VERSION_NAME))
 
 
 def served_path(model_dir: Path) -> Path:
     """The artifact a model folder serves: itself when it holds a manifest, else its
-    highest-numbered version folder (else itself, whose load then says what is missing)."""
+    highest-numbered version folder that holds one (a newer folder still being written
+    is passed over), else its highest-numbered one, else itself (whose load then says
+    what is missing)."""
     if (model_dir / MANIFEST_FILE).exists():
         return model_dir
-    versions = version_folders(model_dir)
-    return model_dir / str(versions[-1]) if versions else model_dir
+    versions = [model_dir / str(v) for v in reversed(version_folders(model_dir))]
+    complete = [path for path in versions if (path / MANIFEST_FILE).exists()]
+    return (complete or versions or [model_dir])[0]
 
 
 def artifact_bytes(path: Path) -> int:
@@ -175,22 +193,28 @@ class Repository:
         self.events = events
         self.clock = clock
         self.retry_failed_seconds = retry_failed_seconds
-        self.budget = int(settings.repository_memory_mib * MIB)  # bytes; 0: no budget
+        # bytes; 0: no budget (a budget of a fraction of a byte is one byte, not none)
+        self.budget = math.ceil(settings.repository_memory_mib * MIB)
         self.slots: dict[str, ModelSlot] = {}
         self.sizes: dict[str, int] = {}  # name -> bytes of the model it serves
         self.loading: set[str] = set()
         self._lock = threading.Lock()  # one load or unload at a time: the budget stays exact
+        self._loading_lock = threading.Lock()  # guards ``loading``
 
     # ------------------------------------------------------------------ what is there
 
     def names_on_disk(self) -> list[str]:
-        """The model folders under the root, sorted."""
+        """The model folders under the root, sorted (an entry that cannot be read, such
+        as a symlink loop, is not a model). A listing of the disk: callers on the event
+        loop run it in a worker thread."""
+        return sorted(folders(self.root, MODEL_NAME))
+
+    def on_disk(self, name: str) -> bool:
+        """Whether ``name`` is a model folder (one look, not a listing)."""
         try:
-            entries = list(os.scandir(self.root))
-        except OSError as exc:
-            log.error("cannot list the model repository", extra={"error": str(exc)})
-            return []
-        return sorted(e.name for e in entries if MODEL_NAME.match(e.name) and e.is_dir())
+            return MODEL_NAME.match(name) is not None and (self.root / name).is_dir()
+        except OSError:
+            return False
 
     def index(self, ready_only: bool = False) -> list[IndexEntry]:
         """Every model on disk or loaded: READY (serving), LOADING (its first load runs) or
@@ -202,7 +226,10 @@ class Repository:
             slot = self.slots.get(name)
             model = slot.peek() if slot is not None else None
             if model is not None:
-                entries.append(IndexEntry(name, model.version, READY, ""))
+                reason = (
+                    f"serving; the last load failed: {slot.last_error}" if slot.last_error else ""
+                )
+                entries.append(IndexEntry(name, model.version, READY, reason))
             else:
                 state = LOADING if name in self.loading else UNAVAILABLE
                 reason = "loading" if state == LOADING else "unloaded"
@@ -231,14 +258,17 @@ class Repository:
         slot = self.slots.get(name)
         if slot is None:
             check_model_name(name)
-            if name in self.names_on_disk():
+            if self.on_disk(name):
                 raise NotReady(
-                    f"model {name!r} is not loaded; load it with POST "
-                    f"/v2/repository/models/{name}/load"
+                    f"model {name!r} is not loaded; load it with the repository's load call "
+                    f"(POST /v2/repository/models/{name}/load, or gRPC RepositoryModelLoad)"
                 )
-            known = [entry.name for entry in self.index()]
-            shown = ", ".join(repr(n) for n in known[:20]) + (" ..." if len(known) > 20 else "")
-            raise NotFound(f"unknown model {name!r}; the repository holds {shown or 'none'}")
+            serving = list(self.ready_versions())
+            shown = ", ".join(repr(n) for n in serving[:20]) + (" ..." if len(serving) > 20 else "")
+            raise NotFound(
+                f"unknown model {name!r}; the models serving are {shown or 'none'} (the "
+                "repository index lists every model)"
+            )
         model = slot.peek()
         if model is None:
             reason = slot.last_error or ("loading" if name in self.loading else "not loaded")
@@ -261,9 +291,9 @@ class Repository:
         """Load (or reload) the model ``name`` and swap it in, within the memory budget.
         ReloadFailed names what stopped it; whatever served before keeps serving."""
         check_model_name(name)
-        if name not in self.slots and name not in self.names_on_disk():
+        if name not in self.slots and not self.on_disk(name):
             raise NotFound(f"no model folder {name!r} in the repository {self.root}")
-        with self._lock:
+        with self._claim(name):
             slot = self.slots.get(name)
             if slot is None:
                 model_dir = self.root / name
@@ -276,11 +306,7 @@ class Repository:
                     self.retry_failed_seconds,
                 )
                 self.slots[name] = slot
-            self.loading.add(name)
-            try:
-                return self._load_within_budget(slot)
-            finally:
-                self.loading.discard(name)
+            return self._load_within_budget(slot)
 
     def _load_within_budget(self, slot: ModelSlot) -> LoadedModel:
         name, path = slot.name, slot.path
@@ -308,11 +334,45 @@ class Repository:
         self.events.repository_model_ready(name, self.sizes[name])
         return model
 
+    @contextmanager
+    def _claim(self, name: str):
+        """Hold the repository for a load of ``name``: refused at once when a load of the
+        same name is running or waiting (loads do not pile up behind each other), and
+        after ``reload_timeout_seconds`` of waiting behind another model's load or unload.
+        The index shows the model LOADING from the moment it is claimed."""
+        with self._loading_lock:
+            if name in self.loading:
+                raise ReloadFailed(
+                    f"a load of model {name!r} is already running or waiting; it does not "
+                    "queue twice: retry when it has finished (the repository index shows it)"
+                )
+            self.loading.add(name)
+        try:
+            with self._repository_lock(f"load model {name!r}"):
+                yield
+        finally:
+            with self._loading_lock:
+                self.loading.discard(name)
+
+    @contextmanager
+    def _repository_lock(self, what: str):
+        """The one lock of loads and unloads, waited for at most reload_timeout_seconds."""
+        waited = self.settings.reload_timeout_seconds
+        if not self._lock.acquire(timeout=waited):
+            raise ReloadFailed(
+                f"cannot {what} now: another model's load or unload has held the repository "
+                f"for over {waited:g} s (reload_timeout_seconds); retry when it has finished"
+            )
+        try:
+            yield
+        finally:
+            self._lock.release()
+
     def _over_budget(self, name: str, size: int, others: int, measured: str) -> str:
         return (
-            f"model {name!r} needs {size / MIB:.1f} MiB ({measured}) and the models serving "
-            f"hold {others / MIB:.1f} MiB: over the repository's memory budget of "
-            f"{self.budget / MIB:.1f} MiB (repository_memory_mib); unload a model or raise "
+            f"model {name!r} needs {size / MIB:.3g} MiB ({measured}) and the models serving "
+            f"hold {others / MIB:.3g} MiB: over the repository's memory budget of "
+            f"{self.budget / MIB:.3g} MiB (repository_memory_mib); unload a model or raise "
             "the budget"
         )
 
@@ -320,7 +380,7 @@ class Repository:
         """Stop serving ``name``: requests that captured it finish on it; its memory is
         released when the last of them ends. NotFound for a name that is not loaded."""
         check_model_name(name)
-        with self._lock:
+        with self._repository_lock(f"unload model {name!r}"):
             slot = self.slots.pop(name, None)
             if slot is None:
                 raise NotFound(f"model {name!r} is not loaded")
@@ -340,5 +400,25 @@ class Repository:
 
     def changed_on_disk(self) -> list[str]:
         """The loaded models whose artifact changed (a new version folder, a republish),
-        and those whose failed artifact changed since (per ``ModelSlot.changed_on_disk``)."""
-        return [name for name, slot in list(self.slots.items()) if slot.changed_on_disk()]
+        and those whose failed artifact changed since (per ``ModelSlot.changed_on_disk``).
+        A model whose folder cannot be read is left as it is (and logged); the others are
+        still looked at."""
+        changed = []
+        for name, slot in list(self.slots.items()):
+            try:
+                if slot.changed_on_disk():
+                    changed.append(name)
+            except OSError as exc:
+                log.warning(
+                    "cannot look at a model's folder", extra={"model": name, "error": str(exc)}
+                )
+        return changed
+
+    def last_error(self, name: str) -> str | None:
+        """What the last failed load of ``name`` said (None: none, or not held)."""
+        slot = self.slots.get(name)
+        return slot.last_error if slot is not None else None
+
+    def serves(self, model: LoadedModel) -> bool:
+        """Whether ``model``'s name is still held (not unloaded)."""
+        return model.name in self.slots

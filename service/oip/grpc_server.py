@@ -209,7 +209,11 @@ class InferenceService:
     async def repository_index(self, request, context):
         check_repository_name(request.repository_name)
         response = MESSAGES["RepositoryIndexResponse"]()
-        for entry in self.state.engine.repository_index(request.ready):
+        loop = asyncio.get_running_loop()  # the index looks at the disk: off the event loop
+        entries = await loop.run_in_executor(
+            None, self.state.engine.repository_index, request.ready
+        )
+        for entry in entries:
             response.models.add(**entry)
         return response
 

@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
 
 from service.engine.repository import check_request_parameters
 from service.errors import InvalidInput
@@ -57,7 +58,8 @@ async def _body(request: Request, schema: type, what: str):
 @v2_errors
 async def repository_index(request: Request) -> Response:
     state, body = await _body(request, IndexRequest, "repository index")
-    return Response(encode(state.engine.repository_index(body.ready)), media_type=JSON)
+    entries = await run_in_threadpool(state.engine.repository_index, body.ready)  # the disk
+    return Response(encode(entries), media_type=JSON)
 
 
 @router.post("/models/{model_name}/load", summary="Load (or reload) a model by name")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from fastapi import APIRouter, Depends
+from starlette.concurrency import run_in_threadpool
 
 from service.errors import NotFound, ReloadFailed
 from service.http.deps import State, require_admin_key, require_api_key
@@ -30,7 +31,8 @@ async def model_info(state: State) -> ModelInfo:
     dependencies=[Depends(require_api_key)],
 )
 async def models(state: State) -> list[RepositoryEntry]:
-    return [RepositoryEntry(**entry) for entry in state.engine.repository_index()]
+    entries = await run_in_threadpool(state.engine.repository_index)  # a look at the disk
+    return [RepositoryEntry(**entry) for entry in entries]
 
 
 @router.get(
@@ -40,7 +42,9 @@ async def models(state: State) -> list[RepositoryEntry]:
     dependencies=[Depends(require_api_key)],
 )
 async def named_model_info(state: State, model_name: str) -> ModelInfo:
-    return describe(state, state.engine.model(model_name), None)
+    repository = state.engine.repository
+    last_error = repository.last_error(model_name) if repository is not None else None
+    return describe(state, state.engine.model(model_name), last_error or state.engine.last_error)
 
 
 def describe(state, model, last_error: str | None) -> ModelInfo:

@@ -342,3 +342,176 @@ def test_a_refused_load_is_not_tried_again_at_every_poll(repository, refused_at)
     assert store.changed_on_disk() == []
     now[0] = 61.0
     assert store.changed_on_disk() == ["digits"]
+
+
+# ---------------------------------------------------------------- the hostile pass's cases
+
+
+def test_unreadable_entries_are_not_models_and_stop_nothing(repository, model_artifact):
+    """A symlink loop in the root and in a model's folder, and folders named with non-ASCII
+    digits: the start, the index, unknown names and the poller all go on (each was a 500,
+    a failed start, or a poller stopped for every model)."""
+    (repository / "loop").symlink_to(repository / "loop")
+    (repository / "versioned" / "5").symlink_to(repository / "versioned" / "5")
+    (repository / "versioned" / "\u00b2").mkdir()  # superscript two: isdigit(), not int()
+    (repository / "versioned" / "\uff13").mkdir()  # full-width three
+    split = model_artifact[2]
+    settings = repository_settings(repository, reload_poll_seconds=0.05)
+    body = {"instances": rows(split)}
+    with TestClient(create_app(settings)) as client:
+        index = index_of(client)
+        assert "loop" not in index and index["versioned"]["state"] == "READY"
+        assert client.post("/v1/models/nope/classify", json=body).status_code == 404
+        assert client.get("/v1/models").status_code == 200 and client.get("/").status_code == 200
+        assert client.post("/v2/repository/models/versioned/load", headers=ADMIN).status_code == 200
+        plain = np.array(client.post("/v1/models/digits/embed", json=body).json()["embeddings"])
+        republish_scaled(repository / "scaled", 3.0)  # the poller still serves the others
+        expected = scaled_by(plain, 6.0, model_artifact[0])
+        import time
+
+        deadline = time.monotonic() + 10
+        while not np.allclose(
+            client.post("/v1/models/scaled/embed", json=body).json()["embeddings"],
+            expected,
+            rtol=1e-4,
+            atol=1e-4,
+        ):
+            assert time.monotonic() < deadline, "the poller stopped"
+            time.sleep(0.05)
+
+
+def test_loads_of_one_name_do_not_pile_up(repository, monkeypatch):
+    """Eight loads of one slow model at once: one runs, the others are refused at once
+    (each had run a full load in the background, filling the worker threads)."""
+    import time
+
+    from service.engine import slot
+
+    loads = []
+    real_load = slot.load_model
+
+    def slow_load(*args, **kwargs):
+        loads.append(args[0])
+        time.sleep(1.0)
+        return real_load(*args, **kwargs)
+
+    settings = repository_settings(repository, reload_timeout_seconds=5)
+    with TestClient(create_app(settings)) as client:
+        monkeypatch.setattr(slot, "load_model", slow_load)
+        answers = []
+
+        def load() -> None:
+            answers.append(client.post("/v2/repository/models/scaled/load", headers=ADMIN))
+
+        threads = [threading.Thread(target=load) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        statuses = sorted(a.status_code for a in answers)
+        assert statuses == [200] + [409] * 7, statuses
+        refused = [a.json()["error"] for a in answers if a.status_code == 409]
+        assert all("already running or waiting" in message for message in refused)
+        assert len(loads) == 1
+
+
+def test_a_load_waits_for_another_models_load_at_most_the_reload_timeout(repository, monkeypatch):
+    import time
+
+    from service.engine import slot
+
+    real_load = slot.load_model
+
+    def slow_load(*args, **kwargs):
+        time.sleep(2.0)
+        return real_load(*args, **kwargs)
+
+    settings = repository_settings(repository, reload_timeout_seconds=0.5)
+    with TestClient(create_app(settings)) as client:
+        monkeypatch.setattr(slot, "load_model", slow_load)
+        slow = threading.Thread(
+            target=client.post,
+            args=("/v2/repository/models/scaled/load",),
+            kwargs={"headers": ADMIN},
+        )
+        slow.start()
+        time.sleep(0.2)
+        assert index_of(client)["scaled"]["state"] == "READY"  # the old version serves
+        started = time.monotonic()
+        waited = client.post("/v2/repository/models/digits/unload", headers=ADMIN)
+        assert waited.status_code == 409 and "another model's load" in waited.json()["error"]
+        assert time.monotonic() - started < 1.5
+        slow.join()
+
+
+def test_unknown_names_are_answered_without_listing_the_repository(repository, monkeypatch):
+    from service.engine.repository import Repository
+
+    with TestClient(create_app(repository_settings(repository))) as client:
+
+        def no_listing(self):
+            raise AssertionError("listed the repository for a request")
+
+        monkeypatch.setattr(Repository, "names_on_disk", no_listing)
+        body = {"instances": [[0.0] * 64]}
+        unknown = client.post("/v1/models/zz/classify", json=body)
+        assert unknown.status_code == 404 and "'digits'" in unknown.json()["error"]
+        assert client.post("/v1/models/broken/classify", json=body).status_code == 503
+        assert client.get("/readyz").status_code == 200
+
+
+def test_a_failed_reload_of_a_serving_model_is_shown(repository):
+    with TestClient(create_app(repository_settings(repository))) as client:
+        data = (repository / "digits" / "labels.npy").read_bytes()
+        (repository / "digits" / "labels.npy").write_bytes(data[:10])
+        refused = client.post("/v2/repository/models/digits/load", headers=ADMIN)
+        assert refused.status_code == 409
+        entry = index_of(client)["digits"]
+        assert entry["state"] == "READY" and "labels.npy" in entry["reason"]
+        info = client.get("/v1/models/digits").json()
+        assert "labels.npy" in info["last_reload_error"]
+
+
+def test_a_half_written_newest_version_is_passed_over(repository, model_artifact):
+    (repository / "versioned" / "3").mkdir()  # being written: no manifest yet
+    with TestClient(create_app(repository_settings(repository))) as client:
+        assert client.get("/v2/models/versioned/versions/2/ready").status_code == 200
+
+
+@pytest.mark.parametrize("kind", ["missing", "file", "artifact"])
+def test_a_repository_path_that_is_no_repository_is_named_at_start(tmp_path, model_artifact, kind):
+    root = {"missing": tmp_path / "nope", "file": tmp_path / "f", "artifact": tmp_path / "a"}[kind]
+    if kind == "file":
+        root.write_text("x")
+    if kind == "artifact":
+        shutil.copytree(model_artifact[0], root)
+    says = {"missing": "does not exist", "file": "not a directory", "artifact": "--model"}[kind]
+    with pytest.raises(RuntimeError, match=says):
+        with TestClient(create_app(repository_settings(root))):
+            pass
+
+
+def test_a_request_that_outlives_its_models_unload_brings_no_series_back(repository):
+    with TestClient(create_app(repository_settings(repository))) as client:
+        engine = client.app.state.ncaknn.engine
+        captured = engine.model("scaled")
+        assert client.post("/v2/repository/models/scaled/unload", headers=ADMIN).status_code == 200
+        with engine.admit("/v1/models/{model_name}/embed", 4, captured):
+            pass
+        assert 'model="scaled"' not in client.get("/metrics").text
+
+
+def test_the_load_calls_document_any_folder_name(repository):
+    with TestClient(create_app(repository_settings(repository))) as client:
+        spec = client.app.openapi()
+    load = spec["paths"]["/v2/repository/models/{model_name}/load"]["post"]
+    (name,) = [p for p in load["parameters"] if p["name"] == "model_name"]
+    assert "enum" not in name["schema"] and name["schema"]["pattern"].startswith("^")
+
+
+def test_a_budget_below_one_byte_is_still_a_budget(repository):
+    """1e-7 MiB is 0.1 byte: it once rounded to 0, which means no budget at all."""
+    settings = repository_settings(repository, repository_memory_mib=1e-7)
+    with pytest.raises(RuntimeError, match="memory budget"):
+        with TestClient(create_app(settings)):
+            pass
