@@ -56,7 +56,8 @@ from service.http.card import ModelCard
 from service.http.decode import MODEL_NAME_KEY
 from service.http.deps import check_api_key
 from service.http.routes import health, inference, model
-from service.oip import grpc_server, repository
+from service.oip import grpc_server
+from service.oip import repository as repository_routes
 from service.oip import rest as v2
 from service.openapi import build_openapi
 from service.ops import memory
@@ -215,7 +216,7 @@ class ServiceMiddleware:
         if path in self.routes:
             return path
         template = v2.route_template(path) or inference.named_template(path)
-        template = template or repository.route_template(path)
+        template = template or repository_routes.route_template(path)
         return template if template in self.routes else UNMATCHED_ROUTE
 
 
@@ -345,48 +346,19 @@ async def _keep_model_in_sync(state: AppState) -> None:
         await asyncio.sleep(interval)
         try:
             if state.repository_actions is not None:
-                await _replay_repository_actions(state)
+                await run_in_threadpool(state.engine.replay_repository)
             if state.generation is not None and state.generation.changed():
                 await _reload_in_background(state, "another worker reloaded")
                 continue
             if poll > 0 and time.monotonic() - last_poll >= poll - 1e-3:
                 last_poll = time.monotonic()
                 if state.engine.repository is not None:
-                    await _sync_repository(state)
+                    for name in await run_in_threadpool(state.engine.reload_changed_models):
+                        log.info("model synchronised", extra={"model": name})
                 elif await run_in_threadpool(state.engine.changed_on_disk):
                     await _reload_in_background(state, "the artifact on disk changed")
         except Exception as exc:  # whatever the disk holds, the sync goes on
             log.error("model sync failed; retrying", exc_info=exc)
-
-
-async def _replay_repository_actions(state: AppState, at_startup: bool = False) -> None:
-    """Apply the loads and unloads other workers recorded (``RepositoryActions``), each on
-    its own: an unload unloads a model served here; a load loads (or reloads) it, except
-    at startup for a model the startup has just loaded."""
-    repository = state.engine.repository
-    for name, action in state.repository_actions.changes():
-        try:
-            if action == "unload" and name in repository.slots:
-                await run_in_threadpool(repository.unload, name)
-            elif action == "load" and not (at_startup and name in repository.ready_versions()):
-                await run_in_threadpool(repository.load, name)
-        except Exception as exc:  # recorded in the model's slot and logged; the rest goes on
-            log.error(
-                "repository action of another worker failed here",
-                extra={"model": name, "action": action, "error": str(exc)},
-            )
-
-
-async def _sync_repository(state: AppState) -> None:
-    """Reload each repository model whose artifact changed on disk (a new version folder,
-    a republish), each on its own."""
-    repository = state.engine.repository
-    for name in await run_in_threadpool(repository.changed_on_disk):
-        try:
-            await run_in_threadpool(repository.load, name)
-        except Exception:  # recorded in the model's slot (the index's reason) and logged
-            continue
-        log.info("model synchronised", extra={"model": name})
 
 
 def _install_drain_on_sigterm(state: AppState, on_stop: Callable[[], None]) -> None:
@@ -455,7 +427,7 @@ def create_app(
     app.include_router(model.router)
     app.include_router(health.router)
     app.include_router(v2.router)
-    app.include_router(repository.router)
+    app.include_router(repository_routes.router)
     _install_openapi(app, state)
     every_route = {**_limits(state), "repository": True}  # the metrics' route labels
     routes = set(build_openapi(app, every_route, secured=False)["paths"])
@@ -479,7 +451,7 @@ def _lifespan(state: AppState):
         if runtime_dir is not None and state.settings.workers > 1:
             if state.engine.repository is not None:
                 state.repository_actions = RepositoryActions(runtime_dir)
-                state.engine.announce = state.repository_actions.record
+                state.engine.shared_actions = state.repository_actions
             else:
                 state.generation = ReloadGeneration(runtime_dir)
         heartbeat = None
@@ -578,9 +550,7 @@ async def _load_repository_at_startup(state: AppState) -> None:
             raise RuntimeError(f"cannot serve: {problem} (NCAKNN_MODEL_REPOSITORY)")
         log.warning("starting without a model", extra={"error": problem})
         return
-    await run_in_threadpool(repository.load_all)
-    if state.repository_actions is not None:  # what the other workers did before this start
-        await _replay_repository_actions(state, at_startup=True)
+    await run_in_threadpool(state.engine.load_repository)
     if repository.any_ready() or not state.settings.require_model_at_startup:
         if not repository.any_ready():
             log.warning("starting without a model", extra={"repository": str(repository.root)})

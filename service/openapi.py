@@ -72,7 +72,7 @@ ROUTE_ERRORS = {
     # when the server serves a repository
     "/v2/repository/index": (401, 413, 422),
     "/v2/repository/models/{model_name}/load": (401, 404, 409, 413, 422),
-    "/v2/repository/models/{model_name}/unload": (401, 404, 413, 422),
+    "/v2/repository/models/{model_name}/unload": (401, 404, 409, 413, 422),
 }
 # with a repository, the unnamed routes answer 404 (name the model)
 REPOSITORY_ERRORS = {path: (404,) for path in ("/v1/classify", "/v1/embed", "/v1/neighbors")}

@@ -1,4 +1,4 @@
-"""The engine: the current model, and the operations every wire calls.
+"""The engine: the served models, and the operations every wire calls.
 
 A wire (/v1, /v2 REST, gRPC) decodes a request into rows and a :class:`Query`
 (``service.engine.infer.resolve``), calls one operation and encodes what it returns:
@@ -13,19 +13,24 @@ rather than an unbounded queue), the batcher (or a worker thread when batching i
 the trace spans, and the events the metrics count (rows per request, outliers flagged,
 requests in flight: ``service.engine.events``).
 
-The engine holds the current model (``service.engine.model.load_model`` reads and indexes
-one) and replaces it in one reference assignment after the new one has been fully loaded;
-a request that captured the old model finishes on it. A failed load leaves the current
-model serving and is recorded in ``Engine.last_error``.
+The engine holds one model (``single``, a ``service.engine.slot.ModelSlot``) or a
+repository of named ones (``repository``, ``service.engine.repository.Repository``: a slot
+per name); every wire finds a model with :meth:`Engine.model` (by name and version) or
+:meth:`Engine.current` (the unnamed routes). A slot replaces its model in one reference
+assignment after the new one has been fully loaded; a request that captured the old model
+finishes on it. A failed load leaves the current model serving and is recorded in the
+slot's ``last_error``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +47,7 @@ from service.engine.slot import ModelSlot
 from service.errors import NotFound, Overloaded, ReloadFailed
 from service.ops.tracing import NoTracing, Tracing, record_inference
 
+log = logging.getLogger("service.engine")
 INLINE_EMBED_ROWS = 64  # below this, projection runs on the event loop
 
 
@@ -73,9 +79,9 @@ class Engine:
             self.single = ModelSlot(
                 "", settings.model_path, settings, self.events, clock, retry_failed_seconds
             )
-        # called with (name, "load" | "unload") after a repository call succeeded: how the
-        # other workers hear of it (the app's RepositoryActions.record; None: one worker)
-        self.announce: Callable[[str, str], None] | None = None
+        # the repository actions shared with the other workers (the app's
+        # service.server.workers.RepositoryActions: record, wanted, applied; None: one worker)
+        self.shared_actions = None
         self.draining = False
         # serving: the in-flight gate, the batcher (set by the app's lifespan), tracing
         self.in_flight = 0
@@ -164,32 +170,83 @@ class Engine:
 
     async def load_named(self, name: str, timeout: float) -> LoadedModel:
         """Load (or reload) the repository's model ``name`` in a worker thread, waited for
-        at most ``timeout`` seconds: past it ReloadFailed while the load goes on."""
+        at most ``timeout`` seconds: past it ReloadFailed while the load goes on (its
+        failure, if it fails, is logged and shown in the index). The wait behind another
+        model's load or unload is bounded by 0.8 ``timeout``, so that a load that never
+        started says so rather than "goes on"."""
         repository = self._repository()
-
-        def load_and_announce() -> LoadedModel:
-            model = repository.load(name)
-            if self.announce is not None:
-                self.announce(name, "load")
-            return model
-
         loop = asyncio.get_running_loop()
+        work = loop.run_in_executor(
+            None, lambda: repository.load(name, wait=0.8 * timeout, announce=self._announce)
+        )
         try:
-            return await asyncio.wait_for(loop.run_in_executor(None, load_and_announce), timeout)
+            return await asyncio.wait_for(asyncio.shield(work), timeout)
         except TimeoutError:
+            work.add_done_callback(partial(_log_background_failure, name))
             raise ReloadFailed(
                 f"the load of model {name!r} did not finish within {timeout:g} s "
-                "(reload_timeout_seconds); it goes on in the background, and POST "
-                "/v2/repository/index shows what it brought"
+                "(reload_timeout_seconds); it goes on in the background, and the repository "
+                "index shows what it brought"
             ) from None
 
     async def unload_named(self, name: str) -> None:
         """Stop serving the repository's model ``name`` (in a worker thread: it waits for a
         load of the repository in progress)."""
         repository = self._repository()
-        await asyncio.get_running_loop().run_in_executor(None, repository.unload, name)
-        if self.announce is not None:
-            self.announce(name, "unload")
+        unload = partial(repository.unload, name, announce=self._announce)
+        await asyncio.get_running_loop().run_in_executor(None, unload)
+
+    def _announce(self, name: str, action: str) -> None:
+        """Record a repository action for the other workers (with one worker: nothing). A
+        record that cannot be written is logged: the action itself happened."""
+        if self.shared_actions is None:
+            return
+        try:
+            self.shared_actions.record(name, action)
+        except OSError as exc:
+            log.error(
+                "cannot record a repository action for the other workers",
+                extra={"model": name, "action": action, "error": str(exc)},
+            )
+
+    def load_repository(self) -> None:
+        """The startup: every model on disk but those the other workers unloaded (the
+        shared record), then what else the record asks. In a worker thread."""
+        repository = self._repository()
+        wanted = self.shared_actions.wanted() if self.shared_actions is not None else {}
+        unloaded = {name for name, (action, _) in wanted.items() if action == "unload"}
+        repository.load_all(skip=unloaded)
+        if self.shared_actions is None:
+            return
+        serving = repository.ready_versions()
+        for name, (action, token) in wanted.items():
+            if action == "unload" or name in serving:  # already as the record wants it
+                self.shared_actions.applied[name] = token
+        self.replay_repository()
+
+    def replay_repository(self) -> None:
+        """Apply what the other workers recorded and this one has not (``Repository.replay``).
+        In a worker thread."""
+        if self.shared_actions is not None:
+            self._repository().replay(self.shared_actions.wanted(), self.shared_actions.applied)
+
+    def reload_changed_models(self) -> list[str]:
+        """Reload each repository model whose artifact changed on disk, each on its own;
+        the names reloaded. In a worker thread."""
+        repository, reloaded = self._repository(), []
+        for name in repository.changed_on_disk():
+            try:
+                repository.load(name)
+            except Exception:  # recorded in the model's slot (the index's reason) and logged
+                continue
+            reloaded.append(name)
+        return reloaded
+
+    def last_error_of(self, name: str) -> str | None:
+        """What the last failed load of the model ``name`` said (None: none)."""
+        if self.repository is not None:
+            return self.repository.last_error(name)
+        return self.last_error
 
     def _repository(self) -> Repository:
         if self.repository is None:
@@ -286,3 +343,13 @@ class Engine:
         if dense_rows_equivalent(rows) <= INLINE_EMBED_ROWS:
             return embed(model, rows)
         return await asyncio.get_running_loop().run_in_executor(None, embed, model, rows)
+
+
+def _log_background_failure(name: str, work: asyncio.Future) -> None:
+    """A load that outlived its request's timeout and then failed: logged (its slot, when it
+    got that far, shows the reason in the index)."""
+    if not work.cancelled() and work.exception() is not None:
+        log.error(
+            "a load that went on in the background failed",
+            extra={"model": name, "error": str(work.exception())},
+        )

@@ -9,14 +9,19 @@ left alone.
 Each model has its own :class:`ModelSlot`: it loads, swaps and fails on its own, so a
 broken artifact makes that model unavailable (with the reason in :meth:`index`) while the
 others serve, and a reload swaps the whole model in one assignment (an answer never mixes
-two versions). Loads and unloads are serialised by one lock, which keeps the one memory
-budget the repository shares (``repository_memory_mib``) exact:
+two versions). Loads and unloads are serialised by one lock, under which the one memory
+budget the repository shares (``repository_memory_mib``) is held:
 
     used(others) + size(new model) <= budget
 
 checked twice: against the artifact's size on disk before anything is read, then against
 the built model's size (its arrays and its index) before it is swapped in. A refused load
-leaves the models that serve, that one's previous version included, serving.
+leaves the models that serve, that one's previous version included, serving. What the
+budget does not see: during a reload both versions of the model are held for a moment,
+and an unloaded model stays in memory until the requests that captured it end.
+
+With several workers, each worker's loads and unloads are recorded (``announce``, inside
+the lock, so in the order they were applied) and replayed by the others (:meth:`replay`).
 """
 
 from __future__ import annotations
@@ -32,7 +37,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import faiss
 import numpy as np
 
 from service.config import Settings
@@ -40,7 +44,8 @@ from service.core.artifact import MANIFEST_FILE, artifact_fingerprint
 from service.engine.events import EngineEvents
 from service.engine.model import LoadedModel
 from service.engine.slot import ModelSlot
-from service.errors import InvalidInput, NotFound, NotReady, ReloadFailed
+from service.errors import NotFound, NotReady, ReloadFailed
+from service.search.index import index_bytes
 
 log = logging.getLogger("service.repository")
 MODEL_NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}$", re.ASCII)
@@ -48,6 +53,7 @@ VERSION_NAME = re.compile(r"^[1-9][0-9]{0,17}$", re.ASCII)
 MIB = 2**20
 
 READY, UNAVAILABLE, LOADING = "READY", "UNAVAILABLE", "LOADING"  # the protocol's states
+Announce = Callable[[str, str], None]  # (name, "load" | "unload"): tells the other workers
 
 
 @dataclass(frozen=True)
@@ -77,22 +83,6 @@ def check_model_name(name: str) -> None:
             f"{name[:140]!r} is not a model name: names are 1 to 128 letters, digits, '_', "
             "'.' and '-', not starting with a dot"
         )
-
-
-def check_request_parameters(name: str, parameters: dict | None, allowed: set[str]) -> None:
-    """Refuse what a load or unload call asks that this server cannot do (a config or files
-    sent with a load: the model is what its folder holds) rather than ignore it. An unload
-    takes ``unload_dependents``, a boolean (models here have no dependents)."""
-    unknown = set(parameters or {}) - allowed
-    if unknown:
-        raise InvalidInput(
-            f"model {name[:140]!r}: unsupported parameters {sorted(unknown)}; a load takes the "
-            "model as its folder holds it (no config or file overrides)"
-            + (f", and an unload takes {sorted(allowed)}" if allowed else "")
-        )
-    dependents = (parameters or {}).get("unload_dependents", False)
-    if not isinstance(dependents, bool):
-        raise InvalidInput(f"unload_dependents must be a boolean, got {dependents!r}")
 
 
 def is_folder(entry: os.DirEntry) -> bool:
@@ -172,8 +162,7 @@ def model_bytes(model: LoadedModel) -> int:
             while isinstance(owner.base, np.ndarray):
                 owner = owner.base
             seen[id(owner)] = max(seen.get(id(owner), 0), owner.nbytes)
-    index_size = len(faiss.serialize_index(model.index))
-    return sum(seen.values()) + index_size + len(model.artifact.index_bytes or b"")
+    return sum(seen.values()) + index_bytes(model.index) + len(model.artifact.index_bytes or b"")
 
 
 class Repository:
@@ -198,8 +187,9 @@ class Repository:
         self.slots: dict[str, ModelSlot] = {}
         self.sizes: dict[str, int] = {}  # name -> bytes of the model it serves
         self.loading: set[str] = set()
-        self._lock = threading.Lock()  # one load or unload at a time: the budget stays exact
+        self._lock = threading.RLock()  # one load or unload at a time, for the budget
         self._loading_lock = threading.Lock()  # guards ``loading``
+        self._replay_failures: dict[str, tuple[str, float]] = {}  # name -> (token, when)
 
     # ------------------------------------------------------------------ what is there
 
@@ -281,19 +271,28 @@ class Repository:
         return model
 
     def folder_of(self, model: LoadedModel) -> str | None:
-        """The version folder's number a model was read from, None for an unversioned one."""
-        name = Path(model.artifact.path).name
-        return name if name.isdigit() else None
+        """The version folder's number a model was read from (``ROOT/NAME/VERSION``), None
+        for an unversioned one (``ROOT/NAME``, whatever its name)."""
+        path = Path(model.artifact.path)
+        versioned = path.parent.name == model.name and VERSION_NAME.match(path.name)
+        return path.name if versioned else None
 
     # ------------------------------------------------------------------ loads
 
-    def load(self, name: str) -> LoadedModel:
+    def load(
+        self, name: str, wait: float | None = None, announce: Announce | None = None
+    ) -> LoadedModel:
         """Load (or reload) the model ``name`` and swap it in, within the memory budget.
-        ReloadFailed names what stopped it; whatever served before keeps serving."""
+        ReloadFailed names what stopped it; whatever served before keeps serving.
+
+        ``wait``: how long to wait behind another model's load or unload (default
+        reload_timeout_seconds). ``announce(name, "load")`` is called on success, inside the
+        repository's lock, so that the order the actions are recorded in is the order they
+        were applied in (the other workers replay them: :meth:`replay`)."""
         check_model_name(name)
         if name not in self.slots and not self.on_disk(name):
             raise NotFound(f"no model folder {name!r} in the repository {self.root}")
-        with self._claim(name):
+        with self._claim(name, wait):
             slot = self.slots.get(name)
             if slot is None:
                 model_dir = self.root / name
@@ -306,9 +305,14 @@ class Repository:
                     self.retry_failed_seconds,
                 )
                 self.slots[name] = slot
-            return self._load_within_budget(slot)
+            model = self._load_within_budget(slot)
+            if announce is not None:
+                announce(name, "load")
+            return model
 
     def _load_within_budget(self, slot: ModelSlot) -> LoadedModel:
+        """The load itself, with the lock held: the budget checked against the artifact's
+        bytes on disk, then against the built model, for the one path read."""
         name, path = slot.name, slot.path
         others = self.used_bytes(excluding=name)
         if self.budget:
@@ -318,28 +322,29 @@ class Repository:
                 slot.record_failure(f"ReloadFailed: {error}", artifact_fingerprint(path))
                 self.events.model_load_failed(error)
                 raise error
+        sizes: list[int] = []
 
         def admit(model: LoadedModel) -> None:
-            size = model_bytes(model)
-            if self.budget and others + size > self.budget:
-                raise ReloadFailed(self._over_budget(name, size, others, "loaded"))
+            sizes.append(model_bytes(model))
+            if self.budget and others + sizes[-1] > self.budget:
+                raise ReloadFailed(self._over_budget(name, sizes[-1], others, "loaded"))
 
         try:
-            model = slot.load(admit=admit)
+            model = slot.load(path, admit=admit)
         except ReloadFailed:
             raise
         except Exception as exc:
             raise ReloadFailed(f"cannot load model {name!r} from {path}: {exc}") from None
-        self.sizes[name] = model_bytes(model)
-        self.events.repository_model_ready(name, self.sizes[name])
+        self.sizes[name] = sizes[-1]
+        self.events.repository_model_ready(name, sizes[-1])
         return model
 
     @contextmanager
-    def _claim(self, name: str):
+    def _claim(self, name: str, wait: float | None):
         """Hold the repository for a load of ``name``: refused at once when a load of the
         same name is running or waiting (loads do not pile up behind each other), and
-        after ``reload_timeout_seconds`` of waiting behind another model's load or unload.
-        The index shows the model LOADING from the moment it is claimed."""
+        after ``wait`` seconds behind another model's load or unload. The index shows the
+        model LOADING from the moment it is claimed."""
         with self._loading_lock:
             if name in self.loading:
                 raise ReloadFailed(
@@ -348,20 +353,21 @@ class Repository:
                 )
             self.loading.add(name)
         try:
-            with self._repository_lock(f"load model {name!r}"):
+            with self._repository_lock(f"load model {name!r}", wait):
                 yield
         finally:
             with self._loading_lock:
                 self.loading.discard(name)
 
     @contextmanager
-    def _repository_lock(self, what: str):
-        """The one lock of loads and unloads, waited for at most reload_timeout_seconds."""
-        waited = self.settings.reload_timeout_seconds
-        if not self._lock.acquire(timeout=waited):
+    def _repository_lock(self, what: str, wait: float | None = None):
+        """The one lock of loads and unloads (reentrant: a replay loads under it), waited
+        for at most ``wait`` seconds (default reload_timeout_seconds)."""
+        waited = self.settings.reload_timeout_seconds if wait is None else wait
+        if not self._lock.acquire(timeout=max(waited, 0.0)):
             raise ReloadFailed(
                 f"cannot {what} now: another model's load or unload has held the repository "
-                f"for over {waited:g} s (reload_timeout_seconds); retry when it has finished"
+                f"for over {waited:.3g} s; retry when it has finished"
             )
         try:
             yield
@@ -376,9 +382,11 @@ class Repository:
             "the budget"
         )
 
-    def unload(self, name: str) -> None:
+    def unload(self, name: str, announce: Announce | None = None) -> None:
         """Stop serving ``name``: requests that captured it finish on it; its memory is
-        released when the last of them ends. NotFound for a name that is not loaded."""
+        released when the last of them ends. NotFound for a name the repository does not
+        hold (a model whose load failed is held: unloading it forgets the failure).
+        ``announce(name, "unload")`` as for :meth:`load`."""
         check_model_name(name)
         with self._repository_lock(f"unload model {name!r}"):
             slot = self.slots.pop(name, None)
@@ -386,17 +394,57 @@ class Repository:
                 raise NotFound(f"model {name!r} is not loaded")
             slot.unload()
             self.sizes.pop(name, None)
-        self.events.repository_model_removed(name)
+            self.events.repository_model_removed(name)
+            if announce is not None:
+                announce(name, "unload")
         log.info("model unloaded", extra={"model": name})
 
-    def load_all(self) -> None:
-        """Load every model on disk (at startup), in name order; a model that fails is
-        recorded UNAVAILABLE and the others load."""
+    def load_all(self, skip: set[str] = frozenset()) -> None:
+        """Load every model on disk but ``skip`` (at startup), in name order; a model that
+        fails is recorded UNAVAILABLE and the others load."""
         for name in self.names_on_disk():
+            if name in skip:
+                continue
             try:
                 self.load(name)
             except Exception as exc:
                 log.error("model not loaded", extra={"model": name, "error": str(exc)})
+
+    def replay(self, wanted: dict[str, tuple[str, str]], applied: dict[str, str]) -> None:
+        """Make this worker hold what the other workers asked for: ``wanted`` is {name:
+        (action, token)} (the shared record, ``service.server.workers.RepositoryActions``),
+        ``applied`` {name: token} of what this worker already did, updated here. Unloads
+        first, then loads (so that a load fits the budget the unloads free); each action is
+        marked applied only once it succeeded, so one that failed (the budget, a busy
+        repository, a disk error) is tried again at the next replay, no sooner than
+        retry_failed_seconds after its failure. Runs in a worker thread."""
+        order = sorted(wanted.items(), key=lambda item: (item[1][0] != "unload", item[0]))
+        for name, (action, token) in order:
+            if applied.get(name) == token:
+                continue
+            failed = self._replay_failures.get(name)
+            if (
+                failed
+                and failed[0] == token
+                and self.clock() - failed[1] < self.retry_failed_seconds
+            ):
+                continue
+            try:
+                if action == "unload" and name in self.slots:
+                    self.unload(name)
+                elif action == "load":
+                    self.load(name)
+            except NotFound:
+                pass  # nothing to unload, or no such folder here: nothing to do
+            except Exception as exc:
+                self._replay_failures[name] = (token, self.clock())
+                log.error(
+                    "cannot apply another worker's repository action here; retrying later",
+                    extra={"model": name, "action": action, "error": str(exc)},
+                )
+                continue
+            applied[name] = token
+            self._replay_failures.pop(name, None)
 
     def changed_on_disk(self) -> list[str]:
         """The loaded models whose artifact changed (a new version folder, a republish),

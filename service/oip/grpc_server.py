@@ -21,7 +21,6 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from service import __version__
-from service.engine.repository import check_request_parameters
 from service.errors import (
     InvalidInput,
     NotReady,
@@ -48,6 +47,7 @@ GRPC_CODES = {
     413: grpc.StatusCode.RESOURCE_EXHAUSTED,
     415: grpc.StatusCode.INVALID_ARGUMENT,
     422: grpc.StatusCode.INVALID_ARGUMENT,
+    409: grpc.StatusCode.FAILED_PRECONDITION,  # a refused load (the index says why)
     429: grpc.StatusCode.UNAVAILABLE,
     500: grpc.StatusCode.INTERNAL,
     503: grpc.StatusCode.UNAVAILABLE,
@@ -220,7 +220,7 @@ class InferenceService:
     async def repository_model_load(self, request, context):
         check_repository_name(request.repository_name)
         parameters = {k: parameter(v) for k, v in request.parameters.items()}
-        check_request_parameters(request.model_name, parameters, set())
+        oip.check_request_parameters(request.model_name, parameters, set())
         timeout = self.state.settings.reload_timeout_seconds
         await self.state.engine.load_named(request.model_name, timeout)
         return MESSAGES["RepositoryModelLoadResponse"]()
@@ -228,7 +228,7 @@ class InferenceService:
     async def repository_model_unload(self, request, context):
         check_repository_name(request.repository_name)
         parameters = {k: parameter(v) for k, v in request.parameters.items()}
-        check_request_parameters(request.model_name, parameters, {"unload_dependents"})
+        oip.check_request_parameters(request.model_name, parameters, {"unload_dependents"})
         await self.state.engine.unload_named(request.model_name)
         return MESSAGES["RepositoryModelUnloadResponse"]()
 

@@ -14,9 +14,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from service.engine.repository import check_request_parameters
 from service.errors import InvalidInput
 from service.oip.rest import encode, v2_errors
+from service.oip.tensors import check_request_parameters
 from service.wire import JSON, check_key, read_body, state_of
 
 router = APIRouter(prefix="/v2/repository", tags=["open inference protocol: model repository"])
@@ -35,7 +35,7 @@ class IndexRequest(msgspec.Struct, forbid_unknown_fields=True):
     ready: bool = False
 
 
-class LoadRequest(msgspec.Struct, forbid_unknown_fields=True):
+class RepositoryCallBody(msgspec.Struct, forbid_unknown_fields=True):
     parameters: dict[str, Any] | None = None
 
 
@@ -65,7 +65,7 @@ async def repository_index(request: Request) -> Response:
 @router.post("/models/{model_name}/load", summary="Load (or reload) a model by name")
 @v2_errors
 async def load(request: Request, model_name: str) -> Response:
-    state, body = await _body(request, LoadRequest, "load")
+    state, body = await _body(request, RepositoryCallBody, "load")
     check_request_parameters(model_name, body.parameters, set())
     await state.engine.load_named(model_name, state.settings.reload_timeout_seconds)
     return Response(b"{}", media_type=JSON)
@@ -74,7 +74,7 @@ async def load(request: Request, model_name: str) -> Response:
 @router.post("/models/{model_name}/unload", summary="Unload a model by name")
 @v2_errors
 async def unload(request: Request, model_name: str) -> Response:
-    state, body = await _body(request, LoadRequest, "unload")
+    state, body = await _body(request, RepositoryCallBody, "unload")
     check_request_parameters(model_name, body.parameters, {"unload_dependents"})
     await state.engine.unload_named(model_name)
     return Response(b"{}", media_type=JSON)

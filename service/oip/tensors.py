@@ -334,3 +334,20 @@ async def run_call(
         return output_tensors(model, call, answer, answer.embedding)
     embedding = await state.engine.embed(model, call.rows, route)
     return output_tensors(model, call, None, embedding)
+
+
+def check_request_parameters(name: str, parameters: dict | None, allowed: set[str]) -> None:
+    """The repository extension's load and unload parameters: refuse what this server
+    cannot do (a config or files sent with a load: the model is what its folder holds)
+    rather than ignore it. An unload takes ``unload_dependents``, a boolean (models here
+    have no dependents)."""
+    unknown = set(parameters or {}) - allowed
+    if unknown:
+        raise InvalidInput(
+            f"model {name[:140]!r}: unsupported parameters {sorted(unknown)}; a load takes the "
+            "model as its folder holds it (no config or file overrides)"
+            + (f", and an unload takes {sorted(allowed)}" if allowed else "")
+        )
+    dependents = (parameters or {}).get("unload_dependents", False)
+    if not isinstance(dependents, bool):
+        raise InvalidInput(f"unload_dependents must be a boolean, got {dependents!r}")

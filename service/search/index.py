@@ -314,3 +314,11 @@ def search(model, z: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     if model.on_fallback is not None and (result.far_rows or result.underfilled_rows):
         model.on_fallback(result.far_rows, result.underfilled_rows)
     return result.distances, result.indices
+
+
+def index_bytes(index: faiss.Index) -> int:
+    """The memory a FAISS index holds: a flat index's codes (N x d float32: its own copy of
+    the references), else its serialised size (a copy made for the count)."""
+    if isinstance(index, faiss.IndexFlat):
+        return int(index.ntotal) * int(index.code_size)
+    return len(faiss.serialize_index(index))

@@ -59,20 +59,30 @@ class RepositoryActions:
     """The last load or unload asked of each repository model, shared by the workers.
 
     ``record`` rewrites the file under an exclusive lock (a temporary file renamed over it),
-    so two workers recording at once lose neither action; ``changes`` gives, once each, the
-    actions another worker recorded since this one last looked."""
+    so two workers recording at once lose neither action. ``wanted`` is what the file asks
+    now, {name: (action, token)}; ``applied`` is {name: token} of the actions this worker
+    has carried out (its own, and those it replayed: ``Repository.replay``)."""
 
     def __init__(self, runtime_dir: Path):
         self.path = Path(runtime_dir) / ACTIONS_FILE
         self.lock_path = Path(runtime_dir) / f".{ACTIONS_FILE}.lock"
-        self.seen: dict[str, str] = {}  # name -> token of the action applied here
+        self.applied: dict[str, str] = {}
 
-    def read(self) -> dict[str, dict[str, str]]:
+    def read(self) -> dict:
         try:
             actions = json.loads(self.path.read_text())
         except (FileNotFoundError, ValueError):
             return {}
         return actions if isinstance(actions, dict) else {}
+
+    def wanted(self) -> dict[str, tuple[str, str]]:
+        """{name: (action, token)}, the well-formed entries of the file."""
+        wanted = {}
+        for name, entry in self.read().items():
+            if isinstance(entry, dict) and entry.get("action") in ("load", "unload"):
+                if isinstance(entry.get("token"), str):
+                    wanted[name] = (entry["action"], entry["token"])
+        return wanted
 
     @contextmanager
     def _locked(self):
@@ -92,16 +102,4 @@ class RepositoryActions:
             tmp = self.path.with_name(f".{ACTIONS_FILE}.{os.getpid()}-{token[:8]}")
             tmp.write_text(json.dumps(actions, sort_keys=True))
             os.replace(tmp, self.path)
-        self.seen[name] = token
-
-    def changes(self) -> list[tuple[str, str]]:
-        """(name, action) for each action this worker has not applied yet, oldest file
-        state first; each is given once."""
-        pending = []
-        for name, entry in sorted(self.read().items()):
-            token = entry.get("token") if isinstance(entry, dict) else None
-            action = entry.get("action") if isinstance(entry, dict) else None
-            if token and action in ("load", "unload") and self.seen.get(name) != token:
-                self.seen[name] = token
-                pending.append((name, action))
-        return pending
+        self.applied[name] = token

@@ -42,9 +42,8 @@ async def models(state: State) -> list[RepositoryEntry]:
     dependencies=[Depends(require_api_key)],
 )
 async def named_model_info(state: State, model_name: str) -> ModelInfo:
-    repository = state.engine.repository
-    last_error = repository.last_error(model_name) if repository is not None else None
-    return describe(state, state.engine.model(model_name), last_error or state.engine.last_error)
+    model = state.engine.model(model_name)
+    return describe(state, model, state.engine.last_error_of(model_name))
 
 
 def describe(state, model, last_error: str | None) -> ModelInfo:

@@ -236,12 +236,15 @@ def test_a_reload_of_one_model_never_mixes_two_versions_in_an_answer(repository,
         stop = threading.Event()
         seen: list[tuple[str, np.ndarray]] = []
 
-        def ask() -> None:
+        statuses: list[int] = []
+
+        def ask() -> None:  # asserts in the main thread: a thread's would only warn
             while not stop.is_set():
                 answer = client.post("/v1/models/scaled/embed", json={"instances": x})
-                assert answer.status_code == 200
-                body = answer.json()
-                seen.append((body["model_version"], np.array(body["embeddings"])))
+                statuses.append(answer.status_code)
+                if answer.status_code == 200:
+                    body = answer.json()
+                    seen.append((body["model_version"], np.array(body["embeddings"])))
 
         threads = [threading.Thread(target=ask) for _ in range(2)]
         for thread in threads:
@@ -255,6 +258,7 @@ def test_a_reload_of_one_model_never_mixes_two_versions_in_an_answer(repository,
             stop.set()
             for thread in threads:
                 thread.join()
+        assert set(statuses) == {200}
         factor_of: dict[str, float] = {}
         for version, embedding in seen:
             factors = [
@@ -338,7 +342,8 @@ def test_a_refused_load_is_not_tried_again_at_every_poll(repository, refused_at)
     store = Repository(repository, settings, EngineEvents(), clock=lambda: now[0])
     with pytest.raises(ReloadFailed, match=refused_at):
         store.load("digits")
-    assert store.index()[1].name == "digits" and "memory budget" in store.index()[1].reason
+    (entry,) = [e for e in store.index() if e.name == "digits"]
+    assert "memory budget" in entry.reason
     assert store.changed_on_disk() == []
     now[0] = 61.0
     assert store.changed_on_disk() == ["digits"]
@@ -515,3 +520,88 @@ def test_a_budget_below_one_byte_is_still_a_budget(repository):
     with pytest.raises(RuntimeError, match="memory budget"):
         with TestClient(create_app(settings)):
             pass
+
+
+def test_a_load_queued_behind_a_slow_one_shows_loading_and_says_why_it_gave_up(
+    repository, monkeypatch
+):
+    import time
+
+    from service.engine import slot
+
+    real_load = slot.load_model
+
+    def slow_load(*args, **kwargs):
+        time.sleep(2.0)
+        return real_load(*args, **kwargs)
+
+    settings = repository_settings(repository, reload_timeout_seconds=0.5)
+    with TestClient(create_app(settings)) as client:
+        client.post("/v2/repository/models/digits/unload", headers=ADMIN)
+        monkeypatch.setattr(slot, "load_model", slow_load)
+        slow = threading.Thread(
+            target=client.post,
+            args=("/v2/repository/models/scaled/load",),
+            kwargs={"headers": ADMIN},
+        )
+        slow.start()
+        time.sleep(0.2)
+        queued = client.post("/v2/repository/models/digits/load", headers=ADMIN)
+        assert queued.status_code == 409
+        assert "another model's load or unload" in queued.json()["error"]  # never started
+        index = index_of(client)
+        assert index["scaled"]["state"] == "READY"  # its old version serves meanwhile
+        slow.join()
+        monkeypatch.setattr(slot, "load_model", slow_load)
+        first = threading.Thread(
+            target=client.post,
+            args=("/v2/repository/models/digits/load",),
+            kwargs={"headers": ADMIN},
+        )
+        first.start()
+        time.sleep(0.2)
+        assert index_of(client)["digits"]["state"] == "LOADING"
+        first.join()
+
+
+def test_a_serving_model_reloads_within_a_budget_that_holds_one_copy(repository):
+    """The model's own previous size is not counted against its reload."""
+    for name in ("broken", "versioned", "scaled"):
+        shutil.rmtree(repository / name)
+    with TestClient(create_app(repository_settings(repository))) as client:
+        one = client.app.state.ncaknn.engine.repository.sizes["digits"]
+    settings = repository_settings(repository, repository_memory_mib=1.5 * one / MIB)
+    with TestClient(create_app(settings)) as client:
+        again = client.post("/v2/repository/models/digits/load", headers=ADMIN)
+        assert again.status_code == 200, again.text
+
+
+def test_replay_applies_unloads_first_and_retries_what_failed(repository):
+    """Another worker's record: unload digits, load scaled. Under a budget of about one
+    model, the unload must come first; a load that fails (the scaled folder broken) is not
+    marked applied and is tried again once its retry time has passed."""
+    from service.engine.events import EngineEvents
+    from service.engine.repository import Repository
+
+    for name in ("broken", "versioned"):
+        shutil.rmtree(repository / name)
+    probe = Repository(repository, repository_settings(repository), EngineEvents())
+    probe.load("digits")
+    one = probe.sizes["digits"]
+    now = [0.0]
+    settings = repository_settings(repository, repository_memory_mib=1.5 * one / MIB)
+    store = Repository(repository, settings, EngineEvents(), clock=lambda: now[0])
+    store.load("digits")
+    data = (repository / "scaled" / "labels.npy").read_bytes()
+    (repository / "scaled" / "labels.npy").write_bytes(data[:10])
+    wanted = {"scaled": ("load", "t2"), "digits": ("unload", "t1")}
+    applied: dict[str, str] = {}
+    store.replay(wanted, applied)
+    assert applied == {"digits": "t1"} and "digits" not in store.slots
+    (repository / "scaled" / "labels.npy").write_bytes(data)  # mended
+    store.replay(wanted, applied)
+    assert "scaled" not in applied  # not before its retry time
+    now[0] = 61.0
+    store.replay(wanted, applied)
+    assert applied == {"digits": "t1", "scaled": "t2"}
+    assert store.index(ready_only=True)[0].name == "scaled"

@@ -76,6 +76,12 @@ def test_tritonclient_index_load_unload_and_infer_by_name(server, model_artifact
 
         with pytest.raises(InferenceServerException, match="no model folder"):
             client.load_model("nope", headers=dict(ADMIN))
+        with pytest.raises(InferenceServerException, match=r"embeddings\.npy") as refused:
+            client.load_model("broken", headers=dict(ADMIN))
+        if wire == "grpc":  # a refused load is a precondition, not a server error
+            assert refused.value.status() == "StatusCode.FAILED_PRECONDITION"
+        else:
+            assert refused.value.status() == "409"
         with pytest.raises(InferenceServerException, match="config"):
             client.load_model("digits", headers=dict(ADMIN), config="{}")
         with pytest.raises(InferenceServerException):  # the API key is not the admin key
@@ -130,22 +136,26 @@ def test_two_workers_serve_the_same_models_after_a_load_or_unload(repository, mo
 
     body = {"instances": model_artifact[2].X_test[:2].tolist()}
 
-    def statuses(url: str) -> set[int]:
-        """The scaled model's status on 24 fresh connections (both workers answer some)."""
-        seen = set()
-        for _ in range(24):
+    def by_worker(url: str) -> dict[int, set[int]]:
+        """{worker pid: the scaled model's statuses} over 32 fresh connections, each asking
+        the worker's pid and the scaled model on one connection (so one worker)."""
+        seen: dict[int, set[int]] = {}
+        for _ in range(32):
             with httpx.Client(base_url=url, headers=API, timeout=30) as client:
-                seen.add(client.post("/v1/models/scaled/embed", json=body).status_code)
+                pid = client.get("/v1/models/digits").json()["worker_pid"]
+                status = client.post("/v1/models/scaled/embed", json=body).status_code
+                seen.setdefault(pid, set()).add(status)
         return seen
 
+    def statuses(url: str) -> set[int]:
+        """The scaled model's statuses, once both workers answered."""
+        deadline = time.monotonic() + 20
+        while len(seen := by_worker(url)) < 2:
+            assert time.monotonic() < deadline, "one worker never took a connection"
+        return set().union(*seen.values())
+
     def worker_pids(url: str) -> set[int]:
-        pids = set()
-        for _ in range(24):
-            with httpx.Client(base_url=url, headers=API, timeout=30) as client:
-                answer = client.get("/v1/models/digits")
-                if answer.status_code == 200:
-                    pids.add(answer.json()["worker_pid"])
-        return pids
+        return set(by_worker(url))
 
     def converge(url: str, expected: int) -> None:
         deadline = time.monotonic() + 20

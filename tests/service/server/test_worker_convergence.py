@@ -133,25 +133,27 @@ def test_two_workers_end_on_what_the_path_names_over_eight_rounds(model_artifact
 
 def test_repository_actions_recorded_at_once_lose_nothing(tmp_path):
     """Eight writers record 40 actions each at once: the file holds every name's last
-    action, and another worker sees each exactly once."""
+    action, each writer's applied tokens are the file's, and a fresh reader has applied
+    none of them."""
     import threading
 
     from service.server.workers import RepositoryActions
 
+    writers = [RepositoryActions(tmp_path) for _ in range(8)]
+
     def record(writer: int) -> None:
-        actions = RepositoryActions(tmp_path)
         for i in range(40):
-            actions.record(f"model-{writer}-{i}", "unload" if i % 2 else "load")
+            writers[writer].record(f"model-{writer}-{i}", "unload" if i % 2 else "load")
 
     threads = [threading.Thread(target=record, args=(w,)) for w in range(8)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    reader = RepositoryActions(tmp_path)
-    seen = reader.changes()
-    assert len(seen) == 320 and len(set(seen)) == 320
-    assert ("model-3-7", "unload") in seen and ("model-3-8", "load") in seen
-    assert reader.changes() == []
-    RepositoryActions(tmp_path).record("model-3-8", "unload")
-    assert reader.changes() == [("model-3-8", "unload")]
+    wanted = RepositoryActions(tmp_path).wanted()
+    assert len(wanted) == 320
+    assert wanted["model-3-7"][0] == "unload" and wanted["model-3-8"][0] == "load"
+    for writer in writers:
+        assert all(wanted[name][1] == token for name, token in writer.applied.items())
+        assert len(writer.applied) == 40
+    assert RepositoryActions(tmp_path).applied == {}
