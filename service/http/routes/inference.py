@@ -54,25 +54,35 @@ from service.wire import JSON, NPY, npy_bytes
 router = APIRouter(prefix="/v1", tags=["inference"])
 
 
-@router.post(
-    "/classify",
-    response_model=ClassifyResponse,
-    summary="Classify instances by kNN in the learned space",
-    openapi_extra={
-        "x-ncaknn-body": "ClassifyRequest",
-        "x-ncaknn-query": ["k", "rule", "return_neighbors", "outlier_quantile"],
-        "x-ncaknn-npy-out": "classify",
-    },
-)
-@router.post(
-    "/models/{model_name}/classify",
-    response_model=ClassifyResponse,
-    summary="(a named model) Classify instances by kNN in the learned space",
-    openapi_extra={
-        "x-ncaknn-body": "ClassifyRequest",
-        "x-ncaknn-query": ["k", "rule", "return_neighbors", "outlier_quantile"],
-        "x-ncaknn-npy-out": "classify",
-    },
+def inference_route(operation: str, response_model, summary: str, query: list[str]):
+    """Declare ``POST /v1/{operation}`` and its named form
+    ``POST /v1/models/{model_name}/{operation}`` for one endpoint: their OpenAPI (the
+    request body, the query options, the .npy answer: ``service.openapi``) and the 405 for
+    other methods. What serves a POST is the direct lane (``DIRECT_LANE``)."""
+    extra = {
+        "x-ncaknn-body": f"{operation.capitalize()}Request",
+        "x-ncaknn-query": query,
+        "x-ncaknn-npy-out": operation,
+    }
+
+    def declare(endpoint):
+        for path, text in (
+            (f"/{operation}", summary),
+            (f"/models/{{model_name}}/{operation}", f"{summary} (a named model)"),
+        ):
+            router.post(
+                path, response_model=response_model, summary=text, openapi_extra=dict(extra)
+            )(endpoint)
+        return endpoint
+
+    return declare
+
+
+@inference_route(
+    "classify",
+    ClassifyResponse,
+    "Classify instances by kNN in the learned space",
+    ["k", "rule", "return_neighbors", "outlier_quantile"],
 )
 async def classify(request: Request) -> Response:
     req = await receive(
@@ -99,25 +109,11 @@ async def classify(request: Request) -> Response:
     return await json_response(req, n_values, lambda: classify_json(model, answer, with_neighbors))
 
 
-@router.post(
-    "/embed",
-    response_model=EmbedResponse,
-    summary="Project instances into the learned d-dimensional space (batch embedding)",
-    openapi_extra={
-        "x-ncaknn-body": "EmbedRequest",
-        "x-ncaknn-query": [],
-        "x-ncaknn-npy-out": "embed",
-    },
-)
-@router.post(
-    "/models/{model_name}/embed",
-    response_model=EmbedResponse,
-    summary="(a named model) Project instances into the learned d-dimensional space (batch embedding)",
-    openapi_extra={
-        "x-ncaknn-body": "EmbedRequest",
-        "x-ncaknn-query": [],
-        "x-ncaknn-npy-out": "embed",
-    },
+@inference_route(
+    "embed",
+    EmbedResponse,
+    "Project instances into the learned d-dimensional space (batch embedding)",
+    [],
 )
 async def embed_route(request: Request) -> Response:
     req = await receive(request, EmbedBody, query=(), offered=(JSON, NPY))
@@ -132,25 +128,8 @@ async def embed_route(request: Request) -> Response:
     )
 
 
-@router.post(
-    "/neighbors",
-    response_model=NeighborsResponse,
-    summary="The k nearest reference points of each instance",
-    openapi_extra={
-        "x-ncaknn-body": "NeighborsRequest",
-        "x-ncaknn-query": ["k"],
-        "x-ncaknn-npy-out": "neighbors",
-    },
-)
-@router.post(
-    "/models/{model_name}/neighbors",
-    response_model=NeighborsResponse,
-    summary="(a named model) The k nearest reference points of each instance",
-    openapi_extra={
-        "x-ncaknn-body": "NeighborsRequest",
-        "x-ncaknn-query": ["k"],
-        "x-ncaknn-npy-out": "neighbors",
-    },
+@inference_route(
+    "neighbors", NeighborsResponse, "The k nearest reference points of each instance", ["k"]
 )
 async def neighbors(request: Request) -> Response:
     req = await receive(request, NeighborsBody, query=("k",), offered=(JSON, NPY))

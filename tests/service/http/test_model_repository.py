@@ -35,6 +35,41 @@ def rows(split, n=4) -> list[list[float]]:
     return split.X_test[:n].tolist()
 
 
+@pytest.fixture
+def slow_loads(monkeypatch):
+    """slow_loads(seconds) -> (the paths loaded, an Event set as a load starts, an Event
+    set as it ends): from the call on, every model load takes ``seconds`` longer."""
+    import time
+
+    from service.engine import slot
+
+    real_load = slot.load_model
+
+    def slow(seconds: float):
+        loads, started, done = [], threading.Event(), threading.Event()
+
+        def load(*args, **kwargs):
+            loads.append(args[0])
+            started.set()
+            time.sleep(seconds)
+            try:
+                return real_load(*args, **kwargs)
+            finally:
+                done.set()
+
+        monkeypatch.setattr(slot, "load_model", load)
+        return loads, started, done
+
+    return slow
+
+
+def post_in_thread(client, path: str) -> threading.Thread:
+    """POST ``path`` with the admin key in a thread of its own (started)."""
+    thread = threading.Thread(target=client.post, args=(path,), kwargs={"headers": ADMIN})
+    thread.start()
+    return thread
+
+
 def scaled_by(plain: np.ndarray, factor: float, source) -> np.ndarray:
     """What republish_scaled's map gives: (factor W) x + b = factor (z - b) + b."""
     offset = np.asarray(read_artifact(source).offset, dtype=np.float64)
@@ -385,24 +420,12 @@ def test_unreadable_entries_are_not_models_and_stop_nothing(repository, model_ar
             time.sleep(0.05)
 
 
-def test_loads_of_one_name_do_not_pile_up(repository, monkeypatch):
+def test_loads_of_one_name_do_not_pile_up(repository, slow_loads):
     """Eight loads of one slow model at once: one runs, the others are refused at once
     (each had run a full load in the background, filling the worker threads)."""
-    import time
-
-    from service.engine import slot
-
-    loads = []
-    real_load = slot.load_model
-
-    def slow_load(*args, **kwargs):
-        loads.append(args[0])
-        time.sleep(1.0)
-        return real_load(*args, **kwargs)
-
     settings = repository_settings(repository, reload_timeout_seconds=5)
     with TestClient(create_app(settings)) as client:
-        monkeypatch.setattr(slot, "load_model", slow_load)
+        loads, _, _ = slow_loads(2.0)
         answers = []
 
         def load() -> None:
@@ -420,33 +443,18 @@ def test_loads_of_one_name_do_not_pile_up(repository, monkeypatch):
         assert len(loads) == 1
 
 
-def test_a_load_waits_for_another_models_load_at_most_the_reload_timeout(repository, monkeypatch):
-    import time
-
-    from service.engine import slot
-
-    real_load = slot.load_model
-
-    def slow_load(*args, **kwargs):
-        time.sleep(2.0)
-        return real_load(*args, **kwargs)
-
+def test_an_unload_waits_for_another_models_load_at_most_the_reload_timeout(repository, slow_loads):
     settings = repository_settings(repository, reload_timeout_seconds=0.5)
     with TestClient(create_app(settings)) as client:
-        monkeypatch.setattr(slot, "load_model", slow_load)
-        slow = threading.Thread(
-            target=client.post,
-            args=("/v2/repository/models/scaled/load",),
-            kwargs={"headers": ADMIN},
-        )
-        slow.start()
-        time.sleep(0.2)
+        _, started, done = slow_loads(3.0)
+        slow = post_in_thread(client, "/v2/repository/models/scaled/load")
+        assert started.wait(30)
         assert index_of(client)["scaled"]["state"] == "READY"  # the old version serves
-        started = time.monotonic()
         waited = client.post("/v2/repository/models/digits/unload", headers=ADMIN)
         assert waited.status_code == 409 and "another model's load" in waited.json()["error"]
-        assert time.monotonic() - started < 1.5
+        assert not done.is_set()  # refused while the slow load still ran, not after it
         slow.join()
+        assert done.wait(30)
 
 
 def test_unknown_names_are_answered_without_listing_the_repository(repository, monkeypatch):
@@ -523,45 +531,33 @@ def test_a_budget_below_one_byte_is_still_a_budget(repository):
 
 
 def test_a_load_queued_behind_a_slow_one_shows_loading_and_says_why_it_gave_up(
-    repository, monkeypatch
+    repository, slow_loads
 ):
     import time
-
-    from service.engine import slot
-
-    real_load = slot.load_model
-
-    def slow_load(*args, **kwargs):
-        time.sleep(2.0)
-        return real_load(*args, **kwargs)
 
     settings = repository_settings(repository, reload_timeout_seconds=0.5)
     with TestClient(create_app(settings)) as client:
         client.post("/v2/repository/models/digits/unload", headers=ADMIN)
-        monkeypatch.setattr(slot, "load_model", slow_load)
-        slow = threading.Thread(
-            target=client.post,
-            args=("/v2/repository/models/scaled/load",),
-            kwargs={"headers": ADMIN},
-        )
-        slow.start()
-        time.sleep(0.2)
+        _, started, done = slow_loads(3.0)
+        slow = post_in_thread(client, "/v2/repository/models/scaled/load")
+        assert started.wait(30)
         queued = client.post("/v2/repository/models/digits/load", headers=ADMIN)
         assert queued.status_code == 409
         assert "another model's load or unload" in queued.json()["error"]  # never started
-        index = index_of(client)
-        assert index["scaled"]["state"] == "READY"  # its old version serves meanwhile
+        assert not done.is_set()
+        assert index_of(client)["scaled"]["state"] == "READY"  # its old version serves on
         slow.join()
-        monkeypatch.setattr(slot, "load_model", slow_load)
-        first = threading.Thread(
-            target=client.post,
-            args=("/v2/repository/models/digits/load",),
-            kwargs={"headers": ADMIN},
-        )
-        first.start()
-        time.sleep(0.2)
+        assert done.wait(30)  # the slow load goes on past its request's timeout, then ends
+        _, started, done = slow_loads(1.0)
+        first = post_in_thread(client, "/v2/repository/models/digits/load")
+        assert started.wait(30)
         assert index_of(client)["digits"]["state"] == "LOADING"
         first.join()
+        assert done.wait(30)
+        deadline = time.monotonic() + 30
+        while index_of(client)["digits"]["state"] != "READY":  # the swap follows the read
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
 
 
 def test_a_serving_model_reloads_within_a_budget_that_holds_one_copy(repository):
