@@ -216,7 +216,7 @@ class ServiceMiddleware:
         if path in self.routes:
             return path
         template = v2.route_template(path) or inference.named_template(path)
-        template = template or repository_routes.route_template(path)
+        template = template or repository_routes.route_template(path) or model.route_template(path)
         return template if template in self.routes else UNMATCHED_ROUTE
 
 

@@ -125,3 +125,11 @@ async def reload(state: State) -> ReloadResponse:
             state.settings.worker_sync_seconds if state.settings.workers > 1 else 0.0
         ),
     )
+
+
+def route_template(path: str) -> str | None:
+    """The metrics' route label of ``GET /v1/models/{name}`` (names vary, labels do not)."""
+    parts = path.split("/")  # "", "v1", "models", name
+    return (
+        "/v1/models/{model_name}" if len(parts) == 4 and parts[:3] == ["", "v1", "models"] else None
+    )

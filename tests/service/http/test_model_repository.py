@@ -163,6 +163,12 @@ def test_unload_and_load_through_the_repository_extension(repository, model_arti
         metrics = client.get("/metrics").text
         assert 'ncaknn_repository_model_requests_total{model="scaled"} 1.0' in metrics
         assert 'ncaknn_repository_model_memory_bytes{model="scaled"}' in metrics
+        client.get("/v1/models/scaled")
+        client.post("/v2/repository/index", headers=ADMIN)
+        metrics = client.get("/metrics").text
+        for route in ("/v1/models/{model_name}", "/v1/models/{model_name}/embed"):
+            assert f'route="{route}",status="200"' in metrics, route
+        assert 'route="/v2/repository/index",status="200"' in metrics
 
         assert client.post("/v2/repository/models/scaled/unload", headers=ADMIN).status_code == 200
         assert index_of(client)["scaled"] == {
