@@ -188,3 +188,50 @@ def test_two_workers_serve_the_same_models_after_a_load_or_unload(repository, mo
             assert time.monotonic() < deadline, "no worker took the killed one's place"
             time.sleep(0.5)
         assert statuses(url) == {503}
+
+
+def test_a_real_server_holds_the_budget_and_labels_metrics_by_model(repository, model_artifact):
+    """On a real server: a budget of about one model serves the first and refuses the
+    second (the index says why); the metrics carry each model's name, and an unload
+    removes its series."""
+    import httpx
+
+    from service.config import Settings
+    from service.engine.model import load_model
+    from service.engine.repository import MIB, model_bytes
+
+    sizes = [
+        model_bytes(load_model(repository / name, Settings(log_json=False)))
+        for name in ("digits", "scaled", "versioned/2")
+    ]
+    assert 2 * min(sizes) > 1.05 * max(sizes)
+    budget = 1.05 * max(sizes) / MIB  # any one model, never two
+    body = {"instances": model_artifact[2].X_test[:2].tolist()}
+    with running_server(
+        repository / "digits",
+        NCAKNN_MODEL_REPOSITORY=repository,
+        NCAKNN_REPOSITORY_MEMORY_MIB=budget,
+        NCAKNN_API_KEY="api-key",
+        NCAKNN_ADMIN_API_KEY="admin-key",
+    ) as (_, url, _proc):
+        with httpx.Client(base_url=url, timeout=30) as client:
+            index = client.post("/v2/repository/index", headers=ADMIN).json()
+            states = {entry["name"]: entry for entry in index}
+            ready = [name for name, entry in states.items() if entry["state"] == "READY"]
+            assert len(ready) == 1, states
+            refused = [e for e in index if "memory budget" in e["reason"]]
+            assert refused, states
+            served = ready[0]
+            assert (
+                client.post(f"/v1/models/{served}/embed", json=body, headers=API).status_code == 200
+            )
+            metrics = client.get("/metrics").text
+            assert f'ncaknn_repository_model_requests_total{{model="{served}"}} 1.0' in metrics
+            assert (
+                client.post(f"/v2/repository/models/{served}/unload", headers=ADMIN).status_code
+                == 200
+            )
+            assert f'model="{served}"' not in client.get("/metrics").text
+            other = refused[0]["name"]
+            loaded = client.post(f"/v2/repository/models/{other}/load", headers=ADMIN)
+            assert loaded.status_code == 200, loaded.text  # the unload made room
