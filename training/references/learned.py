@@ -262,7 +262,8 @@ def learn_prototypes(
     steps and 2 max_iter evaluations; every ``check_every`` steps the validation check,
     ending after ``patience`` checks without a gain. With ``checkpoint_dir``, its state is
     saved there (``training.references.checkpoint``) and a learning found there resumes.
-    Deterministic for a seed on CPU, resumed or not."""
+    Deterministic for a seed on CPU, resumed or not (one exception found across processes:
+    ``training.references.checkpoint``)."""
     started = time.perf_counter()
     x = np.asarray(x)
     y = np.asarray(y, dtype=np.int64)

