@@ -1,42 +1,26 @@
-"""``python -m training``: SIGINT and SIGTERM are handled from the first line. A signal that
-arrives during the seconds of imports (torch, the readers) is held until they are done (a
-signal raised inside an import can surface as another error: Python wraps what a class's
-``__set_name__`` raises in a RuntimeError), then ends the command with one line and the
-shell's status (130, 143), never a traceback; so does a second signal, raised in them."""
+"""``python -m training``: SIGINT and SIGTERM are handled from the first line. During the
+seconds of imports (torch, the readers) a signal ends the command at once, from the handler,
+with one line and the shell's status (130, 143): nothing was read or written yet, so there
+is nothing to finish, and nothing is raised inside an import (an exception raised in a
+module's initialisation can leave numpy half-imported and surface as an unrelated
+ImportError or RecursionError, with a traceback). Once the command is parsed, its own handling
+takes over (``training.errors.raise_on_interrupt``, installed by ``training.cli.main``)."""
 
+import os
 import signal
 import sys
 
-from training.errors import Interrupted, holding_interrupts, raise_on_interrupt
 
-
-def _interrupted_by(exc: BaseException | None) -> Interrupted | None:
-    """The Interrupted that ``exc`` is or was raised from (None: none)."""
-    while exc is not None and not isinstance(exc, Interrupted):
-        exc = exc.__cause__ or exc.__context__
-    return exc
-
-
-def _stop(signum: int) -> None:
+def _stop_while_starting(signum: int, frame) -> None:
     name = signal.Signals(signum).name
-    print(
-        f"error: interrupted by {name} while starting; nothing was read or written",
-        file=sys.stderr,
-        flush=True,
-    )
-    sys.exit(128 + signum)
+    line = f"error: interrupted by {name} while starting; nothing was read or written\n"
+    os.write(2, line.encode())
+    os._exit(128 + signum)
 
 
-raise_on_interrupt()
-try:
-    with holding_interrupts(None) as hold:
-        from training.cli import main
-except BaseException as exc:  # a second signal during the imports, however it surfaced
-    interrupted = _interrupted_by(exc)
-    if interrupted is None:
-        raise
-    _stop(interrupted.signum)
-if hold.signum is not None:
-    _stop(hold.signum)
+for _signum in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(_signum, _stop_while_starting)
 
-sys.exit(main())
+from training.cli import main  # noqa: E402  (after the handlers: the imports take seconds)
+
+sys.exit(main())  # which installs raise_on_interrupt's handlers once the command is parsed

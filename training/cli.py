@@ -36,10 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     this, only rank 0 logs, and an error names the rank that met it. torchrun ends the
     other ranks when one fails, and the job's exit status is non-zero."""
     raise_on_file_size_limit()
-    raise_on_interrupt()
     started = time.perf_counter()
     argv = sys.argv[1:] if argv is None else argv
     config = parse_command(argv)
+    raise_on_interrupt()
     if isinstance(config, ReportCommand):
         return report_main(config)
     if not isinstance(config, TrainConfig):  # python -m training references ...
