@@ -23,9 +23,8 @@ server evaluated the same loss at the same prototypes to other low-order bits th
 (source not found); the learning, run to its float32 noise floor, then ends at other
 prototypes.
 
-The key is a SHA-256 of the rows, labels,
-validation rows, budget, starting map and settings and the package's version: the state of
-other work is refused with a ValueError, never used.
+The key is a SHA-256 of the rows, labels, validation rows, budget, starting map and settings
+and the package's version: the state of other work is refused with a ValueError, never used.
 """
 
 from __future__ import annotations
