@@ -108,20 +108,23 @@ def test_a_signal_while_the_artifact_is_written_waits_for_the_job_to_end(
     assert read_artifact(tmp_path / "m2").projection.shape == (2, 6)
 
 
-def test_a_signal_during_the_imports_ends_the_command_in_one_line(tmp_path):
-    """SIGINT 0.3 s after ``python -m training`` starts (torch and the readers still being
-    imported, ~2 s): exit 130 and one line; before, a KeyboardInterrupt traceback (or, in
-    polars' import, a RuntimeError and exit 1). Whenever it lands, never a traceback."""
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_during_the_imports_ends_the_command_in_one_line(tmp_path, signum):
+    """A signal 0.3 s after ``python -m training`` starts (torch and the readers still being
+    imported, ~2 s): exit 128 + signum (130, 143) and one line naming it; before, a
+    KeyboardInterrupt traceback (or, in polars' import, a RuntimeError and exit 1). Whenever
+    it lands, never a traceback, and nothing written."""
     command = [sys.executable, "-m", "training", "--data", "iris", "--out", str(tmp_path / "m")]
     process = subprocess.Popen(
         command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     time.sleep(0.3)
-    process.send_signal(signal.SIGINT)
+    process.send_signal(signum)
     _, err = process.communicate(timeout=120)
-    assert process.returncode == 130, err
+    assert process.returncode == 128 + signum, err
     assert "Traceback" not in err
-    assert err.strip().splitlines()[-1].startswith("error: interrupted by SIGINT"), err
+    name = signal.Signals(signum).name
+    assert err.strip().splitlines()[-1].startswith(f"error: interrupted by {name}"), err
     assert not (tmp_path / "m").exists()
 
 
