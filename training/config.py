@@ -313,7 +313,7 @@ class TrainConfig:
         if params["n_components"] is None:
             params["n_components"] = min(32, n_features)
         params.update(
-            # the fit's held-out checks score with the served rule; "auto" chooses it after
+            # a validation split is scored with the served rule; "auto" chooses it after
             # the fit, so the fit scores with majority
             validation_rule=(
                 DecisionRule.MAJORITY.value if self.decision_rule == "auto" else self.decision_rule

@@ -12,7 +12,9 @@ reducing small per-shard summaries (sums, D x D scatter matrices, k-NN lists), n
 * LDA: the generalised eigenvectors of the all-reduced between- and within-class scatter,
   S_b v = lambda S_w v (Fisher's criterion; scikit-learn's "eigen" solver);
 * k-NN accuracy of query rows: each rank's k nearest among its own references, gathered
-  and merged by (distance, global index) -- exactly the lists of one search over all rows.
+  and merged by (distance, global index) -- exactly the lists of one search over all rows;
+* the soft-neighbour score of held-out rows: each rank's sums of p_i at every temperature,
+  all-reduced.
 
 Every figure that steers the fit is broadcast from rank 0 at the end, so ranks cannot
 disagree by rounding.
@@ -300,3 +302,52 @@ def knn_accuracy(
     correct = np.array([float(np.sum(predictions[k] == y_queries)) for k in ks])
     correct = all_reduce_sum(correct, group)
     return {k: float(c / n_queries_total) for k, c in zip(ks, correct, strict=True)}
+
+
+# the held-out soft-neighbour score (``soft_neighbour_score``): the nearest references a
+# held-out row's soft vote spreads over, and the temperatures tried, as multiples of t0
+# (a quarter-octave grid from t0 / 8 to 8 t0)
+SOFT_NEIGHBOURS = 64
+SOFT_TEMPERATURES = tuple(2.0 ** (h / 4) for h in range(-12, 13))
+
+
+def soft_neighbour_score(
+    z_references: np.ndarray,
+    y_references: np.ndarray,
+    z_queries: np.ndarray,
+    y_queries: np.ndarray,
+    n_queries_total: int,
+    group: ProcessGroup,
+) -> float:
+    """The held-out soft-neighbour score of an embedding, blind to its scale as k-NN is:
+
+        S = max_t (1/Q) sum_i p_i(t),
+        p_i(t) = sum_{j in M_i, y_j = y_i} e^{-t d_ij} / sum_{j in M_i} e^{-t d_ij},
+
+    over the Q held-out rows of every rank (each rank's own (Q_r, d) against the same (N, d)
+    references), M_i the SOFT_NEIGHBOURS references nearest row i and d_ij their squared
+    distances: NCA's p_i (the probability that a row's stochastic neighbour has its class)
+    at temperature 1/t, truncated to the nearest references. t runs over SOFT_TEMPERATURES
+    times t0 = 1 / (the geometric mean over held-out rows of the nearest squared distance),
+    so S(c A) = S(A) for any c > 0: a penalty that shrinks the map scores as its neighbours
+    do. Unlike the k-NN accuracy of the same rows, S moves with every neighbour's distance,
+    not only when a row's vote flips, so it sees the gain of a fit that 4,096 held-out rows'
+    accuracy cannot (``benchmarks/README.md``, "A judge that sees the gain")."""
+    m = min(SOFT_NEIGHBOURS, len(z_references))
+    d2 = np.zeros((0, m))  # (Q_r, m) squared distances, nearest first
+    same = np.zeros((0, m), dtype=bool)  # whether the neighbour has the row's class
+    if len(z_queries):
+        d2, idx = nearest_references(z_queries, z_references, m)
+        same = np.asarray(y_references)[idx] == np.asarray(y_queries)[:, None]
+    nearest = d2[:, 0] if m else np.zeros(0)
+    positive = nearest[nearest > 0]
+    log_sum, count = all_reduce_sum(np.array([np.log(positive).sum(), len(positive)]), group)
+    t0 = float(np.exp(-log_sum / count)) if count else 1.0
+    gaps = d2 - nearest[:, None]  # (Q_r, m) >= 0: the nearest neighbour's weight is 1
+    sums = np.array(
+        [
+            float(np.sum((w * same).sum(1) / w.sum(1)))
+            for w in (np.exp(-t0 * factor * gaps) for factor in SOFT_TEMPERATURES)
+        ]
+    )  # (T,) sum over this rank's rows of p_i(t)
+    return float(all_reduce_sum(sums, group).max() / max(1, n_queries_total))

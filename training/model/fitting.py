@@ -18,9 +18,13 @@ runs them; its shape (``docs/training.md`` shows it too):
         offer the stage's last map to the keep rule; record the stage (stages_)
     return kept
 
-**The score** of a map is the k-NN accuracy of held-out rows at the served k and rule: the
-validation split, or rows held out of the fit to judge it (``preparation.held_out``). Rows
-the map was fitted on cannot judge it: NCA makes their leave-one-out neighbourhoods pure.
+**The score** of a map is computed on held-out rows (``preparation.HeldOutScores``): on a
+validation split, their k-NN accuracy at the served k and rule; on the rows held out of the
+fit to judge it (``preparation.held_out``), their soft-neighbour score, NCA's p_i at its
+best temperature over the nearest references (``sharded_stats.soft_neighbour_score``),
+which is blind to the map's scale as k-NN is and moves with a gain that 4,096 rows'
+accuracy is too coarse to show. Rows the map was fitted on cannot judge it: NCA makes
+their leave-one-out neighbourhoods pure.
 It is checked at the fit's first iteration and every ``validation_interval``-th iteration of
 the fit (iteration counts, not the clock: the same maps are scored on every run and rank).
 So a later stage is first judged after some iterations: the exact finish's penalty first
@@ -29,7 +33,7 @@ pulls the candidate stage's map back and then gains (on moving50k, checks at the
 against 11.10% for checks at its 5th and 10th: ``benchmarks/results/real_digits_one_loop.json``).
 
 **The keep rule** (one, for the whole fit): a map scored is kept when it scores at least
-the best score of the fit so far less the tolerance (one and a half of the rows scored), so
+the best score of the fit so far less the tolerance (one and a half rows' worth), so
 the kept map is the most trained one within a row of the best. Without held-out rows (or
 with ``select_stages=False`` and no ``early_stopping``) the last map is kept.
 
@@ -232,8 +236,9 @@ def with_refreshes(record: StageRecord, watch) -> StageRecord:
 
 
 class HeldOut:
-    """Scores maps on held-out rows (``score``: theta -> accuracy on ``n_rows`` rows), the
-    last CACHED_MAPS remembered; ``tolerance`` is one and a half rows."""
+    """Scores maps on held-out rows (``score``: theta -> a score in [0, 1] averaged over
+    ``n_rows`` rows: an accuracy, or a mean probability), the last CACHED_MAPS remembered;
+    ``tolerance`` is one and a half rows' worth, 1.5 / n_rows."""
 
     def __init__(self, score: Callable[[np.ndarray], float], n_rows: int, measure: str):
         self.score, self.measure = score, measure
@@ -668,7 +673,7 @@ class StagedFit:
         measure = (
             "validation accuracy"
             if prep.X_val is not None
-            else f"k-NN accuracy of {prep.n_judged} training rows held out of the fit"
+            else f"soft-neighbour score of {prep.n_judged} training rows held out of the fit"
         )
         return HeldOut(score, prep.n_judged, measure)
 

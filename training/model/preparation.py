@@ -69,7 +69,7 @@ class Prepared:
     theta0: np.ndarray
     init_used: str
     classes: np.ndarray
-    # components (theta -> A (d, D)) -> (theta -> held-out accuracy), or None without held-out
+    # components (theta -> A (d, D)) -> (theta -> held-out score), or None without held-out
     # rows (training.model.fitting)
     judge: Callable
     n_judged: int = 0  # held-out rows the judge scores
@@ -131,7 +131,9 @@ def prepare(est, settings, X, y, X_val, y_val, group) -> Prepared:
         Xv_s, yv = standardized(X_val, mean, scale), y_val_idx
     elif held is not None:  # rows held out of this fit to judge it
         Xv_s, yv = standardized(X, mean, scale, held), y_idx[held]
-    scores = HeldOutScores(settings, Xs, y_all, Xv_s, yv, len(classes), n, group)
+    scores = HeldOutScores(
+        settings, Xs, y_all, Xv_s, yv, len(classes), n, group, soft=X_val is None
+    )
     return Prepared(
         X=Xs,
         y=y_all,
@@ -326,14 +328,18 @@ def scaled_init(est, settings, theta0, init_used: str, Xs, y_all, n: int, group)
 
 
 class HeldOutScores:
-    """theta -> the k-NN accuracy of held-out rows (a validation split, or rows held out to
-    judge the stages) against every training row, with the rule and (best of the) k to be
-    served; at most VALIDATION_MAX_ROWS evenly spaced held-out rows, so a score costs
-    O(N d) whatever their number. Each rank scores its own held-out rows against all
-    training rows' embeddings and the correct answers are summed."""
+    """theta -> the score of held-out rows against every training row's embedding: on a
+    validation split, its k-NN accuracy with the rule and (best of the) k to be served (the
+    figure early stopping promises); on rows held out of the fit to judge its stages
+    (``soft``), their soft-neighbour score (``sharded_stats.soft_neighbour_score``: NCA's
+    p_i at its best temperature, blind to the map's scale), which moves with a gain that
+    their accuracy is too coarse to show. At most VALIDATION_MAX_ROWS evenly spaced
+    held-out rows, so a score costs O(N d) whatever their number. Each rank scores its own
+    held-out rows and the sums are reduced."""
 
-    def __init__(self, settings, Xs, y_all, X_held, y_held, n_classes, n, group):
+    def __init__(self, settings, Xs, y_all, X_held, y_held, n_classes, n, group, soft=False):
         self.Xs, self.y_all, self.n_classes, self.n, self.group = Xs, y_all, n_classes, n, group
+        self.soft = soft
         self.ks = validation_ks(settings, n)
         self.rule = settings.validation_rule
         self.X_held = self.y_held = None
@@ -351,6 +357,10 @@ class HeldOutScores:
         def score(theta: np.ndarray) -> float:
             A = components(theta).astype(np.float32)  # (d, D)
             z_tr = sharded_stats.gather_array(self.Xs @ A.T, self.n, self.group)  # (N, d)
+            if self.soft:
+                return sharded_stats.soft_neighbour_score(
+                    z_tr, self.y_all, self.X_held @ A.T, self.y_held, self.n_rows, self.group
+                )
             accuracies = sharded_stats.knn_accuracy(
                 z_tr,
                 self.y_all,

@@ -111,18 +111,24 @@ def sharded_statistics(group):
     """Merged k-NN lists and the standardisation choice, from this rank's digits rows."""
     from training.distributed import sharded_stats
 
-    X, y, X_val, _ = digits_split()
+    X, y, X_val, y_val = digits_split()
     start, stop = shard_bounds(len(X), group.rank, group.world_size)
-    queries = X_val[:50].astype(np.float32)
+    queries = X_val[:75].astype(np.float32)
     exclude = np.array([3, 299, 300, 301, 598])  # on both sides of the shard boundary
     d, i = sharded_stats.knn_lists(
-        queries, X[start:stop].astype(np.float32), start, 7, group, exclude=exclude
+        queries[:50], X[start:stop].astype(np.float32), start, 7, group, exclude=exclude
     )
     _, scores = sharded_stats.choose_standardizer(X[start:stop], y, start, 10, group)
+    # the soft-neighbour score: each rank scores its shard of 75 held-out rows (38 and 37)
+    q_start, q_stop = shard_bounds(75, group.rank, group.world_size)
+    soft = sharded_stats.soft_neighbour_score(
+        X.astype(np.float32), y, queries[q_start:q_stop], y_val[q_start:q_stop], 75, group
+    )
     return {
         "knn/dist": d,
         "knn/index": i,
         "choice/scores": np.array([scores["feature"], scores["global"]]),
+        "soft/score": np.array([soft]),
     }
 
 
@@ -342,6 +348,17 @@ def test_merged_knn_lists_equal_one_search_over_all_rows(two_ranks):
     d, i = exact_knn(X_val[:50].astype(np.float32), X[keep].astype(np.float32), 7)
     np.testing.assert_array_equal(two_ranks["knn/index"], keep[i])
     np.testing.assert_allclose(two_ranks["knn/dist"], d, rtol=1e-12)
+
+
+def test_soft_neighbour_score_over_ranks_equals_one_process(two_ranks):
+    from training.distributed.sharded_stats import soft_neighbour_score
+
+    X, y, X_val, y_val = digits_split()
+    one = soft_neighbour_score(
+        X.astype(np.float32), y, X_val[:75].astype(np.float32), y_val[:75], 75, ProcessGroup()
+    )
+    assert 0.5 < one < 1.0
+    np.testing.assert_allclose(two_ranks["soft/score"], [one], rtol=1e-12)
 
 
 def test_standardisation_choice_over_shards_scores_as_one_process(two_ranks):
