@@ -332,22 +332,21 @@ def soft_neighbour_score(
     so S(c A) = S(A) for any c > 0: a penalty that shrinks the map scores as its neighbours
     do. Unlike the k-NN accuracy of the same rows, S moves with every neighbour's distance,
     not only when a row's vote flips, so it sees the gain of a fit that 4,096 held-out rows'
-    accuracy cannot (``benchmarks/README.md``, "A judge that sees the gain")."""
+    accuracy cannot (``benchmarks/README.md``, "The soft-neighbour score judges the
+    stages")."""
     m = min(SOFT_NEIGHBOURS, len(z_references))
     d2 = np.zeros((0, m))  # (Q_r, m) squared distances, nearest first
     same = np.zeros((0, m), dtype=bool)  # whether the neighbour has the row's class
     if len(z_queries):
         d2, idx = nearest_references(z_queries, z_references, m)
         same = np.asarray(y_references)[idx] == np.asarray(y_queries)[:, None]
-    nearest = d2[:, 0] if m else np.zeros(0)
+    nearest = d2[:, 0]  # (Q_r,)
     positive = nearest[nearest > 0]
     log_sum, count = all_reduce_sum(np.array([np.log(positive).sum(), len(positive)]), group)
     t0 = float(np.exp(-log_sum / count)) if count else 1.0
     gaps = d2 - nearest[:, None]  # (Q_r, m) >= 0: the nearest neighbour's weight is 1
-    sums = np.array(
-        [
-            float(np.sum((w * same).sum(1) / w.sum(1)))
-            for w in (np.exp(-t0 * factor * gaps) for factor in SOFT_TEMPERATURES)
-        ]
-    )  # (T,) sum over this rank's rows of p_i(t)
+    sums = np.zeros(len(SOFT_TEMPERATURES))  # (T,) sum over this rank's rows of p_i(t)
+    for i, factor in enumerate(SOFT_TEMPERATURES):
+        weights = np.exp(-t0 * factor * gaps)  # (Q_r, m)
+        sums[i] = np.sum((weights * same).sum(1) / weights.sum(1))
     return float(all_reduce_sum(sums, group).max() / max(1, n_queries_total))
