@@ -328,8 +328,9 @@ def soft_neighbour_score(
     references), M_i the SOFT_NEIGHBOURS references nearest row i and d_ij their squared
     distances: NCA's p_i (the probability that a row's stochastic neighbour has its class)
     at temperature 1/t, truncated to the nearest references. t runs over SOFT_TEMPERATURES
-    times t0 = 1 / (the geometric mean over held-out rows of the nearest squared distance),
-    so S(c A) = S(A) for any c > 0: a penalty that shrinks the map scores as its neighbours
+    times t0 = 1 / (the geometric mean over held-out rows of the nearest positive squared
+    distance: a row's exact duplicates among the references are passed over), so
+    S(c A) = S(A) for any c > 0: a penalty that shrinks the map scores as its neighbours
     do. Unlike the k-NN accuracy of the same rows, S moves with every neighbour's distance,
     not only when a row's vote flips, so it sees the gain of a fit that 4,096 held-out rows'
     accuracy cannot (``benchmarks/README.md``, "The soft-neighbour score judges the
@@ -341,9 +342,12 @@ def soft_neighbour_score(
         d2, idx = nearest_references(z_queries, z_references, m)
         same = np.asarray(y_references)[idx] == np.asarray(y_queries)[:, None]
     nearest = d2[:, 0]  # (Q_r,)
-    positive = nearest[nearest > 0]
+    # each row's nearest positive squared distance (inf: all m neighbours at 0): a row with
+    # an exact duplicate among the references still sets t0 in the map's units
+    first_positive = np.where(d2 > 0, d2, np.inf).min(1)  # (Q_r,)
+    positive = first_positive[np.isfinite(first_positive)]
     log_sum, count = all_reduce_sum(np.array([np.log(positive).sum(), len(positive)]), group)
-    t0 = float(np.exp(-log_sum / count)) if count else 1.0
+    t0 = float(np.exp(-log_sum / count)) if count else 1.0  # no positive gap: t is moot
     gaps = d2 - nearest[:, None]  # (Q_r, m) >= 0: the nearest neighbour's weight is 1
     sums = np.zeros(len(SOFT_TEMPERATURES))  # (T,) sum over this rank's rows of p_i(t)
     for i, factor in enumerate(SOFT_TEMPERATURES):

@@ -24,8 +24,8 @@ def direct_score(z_ref, y_ref, z_q, y_q, m=None):
     -t d_ij over the m nearest references (all by default), no shift, no vectorised gaps."""
     d2 = ((z_q[:, None, :].astype(np.float64) - z_ref[None, :, :]) ** 2).sum(-1)  # (Q, N)
     order = np.argsort(d2, axis=1, kind="stable")[:, : m or len(z_ref)]
-    nearest = d2.min(1)
-    t0 = 1.0 / np.exp(np.log(nearest[nearest > 0]).mean())
+    nearest_positive = np.where(d2 > 0, d2, np.inf).min(1)  # exact duplicates passed over
+    t0 = 1.0 / np.exp(np.log(nearest_positive[np.isfinite(nearest_positive)]).mean())
     best = 0.0
     for factor in SOFT_TEMPERATURES:
         p = []
@@ -64,6 +64,29 @@ def test_the_score_is_blind_to_the_scale_of_the_map():
     # labels that disagree with the geometry score lower; labels that follow it, higher
     assert soft_neighbour_score(z_ref, y_ref, z_q, 1 - y_q, len(z_q), ONE) < score
     assert soft_neighbour_score(z_ref, y_ref, z_q, y_q, len(z_q), ONE) > 0.5
+
+
+def test_rows_with_exact_duplicates_among_the_references_keep_the_score_blind_to_scale():
+    # a 3-d integer grid, 3 copies of each point as references and one more as the held-out
+    # row: every nearest squared distance is 0, so t0 comes from each row's nearest positive
+    # one (a fixed t0 made S(0.01 A) 0.53 against S(A) 0.67: a shrinking penalty read as harm)
+    rng = np.random.default_rng(0)
+    grid = np.stack(np.meshgrid(*[np.arange(3)] * 3, indexing="ij"), -1).reshape(-1, 3)
+    z_ref = np.repeat(grid, 3, axis=0).astype(np.float32)  # (81, 3)
+    y_ref = (z_ref.sum(1) + rng.normal(size=len(z_ref)) > 3).astype(int)
+    z_q = grid.astype(np.float32)  # (27, 3)
+    y_q = (z_q.sum(1) + rng.normal(size=len(z_q)) > 3).astype(int)
+    score = soft_neighbour_score(z_ref, y_ref, z_q, y_q, len(z_q), ONE)
+    assert score == pytest.approx(direct_score(z_ref, y_ref, z_q, y_q, SOFT_NEIGHBOURS), rel=1e-9)
+    for c in (0.01, 0.3, 3.0, 100.0):
+        scaled = soft_neighbour_score(c * z_ref, y_ref, c * z_q, y_q, len(z_q), ONE)
+        assert scaled == pytest.approx(score, rel=1e-6), c
+    # every reference a copy of its query's point: no positive distance anywhere, and p_i
+    # is the share of the row's class among its copies, whatever t
+    same_point = np.zeros((5, 2), dtype=np.float32)
+    labels = np.array([0, 0, 0, 1, 1])
+    one_row = soft_neighbour_score(same_point, labels, same_point[:1], np.array([0]), 1, ONE)
+    assert one_row == pytest.approx(0.6)
 
 
 def test_only_the_nearest_references_vote():
