@@ -13,10 +13,11 @@ the fit seconds (beside the machine's float32 GEMM rate, measured before each ru
 stored bytes per reference (d float32 values: search cost grows with d too) are beside it.
 
 A run is ``objective:d[:option...]``, the options ``no-early-stopping`` (the job's early
-stopping on validation kNN accuracy turned off), ``l2=VALUE`` (``--l2``) and
-``finish=ITERATIONS`` (``--exact-finish``); ``raw`` is kNN on the raw pixels (no map, D = 784
-float32 per reference), the baseline a user has without training; ``pca:d`` is kNN on the
-first d principal components of the training rows (no labels used).
+stopping on validation kNN accuracy turned off), ``l2=VALUE`` (``--l2``),
+``finish=ITERATIONS`` (``--exact-finish``) and ``seed=N`` (``--seed``); ``raw`` is kNN on
+the raw pixels (no map, D = 784 float32 per reference), the baseline a user has without
+training; ``pca:d`` is kNN on the first d principal components of the training rows (no
+labels used).
 
 Usage: python benchmarks/full_set_map.py [--data mnist] [--runs nca:16,nca:32,nca:64]
        [--runs raw,pca:32,knca-majority:32,nca:32:l2=0.003:finish=0] [--name NAME]
@@ -115,7 +116,8 @@ def raw_knn(data: Path) -> dict:
 def fit(data: Path, out: Path, objective: str, d: int, options: list[str]) -> dict:
     """One run of the job with ``objective`` (k = 5 for kNCA, the served k it trains for)
     at dimension ``d`` and the run's options (``no-early-stopping``, ``l2=VALUE``,
-    ``finish=ITERATIONS``); its errors and fit seconds."""
+    ``finish=ITERATIONS``, ``seed=N``: the job's split and fit seed); its errors and fit
+    seconds."""
     k = 5 if objective.startswith("knca") else 1
     settings = {}
     for option in options:
@@ -125,8 +127,12 @@ def fit(data: Path, out: Path, objective: str, d: int, options: list[str]) -> di
             settings["l2"] = option[3:]
         elif option.startswith("finish="):
             settings["exact_finish"] = option[7:]
+        elif option.startswith("seed="):
+            settings["seed"] = int(option[5:])
         else:
-            raise SystemExit(f"--runs: unknown option {option!r}: no-early-stopping, l2=, finish=")
+            raise SystemExit(
+                f"--runs: unknown option {option!r}: no-early-stopping, l2=, finish=, seed="
+            )
     config = TrainConfig(
         data=str(data),
         out=str(out),

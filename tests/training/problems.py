@@ -23,18 +23,19 @@ from training.optim.sharded_problem import ShardedProblem
 # ---------------------------------------------------------------- scripted outcomes
 
 
-def script_validation(monkeypatch, accuracy) -> None:
-    """Every held-out score of a fit with a validation set is ``accuracy(stage, iteration)``
+def script_validation(monkeypatch, scored) -> None:
+    """Every held-out score of a fit with a validation set is ``scored(stage, iteration)``
     of the map scored (stage: None for the first stage, else its name, such as "exact
     finish"; iteration: the stage's own count, 0 for its start), whatever the map. A test
     of what the keep rule keeps then decides which iterate is best, instead of relying on
-    the accuracies one floating-point path of the optimiser happens to reach."""
+    the scores one floating-point path of the optimiser happens to reach (the validation
+    accuracy reported beside each score is the map's own)."""
     real_score = StagedFit._score
 
     def score(self, index, iteration, theta):
         if self.prep.X_val is None:
             return real_score(self, index, iteration, theta)
-        return accuracy(None if index == 0 else self.stages[index].name, iteration)
+        return scored(None if index == 0 else self.stages[index].name, iteration)
 
     monkeypatch.setattr(StagedFit, "_score", score)
 

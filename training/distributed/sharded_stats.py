@@ -29,7 +29,7 @@ import torch.distributed as dist
 from service.core.knn import decide
 from training.data.datasets import CHOICE_MARGIN, CHOICE_QUERIES, global_scale, per_feature_scale
 from training.distributed.ranks import ProcessGroup, broadcast_from_rank0, gather_rows
-from training.evaluation.evaluate import knn_predictions, nearest_references
+from training.evaluation.evaluate import nearest_references
 from training.numerics import evenly_spaced_rows, fisher_directions
 
 
@@ -284,10 +284,21 @@ def lda_components(
     return _signed_rows(fisher_directions(s_b, s_w, n, n_components))
 
 
+def held_out_neighbours(
+    z_references: np.ndarray, z_queries: np.ndarray, m: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """This rank's held-out rows' min(m, N) nearest references, as
+    ``evaluation.evaluate.nearest_references`` finds them: (squared distances (Q_r, m)
+    float64 nearest first, indices (Q_r, m)); empty arrays for a rank without rows."""
+    m = min(m, len(z_references))
+    if not len(z_queries):
+        return np.zeros((0, m)), np.zeros((0, m), dtype=np.int64)
+    return nearest_references(z_queries, z_references, m)
+
+
 def knn_accuracy(
-    z_references: np.ndarray,
+    neighbours: tuple[np.ndarray, np.ndarray],
     y_references: np.ndarray,
-    z_queries: np.ndarray,
     y_queries: np.ndarray,
     n_classes: int,
     ks: tuple[int, ...],
@@ -295,11 +306,17 @@ def knn_accuracy(
     n_queries_total: int,
     group: ProcessGroup,
 ) -> dict[int, float]:
-    """k-NN accuracy over every rank's queries (each rank's own (Q_r, d) against the same
-    (N, d) references): the per-rank counts of correct answers are summed."""
-    ks = tuple(k for k in ks if k <= len(z_references))
-    predictions = knn_predictions(z_references, y_references, z_queries, n_classes, ks, rule)
-    correct = np.array([float(np.sum(predictions[k] == y_queries)) for k in ks])
+    """k-NN accuracy over every rank's queries, each rank's ``neighbours``
+    (``held_out_neighbours``, at least max(ks) of them) voting with ``rule``
+    (``service.core.knn.decide``): the per-rank counts of correct answers are summed."""
+    d2, idx = neighbours
+    labels = np.asarray(y_references)[idx]  # (Q_r, m)
+    ks = tuple(k for k in ks if k <= d2.shape[1])
+    correct = np.zeros(len(ks))
+    if len(d2):
+        for i, k in enumerate(ks):
+            predicted = decide(labels[:, :k], d2[:, :k], n_classes, rule)[0]
+            correct[i] = float(np.sum(predicted == y_queries))
     correct = all_reduce_sum(correct, group)
     return {k: float(c / n_queries_total) for k, c in zip(ks, correct, strict=True)}
 
@@ -318,6 +335,7 @@ def soft_neighbour_score(
     y_queries: np.ndarray,
     n_queries_total: int,
     group: ProcessGroup,
+    neighbours: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> float:
     """The held-out soft-neighbour score of an embedding, blind to its scale as k-NN is:
 
@@ -334,13 +352,12 @@ def soft_neighbour_score(
     do. Unlike the k-NN accuracy of the same rows, S moves with every neighbour's distance,
     not only when a row's vote flips, so it sees the gain of a fit that 4,096 held-out rows'
     accuracy cannot (``benchmarks/README.md``, "The soft-neighbour score judges the
-    stages")."""
-    m = min(SOFT_NEIGHBOURS, len(z_references))
-    d2 = np.zeros((0, m))  # (Q_r, m) squared distances, nearest first
-    same = np.zeros((0, m), dtype=bool)  # whether the neighbour has the row's class
-    if len(z_queries):
-        d2, idx = nearest_references(z_queries, z_references, m)
-        same = np.asarray(y_references)[idx] == np.asarray(y_queries)[:, None]
+    stages"). ``neighbours``: this rank's ``held_out_neighbours`` when already found (at
+    least SOFT_NEIGHBOURS of them or all N; the nearest SOFT_NEIGHBOURS are used)."""
+    if neighbours is None:
+        neighbours = held_out_neighbours(z_references, z_queries, SOFT_NEIGHBOURS)
+    d2, idx = (part[:, :SOFT_NEIGHBOURS] for part in neighbours)  # (Q_r, m) nearest first
+    same = np.asarray(y_references)[idx] == np.asarray(y_queries)[:, None]  # (Q_r, m)
     nearest = d2[:, 0]  # (Q_r,)
     # each row's nearest positive squared distance (inf: all m neighbours at 0): a row with
     # an exact duplicate among the references still sets t0 in the map's units

@@ -219,8 +219,8 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         self.converged_ = state.fit_stop_reason in CONVERGED
         self.objective_value_ = kept.objective
         self.history_ = state.history
-        # the best validation accuracy any map reached (the kept map is within 1.5 rows of it)
-        self.best_val_accuracy_ = state.best_score if prep.X_val is not None else None
+        # the validation split's k-NN accuracy at the kept map (which its score chose)
+        self.best_val_accuracy_ = stages.validation_accuracy(kept.theta)
         self.kept_iteration_ = kept.iteration  # the map returned: 0 is the initial map
         self.init_used_ = prep.init_used
         # K at the end (the watch may change it); the plan's when no candidate stage ran

@@ -18,13 +18,14 @@ runs them; its shape (``docs/training.md`` shows it too):
         offer the stage's last map to the keep rule; record the stage (stages_)
     return kept
 
-**The score** of a map is computed on held-out rows (``preparation.HeldOutScores``): on a
-validation split, their k-NN accuracy at the served k and rule; on the rows held out of the
-fit to judge it (``preparation.held_out``), their soft-neighbour score, NCA's p_i at its
-best temperature over the nearest references (``sharded_stats.soft_neighbour_score``),
-which is blind to the map's scale as k-NN is and moves with a gain that 4,096 rows'
-accuracy is too coarse to show. Rows the map was fitted on cannot judge it: NCA makes
-their leave-one-out neighbourhoods pure.
+**The score** of a map is computed on held-out rows (``preparation.HeldOutScores``: a
+validation split, or the rows held out of the fit to judge it, ``preparation.held_out``):
+their soft-neighbour score, NCA's p_i at its best temperature over the nearest references
+(``sharded_stats.soft_neighbour_score``), which is blind to the map's scale as k-NN is and
+moves with a gain that 4,096 rows' accuracy is too coarse to show. A validation split's
+k-NN accuracy at the served k and rule is reported beside it (``val_accuracy``), not
+judged by. Rows the map was fitted on cannot judge it: NCA makes their leave-one-out
+neighbourhoods pure.
 It is checked at the fit's first iteration and every ``validation_interval``-th iteration of
 the fit (iteration counts, not the clock: the same maps are scored on every run and rank).
 So a later stage is first judged after some iterations: the exact finish's penalty first
@@ -236,36 +237,53 @@ def with_refreshes(record: StageRecord, watch) -> StageRecord:
 
 
 class HeldOut:
-    """Scores maps on held-out rows (``score``: theta -> a score in [0, 1] averaged over
-    ``n_rows`` rows: an accuracy, or a mean probability), the last CACHED_MAPS remembered;
-    ``tolerance`` is one and a half rows' worth, 1.5 / n_rows."""
+    """Scores maps on held-out rows (``figures``: theta -> (score, accuracy), the score in
+    [0, 1] a mean probability over ``n_rows`` rows, the accuracy a validation split's k-NN
+    accuracy or None), the last CACHED_MAPS remembered; ``tolerance`` is one and a half
+    rows' worth, 1.5 / n_rows."""
 
-    def __init__(self, score: Callable[[np.ndarray], float], n_rows: int, measure: str):
-        self.score, self.measure = score, measure
+    def __init__(self, figures: Callable[[np.ndarray], tuple], n_rows: int, measure: str):
+        self.figures, self.measure = figures, measure
         self.tolerance = 1.5 / max(1, n_rows)
         self.checks, self.seconds = 0, 0.0  # scores computed, and their time
-        self._cache: list[tuple[np.ndarray, float]] = []
+        self._cache: list[tuple[np.ndarray, float, float | None]] = []
 
     def __call__(self, theta: np.ndarray) -> float:
-        value = self._cached(theta)
-        if value is not None:
-            return value
+        """The score that judges ``theta``."""
+        cached = self._cached(theta)
+        return cached[1] if cached is not None else self._computed(theta)[0]
+
+    def accuracy(self, theta: np.ndarray) -> float | None:
+        """The validation split's k-NN accuracy at ``theta`` (None for rows held out of the
+        fit), computed with its score unless remembered."""
+        cached = self._cached(theta)
+        if cached is not None and cached[2] is not None:
+            return cached[2]
+        return self._computed(theta)[1]
+
+    def _computed(self, theta: np.ndarray) -> tuple[float, float | None]:
         started = time.perf_counter()
-        value = float(self.score(theta))
+        score, accuracy = self.figures(theta)
         self.checks += 1
         self.seconds += time.perf_counter() - started
-        self.remember(theta, value)
-        return value
+        self._cache = [
+            *self._cache[-(CACHED_MAPS - 1) :],
+            (np.array(theta, copy=True), score, accuracy),
+        ]
+        return float(score), accuracy
 
-    def _cached(self, theta: np.ndarray) -> float | None:
-        for cached, value in self._cache:
-            if np.array_equal(cached, theta):
-                return value
+    def _cached(self, theta: np.ndarray) -> tuple | None:
+        for entry in self._cache:
+            if np.array_equal(entry[0], theta):
+                return entry
         return None
 
     def remember(self, theta: np.ndarray, value: float | None) -> None:
+        """``theta``'s score as a checkpoint recorded it (its accuracy is computed again when
+        asked for)."""
         if value is not None:
-            self._cache = [*self._cache[-(CACHED_MAPS - 1) :], (np.array(theta, copy=True), value)]
+            entry = (np.array(theta, copy=True), value, None)
+            self._cache = [*self._cache[-(CACHED_MAPS - 1) :], entry]
 
 
 @dataclass
@@ -459,7 +477,8 @@ class StagedFit:
             record = self._record(index, stage, problem, theta, at.extra, figures, state)
             score = self._score(index, iteration, theta) if scheduled else None
             if score is not None and self.prep.X_val is not None:
-                record["val_accuracy"] = score
+                record["val_accuracy"] = self.held_out.accuracy(theta)
+                record["val_score"] = score
             self._print(record)
             if score is not None:
                 state.offer(Snapshot(theta, at.extra, score, state.iterations), self._tolerance)
@@ -517,6 +536,12 @@ class StagedFit:
         return state.kept.theta, None, 0, None
 
     # ------------------------------------------------------------------ what the loop uses
+
+    def validation_accuracy(self, theta: np.ndarray) -> float | None:
+        """The validation split's k-NN accuracy at ``theta`` (None without one)."""
+        if self.held_out is None or self.prep.X_val is None:
+            return None
+        return self.held_out.accuracy(theta)
 
     def _score(self, index: int, iteration: int, theta: np.ndarray) -> float | None:
         """The held-out score of ``theta``, the map stage ``index`` reached at its
@@ -670,11 +695,8 @@ class StagedFit:
         score = prep.judge(self.components)
         if score is None:
             return None
-        measure = (
-            "validation accuracy"
-            if prep.X_val is not None
-            else f"soft-neighbour score of {prep.n_judged} training rows held out of the fit"
-        )
+        held = "validation rows" if prep.X_val is not None else "training rows held out of the fit"
+        measure = f"soft-neighbour score of {prep.n_judged} {held}"
         return HeldOut(score, prep.n_judged, measure)
 
     def _patience(self) -> int | None:
@@ -712,6 +734,7 @@ class StagedFit:
         line += f" {record['seconds'] - self.last_line:>10.2f}"
         if "val_accuracy" in record:
             line += f"  val_accuracy {record['val_accuracy']:.4f}"
+            line += f"  val_score {record['val_score']:.4f}"
         print(line, flush=True)
         self.last_line = record["seconds"]
 

@@ -56,11 +56,12 @@ class FitOptions:
         early_stopping, validation_fraction, n_iter_no_change, validation_interval : hold
             out a stratified fraction (or use ``fit``'s X_val, y_val), check every
             ``validation_interval`` iterations, stop after ``n_iter_no_change`` checks
-            without a better kNN accuracy, keep the best.
+            without a better score, keep the best. Held-out rows, a validation split or
+            the rows held out of the fit only to judge its stages, are scored by their
+            soft-neighbour score (``training.distributed.sharded_stats.soft_neighbour_score``).
         validation_k, validation_rule : the k (or several, the best kept) and the vote a
-            validation split is scored with: those that will be served. Rows held out of
-            the fit only to judge its stages are scored by their soft-neighbour score
-            (``training.distributed.sharded_stats.soft_neighbour_score``).
+            validation split's k-NN accuracy is reported with (``val_accuracy``,
+            ``best_val_accuracy_``): those that will be served.
         select_stages : keep a stage's end only when it scores at least its start on
             held-out rows (False: whatever the optimiser returns).
         stop_stalled_stages : stop a stage after two held-out checks in a row without a gain

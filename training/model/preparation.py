@@ -132,7 +132,7 @@ def prepare(est, settings, X, y, X_val, y_val, group) -> Prepared:
     elif held is not None:  # rows held out of this fit to judge it
         Xv_s, yv = standardized(X, mean, scale, held), y_idx[held]
     scores = HeldOutScores(
-        settings, Xs, y_all, Xv_s, yv, len(classes), n, group, soft=X_val is None
+        settings, Xs, y_all, Xv_s, yv, len(classes), n, group, validation=X_val is not None
     )
     return Prepared(
         X=Xs,
@@ -328,22 +328,22 @@ def scaled_init(est, settings, theta0, init_used: str, Xs, y_all, n: int, group)
 
 
 class HeldOutScores:
-    """theta -> the score of held-out rows against every training row's embedding: on a
-    validation split, its k-NN accuracy with the rule and (best of the) k to be served (the
-    figure early stopping promises); on rows held out of the fit to judge its stages
-    (``soft``), their soft-neighbour score (``sharded_stats.soft_neighbour_score``: NCA's
-    p_i at its best temperature, blind to the map's scale), which moves with a gain that
-    their accuracy is too coarse to show. At most VALIDATION_MAX_ROWS evenly spaced
-    held-out rows, so a score costs O(N d) whatever their number. Each rank scores its own
-    held-out rows and the sums are reduced."""
+    """theta -> (score, accuracy) of held-out rows against every training row's embedding.
+    The score, which judges the fit's stages, is their soft-neighbour score
+    (``sharded_stats.soft_neighbour_score``: NCA's p_i at its best temperature, blind to the
+    map's scale), which moves with a gain that their accuracy is too coarse to show. The
+    accuracy, for a validation split only (None for rows held out of the fit), is their
+    k-NN accuracy with the rule and (best of the) k to be served: what ``val_accuracy``
+    and ``best_val_accuracy_`` report. One neighbour search serves both. At most
+    VALIDATION_MAX_ROWS evenly spaced held-out rows, so a check costs O(N d) whatever their
+    number. Each rank scores its own held-out rows and the sums are reduced."""
 
-    def __init__(self, settings, Xs, y_all, X_held, y_held, n_classes, n, group, soft=False):
+    def __init__(self, settings, Xs, y_all, X_held, y_held, n_classes, n, group, validation):
         self.Xs, self.y_all, self.n_classes, self.n, self.group = Xs, y_all, n_classes, n, group
-        self.soft = soft
+        self.validation = validation  # the held-out rows are a validation split
         self.ks = validation_ks(settings, n)
         self.rule = settings.validation_rule
         self.X_held = self.y_held = None
-        self.n_rows = 0
         if X_held is not None:
             keep = evenly_spaced_rows(X_held.shape[0], VALIDATION_MAX_ROWS)
             self.X_held, self.y_held = X_held[keep], y_held[keep]
@@ -354,17 +354,22 @@ class HeldOutScores:
         if self.n_rows == 0:
             return None
 
-        def score(theta: np.ndarray) -> float:
+        def figures(theta: np.ndarray) -> tuple[float, float | None]:
             A = components(theta).astype(np.float32)  # (d, D)
             z_tr = sharded_stats.gather_array(self.Xs @ A.T, self.n, self.group)  # (N, d)
-            if self.soft:
-                return sharded_stats.soft_neighbour_score(
-                    z_tr, self.y_all, self.X_held @ A.T, self.y_held, self.n_rows, self.group
-                )
+            z_held = self.X_held @ A.T  # (Q_r, d)
+            m = sharded_stats.SOFT_NEIGHBOURS
+            if self.validation:  # the same search gives the served k's votes
+                m = max(m, *self.ks)
+            neighbours = sharded_stats.held_out_neighbours(z_tr, z_held, m)
+            score = sharded_stats.soft_neighbour_score(
+                z_tr, self.y_all, z_held, self.y_held, self.n_rows, self.group, neighbours
+            )
+            if not self.validation:
+                return score, None
             accuracies = sharded_stats.knn_accuracy(
-                z_tr,
+                neighbours,
                 self.y_all,
-                self.X_held @ A.T,
                 self.y_held,
                 self.n_classes,
                 self.ks,
@@ -372,6 +377,6 @@ class HeldOutScores:
                 self.n_rows,
                 self.group,
             )
-            return max(accuracies.values())
+            return score, max(accuracies.values())
 
-        return score
+        return figures

@@ -283,19 +283,21 @@ def early_stopping_nca(n_iter_no_change: int, **params) -> NCA:
     )
 
 
-PEAK_AT_2 = {1: 0.5, 2: 0.7}  # validation accuracy by iteration, 0.6 after
+PEAK_AT_2 = {1: 0.5, 2: 0.7}  # validation score by iteration, 0.6 after
 
 
 def test_early_stopping_keeps_best_validation_model(monkeypatch):
-    """The validation accuracy peaks at iteration 2 (scripted): with a patience of 2 checks
-    the fit stops at iteration 4, by early stopping, with the best accuracy seen."""
+    """The validation score peaks at iteration 2 (scripted): with a patience of 2 checks
+    the fit stops at iteration 4, by early stopping, with the accuracy of the best map."""
     script_validation(monkeypatch, lambda stage, i: PEAK_AT_2.get(i, 0.6))
     X, y = load_digits(return_X_y=True)
     nca = early_stopping_nca(2).fit(X[:600], y[:600])
     assert nca.stop_reason_ == "stalled" and nca.n_iter_ == 4
-    checked = [h["val_accuracy"] for h in nca.history_ if "val_accuracy" in h]
+    checked = [h["val_score"] for h in nca.history_ if "val_score" in h]
     assert checked == [0.5, 0.7, 0.6, 0.6]
-    assert nca.best_val_accuracy_ == 0.7
+    assert nca.kept_iteration_ == 2
+    kept = next(h for h in nca.history_ if h["iteration"] == 2)
+    assert nca.best_val_accuracy_ == kept["val_accuracy"]
 
 
 def test_non_convergence_is_a_warning():
@@ -393,8 +395,8 @@ def test_early_stopping_returns_the_best_components_and_their_objective(monkeypa
         3, callback=lambda transformation, n_iter: seen.__setitem__(n_iter, transformation.copy())
     ).fit(X[:600], y[:600])
     assert nca.stop_reason_ == "stalled"
-    checks = [h for h in nca.history_ if "val_accuracy" in h]
-    best = max(checks, key=lambda h: h["val_accuracy"])  # max keeps the first of equals
+    checks = [h for h in nca.history_ if "val_score" in h]
+    best = max(checks, key=lambda h: h["val_score"])  # max keeps the first of equals
     last = nca.history_[-1]["iteration"]
     assert best["iteration"] < last, "the test needs a best iterate before the last"
     np.testing.assert_array_equal(nca.components_.ravel(), seen[best["iteration"]])

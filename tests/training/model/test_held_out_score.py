@@ -15,6 +15,7 @@ from training.distributed.sharded_stats import (
     SOFT_TEMPERATURES,
     soft_neighbour_score,
 )
+from training.evaluation.evaluate import knn_accuracies
 
 ONE = ProcessGroup()  # a single process: a group of one
 
@@ -120,7 +121,7 @@ def test_separated_classes_score_one_and_a_rank_without_rows_adds_nothing():
 
 
 @pytest.mark.filterwarnings("ignore:.*did not converge")  # 3 iterations: enough to judge
-def test_rows_held_out_of_the_fit_are_judged_by_the_soft_score_a_validation_set_by_accuracy():
+def test_held_out_rows_are_judged_by_the_soft_score_a_validation_split_reports_accuracy():
     rng = np.random.default_rng(0)
     centres = rng.normal(scale=1.0, size=(3, 6))  # overlapping classes
     y = rng.integers(0, 3, size=9000)
@@ -134,6 +135,14 @@ def test_rows_held_out_of_the_fit_are_judged_by_the_soft_score_a_validation_set_
     validated = NCA(n_components=2, max_iter=3, random_state=0).fit(
         X[:2000], y[:2000], X_val=X[2000:2300], y_val=y[2000:2300]
     )
-    assert validated.stage_measure_ == "validation accuracy"
-    scores = [r["val_accuracy"] for r in validated.history_ if "val_accuracy" in r]
-    assert scores and all(abs(s * 300 - round(s * 300)) < 1e-9 for s in scores)  # of 300 rows
+    assert validated.stage_measure_ == "soft-neighbour score of 300 validation rows"
+    checks = [r for r in validated.history_ if "val_accuracy" in r]
+    accuracies = [r["val_accuracy"] for r in checks]  # counts of right answers of 300 rows
+    assert accuracies and all(abs(a * 300 - round(a * 300)) < 1e-9 for a in accuracies)
+    scores = [r["val_score"] for r in checks]  # the judge: mean probabilities
+    assert all(0.0 < s <= 1.0 and abs(s * 300 - round(s * 300)) > 1e-6 for s in scores)
+    assert validated.stages_[0]["start_score"] not in accuracies
+    # the accuracy reported is the kept map's 1-NN accuracy (the served k), within a row
+    z_val, z_train = validated.transform(X[2000:2300]), validated.transform(X[:2000])
+    served = knn_accuracies(z_train, y[:2000], z_val, y[2000:2300], 3, (1,))[1]
+    assert validated.best_val_accuracy_ == pytest.approx(served, abs=1.01 / 300)

@@ -158,7 +158,8 @@ def test_verbose_prints_scikit_learns_table_with_the_validation_accuracy(capsys)
     lines = verbose_fit(capsys, max_iter=2)
     at = lines.index(f"[NCA] {HEADER}")
     assert lines[at - 1] == "[NCA]" and lines[at + 1] == f"[NCA] {'-' * len(HEADER)}"
-    assert re.fullmatch(ROW.format(1) + r"  val_accuracy \d\.\d{4}", lines[at + 2])
+    check = ROW.format(1) + r"  val_accuracy \d\.\d{4}  val_score \d\.\d{4}"
+    assert re.fullmatch(check, lines[at + 2])
     assert re.fullmatch(ROW.format(2), lines[at + 3])  # not a check (every 5 iterations)
     assert re.fullmatch(r"\[NCA\] Training took +\d+\.\d\ds\.", lines[-1])
 

@@ -144,9 +144,9 @@ def test_knca_finish_averages_over_its_own_row_limit(monkeypatch):
 
 @pytest.mark.parametrize("best_stage", [None, "exact finish"])
 def test_early_stopping_keeps_the_best_validated_map_of_either_stage(monkeypatch, best_stage):
-    """The validation accuracy scripted to peak at the first iteration of either stage (the
-    candidate stage: None): the fit returns that iterate's map and accuracy, whatever the
-    other iterates of both stages did."""
+    """The validation score scripted to peak at the first iteration of either stage (the
+    candidate stage: None): the fit returns that iterate's map and its accuracy, whatever
+    the other iterates of both stages did."""
     script_validation(monkeypatch, lambda stage, i: 0.9 if (stage, i) == (best_stage, 1) else 0.5)
     X, y = hard_noisy(n=300, seed=0)
     maps = {}
@@ -161,13 +161,16 @@ def test_early_stopping_keeps_the_best_validated_map_of_either_stage(monkeypatch
         max_iter=15,
         callback=lambda A, iteration: maps.__setitem__(iteration, A.copy()),
     )
-    validated = [(r["val_accuracy"], r["iteration"], r.get("stage")) for r in model.history_]
+    validated = [(r["val_score"], r["iteration"], r.get("stage")) for r in model.history_]
     assert [(i, s) for a, i, s in validated if a == 0.9] == [
         next((i, s) for _, i, s in validated if s == best_stage)
     ]
     best = next(i for a, i, _ in validated if a == 0.9)
     assert 1 <= model.exact_finish_iter_ <= 5 and len(maps) == model.n_iter_
-    assert model.best_val_accuracy_ == 0.9
+    assert (
+        model.best_val_accuracy_
+        == next(r for r in model.history_ if r["iteration"] == best)["val_accuracy"]
+    )
     np.testing.assert_array_equal(model.components_.ravel(), maps[best])
 
 

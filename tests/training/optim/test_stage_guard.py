@@ -30,7 +30,7 @@ class Clock:
 
 def verdicts(start: float, scores: list[float], patience: int | None = 2, n_rows: int = 100):
     """The stop rule's verdict after each check of a stage that starts at ``start``."""
-    checks = StageChecks(HeldOut(lambda theta: 0.0, n_rows, "scripted"), patience)
+    checks = StageChecks(HeldOut(lambda theta: (0.0, None), n_rows, "scripted"), patience)
     checks.start(start)
     return [checks.after(score) for score in scores], checks
 
@@ -80,10 +80,19 @@ def test_unjudged_maps_are_kept_as_they_come():
 
 def test_the_held_out_scorer_computes_a_map_once():
     calls = []
-    held = HeldOut(lambda theta: calls.append(float(theta[0])) or float(theta[0]), 10, "t")
+
+    def figures(theta):  # (score, accuracy) of a map
+        calls.append(float(theta[0]))
+        return float(theta[0]), float(theta[0]) / 10
+
+    held = HeldOut(figures, 10, "t")
     for value in (1.0, 2.0, 1.0, 2.0, 3.0):
-        held(np.array([value]))
+        assert held(np.array([value])) == value
+    assert held.accuracy(np.array([2.0])) == 0.2  # remembered with its score
     assert calls == [1.0, 2.0, 3.0] and held.checks == 3
+    held.remember(np.array([4.0]), 4.0)  # a checkpoint's score: the accuracy is computed
+    assert held(np.array([4.0])) == 4.0 and calls == [1.0, 2.0, 3.0]
+    assert held.accuracy(np.array([4.0])) == 0.4 and calls == [1.0, 2.0, 3.0, 4.0]
 
 
 def test_the_budget_is_rank_0s_decision():
@@ -125,7 +134,7 @@ def scripted(monkeypatch):
 
     def score(theta):
         stage, iteration = reached.get(np.asarray(theta, dtype=np.float64).tobytes(), ("first", 0))
-        return holder["script"](stage, iteration)
+        return holder["script"](stage, iteration), None  # (score, no validation accuracy)
 
     def held_out(self):
         return HeldOut(score, 1000, "scripted")

@@ -119,7 +119,7 @@ def test_with_a_validation_set_the_stages_are_judged_on_it():
         warnings.simplefilter("ignore")
         model = NCA(n_components=4, random_state=0, n_candidates=6, max_iter=10)
         model.fit(X[:200], y[:200], X[200:], y[200:])
-    assert model.stage_measure_ == "validation accuracy"
+    assert model.stage_measure_ == "soft-neighbour score of 100 validation rows"
     assert [r["stage"] for r in model.stages_] == ["candidate stage", "exact finish"]
 
 
