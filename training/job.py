@@ -167,7 +167,7 @@ def run(config: TrainConfig, *, log=print) -> dict:
     # which must still be there when the artifact replaces it (``OutputClaim.turn``)
     with writing("the artifact", out):  # a read-only disk: said now, not after the fit
         claim = OutputClaim(out)
-    check_checkpoint_dir(checkpoint_dir_for(config, out), config.checkpoint_dir)
+    check_checkpoint_dir(checkpoint_dir_for(config, out), config.checkpoint_dir, out)
     data: Dataset = load_dataset(
         config.data,
         labels=config.labels,
@@ -400,13 +400,21 @@ def checkpoint_dir_for(config: TrainConfig, out: Path) -> Path | None:
     return Path(config.checkpoint_dir)
 
 
-def check_checkpoint_dir(checkpoint: Path | None, given: str) -> None:
+def check_checkpoint_dir(checkpoint: Path | None, given: str, out: Path) -> None:
     """A checkpoint directory the fit can use, checked before the data is read: a directory
     or a path that can become one (created at the first save), not a file, and not under
-    one. ConfigError naming --checkpoint-dir (when given) and what is in the way."""
+    one; nor ``out`` or a path inside it (the artifact replaces ``out`` whole, and a
+    checkpoint there would make it a folder that is not an artifact). ConfigError naming
+    --checkpoint-dir (when given) and what is in the way."""
     if checkpoint is None:
         return
     option = "--checkpoint-dir " if given != "auto" else "the checkpoint directory "
+    inside = checkpoint.absolute()
+    if inside == out.absolute() or out.absolute() in inside.parents:
+        raise ConfigError(
+            f"{option}{checkpoint} is --out or inside it: expected a directory beside the "
+            "artifact (the default, auto, puts it at .OUT.checkpoint)"
+        )
     for path in (checkpoint, *checkpoint.parents):
         if path.exists() or path.is_symlink():
             if not path.is_dir():

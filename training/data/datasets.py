@@ -345,7 +345,10 @@ def _load_npz(
         except DataError:  # the labels' or the budget's refusal, as it is
             raise
         except ValueError as exc:
-            raise DataError(f"{path}: arrays must load without pickle ({exc})") from exc
+            if "pickle" in str(exc):  # numpy's refusal of an object array
+                raise DataError(f"{path}: arrays must load without pickle ({exc})") from exc
+            # a member cut short or damaged ("EOF: reading array data ...")
+            raise DataError(f"{path}: not a readable .npz file ({_line(exc)})") from exc
         except (OSError, EOFError, KeyError, SyntaxError, zipfile.BadZipFile, zlib.error) as exc:
             raise DataError(f"{path}: not a readable .npz file ({_line(exc)})") from exc  # damaged
     if (X_test is None) != (y_test is None):
@@ -642,9 +645,13 @@ def validate_xy(X, y, *, what: str = "X") -> tuple[np.ndarray, np.ndarray]:
     return X.astype(np.float64), label_values(y, f"labels for {what}")
 
 
+FLOAT_LABEL_MAX = 2.0**53  # float labels beyond it are not distinct integers
+
+
 def label_values(y: np.ndarray, what: str) -> np.ndarray:
-    """Labels (n,) as training takes them: integers (integer-valued floats as int64) or
-    strings (bytes as str); ``what`` names them in the error for any other kind."""
+    """Labels (n,) as training takes them: integers (integer-valued floats as int64, within
+    +-FLOAT_LABEL_MAX, where every integer is a float of its own) or strings (bytes as str);
+    ``what`` names them in the error for any other kind."""
     if y.dtype.kind == "f":
         with np.errstate(invalid="ignore"):
             whole = np.isfinite(y) & (y == np.round(y))
@@ -653,6 +660,14 @@ def label_values(y: np.ndarray, what: str) -> np.ndarray:
             raise DataError(
                 f"{what}: must be integers or strings, got non-integer floats (first at row "
                 f"{row}: {float(y.ravel()[row])!r})"
+            )
+        beyond = np.abs(y) > FLOAT_LABEL_MAX
+        if np.any(beyond):  # 1e30 and 2e30 would both become -2**63 as int64
+            row = int(np.flatnonzero(beyond.ravel())[0])
+            raise DataError(
+                f"{what}: float labels must lie within +-2**53 (where each is a distinct "
+                f"integer), got {float(y.ravel()[row])!r} at row {row}: write them as "
+                "integers or strings"
             )
         return y.astype(np.int64)
     if y.dtype.kind not in "biuUS":

@@ -6,8 +6,9 @@ Two rules keep a user's data safe from the commands that write artifacts (the tr
 * **Only what we wrote is replaced.** A path is replaceable when it does not exist, is an
   empty directory, or is an artifact directory: its ``manifest.json`` says it is of this
   format, and every entry in it is a file the manifest names (its arrays, index and extras)
-  or ``report.html``, the page the training job renders there. Anything else (a directory
-  of the user's data, a file, a symlink, an artifact the user put a notes file into) is
+  or ``report.html``, the page the training job renders there, each a plain file. Anything
+  else (a directory of the user's data, a file, a symlink, an artifact the user put a notes
+  file into, or a directory or link under a name the artifact lists) is
   refused before any work: :func:`check_replaceable` raises an ``ArtifactError`` that
   names the path and the entry that is not ours.
 
@@ -33,6 +34,7 @@ import fcntl
 import json
 import os
 import re
+import stat
 import sys
 import time
 from collections.abc import Iterator
@@ -122,6 +124,22 @@ def check_replaceable(path: str | os.PathLike, option: str = "--out") -> None:
             f"{where} is an artifact that also holds {foreign[:3]} which the artifact does not "
             "list; refusing to replace it and lose them: move them out first"
         )
+    # we write plain files only: a directory or a link under a name we list is not ours
+    not_files = [n for n in entries if not _is_plain_file(target / n)]
+    if not_files:
+        raise ArtifactError(
+            f"{where} is an artifact whose {not_files[:3]} are not the files it wrote (a "
+            "directory or a link under a name it lists); refusing to replace it and lose "
+            "what they hold: move them out first"
+        )
+
+
+def _is_plain_file(path: Path) -> bool:
+    """Whether ``path`` is a regular file itself, not a link to one (``lstat``)."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except FileNotFoundError:  # removed since it was listed: nothing there to lose
+        return True
 
 
 def check_writable(path: str | os.PathLike) -> None:
