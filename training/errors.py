@@ -232,7 +232,29 @@ def check_seed(value: int, option: str = "--seed") -> int:
 class OneLineParser(argparse.ArgumentParser):
     """The command line's parser (the job's and the references command's), whose usage
     errors are one line, as every other error of the job is: ``error: PROG: MESSAGE (PROG
-    --help lists the options)``, exit status 2."""
+    --help lists the options)``, exit status 2. An unknown option followed by its value
+    (``--validation-fraction 0.2``) is named as the option, not as a command '0.2'."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._argv = list(sys.argv[1:] if args is None else args)  # for error()
+        return super().parse_known_args(args, namespace)
 
     def error(self, message: str):
+        unknown = self._option_before_invalid_choice(message)
+        if unknown is not None:
+            message = f"unrecognized option {unknown[0]} (given the value {unknown[1]!r})"
         self.exit(2, f"error: {self.prog}: {message} ({self.prog} --help lists the options)\n")
+
+    def _option_before_invalid_choice(self, message: str) -> tuple[str, str] | None:
+        """(option, value) when argparse took an unknown option's value for a command's
+        name: the value ``message`` calls an invalid choice follows an option argparse
+        does not know."""
+        if "invalid choice: " not in message:
+            return None
+        value = message.split("invalid choice: ", 1)[1].split(" (choose", 1)[0].strip("'")
+        argv = [str(a) for a in getattr(self, "_argv", [])]
+        if value not in argv[1:]:
+            return None
+        before = argv[argv.index(value, 1) - 1]
+        known = before.split("=", 1)[0] in self._option_string_actions
+        return (before, value) if before.startswith("-") and not known else None

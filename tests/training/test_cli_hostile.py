@@ -141,3 +141,22 @@ def test_a_checkpoint_dir_in_out_is_refused_before_the_fit(python_m_training, tm
         assert code == 2
         assert not out.exists(), f"refused, yet left {sorted(p.name for p in out.iterdir())}"
         assert "learning d=" not in err, "refused only after the fit"
+
+
+def test_an_unknown_option_with_a_value_is_named(python_m_training, tmp_path):
+    """``--validation-fraction 0.2`` (not an option of the job: --val-size is) was refused
+    as "argument command: invalid choice: '0.2' (choose from 'references', 'report')",
+    naming the value, not the option."""
+    X, y = small_data()
+    data = write_npz(tmp_path / "d.npz", X=X, y=y)
+    out = tmp_path / "out"
+    code, _, err = python_m_training(
+        "--data", data, "--out", out, "--validation-fraction", "0.2", *FAST
+    )
+    assert code == 2 and "Traceback" not in err, err
+    (line,) = error_lines(err)
+    assert "unrecognized option --validation-fraction (given the value '0.2')" in line, line
+    assert not out.exists()
+    # a command misspelt is still called an invalid choice
+    code, _, err = python_m_training("refrences", "add")
+    assert code == 2 and "invalid choice: 'refrences'" in err, err
