@@ -18,6 +18,7 @@ import torch.distributed as dist
 from sklearn.exceptions import ConvergenceWarning
 
 from service.core.artifact import ArtifactError, OutputClaim, write_artifact
+from service.core.artifact.ownership import check_writable
 from service.core.knn import exact_knn, project
 from service.core.vocabulary import NEIGHBOUR_RULES
 from training.config import TrainConfig
@@ -167,6 +168,9 @@ def run(config: TrainConfig, *, log=print) -> dict:
     # which must still be there when the artifact replaces it (``OutputClaim.turn``)
     with writing("the artifact", out):  # a read-only disk: said now, not after the fit
         claim = OutputClaim(out)
+    if config.publish:  # ... and for the link, before --out is replaced by the new version
+        with writing("the --publish link", Path(config.publish).absolute()):
+            check_writable(config.publish)
     check_checkpoint_dir(checkpoint_dir_for(config, out), config.checkpoint_dir, out)
     data: Dataset = load_dataset(
         config.data,

@@ -299,3 +299,16 @@ def test_a_report_page_that_does_not_fit_is_said_and_leaves_no_partial_file(
     assert len(lines) == 1 and str(page) in lines[0] and "ENOSPC" in lines[0]
     assert leftovers(out) == []
     json.loads((out / "report.json").read_text())  # the artifact's own report is whole
+
+
+def test_a_publish_link_on_a_read_only_disk_is_refused_before_the_fit(small_mount, tmp_path):
+    """The job's --publish into a read-only folder was found only after the fit: --out was
+    replaced by the new version, then the link failed with "nothing at that path was
+    replaced". It is refused first, and --out is left as it was (here: never written)."""
+    disk, remount = small_mount
+    remount("ro")
+    out = tmp_path / "v1"
+    options = ["--data", "iris", "--no-plots", "--max-iter", "2", "--out", out]
+    code, lines = run_cli(*options, "--publish", disk / "current")
+    assert_refused(code, lines, disk / "current", "Read-only file system (EROFS)")
+    assert not out.exists() and list(disk.iterdir()) == []
