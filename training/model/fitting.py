@@ -266,10 +266,7 @@ class HeldOut:
         score, accuracy = self.figures(theta)
         self.checks += 1
         self.seconds += time.perf_counter() - started
-        self._cache = [
-            *self._cache[-(CACHED_MAPS - 1) :],
-            (np.array(theta, copy=True), score, accuracy),
-        ]
+        self._store(theta, score, accuracy)
         return float(score), accuracy
 
     def _cached(self, theta: np.ndarray) -> tuple | None:
@@ -282,8 +279,11 @@ class HeldOut:
         """``theta``'s score as a checkpoint recorded it (its accuracy is computed again when
         asked for)."""
         if value is not None:
-            entry = (np.array(theta, copy=True), value, None)
-            self._cache = [*self._cache[-(CACHED_MAPS - 1) :], entry]
+            self._store(theta, value, None)
+
+    def _store(self, theta: np.ndarray, score: float, accuracy: float | None) -> None:
+        entry = (np.array(theta, copy=True), score, accuracy)
+        self._cache = [*self._cache[-(CACHED_MAPS - 1) :], entry]
 
 
 @dataclass
