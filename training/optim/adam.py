@@ -70,6 +70,12 @@ class AdamEpochs:
         converged = abs(score - self.previous) <= self.tol * max(1.0, abs(score))
         self.previous = score
         x = self.params.detach().cpu().numpy().astype(np.float64).ravel()
+        if not (math.isfinite(score) and np.isfinite(x).all()):  # as L-BFGS refuses one
+            raise FloatingPointError(
+                f"the mean score ({score}) or the map ({int((~np.isfinite(x)).sum())} of "
+                f"{x.size} entries not finite) after Adam's epoch of {self.problem.objective!r} "
+                "is not finite; nothing was fitted"
+            )
         batches = -(-n // self.batch_size)
         stop = "converged" if converged else None
         return Step(x, Evaluation(math.nan, np.empty(0), score), batches, stop, moved=True)
