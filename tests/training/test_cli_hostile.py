@@ -160,3 +160,21 @@ def test_an_unknown_option_with_a_value_is_named(python_m_training, tmp_path):
     # a command misspelt is still called an invalid choice
     code, _, err = python_m_training("refrences", "add")
     assert code == 2 and "invalid choice: 'refrences'" in err, err
+
+
+# ------------------------------------------------------------------------- features
+
+
+def test_features_constant_in_every_row_are_refused_before_the_fit(python_m_training, tmp_path):
+    """Every feature the same in every row: every distance is 0. The job trained a map that
+    could not tell the classes apart and exited 0 (served accuracy = the largest class's
+    share); it is now refused before the fit, naming X and what is expected."""
+    _, y = small_data()
+    data = write_npz(tmp_path / "d.npz", X=np.full((len(y), 4), 7.5), y=y)
+    out = tmp_path / "out"
+    code, _, err = python_m_training("--data", data, "--out", out, *FAST)
+    assert code == 2 and "Traceback" not in err, err
+    (line,) = error_lines(err)
+    assert "every one of its 4 features has the same value" in line, line
+    assert "expected at least one feature that varies" in line, line
+    assert not out.exists()

@@ -23,6 +23,7 @@ disagree by rounding.
 from __future__ import annotations
 
 import numpy as np
+import scipy.sparse as sp
 import torch
 import torch.distributed as dist
 
@@ -104,6 +105,24 @@ def moments(
         block -= mean
         squares += (block * block).sum(0)
     return mean, all_reduce_sum(squares, group) / n
+
+
+def varying_features(X_shard, group: ProcessGroup) -> int:
+    """How many features take more than one value over all N rows (every rank's (N_r, D)
+    X_shard, dense or CSR): each row is compared with rank 0's first row, exactly (no
+    rounding), a block of rows at a time. 0 means every distance between rows is 0."""
+    if sp.issparse(X_shard):  # a sparse fit is one process: its column ranges, zeros counted
+        low = X_shard.min(axis=0).toarray().ravel()
+        high = X_shard.max(axis=0).toarray().ravel()
+        return int(np.count_nonzero(low != high))
+    first = np.zeros(X_shard.shape[1])
+    if group.rank == 0 and len(X_shard):
+        first = np.asarray(X_shard[0], dtype=np.float64)
+    first = all_reduce_sum(first, group)  # (D,) rank 0's first row on every rank
+    differs = np.zeros(X_shard.shape[1])
+    for block in blocks(X_shard):
+        differs += (block != first).any(axis=0)
+    return int(np.count_nonzero(all_reduce_sum(differs, group)))
 
 
 def standardizer(name: str, X_shard, n: int, group, rows=None) -> tuple[np.ndarray, np.ndarray]:

@@ -122,6 +122,12 @@ def prepare(est, settings, X, y, X_val, y_val, group) -> Prepared:
     start = shard_bounds(n, group.rank, group.world_size)[0]
     mean, scale = standardizer(est, settings, X, rows, y_all, start, n, len(classes), group)
     Xs = standardized(X, mean, scale, rows)  # (N_r, D) float32, dense or CSR
+    if sharded_stats.varying_features(Xs, group) == 0:  # before any objective is evaluated
+        raise ValueError(
+            f"X: every one of its {X.shape[1]} features has the same value in all {n} "
+            "training rows, so every distance between two rows is 0 and no map can tell the "
+            "classes apart; expected at least one feature that varies"
+        )
     theta0, init_used = initialize(
         est, settings, Xs, y_idx[rows], n, len(classes), d, scale, rng, group
     )

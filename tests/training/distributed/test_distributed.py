@@ -124,7 +124,19 @@ def sharded_statistics(group):
     soft = sharded_stats.soft_neighbour_score(
         X.astype(np.float32), y, queries[q_start:q_stop], y_val[q_start:q_stop], 75, group
     )
+    # features that vary: the digits' own; one row of rank 1's only (rows 19-36 of 37); each
+    # rank constant on its own rows, the two at different values (every feature varies)
+    z_start, z_stop = shard_bounds(37, group.rank, group.world_size)
+    one_row = np.zeros((37, 5))
+    one_row[30, 2] = 1.0
+    two_values = (np.arange(37) >= 19)[:, None] * np.ones((37, 5))
+    varying = [
+        sharded_stats.varying_features(X[start:stop], group),
+        sharded_stats.varying_features(one_row[z_start:z_stop], group),
+        sharded_stats.varying_features(two_values[z_start:z_stop], group),
+    ]
     return {
+        "varying": np.array(varying),
         "knn/dist": d,
         "knn/index": i,
         "choice/scores": np.array([scores["feature"], scores["global"]]),
@@ -390,3 +402,13 @@ def test_pca_and_lda_from_scatter_matrices_span_scikit_learns_axes():
     reference = LinearDiscriminantAnalysis(n_components=9).fit(Xs, y).scalings_[:, :9]
     # the discriminant subspace (scikit-learn's svd solver regularises differently: ~1e-3)
     assert np.rad2deg(subspace_angles(lda.T, reference).max()) < 1.0
+
+
+def test_features_that_vary_are_counted_over_every_rank(two_ranks, one_rank):
+    from training.distributed.sharded_stats import varying_features
+
+    X = digits_split()[0]
+    expected = [varying_features(X, ProcessGroup()), 1, 5]
+    assert 0 < expected[0] < X.shape[1]  # the digits have pixels that never change
+    assert two_ranks["varying"].tolist() == expected
+    assert one_rank["varying"].tolist() == expected
