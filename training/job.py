@@ -243,21 +243,33 @@ def _finish(config, out, checkpoint, group, estimator, evaluation, report, log, 
         publish(config.publish, out)
         log(f"published {config.publish} -> {out}")
     _remove_checkpoint(config, checkpoint, group.world_size)
-    k = evaluation.default_k
-    if "euclidean" in evaluation.baselines:
-        euclidean = evaluation.baselines["euclidean"].get("test_accuracy", {})
-        baseline = f"Euclidean baseline {euclidean.get(k, float('nan')):.4f}"
-    else:
-        baseline = "baselines not computed: no rank holds the raw training set"
     log(
-        f"wrote {out}: test accuracy {evaluation.test_accuracy.get(k, float('nan')):.4f} at "
-        f"k={k}, {evaluation.rule} vote ({baseline}); {estimator.n_iter_} iterations, "
+        f"wrote {out}: {_served_line(evaluation)}; {estimator.n_iter_} iterations, "
         f"{estimator.stop_reason_}, {time.perf_counter() - started:.1f} s"
     )
     for warning in warnings_of(report):  # what report.html puts first, on screen too
         log(f"warning: {warning}")
     if page is not None:
         log(f"report: {page}")
+
+
+def _served_line(evaluation) -> str:
+    """What the served (k, vote) scores on the test rows, beside the Euclidean baseline; or
+    that there are no test rows to score (the data's X_test was empty, or too few rows of
+    each class for --test-size to take one)."""
+    k, rule = evaluation.default_k, evaluation.rule
+    if not evaluation.test_accuracy:
+        return f"served k={k}, {rule} vote; no test rows, so no test accuracy"
+    if "euclidean" in evaluation.baselines:
+        euclidean = evaluation.baselines["euclidean"].get("test_accuracy", {})
+        baseline = f"Euclidean baseline {euclidean.get(k, float('nan')):.4f}"
+    else:
+        baseline = "baselines not computed: no rank holds the raw training set"
+    accuracy = evaluation.test_accuracy.get(k)
+    if accuracy is None:  # a training k outside K_VALUES, served for want of validation rows
+        measured = ", ".join(map(str, sorted(evaluation.test_accuracy)))
+        return f"served k={k}, {rule} vote; test accuracy measured at k = {measured} only"
+    return f"test accuracy {accuracy:.4f} at k={k}, {rule} vote ({baseline})"
 
 
 def _write_page(out: Path, log) -> Path | None:
@@ -718,6 +730,7 @@ def save_artifact(
     extra_files = {"report.json": json_bytes(report)}
     if config.plots:
         extra_files["objective.png"] = plot_objective(estimator.history_, config.objective)
+    if config.plots and len(ev.z_test):  # no test rows: no picture of them
         extra_files["embedding_test.png"] = plot_embedding(
             ev.z_test,
             split.y_test,

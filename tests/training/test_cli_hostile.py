@@ -178,3 +178,20 @@ def test_features_constant_in_every_row_are_refused_before_the_fit(python_m_trai
     assert "every one of its 4 features has the same value" in line, line
     assert "expected at least one feature that varies" in line, line
     assert not out.exists()
+
+
+def test_no_test_rows_are_said_not_scored_as_nan(python_m_training, tmp_path):
+    """A data set with an empty X_test: the job printed 'test accuracy nan' and numpy's
+    warnings from a picture of no rows. It now says there were no test rows, and writes no
+    picture of them."""
+    X, y = small_data()
+    data = write_npz(tmp_path / "d.npz", X=X, y=y, X_test=X[:0], y_test=y[:0])
+    out = tmp_path / "out"
+    args = [a for a in FAST if a not in ("--no-plots", "--quiet")]
+    code, stdout, err = python_m_training("--data", data, "--out", out, *args)
+    assert code == 0, err
+    said = stdout + err
+    assert "no test rows, so no test accuracy" in said, said
+    assert "nan" not in said and "Warning" not in said, said
+    assert (out / "objective.png").exists() and not (out / "embedding_test.png").exists()
+    assert json.loads((out / "report.json").read_text())["metrics"]["test_accuracy"] == {}
