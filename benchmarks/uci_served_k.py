@@ -9,18 +9,21 @@ on validation cost on unseen rows. ``nearest_reference_distance.ratio`` (validat
 median distance to their nearest reference over the test rows') says whether the
 validation rows are as far from the references as test rows (near 1) or near-copies.
 
-Beside the job's validation curve, the leave-one-out curve over the references themselves
-(each reference's k nearest other references vote, majority rule, in the learned space):
-ten times the rows of the validation split, but rows the map was fitted to. It is measured
-here, not used by the job: which k it would have chosen, and that choice's test accuracy;
-and the pooled choice, the k with the most right votes over the validation rows and the
-references together (validation's counts plus leave-one-out's).
+Each set runs once per ``--k-folds`` setting given, side by side: ``0`` chooses the served
+(rule, k) on the validation split, ``auto`` (the default) cross-fits 5 maps on the
+training and validation rows where the validation split is small
+(``training.evaluation.cross_fit``), a number forces that many folds. The regret is
+measured against the best (rule, k) on the test rows over every rule, from the artifact's
+map and references (the test curve of each rule), so a choice of vote counts too.
+(The leave-one-out and pooled curves this script measured before the cross-fit are in
+``results/uci_served_k.json`` and in git history.)
 
 ``--sets mnist`` adds the real MNIST digits (``../shared/data/mnist.npz``: 60,000 training,
 10,000 test), skipped when absent.
 
 Usage: python benchmarks/uci_served_k.py [--sets satellite,letters,shuttle,mnist]
-Writes benchmarks/results/uci_served_k.json.
+    [--k-folds 0,auto] [--seeds 0] [--name uci_served_k_cross_fit]
+Writes benchmarks/results/NAME.json.
 """
 
 from __future__ import annotations
@@ -60,92 +63,88 @@ def uci_sets(names: list[str]):
         yield name, found
 
 
-def leave_one_out_curve(model: Path, ks: list[int]) -> dict[int, float]:
-    """{k: the majority vote's accuracy over the artifact's references, each voted on by its
-    k nearest other references}, in the learned space."""
+def test_curves(model: Path, X_test: np.ndarray, y_test: np.ndarray) -> dict[str, dict[int, float]]:
+    """{rule: {k: test accuracy}} of the artifact's map and references, for every rule."""
     from service.core.artifact import read_artifact
-    from service.core.knn import decide, exact_knn
+    from service.core.knn import project
+    from service.core.vocabulary import NEIGHBOUR_RULES
+    from training.evaluation.evaluate import K_VALUES, knn_accuracies_by_rule
 
     artifact = read_artifact(model)
-    z = np.asarray(artifact.embeddings)  # (N, d)
-    labels = np.asarray(artifact.labels)  # (N,) class indices
-    distances, indices = exact_knn(z, z, max(ks) + 1)  # (N, k + 1)
-    # drop each row's own entry (not always the first: an exact duplicate ties with it),
-    # or the farthest where duplicates crowded it out
-    own = indices == np.arange(len(z))[:, None]
-    own[~own.any(axis=1), -1] = True
-    distances = distances[~own].reshape(len(z), max(ks))
-    indices = indices[~own].reshape(len(z), max(ks))
-    n_classes = len(artifact.classes)
-    curve = {}
-    for k in sorted(ks):
-        predicted, _ = decide(labels[indices[:, :k]], distances[:, :k], n_classes, "majority")
-        curve[k] = float((predicted == labels).mean())
-    return curve
+    z_test = project(np.asarray(X_test), artifact.projection, artifact.offset)  # (n, d)
+    classes = list(artifact.classes)
+    y_idx = np.array([classes.index(v) for v in np.asarray(y_test).tolist()])
+    return knn_accuracies_by_rule(
+        np.asarray(artifact.embeddings),
+        np.asarray(artifact.labels),
+        z_test,
+        y_idx,
+        len(classes),
+        K_VALUES,
+        NEIGHBOUR_RULES,
+    )
+
+
+def one_run(name, X, y, X_test, y_test, k_folds: str, seed: int) -> dict:
+    """The job on one set with one --k-folds and --seed: what it served, against the best."""
+    from training.config import TrainConfig
+    from training.job import run
+
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / f"{name}.npz"
+        np.savez(data, X=X, y=y, X_test=X_test, y_test=y_test)
+        out = Path(tmp) / "model"
+        started = time.perf_counter()
+        config = TrainConfig(
+            data=str(data), out=str(out), plots=False, quiet=True, k_folds=k_folds, seed=seed
+        )
+        run(config, log=lambda *_: None)
+        seconds = time.perf_counter() - started
+        metrics = json.loads((out / "report.json").read_text())["metrics"]
+        curves = test_curves(out, X_test, y_test)
+    served_rule, served_k = metrics.get("decision_rule", "majority"), metrics["default_k"]
+    best_rule, best_k = max(
+        ((r, k) for r in curves for k in curves[r]), key=lambda rk: (curves[rk[0]][rk[1]], -rk[1])
+    )
+    choice = metrics["k_choice"]
+    return {
+        "set": name,
+        "seed": seed,
+        "k_folds": k_folds,
+        "chosen_on": choice["method"],
+        "choice_rows": choice["rows"],
+        "n_train": len(y),
+        "n_test": len(y_test),
+        "served": f"{served_rule} {served_k}",
+        "test_at_served": curves[served_rule][served_k],
+        "best_on_test": f"{best_rule} {best_k}",
+        "test_at_best": curves[best_rule][best_k],
+        "regret_points": 100 * (curves[best_rule][best_k] - curves[served_rule][served_k]),
+        "majority_5": curves["majority"].get(5),
+        "distance_ratio": (metrics.get("nearest_reference_distance") or {}).get("ratio"),
+        "choice_curve": choice.get("accuracy") or metrics.get("val_accuracy_by_rule"),
+        "test_curves": curves,
+        "job_seconds": seconds,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sets", default="satellite,letters,shuttle,mnist")
+    parser.add_argument("--k-folds", default="0,auto", help="--k-folds settings, side by side")
+    parser.add_argument("--seeds", default="0", help="the job's --seed (its split too)")
+    parser.add_argument("--name", default="uci_served_k_cross_fit")
     args = parser.parse_args()
-    from training.config import TrainConfig
-    from training.job import run
-
     rows = []
     for name, (X, y, X_test, y_test) in uci_sets(args.sets.split(",")):
-        with tempfile.TemporaryDirectory() as tmp:
-            data = Path(tmp) / f"{name}.npz"
-            np.savez(data, X=X, y=y, X_test=X_test, y_test=y_test)
-            out = Path(tmp) / "model"
-            started = time.perf_counter()
-            run(
-                TrainConfig(data=str(data), out=str(out), plots=False, quiet=True),
-                log=lambda *_: None,
-            )
-            seconds = time.perf_counter() - started
-            metrics = json.loads((out / "report.json").read_text())["metrics"]
-            loo = leave_one_out_curve(out, [int(k) for k in metrics["test_accuracy"]])
-            n_references = len(np.load(out / "labels.npy"))
-        test = {int(k): v for k, v in metrics["test_accuracy"].items()}
-        served = metrics["default_k"]
-        best_k = max(test, key=lambda k: (test[k], -k))
-        distance = metrics.get("nearest_reference_distance") or {}
-        n_val = len(y) - n_references
-        pooled = {  # right votes over validation rows and references, as a fraction
-            k: (n_val * metrics["val_accuracy"][str(k)] + n_references * loo[k])
-            / (n_val + n_references)
-            for k in loo
-        }
-        rows.append(
-            {
-                "set": name,
-                "n_train": len(y),
-                "n_test": len(y_test),
-                "served_k": served,
-                "rule": metrics.get("decision_rule", "majority"),
-                "val_at_served": metrics["val_accuracy_at_default_k"],
-                "test_at_served": test[served],
-                "test_at_5": test.get(5),
-                "best_test_k": best_k,
-                "test_at_best": test[best_k],
-                "regret_points": 100 * (test[best_k] - test[served]),
-                "distance_ratio": distance.get("ratio"),
-                "loo_k": (loo_k := max(loo, key=lambda k: (loo[k], -k))),
-                "test_at_loo_k": test.get(loo_k),
-                "pooled_k": (pooled_k := max(pooled, key=lambda k: (pooled[k], -k))),
-                "test_at_pooled_k": test.get(pooled_k),
-                "regret_pooled_points": 100 * (test[best_k] - test[pooled_k]),
-                "loo_curve": loo,
-                "val_curve": metrics["val_accuracy"],
-                "test_curve": metrics["test_accuracy"],
-                "job_seconds": seconds,
-            }
-        )
-        print(rows[-1], flush=True)
-    columns = ["set", "served_k", "rule", "test_at_served", "test_at_5", "best_test_k"]
-    columns += ["test_at_best", "regret_points", "distance_ratio", "loo_k", "test_at_loo_k"]
-    print_table(rows, [*columns, "pooled_k", "regret_pooled_points"])
-    save_json("uci_served_k.json", {"machine": machine(), "rows": rows})
+        for seed in [int(s) for s in args.seeds.split(",")]:
+            for k_folds in args.k_folds.split(","):
+                rows.append(one_run(name, X, y, X_test, y_test, k_folds, seed))
+                print({k: v for k, v in rows[-1].items() if not k.endswith("curves")}, flush=True)
+    columns = ["set", "seed", "k_folds", "chosen_on", "choice_rows", "served", "test_at_served"]
+    columns += ["best_on_test", "test_at_best", "regret_points", "majority_5", "job_seconds"]
+    print_table(rows, columns)
+    save_json(f"{args.name}.json", {"machine": machine(), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -282,6 +282,13 @@ class TrainConfig:
         "rule, with the k, that scores best on the validation split; majority among equals); "
         "soft_prior is chosen per request",
     )
+    k_folds: str = _opt(
+        "auto",
+        "how the served k and vote are chosen: N >= 2 cross-fits N maps on the training and "
+        "validation rows and chooses on their out-of-fold votes; 0 chooses on the validation "
+        "split; auto cross-fits 5 folds when the validation split has under 1,000 rows and "
+        "the two splits at most 20,000 (training.evaluation.cross_fit)",
+    )
     plots: bool = _opt(True, "write PNG plots beside the artifact")
     progress: str = _opt(
         "auto",

@@ -8,7 +8,7 @@ import signal
 import sys
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -48,6 +48,7 @@ from training.errors import (
 )
 from training.evaluation.baselines import BASELINES
 from training.evaluation.calibration import calibrate, outlier_report
+from training.evaluation.cross_fit import cross_fitted_accuracies, folds_for
 from training.evaluation.evaluate import (
     K_VALUES,
     choose_rule_and_k,
@@ -161,6 +162,7 @@ def run(config: TrainConfig, *, log=print) -> dict:
     group = current_group()
     check_seed(config.seed)
     check_lock_timeout(config.lock_timeout)
+    check_k_folds(config, group)
     config.check_estimator_settings()  # an option's value: refused before the data is read
     out = resolve_out(config.out, _data_name(config))
     check_publish_link(config.publish, out)
@@ -186,6 +188,7 @@ def run(config: TrainConfig, *, log=print) -> dict:
     split = shard_split(data, config, group) if group.is_distributed else _split(data, config)
     del data  # a data-parallel rank keeps only its rows
     _check_prototypes(config, split, group)
+    check_k_folds(config, group, split.n_train + split.n_val)
     config.check_against_features(split.X_train.shape[1])
     estimator = build_estimator(config, split.X_train.shape[1])
     parallel = f", {group.world_size} ranks ({group.backend})" if group.is_distributed else ""
@@ -201,7 +204,7 @@ def run(config: TrainConfig, *, log=print) -> dict:
             f"resumed from {checkpoint}: {estimator.resumed_stages_} stage(s) were done, "
             f"{estimator.resumed_iterations_} iteration(s) in all"
         )
-    evaluation = evaluate(estimator, split, config, group)
+    evaluation = evaluate(estimator, split, config, group, log=log)
     report: dict = {}
     # from the artifact's write to the job's end a first SIGINT / SIGTERM waits (a second
     # one does not); the other ranks hold from the barrier, where they wait for rank 0
@@ -497,6 +500,9 @@ class Evaluation:
     nearest_reference: dict | None = None  # nearest_reference_distances(z_ref, z_val, z_test)
     rule: str = "majority"  # the decision rule served: --decision-rule, or chosen on validation
     val_accuracy_by_rule: dict | None = None  # {rule: {k: accuracy}} when the rule was chosen
+    # which curve chose the served (rule, k), on how many rows ("validation" or "cross-fitted"
+    # with its folds and its {rule: {k: accuracy}}): choose_served_k
+    k_choice: dict | None = None
 
 
 BASELINES_SKIPPED = (
@@ -528,12 +534,77 @@ def sparse_baselines(split, rule: str) -> dict:
     return {"euclidean": record, "skipped": BASELINES_SKIPPED_SPARSE}
 
 
+def check_k_folds(config: TrainConfig, group: ProcessGroup, n_pooled: int | None = None):
+    """--k-folds as "auto" or a number of folds (0, or 2 and more), checked before the data
+    is read and, given the training and validation rows (n_pooled), before the fit:
+    ConfigError naming the value and what it accepts, or a cross-fit the run cannot make (a
+    data-parallel run; learned prototypes, the fit's own references; more folds than rows)."""
+    text = str(config.k_folds).strip().lower()
+    if text == "auto":
+        return "auto"
+    try:
+        folds = int(text)
+    except ValueError:
+        folds = -1
+    if folds < 0 or folds == 1:
+        raise ConfigError(
+            f"--k-folds={config.k_folds!r} must be auto, 0 (choose k on the validation split) "
+            "or a number of folds >= 2"
+        )
+    if folds and group.is_distributed:
+        raise ConfigError(
+            f"--k-folds={config.k_folds!r}: a data-parallel run chooses k on its validation "
+            "split (each rank holds a shard); use --k-folds 0 or auto"
+        )
+    if folds and config.prototypes is not None:
+        raise ConfigError(
+            f"--k-folds={config.k_folds!r} with --prototypes: the served references are the "
+            "fit's own prototypes, which a fold's fit would not share; use --k-folds 0 or auto"
+        )
+    if n_pooled is not None and folds > n_pooled:
+        raise ConfigError(
+            f"--k-folds={config.k_folds!r} is more than the {n_pooled} training and validation "
+            f"rows it would deal into folds; expected at most {n_pooled}"
+        )
+    return folds
+
+
+def choose_served_k(estimator, split, config, group, rules, val_by_rule, fallback, log):
+    """(rule, k, k_choice): the served vote and k, chosen on the validation split's curve
+    (val_by_rule) or on out-of-fold votes over the training and validation rows
+    (``training.evaluation.cross_fit``, when --k-folds asks for folds); k_choice records
+    which curve chose, on how many rows (the cross-fitted curve itself beside them)."""
+    pooled = split.n_train + split.n_val
+    folds = 0
+    if not group.is_distributed and getattr(estimator, "prototypes_", None) is None:
+        folds = folds_for(check_k_folds(config, group), len(split.y_val), pooled)
+    if not folds:
+        rule, k = choose_rule_and_k(val_by_rule, fallback)
+        return rule, k, {"method": "validation", "rows": split.n_val}
+    log(f"choosing k: {folds} maps cross-fitted on {pooled} training and validation rows")
+    stack = sp.vstack if sp.issparse(split.X_train) else np.vstack
+    quiet = replace(config, quiet=True)  # no bar or table for the folds' fits
+    curve = cross_fitted_accuracies(
+        lambda: build_estimator(quiet, split.X_train.shape[1]),
+        stack([split.X_train, split.X_val]),
+        np.concatenate([split.y_train, split.y_val]),
+        len(split.classes),
+        tuple(k for k in K_VALUES if k <= split.n_train),  # the references served: every k
+        rules,
+        folds,
+        config.seed,
+    )
+    rule, k = choose_rule_and_k(curve, fallback)
+    return rule, k, {"method": "cross-fitted", "folds": folds, "rows": pooled, "accuracy": curve}
+
+
 def evaluate(
-    estimator: NCA, split, config: TrainConfig, group: ProcessGroup | None = None
+    estimator: NCA, split, config: TrainConfig, group: ProcessGroup | None = None, log=print
 ) -> Evaluation | None:
     """Project every split, score kNN for each k in K_VALUES with the served decision rule
     (with --decision-rule auto, each of NEIGHBOUR_RULES), choose the rule and the default k
-    on validation, score the baselines with the same rule.
+    on validation or on cross-fitted votes (``choose_served_k``), score the baselines with
+    the same rule.
 
     Data-parallel: the ranks' projected training and validation rows (N x d: small), their
     labels and row digests are gathered; rank 0 scores them, the other ranks return None."""
@@ -563,7 +634,9 @@ def evaluate(
     # "auto": the rule and k that serve the validation rows best (majority among equals)
     rules = NEIGHBOUR_RULES if config.decision_rule == "auto" else (config.decision_rule,)
     val_by_rule = knn_accuracies_by_rule(z_ref, y_ref, z_val, y_val, n_classes, K_VALUES, rules)
-    rule, default_k = choose_rule_and_k(val_by_rule, fallback=min(k, len(z_ref)))
+    rule, default_k, k_choice = choose_served_k(
+        estimator, split, config, group, rules, val_by_rule, min(k, len(z_ref)), log
+    )
     val_acc = val_by_rule[rule]
     test_acc = knn_accuracies(z_ref, y_ref, z_test, split.y_test, n_classes, K_VALUES, rule)
     predictions = knn_predictions(z_ref, y_ref, z_test, n_classes, (default_k,), rule)
@@ -594,6 +667,7 @@ def evaluate(
         nearest_reference_distances(z_ref, z_val, z_test),
         rule,
         val_by_rule if len(rules) > 1 else None,
+        k_choice,
     )
 
 
@@ -677,6 +751,9 @@ def build_report(
         "test_accuracy": ev.test_accuracy,
         "default_k": ev.default_k,
         "val_accuracy_at_default_k": ev.val_accuracy.get(ev.default_k),
+        # the curve the served k and vote were chosen on: the validation split's, or the
+        # cross-fitted one (training.evaluation.cross_fit)
+        "k_choice": ev.k_choice,
         "test_accuracy_at_default_k": ev.test_accuracy.get(ev.default_k),
         "baselines": ev.baselines,
         # how far validation and test rows sit from their nearest reference (the served k is

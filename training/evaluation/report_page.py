@@ -23,6 +23,8 @@ from training.errors import writing
 from training.evaluation.charts import Chart, Marker, Series, confusion_table, line_chart
 
 PAGE_FILE = "report.html"
+# fewer validation rows than this: one row moves the curve over k by more than a point
+FEW_VALIDATION_ROWS = 100
 IMAGES = ("embedding_test.png", "objective.png")
 DATA_FIELDS = ("name", "source", "n_train", "n_val", "n_test", "n_features", "fingerprint_sha256")
 STYLE = """
@@ -75,6 +77,17 @@ def warnings_of(report: dict) -> list[str]:
             f"{training.get('n_iter')} iterations)."
         )
     found.extend(str(w) for w in training.get("warnings", []) if str(w) not in " ".join(found))
+    choice = (report.get("metrics") or {}).get("k_choice") or {}
+    if choice.get("method") == "validation" and choice.get("rows", 0) < FEW_VALIDATION_ROWS:
+        found.append(
+            f"The served k was chosen on {choice.get('rows')} validation rows, where one row "
+            "moves the curve over k by more than a point: the k served may not be the best "
+            "for unseen rows. Hold out more rows (--val-size), or cross-fit the choice "
+            "(--k-folds 5)."
+            if choice.get("rows")
+            else "No validation rows: the served k is the training k, not chosen on any "
+            "rows. Hold out some (--val-size), or cross-fit the choice (--k-folds 5)."
+        )
     distance = (report.get("metrics") or {}).get("nearest_reference_distance") or {}
     if distance.get("near_copies"):
         found.append(
@@ -144,9 +157,15 @@ def _accuracy_chart(metrics: dict) -> str:
         return sorted((float(k), float(v)) for k, v in (by_k or {}).items())
 
     series = [Series("NCA (ours), test", points(metrics.get("test_accuracy")), markers=True)]
-    if metrics.get("val_accuracy"):  # the curve the served k was chosen on
+    if metrics.get("val_accuracy"):
         validation = points(metrics["val_accuracy"])
         series.append(Series("NCA (ours), validation", validation, markers=True))
+    choice = metrics.get("k_choice") or {}
+    if choice.get("method") == "cross-fitted":  # the curve the served k was chosen on
+        curves = choice.get("accuracy") or {}  # {rule: {k: accuracy}}, one rule unless auto
+        curve = curves.get(metrics.get("decision_rule") or next(iter(curves), ""), {})
+        label = f"NCA (ours), {choice.get('folds')} folds cross-fitted"
+        series.append(Series(label, points(curve), markers=True))
     for name, record in _baselines(metrics):
         if "test_accuracy" in record:
             series.append(Series(name, points(record["test_accuracy"]), dashed=True, markers=True))
