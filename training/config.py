@@ -229,7 +229,8 @@ class TrainConfig:
     max_seconds: float | None = _shared(
         "max_seconds",
         "the fit's budget in seconds: when spent, the running stage stops, later stages are "
-        "skipped and the best judged map is kept (the report says so); none: no budget",
+        "skipped and the best judged map is kept (the report says so); each of --k-folds' "
+        "cross-fitted fits has the same budget; none: no budget",
         parse=_max_seconds,
     )
     stop_stalled_stages: bool = _shared(
