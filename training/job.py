@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import shutil
 import signal
 import sys
@@ -188,7 +189,7 @@ def run(config: TrainConfig, *, log=print) -> dict:
     split = shard_split(data, config, group) if group.is_distributed else _split(data, config)
     del data  # a data-parallel rank keeps only its rows
     _check_prototypes(config, split, group)
-    check_k_folds(config, group, split.n_train + split.n_val)
+    check_k_folds(config, group, largest_class_of(split, group))
     config.check_against_features(split.X_train.shape[1])
     estimator = build_estimator(config, split.X_train.shape[1])
     parallel = f", {group.world_size} ranks ({group.backend})" if group.is_distributed else ""
@@ -534,23 +535,21 @@ def sparse_baselines(split, rule: str) -> dict:
     return {"euclidean": record, "skipped": BASELINES_SKIPPED_SPARSE}
 
 
-def check_k_folds(config: TrainConfig, group: ProcessGroup, n_pooled: int | None = None):
-    """--k-folds as "auto" or a number of folds (0, or 2 and more), checked before the data
-    is read and, given the training and validation rows (n_pooled), before the fit:
-    ConfigError naming the value and what it accepts, or a cross-fit the run cannot make (a
-    data-parallel run; learned prototypes, the fit's own references; more folds than rows)."""
+def check_k_folds(config: TrainConfig, group: ProcessGroup, largest_class: int | None = None):
+    """--k-folds as "auto" or a number of folds (0, or 2 and more, in ASCII digits), checked
+    before the data is read and, given the training and validation rows of the largest class
+    (each class's rows are dealt to the folds in turn, so no more folds can hold rows), before
+    the fit: ConfigError naming the value and what it accepts, or a cross-fit the run cannot
+    make (a data-parallel run; learned prototypes, the fit's own references)."""
     text = str(config.k_folds).strip().lower()
     if text == "auto":
         return "auto"
-    try:
-        folds = int(text)
-    except ValueError:
-        folds = -1
-    if folds < 0 or folds == 1:
+    if not re.fullmatch(r"[0-9]+", text) or int(text) == 1:
         raise ConfigError(
             f"--k-folds={config.k_folds!r} must be auto, 0 (choose k on the validation split) "
             "or a number of folds >= 2"
         )
+    folds = int(text)
     if folds and group.is_distributed:
         raise ConfigError(
             f"--k-folds={config.k_folds!r}: a data-parallel run chooses k on its validation "
@@ -561,12 +560,22 @@ def check_k_folds(config: TrainConfig, group: ProcessGroup, n_pooled: int | None
             f"--k-folds={config.k_folds!r} with --prototypes: the served references are the "
             "fit's own prototypes, which a fold's fit would not share; use --k-folds 0 or auto"
         )
-    if n_pooled is not None and folds > n_pooled:
+    if largest_class is not None and folds > largest_class:
         raise ConfigError(
-            f"--k-folds={config.k_folds!r} is more than the {n_pooled} training and validation "
-            f"rows it would deal into folds; expected at most {n_pooled}"
+            f"--k-folds={config.k_folds!r}: the largest class has {largest_class} training and "
+            "validation rows, dealt to the folds in turn, so at most "
+            f"{largest_class} folds can hold rows; expected at most {largest_class}"
         )
     return folds
+
+
+def largest_class_of(split, group: ProcessGroup) -> int | None:
+    """The training and validation rows of the largest class (None in a data-parallel run,
+    which does not cross-fit)."""
+    if group.is_distributed:
+        return None
+    counts = np.bincount(np.concatenate([split.y_train, split.y_val]), minlength=1)
+    return int(counts.max())
 
 
 def choose_served_k(estimator, split, config, group, rules, val_by_rule, fallback, log):
@@ -584,16 +593,21 @@ def choose_served_k(estimator, split, config, group, rules, val_by_rule, fallbac
     log(f"choosing k: {folds} maps cross-fitted on {pooled} training and validation rows")
     stack = sp.vstack if sp.issparse(split.X_train) else np.vstack
     quiet = replace(config, quiet=True)  # no bar or table for the folds' fits
-    curve = cross_fitted_accuracies(
-        lambda: build_estimator(quiet, split.X_train.shape[1]),
-        stack([split.X_train, split.X_val]),
-        np.concatenate([split.y_train, split.y_val]),
-        len(split.classes),
-        tuple(k for k in K_VALUES if k <= split.n_train),  # the references served: every k
-        rules,
-        folds,
-        config.seed,
-    )
+    try:
+        curve = cross_fitted_accuracies(
+            lambda: build_estimator(quiet, split.X_train.shape[1]),
+            stack([split.X_train, split.X_val]),
+            np.concatenate([split.y_train, split.y_val]),
+            len(split.classes),
+            tuple(k for k in K_VALUES if k <= split.n_train),  # the references served: every k
+            rules,
+            folds,
+            config.seed,
+        )
+    except ValueError as exc:  # a fold's rows the fit refuses: the validation choice, said
+        log(f"warning: no cross-fitted k ({exc}); k is chosen on the validation split")
+        rule, k = choose_rule_and_k(val_by_rule, fallback)
+        return rule, k, {"method": "validation", "rows": split.n_val, "cross_fit_failed": str(exc)}
     rule, k = choose_rule_and_k(curve, fallback)
     return rule, k, {"method": "cross-fitted", "folds": folds, "rows": pooled, "accuracy": curve}
 

@@ -107,20 +107,23 @@ def moments(
     return mean, all_reduce_sum(squares, group) / n
 
 
-def varying_features(X_shard, group: ProcessGroup) -> int:
+def varying_features(X_shard, group: ProcessGroup, rows: np.ndarray | None = None) -> int:
     """How many features take more than one value over all N rows (every rank's (N_r, D)
-    X_shard, dense or CSR): each row is compared with rank 0's first row, exactly (no
-    rounding), a block of rows at a time. 0 means every distance between rows is 0."""
+    X_shard, or its ``rows`` of it, dense or CSR): each row is compared with rank 0's first
+    row, exactly (no rounding), a block of rows at a time. 0 means every distance between
+    rows is 0."""
     if sp.issparse(X_shard):  # a sparse fit is one process: its column ranges, zeros counted
-        low = X_shard.min(axis=0).toarray().ravel()
-        high = X_shard.max(axis=0).toarray().ravel()
+        X_rows = X_shard if rows is None else X_shard[rows]
+        low = X_rows.min(axis=0).toarray().ravel()
+        high = X_rows.max(axis=0).toarray().ravel()
         return int(np.count_nonzero(low != high))
+    n_local = len(X_shard) if rows is None else len(rows)
     first = np.zeros(X_shard.shape[1])
-    if group.rank == 0 and len(X_shard):
-        first = np.asarray(X_shard[0], dtype=np.float64)
+    if group.rank == 0 and n_local:
+        first = np.asarray(X_shard[0 if rows is None else rows[0]], dtype=np.float64)
     first = all_reduce_sum(first, group)  # (D,) rank 0's first row on every rank
     differs = np.zeros(X_shard.shape[1])
-    for block in blocks(X_shard):
+    for block in blocks(X_shard, rows):
         differs += (block != first).any(axis=0)
     return int(np.count_nonzero(all_reduce_sum(differs, group)))
 

@@ -32,6 +32,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from service.core.knn import project
+from training.errors import Interrupted, holding_interrupts
 from training.evaluation.evaluate import knn_accuracies_by_rule
 from training.model import sparse_input
 
@@ -77,7 +78,8 @@ def cross_fitted_accuracies(
     CSR), y (M,) class indices: each fold's rows vote among the other folds' rows, in the
     map ``make_estimator()`` fits on those other folds (its convergence warnings are the
     main fit's to report, not these). Only the ks every fold's references (at least k of
-    them) can answer are scored."""
+    them) can answer are scored. ValueError naming the fold when a fold's fit refuses its
+    rows (say, features constant over them)."""
     fold = fold_of(y, folds, seed)
     fewest_references = min(np.count_nonzero(fold != f) for f in range(folds))
     ks = tuple(k for k in ks if k <= fewest_references)
@@ -85,9 +87,18 @@ def cross_fitted_accuracies(
     for f in range(folds):
         held, kept = np.flatnonzero(fold == f), np.flatnonzero(fold != f)
         estimator = make_estimator()
-        with warnings.catch_warnings():
+        # SIGINT / SIGTERM are held to the end of a fit's iteration (the fit raises it there):
+        # raised anywhere, they could leave the fit's threads mid-work as the process ends
+        with warnings.catch_warnings(), holding_interrupts(None) as hold:
             warnings.simplefilter("ignore")
-            estimator.fit(X[kept], y[kept])
+            try:
+                estimator.fit(X[kept], y[kept])
+            except ValueError as exc:  # rows of the fold the fit refuses: which fold, and why
+                raise ValueError(
+                    f"the fit of fold {f + 1} of {folds} refused its rows: {exc}"
+                ) from exc
+        if hold.signum is not None:  # held past a fit that ended first: raised between folds
+            raise Interrupted(hold.signum)
         embed = sparse_input.project if sp.issparse(X) else project
         z = embed(X, estimator.projection_, estimator.offset_)  # (M, d)
         by_rule = knn_accuracies_by_rule(z[kept], y[kept], z[held], y[held], n_classes, ks, rules)

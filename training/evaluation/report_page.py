@@ -78,15 +78,24 @@ def warnings_of(report: dict) -> list[str]:
         )
     found.extend(str(w) for w in training.get("warnings", []) if str(w) not in " ".join(found))
     choice = (report.get("metrics") or {}).get("k_choice") or {}
+    if choice.get("cross_fit_failed"):
+        found.append(
+            f"The served k could not be cross-fitted ({choice['cross_fit_failed']}); it was "
+            f"chosen on the {choice.get('rows')} validation rows."
+        )
     if choice.get("method") == "validation" and choice.get("rows", 0) < FEW_VALIDATION_ROWS:
+        # cross-fitting is advice only where the run could make it (not with prototypes)
+        config = (report.get("training") or {}).get("config") or {}
+        remedy = "Hold out more rows (--val-size)"
+        if config.get("prototypes") is None:
+            remedy += ", or cross-fit the choice (--k-folds 5)"
         found.append(
             f"The served k was chosen on {choice.get('rows')} validation rows, where one row "
             "moves the curve over k by more than a point: the k served may not be the best "
-            "for unseen rows. Hold out more rows (--val-size), or cross-fit the choice "
-            "(--k-folds 5)."
+            f"for unseen rows. {remedy}."
             if choice.get("rows")
-            else "No validation rows: the served k is the training k, not chosen on any "
-            "rows. Hold out some (--val-size), or cross-fit the choice (--k-folds 5)."
+            else f"No validation rows: the served k is the training k, not chosen on any rows. "
+            f"{remedy.replace('more', 'some')}."
         )
     distance = (report.get("metrics") or {}).get("nearest_reference_distance") or {}
     if distance.get("near_copies"):
@@ -94,8 +103,9 @@ def warnings_of(report: dict) -> list[str]:
             f"Validation rows sit nearer the references than test rows (median distance to "
             f"the nearest reference {distance['validation_median']:.4g} against "
             f"{distance['test_median']:.4g}, ratio {distance['ratio']:.2f}): the training rows "
-            "hold near-copies of validation rows that unseen rows lack, so the served k chosen "
-            "on validation may be smaller than what serves unseen rows best. Split the data "
+            "hold near-copies of validation rows that unseen rows lack, so a k chosen on rows "
+            "of the training data (validation or cross-fitted) may be smaller than what "
+            "serves unseen rows best. Split the data "
             "by its source (a group, a time, a region) and pass the test rows as X_test."
         )
     return found

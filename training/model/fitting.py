@@ -489,11 +489,11 @@ class StagedFit:
             elif stop is None and step.stop is not None:
                 stop = rounds.stop_for(step.stop, iteration, moved=True)
             save, interrupted = self._saves_mid_stage(stage) if stop is None else (False, False)
-            if save or interrupted:
+            if save or (interrupted and self._checkpoints_mid_stage(stage)):
                 state.resume = self._where(index, iteration, theta, at, solver, check, started)
                 self._save(state)
                 state.resume = None
-            if interrupted:  # a rank's signal, held to here: every rank saved, all stop
+            if interrupted:  # a signal held to here: saved when checkpointed, and raised
                 raise Interrupted(held_interrupt() or signal.SIGTERM)
         if iteration > 0:  # the stage's last map, offered to the keep rule too
             score = self._score(index, iteration, theta)
@@ -605,9 +605,11 @@ class StagedFit:
         """(save, interrupted) after an iteration: save once CHECKPOINT_SECONDS have passed
         since the last save; interrupted when a rank holds a signal (it is saved, then
         raised). Under torchrun rank 0's clock decides the save and any rank's signal the
-        stop, for every rank, so that all save at the same iterations."""
+        stop, for every rank, so that all save at the same iterations. A fit of one process
+        that is not checkpointed mid-stage stops here too, unsaved, when a caller's hold keeps
+        a signal (the job's cross-fitted fits: ``training.evaluation.cross_fit``)."""
         if not self._checkpoints_mid_stage(stage):
-            return False, False
+            return False, not self.group.is_distributed and held_interrupt() is not None
         due = self.clock.elapsed() - self.last_save >= CHECKPOINT_SECONDS
         save = self.clock.agree((due,))[0]
         return save, self._any_rank_signalled(held_interrupt())

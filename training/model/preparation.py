@@ -105,6 +105,7 @@ def prepare(est, settings, X, y, X_val, y_val, group) -> Prepared:
     else:
         check_finite(X, "X")  # ValueErrors naming the first such value, as the CLI does
         check_float32_range(X, "X")
+        check_float32_resolution(X, group)
     check_classification_targets(y)
     classes = sharded_stats.union_classes(y, group)
     y_idx = np.searchsorted(classes, y)
@@ -123,6 +124,12 @@ def prepare(est, settings, X, y, X_val, y_val, group) -> Prepared:
     mean, scale = standardizer(est, settings, X, rows, y_all, start, n, len(classes), group)
     Xs = standardized(X, mean, scale, rows)  # (N_r, D) float32, dense or CSR
     if sharded_stats.varying_features(Xs, group) == 0:  # before any objective is evaluated
+        if sharded_stats.varying_features(X, group, rows) > 0:  # lost to float32 on the way
+            raise ValueError(
+                f"X: its features differ over the {n} training rows only below what float32, "
+                "which the fit, the map and the service compute in, can hold (values under "
+                "about 1e-38, or differences below its resolution): rescale the data"
+            )
         raise ValueError(
             f"X: every one of its {X.shape[1]} features has the same value in all {n} "
             "training rows, so every distance between two rows is 0 and no map can tell the "
@@ -156,6 +163,36 @@ def prepare(est, settings, X, y, X_val, y_val, group) -> Prepared:
         X_val=Xv_s if X_val is not None else None,
         y_val=yv if X_val is not None else None,
     )
+
+
+# float32's spacing at a column's size above this fraction of its standard deviation: the
+# service, which projects the raw inputs in float32, would lose the column's differences
+FLOAT32_SPACING_RATIO = 0.01
+
+
+def check_float32_resolution(X: np.ndarray, group) -> None:
+    """ValueError naming the first column of X (all ranks' rows) whose values differ by less
+    than float32 resolves at their size: spacing32(sqrt(mean^2 + var)) above
+    FLOAT32_SPACING_RATIO * sqrt(var). The fit standardises in float64 and would learn from
+    such a column; the artifact projects a query's raw values in float32
+    (z = x @ projection.T + offset), where they are one value, or noise, and the served map
+    would answer at chance (timestamps near 1.7e9 that differ by seconds, say)."""
+    if X.dtype == np.float32 or len(X) == 0:
+        return  # float32 values are what the service reads: nothing is lost on the way
+    n = sharded_stats.total_rows(len(X), group)
+    mean, var = sharded_stats.moments(X, n, group)  # (D,), (D,) in float64
+    std = np.sqrt(var)
+    spacing = np.spacing(np.sqrt(mean**2 + var).astype(np.float32)).astype(np.float64)
+    lost = (std > 0) & (spacing > FLOAT32_SPACING_RATIO * std)
+    if lost.any():
+        c = int(np.flatnonzero(lost)[0])
+        raise ValueError(
+            f"X: column {c} has values around {mean[c]:.6g} that differ by {std[c]:.3g} "
+            f"(standard deviation), but float32, which the map and the service compute in, "
+            f"resolves only {spacing[c]:.3g} at that size, so the served map would not see "
+            "the column's differences; subtract its mean (or a value near it) from the "
+            "column, or rescale it, before training"
+        )
 
 
 FLOAT_TYPES = [np.float64, np.float32]  # float32 inputs stay float32: no float64 copy

@@ -103,7 +103,11 @@ def test_auto_cross_fits_only_small_validation_splits_of_small_sets():
         ("five", ProcessGroup(), None, None, "must be auto, 0"),
         ("5", ProcessGroup(0, 2, "gloo"), None, None, "a data-parallel run"),
         ("5", ProcessGroup(), 20.0, None, "with --prototypes"),
-        ("13", ProcessGroup(), None, 12, "more than the 12 training and validation rows"),
+        ("13", ProcessGroup(), None, 12, "the largest class has 12 .* at most 12 folds"),
+        ("\u0663", ProcessGroup(), None, None, "must be auto, 0"),  # an Arabic-Indic 3
+        ("+3", ProcessGroup(), None, None, "must be auto, 0"),
+        ("1_0", ProcessGroup(), None, None, "must be auto, 0"),
+        ("5.0", ProcessGroup(), None, None, "must be auto, 0"),
     ],
 )
 def test_k_folds_the_run_cannot_use_are_refused(value, group, prototypes, pooled, expected):
@@ -175,3 +179,32 @@ def test_the_cross_fitted_curve_holds_only_ks_the_served_references_can_answer(t
     choice = report["metrics"]["k_choice"]
     assert choice["method"] == "cross-fitted" and choice["rows"] == 54
     assert max(map(int, choice["accuracy"]["majority"])) == 11
+
+
+def test_a_fold_whose_rows_the_fit_refuses_falls_back_to_the_validation_choice(tmp_path):
+    """One row of 60 differs from the rest: the main fit's rows hold it, a fold's fit does
+    not (its features are all constant). The job stopped after its fit had succeeded; it
+    now chooses on the validation split and says why (found by the hostile pass)."""
+    from training.job import run
+
+    X = np.zeros((60, 3))
+    X[0, 1] = 1.0
+    data = tmp_path / "d.npz"
+    np.savez(data, X=X, y=np.arange(60) % 2, X_test=np.zeros((4, 3)), y_test=np.arange(4) % 2)
+    said = []
+    config = TrainConfig(data=str(data), out=str(tmp_path / "m"), val_size=0.1, quiet=True)
+    report = run(replace(config, plots=False, n_components=2), log=said.append)
+    choice = report["metrics"]["k_choice"]
+    assert choice["method"] == "validation" and choice["rows"] == report["data"]["n_val"]
+    assert "refused its rows" in choice["cross_fit_failed"]
+    assert any(line.startswith("warning: no cross-fitted k (the fit of fold") for line in said)
+    assert any("could not be cross-fitted" in w for w in warnings_of(report))
+
+
+def test_the_advice_for_few_validation_rows_is_what_the_run_can_take():
+    """With --prototypes the cross-fit is refused: the warning does not suggest it."""
+    few = {"k_choice": {"method": "validation", "rows": 3}}
+    plain = warnings_of({"metrics": few, "training": {"config": {"prototypes": None}}})
+    assert "--k-folds 5" in plain[0]
+    with_prototypes = warnings_of({"metrics": few, "training": {"config": {"prototypes": 20.0}}})
+    assert "--val-size" in with_prototypes[0] and "--k-folds" not in with_prototypes[0]

@@ -29,12 +29,37 @@ def test_constant_features_are_refused(X):
         NCA(n_components=2, max_iter=2).fit(X, Y)
 
 
-def test_values_that_float32_cannot_tell_apart_are_constant_to_the_fit():
-    """1 and 1 + 1e-12 are one float32 value: the fit (in float32) sees no difference."""
+def test_a_column_float32_cannot_resolve_is_refused_naming_it():
+    """Values near 1.7e9 that differ by about 15 (timestamps a few seconds apart): the fit,
+    standardising in float64, learned from them, but the service projects raw float32
+    values, which are 128 apart there: the served map answered at chance (found by the
+    hostile pass). So do 1 and 1 + 1e-12."""
+    rng = np.random.default_rng(0)
+    X = np.column_stack([1.7e9 + 30 * Y + rng.uniform(0, 10, len(Y)), rng.normal(size=len(Y))])
+    with pytest.raises(
+        ValueError, match=r"column 0 has values around 1\.7e\+09 .* resolves only 128"
+    ):
+        NCA(n_components=2, max_iter=2).fit(X, Y)
     X = np.ones((30, 3))
     X[::2, 1] += 1e-12
-    with pytest.raises(ValueError, match="expected at least one feature that varies"):
+    with pytest.raises(ValueError, match=r"column 1 .* subtract its mean"):
         NCA(n_components=2, max_iter=2, options={"standardize": "none"}).fit(X, Y)
+
+
+def test_values_below_float32s_range_are_said_to_be_lost_not_equal():
+    """1e-300 and 2e-300 differ in the file, but both are 0 in float32."""
+    X = np.full((30, 2), 1e-300)
+    X[::2] = 2e-300
+    with pytest.raises(ValueError, match=r"only below what float32.* can hold"):
+        NCA(n_components=2, max_iter=2).fit(X, Y)
+
+
+def test_columns_float32_resolves_are_fitted():
+    """Timestamps over a year (std ~9e6 at 1.7e9: spacing 128) and float32 data as given."""
+    rng = np.random.default_rng(1)
+    X = np.column_stack([1.7e9 + rng.uniform(0, 3e7, 30), rng.normal(size=30)])
+    NCA(n_components=2, max_iter=2).fit(X, Y)
+    NCA(n_components=2, max_iter=2).fit(X.astype(np.float32), Y)
 
 
 @pytest.mark.parametrize("sparse", [False, True])
