@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import re
 import shutil
 import signal
 import sys
@@ -49,10 +48,9 @@ from training.errors import (
 )
 from training.evaluation.baselines import BASELINES
 from training.evaluation.calibration import calibrate, outlier_report
-from training.evaluation.cross_fit import cross_fitted_accuracies, folds_for
+from training.evaluation.cross_fit import check_k_folds, choose_served_k, largest_class
 from training.evaluation.evaluate import (
     K_VALUES,
-    choose_rule_and_k,
     knn_accuracies,
     knn_accuracies_by_rule,
     knn_predictions,
@@ -163,7 +161,7 @@ def run(config: TrainConfig, *, log=print) -> dict:
     group = current_group()
     check_seed(config.seed)
     check_lock_timeout(config.lock_timeout)
-    check_k_folds(config, group)
+    check_k_folds(config.k_folds, distributed=group.is_distributed, prototypes=config.prototypes)
     config.check_estimator_settings()  # an option's value: refused before the data is read
     out = resolve_out(config.out, _data_name(config))
     check_publish_link(config.publish, out)
@@ -189,7 +187,8 @@ def run(config: TrainConfig, *, log=print) -> dict:
     split = shard_split(data, config, group) if group.is_distributed else _split(data, config)
     del data  # a data-parallel rank keeps only its rows
     _check_prototypes(config, split, group)
-    check_k_folds(config, group, largest_class_of(split, group))
+    if not group.is_distributed:  # (a data-parallel run never cross-fits)
+        check_k_folds(config.k_folds, prototypes=config.prototypes, largest=largest_class(split))
     config.check_against_features(split.X_train.shape[1])
     estimator = build_estimator(config, split.X_train.shape[1])
     parallel = f", {group.world_size} ranks ({group.backend})" if group.is_distributed else ""
@@ -502,7 +501,7 @@ class Evaluation:
     rule: str = "majority"  # the decision rule served: --decision-rule, or chosen on validation
     val_accuracy_by_rule: dict | None = None  # {rule: {k: accuracy}} when the rule was chosen
     # which curve chose the served (rule, k), on how many rows ("validation" or "cross-fitted"
-    # with its folds and its {rule: {k: accuracy}}): choose_served_k
+    # with its folds and its {rule: {k: accuracy}}): training.evaluation.cross_fit
     k_choice: dict | None = None
 
 
@@ -535,89 +534,13 @@ def sparse_baselines(split, rule: str) -> dict:
     return {"euclidean": record, "skipped": BASELINES_SKIPPED_SPARSE}
 
 
-def check_k_folds(config: TrainConfig, group: ProcessGroup, largest_class: int | None = None):
-    """--k-folds as "auto" or a number of folds (0, or 2 and more, in ASCII digits), checked
-    before the data is read and, given the training and validation rows of the largest class
-    (each class's rows are dealt to the folds in turn, so no more folds can hold rows), before
-    the fit: ConfigError naming the value and what it accepts, or a cross-fit the run cannot
-    make (a data-parallel run; learned prototypes, the fit's own references)."""
-    text = str(config.k_folds).strip().lower()
-    if text == "auto":
-        return "auto"
-    if not re.fullmatch(r"[0-9]+", text) or int(text) == 1:
-        raise ConfigError(
-            f"--k-folds={config.k_folds!r} must be auto, 0 (choose k on the validation split) "
-            "or a number of folds >= 2"
-        )
-    folds = int(text)
-    if folds and group.is_distributed:
-        raise ConfigError(
-            f"--k-folds={config.k_folds!r}: a data-parallel run chooses k on its validation "
-            "split (each rank holds a shard); use --k-folds 0 or auto"
-        )
-    if folds and config.prototypes is not None:
-        raise ConfigError(
-            f"--k-folds={config.k_folds!r} with --prototypes: the served references are the "
-            "fit's own prototypes, which a fold's fit would not share; use --k-folds 0 or auto"
-        )
-    if largest_class is not None and folds > largest_class:
-        raise ConfigError(
-            f"--k-folds={config.k_folds!r}: the largest class has {largest_class} training and "
-            "validation rows, dealt to the folds in turn, so at most "
-            f"{largest_class} folds can hold rows; expected at most {largest_class}"
-        )
-    return folds
-
-
-def largest_class_of(split, group: ProcessGroup) -> int | None:
-    """The training and validation rows of the largest class (None in a data-parallel run,
-    which does not cross-fit)."""
-    if group.is_distributed:
-        return None
-    counts = np.bincount(np.concatenate([split.y_train, split.y_val]), minlength=1)
-    return int(counts.max())
-
-
-def choose_served_k(estimator, split, config, group, rules, val_by_rule, fallback, log):
-    """(rule, k, k_choice): the served vote and k, chosen on the validation split's curve
-    (val_by_rule) or on out-of-fold votes over the training and validation rows
-    (``training.evaluation.cross_fit``, when --k-folds asks for folds); k_choice records
-    which curve chose, on how many rows (the cross-fitted curve itself beside them)."""
-    pooled = split.n_train + split.n_val
-    folds = 0
-    if not group.is_distributed and getattr(estimator, "prototypes_", None) is None:
-        folds = folds_for(check_k_folds(config, group), len(split.y_val), pooled)
-    if not folds:
-        rule, k = choose_rule_and_k(val_by_rule, fallback)
-        return rule, k, {"method": "validation", "rows": split.n_val}
-    log(f"choosing k: {folds} maps cross-fitted on {pooled} training and validation rows")
-    stack = sp.vstack if sp.issparse(split.X_train) else np.vstack
-    quiet = replace(config, quiet=True)  # no bar or table for the folds' fits
-    try:
-        curve = cross_fitted_accuracies(
-            lambda: build_estimator(quiet, split.X_train.shape[1]),
-            stack([split.X_train, split.X_val]),
-            np.concatenate([split.y_train, split.y_val]),
-            len(split.classes),
-            tuple(k for k in K_VALUES if k <= split.n_train),  # the references served: every k
-            rules,
-            folds,
-            config.seed,
-        )
-    except ValueError as exc:  # a fold's rows the fit refuses: the validation choice, said
-        log(f"warning: no cross-fitted k ({exc}); k is chosen on the validation split")
-        rule, k = choose_rule_and_k(val_by_rule, fallback)
-        return rule, k, {"method": "validation", "rows": split.n_val, "cross_fit_failed": str(exc)}
-    rule, k = choose_rule_and_k(curve, fallback)
-    return rule, k, {"method": "cross-fitted", "folds": folds, "rows": pooled, "accuracy": curve}
-
-
 def evaluate(
     estimator: NCA, split, config: TrainConfig, group: ProcessGroup | None = None, log=print
 ) -> Evaluation | None:
     """Project every split, score kNN for each k in K_VALUES with the served decision rule
     (with --decision-rule auto, each of NEIGHBOUR_RULES), choose the rule and the default k
-    on validation or on cross-fitted votes (``choose_served_k``), score the baselines with
+    on validation or on cross-fitted votes (``training.evaluation.cross_fit``), score the
+    baselines with
     the same rule.
 
     Data-parallel: the ranks' projected training and validation rows (N x d: small), their
@@ -642,14 +565,25 @@ def evaluate(
             return None
     n_classes = len(split.classes)
     z_ref, y_ref, ref_ids, k = z_train, y_train, None, config.k  # the references served
-    if getattr(estimator, "prototypes_", None) is not None:  # learned prototypes instead
+    prototypes = getattr(estimator, "prototypes_", None)
+    if prototypes is not None:  # learned prototypes instead
         z_ref, y_ref, k = estimator.prototypes_, estimator.prototype_labels_.astype(np.int64), 1
         ref_ids = estimator.prototype_rows_  # the training row of its class nearest each
     # "auto": the rule and k that serve the validation rows best (majority among equals)
     rules = NEIGHBOUR_RULES if config.decision_rule == "auto" else (config.decision_rule,)
     val_by_rule = knn_accuracies_by_rule(z_ref, y_ref, z_val, y_val, n_classes, K_VALUES, rules)
+    quiet = replace(config, quiet=True)  # the cross-fit's fits: no bar or table
     rule, default_k, k_choice = choose_served_k(
-        estimator, split, config, group, rules, val_by_rule, min(k, len(z_ref)), log
+        lambda: build_estimator(quiet, split.X_train.shape[1]),
+        split,
+        # a data-parallel run, and learned prototypes (the references served), do not
+        # cross-fit: their curve is the validation split's
+        "0" if group.is_distributed or prototypes is not None else config.k_folds,
+        config.seed,
+        rules,
+        val_by_rule,
+        min(k, len(z_ref)),
+        log,
     )
     val_acc = val_by_rule[rule]
     test_acc = knn_accuracies(z_ref, y_ref, z_test, split.y_test, n_classes, K_VALUES, rule)

@@ -17,6 +17,7 @@ from training.distributed.ranks import ProcessGroup
 from training.errors import ConfigError
 from training.evaluation.cross_fit import (
     CROSS_FIT_FOLDS,
+    check_k_folds,
     cross_fitted_accuracies,
     fold_of,
     folds_for,
@@ -30,11 +31,11 @@ class IdentityMap:
     """A stand-in estimator: the identity map (A = I, offset 0); records the rows it saw."""
 
     def fit(self, X, y):
-        X = X.toarray() if sp.issparse(X) else X
-        FITTED.append(X.copy())
-        self.projection_ = np.eye(X.shape[1], dtype=np.float32)
-        self.offset_ = np.zeros(X.shape[1], dtype=np.float32)
+        FITTED.append(X.toarray() if sp.issparse(X) else X.copy())
         return self
+
+    def transform(self, X):
+        return np.asarray(X.toarray() if sp.issparse(X) else X, dtype=np.float32)
 
 
 def two_classes(n: int = 60, seed: int = 0):
@@ -111,19 +112,16 @@ def test_auto_cross_fits_only_small_validation_splits_of_small_sets():
     ],
 )
 def test_k_folds_the_run_cannot_use_are_refused(value, group, prototypes, pooled, expected):
-    from training.job import check_k_folds
-
-    config = TrainConfig(data="digits", k_folds=value, prototypes=prototypes)
     with pytest.raises(ConfigError, match=expected):
-        check_k_folds(config, group, pooled)
+        check_k_folds(
+            value, distributed=group.is_distributed, prototypes=prototypes, largest=pooled
+        )
 
 
 def test_k_folds_accepted():
-    from training.job import check_k_folds
-
-    assert check_k_folds(TrainConfig(data="digits", k_folds=" AUTO "), ProcessGroup()) == "auto"
-    assert check_k_folds(TrainConfig(data="digits", k_folds="0"), ProcessGroup(0, 2, "gloo")) == 0
-    assert check_k_folds(TrainConfig(data="digits", k_folds="12"), ProcessGroup(), 12) == 12
+    assert check_k_folds(" AUTO ") == "auto"
+    assert check_k_folds("0", distributed=True, prototypes=20.0) == 0
+    assert check_k_folds("12", largest=12) == 12
 
 
 def test_the_job_records_which_curve_chose_k_and_the_page_draws_it(tmp_path):
