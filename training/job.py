@@ -448,7 +448,9 @@ def check_checkpoint_dir(checkpoint: Path | None, given: str, out: Path) -> None
 def fit_estimator(estimator: NCA, split, checkpoint: Path | None = None) -> list[str]:
     """Fit on the training split, validating on the validation split, with the fit's
     checkpoint in ``checkpoint``; returns the convergence warnings and a checkpoint that
-    could not be written (also printed to stderr, and recorded in the artifact)."""
+    could not be written (recorded in the artifact and said with the run's other warnings
+    once it is written; a checkpoint's also on stderr at once, as the run may go on for
+    long)."""
     has_val = split.X_val.shape[0] > 0
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -472,7 +474,8 @@ def fit_estimator(estimator: NCA, split, checkpoint: Path | None = None) -> list
         or "checkpoint" in str(w.message)  # a checkpoint the disk refused
     ]
     for message in messages:
-        print(f"WARNING: {message}", file=sys.stderr)
+        if "checkpoint" in message:
+            print(f"WARNING: {message}", file=sys.stderr)
     return messages
 
 

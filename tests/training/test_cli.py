@@ -60,6 +60,20 @@ def test_end_to_end_on_digits(tmp_path, capsys):
     assert "wrote" in capsys.readouterr().err
 
 
+def test_a_fit_that_did_not_converge_is_said_once(tmp_path, capsys):
+    """One line on the console for one warning: not the estimator's line during the fit, a
+    shorter one after it and the estimator's again."""
+    out = tmp_path / "digits"
+    args = ["--data", "digits", "--n-components", "4", "--max-iter", "1", "--no-plots"]
+    assert main([*args, "--out", str(out), "--quiet"]) == 0
+    console = capsys.readouterr()
+    lines = [x for x in (console.out + console.err).splitlines() if "converge" in x]
+    assert len(lines) == 1, lines
+    assert "NCA did not converge in max_iter=1" in lines[0]
+    training = read_artifact(out).manifest["training"]
+    assert not training["converged"] and training["warnings"] == [lines[0][len("warning: ") :]]
+
+
 def test_the_artifact_keeps_the_projected_validation_split(tmp_path):
     out = tmp_path / "digits"
     args = ["--data", "digits", "--n-components", "8", "--out", str(out), "--max-iter", "10"]

@@ -71,12 +71,16 @@ def warnings_of(report: dict) -> list[str]:
         )
     if training.get("candidate_warning"):
         found.append(f"Candidate audit: {training['candidate_warning']}")
-    if training and not training.get("converged", True):
+    recorded = [str(w) for w in training.get("warnings", [])]
+    # the estimator's own ConvergenceWarning (max_iter, or the budget) says it in more words:
+    # one line, not two
+    said = any("did not converge" in w or "budget max_seconds" in w for w in recorded)
+    if training and not training.get("converged", True) and not said:
         found.append(
             f"The fit did not converge (stop reason: {training.get('stop_reason')}, "
             f"{training.get('n_iter')} iterations)."
         )
-    found.extend(str(w) for w in training.get("warnings", []) if str(w) not in " ".join(found))
+    found.extend(w for w in recorded if w not in " ".join(found))
     choice = (report.get("metrics") or {}).get("k_choice") or {}
     if choice.get("cross_fit_failed"):
         found.append(

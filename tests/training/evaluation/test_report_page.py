@@ -122,6 +122,21 @@ def test_warnings_name_an_untrained_map_an_audit_and_non_convergence():
     assert any("candidate-set objective rose" in w for w in found)
 
 
+def test_non_convergence_is_said_once_when_the_estimator_said_it():
+    """The job records the estimator's ConvergenceWarning in ``training.warnings``; the page
+    and the console then show that line alone, not a second, shorter one beside it."""
+    said = "[NCA] NCA did not converge in max_iter=2 iterations (stop reason: max_iter); ..."
+    training = {**history(0.9, 0.95), "converged": False, "stop_reason": "max_iter", "n_iter": 2}
+    found = warnings_of({"training": {**training, "warnings": [said]}})
+    assert found == [said]
+    budget = "[NCA] the fit's budget max_seconds=5 ran out: the best judged map so far ..."
+    training["stop_reason"] = "max_seconds"
+    assert warnings_of({"training": {**training, "warnings": [budget]}}) == [budget]
+    # a report without the estimator's line (an older one) still says it
+    found = warnings_of({"training": training})
+    assert len(found) == 1 and "The fit did not converge (stop reason: max_seconds" in found[0]
+
+
 def test_warnings_stand_before_every_section():
     training = {**history(0.99, 0.98), "kept_iteration": 0}
     report = {"training": training, "data": {"name": "toy"}, "metrics": {}}
