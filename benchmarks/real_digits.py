@@ -20,6 +20,8 @@ the same rows):
 
 Settings: ``default`` (the estimator's defaults), ``no-stall`` (``stop_stalled_stages=False``:
 what the stage-stopping rule saves and costs), ``budget:S`` (``max_seconds=S``),
+``finish_pairs:P`` (the defaults with ``training.model.plan.FINISH_PAIRS = 2**P``: the
+(query row, point) pairs of one evaluation of the exact finish, at most; 30 is the default),
 ``params:NAME=VALUE+NAME=VALUE`` (any estimator parameters, values read as JSON where they
 look like numbers, lists or booleans: ``params:objective=knca-majority+k=5``).
 ``--before TREE`` runs ``default`` also with the code of another checkout (e.g. ``git worktree
@@ -111,6 +113,8 @@ def setting_params(setting: str) -> dict:
         return {"stop_stalled_stages": False}
     if setting.startswith("budget:"):
         return {"max_seconds": float(setting.split(":", 1)[1])}
+    if setting.startswith("finish_pairs:"):  # the defaults, the finish's pairs set: one_run
+        return {}
     if setting.startswith("params:"):  # params:objective=knca-majority+k=5
         params = {}
         for item in setting.split(":", 1)[1].split("+"):
@@ -121,7 +125,8 @@ def setting_params(setting: str) -> dict:
                 params[name] = text
         return params
     raise SystemExit(
-        f"unknown setting {setting!r}: default, no-stall, budget:SECONDS or params:NAME=VALUE+..."
+        f"unknown setting {setting!r}: default, no-stall, budget:SECONDS, finish_pairs:P or "
+        "params:NAME=VALUE+..."
     )
 
 
@@ -136,6 +141,10 @@ def one_run(data_path: str, setting: str) -> dict:
     except ImportError:  # a tree before it takes every setting as a parameter
         OPTION_NAMES, with_options = (), dict
     params = setting_params(setting)
+    if setting.startswith("finish_pairs:"):  # finish_pairs:27: 2^27 (query row, point) pairs
+        import training.model.plan as plan  # an evaluation of the exact finish, at most
+
+        plan.FINISH_PAIRS = 2 ** int(setting.split(":", 1)[1])
     accepted = set(inspect.signature(NCA.__init__).parameters) | set(OPTION_NAMES)
     if any(name not in accepted for name in params):
         return {"skipped": f"this tree's NCA has no {sorted(set(params) - accepted)}"}
@@ -158,6 +167,16 @@ def one_run(data_path: str, setting: str) -> dict:
         "refreshes": getattr(model, "n_refreshes_", None),
         "init_scale": getattr(model, "init_scale_", None),
         "stages": getattr(model, "stages_", None),
+        # the neighbour mass the candidate sets left out at the candidate stage's last
+        # iteration (Problem.outside_mass on its fixed sample rows; None without candidates)
+        "candidate_outside_mass": next(
+            (
+                entry["candidate_outside_mass"]
+                for entry in reversed(getattr(model, "history_", None) or [])
+                if entry.get("candidate_outside_mass") is not None
+            ),
+            None,
+        ),
     }
 
 
