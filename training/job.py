@@ -250,8 +250,12 @@ def _finish(config, out, checkpoint, group, estimator, evaluation, report, log, 
         f"wrote {out}: {_served_line(evaluation)}; {estimator.n_iter_} iterations, "
         f"{estimator.stop_reason_}, {time.perf_counter() - started:.1f} s"
     )
-    for warning in warnings_of(report):  # what report.html puts first, on screen too
-        log(f"warning: {warning}")
+    # what report.html puts first, on screen too, but for the fit's own warnings, which
+    # fit_estimator printed when the fit returned
+    printed = set(report.get("training", {}).get("warnings", []))
+    for warning in warnings_of(report):
+        if warning not in printed:
+            log(f"warning: {warning}")
     if page is not None:
         log(f"report: {page}")
 
@@ -448,9 +452,8 @@ def check_checkpoint_dir(checkpoint: Path | None, given: str, out: Path) -> None
 def fit_estimator(estimator: NCA, split, checkpoint: Path | None = None) -> list[str]:
     """Fit on the training split, validating on the validation split, with the fit's
     checkpoint in ``checkpoint``; returns the convergence warnings and a checkpoint that
-    could not be written (recorded in the artifact and said with the run's other warnings
-    once it is written; a checkpoint's also on stderr at once, as the run may go on for
-    long)."""
+    could not be written, printed to stderr when the fit returns (so a run that fails
+    later has said them) and recorded in the artifact."""
     has_val = split.X_val.shape[0] > 0
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -474,8 +477,7 @@ def fit_estimator(estimator: NCA, split, checkpoint: Path | None = None) -> list
         or "checkpoint" in str(w.message)  # a checkpoint the disk refused
     ]
     for message in messages:
-        if "checkpoint" in message:
-            print(f"WARNING: {message}", file=sys.stderr)
+        print(f"WARNING: {message}", file=sys.stderr)
     return messages
 
 

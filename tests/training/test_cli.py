@@ -61,17 +61,40 @@ def test_end_to_end_on_digits(tmp_path, capsys):
 
 
 def test_a_fit_that_did_not_converge_is_said_once(tmp_path, capsys):
-    """One line on the console for one warning: not the estimator's line during the fit, a
-    shorter one after it and the estimator's again."""
+    """One line on the console for one warning, when the fit returns (a run that fails
+    later has said it): not the estimator's line then, a shorter one after the artifact is
+    written and the estimator's again."""
     out = tmp_path / "digits"
     args = ["--data", "digits", "--n-components", "4", "--max-iter", "1", "--no-plots"]
     assert main([*args, "--out", str(out), "--quiet"]) == 0
     console = capsys.readouterr()
     lines = [x for x in (console.out + console.err).splitlines() if "converge" in x]
     assert len(lines) == 1, lines
-    assert "NCA did not converge in max_iter=1" in lines[0]
+    assert lines[0].startswith("WARNING: [NCA] NCA did not converge in max_iter=1")
     training = read_artifact(out).manifest["training"]
-    assert not training["converged"] and training["warnings"] == [lines[0][len("warning: ") :]]
+    assert not training["converged"] and training["warnings"] == [lines[0].split(": ", 1)[1]]
+    # a budget spent likewise: one line (the estimator's), not two
+    out = tmp_path / "budget"
+    budget = ["--data", "digits", "--n-components", "4", "--max-seconds", "1e-9", "--no-plots"]
+    assert main([*budget, "--out", str(out), "--quiet"]) == 0
+    console = capsys.readouterr()
+    said = ("ran out", "did not converge")  # the estimator's line, the shorter one
+    lines = [x for x in (console.out + console.err).splitlines() if any(s in x for s in said)]
+    assert len(lines) == 1 and "budget max_seconds=1e-09 ran out" in lines[0], lines
+
+
+def test_the_fits_warnings_are_said_before_a_later_failure(tmp_path, capsys, monkeypatch):
+    """A run that fails after its fit (here: the evaluation) has said the fit's warning."""
+
+    def fails(*args, **kwargs):
+        raise MemoryError("no memory for the evaluation")
+
+    monkeypatch.setattr(job, "evaluate", fails)
+    out = tmp_path / "digits"
+    args = ["--data", "digits", "--n-components", "4", "--max-iter", "1", "--no-plots"]
+    with pytest.raises(MemoryError):
+        main([*args, "--out", str(out), "--quiet"])
+    assert "NCA did not converge in max_iter=1" in capsys.readouterr().err
 
 
 def test_the_artifact_keeps_the_projected_validation_split(tmp_path):

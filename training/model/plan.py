@@ -22,14 +22,15 @@ CANDIDATE_QUERY_MAX_ROWS = 2**17
 # evenly spaced query rows, so that a finishing iteration costs O(min(N, rows) N d). An exact
 # kNCA pair costs ~20x an NCA one, so kNCA's finish averages over fewer rows and runs longer
 # (measured in benchmarks/candidate_quality.py --knca and benchmarks/exact_finish.py
-# --objective knca-majority). Halving NCA's row limit would make the 60k x 784 digits fit
-# faster but cost 0.3 / 0.7 points of 1-NN / 5-NN test accuracy on the synthetic 60k set
-# (10,000 test points; benchmarks/results/cpu_fit_60k.json), so it stays above 60k.
+# --objective knca-majority).
 AUTO_EXACT_FINISH_ITER = 10
 EXACT_FINISH_MAX_ROWS = 65536
 # ... and at most this many (query row, point) pairs per finishing evaluation: the finish's
-# rows shrink as N grows (65,536 rows up to N = 65,536; 4,294 at 1M), so an evaluation costs
-# O(FINISH_PAIRS d) whatever N, with never fewer than FINISH_MIN_ROWS rows (within the limit)
+# rows shrink as N grows (every row up to N = 32,768; 19,206 of the 55,904 digits an
+# estimator fits; 16,384 at N = 65,536; 1,024 from N = 2^20 on), so an evaluation
+# costs O(FINISH_PAIRS d) up to N = 2^20, never with fewer than FINISH_MIN_ROWS rows. Fewer
+# pairs make the digits' finish end worse than its start (2^28) or undone (2^27): measured
+# in benchmarks/README.md, "What the exact finish buys".
 FINISH_PAIRS = 2**30
 FINISH_MIN_ROWS = 1024
 # the finish's L-BFGS evaluations are bounded too (a line search that overshoots cannot make
