@@ -1,18 +1,18 @@
 """Where a fit's time goes: ``PhaseClock`` wraps the preparation, every candidate refresh
-and every exact evaluation of the native kernel, and records their wall times."""
+and every exact NCA evaluation on the CPU (the torch path), and records their wall times."""
 
 from __future__ import annotations
 
 import time
 
 from training.model import preparation
-from training.objectives import native
+from training.objectives import nca_kernel
 from training.optim import candidates as candidate_module
 
 
 class PhaseClock:
     """Wall time of the preparation, of every candidate refresh and of every exact
-    evaluation in the native kernel, by wrapping them."""
+    evaluation on the CPU, by wrapping them."""
 
     def __init__(self):
         self.prepare_s = 0.0
@@ -22,7 +22,7 @@ class PhaseClock:
     def __enter__(self):
         self._prepare = preparation.prepare
         self._refresh = candidate_module.CandidateWatch.refresh
-        self._exact = native.exact_value_and_grad
+        self._exact = nca_kernel._torch_value_and_grad
         clock = self
 
         def exact(*args, **kwargs):
@@ -48,10 +48,10 @@ class PhaseClock:
 
         preparation.prepare = prepare
         candidate_module.CandidateWatch.refresh = refresh
-        native.exact_value_and_grad = exact
+        nca_kernel._torch_value_and_grad = exact
         return self
 
     def __exit__(self, *exc):
         preparation.prepare = self._prepare
         candidate_module.CandidateWatch.refresh = self._refresh
-        native.exact_value_and_grad = self._exact
+        nca_kernel._torch_value_and_grad = self._exact

@@ -7,8 +7,10 @@
 * ``registry.py``: objective names to objects (the CLI's ``--objective`` values).
 * ``neighbourhood.py``: the dispatcher: exact evaluation in row chunks against all points,
   or against candidate sets per point (``tests/training/optim/test_candidate_*.py``).
-* ``nca_kernel.py``: NCA's fused closed-form value and gradient (torch).
-* ``native.py``, ``knca_native.py``: the same mathematics in C (``kernels/*.c``), built at
-  install (``setup.py``, ``kernels/levels.py``) and loaded with ctypes; torch is the fallback (``test_nca_native.py``,
+* ``nca_kernel.py``: NCA's fused closed-form value and gradient (torch; on CUDA also
+  ``nca_flex.py``).
+* ``native.py`` (loading), ``native_candidates.py``, ``knca_native.py``: NCA on candidate sets
+  and kNCA in C (``kernels/*.c``), built at install (``setup.py``, ``kernels/levels.py``) and
+  loaded with ctypes; torch is the fallback (``test_native.py``, ``test_native_candidates.py``,
   ``test_knca_native.py``).
 """

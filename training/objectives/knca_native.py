@@ -5,7 +5,7 @@ small torch operations a row block (a 64-step recurrence, then the products of t
 polynomials) and leaves the backward to autograd, which records every one of them. The C
 source runs the same programme a row at a time and writes its reverse mode out by hand, so
 one call returns log P_i (B,) and d log P_i / d logit_ij (B, M); the source's comment has the
-mathematics. Built at install like the exact-NCA kernel (:mod:`training.objectives.native`); when it
+mathematics. Built at install and loaded by :mod:`training.objectives.native`; when it
 was not built, ``NCA_KNN_NATIVE=0`` is set or the tensors are not on the CPU, callers use
 the torch programme.
 """

@@ -6,7 +6,7 @@ The torch path gathers each chunk's candidates into a (B, M, d) block, multiplie
 batched products and scatters the candidates' share of the gradient back with ``index_add_``:
 about 8 s an evaluation at N = 60k, M = 64, d = 32 on two cores, most of it in the scatter.
 The C source reads a row's candidates once and adds the gradient in place. Built at install
-like the exact-NCA kernel (:mod:`training.objectives.native`); when it was not built,
+and loaded by :mod:`training.objectives.native`; when it was not built,
 ``NCA_KNN_NATIVE=0`` is set, the tensors are not CPU float32 / float64 or M is larger than the
 source allows, callers use the torch path. Tested against it by
 ``tests/training/objectives/test_native_candidates.py``.

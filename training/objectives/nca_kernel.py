@@ -24,6 +24,10 @@ Tricks that make it fast and stable:
   ~4x slower on CPU.
 * Log-sum-exp with the row maximum; the same-class block gets its own maximum, so log p_i is
   exact even when every same-class point is far beyond exp's range (g stays finite).
+* The (B, N) passes run in the embeddings' dtype, the per-row scalars (the two maxima's gap,
+  log p_i, the factors that turn exps into W) and the total in float64: in float32 the gap of
+  two large logits loses digits, enough to make two fits of the same data diverge after a few
+  L-BFGS steps (tests/training/model/test_sparse_input.py).
 Peak memory: O(chunk x N).
 """
 
@@ -32,7 +36,6 @@ from __future__ import annotations
 import torch
 
 from training.numerics import EXP_FLOOR, PrecomputedGradient, chunk_rows, class_runs
-from training.objectives import native as native_kernel
 from training.objectives import native_candidates, nca_flex
 
 
@@ -47,28 +50,31 @@ def _block_weights(
     get W = 0. Entries at -inf carry exp(EXP_FLOOR) ~ 2e-35 of weight in the sums; callers
     zero their W.
     """
+    dtype = logits.dtype
+    wide = torch.float64  # the per-row sums and scalars, as the (B, M) passes stay in dtype
     same = logits[:, s:e]  # (B, n_c) view
     m_same = same.amax(1, keepdim=True)  # (B, 1)
     has_same = torch.isfinite(m_same)  # (B, 1)
     m_same = torch.where(has_same, m_same, torch.zeros_like(m_same))
     e_same = torch.exp((same - m_same).clamp_min_(EXP_FLOOR))  # (B, n_c), new buffer
     e_same = torch.where(torch.isfinite(same), e_same, torch.zeros_like(e_same))
-    s_same = e_same.sum(1, keepdim=True).clamp_min_(torch.finfo(logits.dtype).tiny)
+    s_same = e_same.sum(1, keepdim=True).to(wide).clamp_min_(torch.finfo(dtype).tiny)
     m_all = logits.amax(1, keepdim=True)  # >= m_same, finite when has_same
     m_all = torch.where(torch.isfinite(m_all), m_all, torch.zeros_like(m_all))
     e_all = logits.sub_(m_all).clamp_min_(EXP_FLOOR).exp_()  # (B, M) in place
-    s_all = e_all.sum(1, keepdim=True)
-    log_p = (m_same + torch.log(s_same)) - (m_all + torch.log(s_all))  # (B, 1)
-    shift = torch.exp(m_same - m_all) / s_all  # (B, 1): turns e_same into p_ij
+    s_all = e_all.sum(1, keepdim=True).to(wide)
+    gap = m_same.to(wide) - m_all.to(wide)  # (B, 1), <= 0
+    log_p = gap + torch.log(s_same) - torch.log(s_all)  # (B, 1)
+    shift = torch.exp(gap) / s_all  # (B, 1): turns e_same into p_ij
     if log_form:
         value = torch.where(has_same, log_p, torch.zeros_like(log_p)).sum()
-        w_same = e_same / s_same - e_same * shift  # p_ij / p_i - p_ij
-        weights = e_all.mul_(-1.0 / s_all)  # -p_ij
+        w_same = e_same * (1.0 / s_same - shift).to(dtype)  # p_ij / p_i - p_ij
+        weights = e_all.mul_((-1.0 / s_all).to(dtype))  # -p_ij
     else:
         p = torch.exp(log_p)
         value = torch.where(has_same, p, torch.zeros_like(p)).sum()
-        w_same = e_same * (shift * (1.0 - p))  # p_ij (1 - p_i)
-        weights = e_all.mul_(-p / s_all)  # -p_ij p_i
+        w_same = e_same * (shift * (1.0 - p)).to(dtype)  # p_ij (1 - p_i)
+        weights = e_all.mul_((-p / s_all).to(dtype))  # -p_ij p_i
     weights[:, s:e] = w_same
     return value, weights.mul_(has_same)
 
@@ -80,7 +86,6 @@ def nca_value_and_grad(
     log_form: bool,
     rows: torch.Tensor | None = None,
     chunk_size: int | None = None,
-    native: bool | None = None,
     flex: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum_{i in rows} score_i, d/dz of that sum (N, d)) for f (or g when log_form).
@@ -88,9 +93,8 @@ def nca_value_and_grad(
     z: (N, d) embeddings, labels: (N,) class ids, rows: (B,) query rows (default: all).
     Rows whose class has no other member score 0 and contribute no gradient.
     flex: the fused attention passes of :mod:`training.objectives.nca_flex` (True), or
-    whenever they can run (None: float32 on CUDA). native: the C kernel of
-    :mod:`training.objectives.native` (True), torch (False), or the C kernel whenever it can
-    (None). ``chunk_size`` applies to the torch path.
+    whenever they can run (None: float32 on CUDA); otherwise the chunked torch path below,
+    whose chunk is ``chunk_size`` rows.
     """
     n = z.shape[0]
     z = z.detach()
@@ -118,14 +122,6 @@ def nca_value_and_grad(
         fused = nca_flex.try_exact_value_and_grad(zs, ys, query_sorted[keep], log_form=log_form)
     if fused is not None:
         return fused[0], fused[1][inverse]
-    if native is None:
-        native = native_kernel.usable(zs)
-    if native:
-        total, grad_s = native_kernel.exact_value_and_grad(
-            zs, query_sorted[keep], query_start[keep], query_end[keep], log_form=log_form
-        )
-        return total, grad_s[inverse]
-
     total, grad_s = _torch_value_and_grad(
         zs, runs, query_sorted, run_of_query, log_form, chunk_size
     )
@@ -140,7 +136,7 @@ def _torch_value_and_grad(zs, runs, query_sorted, run_of_query, log_form: bool, 
     neg_sq = -sq[None, :]  # (1, N)
     grad_s = torch.zeros_like(zs)  # (N, d)
     col_total = torch.zeros(n, dtype=zs.dtype, device=zs.device)  # sum_i W_ij over all chunks
-    total = torch.zeros((), dtype=zs.dtype, device=zs.device)
+    total = torch.zeros((), dtype=torch.float64, device=zs.device)
     if chunk_size is None:
         chunk_size = min(256, chunk_rows(n))  # small blocks stay in cache (measured)
     # one (chunk, N) buffer for every chunk's logits (then its weights, in place): a fresh
@@ -166,7 +162,7 @@ def _torch_value_and_grad(zs, runs, query_sorted, run_of_query, log_form: bool, 
             grad_s.addmm_(weights.T, zq, alpha=2.0)
             col_total += weights.sum(0)
     grad_s.sub_(2.0 * col_total[:, None] * zs)
-    return total, grad_s
+    return total.to(zs.dtype), grad_s
 
 
 def nca_value_and_grad_candidates(

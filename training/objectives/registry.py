@@ -24,16 +24,15 @@ OBJECTIVES: dict[str, Callable[[int, int | None], Objective]] = {
 def kernels_used(name: str, *, exact: bool, candidates: bool, device: str) -> dict[str, str]:
     """Which implementation evaluates each objective a fit with ``name`` runs: "c" (the
     native kernels of :mod:`training.objectives.native`, built and loaded on this machine),
-    "torch", or on CUDA "flex" for exact NCA where flex_attention can run. ``exact``: an
-    exact stage or finish; ``candidates``: a stage on candidate sets. (A CPU evaluation
-    whose embeddings could overflow the C kernel's logits takes torch instead.)"""
+    "torch", or on CUDA "flex" for exact NCA where flex_attention can run (exact NCA has no
+    C kernel). ``exact``: an exact stage or finish; ``candidates``: a stage on candidate
+    sets. (A CPU evaluation whose embeddings are not finite takes torch instead.)"""
     cpu = not str(device).startswith("cuda")
     used: dict[str, str] = {}
     if name.startswith("nca"):
         if exact:
-            if cpu:
-                used["nca_exact"] = "c" if native.kernel(torch.float32) is not None else "torch"
-            else:
+            used["nca_exact"] = "torch"
+            if not cpu:
                 flex = torch.zeros(1, 1, device=device, dtype=torch.float32)
                 used["nca_exact"] = "flex" if nca_flex.usable(flex) else "torch"
         if candidates:

@@ -55,8 +55,8 @@ def assert_close(fused, reference, dtype):
 def test_fused_passes_equal_the_torch_path(dtype, log_form, sizes):
     labels = shuffled_classes(sizes)
     z = embeddings(len(labels), 5, dtype)
-    reference = nca_value_and_grad(z, labels, log_form=log_form, native=False, flex=False)
-    fused = nca_value_and_grad(z, labels, log_form=log_form, native=False, flex=True)
+    reference = nca_value_and_grad(z, labels, log_form=log_form, flex=False)
+    fused = nca_value_and_grad(z, labels, log_form=log_form, flex=True)
     assert_close(fused, reference, dtype)
 
 

@@ -8,6 +8,7 @@ import torch
 
 from tests.training.problems import brute_force_p
 from training.objectives.nca import NCAObjective
+from training.objectives.nca_kernel import nca_value_and_grad
 from training.objectives.neighbourhood import nearest_candidates, objective_sum
 from training.objectives.registry import make_objective
 
@@ -270,3 +271,74 @@ def test_candidate_distance_backward_passes_gradcheck():
     out = CandidateNegSqDist.apply(z, rows, cand)
     expected = -((z.detach()[rows][:, None] - z.detach()[cand]) ** 2).sum(-1)
     torch.testing.assert_close(out.detach(), expected)
+
+
+def exact_data(n, d, n_classes, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(n, d, generator=g, dtype=dtype)
+    labels = torch.arange(n) % n_classes
+    return z, labels[torch.randperm(n, generator=g)]
+
+
+def brute_force_score(z, labels, log_form, rows=None):
+    """sum over rows of p_i (or log p_i) from an explicit N x N softmax, float64 numpy."""
+    z, y = z.double().numpy(), labels.numpy()
+    _, p_i, _ = brute_force_p(z, y, np.eye(z.shape[1]))
+    has_same = np.bincount(y)[y] >= 2  # a class of one scores 0
+    scores = np.where(has_same, np.log(np.where(has_same, p_i, 1.0)) if log_form else p_i, 0.0)
+    return scores.sum() if rows is None else scores[rows.numpy()].sum()
+
+
+@pytest.mark.parametrize("log_form", [False, True])
+@pytest.mark.parametrize(
+    "n, d, n_classes, chunk",
+    [(2, 1, 1, None), (37, 3, 4, 5), (203, 17, 5, None), (300, 32, 3, 64), (64, 40, 7, 1)],
+)
+def test_exact_path_equals_brute_force_at_any_chunk(n, d, n_classes, chunk, log_form):
+    z, labels = exact_data(n, d, n_classes)
+    value, _ = nca_value_and_grad(z, labels, log_form=log_form, chunk_size=chunk)
+    expected = brute_force_score(z, labels, log_form)
+    assert float(value) == pytest.approx(expected, rel=1e-12, abs=1e-12)
+
+
+def test_exact_path_scores_singletons_zero_and_counts_a_row_listed_twice_twice():
+    z, labels = exact_data(150, 6, 4, seed=2)
+    labels[[3, 70]] = torch.tensor([9, 10])  # two classes of one point each
+    rows = torch.tensor([3, 0, 149, 70, 12, 13, 88])
+    for log_form in (False, True):
+        value, _ = nca_value_and_grad(z, labels, log_form=log_form, rows=rows)
+        expected = brute_force_score(z, labels, log_form, rows)
+        assert float(value) == pytest.approx(expected, rel=1e-12)
+    twice, grad = nca_value_and_grad(z, labels, log_form=False, rows=torch.tensor([5, 5, 7]))
+    once, grad_once = nca_value_and_grad(z, labels, log_form=False, rows=torch.tensor([5, 7]))
+    alone, grad_alone = nca_value_and_grad(z, labels, log_form=False, rows=torch.tensor([5]))
+    torch.testing.assert_close(twice, once + alone, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, grad_once + grad_alone, rtol=1e-10, atol=1e-12)
+
+
+def test_exact_path_in_float32_agrees_with_float64():
+    z, labels = exact_data(500, 32, 10, seed=4)
+    for log_form in (False, True):
+        v64, g64 = nca_value_and_grad(z, labels, log_form=log_form)
+        v32, g32 = nca_value_and_grad(z.float(), labels, log_form=log_form)
+        assert float(v32) == pytest.approx(float(v64), rel=1e-5)
+        assert float((g32.double() - g64).norm() / g64.norm()) < 1e-5
+
+
+def test_exact_log_score_stays_exact_far_beyond_exps_range():
+    """Three tight clusters ~32 apart, each one point of class 0 and one of class 1: every
+    point's same-class neighbours are ~1,000 (squared distance) beyond its nearest point, so
+    p_i ~ exp(-1000) underflows while log p_i must not (the same-class block's own max)."""
+    g = torch.Generator().manual_seed(5)
+    centres = torch.tensor([[0.0, 0.0], [0.0, 32.0], [32.0, 0.0]], dtype=torch.float64)
+    z = centres.repeat_interleave(2, 0) + 0.1 * torch.randn(6, 2, generator=g, dtype=torch.float64)
+    labels = torch.tensor([0, 1, 0, 1, 0, 1])
+    value, grad = nca_value_and_grad(z, labels, log_form=True)
+    assert torch.isfinite(value) and torch.isfinite(grad).all()
+    assert float(value) < -6 * 900  # every p_i below exp(-900), and still exact:
+    d2 = ((z[:, None, :] - z[None, :, :]) ** 2).sum(-1).fill_diagonal_(float("inf"))
+    same = labels[:, None] == labels[None, :]
+    log_p = torch.logsumexp(-d2.masked_fill(~same, float("inf")), 1) - torch.logsumexp(-d2, 1)
+    assert float(value) == pytest.approx(float(log_p.sum()), rel=1e-12)
+    f_value, _ = nca_value_and_grad(z, labels, log_form=False)
+    assert float(f_value) == 0.0  # f underflows to 0

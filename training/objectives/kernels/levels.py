@@ -33,8 +33,6 @@ def levels_for(machine: str) -> list[tuple[str, list[str], list[str]]]:
 
 # (library, source stem, C defines): every library the kernels build, one per dtype flavour
 LIBRARIES = [
-    ("nca_exact_f32", "nca_exact", []),
-    ("nca_exact_f64", "nca_exact", ["NCA_DOUBLE"]),
     ("nca_candidates_f32", "nca_candidates", []),
     ("nca_candidates_f64", "nca_candidates", ["NCA_DOUBLE"]),
     ("knca_linear_f64", "knca_linear", []),
