@@ -9,12 +9,12 @@ in one run, median of ``--repeats``:
   points (the candidate stage);
 * kNCA (majority, k = 5) on candidate sets, 8,192 rows.
 
-Exact NCA (the finish's 2^30 pairs) had a C kernel too, ``nca_exact.c``: it lost to torch on
-both machines measured (torch / native 0.93 at GEMM 285 on AVX-512, ``kernel_choice.json``;
-0.53 at GEMM 48 on AVX2, ``kernel_choice_amd.json``) and was removed.
+Exact NCA (the finish's 2^30 pairs) had a C kernel too, ``nca_exact.c``, removed in round 6
+(``benchmarks/README.md``, "Which native kernels pay": torch / C 0.87-0.93 at this size on an
+AVX-512 machine, 0.53 on an AVX2 one; ``results/kernel_choice_amd.json`` holds the latter).
 
 Prints the float32 GEMM rate of the machine beside the timings; saves
-``benchmarks/results/kernel_choice.json``.
+``benchmarks/results/<--name>`` (default ``kernel_choice.json``).
 
     taskset -c 0,1 python benchmarks/kernel_choice.py [--repeats 5] [--rows 60000]
 """
@@ -42,7 +42,7 @@ MNIST = Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist.npz"
 
 
 def median_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up (and the native build, when it is not cached)
+    fn()  # warm-up
     times = []
     for _ in range(repeats):
         started = time.perf_counter()

@@ -10,14 +10,14 @@ part, which uses the estimator's default. Parts:
   usps    USPS standard split, d = 32 (skipped when ../shared/data/usps.npz is absent); ours
           full-batch (exact) and ours forced onto the large-N path (candidate sets)
   scale   synthetic D = 784, 10 classes, N in {2k, 5k, 10k, 20k}, d = 32: time for ours to
-          reach scikit-learn's final objective (exact mode with and without the native kernel,
-          and the default "auto"), and peak memory
+          reach scikit-learn's final objective (exact mode and the default "auto"), and peak
+          memory
   large   N = 60k x 784 -> d = 32, ours alone with default settings (candidate sets, then
           the exact finish), with candidate sets alone (exact_finish=0), and with
           --large-draws also with drawn candidates (candidate_draws=32, 30 min)
-  kernel  seconds per exact objective+gradient evaluation at N = 10k, 20k on the torch path
-          and the native kernel (alternating), the GFLOP/s each reaches and the machine's
-          float32 GEMM ceiling
+  kernel  seconds per exact objective+gradient evaluation at N = 10k, 20k (torch: exact NCA
+          has no C kernel since its removal), the GFLOP/s it reaches and the machine's float32
+          GEMM ceiling
 
 Usage:  python benchmarks/train_vs_sklearn.py [--parts small,usps,scale,large,kernel]
 Writes benchmarks/results/train_vs_sklearn.json and prints tables.
@@ -167,8 +167,6 @@ def worker(spec: dict) -> dict:
 
 def run_worker(spec: dict) -> dict:
     env = dict(os.environ)
-    if spec.get("native") is False:  # our exact path without the native kernel
-        env["NCA_KNN_NATIVE"] = "0"
     proc = subprocess.run(
         [sys.executable, __file__, "--worker", json.dumps(spec)],
         capture_output=True,
@@ -244,19 +242,14 @@ def part_scale() -> list[dict]:
         rows.append(sk)
         print_row(sk)
         target = sk.get("objective")
-        variants = [
-            ("ours (exact)", None, True),
-            ("ours (exact, torch path)", None, False),
-            ("ours (auto)", "auto", True),
-        ]
-        for label, cand, use_native in variants:
+        variants = [("ours (exact)", None), ("ours (auto)", "auto")]
+        for label, cand in variants:
             r = run_worker(
                 {
                     **base,
                     "method": "ours",
                     "label": label,
                     "n_candidates": cand,
-                    "native": use_native,
                     "target": target,
                     "max_iter": 200,
                 }
@@ -427,7 +420,6 @@ def summarise(results: dict) -> None:
                 "seconds_per_evaluation",
                 "gflops",
                 "gemm_ceiling_gflops",
-                "speedup_over_torch_path",
             ],
         )
 

@@ -7,7 +7,7 @@ it imports none of them (the import graph of ``training`` has no cycles):
         ^             ^
         +---------  nca_kernel  <-  neighbourhood (dispatcher)  <-  optimize
                         ^
-           native (the C twin of nca_kernel's exact path; imports only torch)
+           native_candidates (the C path of nca_kernel's candidate sets; imports native)
 
 * the floors that keep exp() and log 0 finite (``EXP_FLOOR``, ``LOG_ZERO``),
 * ``floored_logsumexp``,

@@ -2,8 +2,8 @@
 
 This module finds and loads them; kNCA's fast path is in :mod:`training.objectives.knca_native`,
 NCA on candidate sets in :mod:`training.objectives.native_candidates`. Exact NCA has no C
-kernel: torch's GEMMs beat the one it had (``nca_exact.c``, removed: 0.53x torch's speed on an
-AVX2 machine, 0.93x on an AVX-512 one; ``benchmarks/results/kernel_choice*.json``).
+kernel: the one it had (``nca_exact.c``) ran at half torch's speed on an AVX2 machine and
+was removed (``benchmarks/README.md``, "Which native kernels pay").
 
 Building: ``setup.py`` compiles every source at install time, once per dtype flavour and per
 instruction-set level of the machine's architecture (``kernels/levels.py``: on x86-64 the

@@ -150,6 +150,6 @@ def test_a_kernel_failure_falls_back_to_the_torch_path_with_one_warning(monkeypa
 
 def test_usable_only_for_float32_on_cuda(monkeypatch):
     z = torch.zeros(4, 2)
-    assert not nca_flex.usable(z)  # the CPU runs the C kernel or the torch path
+    assert not nca_flex.usable(z)  # the CPU runs the torch path
     monkeypatch.setenv("NCA_KNN_FLEX", "0")
     assert not nca_flex.usable(z)

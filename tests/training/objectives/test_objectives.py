@@ -281,12 +281,20 @@ def exact_data(n, d, n_classes, seed=0, dtype=torch.float64):
 
 
 def brute_force_score(z, labels, log_form, rows=None):
-    """sum over rows of p_i (or log p_i) from an explicit N x N softmax, float64 numpy."""
-    z, y = z.double().numpy(), labels.numpy()
-    _, p_i, _ = brute_force_p(z, y, np.eye(z.shape[1]))
-    has_same = np.bincount(y)[y] >= 2  # a class of one scores 0
-    scores = np.where(has_same, np.log(np.where(has_same, p_i, 1.0)) if log_form else p_i, 0.0)
-    return scores.sum() if rows is None else scores[rows.numpy()].sum()
+    """(sum over rows of p_i or log p_i, its gradient (N, d)) from an explicit N x N
+    log-softmax (eqs 1-2) in float64, the gradient by autograd; a class of one scores 0."""
+    z = z.detach().double().requires_grad_(True)
+    d2 = ((z[:, None, :] - z[None, :, :]) ** 2).sum(-1)  # (N, N)
+    eye = torch.eye(len(z), dtype=torch.bool)
+    log_p_ij = torch.log_softmax(-d2.masked_fill(eye, float("inf")), 1)
+    same = (labels[:, None] == labels[None, :]) & ~eye
+    has_same = same.any(1)
+    same[~has_same, 0] = True  # a stand-in so that no row's log-sum-exp is over nothing
+    log_p = torch.logsumexp(log_p_ij.masked_fill(~same, float("-inf")), 1)  # (N,)
+    scores = torch.where(has_same, log_p if log_form else log_p.exp(), 0.0)
+    total = scores.sum() if rows is None else scores[rows].sum()
+    total.backward()
+    return float(total), z.grad
 
 
 @pytest.mark.parametrize("log_form", [False, True])
@@ -296,9 +304,10 @@ def brute_force_score(z, labels, log_form, rows=None):
 )
 def test_exact_path_equals_brute_force_at_any_chunk(n, d, n_classes, chunk, log_form):
     z, labels = exact_data(n, d, n_classes)
-    value, _ = nca_value_and_grad(z, labels, log_form=log_form, chunk_size=chunk)
-    expected = brute_force_score(z, labels, log_form)
+    value, grad = nca_value_and_grad(z, labels, log_form=log_form, chunk_size=chunk)
+    expected, expected_grad = brute_force_score(z, labels, log_form)
     assert float(value) == pytest.approx(expected, rel=1e-12, abs=1e-12)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-10, atol=1e-12)
 
 
 def test_exact_path_scores_singletons_zero_and_counts_a_row_listed_twice_twice():
@@ -306,9 +315,10 @@ def test_exact_path_scores_singletons_zero_and_counts_a_row_listed_twice_twice()
     labels[[3, 70]] = torch.tensor([9, 10])  # two classes of one point each
     rows = torch.tensor([3, 0, 149, 70, 12, 13, 88])
     for log_form in (False, True):
-        value, _ = nca_value_and_grad(z, labels, log_form=log_form, rows=rows)
-        expected = brute_force_score(z, labels, log_form, rows)
+        value, grad = nca_value_and_grad(z, labels, log_form=log_form, rows=rows)
+        expected, expected_grad = brute_force_score(z, labels, log_form, rows)
         assert float(value) == pytest.approx(expected, rel=1e-12)
+        torch.testing.assert_close(grad, expected_grad, rtol=1e-10, atol=1e-12)
     twice, grad = nca_value_and_grad(z, labels, log_form=False, rows=torch.tensor([5, 5, 7]))
     once, grad_once = nca_value_and_grad(z, labels, log_form=False, rows=torch.tensor([5, 7]))
     alone, grad_alone = nca_value_and_grad(z, labels, log_form=False, rows=torch.tensor([5]))
@@ -336,9 +346,8 @@ def test_exact_log_score_stays_exact_far_beyond_exps_range():
     value, grad = nca_value_and_grad(z, labels, log_form=True)
     assert torch.isfinite(value) and torch.isfinite(grad).all()
     assert float(value) < -6 * 900  # every p_i below exp(-900), and still exact:
-    d2 = ((z[:, None, :] - z[None, :, :]) ** 2).sum(-1).fill_diagonal_(float("inf"))
-    same = labels[:, None] == labels[None, :]
-    log_p = torch.logsumexp(-d2.masked_fill(~same, float("inf")), 1) - torch.logsumexp(-d2, 1)
-    assert float(value) == pytest.approx(float(log_p.sum()), rel=1e-12)
+    expected, expected_grad = brute_force_score(z, labels, True)
+    assert float(value) == pytest.approx(expected, rel=1e-12)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-9, atol=1e-9)
     f_value, _ = nca_value_and_grad(z, labels, log_form=False)
     assert float(f_value) == 0.0  # f underflows to 0
