@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from training.objectives import knca_native, native
+from training.objectives import knca_native
 from training.objectives.knca import (
     KNCAObjective,
     NativeLinearLogProb,
@@ -152,22 +152,15 @@ def test_whole_objective_with_and_without_the_kernel(variant, mode, monkeypatch)
 
 
 def test_a_library_the_install_did_not_build_warns_and_the_torch_programme_answers(
-    tmp_path, monkeypatch
+    install_without_kernels,
 ):
-    monkeypatch.setattr(native, "KERNEL_DIR", tmp_path)  # an install without the libraries
-    native.load_library.cache_clear()
-    knca_native._load.cache_clear()
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            assert not knca_native.usable(torch.zeros(1, 1))
-        assert any("knca_linear_f64 was not built" in str(w.message) for w in caught)
-        logits, shift, labels, own, c = rows("majority", 3, seed=6)
-        log_p = linear_log_prob(logits, shift, labels, own, c, 3)  # falls back, answers
-        assert torch.isfinite(log_p).all()
-    finally:
-        native.load_library.cache_clear()
-        knca_native._load.cache_clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert not knca_native.usable(torch.zeros(1, 1))
+    assert any("knca_linear_f64 was not built" in str(w.message) for w in caught)
+    logits, shift, labels, own, c = rows("majority", 3, seed=6)
+    log_p = linear_log_prob(logits, shift, labels, own, c, 3)  # falls back, answers
+    assert torch.isfinite(log_p).all()
 
 
 # One USPS row (25% label noise, kNCA-majority k = 5 on 16 candidates per kind, d = 16)

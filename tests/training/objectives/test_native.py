@@ -95,26 +95,18 @@ def test_every_level_built_for_this_cpu_computes_the_same_values(dtype, monkeypa
     assert len(results) == len(runnable)
 
 
-def test_a_library_the_install_did_not_build_warns_and_the_torch_path_answers(
-    tmp_path, monkeypatch
-):
+def test_a_library_the_install_did_not_build_warns_and_the_torch_path_answers(request):
     z, labels, candidates = data(30, 3, 3, seed=7, dtype=torch.float32)
     by_c, grad_by_c = candidates_objective(z, labels, candidates, True)  # the install's C
-    monkeypatch.setattr(native, "KERNEL_DIR", tmp_path)  # an install without the libraries
-    native.load_library.cache_clear()
-    native_candidates._load.cache_clear()
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            assert not native_candidates.usable(z, candidates.shape[1])
-        message = "nca_candidates_f32 was not built by this install"
-        assert any(message in str(w.message) for w in caught)
-        value, grad = nca_value_and_grad_candidates(z, labels, candidates, log_form=False)
-        torch.testing.assert_close(value, by_c, rtol=1e-5, atol=1e-6)  # torch answered
-        torch.testing.assert_close(grad, grad_by_c, rtol=1e-4, atol=1e-5)
-    finally:
-        native.load_library.cache_clear()
-        native_candidates._load.cache_clear()
+    request.getfixturevalue("install_without_kernels")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert not native_candidates.usable(z, candidates.shape[1])
+    message = "nca_candidates_f32 was not built by this install"
+    assert any(message in str(w.message) for w in caught)
+    value, grad = nca_value_and_grad_candidates(z, labels, candidates, log_form=False)
+    torch.testing.assert_close(value, by_c, rtol=1e-5, atol=1e-6)  # torch answered
+    torch.testing.assert_close(grad, grad_by_c, rtol=1e-4, atol=1e-5)
 
 
 def test_a_fit_with_no_compiler_on_path_runs_the_kernels_built_at_install(tmp_path):
