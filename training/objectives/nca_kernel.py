@@ -32,13 +32,13 @@ Tricks that make it fast and stable:
   costs 30% of an evaluation and changed nothing that test sees.
 * W = r U with a per-row scale r (B, 1): the (B, N) buffer holds U (exps, the same-class block
   rescaled) and r is folded into the products' (B, d) and (N,) sides, which saves two of
-  the dozen passes over (B, N) (0.92x an evaluation of 17,895 x 60,000 digits, measured
-  side by side).
+  the dozen passes over (B, N): the default digits fit's finish took 0.75x the time
+  (benchmarks/results/exact_row_scale.json).
 * The products are taken about the query class's mean c (W's rows sum to zero, so the
   gradient is unchanged): the column terms W^T (z_q - c) and colsum(W)_j (z_j - c) then
   cancel less in float32 (the column sums are a GEMV, which sums less accurately than a
   cascaded sum).
-Peak memory: O(chunk x N).
+Peak memory: O(chunk x N + N d).
 """
 
 from __future__ import annotations
@@ -49,11 +49,11 @@ from training.numerics import EXP_FLOOR, PrecomputedGradient, chunk_rows, class_
 from training.objectives import native_candidates, nca_flex
 
 
-def _block_weights(
+def _scores_and_row_scale(
     logits: torch.Tensor, s: int, e: int, log_form: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scores and W = d score_i / d L_ij for one block of rows, all of one class, as
-    W = r U: a per-row scale r (B, 1) times the (B, M) buffer U it leaves in ``logits``.
+    """(sum of the rows' scores, r (B, 1)) for one block of rows, all of one class; leaves U
+    (B, M) in ``logits`` such that W = d score_i / d L_ij = r_i U_ij.
 
     logits: (B, M) = L_ij + c_i (any per-row constant), -inf where j is not a neighbour;
     columns [s, e) are the rows' same-class neighbours. With m_i the row maximum,
@@ -67,9 +67,9 @@ def _block_weights(
     where U'_ij = exp(L_ij - m'_i), S'_i = sum_{j in block} U'_ij, m'_i the block's maximum
     and gap_i = m'_i - m_i. Off the block both give W_ij = -p_ij p_i (f) or -p_ij (g), and
     on it p_ij (1 - p_i) or p_ij (1 / p_i - 1). The callers fold r into their products (a
-    (B, d) scale instead of a pass over (B, M)). Returns (sum of the rows' scores, r in the
-    logits' dtype). Rows with no finite same-class logit score 0 and get r = 0. Entries at
-    -inf carry exp(EXP_FLOOR) ~ 2e-35 in U; callers zero them.
+    (B, d) scale instead of a pass over (B, M)); r is in the logits' dtype. Rows with no
+    finite same-class logit score 0 and get r = 0 and a zero block. Entries at -inf are 0
+    in U on the block; off it they carry exp(EXP_FLOOR) ~ 2e-35 (callers zero padding).
     """
     dtype = logits.dtype
     wide = torch.float64  # the per-row scalars; the (B, M) passes and their sums stay in dtype
@@ -95,6 +95,8 @@ def _block_weights(
         row_scale = -p / s_all
         block_factor = (p - 1.0) * (s_all / s_same)
     value = torch.where(has_same, score, torch.zeros_like(score)).sum()
+    # a row with no same-class logit has gap = -m_all, whose exp may overflow: zero factor
+    block_factor = torch.where(has_same, block_factor, torch.zeros_like(block_factor))
     e_all[:, s:e] = e_same.mul_(block_factor.to(dtype))
     return value, torch.where(has_same, row_scale, torch.zeros_like(row_scale)).to(dtype)
 
@@ -165,13 +167,14 @@ def _torch_value_and_grad(zs, runs, query_sorted, run_of_query, log_form: bool, 
     # one (chunk, N) buffer for every chunk's logits (then U, in place): a fresh one per
     # chunk costs page faults on every new mapping
     buffer = torch.empty((min(chunk_size, n), n), dtype=zs.dtype, device=zs.device)
+    centred = torch.empty_like(zs)  # (N, d) z_j - c, filled for each class
     for r, (s, e) in enumerate(runs):
         q_run = query_sorted[run_of_query == r]
         if e - s < 2 or q_run.shape[0] == 0:
             continue  # no same-class neighbour (p_i = 0 whatever A is), or no query row
         # W's rows sum to zero, so the gradient is the same with every z taken about any
         # point c: about the class's mean the two column terms below cancel less (float32)
-        centred = zs - zs[s:e].mean(0)  # (N, d) z_j - c
+        torch.sub(zs, zs[s:e].mean(0), out=centred)
         col_total = torch.zeros(n, dtype=zs.dtype, device=zs.device)  # sum_i W_ij, this class
         for start in range(0, q_run.shape[0], chunk_size):
             q = q_run[start : start + chunk_size]  # (B,) sorted positions, all of class r
@@ -180,9 +183,8 @@ def _torch_value_and_grad(zs, runs, query_sorted, run_of_query, log_form: bool, 
             torch.addmm(neg_sq, zs[q], zs.T, alpha=2.0, out=logits)
             local = torch.arange(b, device=zs.device)
             logits[local, q] = float("-inf")
-            value, row_scale = _block_weights(logits, s, e, log_form)  # W = row_scale U
-            units = logits  # (B, N) U
-            units[local, q] = 0.0
+            value, row_scale = _scores_and_row_scale(logits, s, e, log_form)
+            units = logits  # (B, N) U, W = row_scale U; U_ii = 0 (the diagonal is in [s, e))
             total += value
             # d/dz_i: 2 W (z - c) = 2 r U (z - c); d/dz_j: 2 (W^T (z_q - c) - colsum(W)_j
             # (z_j - c)), with W^T (z_q - c) = U^T (r (z_q - c)) and colsum(W) = U^T r
@@ -250,7 +252,7 @@ def nca_value_and_grad_candidates(
         if log_weights is not None:
             logits.add_(log_weights[q])
         logits.masked_fill_(invalid, float("-inf"))
-        value, row_scale = _block_weights(logits, 0, k_same, log_form)
+        value, row_scale = _scores_and_row_scale(logits, 0, k_same, log_form)
         weights = logits.mul_(row_scale).masked_fill_(invalid, 0.0)  # (B, M) W
         total += value
         # d/dz_i: 2 sum_c W_ic z_c ; d/dz_c: 2 W_ic (z_i - z_c)
