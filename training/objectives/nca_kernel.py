@@ -49,6 +49,11 @@ from training.numerics import EXP_FLOOR, PrecomputedGradient, chunk_rows, class_
 from training.objectives import native_candidates, nca_flex
 
 
+def _zero_unless(keep: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """values where keep, else 0 (also where values is inf or nan)."""
+    return torch.where(keep, values, torch.zeros_like(values))
+
+
 def _scores_and_row_scale(
     logits: torch.Tensor, s: int, e: int, log_form: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,12 +81,12 @@ def _scores_and_row_scale(
     same = logits[:, s:e]  # (B, n_c) view
     m_same = same.amax(1, keepdim=True)  # (B, 1)
     has_same = torch.isfinite(m_same)  # (B, 1)
-    m_same = torch.where(has_same, m_same, torch.zeros_like(m_same))
+    m_same = _zero_unless(has_same, m_same)
     e_same = torch.exp((same - m_same).clamp_min_(EXP_FLOOR))  # (B, n_c) U', new buffer
-    e_same = torch.where(torch.isfinite(same), e_same, torch.zeros_like(e_same))
+    e_same = _zero_unless(torch.isfinite(same), e_same)
     s_same = e_same.sum(1, keepdim=True).to(wide).clamp_min_(torch.finfo(dtype).tiny)
     m_all = logits.amax(1, keepdim=True)  # >= m_same, finite when has_same
-    m_all = torch.where(torch.isfinite(m_all), m_all, torch.zeros_like(m_all))
+    m_all = _zero_unless(torch.isfinite(m_all), m_all)
     e_all = logits.sub_(m_all).clamp_min_(EXP_FLOOR).exp_()  # (B, M) U, in place
     s_all = e_all.sum(1, keepdim=True).to(wide)
     gap = m_same.to(wide) - m_all.to(wide)  # (B, 1), <= 0
@@ -94,11 +99,11 @@ def _scores_and_row_scale(
         score = p = torch.exp(log_p)
         row_scale = -p / s_all
         block_factor = (p - 1.0) * (s_all / s_same)
-    value = torch.where(has_same, score, torch.zeros_like(score)).sum()
+    value = _zero_unless(has_same, score).sum()
     # a row with no same-class logit has gap = -m_all, whose exp may overflow: zero factor
-    block_factor = torch.where(has_same, block_factor, torch.zeros_like(block_factor))
+    block_factor = _zero_unless(has_same, block_factor)
     e_all[:, s:e] = e_same.mul_(block_factor.to(dtype))
-    return value, torch.where(has_same, row_scale, torch.zeros_like(row_scale)).to(dtype)
+    return value, _zero_unless(has_same, row_scale).to(dtype)
 
 
 def nca_value_and_grad(
@@ -168,6 +173,7 @@ def _torch_value_and_grad(zs, runs, query_sorted, run_of_query, log_form: bool, 
     # chunk costs page faults on every new mapping
     buffer = torch.empty((min(chunk_size, n), n), dtype=zs.dtype, device=zs.device)
     centred = torch.empty_like(zs)  # (N, d) z_j - c, filled for each class
+    col_total = torch.empty(n, dtype=zs.dtype, device=zs.device)  # sum_i W_ij, each class
     for r, (s, e) in enumerate(runs):
         q_run = query_sorted[run_of_query == r]
         if e - s < 2 or q_run.shape[0] == 0:
@@ -175,7 +181,7 @@ def _torch_value_and_grad(zs, runs, query_sorted, run_of_query, log_form: bool, 
         # W's rows sum to zero, so the gradient is the same with every z taken about any
         # point c: about the class's mean the two column terms below cancel less (float32)
         torch.sub(zs, zs[s:e].mean(0), out=centred)
-        col_total = torch.zeros(n, dtype=zs.dtype, device=zs.device)  # sum_i W_ij, this class
+        col_total.zero_()
         for start in range(0, q_run.shape[0], chunk_size):
             q = q_run[start : start + chunk_size]  # (B,) sorted positions, all of class r
             b = q.shape[0]
