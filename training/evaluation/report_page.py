@@ -296,6 +296,7 @@ STAGE_COLUMNS = (
     ("refreshes", "refreshes"),
     ("held-out checks", "checks"),
     ("their seconds", "check_seconds"),
+    ("start scale", "start_scale"),
     ("held-out score at start", "start_score"),
     ("at end", "end_score"),
     ("kept", "kept"),

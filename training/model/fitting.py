@@ -8,6 +8,7 @@ runs them; its shape (``docs/training.md`` shows it too):
     kept = Snapshot(the initial map)
     for stage in stages:
         problem = the stage's objective; theta = kept.theta; start = score(theta)
+        a later stage with a penalty: theta = s theta at the best scale s for its loss
         while no stop reason:
             if the candidate sets are stale: refresh them (L-BFGS forgets its pairs)
             theta = optimiser.step(theta)           # one L-BFGS iteration or Adam epoch
@@ -32,6 +33,16 @@ So a later stage is first judged after some iterations: the exact finish's penal
 pulls the candidate stage's map back and then gains (on moving50k, checks at the finish's
 1st and 5th iterations both scored below its start and stopped it, 5-NN test error 11.30%
 against 11.10% for checks at its 5th and 10th: ``benchmarks/results/real_digits_one_loop.json``).
+
+**A later stage's start scale.** The candidate stage runs without a penalty (``l2`` is 0 on
+candidate sets) and grows the map until each softmax sits on its nearest candidates; the
+exact finish carries ``l2 ||A||^2``, whose optimum lies at a far smaller scale. Started from
+the candidate stage's map, the finish's first L-BFGS steps spent its iterations shrinking
+the map, and its held-out score dipped on the way (moving50k: 0.804 -> 0.449 after 3
+iterations, back to 0.812 after 10). A later stage with a penalty therefore starts from
+s theta, s the power of sqrt 2 that minimises its loss along that ray (:func:`start_scale`,
+on a sample of its rows: 1/8 of an evaluation's pairs a scale tried). The held-out score
+is blind to the scale, so the start's score is unchanged; ``stages_`` records s.
 
 **The keep rule** (one, for the whole fit): a map scored is kept when it scores at least
 the best score of the fit so far less the tolerance (one and a half rows' worth), so
@@ -76,6 +87,12 @@ from training.optim.problem import Problem, map_components
 from training.optim.sharded_problem import ShardedProblem
 
 STALL_CHECKS = 2  # checks in a row without a gain that stop a stage (without early_stopping)
+# a later stage's start scale: scales SCALE_RATIO^k, |k| <= SCALE_STEPS, tried on about
+# SCALE_PAIRS (query row, point) pairs of its rows (at least SCALE_MIN_ROWS rows)
+SCALE_RATIO = 2**0.5
+SCALE_STEPS = 8
+SCALE_PAIRS = 2**27
+SCALE_MIN_ROWS = 256
 CANDIDATE_CHANGE_TOL = 0.01  # a round converged on sets that changed less than this: done
 CACHED_MAPS = 4  # the held-out scores of this many maps are remembered
 # an exact L-BFGS stage is checkpointed after an iteration when this many seconds have passed
@@ -211,6 +228,7 @@ class StageRecord:
     checks: int  # held-out scores computed (its start's included)
     check_seconds: float  # ... and their time
     stop_reason: str
+    start_scale: float = 1.0  # the factor its start map was scaled by (start_scale())
     # per candidate refresh: the fraction of sets it changed (the first: 1), the share of
     # entries it replaced, K (the candidates per kind it kept) and an IVF search's neighbour
     # mass against exact sets' (None: exact search)
@@ -303,6 +321,7 @@ class StageResume:
     evaluations: int  # the stage's evaluations so far
     seconds: float  # the stage's time so far
     checks: dict  # the stage's held-out checks (StageChecks' numbers)
+    start_scale: float = 1.0  # the factor the stage's start map was scaled by
 
 
 @dataclass
@@ -440,8 +459,12 @@ class StagedFit:
         check = StageChecks(self.held_out, self.patience)
         rounds = Rounds(watch)
         theta, at, iteration, resumed = self._stage_start(index, stage, state, solver, check)
+        scale = 1.0 if resumed is None else resumed.start_scale
         if resumed is not None:  # mid-stage: the stage's time and iterations so far count
             started, before = started - resumed.seconds, before - resumed.iteration
+        elif index > 0 and stage.l2 > 0:  # a later stage's penalty: start at its best scale
+            scale = start_scale(problem, theta)
+            theta = scale * theta
         stop = None
         while stop is None:
             if iteration >= stage.max_iter:
@@ -490,7 +513,9 @@ class StagedFit:
                 stop = rounds.stop_for(step.stop, iteration, moved=True)
             save, interrupted = self._saves_mid_stage(stage) if stop is None else (False, False)
             if save or (interrupted and self._checkpoints_mid_stage(stage)):
-                state.resume = self._where(index, iteration, theta, at, solver, check, started)
+                state.resume = self._where(
+                    index, iteration, theta, at, solver, check, started, scale
+                )
                 self._save(state)
                 state.resume = None
             if interrupted:  # a signal held to here: saved when checkpointed, and raised
@@ -516,6 +541,7 @@ class StagedFit:
             checks=check.count,
             check_seconds=check.seconds,
             stop_reason=str(stop),
+            start_scale=scale,
         )
         state.records.append(record if watch is None else with_refreshes(record, watch))
 
@@ -619,7 +645,7 @@ class StagedFit:
         all-reduce under torchrun, so that every rank stops at the same point."""
         return lowest_and_highest(int(signum is not None), self.group)[1] == 1
 
-    def _where(self, index, iteration, theta, at, solver, check, started) -> StageResume:
+    def _where(self, index, iteration, theta, at, solver, check, started, scale) -> StageResume:
         """Where the running stage stands (a mid-stage checkpoint's)."""
         s, y = solver.pairs_arrays()
         seconds = self.clock.elapsed() - started
@@ -635,6 +661,7 @@ class StagedFit:
             solver.evaluations,
             seconds,
             check.numbers(),
+            scale,
         )
 
     def _save(self, state: FitState) -> None:
@@ -873,6 +900,38 @@ class StageChecks:
 def resume_point(resume: StageResume) -> Evaluation:
     """The evaluation a resumed stage stood at."""
     return Evaluation(resume.f, np.asarray(resume.g, dtype=np.float64), resume.extra)
+
+
+def start_scale(problem, theta: np.ndarray) -> float:
+    """The scale s = SCALE_RATIO^k (|k| <= SCALE_STEPS) at which the problem's loss at
+    s theta is least, searched from s = 1 downwards while the loss falls, else upwards while
+    it falls; the loss on evenly spaced rows of the problem's query rows, SCALE_PAIRS pairs'
+    worth. Deterministic: the same rows and scales on every run and rank (a sharded
+    problem's loss is the same on every rank)."""
+    query = problem.query_rows
+    available = problem.n_samples if query is None else len(query)
+    count = min(available, max(SCALE_MIN_ROWS, SCALE_PAIRS // max(1, problem.n_samples)))
+    picked = torch.as_tensor(evenly_spaced_rows(available, count))
+    rows = picked if query is None else query[picked.to(query.device)]
+    rows = rows.to(problem.X.device)
+
+    def loss_at(scale: float) -> float:
+        with torch.no_grad():
+            loss, _score = problem.loss(problem.to_tensor(scale * theta), rows)
+        return float(loss)
+
+    best_scale, best = 1.0, loss_at(1.0)
+    for ratio in (1 / SCALE_RATIO, SCALE_RATIO):
+        scale = best_scale
+        for _ in range(SCALE_STEPS):
+            scale *= ratio
+            loss = loss_at(scale)
+            if not loss < best:
+                break
+            best_scale, best = scale, loss
+        if best_scale != 1.0:  # it fell downwards: do not try upwards
+            break
+    return best_scale
 
 
 def skipped_record(stage: str) -> StageRecord:

@@ -18,7 +18,9 @@ from training.errors import Interrupted
 from training.model import fitting
 from training.model.options import with_options
 
-PARAMS = dict(n_components=2, n_candidates=5, max_iter=12, random_state=0, validation_interval=2)
+PARAMS = dict(
+    n_components=2, n_candidates=5, max_iter=12, random_state=0, validation_interval=2, tol=1e-10
+)
 
 
 def data():

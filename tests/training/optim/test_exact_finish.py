@@ -7,12 +7,16 @@ import warnings
 
 import numpy as np
 import pytest
+import torch
 
 from tests.training.problems import blobs, brute_force, hard_noisy, script_validation
 from training import NCA
 from training.model import plan as estimator
+from training.model.fitting import SCALE_RATIO, SCALE_STEPS, start_scale
 from training.model.options import with_options
 from training.model.plan import AUTO_EXACT_FINISH_ITER, AUTO_KNCA_FINISH_ITER, DEFAULT_L2
+from training.objectives.nca import NCAObjective
+from training.optim.problem import Problem
 
 
 def penalised_exact_loss(model, X, y, l2, rows=None) -> float:
@@ -75,6 +79,65 @@ def test_exact_finish_zero_is_the_candidate_fit_alone():
     model = fit(X, y, n_candidates=5, exact_finish=0)
     assert model.exact_finish_iter_ == 0 and model.l2_ == 0.0
     assert all("stage" not in r for r in model.history_)
+
+
+def exact_problem(X, y, l2=DEFAULT_L2, query_rows=None):
+    Xt = torch.as_tensor((X - X.mean(0)) / X.std(0), dtype=torch.float32)
+    labels = torch.as_tensor(y, dtype=torch.int64)
+    objective = NCAObjective(log_form=False)
+    return Problem(
+        Xt, labels, objective, transform="linear", n_components=2, l2=l2, query_rows=query_rows
+    )
+
+
+@pytest.mark.parametrize("size", [3.0, 0.1])
+def test_the_start_scale_is_the_penalised_losss_least_on_its_grid(size):
+    """A map far too large for the penalty is scaled down, one far too small up, each to a
+    scale whose neighbours on the grid (a factor sqrt 2 either way) have a larger loss."""
+    X, y = blobs(240, seed=3)
+    problem = exact_problem(X, y)
+    theta = size * np.random.default_rng(0).normal(size=2 * X.shape[1])
+    scale = start_scale(problem, theta)
+    rows = torch.arange(len(y))  # 240 rows: all of them are the sample
+
+    def loss(s):
+        with torch.no_grad():
+            return float(problem.loss(problem.to_tensor(s * theta), rows)[0])
+
+    assert (scale < 1) if size > 1 else (scale > 1)
+    assert SCALE_RATIO ** (0.5 - SCALE_STEPS) < scale < SCALE_RATIO ** (SCALE_STEPS - 0.5)
+    assert loss(scale) < loss(scale * SCALE_RATIO) and loss(scale) < loss(scale / SCALE_RATIO)
+    steps = np.log(scale) / np.log(SCALE_RATIO)
+    assert steps == pytest.approx(round(steps), abs=1e-9)  # a power of the ratio
+
+
+def test_the_start_scale_is_chosen_on_the_stages_own_query_rows():
+    """On a problem averaging over some query rows (here one class's), the scale is the
+    least on the grid of those rows' loss."""
+    X, y = blobs(300, seed=4)
+    rows = torch.as_tensor(np.flatnonzero(y == 2))
+    problem = exact_problem(X, y, query_rows=rows)
+    theta = 5.0 * np.random.default_rng(1).normal(size=2 * X.shape[1])
+    scale = start_scale(problem, theta)
+
+    def loss(s):
+        with torch.no_grad():
+            return float(problem.loss(problem.to_tensor(s * theta), rows)[0])
+
+    assert scale < 1
+    assert loss(scale) < loss(scale * SCALE_RATIO) and loss(scale) < loss(scale / SCALE_RATIO)
+
+
+def test_the_finish_starts_at_its_best_scale_and_stages_say_so():
+    """The candidate stage (no penalty) grows the map; the finish (l2) starts from it scaled
+    down, and stages_ records the factor; without a penalty no scale is searched."""
+    X, y = blobs(400)
+    model = fit(X, y, n_candidates=5, exact_finish=3)
+    first, finish = model.stages_
+    assert first["start_scale"] == 1.0 and finish["stage"] == "exact finish"
+    assert finish["start_scale"] < 1.0
+    unpenalised = fit(X, y, n_candidates=5, exact_finish=3, l2=0.0)
+    assert [s["start_scale"] for s in unpenalised.stages_] == [1.0, 1.0]
 
 
 def test_exact_fits_and_fits_that_auto_leaves_alone_have_no_finish():
