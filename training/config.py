@@ -211,7 +211,7 @@ class TrainConfig:
     exact_finish: str = _shared(
         "exact_finish",
         "after candidate sets, this many L-BFGS iterations on the exact objective (every point "
-        "a neighbour, at most 65,536 query rows for nca/nca-log, 2,048 for knca-*): auto (10 "
+        "a neighbour, at most 65,536 query rows for nca/nca-log, 2,048 for knca-*): auto (5 "
         "for nca/nca-log, 20 for knca-*, 0 with adam), or an integer >= 0",
         parse=_exact_finish,
     )

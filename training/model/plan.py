@@ -22,8 +22,10 @@ CANDIDATE_QUERY_MAX_ROWS = 2**17
 # evenly spaced query rows, so that a finishing iteration costs O(min(N, rows) N d). An exact
 # kNCA pair costs ~20x an NCA one, so kNCA's finish averages over fewer rows and runs longer
 # (measured in benchmarks/candidate_quality.py --knca and benchmarks/exact_finish.py
-# --objective knca-majority).
-AUTO_EXACT_FINISH_ITER = 10
+# --objective knca-majority). Started at its best scale (fitting.start_scale), 5 iterations
+# reach what 10 did from the candidate stage's scale (benchmarks/README.md, "The finish's
+# start scale").
+AUTO_EXACT_FINISH_ITER = 5
 EXACT_FINISH_MAX_ROWS = 65536
 # ... and at most this many (query row, point) pairs per finishing evaluation: the finish's
 # rows shrink as N grows (every row up to N = 32,768; 19,206 of the 55,904 digits an
