@@ -47,7 +47,10 @@ def knn_predictions(
     return {k: decide(labels[:, :k], dist[:, :k], n_classes, rule, background)[0] for k in ks}
 
 
-FLAT_SEARCH_MIN_REFS = 65536  # from this many references the first pass is FAISS's
+# from this many references the first pass is FAISS's: inside a fit's one-thread BLAS limit
+# it is 1.13x torch's at 16,384 and 1.55x at 54,001, 0.89x at 4,096 (4,096 queries, d = 32,
+# k = 64; benchmarks/held_out_search.py)
+FLAT_SEARCH_MIN_REFS = 16384
 
 
 def nearest_references(
@@ -57,8 +60,8 @@ def nearest_references(
     the k + RERANK_MARGIN nearest by a float32 pass, re-ranked pair by pair in float64, ties
     by smaller index. The float32 pass is FAISS's brute-force search (``IndexFlatL2``: BLAS
     and a heap per query on every core) from FLAT_SEARCH_MIN_REFS references, where
-    numpy's single-threaded partition of an (n, N) block dominates (``flat_search``
-    overrides the choice); the re-rank makes both passes give the same neighbours."""
+    torch's ``topk`` over (n, N) blocks costs more, else torch's (``flat_search`` overrides
+    the choice); the re-rank makes both passes give the same neighbours."""
     if not 1 <= k <= len(z_ref):
         raise ValueError(f"k must lie in [1, {len(z_ref)}] (the number of references), got {k}")
     if flat_search is None:
