@@ -94,7 +94,8 @@ def knn_accuracy(z_train, y_train, z_test, y_test, k: int, n_classes: int) -> fl
 # (label, objective, k, parameters): exact, the round-1 candidate mode (a refresh every 10
 # iterations, K fixed), candidate sets alone (refresh when the mass inside the candidates
 # falls, K chosen from the data; no exact finish), and the defaults on candidate sets (the
-# same, then exact_finish="auto": 10 L-BFGS iterations on the exact objective)
+# same, then exact_finish="auto": L-BFGS iterations on the exact objective, 5 since round 6,
+# 10 when the figures in benchmarks/README.md were measured)
 FIXED = {"refresh_tol": None, "candidate_mass": None}
 ALONE = {"exact_finish": 0}
 NCA_METHODS = [

@@ -9,8 +9,9 @@ inputs), for each N:
 * exact: every point a neighbour (n_candidates=None; l2 = 0.03);
 * candidate sets alone: the default candidate mode without the finish (exact_finish=0;
   l2 = 0, which "auto" is on nearest candidates);
-* defaults: candidate sets, then exact_finish="auto" (10 L-BFGS iterations on the exact
-  objective with l2 = 0.03, from the candidate map);
+* defaults: candidate sets, then exact_finish="auto" (L-BFGS iterations on the exact
+  objective with l2 = 0.03: 10 from the candidate map when benchmarks/README.md's figures
+  were measured, 5 from its best scale since round 6);
 * a longer finish (exact_finish=20), to see whether 10 is enough;
 * kNN on the raw (standardised) inputs.
 

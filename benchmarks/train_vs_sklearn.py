@@ -265,8 +265,8 @@ def part_scale() -> list[dict]:
 
 
 def part_large(with_draws: bool = False) -> list[dict]:
-    """Ours with the defaults (candidate sets with l2="auto" = 0, then 10 exact iterations
-    with l2 = 0.03), with candidate sets alone, and (``with_draws``) with 32 drawn candidates
+    """Ours with the defaults (candidate sets with l2="auto" = 0, then the exact finish,
+    5 iterations since round 6 (10 before), with l2 = 0.03), with candidate sets alone, and (``with_draws``) with 32 drawn candidates
     per kind (l2="auto" is then 0.03), against kNN on the raw inputs."""
     spec = {
         "method": "ours",

@@ -48,7 +48,7 @@ def knn_predictions(
 
 
 # from this many references the first pass is FAISS's: inside a fit's one-thread BLAS limit
-# it is 1.13x torch's at 16,384 and 1.55x at 54,001, 0.89x at 4,096 (4,096 queries, d = 32,
+# it is 1.12x torch's at 16,384 and 1.72x at 54,001, 0.93x at 4,096 (4,096 queries, d = 32,
 # k = 64; benchmarks/held_out_search.py)
 FLAT_SEARCH_MIN_REFS = 16384
 

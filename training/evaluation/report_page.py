@@ -305,8 +305,9 @@ STAGE_COLUMNS = (
 
 
 def _stage_table(training: dict) -> str:
-    """One row per stage of the fit (``NCA.stages_``): its seconds and work, the held-out
-    score it started and ended with, which map was kept and why it stopped."""
+    """One row per stage of the fit (``NCA.stages_``): its seconds and work, the scale its
+    start was multiplied by, the held-out score it started and ended with, which map was
+    kept and why it stopped."""
     stages = training.get("stages") or []
     if not stages:
         return "<p>No stages recorded in this report.</p>"

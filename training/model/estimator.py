@@ -91,8 +91,9 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         model: ``KNeighborsClassifier(1).fit(nca.prototypes_, nca.prototype_labels_)``.
     stages_ : list of dict
         For each stage (``training.model.fitting.StageRecord``): its name, seconds,
-        iterations, evaluations, refreshes, held-out checks, why it stopped, the score of its
-        start and of its end, and which one was kept ("start": the stage was undone);
+        iterations, evaluations, refreshes, held-out checks, why it stopped, the factor its
+        start map was scaled by (``start_scale``), the score of its start and of its end,
+        and which one was kept ("start": the stage was undone);
         ``stage_measure_`` says what the scores are.
     kernels_ : dict
         Which implementation evaluated each objective of the fit ("nca_exact",

@@ -29,20 +29,25 @@ judged by. Rows the map was fitted on cannot judge it: NCA makes their leave-one
 neighbourhoods pure.
 It is checked at the fit's first iteration and every ``validation_interval``-th iteration of
 the fit (iteration counts, not the clock: the same maps are scored on every run and rank).
-So a later stage is first judged after some iterations: the exact finish's penalty first
-pulls the candidate stage's map back and then gains (on moving50k, checks at the finish's
-1st and 5th iterations both scored below its start and stopped it, 5-NN test error 11.30%
-against 11.10% for checks at its 5th and 10th: ``benchmarks/results/real_digits_one_loop.json``).
+So a later stage is first judged after some iterations (measured when the finish started
+from the candidate stage's scale and its penalty first pulled the map back: on moving50k,
+checks at the finish's 1st and 5th iterations both scored below its start and stopped it,
+5-NN test error 11.30% against 11.10% for checks at its 5th and 10th:
+``benchmarks/results/real_digits_one_loop.json``).
 
-**A later stage's start scale.** The candidate stage runs without a penalty (``l2`` is 0 on
-candidate sets) and grows the map until each softmax sits on its nearest candidates; the
-exact finish carries ``l2 ||A||^2``, whose optimum lies at a far smaller scale. Started from
-the candidate stage's map, the finish's first L-BFGS steps spent its iterations shrinking
-the map, and its held-out score dipped on the way (moving50k: 0.804 -> 0.449 after 3
-iterations, back to 0.812 after 10). A later stage with a penalty therefore starts from
-s theta, s the power of sqrt 2 that minimises its loss along that ray (:func:`start_scale`,
-on a sample of its rows: 1/8 of an evaluation's pairs a scale tried). The held-out score
-is blind to the scale, so the start's score is unchanged; ``stages_`` records s.
+**A later stage's start scale.** The candidate stage runs without a penalty (``l2="auto"`` is
+0 on candidate sets) and grows the map until each softmax sits on its nearest candidates;
+the exact finish carries ``l2 ||A||^2``, whose optimum lies at a far smaller scale. Started
+from the candidate stage's map, the finish's first L-BFGS steps spent its iterations
+shrinking the map, and its held-out score dipped on the way (moving50k: 0.804 -> 0.449
+after 3 iterations, back to 0.812 after 10). So a later NCA stage with a penalty starts
+from s theta, the first local minimum of its loss along that ray on a grid of powers of
+sqrt 2 (:func:`start_scale`: from 1 down, or up, while the loss falls, within 1/16 and 16;
+each scale tried is a forward pass over an eighth of the stage's rows, at most 10 of
+them). The held-out score is blind to the scale, so s theta scores as theta does; a
+finish that is undone returns theta itself (and its objective on the finish's problem,
+one more forward pass). ``stages_`` records s. kNCA's finish starts where it did: its start
+scale is not measured.
 
 **The keep rule** (one, for the whole fit): a map scored is kept when it scores at least
 the best score of the fit so far less the tolerance (one and a half rows' worth), so
@@ -77,6 +82,7 @@ import torch
 from training.distributed.ranks import broadcast_from_rank0, lowest_and_highest
 from training.errors import Interrupted, held_interrupt, holding_interrupts
 from training.model import sparse_input
+from training.model.plan import is_knca
 from training.numerics import evenly_spaced_rows
 from training.objectives.registry import make_objective
 from training.optim.adam import AdamEpochs
@@ -87,11 +93,11 @@ from training.optim.problem import Problem, map_components
 from training.optim.sharded_problem import ShardedProblem
 
 STALL_CHECKS = 2  # checks in a row without a gain that stop a stage (without early_stopping)
-# a later stage's start scale: scales SCALE_RATIO^k, |k| <= SCALE_STEPS, tried on about
-# SCALE_PAIRS (query row, point) pairs of its rows (at least SCALE_MIN_ROWS rows)
+# a later stage's start scale: scales SCALE_RATIO^k, |k| <= SCALE_STEPS, tried on
+# 1 / SCALE_SHARE of its rows (at least SCALE_MIN_ROWS, or all of them)
 SCALE_RATIO = 2**0.5
 SCALE_STEPS = 8
-SCALE_PAIRS = 2**27
+SCALE_SHARE = 8
 SCALE_MIN_ROWS = 256
 CANDIDATE_CHANGE_TOL = 0.01  # a round converged on sets that changed less than this: done
 CACHED_MAPS = 4  # the held-out scores of this many maps are remembered
@@ -462,8 +468,8 @@ class StagedFit:
         scale = 1.0 if resumed is None else resumed.start_scale
         if resumed is not None:  # mid-stage: the stage's time and iterations so far count
             started, before = started - resumed.seconds, before - resumed.iteration
-        elif index > 0 and stage.l2 > 0:  # a later stage's penalty: start at its best scale
-            scale = start_scale(problem, theta)
+        elif index > 0 and stage.l2 > 0 and not is_knca(self.settings.objective):
+            scale = start_scale(problem, theta)  # a later stage's penalty: its best scale
             theta = scale * theta
         stop = None
         while stop is None:
@@ -476,8 +482,8 @@ class StagedFit:
                 at = None
             if at is None:
                 at = solver.start(theta)
-                if iteration == 0:  # the start's objective, on this stage's problem
-                    state.kept = replace(state.kept, objective=at.extra)
+                if iteration == 0 and scale == 1.0:  # the start's objective, on this stage's
+                    state.kept = replace(state.kept, objective=at.extra)  # problem
             left = None
             if stage.max_evaluations is not None:
                 left = stage.max_evaluations - solver.evaluations
@@ -524,6 +530,9 @@ class StagedFit:
             score = self._score(index, iteration, theta)
             check.seen(score)
             state.offer(Snapshot(theta, at.extra, score, state.iterations), self._tolerance)
+        if scale != 1.0 and state.kept.iteration <= before:  # undone: the kept map is the
+            # stage's unscaled start, whose objective on this stage's problem is not at.extra
+            state.kept = replace(state.kept, objective=objective_at(problem, state.kept.theta))
         state.evaluations += solver.evaluations
         if index == 0:
             state.stop_reason = stop
@@ -902,15 +911,21 @@ def resume_point(resume: StageResume) -> Evaluation:
     return Evaluation(resume.f, np.asarray(resume.g, dtype=np.float64), resume.extra)
 
 
+def objective_at(problem, theta: np.ndarray) -> float:
+    """The problem's mean score at ``theta`` over its query rows (a forward pass)."""
+    with torch.no_grad():
+        return float(problem.mean_score(problem.to_tensor(theta), problem.query_rows))
+
+
 def start_scale(problem, theta: np.ndarray) -> float:
-    """The scale s = SCALE_RATIO^k (|k| <= SCALE_STEPS) at which the problem's loss at
-    s theta is least, searched from s = 1 downwards while the loss falls, else upwards while
-    it falls; the loss on evenly spaced rows of the problem's query rows, SCALE_PAIRS pairs'
-    worth. Deterministic: the same rows and scales on every run and rank (a sharded
-    problem's loss is the same on every rank)."""
+    """The scale s = SCALE_RATIO^k (|k| <= SCALE_STEPS) where the problem's loss at s theta
+    stops falling, searched from s = 1 downwards while the loss falls, else upwards while it
+    falls (the first local minimum on that grid); the loss (a forward pass) on evenly spaced
+    rows of the problem's query rows, 1 / SCALE_SHARE of them. Deterministic: the same rows
+    and scales on every run and rank (a sharded problem's loss is the same on every rank)."""
     query = problem.query_rows
     available = problem.n_samples if query is None else len(query)
-    count = min(available, max(SCALE_MIN_ROWS, SCALE_PAIRS // max(1, problem.n_samples)))
+    count = min(available, max(SCALE_MIN_ROWS, available // SCALE_SHARE))
     picked = torch.as_tensor(evenly_spaced_rows(available, count))
     rows = picked if query is None else query[picked.to(query.device)]
     rows = rows.to(problem.X.device)

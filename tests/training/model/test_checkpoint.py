@@ -72,6 +72,7 @@ def test_a_fit_killed_in_its_finish_resumes_there_and_ends_with_the_same_map(
     first_iterations = whole.stages_[0]["iterations"]
     assert [r["stage"] for r in whole.stages_] == ["candidate stage", "exact finish"]
     assert whole.stages_[1]["iterations"] > killed_at
+    assert whole.stages_[1]["start_scale"] != 1.0  # the resumed finish must restore it
     with pytest.raises(Killed):
         fit(tmp_path / "ckpt", callback=killer(first_iterations + killed_at))
     assert (tmp_path / "ckpt" / "fit-rank0.npz").is_file()

@@ -111,33 +111,70 @@ def test_the_start_scale_is_the_penalised_losss_least_on_its_grid(size):
     assert steps == pytest.approx(round(steps), abs=1e-9)  # a power of the ratio
 
 
-def test_the_start_scale_is_chosen_on_the_stages_own_query_rows():
-    """On a problem averaging over some query rows (here one class's), the scale is the
-    least on the grid of those rows' loss."""
+def test_the_start_scale_is_chosen_on_the_stages_own_query_rows(monkeypatch):
+    """On a problem averaging over some query rows (here one class's), the loss is taken on
+    an evenly spaced eighth of those rows (at least 256, here all 73), and the scale is
+    the least on the grid of those rows' loss."""
     X, y = blobs(300, seed=4)
     rows = torch.as_tensor(np.flatnonzero(y == 2))
     problem = exact_problem(X, y, query_rows=rows)
     theta = 5.0 * np.random.default_rng(1).normal(size=2 * X.shape[1])
+    asked = []
+    loss = problem.loss
+    monkeypatch.setattr(problem, "loss", lambda p, r: asked.append(r) or loss(p, r))
     scale = start_scale(problem, theta)
+    assert asked and all(torch.equal(r, rows) for r in asked)
 
-    def loss(s):
+    def loss_at(s):
         with torch.no_grad():
-            return float(problem.loss(problem.to_tensor(s * theta), rows)[0])
+            return float(loss(problem.to_tensor(s * theta), rows)[0])
 
     assert scale < 1
-    assert loss(scale) < loss(scale * SCALE_RATIO) and loss(scale) < loss(scale / SCALE_RATIO)
+    assert loss_at(scale) < loss_at(scale * SCALE_RATIO)
+    assert loss_at(scale) < loss_at(scale / SCALE_RATIO)
 
 
-def test_the_finish_starts_at_its_best_scale_and_stages_say_so():
+def test_the_finish_starts_from_the_scaled_map_and_stages_say_so():
     """The candidate stage (no penalty) grows the map; the finish (l2) starts from it scaled
-    down, and stages_ records the factor; without a penalty no scale is searched."""
+    down: after one finishing iteration its penalty is far below that of the candidate
+    stage's map (l2 ||A||^2), and stages_ records the factor; without a penalty no scale is
+    searched."""
     X, y = blobs(400)
-    model = fit(X, y, n_candidates=5, exact_finish=3)
+    candidate_map = fit(X, y, n_candidates=5, exact_finish=0).components_
+    model = fit(X, y, n_candidates=5, exact_finish=1)
     first, finish = model.stages_
     assert first["start_scale"] == 1.0 and finish["stage"] == "exact finish"
-    assert finish["start_scale"] < 1.0
+    assert finish["start_scale"] <= SCALE_RATIO**-1
+    after_one = next(r for r in model.history_ if r.get("stage") == "exact finish")
+    assert after_one["penalty"] < 0.75 * DEFAULT_L2 * float((candidate_map**2).sum())
     unpenalised = fit(X, y, n_candidates=5, exact_finish=3, l2=0.0)
     assert [s["start_scale"] for s in unpenalised.stages_] == [1.0, 1.0]
+
+
+def test_an_undone_finish_returns_its_unscaled_start_and_that_maps_objective(monkeypatch):
+    """Held-out scores scripted to fall in the finish: the judge undoes it, and the fit
+    returns the candidate stage's map itself (not the scaled start) with its mean score on
+    the finish's objective."""
+    script_validation(
+        monkeypatch, lambda stage, i: 0.5 if stage == "exact finish" and i > 0 else 0.9
+    )
+    X, y = blobs(400)
+    X_val, y_val = blobs(120, seed=9)
+    params = dict(n_components=4, random_state=0, max_iter=30, standardize="feature")
+
+    def judged_fit(**extra):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            estimator = NCA(**with_options(dict(n_candidates=5, **params, **extra)))
+            return estimator.fit(X, y, X_val, y_val)
+
+    undone = judged_fit(exact_finish=3)
+    alone = judged_fit(exact_finish=0)
+    assert undone.stages_[1]["kept"] == "start" and undone.stages_[1]["start_scale"] < 1
+    np.testing.assert_array_equal(undone.components_, alone.components_)
+    assert undone.objective_value_ == pytest.approx(
+        -penalised_exact_loss(undone, X, y, l2=0.0), abs=1e-5
+    )
 
 
 def test_exact_fits_and_fits_that_auto_leaves_alone_have_no_finish():
