@@ -8,7 +8,7 @@ runs them; its shape (``docs/training.md`` shows it too):
     kept = Snapshot(the initial map)
     for stage in stages:
         problem = the stage's objective; theta = kept.theta; start = score(theta)
-        a later stage with a penalty: theta = s theta at the best scale s for its loss
+        if stage.scaled_start (the NCA finish): theta = s theta, s its loss's best scale
         while no stop reason:
             if the candidate sets are stale: refresh them (L-BFGS forgets its pairs)
             theta = optimiser.step(theta)           # one L-BFGS iteration or Adam epoch
@@ -35,14 +35,14 @@ checks at the finish's 1st and 5th iterations both scored below its start and st
 5-NN test error 11.30% against 11.10% for checks at its 5th and 10th:
 ``benchmarks/results/real_digits_one_loop.json``).
 
-**A later stage's start scale.** The candidate stage runs without a penalty (``l2="auto"`` is
+**The finish's start scale.** The candidate stage runs without a penalty (``l2="auto"`` is
 0 on candidate sets) and grows the map until each softmax sits on its nearest candidates;
 the exact finish carries ``l2 ||A||^2``, whose optimum lies at a far smaller scale. Started
 from the candidate stage's map, the finish's first L-BFGS steps spent its iterations
 shrinking the map, and its held-out score dipped on the way (moving50k: 0.804 -> 0.449
-after 3 iterations, back to 0.812 after 10). So a later NCA stage with a penalty starts
-from s theta, the first local minimum of its loss along that ray on a grid of powers of
-sqrt 2 (:func:`start_scale`: from 1 down, or up, while the loss falls, within 1/16 and 16;
+after 3 iterations, back to 0.812 after 10). So the NCA finish (``Stage.scaled_start``,
+from the plan) starts from s theta, the first local minimum of its loss along that ray on
+a grid of powers of sqrt 2 (:func:`start_scale`: from 1 down, or up, while the loss falls, within 1/16 and 16;
 each scale tried is a forward pass over an eighth of the stage's rows, at most 10 of
 them). The held-out score is blind to the scale, so s theta scores as theta does; a
 finish that is undone returns theta itself (and its objective on the finish's problem,
@@ -82,7 +82,6 @@ import torch
 from training.distributed.ranks import broadcast_from_rank0, lowest_and_highest
 from training.errors import Interrupted, held_interrupt, holding_interrupts
 from training.model import sparse_input
-from training.model.plan import is_knca
 from training.numerics import evenly_spaced_rows
 from training.objectives.registry import make_objective
 from training.optim.adam import AdamEpochs
@@ -163,6 +162,7 @@ class Stage:
     max_iter: int
     max_evaluations: int | None = None  # of the objective and its gradient (None: no bound)
     max_rows: int | None = None  # query rows the loss averages over, at most (None: all)
+    scaled_start: bool = False  # starts at its loss's best scale along the kept map's ray
 
 
 def plan_stages(plan, max_iter: int) -> list[Stage]:
@@ -179,6 +179,7 @@ def plan_stages(plan, max_iter: int) -> list[Stage]:
             plan.finish_iter,
             plan.finish_max_evaluations,
             plan.finish_max_rows,
+            plan.finish_scaled_start,
         )
         stages.append(finish)
     return stages
@@ -468,8 +469,8 @@ class StagedFit:
         scale = 1.0 if resumed is None else resumed.start_scale
         if resumed is not None:  # mid-stage: the stage's time and iterations so far count
             started, before = started - resumed.seconds, before - resumed.iteration
-        elif index > 0 and stage.l2 > 0 and not is_knca(self.settings.objective):
-            scale = start_scale(problem, theta)  # a later stage's penalty: its best scale
+        elif stage.scaled_start:  # the finish's penalty wants a smaller map: its best scale
+            scale = start_scale(problem, theta)
             theta = scale * theta
         stop = None
         while stop is None:

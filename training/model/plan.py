@@ -58,6 +58,9 @@ class FitPlan:
     finish_l2: float  # the penalty of the exact finish
     finish_max_rows: int  # query rows a finishing iteration averages over, at most
     finish_max_evaluations: int  # the finish's objective evaluations, at most
+    # the finish starts at its penalised loss's best scale (fitting.start_scale): NCA's
+    # objectives with a penalty (kNCA's start scale is not measured)
+    finish_scaled_start: bool
 
     def describe(self) -> dict:
         return asdict(self)
@@ -113,4 +116,5 @@ def resolve_plan(params: dict, n_samples: int) -> FitPlan:
         finish_l2=finish_l2,
         finish_max_rows=min(max_rows, max(FINISH_MIN_ROWS, FINISH_PAIRS // max(1, n_samples))),
         finish_max_evaluations=FINISH_EVALUATIONS_PER_ITER * finish_iter + 1,
+        finish_scaled_start=finish_l2 > 0 and not knca,
     )
