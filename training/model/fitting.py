@@ -42,12 +42,12 @@ from the candidate stage's map, the finish's first L-BFGS steps spent its iterat
 shrinking the map, and its held-out score dipped on the way (moving50k: 0.804 -> 0.449
 after 3 iterations, back to 0.812 after 10). So the NCA finish (``Stage.scaled_start``,
 from the plan) starts from s theta, the first local minimum of its loss along that ray on
-a grid of powers of sqrt 2 (:func:`start_scale`: from 1 down, or up, while the loss falls, within 1/16 and 16;
-each scale tried is a forward pass over an eighth of the stage's rows, at most 10 of
-them). The held-out score is blind to the scale, so s theta scores as theta does; a
-finish that is undone returns theta itself (and its objective on the finish's problem,
-one more forward pass). ``stages_`` records s. kNCA's finish starts where it did: its start
-scale is not measured.
+a grid of powers of sqrt 2 within 1/16 and 16 (:func:`start_scale`: from 1 down, or up,
+while the loss falls; each scale tried is a forward pass over an eighth of the stage's
+rows, at most 10 of them). The held-out score is blind to the scale, so s theta scores as
+theta does; a finish that is undone returns theta itself (and its objective on the
+finish's problem, one more forward pass). ``stages_`` records s. kNCA's finish starts
+where it did: its start scale is not measured.
 
 **The keep rule** (one, for the whole fit): a map scored is kept when it scores at least
 the best score of the fit so far less the tolerance (one and a half rows' worth), so
@@ -92,7 +92,7 @@ from training.optim.problem import Problem, map_components
 from training.optim.sharded_problem import ShardedProblem
 
 STALL_CHECKS = 2  # checks in a row without a gain that stop a stage (without early_stopping)
-# a later stage's start scale: scales SCALE_RATIO^k, |k| <= SCALE_STEPS, tried on
+# the finish's start scale: scales SCALE_RATIO^k, |k| <= SCALE_STEPS, tried on
 # 1 / SCALE_SHARE of its rows (at least SCALE_MIN_ROWS, or all of them)
 SCALE_RATIO = 2**0.5
 SCALE_STEPS = 8
