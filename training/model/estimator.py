@@ -176,7 +176,7 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         # preparation as one table of constraints)
         settings = fit_settings(self.get_params())
         prep = preparation.prepare(self, settings, X, y, X_val, y_val, group)
-        self.plan_ = plan = resolve_plan(vars(settings), len(prep.y))
+        self.plan_ = plan = resolve_plan(vars(settings), len(prep.y), group.is_distributed)
         saver = None
         if checkpoint is not None:
             key = fingerprint(

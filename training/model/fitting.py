@@ -163,6 +163,7 @@ class Stage:
     max_evaluations: int | None = None  # of the objective and its gradient (None: no bound)
     max_rows: int | None = None  # query rows the loss averages over, at most (None: all)
     scaled_start: bool = False  # starts at its loss's best scale along the kept map's ray
+    max_points: int | None = None  # an evenly spaced sample of this many points (None: all)
 
 
 def plan_stages(plan, max_iter: int) -> list[Stage]:
@@ -180,6 +181,7 @@ def plan_stages(plan, max_iter: int) -> list[Stage]:
             plan.finish_max_evaluations,
             plan.finish_max_rows,
             plan.finish_scaled_start,
+            plan.finish_points,
         )
         stages.append(finish)
     return stages
@@ -696,20 +698,29 @@ class StagedFit:
             if group.is_distributed:  # every rank draws the same candidates
                 seed = torch.tensor([draw_seed], dtype=torch.int64, device=prep.device)
                 draw_seed = int(broadcast_from_rank0(seed, group)[0])
-        if sparse_input.is_sparse(prep.X):  # (N, D) sparse CSR: Z = X A^T costs O(nnz d)
-            X = sparse_input.torch_csr(prep.X, prep.device)
-        else:
-            X = torch.as_tensor(prep.X, dtype=torch.float32, device=prep.device)
+
+        def points_tensor(rows: np.ndarray | None = None):  # (N or len(rows), D)
+            chosen = prep.X if rows is None else prep.X[rows]
+            if sparse_input.is_sparse(chosen):  # (N, D) sparse CSR: Z = X A^T costs O(nnz d)
+                return sparse_input.torch_csr(chosen, prep.device)
+            return torch.as_tensor(chosen, dtype=torch.float32, device=prep.device)
+
+        X = points_tensor()
         labels = torch.as_tensor(prep.y, dtype=torch.long, device=prep.device)
         objective = make_objective(settings.objective, settings.k, n_classes=len(prep.classes))
         n = len(prep.y)
 
         def make_problem(stage: Stage):
-            rows = None  # the query rows the loss averages over (None: all)
+            stage_X, stage_labels, m = X, labels, n  # the stage's points (all, or a sample)
+            if stage.max_points is not None and n > stage.max_points:
+                sample = evenly_spaced_rows(n, stage.max_points)
+                stage_X, m = points_tensor(sample), len(sample)
+                stage_labels = labels[torch.as_tensor(sample, device=prep.device)]
+            rows = None  # the query rows the loss averages over, of the stage's points (None: all)
             if stage.on_candidates and plan.candidate_rows is not None and not group.is_distributed:
-                rows = evenly_spaced_rows(n, plan.candidate_rows)
-            if not stage.on_candidates and stage.max_rows is not None and n > stage.max_rows:
-                rows = evenly_spaced_rows(n, stage.max_rows)
+                rows = evenly_spaced_rows(m, plan.candidate_rows)
+            if not stage.on_candidates and stage.max_rows is not None and m > stage.max_rows:
+                rows = evenly_spaced_rows(m, stage.max_rows)
             kwargs = dict(
                 transform=settings.transformation,
                 n_components=prep.d,
@@ -722,8 +733,8 @@ class StagedFit:
                 query_rows=None if rows is None else torch.as_tensor(rows, device=prep.device),
             )
             if group.is_distributed:
-                return ShardedProblem(X, labels, objective, group=group, **kwargs)
-            return Problem(X, labels, objective, **kwargs)
+                return ShardedProblem(stage_X, stage_labels, objective, group=group, **kwargs)
+            return Problem(stage_X, stage_labels, objective, **kwargs)
 
         return make_problem
 

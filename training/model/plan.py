@@ -29,12 +29,21 @@ AUTO_EXACT_FINISH_ITER = 5
 EXACT_FINISH_MAX_ROWS = 65536
 # ... and at most this many (query row, point) pairs per finishing evaluation: the finish's
 # rows shrink as N grows (every row up to N = 32,768; 19,206 of the 55,904 digits an
-# estimator fits; 16,384 at N = 65,536; 1,024 from N = 2^20 on), so an evaluation
-# costs O(FINISH_PAIRS d) up to N = 2^20, never with fewer than FINISH_MIN_ROWS rows. Fewer
+# estimator fits; 16,384 at N = 65,536 and, on a sample of the points, beyond: below), so an
+# evaluation costs O(FINISH_PAIRS d), never with fewer than FINISH_MIN_ROWS rows. Fewer
 # pairs make the digits' finish end worse than its start (2^28) or undone (2^27): measured
 # in benchmarks/README.md, "What the exact finish buys".
 FINISH_PAIRS = 2**30
 FINISH_MIN_ROWS = 1024
+# ... and above this many points, NCA's finish is the exact objective on an evenly spaced
+# sample of this many of them (16,384 of those its query rows: FINISH_PAIRS pairs) rather
+# than on all N with fewer query rows. At 1,000,000 x 128 (moving neighbourhoods) the finish
+# over 1,024 query rows and all the points fitted its rows and was undone (held out 0.8632 ->
+# 0.8614); over 16,384 of a 65,536-point sample it was kept (0.8632 -> 0.8715) and bought 0.14
+# and 0.10 points of 1-NN and 5-NN test accuracy (benchmarks/README.md, "The finish on a
+# sample of the points"). Not under torchrun (each rank's shard is contiguous, the sample is
+# not), nor for kNCA's finish (not measured).
+FINISH_MAX_POINTS = 2**16
 # the finish's L-BFGS evaluations are bounded too (a line search that overshoots cannot make
 # it cost more): at most FINISH_EVALUATIONS_PER_ITER per iteration, plus one
 FINISH_EVALUATIONS_PER_ITER = 2
@@ -57,6 +66,7 @@ class FitPlan:
     finish_iter: int  # exact L-BFGS iterations after a candidate fit (0: none)
     finish_l2: float  # the penalty of the exact finish
     finish_max_rows: int  # query rows a finishing iteration averages over, at most
+    finish_points: int | None  # the finish's points: an evenly spaced sample (None: all)
     finish_max_evaluations: int  # the finish's objective evaluations, at most
     # the finish starts at its penalised loss's best scale (fitting.start_scale): NCA's
     # objectives with a penalty (kNCA's start scale is not measured)
@@ -71,8 +81,9 @@ def is_knca(objective: str) -> bool:
     return objective.startswith("knca")
 
 
-def resolve_plan(params: dict, n_samples: int) -> FitPlan:
-    """The plan for the estimator's ``params`` (``get_params()``) on ``n_samples`` points.
+def resolve_plan(params: dict, n_samples: int, distributed: bool = False) -> FitPlan:
+    """The plan for the estimator's ``params`` (``get_params()``) on ``n_samples`` points
+    (over every rank when ``distributed``).
 
     n_candidates "auto": exact up to AUTO_EXACT_MAX_SAMPLES points, else AUTO_N_CANDIDATES.
     candidate_rows: CANDIDATE_QUERY_MAX_ROWS for an L-BFGS fit on candidate sets without
@@ -80,7 +91,10 @@ def resolve_plan(params: dict, n_samples: int) -> FitPlan:
     l2 "auto": DEFAULT_L2 where the objective stays faithful under it (exact, or candidates
     with draws), else 0; the exact finish always carries DEFAULT_L2. exact_finish "auto":
     none after an exact fit or after Adam, else AUTO_EXACT_FINISH_ITER (NCA's objectives)
-    or AUTO_KNCA_FINISH_ITER (kNCA's).
+    or AUTO_KNCA_FINISH_ITER (kNCA's). The finish's points: all, or for NCA's objectives in
+    one process above FINISH_MAX_POINTS points an evenly spaced sample of that many; its
+    rows: FINISH_PAIRS over the points it has, within FINISH_MIN_ROWS and the objective's
+    most.
     """
     n_candidates = params["n_candidates"]
     if n_candidates == "auto":
@@ -106,6 +120,9 @@ def resolve_plan(params: dict, n_samples: int) -> FitPlan:
     else:
         finish_iter = int(finish)
     max_rows = KNCA_FINISH_MAX_ROWS if knca else EXACT_FINISH_MAX_ROWS
+    sampled_finish = not knca and not distributed and n_samples > FINISH_MAX_POINTS
+    finish_points = FINISH_MAX_POINTS if sampled_finish else None
+    finish_rows = max(FINISH_MIN_ROWS, FINISH_PAIRS // max(1, finish_points or n_samples))
     return FitPlan(
         solver=solver,
         n_candidates=n_candidates,
@@ -114,7 +131,8 @@ def resolve_plan(params: dict, n_samples: int) -> FitPlan:
         l2=l2,
         finish_iter=finish_iter,
         finish_l2=finish_l2,
-        finish_max_rows=min(max_rows, max(FINISH_MIN_ROWS, FINISH_PAIRS // max(1, n_samples))),
+        finish_max_rows=min(max_rows, finish_rows),
+        finish_points=finish_points,
         finish_max_evaluations=FINISH_EVALUATIONS_PER_ITER * finish_iter + 1,
         finish_scaled_start=finish_l2 > 0 and not knca,
     )

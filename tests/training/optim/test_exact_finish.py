@@ -13,7 +13,7 @@ from tests.training.problems import blobs, brute_force, hard_noisy, script_valid
 from training import NCA
 from training.model import plan as estimator
 from training.model.fitting import SCALE_RATIO, SCALE_STEPS, start_scale
-from training.model.options import with_options
+from training.model.options import fit_settings, with_options
 from training.model.plan import AUTO_EXACT_FINISH_ITER, AUTO_KNCA_FINISH_ITER, DEFAULT_L2
 from training.objectives.nca import NCAObjective
 from training.optim.problem import Problem
@@ -218,6 +218,46 @@ def test_above_the_row_limit_the_finish_averages_over_evenly_spaced_query_rows(m
     on_all = -penalised_exact_loss(model, X, y, l2=0.0)
     assert model.objective_value_ == pytest.approx(on_rows, abs=1e-5)
     assert abs(on_rows - on_all) > 1e-4  # the sample, not all rows, was averaged
+
+
+@pytest.mark.parametrize(
+    "n_samples, params, distributed, points, rows",
+    [
+        (2**16, {}, False, None, 2**14),  # at the limit: every point, 2^30 pairs' rows
+        (2**16 + 1, {}, False, 2**16, 2**14),  # above it: a sample, the same rows
+        (2**20, {}, False, 2**16, 2**14),
+        (2**20, {}, True, None, 1024),  # torchrun: every point, FINISH_MIN_ROWS rows
+        (2**20, {"objective": "knca-majority", "k": 3}, False, None, 1024),  # kNCA: all
+        (2**20, {"objective": "nca-log"}, False, 2**16, 2**14),  # g is NCA's
+    ],
+)
+def test_the_plan_samples_the_finishs_points_above_the_limit(
+    n_samples, params, distributed, points, rows
+):
+    settings = vars(fit_settings(NCA(**with_options(params)).get_params()))
+    plan = estimator.resolve_plan(settings, n_samples, distributed)
+    assert plan.finish_points == points
+    assert plan.finish_max_rows == rows
+
+
+def test_above_the_point_limit_the_finish_is_exact_on_an_evenly_spaced_sample(monkeypatch):
+    """Above FINISH_MAX_POINTS points (monkeypatched to 120 of 300), the finish's objective
+    is the exact one among an evenly spaced sample of the points, averaged over evenly spaced
+    rows of that sample (FINISH_PAIRS // 120 = 40 of them): checked from scratch in float64
+    at the fitted map, and against the same rows scored among all 300 points."""
+    X, y = blobs(300)
+    monkeypatch.setattr(estimator, "FINISH_MAX_POINTS", 120)
+    monkeypatch.setattr(estimator, "FINISH_PAIRS", 120 * 40)
+    monkeypatch.setattr(estimator, "FINISH_MIN_ROWS", 1)
+    model = fit(X, y, n_candidates=5, exact_finish=3)
+    assert (model.plan_.finish_points, model.plan_.finish_max_rows) == (120, 40)
+    assert model.exact_finish_iter_ >= 1
+    sample = np.unique(np.linspace(0, 299, 120).astype(np.int64))
+    rows = np.unique(np.linspace(0, 119, 40).astype(np.int64))  # of the sample
+    on_sample = -penalised_exact_loss(model, X[sample], y[sample], l2=0.0, rows=rows)
+    among_all = -penalised_exact_loss(model, X, y, l2=0.0, rows=sample[rows])
+    assert model.objective_value_ == pytest.approx(on_sample, abs=1e-5)
+    assert abs(on_sample - among_all) > 1e-4  # the sample's points, not all 300, were scored
 
 
 @pytest.mark.slow  # a long real-server or training scenario: make test-slow
