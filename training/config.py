@@ -210,8 +210,9 @@ class TrainConfig:
     )
     exact_finish: str = _shared(
         "exact_finish",
-        "after candidate sets, this many L-BFGS iterations on the exact objective (every point "
-        "a neighbour, at most 65,536 query rows for nca/nca-log, 2,048 for knca-*): auto (5 "
+        "after candidate sets, this many L-BFGS iterations on the exact objective (at most "
+        "65,536 query rows for nca/nca-log, among an evenly spaced sample of 65,536 points "
+        "above that many, 2,048 rows among every point for knca-*): auto (5 "
         "for nca/nca-log, 20 for knca-*, 0 with adam), or an integer >= 0",
         parse=_exact_finish,
     )

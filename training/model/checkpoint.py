@@ -63,7 +63,8 @@ DISPLAY_PARAMS = frozenset({"verbose", "progress", "callback"})
 
 def fingerprint(X: np.ndarray, y: np.ndarray, X_val, y_val, params: dict, version: str) -> str:
     """SHA-256 of what decides a fit: the prepared rows X (N, D) and labels y (N,), the
-    validation rows and labels (or None), the parameters (callables by their type only)."""
+    validation rows and labels (or None), the parameters (callables by their type only; the
+    estimator adds its plan, ``training.model.plan.FitPlan.describe()``)."""
     digest = hashlib.sha256()
     for array in (X, y, X_val, y_val):
         if sparse.issparse(array):  # a sparse X: its shape, index arrays and values

@@ -179,9 +179,10 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         self.plan_ = plan = resolve_plan(vars(settings), len(prep.y), group.is_distributed)
         saver = None
         if checkpoint is not None:
-            key = fingerprint(
-                prep.X, prep.y, prep.X_val, prep.y_val, vars(settings), package_version()
-            )
+            # the plan too: what a fit computes can change with it where the settings do not
+            # (the plan's constants between two source trees, both versioned "unknown")
+            decided = {**vars(settings), "plan": plan.describe()}
+            key = fingerprint(prep.X, prep.y, prep.X_val, prep.y_val, decided, package_version())
             saver = FitCheckpoint(checkpoint, key, rank=group.rank)
         stages = StagedFit(self, settings, prep, plan, group, clock, checkpoint=saver)
         # numpy/scipy's BLAS threads (OpenBLAS) spin after each small call of the optimiser and

@@ -712,7 +712,8 @@ class StagedFit:
 
         def make_problem(stage: Stage):
             stage_X, stage_labels, m = X, labels, n  # the stage's points (all, or a sample)
-            if stage.max_points is not None and n > stage.max_points:
+            # a sample of the points (the plan sets none under torchrun: a rank holds its shard)
+            if stage.max_points is not None and n > stage.max_points and not group.is_distributed:
                 sample = evenly_spaced_rows(n, stage.max_points)
                 stage_X, m = points_tensor(sample), len(sample)
                 stage_labels = labels[torch.as_tensor(sample, device=prep.device)]
@@ -799,9 +800,10 @@ class StagedFit:
         if self.verbose and stage.name == "exact finish":
             n = problem.n_samples
             rows = n if problem.query_rows is None else len(problem.query_rows)
+            sample = " (an evenly spaced sample of the points)" if stage.max_points else ""
             print(
                 f"[{self.name}] Finishing on the exact objective: {stage.max_iter} iterations "
-                f"over {rows} of {n} query rows, l2={stage.l2:g}",
+                f"over {rows} of {n} query rows{sample}, l2={stage.l2:g}",
                 flush=True,
             )
 

@@ -19,7 +19,8 @@ AUTO_N_CANDIDATES = 32  # ... and K nearest candidates per kind above
 CANDIDATE_QUERY_MAX_ROWS = 2**17
 # exact_finish="auto": L-BFGS iterations on the exact objective after a fit on candidate sets
 # (benchmarks/README.md, "Finishing on the exact objective"), averaged over at most this many
-# evenly spaced query rows, so that a finishing iteration costs O(min(N, rows) N d). An exact
+# evenly spaced query rows of its points (below), so that a finishing iteration costs
+# O(rows x points x d). An exact
 # kNCA pair costs ~20x an NCA one, so kNCA's finish averages over fewer rows and runs longer
 # (measured in benchmarks/candidate_quality.py --knca and benchmarks/exact_finish.py
 # --objective knca-majority). Started at its best scale (fitting.start_scale), 5 iterations
@@ -30,7 +31,8 @@ EXACT_FINISH_MAX_ROWS = 65536
 # ... and at most this many (query row, point) pairs per finishing evaluation: the finish's
 # rows shrink as N grows (every row up to N = 32,768; 19,206 of the 55,904 digits an
 # estimator fits; 16,384 at N = 65,536 and, on a sample of the points, beyond: below), so an
-# evaluation costs O(FINISH_PAIRS d), never with fewer than FINISH_MIN_ROWS rows. Fewer
+# evaluation costs O(FINISH_PAIRS d); where every point is kept (kNCA, torchrun) never with
+# fewer than FINISH_MIN_ROWS rows, O(FINISH_MIN_ROWS N d) from N = 2^20 on. Fewer
 # pairs make the digits' finish end worse than its start (2^28) or undone (2^27): measured
 # in benchmarks/README.md, "What the exact finish buys".
 FINISH_PAIRS = 2**30
@@ -38,7 +40,7 @@ FINISH_MIN_ROWS = 1024
 # ... and above this many points, NCA's finish is the exact objective on an evenly spaced
 # sample of this many of them (16,384 of those its query rows: FINISH_PAIRS pairs) rather
 # than on all N with fewer query rows. At 1,000,000 x 128 (moving neighbourhoods) the finish
-# over 1,024 query rows and all the points fitted its rows and was undone (held out 0.8632 ->
+# over 1,078 query rows and all the points fitted its rows and was undone (held out 0.8632 ->
 # 0.8614); over 16,384 of a 65,536-point sample it was kept (0.8632 -> 0.8715) and bought 0.14
 # and 0.10 points of 1-NN and 5-NN test accuracy (benchmarks/README.md, "The finish on a
 # sample of the points"). Not under torchrun (each rank's shard is contiguous, the sample is
@@ -120,8 +122,8 @@ def resolve_plan(params: dict, n_samples: int, distributed: bool = False) -> Fit
     else:
         finish_iter = int(finish)
     max_rows = KNCA_FINISH_MAX_ROWS if knca else EXACT_FINISH_MAX_ROWS
-    sampled_finish = not knca and not distributed and n_samples > FINISH_MAX_POINTS
-    finish_points = FINISH_MAX_POINTS if sampled_finish else None
+    sample_finish = finish_iter > 0 and not knca and not distributed
+    finish_points = FINISH_MAX_POINTS if sample_finish and n_samples > FINISH_MAX_POINTS else None
     finish_rows = max(FINISH_MIN_ROWS, FINISH_PAIRS // max(1, finish_points or n_samples))
     return FitPlan(
         solver=solver,

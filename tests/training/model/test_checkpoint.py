@@ -16,6 +16,7 @@ from tests.training.problems import blobs
 from training import NCA
 from training.errors import Interrupted
 from training.model import fitting
+from training.model import plan as fit_plan
 from training.model.options import with_options
 
 PARAMS = dict(
@@ -184,6 +185,16 @@ def test_a_checkpoint_of_another_fit_is_refused(tmp_path):
     (tmp_path / "bad" / "fit-rank0.npz").write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="not a readable fit checkpoint"):
         fit(tmp_path / "bad")
+
+
+def test_a_checkpoint_made_under_another_plan_is_refused(tmp_path, monkeypatch):
+    """The same data and parameters under another plan (here the finish's points sampled,
+    as a change of the plan's constants between two source trees would do) compute another
+    fit: its checkpoint is refused, not resumed against another objective."""
+    fit(tmp_path / "ckpt")
+    monkeypatch.setattr(fit_plan, "FINISH_MAX_POINTS", 300)
+    with pytest.raises(ValueError, match="is of another fit"):
+        fit(tmp_path / "ckpt")
 
 
 def test_a_job_killed_in_its_finish_resumes_when_run_again(python_m_training, tmp_path):

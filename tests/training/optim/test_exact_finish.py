@@ -7,6 +7,7 @@ import warnings
 
 import numpy as np
 import pytest
+import scipy.sparse as sp
 import torch
 
 from tests.training.problems import blobs, brute_force, hard_noisy, script_validation
@@ -229,6 +230,10 @@ def test_above_the_row_limit_the_finish_averages_over_evenly_spaced_query_rows(m
         (2**20, {}, True, None, 1024),  # torchrun: every point, FINISH_MIN_ROWS rows
         (2**20, {"objective": "knca-majority", "k": 3}, False, None, 1024),  # kNCA: all
         (2**20, {"objective": "nca-log"}, False, 2**16, 2**14),  # g is NCA's
+        (2**20, {"exact_finish": 3}, False, 2**16, 2**14),  # an explicit finish: the same
+        (2**20, {"exact_finish": 0}, False, None, 1024),  # no finish: no sample
+        (2**20, {"solver": "adam"}, False, None, 1024),  # Adam: no finish unless asked
+        (2**20, {"n_candidates": None}, False, None, 1024),  # an exact fit: no finish
     ],
 )
 def test_the_plan_samples_the_finishs_points_above_the_limit(
@@ -240,16 +245,21 @@ def test_the_plan_samples_the_finishs_points_above_the_limit(
     assert plan.finish_max_rows == rows
 
 
-def test_above_the_point_limit_the_finish_is_exact_on_an_evenly_spaced_sample(monkeypatch):
+@pytest.mark.parametrize("layout", ["dense", "sparse"])
+def test_above_the_point_limit_the_finish_is_exact_on_an_evenly_spaced_sample(monkeypatch, layout):
     """Above FINISH_MAX_POINTS points (monkeypatched to 120 of 300), the finish's objective
     is the exact one among an evenly spaced sample of the points, averaged over evenly spaced
     rows of that sample (FINISH_PAIRS // 120 = 40 of them): checked from scratch in float64
-    at the fitted map, and against the same rows scored among all 300 points."""
+    at the fitted map, and against the same rows scored among all 300 points. A sparse X
+    (CSR, ``standardize="none"``) is sampled the same way."""
     X, y = blobs(300)
     monkeypatch.setattr(estimator, "FINISH_MAX_POINTS", 120)
     monkeypatch.setattr(estimator, "FINISH_PAIRS", 120 * 40)
     monkeypatch.setattr(estimator, "FINISH_MIN_ROWS", 1)
-    model = fit(X, y, n_candidates=5, exact_finish=3)
+    if layout == "sparse":
+        model = fit(sp.csr_matrix(X), y, n_candidates=5, exact_finish=3, standardize="none")
+    else:
+        model = fit(X, y, n_candidates=5, exact_finish=3)
     assert (model.plan_.finish_points, model.plan_.finish_max_rows) == (120, 40)
     assert model.exact_finish_iter_ >= 1
     sample = np.unique(np.linspace(0, 299, 120).astype(np.int64))
