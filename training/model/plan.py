@@ -20,12 +20,11 @@ CANDIDATE_QUERY_MAX_ROWS = 2**17
 # exact_finish="auto": L-BFGS iterations on the exact objective after a fit on candidate sets
 # (benchmarks/README.md, "Finishing on the exact objective"), averaged over at most this many
 # evenly spaced query rows of its points (below), so that a finishing iteration costs
-# O(rows x points x d). An exact
-# kNCA pair costs ~20x an NCA one, so kNCA's finish averages over fewer rows and runs longer
-# (measured in benchmarks/candidate_quality.py --knca and benchmarks/exact_finish.py
-# --objective knca-majority). Started at its best scale (fitting.start_scale), 5 iterations
-# reach what 10 did from the candidate stage's scale (benchmarks/README.md, "The finish's
-# start scale").
+# O(rows x points x d). An exact kNCA pair costs ~20x an NCA one, so kNCA's finish averages
+# over fewer rows and runs longer (measured in benchmarks/candidate_quality.py --knca and
+# benchmarks/exact_finish.py --objective knca-majority). Started at its best scale
+# (fitting.start_scale), 5 iterations reach what 10 did from the candidate stage's scale
+# (benchmarks/README.md, "The finish's start scale").
 AUTO_EXACT_FINISH_ITER = 5
 EXACT_FINISH_MAX_ROWS = 65536
 # ... and at most this many (query row, point) pairs per finishing evaluation: the finish's
