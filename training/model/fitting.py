@@ -444,10 +444,7 @@ class StagedFit:
         problem = self.make_problem(self.stages[0])
         if problem.n_candidates is not None and len(self.prep.classes) > 1:
             problem.refresh_candidates(snapshot.theta)
-        with torch.no_grad():
-            at = problem.to_tensor(snapshot.theta)
-            objective = float(problem.mean_score(at, problem.query_rows))
-        return replace(snapshot, objective=objective)
+        return replace(snapshot, objective=objective_at(problem, snapshot.theta))
 
     def _run_stage(self, index: int, stage: Stage, state: FitState) -> None:
         """One stage from the kept map, by the rules of the module's docstring."""
