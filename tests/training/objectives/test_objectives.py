@@ -310,6 +310,32 @@ def test_exact_path_equals_brute_force_at_any_chunk(n, d, n_classes, chunk, log_
     torch.testing.assert_close(grad, expected_grad, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("log_form", [False, True])
+def test_a_forward_pass_gives_the_value_of_a_pass_with_its_gradient_bit_for_bit(log_form):
+    # the value alone (no_grad: the finish's start scale, an objective at a map) skips the
+    # gradient's products; the value it returns must be the same float, or the start scale
+    # a fit picks would move with whether a pass asked for the gradient
+    z, labels = exact_data(400, 12, 5, seed=3)
+    z = z.float()
+    rows = torch.arange(0, 400, 3)
+    value, grad = nca_value_and_grad(z, labels, log_form=log_form, rows=rows, chunk_size=16)
+    alone, no_grad = nca_value_and_grad(
+        z, labels, log_form=log_form, rows=rows, chunk_size=16, with_grad=False
+    )
+    assert no_grad is None and grad is not None
+    assert torch.equal(alone, value)
+    objective = NCAObjective(log_form)
+    with torch.no_grad():  # through the autograd function, as Problem.loss calls it
+        forward = objective_sum(z, labels, objective, rows=rows, chunk_size=16)
+    with_graph = objective_sum(
+        z.clone().requires_grad_(), labels, objective, rows=rows, chunk_size=16
+    )
+    assert torch.equal(forward, with_graph.detach())
+    assert float(forward) == pytest.approx(
+        brute_force_score(z.double(), labels, log_form, rows)[0], rel=1e-5
+    )
+
+
 def test_exact_path_scores_singletons_zero_and_counts_a_row_listed_twice_twice():
     z, labels = exact_data(150, 6, 4, seed=2)
     labels[[3, 70]] = torch.tensor([9, 10])  # two classes of one point each
