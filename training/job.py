@@ -19,7 +19,7 @@ from sklearn.exceptions import ConvergenceWarning
 
 from service.core.artifact import ArtifactError, OutputClaim, write_artifact
 from service.core.artifact.ownership import check_writable
-from service.core.knn import exact_knn, project
+from service.core.knn import project
 from service.core.vocabulary import NEIGHBOUR_RULES
 from training.config import TrainConfig
 from training.data.datasets import (
@@ -54,6 +54,7 @@ from training.evaluation.evaluate import (
     knn_accuracies,
     knn_accuracies_by_rule,
     knn_predictions,
+    nearest_references,
     sparse_knn_accuracies,
 )
 from training.evaluation.report import (
@@ -677,11 +678,14 @@ def nearest_reference_distances(
     (validation / test). The served k is chosen on the validation rows; it is the best k
     for unseen rows only when those rows are as far from the references as unseen rows are
     (a ratio near 1). z_ref (M, d), z_val (n_val, d), z_test (n_test, d); None when either
-    split is empty; the ratio None when the test rows' median distance is 0."""
+    split is empty; the ratio None when the test rows' median distance is 0. The nearest
+    reference is ``nearest_references``' (FAISS's or torch's pass, re-ranked in float64):
+    ``service.core.knn.exact_knn``'s answer, which took 17.6 s of the job on the real digits
+    (16,000 rows against 54,001) where this takes about 1 s."""
     if len(z_val) == 0 or len(z_test) == 0:
         return None
     medians = {
-        name: float(np.median(np.sqrt(np.maximum(exact_knn(z, z_ref, 1)[0][:, 0], 0.0))))
+        name: float(np.median(np.sqrt(np.maximum(nearest_references(z, z_ref, 1)[0][:, 0], 0.0))))
         for name, z in (("validation", z_val), ("test", z_test))
     }
     # None when the test rows themselves are references (their median distance is 0)

@@ -200,6 +200,25 @@ def test_the_report_measures_how_far_validation_and_test_rows_sit_from_the_refer
     assert distance["validation_median"] > 0 and distance["test_median"] > 0
 
 
+@pytest.mark.parametrize("n_refs", [500, 20_000])  # torch's first pass, and FAISS's
+def test_nearest_reference_distances_are_the_brute_force_medians(n_refs):
+    from training.job import nearest_reference_distances
+
+    rng = np.random.default_rng(1)
+    z_ref = rng.normal(size=(n_refs, 6)).astype(np.float32)
+    z_val = rng.normal(size=(301, 6)).astype(np.float32)
+    z_test = (1.5 * rng.normal(size=(200, 6))).astype(np.float32)
+
+    def brute_force_median(z):
+        d2 = ((z.astype(np.float64)[:, None, :] - z_ref.astype(np.float64)[None]) ** 2).sum(-1)
+        return float(np.median(np.sqrt(d2.min(1))))
+
+    found = nearest_reference_distances(z_ref, z_val, z_test)
+    assert found["validation_median"] == pytest.approx(brute_force_median(z_val), rel=1e-12)
+    assert found["test_median"] == pytest.approx(brute_force_median(z_test), rel=1e-12)
+    assert found["ratio"] == pytest.approx(found["validation_median"] / found["test_median"])
+
+
 def test_validation_rows_with_near_copies_among_the_references_are_flagged():
     """Validation rows that are references moved by 1e-3 sit ~1000x nearer the references
     than fresh test rows: the ratio says so and the page warns that the served k may be too
