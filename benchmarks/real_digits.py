@@ -23,7 +23,9 @@ what the stage-stopping rule saves and costs), ``budget:S`` (``max_seconds=S``),
 ``finish_pairs:P`` (the defaults with ``training.model.plan.FINISH_PAIRS = 2**P``: the
 (query row, point) pairs of one evaluation of the exact finish, at most; 30 is the default),
 ``params:NAME=VALUE+NAME=VALUE`` (any estimator parameters, values read as JSON where they
-look like numbers, lists or booleans: ``params:objective=knca-majority+k=5``).
+look like numbers, lists or booleans: ``params:objective=knca-majority+k=5``; a NAME in
+capitals sets that constant of ``training.model.plan`` for the run instead:
+``params:FINISH_MAX_POINTS=32768+FINISH_PAIRS=536870912+random_state=1``).
 ``--before TREE`` runs ``default`` also with the code of another checkout (e.g. ``git worktree
 add /tmp/base <commit>``); settings that tree's estimator lacks are not run there.
 
@@ -141,6 +143,15 @@ def one_run(data_path: str, setting: str) -> dict:
     except ImportError:  # a tree before it takes every setting as a parameter
         OPTION_NAMES, with_options = (), dict
     params = setting_params(setting)
+    constants = {name: params.pop(name) for name in list(params) if name.isupper()}
+    if constants:  # params:FINISH_PAIRS=...: the plan's constants for this run
+        import training.model.plan as plan
+
+        unknown = sorted(name for name in constants if not hasattr(plan, name))
+        if unknown:
+            return {"skipped": f"this tree's training.model.plan has no {unknown}"}
+        for name, value in constants.items():
+            setattr(plan, name, value)
     if setting.startswith("finish_pairs:"):  # finish_pairs:27: 2^27 (query row, point) pairs
         import training.model.plan as plan  # an evaluation of the exact finish, at most
 
