@@ -24,8 +24,10 @@ what the stage-stopping rule saves and costs), ``budget:S`` (``max_seconds=S``),
 (query row, point) pairs of one evaluation of the exact finish, at most; 30 is the default),
 ``params:NAME=VALUE+NAME=VALUE`` (any estimator parameters, values read as JSON where they
 look like numbers, lists or booleans: ``params:objective=knca-majority+k=5``; a NAME in
-capitals sets that constant of ``training.model.plan`` for the run instead:
-``params:FINISH_MAX_POINTS=32768+FINISH_PAIRS=536870912+random_state=1``).
+capitals sets that constant of ``training.model.plan`` for the run instead, of the same
+type: ``params:FINISH_MAX_POINTS=32768+FINISH_PAIRS=536870912+random_state=1``; only the
+constants ``resolve_plan`` reads when a fit starts take effect, and the row records the
+plan the fit ran, ``plan_``).
 ``--before TREE`` runs ``default`` also with the code of another checkout (e.g. ``git worktree
 add /tmp/base <commit>``); settings that tree's estimator lacks are not run there.
 
@@ -147,10 +149,13 @@ def one_run(data_path: str, setting: str) -> dict:
     if constants:  # params:FINISH_PAIRS=...: the plan's constants for this run
         import training.model.plan as plan
 
-        unknown = sorted(name for name in constants if not hasattr(plan, name))
-        if unknown:
-            return {"skipped": f"this tree's training.model.plan has no {unknown}"}
         for name, value in constants.items():
+            if not hasattr(plan, name):  # a misspelt constant must not run as the default
+                raise SystemExit(f"{setting!r}: training.model.plan has no constant {name}")
+            if type(value) is not type(getattr(plan, name)):
+                raise SystemExit(
+                    f"{setting!r}: {name}={value!r} must be a {type(getattr(plan, name)).__name__}"
+                )
             setattr(plan, name, value)
     if setting.startswith("finish_pairs:"):  # finish_pairs:27: 2^27 (query row, point) pairs
         import training.model.plan as plan  # an evaluation of the exact finish, at most
@@ -167,6 +172,7 @@ def one_run(data_path: str, setting: str) -> dict:
         model = NCA(**with_options({"n_components": 32, "random_state": 0, **params})).fit(X, y)
         fit_s = time.perf_counter() - started
     errors = knn_errors(model.transform(X), y, model.transform(Xt), yt)
+    fit_plan = getattr(model, "plan_", None)  # the resolved FitPlan (a tree before it: none)
     return {
         "fit_s": fit_s,
         "err_1nn": errors[1],
@@ -178,6 +184,7 @@ def one_run(data_path: str, setting: str) -> dict:
         "refreshes": getattr(model, "n_refreshes_", None),
         "init_scale": getattr(model, "init_scale_", None),
         "stages": getattr(model, "stages_", None),
+        "plan": fit_plan.describe() if hasattr(fit_plan, "describe") else None,  # as the fit ran
         # the neighbour mass the candidate sets left out at the candidate stage's last
         # iteration (Problem.outside_mass on its fixed sample rows; None without candidates)
         "candidate_outside_mass": next(

@@ -680,8 +680,8 @@ def nearest_reference_distances(
     (a ratio near 1). z_ref (M, d), z_val (n_val, d), z_test (n_test, d); None when either
     split is empty; the ratio None when the test rows' median distance is 0. The nearest
     reference is ``nearest_references``' (FAISS's or torch's pass, re-ranked in float64):
-    ``service.core.knn.exact_knn``'s answer, which took 17.6 s of the job on the real digits
-    (16,000 rows against 54,001) where this takes about 1 s."""
+    ``service.core.knn.exact_knn``'s answer, an order of magnitude faster on the real digits
+    (benchmarks/README.md, "A forward pass without the gradient")."""
     if len(z_val) == 0 or len(z_test) == 0:
         return None
     medians = {

@@ -15,8 +15,9 @@ it imports none of them (the import graph of ``training`` has no cycles):
 * ``chunk_rows`` (rows per chunk from a memory budget),
 * ``evenly_spaced_rows`` (a deterministic sample of rows, spread however they are ordered),
 * ``PrecomputedGradient``, the autograd backward both evaluation paths share: the forward
-  pass computes the objective and its gradient with respect to Z together, and backward
-  only scales that gradient.
+  pass computes the objective and its gradient with respect to Z together (the exact NCA
+  kernel the value alone when Z does not require grad), and backward only scales that
+  gradient.
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ def chunk_rows(
 
 class PrecomputedGradient(torch.autograd.Function):
     """Base of autograd functions whose forward(ctx, z, *non-differentiable arguments) returns a
-    scalar value and saves its gradient d value / dz (N, d) with ``ctx.save_for_backward``;
+    scalar value and saves its gradient d value / dz (N, d) with ``ctx.save_for_backward``
+    (a forward whose z does not require grad may save nothing: no backward reaches it);
     backward scales the saved gradient by the incoming one. Z = X A^T then carries it to A."""
 
     @staticmethod

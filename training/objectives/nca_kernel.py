@@ -38,6 +38,10 @@ Tricks that make it fast and stable:
   gradient is unchanged): the column terms W^T (z_q - c) and colsum(W)_j (z_j - c) then
   cancel less in float32 (the column sums are a GEMV, which sums less accurately than a
   cascaded sum).
+* A pass whose z does not require grad (built under ``torch.no_grad``: the finish's start
+  scale, the objective at a map, the candidate audit) computes the value alone: the logits
+  and their row passes, none of the gradient's three products (18 of a chunk's 40 ms,
+  benchmarks/results/exact_passes.json).
 Peak memory: O(chunk x N + N d).
 """
 
@@ -123,8 +127,8 @@ def nca_value_and_grad(
     flex: the fused attention passes of :mod:`training.objectives.nca_flex` (True), or
     whenever they can run (None: float32 on CUDA); otherwise the chunked torch path below,
     whose chunk is ``chunk_size`` rows. ``with_grad`` False: the value alone (the gradient
-    None), which the torch path computes without the gradient's three products, about half
-    of an evaluation's time (a forward pass: the finish's start scale, an objective at a map).
+    None), which the torch path computes without the gradient's products, about half of an
+    evaluation's time (the flex path computes the gradient all the same and drops it).
     """
     n = z.shape[0]
     z = z.detach()
@@ -151,7 +155,7 @@ def nca_value_and_grad(
     if flex or (flex is None and nca_flex.usable(zs)):
         fused = nca_flex.try_exact_value_and_grad(zs, ys, query_sorted[keep], log_form=log_form)
     if fused is not None:
-        return fused[0], fused[1][inverse]
+        return fused[0], fused[1][inverse] if with_grad else None
     total, grad_s = _torch_value_and_grad(
         zs, runs, query_sorted, run_of_query, log_form, chunk_size, with_grad
     )
@@ -167,7 +171,6 @@ def _torch_value_and_grad(
     n = zs.shape[0]
     sq = (zs * zs).sum(1)  # (N,)
     neg_sq = -sq[None, :]  # (1, N)
-    grad_s = torch.zeros_like(zs)  # (N, d)
     total = torch.zeros((), dtype=torch.float64, device=zs.device)
     if chunk_size is None:
         # at most 256 rows (small blocks stay in cache, measured), fewer where the (B, N)
@@ -178,16 +181,19 @@ def _torch_value_and_grad(
     # one (chunk, N) buffer for every chunk's logits (then U, in place): a fresh one per
     # chunk costs page faults on every new mapping
     buffer = torch.empty((min(chunk_size, n), n), dtype=zs.dtype, device=zs.device)
-    centred = torch.empty_like(zs)  # (N, d) z_j - c, filled for each class
-    col_total = torch.empty(n, dtype=zs.dtype, device=zs.device)  # sum_i W_ij, each class
+    if with_grad:
+        grad_s = torch.zeros_like(zs)  # (N, d)
+        centred = torch.empty_like(zs)  # (N, d) z_j - c, filled for each class
+        col_total = torch.empty(n, dtype=zs.dtype, device=zs.device)  # sum_i W_ij, each class
     for r, (s, e) in enumerate(runs):
         q_run = query_sorted[run_of_query == r]
         if e - s < 2 or q_run.shape[0] == 0:
             continue  # no same-class neighbour (p_i = 0 whatever A is), or no query row
-        # W's rows sum to zero, so the gradient is the same with every z taken about any
-        # point c: about the class's mean the two column terms below cancel less (float32)
-        torch.sub(zs, zs[s:e].mean(0), out=centred)
-        col_total.zero_()
+        if with_grad:
+            # W's rows sum to zero, so the gradient is the same with every z taken about any
+            # point c: about the class's mean the two column terms below cancel less (float32)
+            torch.sub(zs, zs[s:e].mean(0), out=centred)
+            col_total.zero_()
         for start in range(0, q_run.shape[0], chunk_size):
             q = q_run[start : start + chunk_size]  # (B,) sorted positions, all of class r
             b = q.shape[0]
@@ -205,7 +211,8 @@ def _torch_value_and_grad(
             grad_s.index_add_(0, q, (units @ centred).mul_(row_scale), alpha=2.0)
             grad_s.addmm_(units.T, centred[q] * row_scale, alpha=2.0)
             col_total.addmv_(units.T, row_scale[:, 0])
-        grad_s.addcmul_(col_total[:, None], centred, value=-2.0)
+        if with_grad:
+            grad_s.addcmul_(col_total[:, None], centred, value=-2.0)
     return total.to(zs.dtype), grad_s if with_grad else None
 
 
@@ -282,7 +289,7 @@ class FusedNCA(PrecomputedGradient):
     @staticmethod
     def forward(ctx, z, labels, log_form, rows, candidates, log_weights, chunk_size):
         if candidates is None:
-            # no gradient asked for (a forward pass under torch.no_grad): the value alone
+            # z does not require grad (built under torch.no_grad): the value alone
             value, grad = nca_value_and_grad(
                 z,
                 labels,

@@ -4,7 +4,8 @@ above the two evaluation paths.
 ``objective_sum(z, labels, objective)`` picks the path:
 
 * NCA's objectives (``nca``, ``nca-log``) take the fused closed-form kernel by default
-  (``training.objectives.nca_kernel.FusedNCA``: value and gradient in one pass, no autograd graph);
+  (``training.objectives.nca_kernel.FusedNCA``: value and gradient in one pass, no autograd
+  graph; the value alone when z does not require grad);
   ``method="autograd"`` forces the generic path, which the tests use to check the kernel.
 * every other objective (kNCA) takes the generic chunked autograd path below.
 

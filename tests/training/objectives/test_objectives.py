@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests.training.problems import brute_force_p
+from training.objectives import nca_kernel
 from training.objectives.nca import NCAObjective
 from training.objectives.nca_kernel import nca_value_and_grad
 from training.objectives.neighbourhood import nearest_candidates, objective_sum
@@ -311,10 +312,12 @@ def test_exact_path_equals_brute_force_at_any_chunk(n, d, n_classes, chunk, log_
 
 
 @pytest.mark.parametrize("log_form", [False, True])
-def test_a_forward_pass_gives_the_value_of_a_pass_with_its_gradient_bit_for_bit(log_form):
-    # the value alone (no_grad: the finish's start scale, an objective at a map) skips the
-    # gradient's products; the value it returns must be the same float, or the start scale
-    # a fit picks would move with whether a pass asked for the gradient
+def test_a_forward_pass_gives_the_value_of_a_pass_with_its_gradient_bit_for_bit(
+    log_form, monkeypatch
+):
+    # the value alone (z built under no_grad: the finish's start scale, an objective at a
+    # map) skips the gradient's products; the value it returns must be the same float, or the
+    # start scale a fit picks would move with whether a pass asked for the gradient
     z, labels = exact_data(400, 12, 5, seed=3)
     z = z.float()
     rows = torch.arange(0, 400, 3)
@@ -324,16 +327,26 @@ def test_a_forward_pass_gives_the_value_of_a_pass_with_its_gradient_bit_for_bit(
     )
     assert no_grad is None and grad is not None
     assert torch.equal(alone, value)
+    # through the autograd function, as Problem.loss calls it: which pass ran is recorded
+    torch_path = nca_kernel._torch_value_and_grad
+    passes = []
+
+    def recorded(*args):
+        passes.append(args[-1])  # with_grad
+        return torch_path(*args)
+
+    monkeypatch.setattr(nca_kernel, "_torch_value_and_grad", recorded)
     objective = NCAObjective(log_form)
-    with torch.no_grad():  # through the autograd function, as Problem.loss calls it
+    with torch.no_grad():
         forward = objective_sum(z, labels, objective, rows=rows, chunk_size=16)
-    with_graph = objective_sum(
-        z.clone().requires_grad_(), labels, objective, rows=rows, chunk_size=16
-    )
+    z_grad = z.clone().requires_grad_()
+    with_graph = objective_sum(z_grad, labels, objective, rows=rows, chunk_size=16)
+    with_graph.backward()
+    assert passes == [False, True]
     assert torch.equal(forward, with_graph.detach())
-    assert float(forward) == pytest.approx(
-        brute_force_score(z.double(), labels, log_form, rows)[0], rel=1e-5
-    )
+    expected, expected_grad = brute_force_score(z.double(), labels, log_form, rows)
+    assert float(forward) == pytest.approx(expected, rel=1e-5)
+    torch.testing.assert_close(z_grad.grad.double(), expected_grad, rtol=1e-3, atol=1e-4)
 
 
 def test_exact_path_scores_singletons_zero_and_counts_a_row_listed_twice_twice():
