@@ -1,11 +1,16 @@
 """What one exact NCA evaluation spends its time on, pass by pass, against its floor.
 
 The exact path (``training.objectives.nca_kernel._torch_value_and_grad``) takes a chunk of B
-query rows of one class against all N points: one GEMM writes the (B, N) logits, five
-elementwise passes turn them into U (row maximum, subtract, floor, exp, row sum), and two
-GEMMs and a GEMV read U back for the gradient. This times each of those on one chunk at
-the real digits' finish size (B = 256, N = 60,000, d = 32), median of REPEATS, on the
-threads torch has (pin with taskset), and beside them three alternatives:
+query rows of one class against all N points: one GEMM writes the (B, N) logits, the row
+pass turns them into U (``_scores_and_row_scale``: torch's softmax of the row in place and
+of the same-class block, the two rows' maxima), and two GEMMs and a GEMV read U back for the
+gradient. This times each of those on one chunk at the real digits' finish size (B = 256,
+N = 60,000, d = 32), median of REPEATS, on the threads torch has (pin with taskset), and
+beside them the alternatives:
+
+* **five passes**: the row's exps as the kernel took them before the softmax, a chain of
+  torch's elementwise passes (row maximum, subtract, floor at EXP_FLOOR, exp, row sum; the
+  floor keeps MKL's exp off its slow subnormal results);
 
 * **fused C**: the five elementwise passes as one C loop a row at a time (the row's maximum,
   then exp(max(L - m, floor)) in place with the row sum in float64; a row of 60,000 floats
@@ -20,15 +25,21 @@ threads torch has (pin with taskset), and beside them three alternatives:
 
 The floor is the three products' arithmetic at the machine's float32 GEMM rate (printed):
 2 B N (d + 1) + 4 B N d + 2 B N flops a chunk. Also one whole evaluation of the digits'
-finish (17,895 query rows x 60,000), which is about 70 chunks. Saves
+finish (17,895 query rows x 60,000), which is about 70 chunks, with its gradient and the
+value alone; with ``--before TREE`` (another checkout, e.g. ``git worktree add /tmp/base
+<commit>``) the same evaluations with that tree's kernel too, each in a fresh process, the
+trees alternating for ``--rounds`` rounds, medians. Saves
 ``benchmarks/results/exact_passes.json``.
 
-    taskset -c 0,1 python benchmarks/exact_passes.py
+    taskset -c 0,1 python benchmarks/exact_passes.py [--before /tmp/base] [--rounds 3]
 """
 
 from __future__ import annotations
 
+import argparse
 import ctypes
+import json
+import os
 import platform
 import shutil
 import statistics
@@ -42,14 +53,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# the checkout whose ``training`` is timed: this one, or --before's in its subprocesses
+sys.path.insert(0, os.environ.get("EXACT_PASSES_TREE") or str(Path(__file__).parents[1]))
 
 from harness.report import machine, save_json
 
 from training.numerics import EXP_FLOOR
 from training.objectives.kernels import levels
 from training.objectives.native import cpu_flags
-from training.objectives.nca_kernel import nca_value_and_grad
+from training.objectives.nca_kernel import _scores_and_row_scale, nca_value_and_grad
 
 B, N, D, CLASSES = 256, 60_000, 32, 10
 FINISH_ROWS = 17_895  # 2^30 pairs / 60,000: the digits' finish
@@ -157,7 +169,57 @@ def fused_pass(lib, buf: torch.Tensor, row_max: torch.Tensor, row_sum: torch.Ten
     other.join()
 
 
+def digits_like(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(z (N, d), labels (N,)): class means a few units apart, rows spread around them:
+    soft rows, as the finish sees."""
+    labels = torch.randint(0, CLASSES, (N,), generator=g)
+    z = torch.randn(CLASSES, D, generator=g)[labels] + torch.randn(N, D, generator=g)
+    return z.contiguous(), labels
+
+
+def one_evaluation() -> dict:
+    """Seconds of one evaluation of the digits' finish size, with the gradient and the
+    value alone (whichever ``training`` is on sys.path)."""
+    z, labels = digits_like(torch.Generator().manual_seed(0))
+    rows = torch.linspace(0, N - 1, FINISH_ROWS).long()
+    seconds = {}
+    for name, with_grad in (("gradient_s", True), ("value_s", False)):
+        started = time.perf_counter()
+        nca_value_and_grad(z, labels, log_form=False, rows=rows, flex=False, with_grad=with_grad)
+        seconds[name] = time.perf_counter() - started
+    return seconds
+
+
+def evaluations_in_trees(before: Path | None, rounds: int) -> dict:
+    """{tree: medians of one_evaluation's seconds}: this checkout ("after") and ``before``,
+    each round a fresh process per tree, the trees alternating."""
+    trees = {"after": Path(__file__).resolve().parents[1]}
+    if before is not None:
+        trees = {"before": before.resolve(), **trees}
+    runs: dict[str, list[dict]] = {name: [] for name in trees}
+    for _ in range(rounds if before is not None else 1):
+        for name, tree in trees.items():
+            env = {**os.environ, "EXACT_PASSES_TREE": str(tree)}
+            command = [sys.executable, __file__, "--one-evaluation"]
+            done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"{tree}: exit {done.returncode}\n{done.stderr[-2000:]}")
+            runs[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    return {
+        name: {key: statistics.median(run[key] for run in done) for key in done[0]} | {"runs": done}
+        for name, done in runs.items()
+    }
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--before", type=Path, help="another checkout to time an evaluation in")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--one-evaluation", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one_evaluation:
+        print(json.dumps(one_evaluation()))
+        return
     facts = machine()
     rate = facts["gemm_gflops"]
     g = torch.Generator().manual_seed(0)
@@ -189,6 +251,12 @@ def main() -> None:
         "floor (clamp_min_)": median_ms(lambda: buf.clamp_min_(EXP_FLOOR), reset),
         "exp_": median_ms(lambda: buf.exp_(), lambda: reset().sub_(row_max).clamp_min_(EXP_FLOOR)),
         "row sum": median_ms(lambda: buf.sum(1), reset),
+        "softmax of the row, in place": median_ms(
+            lambda: torch.ops.aten._softmax.out(buf, 1, False, out=buf), reset
+        ),
+        "the kernel's row pass (both softmaxes)": median_ms(
+            lambda: _scores_and_row_scale(buf, 0, N // CLASSES, False), reset
+        ),
         "U @ (z - c) (B x N x d)": median_ms(lambda: buf @ z),
         "U^T @ (r (z_q - c)) (N x B x d)": median_ms(lambda: buf.T @ zq),
         "column sums U^T r (GEMV)": median_ms(lambda: col_total.addmv_(buf.T, row_scale)),
@@ -236,17 +304,24 @@ def main() -> None:
 
         tiled[tile] = median_ms(two_passes)
 
-    one_chunk = sum(passes.values())
-    rows = torch.linspace(0, N - 1, FINISH_ROWS).long()
-    started = time.perf_counter()
-    nca_value_and_grad(z, labels, log_form=False, rows=rows, flex=False)
-    evaluation_s = time.perf_counter() - started
+    # a chunk as the kernel runs it: the GEMM, the row pass, the three products
+    kernel_passes = [
+        "logits GEMM (addmm, K = d + 1)",
+        "the kernel's row pass (both softmaxes)",
+        "U @ (z - c) (B x N x d)",
+        "U^T @ (r (z_q - c)) (N x B x d)",
+        "column sums U^T r (GEMV)",
+    ]
+    one_chunk = sum(passes[name] for name in kernel_passes)
+    evaluations = evaluations_in_trees(args.before, args.rounds)  # {tree: seconds}
 
     print(f"one chunk: {B} query rows x {N:,} points, d = {D}; median of {REPEATS}")
     for name, ms in passes.items():
         print(f"  {name:34s} {ms:7.2f} ms")
-    print(f"  {'sum of the passes':34s} {one_chunk:7.2f} ms")
-    print(f"  the five elementwise passes, as the code chains them: {elementwise_chain:.2f} ms")
+    print(f"  {'a chunk (GEMM, row pass, products)':34s} {one_chunk:7.2f} ms")
+    print(
+        f"  the five elementwise passes, chained (before the softmax): {elementwise_chain:.2f} ms"
+    )
     if fused is None:
         print("  fused C: skipped (no gcc on PATH)")
     else:
@@ -258,20 +333,25 @@ def main() -> None:
     for tile, ms in tiled.items():
         print(f"  column tiles of {tile}, two passes: {ms:.2f} ms")
     print(f"  floor: {flops / 1e9:.2f} GFLOP at {rate:.0f} GFLOP/s = {floor_ms:.2f} ms")
-    print(f"one evaluation of {FINISH_ROWS:,} rows x {N:,}: {evaluation_s:.2f} s")
+    for tree, seconds in evaluations.items():
+        print(
+            f"one evaluation of {FINISH_ROWS:,} rows x {N:,} ({tree}): with the gradient "
+            f"{seconds['gradient_s']:.2f} s, the value alone {seconds['value_s']:.2f} s"
+        )
     save_json(
         "exact_passes.json",
         {
-            "command": "python benchmarks/exact_passes.py",
+            "command": "python benchmarks/exact_passes.py " + " ".join(sys.argv[1:]),
             "machine": facts,
             "chunk": {"rows": B, "points": N, "d": D, "repeats": REPEATS},
             "passes_ms": passes,
+            "chunk_ms": one_chunk,
             "elementwise_chain_ms": elementwise_chain,
             "fused_c": fused,
             "buffer_copy_ms": memory,
             "column_tiles_two_passes_ms": tiled,
             "floor_ms": floor_ms,
-            "evaluation": {"rows": FINISH_ROWS, "points": N, "seconds": evaluation_s},
+            "evaluation": {"rows": FINISH_ROWS, "points": N, **evaluations},
         },
     )
 

@@ -19,20 +19,25 @@ Tricks that make it fast and stable:
   contiguous slice: no N-wide mask is ever built.
 * L'_ij = 2 z_i.z_j - ||z_j||^2 differs from L_ij by a per-row constant (||z_i||^2), which
   softmax ignores: one GEMM with a bias row gives the logits.
-* Shifted logits are floored at EXP_FLOOR = -80 before exp: exp(-80) = 2e-35 is below any
-  sum's precision, and it keeps exp out of its underflow path (subnormal results), which is
-  ~4x slower on CPU.
-* Log-sum-exp with the row maximum; the same-class block gets its own maximum, so log p_i is
-  exact even when every same-class point is far beyond exp's range (g stays finite).
+* Each row's exps come from torch's softmax (its fused row kernel: the maximum, exp and
+  the sum in few passes over the row, in place), not from a chain of elementwise passes
+  (maximum, subtract, floor, exp, sum): the chain's exp is MKL's, whose subnormal results
+  are several times slower unless the exponents are first floored (one more pass). At the
+  digits' finish size an evaluation took 3.46 s instead of 3.80 (the value alone 1.82 s
+  instead of 2.29: benchmarks/results/exact_passes.json), and the default fit of the real
+  digits 36.9 s instead of 44.4, with the same map's errors (softmax_rows_digits.json).
+* Log-sum-exp with the row maximum; the same-class block gets its own softmax and maximum,
+  so log p_i is exact even when every same-class point is far beyond exp's range (g stays
+  finite). Each log-sum-exp is m - log(softmax at the maximum), that softmax being
+  1 / sum_j exp(L_ij - m).
 * The (B, N) passes and the row sums of exps run in the embeddings' dtype (torch's sums are
-  cascaded); the per-row scalars made from them (the two maxima's gap, log p_i, the factors
-  that turn exps into W) and the sum over chunks in float64: in float32 the gap of two large
-  logits loses digits, enough to make two fits of the same data diverge after a few L-BFGS
-  steps (tests/training/model/test_sparse_input.py). Summing the exps in float64 as well
-  costs 30% of an evaluation and changed nothing that test sees.
-* W = r U with a per-row scale r (B, 1): the (B, N) buffer holds U (exps, the same-class block
-  rescaled) and r is folded into the products' (B, d) and (N,) sides, which saves two of
-  the dozen passes over (B, N): the default digits fit's finish took 0.75x the time
+  vectorised partial sums); the per-row scalars made from them (the two log-sum-exps,
+  log p_i, the factors that turn p_ij into W) and the sum over chunks in float64: in
+  float32 the gap of two large logits loses digits, enough to make two fits of the same
+  data diverge after a few L-BFGS steps (tests/training/model/test_sparse_input.py).
+* W = r U with a per-row scale r (B, 1): the (B, N) buffer holds U (p_ij, the same-class
+  block rescaled) and r is folded into the products' (B, d) and (N,) sides, which saves
+  two passes over (B, N): the default digits fit's finish took 0.75x the time
   (benchmarks/results/exact_row_scale.json).
 * The products are taken about the query class's mean c (W's rows sum to zero, so the
   gradient is unchanged): the column terms W^T (z_q - c) and colsum(W)_j (z_j - c) then
@@ -49,7 +54,7 @@ from __future__ import annotations
 
 import torch
 
-from training.numerics import EXP_FLOOR, PrecomputedGradient, chunk_rows, class_runs
+from training.numerics import PrecomputedGradient, chunk_rows, class_runs
 from training.objectives import native_candidates, nca_flex
 
 
@@ -65,48 +70,45 @@ def _scores_and_row_scale(
     (B, M) in ``logits`` such that W = d score_i / d L_ij = r_i U_ij.
 
     logits: (B, M) = L_ij + c_i (any per-row constant), -inf where j is not a neighbour;
-    columns [s, e) are the rows' same-class neighbours. With m_i the row maximum,
-    U_ij = exp(L_ij - m_i) (so p_ij = U_ij / S_i, S_i = sum_j U_ij) off the block; on the
-    block U holds W_ij / r_i, computed from the block's own maximum so that p_i stays exact
-    when the same-class points are far beyond exp's range:
+    columns [s, e) are the rows' same-class neighbours. Two softmaxes (torch's fused row
+    kernel: the maximum, the exps and their sum in few passes over the row):
 
-        f = sum p_i:      r_i = -p_i / S_i,  U_ij = (p_i - 1) (S_i / S'_i) U'_ij
-        g = sum log p_i:  r_i = -1 / S_i,    U_ij = (e^gap_i - S_i / S'_i) U'_ij
+        p_ij = softmax_j(L_ij)                  over the row (in place)
+        q_ij = softmax_{j in block}(L_ij)        = p_ij / p_i on the block
 
-    where U'_ij = exp(L_ij - m'_i), S'_i = sum_{j in block} U'_ij, m'_i the block's maximum
-    and gap_i = m'_i - m_i. Off the block both give W_ij = -p_ij p_i (f) or -p_ij (g), and
-    on it p_ij (1 - p_i) or p_ij (1 / p_i - 1). The callers fold r into their products (a
-    (B, d) scale instead of a pass over (B, M)); r is in the logits' dtype. Rows with no
-    finite same-class logit score 0 and get r = 0 and a zero block. Entries at -inf are 0
-    in U on the block; off it they carry exp(EXP_FLOOR) ~ 2e-35 (callers zero padding).
+    and log p_i = lse_block_i - lse_i from the two log-sum-exps, each m - log(softmax at
+    the maximum) (that softmax is 1 / sum_j exp(L_ij - m)), so log p_i stays exact when the
+    same-class points lie far beyond exp's range. Off the block U_ij = p_ij; on it
+    U_ij = (p_i - 1) q_ij, and
+
+        f = sum p_i:      r_i = -p_i    (W = -p_ij p_i off the block, p_ij (1 - p_i) on it)
+        g = sum log p_i:  r_i = -1      (W = -p_ij off the block, p_ij (1 / p_i - 1) on it)
+
+    The callers fold r into their products (a (B, d) scale instead of a pass over (B, M));
+    r is in the logits' dtype, the per-row scalars (log p_i, p_i - 1) are made in float64.
+    Entries at -inf are 0 in U. Rows with no finite same-class logit score 0 and get r = 0
+    and a zero row of U.
     """
-    dtype = logits.dtype
-    wide = torch.float64  # the per-row scalars; the (B, M) passes and their sums stay in dtype
+    dtype, wide = logits.dtype, torch.float64
     same = logits[:, s:e]  # (B, n_c) view
     m_same = same.amax(1, keepdim=True)  # (B, 1)
     has_same = torch.isfinite(m_same)  # (B, 1)
-    m_same = _zero_unless(has_same, m_same)
-    e_same = torch.exp((same - m_same).clamp_min_(EXP_FLOOR))  # (B, n_c) U', new buffer
-    e_same = _zero_unless(torch.isfinite(same), e_same)
-    s_same = e_same.sum(1, keepdim=True).to(wide).clamp_min_(torch.finfo(dtype).tiny)
-    m_all = logits.amax(1, keepdim=True)  # >= m_same, finite when has_same
-    m_all = _zero_unless(torch.isfinite(m_all), m_all)
-    e_all = logits.sub_(m_all).clamp_min_(EXP_FLOOR).exp_()  # (B, M) U, in place
-    s_all = e_all.sum(1, keepdim=True).to(wide)
-    gap = m_same.to(wide) - m_all.to(wide)  # (B, 1), <= 0
-    log_p = gap + torch.log(s_same) - torch.log(s_all)  # (B, 1)
+    q = torch.softmax(same, 1)  # (B, n_c) new buffer; NaN in a row without a finite logit
+    m_all = logits.amax(1, keepdim=True)  # (B, 1)
+    torch.ops.aten._softmax.out(logits, 1, False, out=logits)  # (B, M) p_ij, in place
+    # (amax, not max with indices: a third of the time on CPU)
+    lse_same = m_same.to(wide) - torch.log(q.amax(1, keepdim=True).to(wide))  # (B, 1)
+    lse_all = m_all.to(wide) - torch.log(logits.amax(1, keepdim=True).to(wide))
+    log_p = _zero_unless(has_same, lse_same - lse_all)  # (B, 1), <= 0
     if log_form:
-        score = log_p
-        row_scale = -1.0 / s_all
-        block_factor = torch.exp(gap) - s_all / s_same
+        score, row_scale = log_p, -torch.ones_like(log_p)
     else:
-        score = p = torch.exp(log_p)
-        row_scale = -p / s_all
-        block_factor = (p - 1.0) * (s_all / s_same)
+        score = torch.exp(log_p)
+        row_scale = -score
     value = _zero_unless(has_same, score).sum()
-    # a row with no same-class logit has gap = -m_all, whose exp may overflow: zero factor
-    block_factor = _zero_unless(has_same, block_factor)
-    e_all[:, s:e] = e_same.mul_(block_factor.to(dtype))
+    logits[:, s:e] = q.mul_(torch.expm1(log_p).to(dtype))  # (p_i - 1) q_ij
+    if not bool(has_same.all()):  # no same-class neighbour: W = 0 on the row
+        logits[~has_same[:, 0]] = 0.0
     return value, _zero_unless(has_same, row_scale).to(dtype)
 
 

@@ -1,8 +1,9 @@
 /* NCA's value and gradient on candidate sets, one query row at a time.
 
    The same mathematics as nca_value_and_grad_candidates in training/objectives/nca_kernel.py
-   (its docstring and _block_weights'). Query row i has M candidates c (-1: none), the first
-   K_same of its own class, the rest of other classes, and optional log-weights w_ic:
+   (its docstring and _scores_and_row_scale's). Query row i has M candidates c (-1: none),
+   the first K_same of its own class, the rest of other classes, and optional log-weights
+   w_ic:
 
        L'_ic = 2 z_i.z_c - ||z_c||^2 + w_ic          (L_ic up to a per-row constant)
        p_ic  = exp(L'_ic - m_i) / S_i,   S_i = sum_c exp(max(L'_ic - m_i, EXP_FLOOR))
@@ -10,7 +11,8 @@
 
    with m_i the row maximum over the candidates present; the same-class candidates get their
    own maximum and sum, so log p_i stays exact when they lie beyond exp's range. A candidate
-   that is absent (-1) carries exp(EXP_FLOOR) in S_i and nothing else, as in the torch path.
+   that is absent (-1) carries exp(EXP_FLOOR) in S_i and nothing else (the torch path's
+   softmax gives it 0: some 2e-35 of S_i >= 1 per candidate, below float precision).
    W_ic = d score_i / d L_ic is
 
        f: p_ic (1[c same] - p_i)          g: p_ic (1[c same] / p_i - 1)
@@ -42,7 +44,8 @@ typedef float real;
 #define EXP_FLOOR (-80.0)
 #define MAX_CANDIDATES 4096 /* M at most (the caller checks) */
 
-/* exp(max(x, EXP_FLOOR)) in the flavour's precision, as the torch path computes it */
+/* exp(max(x, EXP_FLOOR)) in the flavour's precision: the floor keeps exp off its slow
+   subnormal results (the torch path's softmax takes exp(x), some 2e-35 less at most) */
 static inline double floored_exp(double x) { return EXP((real)(x < EXP_FLOOR ? EXP_FLOOR : x)); }
 
 /* z (n, d) embeddings; sq (n,) their squared norms; rows (n_rows,) the query rows;
