@@ -2,8 +2,9 @@
 
 The exact finish evaluates every query row against all N points: a (rows x N) GEMM for the
 logits, exps, and two more GEMMs for the gradient. On a trained map most of those pairs are
-so far beyond each row's nearest point that their weight exp(L_ij - m_i) is floored at
-exp(EXP_FLOOR) = exp(-80) and changes nothing. This measures, on the real digits under the map
+so far beyond each row's nearest point that their weight exp(L_ij - m_i) is below exp(-80)
+(EXP_FLOOR, where the exact path floored its exps until its row pass became a softmax) and
+changes nothing. This measures, on the real digits under the map
 the finish starts from (the default fit with ``exact_finish=0``, d = 32):
 
 * the share of pairs (i, j) with L_ij - m_i above -10, -20, -40 and -80 (the floor), over
@@ -37,7 +38,7 @@ from harness.report import machine, save_json
 from training import NCA
 
 MNIST = Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist.npz"
-FLOOR = 80.0  # -EXP_FLOOR: the shifted logit below which the exact path floors exp
+FLOOR = 80.0  # -EXP_FLOOR: below this shifted logit a pair's weight is under exp(-80)
 CHUNK = 256  # the exact path's query rows a chunk
 
 

@@ -86,9 +86,14 @@ def _scores_and_row_scale(
 
     The callers fold r into their products (a (B, d) scale instead of a pass over (B, M));
     r is in the logits' dtype, the per-row scalars (log p_i, p_i - 1) are made in float64.
-    Entries at -inf are 0 in U. Rows with no finite same-class logit score 0 and get r = 0
-    and a zero row of U.
+    Entries at -inf are 0 in U. A row with no finite same-class logit scores 0 and gets
+    r = 0; its block in U is NaN (all of its U when no logit is finite), which the candidate
+    path's padding mask clears. In the exact path every row has a finite same-class logit
+    unless z is not finite, and then the NaN reaches the gradient, which the fit refuses.
+    ``logits`` must be contiguous: the in-place softmax writes it as such.
     """
+    if not logits.is_contiguous():
+        raise ValueError(f"logits of shape {tuple(logits.shape)} must be contiguous")
     dtype, wide = logits.dtype, torch.float64
     same = logits[:, s:e]  # (B, n_c) view
     m_same = same.amax(1, keepdim=True)  # (B, 1)
@@ -107,8 +112,6 @@ def _scores_and_row_scale(
         row_scale = -score
     value = _zero_unless(has_same, score).sum()
     logits[:, s:e] = q.mul_(torch.expm1(log_p).to(dtype))  # (p_i - 1) q_ij
-    if not bool(has_same.all()):  # no same-class neighbour: W = 0 on the row
-        logits[~has_same[:, 0]] = 0.0
     return value, _zero_unless(has_same, row_scale).to(dtype)
 
 

@@ -100,6 +100,35 @@ def test_gradient_matches_central_differences(log_form):
         assert float(grad[i, c]) == pytest.approx(numeric, rel=1e-6, abs=1e-8)
 
 
+@pytest.mark.parametrize("log_form", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_row_without_any_candidate_scores_0_and_moves_nothing(log_form, dtype):
+    """Row 3 has no same-class candidate and row 11 no candidate at all (every logit -inf):
+    both score 0 and add no gradient, in the kernel and the torch path alike, and no NaN
+    from their empty softmaxes reaches the others' values or gradients."""
+    z, labels, candidates = problem(n=40, d=3, k=4, seed=9, dtype=dtype)
+    candidates[11] = -1
+    value, grad = nca_value_and_grad_candidates(
+        z, labels, candidates, log_form=log_form, native=True
+    )
+    ref, ref_grad = nca_value_and_grad_candidates(
+        z, labels, candidates, log_form=log_form, native=False
+    )
+    assert torch.isfinite(ref_grad).all() and torch.isfinite(ref)
+    tol = 1e-10 if dtype == torch.float64 else 1e-4
+    assert float(ref) == pytest.approx(brute_force(z, candidates, log_form), rel=tol, abs=tol)
+    torch.testing.assert_close(value, ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(grad, ref_grad, rtol=tol, atol=tol)
+    # the two rows add nothing: the sum over the other rows is the same value and gradient
+    others = torch.tensor([i for i in range(40) if i not in (3, 11)])
+    for native in (True, False):
+        part, part_grad = nca_value_and_grad_candidates(
+            z, labels, candidates, log_form=log_form, rows=others, native=native
+        )
+        torch.testing.assert_close(part, ref, rtol=tol, atol=tol)
+        torch.testing.assert_close(part_grad, ref_grad, rtol=tol, atol=tol)
+
+
 def test_query_rows_and_a_row_table_give_the_torch_paths_answer():
     z, labels, candidates = problem(n=200, seed=3)
     rows = torch.tensor([5, 17, 17, 3, 150, 199])  # a repeated row counts twice

@@ -406,3 +406,21 @@ def test_exact_log_score_stays_exact_far_beyond_exps_range():
     torch.testing.assert_close(grad, expected_grad, rtol=1e-9, atol=1e-9)
     f_value, _ = nca_value_and_grad(z, labels, log_form=False)
     assert float(f_value) == 0.0  # f underflows to 0
+
+
+@pytest.mark.parametrize("log_form", [False, True])
+def test_a_non_finite_embedding_reaches_the_value_or_gradient(log_form):
+    """The exact path does not hide a NaN in z as a row that scores 0: the fit's finite check
+    (training.optim.lbfgs.ProblemLoss) must see it."""
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(20, 3, generator=g, dtype=torch.float64)
+    labels = torch.tensor([0, 1] * 10)
+    z[4, 0] = float("nan")
+    value, grad = nca_value_and_grad(z, labels, log_form=log_form, chunk_size=4, flex=False)
+    assert not (torch.isfinite(value) and torch.isfinite(grad).all())
+
+
+def test_the_row_pass_refuses_logits_it_cannot_write_in_place():
+    rows = torch.zeros(4, 6)[:, ::2]  # (4, 3), not contiguous
+    with pytest.raises(ValueError, match=r"shape \(4, 3\) must be contiguous"):
+        nca_kernel._scores_and_row_scale(rows, 0, 1, False)
