@@ -84,6 +84,8 @@ DIAGONALS = ((-1, -1), (-1, 1), (1, -1), (1, 1))  # ... and mnist_shifted8_refs'
 def shifted_digits(X: np.ndarray, y: np.ndarray, shifts=SHIFTS) -> tuple[np.ndarray, np.ndarray]:
     """X (N, 784) of 28 x 28 images and each of them moved by ``shifts`` ((rows, columns)
     each), zero fill: (((1 + S) N, 784), ((1 + S) N,)), the originals first."""
+    if X.ndim != 2 or X.shape[1] != 28 * 28:
+        raise ValueError(f"shifted_digits takes 28 x 28 images as rows of 784, got {X.shape}")
     images = X.reshape(-1, 28, 28)
     copies = [X]
     for dy, dx in shifts:
@@ -128,7 +130,7 @@ def write_set(name: str, folder: Path) -> Path | None:
 
 def knn_errors(z_train, y_train, z_test, y_test, ks=(1, 5)) -> dict:
     """Test error of the k-NN majority vote for each k (exact search, float64 distances in
-    blocks of at most 1,024 test rows and 2^25 distances; a tie goes to the nearest neighbour's class when it is tied,
+    blocks of at most 1,024 test rows and 2^25 distances, or 16 rows above 2^21 references; a tie goes to the nearest neighbour's class when it is tied,
     else to the lowest tied class index)."""
     z_train = np.asarray(z_train, np.float64)
     sq_train = (z_train**2).sum(axis=1)

@@ -34,3 +34,8 @@ def test_each_copy_is_its_image_moved_one_pixel_with_zero_fill(shifts):
                 inside = 0 <= r0 < 28 and 0 <= c0 < 28
                 expected = images[:, r0, c0] if inside else np.zeros(3, np.float32)
                 np.testing.assert_array_equal(out[:, r, c], expected)
+
+
+def test_rows_that_are_not_28_x_28_images_are_refused():
+    with pytest.raises(ValueError, match=r"rows of 784, got \(4, 392\)"):
+        shifted_digits(np.zeros((4, 392), np.float32), np.zeros(4, np.int64))
