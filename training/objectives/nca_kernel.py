@@ -26,15 +26,17 @@ Tricks that make it fast and stable:
   digits' finish size an evaluation took 3.46 s instead of 3.80 (the value alone 1.82 s
   instead of 2.29: benchmarks/results/exact_passes.json), and the default fit of the real
   digits 36.9 s instead of 44.4, with the same map's errors (softmax_rows_digits.json).
-* Log-sum-exp with the row maximum; the same-class block gets its own softmax and maximum,
-  so log p_i is exact even when every same-class point is far beyond exp's range (g stays
-  finite). Each log-sum-exp is m - log(softmax at the maximum), that softmax being
-  1 / sum_j exp(L_ij - m).
+* p_i is the block's sum of the row's softmax (in float64), which needs no maximum of its
+  own: a chunk's row pass is one softmax in place, a sum and a scale of the block, no
+  further pass over (B, N). Rows whose p_i falls below P_FLOOR (their same-class p_ij near
+  or below float32's smallest) are recomputed by _far_rows, with the row's and the
+  block's log-sum-exps, each m - log(softmax at the maximum), so log p_i stays exact when
+  every same-class point is far beyond exp's range (g stays finite).
 * The (B, N) passes and the row sums of exps run in the embeddings' dtype (torch's sums are
-  vectorised partial sums); the per-row scalars made from them (the two log-sum-exps,
-  log p_i, the factors that turn p_ij into W) and the sum over chunks in float64: in
-  float32 the gap of two large logits loses digits, enough to make two fits of the same
-  data diverge after a few L-BFGS steps (tests/training/model/test_sparse_input.py).
+  vectorised partial sums); the per-row scalars made from them (p_i, log p_i, the factors
+  that turn p_ij into W) and the sum over chunks in float64: in float32 the gap of two
+  large logits (_far_rows) loses digits, enough to make two fits of the same data diverge
+  after a few L-BFGS steps (tests/training/model/test_sparse_input.py).
 * W = r U with a per-row scale r (B, 1): the (B, N) buffer holds U (p_ij, the same-class
   block rescaled) and r is folded into the products' (B, d) and (N,) sides, which saves
   two passes over (B, N): the default digits fit's finish took 0.75x the time
@@ -52,6 +54,8 @@ Peak memory: O(chunk x N + N d).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from training.numerics import PrecomputedGradient, chunk_rows, class_runs
@@ -63,56 +67,83 @@ def _zero_unless(keep: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return torch.where(keep, values, torch.zeros_like(values))
 
 
+# A row whose same-class mass p_i (the block's sum of the row's softmax) is below this is
+# recomputed by _far_rows: its p_ij may be subnormal or 0 in float32 and their sum no longer
+# p_i to float32 precision (nor q_ij = p_ij / p_i)
+P_FLOOR = 1e-25
+
+
 def _scores_and_row_scale(
-    logits: torch.Tensor, s: int, e: int, log_form: bool
+    logits: torch.Tensor, s: int, e: int, log_form: bool, recompute
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of the rows' scores, r (B, 1)) for one block of rows, all of one class; leaves U
     (B, M) in ``logits`` such that W = d score_i / d L_ij = r_i U_ij.
 
     logits: (B, M) = L_ij + c_i (any per-row constant), -inf where j is not a neighbour;
-    columns [s, e) are the rows' same-class neighbours. Two softmaxes (torch's fused row
-    kernel: the maximum, the exps and their sum in few passes over the row):
+    columns [s, e) are the rows' same-class neighbours. One softmax over the row, in place
+    (torch's fused row kernel: the maximum, the exps and their sum in few passes), and the
+    block's sum:
 
-        p_ij = softmax_j(L_ij)                  over the row (in place)
-        q_ij = softmax_{j in block}(L_ij)        = p_ij / p_i on the block
+        p_ij = softmax_j(L_ij),    p_i = sum_{j in block} p_ij    (float64 sum)
 
-    and log p_i = lse_block_i - lse_i from the two log-sum-exps, each m - log(softmax at
-    the maximum) (that softmax is 1 / sum_j exp(L_ij - m)), so log p_i stays exact when the
-    same-class points lie far beyond exp's range. Off the block U_ij = p_ij; on it
-    U_ij = (p_i - 1) q_ij, and
+    Off the block U_ij = p_ij; on it U_ij = (p_i - 1) p_ij / p_i (= (p_i - 1) q_ij, q the
+    softmax of the block alone), and
 
         f = sum p_i:      r_i = -p_i    (W = -p_ij p_i off the block, p_ij (1 - p_i) on it)
         g = sum log p_i:  r_i = -1      (W = -p_ij off the block, p_ij (1 / p_i - 1) on it)
 
-    The callers fold r into their products (a (B, d) scale instead of a pass over (B, M));
-    r is in the logits' dtype, the per-row scalars (log p_i, p_i - 1) are made in float64.
-    Entries at -inf are 0 in U. A row with no finite same-class logit scores 0 and gets
-    r = 0; its block in U is NaN (all of its U when no logit is finite), which the candidate
-    path's padding mask clears. In the exact path every row has a finite same-class logit
-    unless z is not finite, and then the NaN reaches the gradient, which the fit refuses.
-    ``logits`` must be contiguous: the in-place softmax writes it as such.
+    The callers fold r into their products (a (B, d) scale instead of a pass over (B, M)).
+    Rows with p_i below P_FLOOR (also 0 and NaN) are taken again from ``recompute(rows)``,
+    their original logits (b, M), by :func:`_far_rows`, which keeps log p_i exact far beyond
+    exp's range. ``logits`` must be contiguous: the in-place softmax writes it as such.
     """
     if not logits.is_contiguous():
         raise ValueError(f"logits of shape {tuple(logits.shape)} must be contiguous")
-    dtype, wide = logits.dtype, torch.float64
-    same = logits[:, s:e]  # (B, n_c) view
-    m_same = same.amax(1, keepdim=True)  # (B, 1)
-    has_same = torch.isfinite(m_same)  # (B, 1)
-    q = torch.softmax(same, 1)  # (B, n_c) new buffer; NaN in a row without a finite logit
-    m_all = logits.amax(1, keepdim=True)  # (B, 1)
+    dtype = logits.dtype
     torch.ops.aten._softmax.out(logits, 1, False, out=logits)  # (B, M) p_ij, in place
-    # (amax, not max with indices: a third of the time on CPU)
-    lse_same = m_same.to(wide) - torch.log(q.amax(1, keepdim=True).to(wide))  # (B, 1)
+    block = logits[:, s:e]  # (B, n_c) view
+    p = block.sum(1, keepdim=True, dtype=torch.float64)  # (B, 1) p_i
+    block.mul_(((p - 1.0) / p).to(dtype))  # (p_i - 1) q_ij; inf or NaN on far rows (below)
+    score, row_scale = (torch.log(p), -torch.ones_like(p)) if log_form else (p, -p)
+    far = torch.nonzero(~(p >= P_FLOOR))[:, 0]  # (b,) rows below the floor, or NaN
+    if far.numel():
+        original = recompute(far)  # (b, M)
+        score[far], row_scale[far] = _far_rows(original, s, e, log_form)
+        logits[far] = original
+    return score.sum(), row_scale.to(dtype)
+
+
+def _far_rows(
+    logits: torch.Tensor, s: int, e: int, log_form: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(score_i (b, 1), r (b, 1)), both float64, for rows whose same-class mass may be below
+    float range; leaves U in ``logits`` (b, M) as :func:`_scores_and_row_scale` does. Two
+    softmaxes, of the row and of the block alone (q_ij = p_ij / p_i on the block), and
+    log p_i = lse_block_i - lse_i from the two log-sum-exps, each m - log(softmax at the
+    maximum) (that softmax is 1 / sum_j exp(L_ij - m)): log p_i stays exact when every
+    same-class point lies far beyond exp's range. A row with no finite same-class logit
+    scores 0 and gets r = 0; its block in U is NaN (all of its U when no logit is finite),
+    which the candidate path's padding mask clears. In the exact path every row has a finite
+    same-class logit unless z is not finite, and then the NaN reaches the gradient, which the
+    fit refuses.
+    """
+    dtype, wide = logits.dtype, torch.float64
+    same = logits[:, s:e]  # (b, n_c) view
+    m_same = same.amax(1, keepdim=True)  # (b, 1)
+    has_same = torch.isfinite(m_same)  # (b, 1)
+    q = torch.softmax(same, 1)  # (b, n_c) new buffer; NaN in a row without a finite logit
+    m_all = logits.amax(1, keepdim=True)  # (b, 1)
+    torch.ops.aten._softmax.out(logits, 1, False, out=logits)  # (b, M) p_ij, in place
+    lse_same = m_same.to(wide) - torch.log(q.amax(1, keepdim=True).to(wide))  # (b, 1)
     lse_all = m_all.to(wide) - torch.log(logits.amax(1, keepdim=True).to(wide))
-    log_p = _zero_unless(has_same, lse_same - lse_all)  # (B, 1), <= 0
+    log_p = _zero_unless(has_same, lse_same - lse_all)  # (b, 1), <= 0
     if log_form:
         score, row_scale = log_p, -torch.ones_like(log_p)
     else:
         score = torch.exp(log_p)
         row_scale = -score
-    value = _zero_unless(has_same, score).sum()
     logits[:, s:e] = q.mul_(torch.expm1(log_p).to(dtype))  # (p_i - 1) q_ij
-    return value, _zero_unless(has_same, row_scale).to(dtype)
+    return _zero_unless(has_same, score), _zero_unless(has_same, row_scale)
 
 
 def nca_value_and_grad(
@@ -202,11 +233,10 @@ def _torch_value_and_grad(
         for start in range(0, q_run.shape[0], chunk_size):
             q = q_run[start : start + chunk_size]  # (B,) sorted positions, all of class r
             b = q.shape[0]
-            logits = buffer[:b]  # (B, N) = L_ij + ||z_i||^2
-            torch.addmm(neg_sq, zs[q], zs.T, alpha=2.0, out=logits)
-            local = torch.arange(b, device=zs.device)
-            logits[local, q] = float("-inf")
-            value, row_scale = _scores_and_row_scale(logits, s, e, log_form)
+            logits = _exact_logits(zs, neg_sq, q, out=buffer[:b])  # (B, N)
+            value, row_scale = _scores_and_row_scale(
+                logits, s, e, log_form, lambda far, q=q: _exact_logits(zs, neg_sq, q[far])
+            )
             units = logits  # (B, N) U, W = row_scale U; U_ii = 0 (the diagonal is in [s, e))
             total += value
             if not with_grad:
@@ -219,6 +249,14 @@ def _torch_value_and_grad(
         if with_grad:
             grad_s.addcmul_(col_total[:, None], centred, value=-2.0)
     return total.to(zs.dtype), grad_s if with_grad else None
+
+
+def _exact_logits(zs, neg_sq, q, out=None) -> torch.Tensor:
+    """(B, N) logits L_ij + ||z_i||^2 = 2 z_i.z_j - ||z_j||^2 of the sorted positions q (B,)
+    against every point, -inf where j = i (into ``out`` when given)."""
+    logits = torch.addmm(neg_sq, zs[q], zs.T, alpha=2.0, out=out)
+    logits[torch.arange(q.shape[0], device=zs.device), q] = float("-inf")
+    return logits
 
 
 def nca_value_and_grad_candidates(
@@ -274,11 +312,11 @@ def nca_value_and_grad_candidates(
         safe = idx.clamp_min(0)
         zc = z.index_select(0, safe.reshape(-1)).view(q.shape[0], m, d)  # (B, M, d)
         zq = z[q]  # (B, d)
-        logits = torch.bmm(zc, zq.unsqueeze(2)).squeeze(2).mul_(2.0).sub_(sq[safe])  # (B, M)
-        if log_weights is not None:
-            logits.add_(log_weights[q])
-        logits.masked_fill_(invalid, float("-inf"))
-        value, row_scale = _scores_and_row_scale(logits, 0, k_same, log_form)
+        parts = (zq, zc, sq[safe], None if log_weights is None else log_weights[q], invalid)
+        logits = _candidate_logits(*parts)  # (B, M)
+        value, row_scale = _scores_and_row_scale(
+            logits, 0, k_same, log_form, functools.partial(_candidate_logits, *parts)
+        )
         weights = logits.mul_(row_scale).masked_fill_(invalid, 0.0)  # (B, M) W
         total += value
         # d/dz_i: 2 sum_c W_ic z_c ; d/dz_c: 2 W_ic (z_i - z_c)
@@ -286,6 +324,16 @@ def nca_value_and_grad_candidates(
         to_candidates = (zq.unsqueeze(1) - zc).mul_(2.0 * weights.unsqueeze(2))  # (B, M, d)
         grad.index_add_(0, safe.reshape(-1), to_candidates.view(-1, d))
     return total.to(z.dtype), grad
+
+
+def _candidate_logits(zq, zc, sq_c, log_w, invalid, rows=slice(None)) -> torch.Tensor:
+    """(b, M) logits L_ic + ||z_i||^2 (+ log w_ic), -inf at padding, of a chunk's ``rows``:
+    zq (B, d) its embeddings, zc (B, M, d) and sq_c (B, M) its candidates' embeddings and
+    squared norms, log_w (B, M) or None, invalid (B, M) the padding."""
+    logits = torch.bmm(zc[rows], zq[rows].unsqueeze(2)).squeeze(2).mul_(2.0).sub_(sq_c[rows])
+    if log_w is not None:
+        logits.add_(log_w[rows])
+    return logits.masked_fill_(invalid[rows], float("-inf"))
 
 
 class FusedNCA(PrecomputedGradient):

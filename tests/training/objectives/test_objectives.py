@@ -420,7 +420,56 @@ def test_a_non_finite_embedding_reaches_the_value_or_gradient(log_form):
     assert not (torch.isfinite(value) and torch.isfinite(grad).all())
 
 
+def floor_straddling_points():
+    """Points in 2-D clusters on a circle of radius 25 (about 25 apart), each a class-0 point
+    at its centre, a class-1 point 0.1 away and a class-0 point sqrt(D) away: the first
+    point's p_i is about exp(-D), for D from 2 to 120, so rows of one chunk lie on both sides
+    of the row pass's floor (P_FLOOR, exp(-57.6)) and below float32's range (exp(-87)). Small norms keep float32 logits exact to
+    about 1e-4."""
+    gaps = torch.tensor([2.0, 30.0, 50.0, 57.0, 100.0, 120.0], dtype=torch.float64)
+    angles = torch.arange(len(gaps), dtype=torch.float64) * (2 * torch.pi / len(gaps))
+    centres = 25.0 * torch.stack([angles.cos(), angles.sin()], 1)  # (6, 2)
+    offsets = torch.stack([torch.zeros_like(gaps), torch.full_like(gaps, 0.1), gaps.sqrt()], 1)
+    x = centres[:, None, :] + offsets[:, :, None] * torch.tensor([0.0, 1.0], dtype=torch.float64)
+    labels = torch.tensor([0, 1, 0]).repeat(len(gaps))
+    return x.reshape(-1, 2), labels
+
+
+@pytest.mark.parametrize("dtype, rtol", [(torch.float64, 1e-10), (torch.float32, 2e-3)])
+@pytest.mark.parametrize("log_form", [False, True])
+def test_rows_on_both_sides_of_the_row_pass_floor_match_brute_force(log_form, dtype, rtol):
+    """Rows whose same-class mass falls below the row pass's floor are recomputed
+    (nca_kernel._far_rows); both paths, one chunk holding rows either side of it, match a
+    float64 brute force, value and gradient."""
+    z64, labels = floor_straddling_points()
+    z = z64.to(dtype)
+    d2 = torch.cdist(z64, z64) ** 2 + torch.diag(torch.full((len(z),), float("inf")))
+    log_p_ij = torch.log_softmax(-d2, 1)
+    log_p = torch.logsumexp(log_p_ij.masked_fill(labels[:, None] != labels[None], -torch.inf), 1)
+    p_i = log_p.exp()
+    assert (p_i < nca_kernel.P_FLOOR).sum() >= 2 and (p_i > nca_kernel.P_FLOOR).sum() >= 6
+    expected, expected_grad = brute_force_score(z, labels, log_form)
+    n = len(z)
+    same = [torch.nonzero((labels == labels[i]) & (torch.arange(n) != i))[:, 0] for i in range(n)]
+    other = [torch.nonzero(labels != labels[i])[:, 0] for i in range(n)]
+    width = max(max(len(s) for s in same), max(len(o) for o in other))
+    candidates = torch.full((n, 2 * width), -1, dtype=torch.int64)  # every point a candidate
+    for i in range(n):
+        candidates[i, : len(same[i])] = same[i]
+        candidates[i, width : width + len(other[i])] = other[i]
+    results = [
+        nca_value_and_grad(z, labels, log_form=log_form, chunk_size=n, flex=False),
+        nca_kernel.nca_value_and_grad_candidates(
+            z, labels, candidates, log_form=log_form, chunk_size=n, native=False
+        ),
+    ]
+    for value, grad in results:
+        assert float(value) == pytest.approx(expected, rel=rtol, abs=rtol)
+        scale = float(expected_grad.abs().max())
+        torch.testing.assert_close(grad.double(), expected_grad, rtol=rtol, atol=rtol * scale)
+
+
 def test_the_row_pass_refuses_logits_it_cannot_write_in_place():
     rows = torch.zeros(4, 6)[:, ::2]  # (4, 3), not contiguous
     with pytest.raises(ValueError, match=r"shape \(4, 3\) must be contiguous"):
-        nca_kernel._scores_and_row_scale(rows, 0, 1, False)
+        nca_kernel._scores_and_row_scale(rows, 0, 1, False, recompute=None)
