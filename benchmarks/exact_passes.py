@@ -3,9 +3,11 @@
 The exact path (``training.objectives.nca_kernel._torch_value_and_grad``) takes a chunk of B
 query rows of one class against all N points: one GEMM writes the (B, N) logits, the row
 pass turns them into U (``_scores_and_row_scale``: torch's softmax of the row in place, the
-same-class block's sum and scale), and two GEMMs and a GEMV read U back for the gradient. This times each of those on one chunk at the real digits' finish size (B = 256,
-N = 60,000, d = 32), median of REPEATS, on the threads torch has (pin with taskset), and
-beside them the alternatives:
+same-class block's sum and scale), and two GEMMs and a GEMV read U back for the gradient.
+This times each of those on one chunk at the real digits' finish size (B = 256, N = 60,000,
+d = 32), median of REPEATS, on the threads torch has (pin with taskset), and beside them the
+alternatives (the synthetic rows' p_i lie far above the row pass's floor, so no row of
+these runs is recomputed):
 
 * **five passes**: the row's exps as the kernel took them before the softmax, a chain of
   torch's elementwise passes (row maximum, subtract, floor at EXP_FLOOR, exp, row sum; the
@@ -317,8 +319,8 @@ def main() -> None:
 
     print(f"one chunk: {B} query rows x {N:,} points, d = {D}; median of {REPEATS}")
     for name, ms in passes.items():
-        print(f"  {name:34s} {ms:7.2f} ms")
-    print(f"  {'a chunk (GEMM, row pass, products)':34s} {one_chunk:7.2f} ms")
+        print(f"  {name:60s} {ms:7.2f} ms")
+    print(f"  {'a chunk (GEMM, row pass, products)':60s} {one_chunk:7.2f} ms")
     print(
         f"  the five elementwise passes, chained (before the softmax): {elementwise_chain:.2f} ms"
     )

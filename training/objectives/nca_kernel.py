@@ -24,14 +24,16 @@ Tricks that make it fast and stable:
   (maximum, subtract, floor, exp, sum): the chain's exp is MKL's, whose subnormal results
   are several times slower unless the exponents are first floored (one more pass). At the
   digits' finish size an evaluation took 3.46 s instead of 3.80 (the value alone 1.82 s
-  instead of 2.29: benchmarks/results/exact_passes.json), and the default fit of the real
-  digits 36.9 s instead of 44.4, with the same map's errors (softmax_rows_digits.json).
-* p_i is the block's sum of the row's softmax (in float64), which needs no maximum of its
-  own: a chunk's row pass is one softmax in place, a sum and a scale of the block, no
-  further pass over (B, N). Rows whose p_i falls below P_FLOOR (their same-class p_ij near
-  or below float32's smallest) are recomputed by _far_rows, with the row's and the
-  block's log-sum-exps, each m - log(softmax at the maximum), so log p_i stays exact when
-  every same-class point is far beyond exp's range (g stays finite).
+  instead of 2.29; benchmarks/README.md, "The row pass as a softmax"), and the default fit
+  of the real digits 36.9 s instead of 44.4, with the same map's errors
+  (softmax_rows_digits.json).
+* p_i is the block's sum of the row's softmax, which needs no maximum of its own: a
+  chunk's row pass is one softmax in place, a sum and a scale of the block, no further pass
+  over (B, N) (the value alone 1.58 -> 1.33 s an evaluation of the digits' finish size:
+  benchmarks/results/exact_passes.json). Rows whose p_i falls below P_FLOOR are
+  recomputed by _far_rows, with the row's and the block's log-sum-exps, each
+  m - log(softmax at the maximum), so log p_i stays exact when every same-class point is
+  far beyond exp's range (g stays finite).
 * The (B, N) passes and the row sums of exps run in the embeddings' dtype (torch's sums are
   vectorised partial sums); the per-row scalars made from them (p_i, log p_i, the factors
   that turn p_ij into W) and the sum over chunks in float64: in float32 the gap of two
@@ -47,7 +49,7 @@ Tricks that make it fast and stable:
   cascaded sum).
 * A pass whose z does not require grad (built under ``torch.no_grad``: the finish's start
   scale, the objective at a map, the candidate audit) computes the value alone: the logits
-  and their row passes, none of the gradient's three products (18 of a chunk's 40 ms,
+  and their row passes, none of the gradient's three products (17.8 of a chunk's 34.5 ms,
   benchmarks/results/exact_passes.json).
 Peak memory: O(chunk x N + N d).
 """
@@ -55,6 +57,7 @@ Peak memory: O(chunk x N + N d).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 
@@ -68,13 +71,18 @@ def _zero_unless(keep: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 
 
 # A row whose same-class mass p_i (the block's sum of the row's softmax) is below this is
-# recomputed by _far_rows: its p_ij may be subnormal or 0 in float32 and their sum no longer
-# p_i to float32 precision (nor q_ij = p_ij / p_i)
+# recomputed by _far_rows. A margin: float32's smallest normal is 1.2e-38, below which a
+# block's p_ij lose digits (subnormal) or vanish, and their sum is then not p_i to float32
+# precision (nor p_ij / p_i the block's softmax); rows this far from their class are rare
 P_FLOOR = 1e-25
 
 
 def _scores_and_row_scale(
-    logits: torch.Tensor, s: int, e: int, log_form: bool, recompute
+    logits: torch.Tensor,
+    s: int,
+    e: int,
+    log_form: bool,
+    recompute: Callable[[torch.Tensor], torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of the rows' scores, r (B, 1)) for one block of rows, all of one class; leaves U
     (B, M) in ``logits`` such that W = d score_i / d L_ij = r_i U_ij.
@@ -84,7 +92,7 @@ def _scores_and_row_scale(
     (torch's fused row kernel: the maximum, the exps and their sum in few passes), and the
     block's sum:
 
-        p_ij = softmax_j(L_ij),    p_i = sum_{j in block} p_ij    (float64 sum)
+        p_ij = softmax_j(L_ij),    p_i = sum_{j in block} p_ij
 
     Off the block U_ij = p_ij; on it U_ij = (p_i - 1) p_ij / p_i (= (p_i - 1) q_ij, q the
     softmax of the block alone), and
@@ -102,7 +110,7 @@ def _scores_and_row_scale(
     dtype = logits.dtype
     torch.ops.aten._softmax.out(logits, 1, False, out=logits)  # (B, M) p_ij, in place
     block = logits[:, s:e]  # (B, n_c) view
-    p = block.sum(1, keepdim=True, dtype=torch.float64)  # (B, 1) p_i
+    p = block.sum(1, keepdim=True).to(torch.float64)  # (B, 1) p_i (a cascaded sum)
     block.mul_(((p - 1.0) / p).to(dtype))  # (p_i - 1) q_ij; inf or NaN on far rows (below)
     score, row_scale = (torch.log(p), -torch.ones_like(p)) if log_form else (p, -p)
     far = torch.nonzero(~(p >= P_FLOOR))[:, 0]  # (b,) rows below the floor, or NaN
@@ -210,9 +218,10 @@ def _torch_value_and_grad(
     total = torch.zeros((), dtype=torch.float64, device=zs.device)
     if chunk_size is None:
         # at most 256 rows (small blocks stay in cache, measured), fewer where the (B, N)
-        # buffer and the class's (B, n_c) temporaries (about 2 floats a pair) would pass the
-        # memory budget: 33 rows at N = 1M, 13-17 s an evaluation of 1,024 rows on 2 cores
-        # (GEMM ~40) against 31-35 s with 6 rows (10 floats a pair), +100 MiB
+        # buffer and the recomputed logits of a chunk's far rows (_far_rows; rare) would
+        # pass the memory budget (2 floats a pair allowed): 33 rows at N = 1M, 13-17 s an
+        # evaluation of 1,024 rows on 2 cores (GEMM ~40) against 31-35 s with 6 rows (10
+        # floats a pair), +100 MiB
         chunk_size = min(256, chunk_rows(n, floats_per_pair=2))
     # one (chunk, N) buffer for every chunk's logits (then U, in place): a fresh one per
     # chunk costs page faults on every new mapping
@@ -236,7 +245,7 @@ def _torch_value_and_grad(
             logits = _exact_logits(zs, neg_sq, q, out=buffer[:b])  # (B, N)
             value, row_scale = _scores_and_row_scale(
                 logits, s, e, log_form, lambda far, q=q: _exact_logits(zs, neg_sq, q[far])
-            )
+            )  # (q=q binds this chunk's rows)
             units = logits  # (B, N) U, W = row_scale U; U_ii = 0 (the diagonal is in [s, e))
             total += value
             if not with_grad:
@@ -251,7 +260,9 @@ def _torch_value_and_grad(
     return total.to(zs.dtype), grad_s if with_grad else None
 
 
-def _exact_logits(zs, neg_sq, q, out=None) -> torch.Tensor:
+def _exact_logits(
+    zs: torch.Tensor, neg_sq: torch.Tensor, q: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """(B, N) logits L_ij + ||z_i||^2 = 2 z_i.z_j - ||z_j||^2 of the sorted positions q (B,)
     against every point, -inf where j = i (into ``out`` when given)."""
     logits = torch.addmm(neg_sq, zs[q], zs.T, alpha=2.0, out=out)

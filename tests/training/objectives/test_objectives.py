@@ -421,52 +421,114 @@ def test_a_non_finite_embedding_reaches_the_value_or_gradient(log_form):
 
 
 def floor_straddling_points():
-    """Points in 2-D clusters on a circle of radius 25 (about 25 apart), each a class-0 point
-    at its centre, a class-1 point 0.1 away and a class-0 point sqrt(D) away: the first
-    point's p_i is about exp(-D), for D from 2 to 120, so rows of one chunk lie on both sides
-    of the row pass's floor (P_FLOOR, exp(-57.6)) and below float32's range (exp(-87)). Small norms keep float32 logits exact to
+    """Points in 2-D clusters on a circle of radius 30, each a class-0 point at its centre, a
+    class-1 point 0.1 away and a class-0 point sqrt(D) away. The centre's p_i is about
+    exp(-D) (D from 2 to 120): above the row pass's floor (P_FLOOR, about exp(-57.6)) for
+    D <= 50; below it but within float32's normal range (exp(-87)) for D = 70 and 80; below
+    that range for 100 and 120. The class-1 points' same-class neighbours are a cluster away
+    (p_i about exp(-400) or less: 0 in float32). Small norms keep float32 logits exact to
     about 1e-4."""
-    gaps = torch.tensor([2.0, 30.0, 50.0, 57.0, 100.0, 120.0], dtype=torch.float64)
+    gaps = torch.tensor([2.0, 30.0, 50.0, 70.0, 80.0, 100.0, 120.0], dtype=torch.float64)
     angles = torch.arange(len(gaps), dtype=torch.float64) * (2 * torch.pi / len(gaps))
-    centres = 25.0 * torch.stack([angles.cos(), angles.sin()], 1)  # (6, 2)
+    centres = 30.0 * torch.stack([angles.cos(), angles.sin()], 1)  # (7, 2)
     offsets = torch.stack([torch.zeros_like(gaps), torch.full_like(gaps, 0.1), gaps.sqrt()], 1)
     x = centres[:, None, :] + offsets[:, :, None] * torch.tensor([0.0, 1.0], dtype=torch.float64)
     labels = torch.tensor([0, 1, 0]).repeat(len(gaps))
     return x.reshape(-1, 2), labels
 
 
+def all_points_as_candidates(labels: torch.Tensor) -> torch.Tensor:
+    """(N, 2 W) candidate table in which every other point is a candidate: the same class in
+    the first half, the others in the second, -1 padding (the candidate path then computes
+    the exact objective)."""
+    n = len(labels)
+    same = [torch.nonzero((labels == labels[i]) & (torch.arange(n) != i))[:, 0] for i in range(n)]
+    other = [torch.nonzero(labels != labels[i])[:, 0] for i in range(n)]
+    width = max(max(len(s) for s in same), max(len(o) for o in other))
+    candidates = torch.full((n, 2 * width), -1, dtype=torch.int64)
+    for i in range(n):
+        candidates[i, : len(same[i])] = same[i]
+        candidates[i, width : width + len(other[i])] = other[i]
+    return candidates
+
+
 @pytest.mark.parametrize("dtype, rtol", [(torch.float64, 1e-10), (torch.float32, 2e-3)])
 @pytest.mark.parametrize("log_form", [False, True])
-def test_rows_on_both_sides_of_the_row_pass_floor_match_brute_force(log_form, dtype, rtol):
-    """Rows whose same-class mass falls below the row pass's floor are recomputed
-    (nca_kernel._far_rows); both paths, one chunk holding rows either side of it, match a
-    float64 brute force, value and gradient."""
+def test_rows_on_both_sides_of_the_row_pass_floor_match_brute_force(
+    log_form, dtype, rtol, monkeypatch
+):
+    """Rows whose same-class mass falls below the row pass's floor, and only those, are
+    recomputed (nca_kernel._far_rows); both paths, one chunk holding rows either side of it,
+    match a float64 brute force, value and gradient (the float32 cases fail without the
+    recomputation: p_i = 0 makes the block's factor NaN)."""
     z64, labels = floor_straddling_points()
     z = z64.to(dtype)
     d2 = torch.cdist(z64, z64) ** 2 + torch.diag(torch.full((len(z),), float("inf")))
     log_p_ij = torch.log_softmax(-d2, 1)
     log_p = torch.logsumexp(log_p_ij.masked_fill(labels[:, None] != labels[None], -torch.inf), 1)
-    p_i = log_p.exp()
-    assert (p_i < nca_kernel.P_FLOOR).sum() >= 2 and (p_i > nca_kernel.P_FLOOR).sum() >= 6
+    below = int((log_p.exp() < nca_kernel.P_FLOOR).sum())
+    assert below >= 9 and len(z) - below >= 9
     expected, expected_grad = brute_force_score(z, labels, log_form)
+    recomputed = []
+    far_rows = nca_kernel._far_rows
+
+    def recording(logits, *args):
+        recomputed.append(logits.shape[0])
+        return far_rows(logits, *args)
+
+    monkeypatch.setattr(nca_kernel, "_far_rows", recording)
     n = len(z)
-    same = [torch.nonzero((labels == labels[i]) & (torch.arange(n) != i))[:, 0] for i in range(n)]
-    other = [torch.nonzero(labels != labels[i])[:, 0] for i in range(n)]
-    width = max(max(len(s) for s in same), max(len(o) for o in other))
-    candidates = torch.full((n, 2 * width), -1, dtype=torch.int64)  # every point a candidate
-    for i in range(n):
-        candidates[i, : len(same[i])] = same[i]
-        candidates[i, width : width + len(other[i])] = other[i]
     results = [
         nca_value_and_grad(z, labels, log_form=log_form, chunk_size=n, flex=False),
         nca_kernel.nca_value_and_grad_candidates(
-            z, labels, candidates, log_form=log_form, chunk_size=n, native=False
+            z,
+            labels,
+            all_points_as_candidates(labels),
+            log_form=log_form,
+            chunk_size=n,
+            native=False,
         ),
     ]
+    assert sum(recomputed) == 2 * below  # each path recomputed exactly the rows below
     for value, grad in results:
         assert float(value) == pytest.approx(expected, rel=rtol, abs=rtol)
         scale = float(expected_grad.abs().max())
         torch.testing.assert_close(grad.double(), expected_grad, rtol=rtol, atol=rtol * scale)
+
+
+@pytest.mark.parametrize("log_form", [False, True])
+def test_the_recomputed_rows_equal_the_block_sum_in_float64(log_form, monkeypatch):
+    """In float64 the block's sum is exact far below the floor (exp(-120) is a normal
+    double), so the recomputed rows must give what the sum gives with no floor at all: the
+    row pass's score, r and U row by row, and the candidate path's value and gradient with
+    log-weights (which the recomputation must add again)."""
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(6, 10, generator=g, dtype=torch.float64)
+    logits[::2, :4] -= 90.0  # every other row's block (columns 0-3) about exp(-90) of its mass
+    logits[1, 7] = float("-inf")
+    floor = nca_kernel.P_FLOOR
+    outputs = {}
+    for used in (floor, 0.0):
+        monkeypatch.setattr(nca_kernel, "P_FLOOR", used)
+        u = logits.clone()
+        value, r = nca_kernel._scores_and_row_scale(u, 0, 4, log_form, lambda far: logits[far])
+        outputs[used] = (float(value), r, u)
+    (v1, r1, u1), (v0, r0, u0) = outputs[floor], outputs[0.0]
+    assert v1 == pytest.approx(v0, rel=1e-12)
+    torch.testing.assert_close(r1, r0, rtol=1e-12, atol=0)
+    torch.testing.assert_close(u1, u0, rtol=1e-10, atol=1e-300)
+
+    z64, labels = floor_straddling_points()
+    candidates = all_points_as_candidates(labels)
+    log_weights = torch.rand(candidates.shape, generator=g, dtype=torch.float64)
+    paths = {}
+    for used in (floor, 0.0):
+        monkeypatch.setattr(nca_kernel, "P_FLOOR", used)
+        paths[used] = nca_kernel.nca_value_and_grad_candidates(
+            z64, labels, candidates, log_form=log_form, log_weights=log_weights, native=False
+        )
+    assert float(paths[floor][0]) == pytest.approx(float(paths[0.0][0]), rel=1e-12)
+    torch.testing.assert_close(paths[floor][1], paths[0.0][1], rtol=1e-10, atol=1e-12)
 
 
 def test_the_row_pass_refuses_logits_it_cannot_write_in_place():
