@@ -15,6 +15,10 @@ the same rows):
   down, left and right (zero fill): 300,000 training rows, the same test rows (the rows a
   fit holds out to judge its stages have their shifted twins among the training rows, so
   its held-out scores read high);
+- ``mnist_shifted_judged``: the same, but with a validation split that has no twin among
+  the training rows: JUDGED_ROWS evenly spaced training digits are passed as ``X_val`` (the
+  rows that judge the stages) and only the other 55,904 are shifted into training rows
+  (279,520), so the judge sees rows as far from the references as a test row is;
 - ``mnist_shifted_refs``: the map fitted on the 60,000 training digits alone, and the test
   rows classified against ``mnist_shifted``'s 300,000 rows as references (what
   ``python -m training references add`` gives a model: its map, more references);
@@ -72,6 +76,7 @@ SETS = (
     "mnist",
     "mnist20k",
     "mnist_shifted",
+    "mnist_shifted_judged",
     "mnist_shifted_refs",
     "mnist_shifted8_refs",
     "clustered20k",
@@ -79,6 +84,7 @@ SETS = (
 )
 SHIFTS = ((-1, 0), (1, 0), (0, -1), (0, 1))  # (rows, columns) of mnist_shifted's copies
 DIAGONALS = ((-1, -1), (-1, 1), (1, -1), (1, 1))  # ... and mnist_shifted8_refs' others
+JUDGED_ROWS = 4096  # mnist_shifted_judged's validation digits (the estimator holds out as many)
 
 
 def shifted_digits(X: np.ndarray, y: np.ndarray, shifts=SHIFTS) -> tuple[np.ndarray, np.ndarray]:
@@ -97,6 +103,16 @@ def shifted_digits(X: np.ndarray, y: np.ndarray, shifts=SHIFTS) -> tuple[np.ndar
     return np.concatenate(copies), np.tile(y, len(copies))
 
 
+def twin_free_split(X: np.ndarray, y: np.ndarray, judged: int = JUDGED_ROWS) -> dict:
+    """{X, y, X_val, y_val}: ``judged`` evenly spaced rows of X as the validation split, and
+    the others with their SHIFTS copies as the training rows, so that no validation row has
+    a shifted twin among them."""
+    held = np.linspace(0, len(X) - 1, judged).round().astype(np.int64)
+    kept = np.setdiff1d(np.arange(len(X)), held)
+    X_train, y_train = shifted_digits(X[kept], y[kept])
+    return {"X": X_train, "y": y_train, "X_val": X[held], "y_val": y[held]}
+
+
 def write_set(name: str, folder: Path) -> Path | None:
     """The set's X, y, X_test, y_test as one .npz in ``folder``; None when its data is absent."""
     from scale import FAMILIES
@@ -113,6 +129,8 @@ def write_set(name: str, folder: Path) -> Path | None:
         )
         if name == "mnist_shifted":
             arrays["X"], arrays["y"] = shifted_digits(arrays["X"], arrays["y"])
+        if name == "mnist_shifted_judged":
+            arrays.update(twin_free_split(arrays["X"], arrays["y"]))
         if name.endswith("_refs"):  # fitted on X, scored against these references
             shifts = SHIFTS + DIAGONALS if name == "mnist_shifted8_refs" else SHIFTS
             X_references, y_references = shifted_digits(arrays["X"], arrays["y"], shifts)
@@ -211,7 +229,11 @@ def one_run(data_path: str, setting: str) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         started = time.perf_counter()
-        model = NCA(**with_options({"n_components": 32, "random_state": 0, **params})).fit(X, y)
+        validation = {}  # a set's own validation split (mnist_shifted_judged), else none
+        if "X_val" in data.files:
+            validation = {"X_val": data["X_val"], "y_val": data["y_val"]}
+        model = NCA(**with_options({"n_components": 32, "random_state": 0, **params}))
+        model.fit(X, y, **validation)
         fit_s = time.perf_counter() - started
     X_ref, y_ref = X, y  # the references: the training rows, or the set's own
     if "X_references" in data.files:

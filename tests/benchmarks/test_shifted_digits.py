@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from real_digits import DIAGONALS, SHIFTS, shifted_digits  # noqa: E402
+from real_digits import DIAGONALS, SHIFTS, shifted_digits, twin_free_split  # noqa: E402
 
 
 @pytest.mark.parametrize("shifts", [SHIFTS, SHIFTS + DIAGONALS])
@@ -39,3 +39,18 @@ def test_each_copy_is_its_image_moved_one_pixel_with_zero_fill(shifts):
 def test_rows_that_are_not_28_x_28_images_are_refused():
     with pytest.raises(ValueError, match=r"rows of 784, got \(4, 392\)"):
         shifted_digits(np.zeros((4, 392), np.float32), np.zeros(4, np.int64))
+
+
+def test_the_judged_split_leaves_no_twin_of_a_validation_row_among_the_training_rows():
+    rng = np.random.default_rng(1)
+    X = rng.random((50, 784), dtype=np.float32) + 0.5  # distinct images, no zero pixel
+    y = rng.integers(0, 10, 50)
+    split = twin_free_split(X, y, judged=8)
+    assert split["X_val"].shape == (8, 784) and split["X"].shape == (42 * (1 + len(SHIFTS)), 784)
+    held = [int(np.flatnonzero((X == row).all(1))[0]) for row in split["X_val"]]
+    np.testing.assert_array_equal(split["y_val"], y[held])
+    twins, _ = shifted_digits(split["X_val"], split["y_val"])  # each validation row, moved
+    training = {row.tobytes() for row in split["X"]}
+    assert not any(row.tobytes() in training for row in twins)
+    originals = {row.tobytes() for row in X} - {row.tobytes() for row in split["X_val"]}
+    assert originals <= training  # every other digit is a training row, with its copies
