@@ -148,8 +148,9 @@ def write_set(name: str, folder: Path) -> Path | None:
 
 def knn_errors(z_train, y_train, z_test, y_test, ks=(1, 5)) -> dict:
     """Test error of the k-NN majority vote for each k (exact search, float64 distances in
-    blocks of at most 1,024 test rows and 2^25 distances, or 16 rows above 2^21 references; a tie goes to the nearest neighbour's class when it is tied,
-    else to the lowest tied class index)."""
+    blocks of at most 1,024 test rows and 2^25 distances, or 16 rows above 2^21 references;
+    a tie goes to the nearest neighbour's class when it is tied, else to the lowest tied
+    class index)."""
     z_train = np.asarray(z_train, np.float64)
     sq_train = (z_train**2).sum(axis=1)
     n_classes = int(max(y_train.max(), y_test.max())) + 1

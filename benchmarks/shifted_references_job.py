@@ -37,6 +37,7 @@ from harness.report import gemm_gflops, machine, print_table, save_json
 from real_digits import DIAGONALS, MNIST, SHIFTS, shifted_digits
 
 from service.core.artifact.read import read_artifact
+from service.core.knn import project
 from training.data.datasets import fingerprint_from_row_digests, row_digests, stratified_split
 from training.evaluation.evaluate import knn_predictions
 
@@ -50,9 +51,7 @@ def test_errors(model_dir: Path, X_test: np.ndarray, y_test: np.ndarray) -> dict
     classes = artifact.manifest["classes"]
     index_of = {str(c): i for i, c in enumerate(classes)}  # the manifest's order, any labels
     y = np.array([index_of[str(c)] for c in y_test])
-    z_test = (
-        X_test.astype(np.float64) @ artifact.projection.T.astype(np.float64)
-    ) + artifact.offset
+    z_test = project(X_test, artifact.projection, artifact.offset)  # as the service embeds
     z_ref = artifact.embeddings
     k, rule = int(artifact.manifest["default_k"]), artifact.manifest["decision_rule"]
     served = knn_predictions(z_ref, artifact.labels, z_test, len(classes), (k,), rule)[k]

@@ -463,10 +463,8 @@ def test_rows_on_both_sides_of_the_row_pass_floor_match_brute_force(
     recomputation: p_i = 0 makes the block's factor NaN)."""
     z64, labels = floor_straddling_points()
     z = z64.to(dtype)
-    d2 = torch.cdist(z64, z64) ** 2 + torch.diag(torch.full((len(z),), float("inf")))
-    log_p_ij = torch.log_softmax(-d2, 1)
-    log_p = torch.logsumexp(log_p_ij.masked_fill(labels[:, None] != labels[None], -torch.inf), 1)
-    below = int((log_p.exp() < nca_kernel.P_FLOOR).sum())
+    _, p_i, _ = brute_force_p(z64.numpy(), labels.numpy(), np.eye(2))  # float64, eqs 1-2
+    below = int((p_i < nca_kernel.P_FLOOR).sum())
     assert below >= 9 and len(z) - below >= 9
     expected, expected_grad = brute_force_score(z, labels, log_form)
     recomputed = []
