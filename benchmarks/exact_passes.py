@@ -3,7 +3,9 @@
 The exact path (``training.objectives.nca_kernel._torch_value_and_grad``) takes a chunk of B
 query rows of one class against all N points: one GEMM writes the (B, N) logits, the row
 pass turns them into U (``_scores_and_row_scale``: torch's softmax of the row in place, the
-same-class block's sum and scale), and two GEMMs and a GEMV read U back for the gradient.
+same-class block's sum and scale), and two GEMMs and a GEMV read U back for the gradient
+(``add_gradient_products``: over column tiles that stay in cache, each read of U from
+memory serving all three; timed also as one tile, the three reading U in turn).
 This times each of those on one chunk at the real digits' finish size (B = 256, N = 60,000,
 d = 32), median of REPEATS, on the threads torch has (pin with taskset), and beside them the
 alternatives (the synthetic rows' p_i lie far above the row pass's floor, so no row of
@@ -221,6 +223,9 @@ def main() -> None:
     if args.one_evaluation:
         print(json.dumps(one_evaluation()))
         return
+    # here, not at the top: a --before tree's subprocess imports this file too
+    from training.objectives.nca_kernel import PRODUCT_TILE, add_gradient_products
+
     facts = machine()
     rate = facts["gemm_gflops"]
     g = torch.Generator().manual_seed(0)
@@ -238,6 +243,7 @@ def main() -> None:
     far_rows = lambda far: torch.addmm(neg_sq, zq[far], z.T, alpha=2.0)  # noqa: E731
     row_scale = torch.randn(B)
     col_total = torch.zeros(N)
+    rows, grad_z = torch.arange(B), torch.zeros(N, D)  # the chunk's rows, a gradient (N, d)
 
     def chain() -> None:
         m = buf.amax(1, keepdim=True)
@@ -262,6 +268,16 @@ def main() -> None:
         "U @ (z - c) (B x N x d)": median_ms(lambda: buf @ z),
         "U^T @ (r (z_q - c)) (N x B x d)": median_ms(lambda: buf.T @ zq),
         "column sums U^T r (GEMV)": median_ms(lambda: col_total.addmv_(buf.T, row_scale)),
+        # the kernel's products (add_gradient_products): the two GEMMs and the GEMV above
+        # over column tiles that stay in cache, and as one tile (U read three times)
+        f"the kernel's products, tiles of {PRODUCT_TILE}": median_ms(
+            lambda: add_gradient_products(
+                buf, row_scale[:, None], z, rows, grad_z, col_total, PRODUCT_TILE
+            )
+        ),
+        "the kernel's products, one tile": median_ms(
+            lambda: add_gradient_products(buf, row_scale[:, None], z, rows, grad_z, col_total, N)
+        ),
     }
     elementwise_chain = median_ms(chain, reset)
     memory = median_ms(lambda: buf.copy_(logits))
@@ -310,9 +326,7 @@ def main() -> None:
     kernel_passes = [
         "logits GEMM (addmm, K = d + 1)",
         "the kernel's row pass (softmax, the block's sum and scale)",
-        "U @ (z - c) (B x N x d)",
-        "U^T @ (r (z_q - c)) (N x B x d)",
-        "column sums U^T r (GEMV)",
+        f"the kernel's products, tiles of {PRODUCT_TILE}",
     ]
     one_chunk = sum(passes[name] for name in kernel_passes)
     evaluations = evaluations_in_trees(args.before, args.rounds)  # {tree: seconds}

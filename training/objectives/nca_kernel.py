@@ -75,6 +75,10 @@ def _zero_unless(keep: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 # block's p_ij lose digits (subnormal) or vanish, and their sum is then not p_i to float32
 # precision (nor p_ij / p_i the block's softmax); rows this far from their class are rare
 P_FLOOR = 1e-25
+# columns of a chunk's U (B, N) whose gradient products run together while they are in
+# cache (B x 4,096 float32: 4 MiB at B = 256), rather than three products each reading all
+# of U from memory (benchmarks/README.md, "The gradient's products over column tiles")
+PRODUCT_TILE = 4096
 
 
 def _scores_and_row_scale(
@@ -152,6 +156,33 @@ def _far_rows(
         row_scale = -score
     logits[:, s:e] = q.mul_(torch.expm1(log_p).to(dtype))  # (p_i - 1) q_ij
     return _zero_unless(has_same, score), _zero_unless(has_same, row_scale)
+
+
+def add_gradient_products(
+    units: torch.Tensor,
+    row_scale: torch.Tensor,
+    centred: torch.Tensor,
+    q: torch.Tensor,
+    grad: torch.Tensor,
+    col_total: torch.Tensor,
+    tile: int,
+) -> None:
+    """Add one chunk's products to the gradient grad (N, d) and to col_total (N,), from its
+    U (B, N), r (B, 1), the points about their class centre c (N, d) and its rows q (B,):
+
+        d/dz_i += 2 r_i U_i (z - c)          (the chunk's rows)
+        d/dz_j += 2 U^T (r (z_q - c))        (every point),   col_total += U^T r
+
+    (W = r U; the caller subtracts 2 colsum(W)_j (z_j - c) once per class). U is read once,
+    ``tile`` columns at a time: each tile's three products run while it is still in cache."""
+    weighted = centred[q] * row_scale  # (B, d) r (z_q - c)
+    row_part = torch.zeros_like(weighted)  # (B, d) U (z - c)
+    for j in range(0, units.shape[1], tile):
+        columns = units[:, j : j + tile]  # (B, T)
+        row_part.addmm_(columns, centred[j : j + tile])
+        grad[j : j + tile].addmm_(columns.T, weighted, alpha=2.0)
+        col_total[j : j + tile].addmv_(columns.T, row_scale[:, 0])
+    grad.index_add_(0, q, row_part.mul_(row_scale), alpha=2.0)
 
 
 def nca_value_and_grad(
@@ -236,7 +267,7 @@ def _torch_value_and_grad(
             continue  # no same-class neighbour (p_i = 0 whatever A is), or no query row
         if with_grad:
             # W's rows sum to zero, so the gradient is the same with every z taken about any
-            # point c: about the class's mean the two column terms below cancel less (float32)
+            # point c: about the class's mean its two column terms cancel less (float32)
             torch.sub(zs, zs[s:e].mean(0), out=centred)
             col_total.zero_()
         for start in range(0, q_run.shape[0], chunk_size):
@@ -250,11 +281,7 @@ def _torch_value_and_grad(
             total += value
             if not with_grad:
                 continue
-            # d/dz_i: 2 W (z - c) = 2 r U (z - c); d/dz_j: 2 (W^T (z_q - c) - colsum(W)_j
-            # (z_j - c)), with W^T (z_q - c) = U^T (r (z_q - c)) and colsum(W) = U^T r
-            grad_s.index_add_(0, q, (units @ centred).mul_(row_scale), alpha=2.0)
-            grad_s.addmm_(units.T, centred[q] * row_scale, alpha=2.0)
-            col_total.addmv_(units.T, row_scale[:, 0])
+            add_gradient_products(units, row_scale, centred, q, grad_s, col_total, PRODUCT_TILE)
         if with_grad:
             grad_s.addcmul_(col_total[:, None], centred, value=-2.0)
     return total.to(zs.dtype), grad_s if with_grad else None

@@ -311,6 +311,38 @@ def test_exact_path_equals_brute_force_at_any_chunk(n, d, n_classes, chunk, log_
     torch.testing.assert_close(grad, expected_grad, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("tile", [1, 7, 64, 1000])
+def test_the_gradient_products_over_column_tiles_equal_them_in_one_pass(tile):
+    """add_gradient_products, tile by tile (the last tile short), against its formulas in
+    one dense product: the chunk's rows get 2 r_i U_i z, every point 2 U^T (r z_q) and
+    col_total U^T r, added to what the buffers held."""
+    g = torch.Generator().manual_seed(3)
+    n, b, d = 203, 11, 5
+    units = torch.rand(b, n, generator=g, dtype=torch.float64)  # (B, N)
+    row_scale = torch.randn(b, 1, generator=g, dtype=torch.float64)  # (B, 1)
+    centred = torch.randn(n, d, generator=g, dtype=torch.float64)  # (N, d)
+    q = torch.tensor([3, 4, 9, 20, 21, 22, 50, 51, 100, 150, 202])  # (B,)
+    grad = torch.randn(n, d, generator=g, dtype=torch.float64)
+    col_total = torch.randn(n, generator=g, dtype=torch.float64)
+    expected_grad = grad + 2 * units.T @ (row_scale * centred[q])
+    expected_grad[q] += 2 * row_scale * (units @ centred)
+    expected_col = col_total + units.T @ row_scale[:, 0]
+    nca_kernel.add_gradient_products(units, row_scale, centred, q, grad, col_total, tile)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(col_total, expected_col, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("tile", [5, 64])
+def test_the_exact_path_over_small_column_tiles_equals_brute_force(tile, monkeypatch):
+    """The whole exact path with the products over tiles of a few columns (the default tile
+    is wider than these problems) against the float64 brute force."""
+    monkeypatch.setattr(nca_kernel, "PRODUCT_TILE", tile)
+    z, labels = exact_data(203, 17, 5)
+    _, grad = nca_value_and_grad(z, labels, log_form=False, chunk_size=16)
+    _, expected_grad = brute_force_score(z, labels, False)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("log_form", [False, True])
 def test_a_forward_pass_gives_the_value_of_a_pass_with_its_gradient_bit_for_bit(
     log_form, monkeypatch
