@@ -30,7 +30,7 @@ Tricks that make it fast and stable:
 * p_i is the block's sum of the row's softmax, which needs no maximum of its own: a
   chunk's row pass is one softmax in place, a sum and a scale of the block, no further pass
   over (B, N) (the value alone 1.58 -> 1.33 s an evaluation of the digits' finish size:
-  benchmarks/results/exact_passes.json). Rows whose p_i falls below P_FLOOR are
+  benchmarks/README.md, "The row pass without a maximum of its own"). Rows whose p_i falls below P_FLOOR are
   recomputed by _far_rows, with the row's and the block's log-sum-exps, each
   m - log(softmax at the maximum), so log p_i stays exact when every same-class point is
   far beyond exp's range (g stays finite).
@@ -47,10 +47,15 @@ Tricks that make it fast and stable:
   gradient is unchanged): the column terms W^T (z_q - c) and colsum(W)_j (z_j - c) then
   cancel less in float32 (the column sums are a GEMV, which sums less accurately than a
   cascaded sum).
+* The gradient's three products (add_gradient_products) run over tiles of PRODUCT_TILE
+  columns of U on the CPU, so that one read of U from memory serves all three: a chunk's
+  products 19.0 -> 17.4 ms, an evaluation of the digits' finish 2.62 -> 2.52 s (median of
+  5 alternating rounds that overlap; benchmarks/README.md, "The gradient's products over
+  column tiles").
 * A pass whose z does not require grad (built under ``torch.no_grad``: the finish's start
   scale, the objective at a map, the candidate audit) computes the value alone: the logits
-  and their row passes, none of the gradient's three products (17.8 of a chunk's 34.5 ms,
-  benchmarks/results/exact_passes.json).
+  and their row passes, none of the gradient's three products (17.4 of a chunk's 40.3 ms
+  in benchmarks/results/exact_passes.json, GEMM 179).
 Peak memory: O(chunk x N + N d).
 """
 
@@ -77,7 +82,8 @@ def _zero_unless(keep: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 P_FLOOR = 1e-25
 # columns of a chunk's U (B, N) whose gradient products run together while they are in
 # cache (B x 4,096 float32: 4 MiB at B = 256), rather than three products each reading all
-# of U from memory (benchmarks/README.md, "The gradient's products over column tiles")
+# of U from memory (benchmarks/README.md, "The gradient's products over column tiles"); on
+# the CPU only: a GPU would launch three small kernels a tile for a cache it does not have
 PRODUCT_TILE = 4096
 
 
@@ -175,6 +181,8 @@ def add_gradient_products(
 
     (W = r U; the caller subtracts 2 colsum(W)_j (z_j - c) once per class). U is read once,
     ``tile`` columns at a time: each tile's three products run while it is still in cache."""
+    if tile < 1:
+        raise ValueError(f"tile must be at least 1 column, got {tile}")
     weighted = centred[q] * row_scale  # (B, d) r (z_q - c)
     row_part = torch.zeros_like(weighted)  # (B, d) U (z - c)
     for j in range(0, units.shape[1], tile):
@@ -281,7 +289,8 @@ def _torch_value_and_grad(
             total += value
             if not with_grad:
                 continue
-            add_gradient_products(units, row_scale, centred, q, grad_s, col_total, PRODUCT_TILE)
+            tile = PRODUCT_TILE if units.device.type == "cpu" else n  # GPU: one tile
+            add_gradient_products(units, row_scale, centred, q, grad_s, col_total, tile)
         if with_grad:
             grad_s.addcmul_(col_total[:, None], centred, value=-2.0)
     return total.to(zs.dtype), grad_s if with_grad else None

@@ -332,6 +332,16 @@ def test_the_gradient_products_over_column_tiles_equal_them_in_one_pass(tile):
     torch.testing.assert_close(col_total, expected_col, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("tile", [0, -4096])
+def test_the_gradient_products_refuse_a_tile_without_columns(tile):
+    units, row_scale = torch.ones(2, 3), torch.ones(2, 1)
+    grad, col_total = torch.zeros(3, 1), torch.zeros(3)
+    with pytest.raises(ValueError, match=f"tile must be at least 1 column, got {tile}"):
+        nca_kernel.add_gradient_products(
+            units, row_scale, torch.ones(3, 1), torch.tensor([0, 1]), grad, col_total, tile
+        )
+
+
 @pytest.mark.parametrize("tile", [5, 64])
 def test_the_exact_path_over_small_column_tiles_equals_brute_force(tile, monkeypatch):
     """The whole exact path with the products over tiles of a few columns (the default tile
