@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from service.core.artifact import read_artifact
-from tests.training.problems import blobs
+from tests.training.problems import blobs, hard_noisy
 from training import NCA
 from training.errors import Interrupted
 from training.model import fitting
@@ -245,7 +245,7 @@ def test_a_job_sigtermed_in_its_exact_fit_saves_there_and_resumes_there(
     the job exits 143 with one line naming the checkpoint; the same command run again goes
     on from the 6th iteration and writes the uninterrupted map. (Before, the signal raised
     at once and nothing was saved: the run again started over.)"""
-    X, y, _, _ = data()
+    X, y = hard_noisy(600)[:2]  # runs its 30 iterations (blobs stop on precision at 5-7)
     np.save(tmp_path / "X.npy", X)
     np.save(tmp_path / "y.npy", y)
     args = ["--data", tmp_path / "X.npy", "--labels", tmp_path / "y.npy", "--n-components", "2"]
