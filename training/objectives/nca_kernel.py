@@ -266,6 +266,7 @@ def _torch_value_and_grad(
     # chunk costs page faults on every new mapping
     buffer = torch.empty((min(chunk_size, n), n), dtype=zs.dtype, device=zs.device)
     if with_grad:
+        tile = PRODUCT_TILE if zs.device.type == "cpu" else n  # a GPU: one tile (the whole U)
         grad_s = torch.zeros_like(zs)  # (N, d)
         centred = torch.empty_like(zs)  # (N, d) z_j - c, filled for each class
         col_total = torch.empty(n, dtype=zs.dtype, device=zs.device)  # sum_i W_ij, each class
@@ -289,7 +290,6 @@ def _torch_value_and_grad(
             total += value
             if not with_grad:
                 continue
-            tile = PRODUCT_TILE if units.device.type == "cpu" else n  # GPU: one tile
             add_gradient_products(units, row_scale, centred, q, grad_s, col_total, tile)
         if with_grad:
             grad_s.addcmul_(col_total[:, None], centred, value=-2.0)
