@@ -105,6 +105,27 @@ def test_rerank_orders_by_exact_distance_then_id_and_pads():
     assert np.isinf(dist[1, 1:]).all()
 
 
+def test_rerank_in_blocks_gives_each_row_its_own_answer(rng, monkeypatch):
+    """Queries reranked a few rows per block (a short last block, padded rows in several
+    blocks) get bit for bit the answer each row gets alone."""
+    from service.core import knn
+
+    refs = rng.normal(size=(40, 3)).astype(np.float32)
+    q = rng.normal(size=(11, 3)).astype(np.float32)
+    cand = rng.integers(0, 40, size=(11, 6))
+    cand[[1, 6, 10], -2:] = -1
+    monkeypatch.setattr(knn, "RERANK_BLOCK_VALUES", 4 * 6 * 3)  # 4 rows a block
+    dist, idx = knn.rerank(q, refs, cand, 5)
+    assert dist.shape == idx.shape == (11, 5)
+    for i in range(11):
+        d1, i1 = knn.rerank(q[i : i + 1], refs, cand[i : i + 1], 5)
+        np.testing.assert_array_equal(i1[0], idx[i])
+        np.testing.assert_array_equal(d1[0], dist[i])
+    assert (idx[[1, 6, 10], 4] == -1).all() and np.isinf(dist[[1, 6, 10], 4]).all()
+    # more neighbours asked for than candidates: min(k, m) columns
+    assert knn.rerank(q, refs, cand, 9)[0].shape == (11, 6)
+
+
 def test_exact_knn_is_batch_invariant(rng):
     q = rng.normal(size=(50, 8)).astype(np.float32)
     r = rng.normal(size=(500, 8)).astype(np.float32)
