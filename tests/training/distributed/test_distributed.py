@@ -404,6 +404,39 @@ def test_pca_and_lda_from_scatter_matrices_span_scikit_learns_axes():
     assert np.rad2deg(subspace_angles(lda.T, reference).max()) < 1.0
 
 
+def test_statistics_over_blocks_of_rows_match_one_block(monkeypatch):
+    """The moments, standardised copy, PCA and LDA scatter and varying features of rows read
+    in blocks of 7 rows (a short last block, row subsets too) match those of one block."""
+    from training.distributed import sharded_stats
+
+    X, y, _, _ = digits_split()
+    X, y = X[:500], y[:500]
+    rows = np.arange(3, 500, 3)
+    single = ProcessGroup()
+
+    def figures():
+        mean, var = sharded_stats.moments(X, len(X), single)
+        sub_mean, sub_var = sharded_stats.moments(X, len(rows), single, rows)
+        Xs = sharded_stats.standardized(X, mean, np.sqrt(var) + 1.0, rows)
+        return [
+            mean,
+            var,
+            sub_mean,
+            sub_var,
+            Xs,
+            sharded_stats.pca_components(Xs, len(Xs), 4, single),
+            sharded_stats.lda_components(Xs, y[rows], len(Xs), 10, 4, single),
+            sharded_stats.varying_features(X, single, rows),
+        ]
+
+    whole = figures()
+    monkeypatch.setattr(sharded_stats, "BLOCK_BYTES", 7 * 8 * X.shape[1])
+    assert sharded_stats.block_rows(X.shape[1]) == 7
+    for blocked, one in zip(figures(), whole, strict=True):
+        # the sums run in another order: equal to float64 rounding
+        np.testing.assert_allclose(blocked, one, rtol=1e-9, atol=1e-9)
+
+
 def test_features_that_vary_are_counted_over_every_rank(two_ranks, one_rank):
     from training.distributed.sharded_stats import varying_features
 
