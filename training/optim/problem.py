@@ -160,6 +160,9 @@ class Problem:
         # (B,) the query rows the loss averages over (None: all N); neighbours are all points
         self.query_rows: torch.Tensor | None = query_rows
         self.candidate_rows = query_rows if n_candidates is not None else None
+        # (params, Z) of the newest map ``mean_score`` embedded, without their graph: the
+        # figures taken after an iteration read the embedding its accepted step computed
+        self._embedded: tuple[torch.Tensor, torch.Tensor] | None = None
         n_features = X.shape[1]
         self.shape = (n_features,) if transform == "diagonal" else (n_components, n_features)
 
@@ -176,6 +179,15 @@ class Problem:
         if self.transform == "diagonal":
             return self.X * params[None, :]
         return self.X @ params.T
+
+    def embedded(self, theta: np.ndarray) -> torch.Tensor:
+        """Z (N, d) at ``theta``, without a gradient: the one the last evaluation computed
+        when ``theta`` is its map (the same product), else computed here."""
+        params = self.to_tensor(theta)
+        if self._embedded is not None and torch.equal(self._embedded[0], params):
+            return self._embedded[1]
+        with torch.no_grad():
+            return self.embed(params)
 
     def penalty(self, theta: np.ndarray) -> float:
         """l2 ||theta||^2: what the loss adds to -mean score (0 without a penalty)."""
@@ -210,8 +222,8 @@ class Problem:
         on sample rows (``search_mass_ratio``)."""
         if n_candidates is not None:
             self.n_candidates = n_candidates
+        z = self.embedded(theta)
         with torch.no_grad():
-            z = self.embed(self.to_tensor(theta))
             new = self.find_candidates(z)
             if self.search.approximate(z):
                 self.measure_search(z, new)
@@ -257,8 +269,8 @@ class Problem:
         candidates are the nearest points); it grows when the map moves points that are
         nobody's candidates into neighbourhoods. O(B N d)."""
         outside = 0.0
+        z = self.embedded(theta)
         with torch.no_grad():
-            z = self.embed(self.to_tensor(theta))
             for block in rows.split(AUDIT_BLOCK_ROWS):
                 log_p = _log_neighbour_probabilities(z, block)  # (b, N)
                 inside = torch.exp(_logsumexp_at(log_p, self.nearest[block]))  # (b,)
@@ -270,8 +282,8 @@ class Problem:
         mass held by their K nearest same-class and K nearest other-class points in the
         current projection: what fresh candidate sets of that size would hold."""
         totals = [0.0] * len(ks)
+        z = self.embedded(theta)
         with torch.no_grad():
-            z = self.embed(self.to_tensor(theta))
             for block in rows.split(AUDIT_BLOCK_ROWS):
                 log_p = _log_neighbour_probabilities(z, block)  # (b, N)
                 fresh = nearest_candidates(z, self.labels, ks[-1], rows=block)  # (b, 2 K_max)
@@ -289,8 +301,8 @@ class Problem:
         the leave-one-out k-NN accuracy of the rows among all training points (majority
         vote, the objective's k). Mean scores per row."""
         n, k = rows.shape[0], self.objective.k
+        z = self.embedded(theta)
         with torch.no_grad():
-            z = self.embed(self.to_tensor(theta))
             out = {
                 "sample_candidate_objective": float(
                     objective_sum(
@@ -330,7 +342,9 @@ class Problem:
         )
 
     def mean_score(self, params: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-        total = self.objective_total(self.embed(params), rows)
+        z = self.embed(params)  # (N, d)
+        self._embedded = (params.detach(), z.detach())
+        total = self.objective_total(z, rows)
         return total / (self.n_samples if rows is None else rows.shape[0])
 
     def loss(self, params: torch.Tensor, rows: torch.Tensor | None = None):

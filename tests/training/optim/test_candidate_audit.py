@@ -235,3 +235,45 @@ def test_a_penalty_on_candidate_sets_is_what_l2_auto_avoids_and_the_audit_report
     assert auto.l2_ == 0.0
     assert max(candidate_gaps(auto)[2:]) < 0.1
     assert auto.candidate_warning_ is None
+
+
+@pytest.mark.parametrize("n_candidates", [None, 5])
+def test_figures_after_an_evaluation_read_its_embedding_and_no_other(n_candidates):
+    """The watch's and the audit's figures at the map the last evaluation computed reuse its
+    embedding; at any other map they embed afresh (a stale embedding is never read)."""
+    X, y = blobs(300)
+    Xt = torch.as_tensor(X, dtype=torch.float32)
+    problem = Problem(
+        Xt,
+        torch.as_tensor(y),
+        make_objective("nca"),
+        transform="linear",
+        n_components=3,
+        n_candidates=n_candidates,
+    )
+    rng = np.random.default_rng(2)
+    theta, other = rng.normal(size=(2, 3, 6))
+    if n_candidates:
+        problem.refresh_candidates(theta)
+    problem.loss_and_grad(theta.ravel())
+    reused = problem.embedded(theta.ravel())
+    assert reused is problem.embedded(theta)  # the evaluation's tensor itself
+    fresh = Xt @ torch.as_tensor(theta, dtype=torch.float32).T
+    torch.testing.assert_close(reused, fresh, rtol=0, atol=0)
+    assert not reused.requires_grad
+    moved = problem.embedded(other)  # another map: embedded anew
+    torch.testing.assert_close(moved, Xt @ torch.as_tensor(other, dtype=torch.float32).T)
+    assert moved is not problem.embedded(other)
+    rows = torch.arange(0, 300, 7)
+    if n_candidates:  # the figures at the evaluated map equal those computed from scratch
+        expected = Problem(
+            Xt,
+            torch.as_tensor(y),
+            make_objective("nca"),
+            transform="linear",
+            n_components=3,
+            n_candidates=n_candidates,
+        )
+        expected.refresh_candidates(theta)
+        assert problem.outside_mass(theta, rows) == expected.outside_mass(theta, rows)
+        assert problem.audit(theta, rows) == expected.audit(theta, rows)
