@@ -16,7 +16,8 @@ strong Wolfe conditions (Alg. 3.5, with the zoom of Alg. 3.6 and cubic interpola
     |g(x + a d)'d| <= c2 |g'd|            (curvature)
 
 with scipy's L-BFGS-B constants c1 = 1e-3, c2 = 0.9. The first step of a round (no pairs yet)
-has length 1 along -g, as scipy's. A step ends the optimisation when it converged,
+tries length 1 along -g first, as scipy's, unless the caller gives its first trial (the
+finish: ``training.model.fitting.first_step_length``). A step ends the optimisation when it converged,
 
     (f_old - f_new) / max(|f_old|, |f_new|, 1) <= tol    or    max |g| <= tol,
 
@@ -98,9 +99,16 @@ class LBFGS:
         """The evaluation a round starts from."""
         return self.fun(x)
 
-    def step(self, x: np.ndarray, at: Evaluation, max_evaluations: int | None = None) -> Step:
+    def step(
+        self,
+        x: np.ndarray,
+        at: Evaluation,
+        max_evaluations: int | None = None,
+        first_length: float | None = None,
+    ) -> Step:
         """One iteration from x (evaluated: ``at``), spending at most ``max_evaluations``
-        evaluations (None: LINE_SEARCH_EVALUATIONS)."""
+        evaluations (None: LINE_SEARCH_EVALUATIONS). ``first_length``: where the line search
+        of a round's first step (along -g) tries first, instead of a unit step."""
         if np.max(np.abs(at.g), initial=0.0) <= self.tol:
             return Step(x, at, 0, "converged", moved=False)
         d = self._direction(at.g)
@@ -109,6 +117,8 @@ class LBFGS:
             self.reset()
             d, slope = -at.g, -float(at.g @ at.g)
         first = 1.0 if self.pairs else 1.0 / math.sqrt(-slope)  # length 1 along -g
+        if first_length is not None and not self.pairs:
+            first = first_length
         budget = min(LINE_SEARCH_EVALUATIONS, max_evaluations or LINE_SEARCH_EVALUATIONS)
         a, found, spent = line_search(self.fun, x, at, d, slope, first, budget)
         if a == 0.0:  # no step decreased f enough

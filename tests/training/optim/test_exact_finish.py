@@ -13,7 +13,7 @@ import torch
 from tests.training.problems import blobs, brute_force, hard_noisy, script_validation
 from training import NCA
 from training.model import plan as estimator
-from training.model.fitting import SCALE_RATIO, SCALE_STEPS, start_scale
+from training.model.fitting import SCALE_RATIO, SCALE_STEPS, first_step_length, start_scale
 from training.model.options import fit_settings, with_options
 from training.model.plan import AUTO_EXACT_FINISH_ITER, AUTO_KNCA_FINISH_ITER, DEFAULT_L2
 from training.objectives.nca import NCAObjective
@@ -344,3 +344,29 @@ def test_bad_exact_finish_is_refused_naming_the_value(value):
     X, y = blobs(50)
     with pytest.raises(ValueError, match=rf"exact_finish={value!r} must be 'auto' or an integer"):
         NCA(n_components=2, options=dict(exact_finish=value)).fit(X, y)
+
+
+@pytest.mark.parametrize("l2, size, direction", [(0.3, 0.03, -1), (0.03, 3.0, 1)])
+def test_the_first_step_length_is_the_sample_losss_least_on_its_grid_along_minus_g(
+    l2, size, direction
+):
+    """From a unit step along -g (1 / ||g||), the length halves while the loss on the sample
+    rows falls, or else doubles: here one map's unit step overshoots (the length halves)
+    and another's falls short (it doubles); each ends on a power of 2 times the unit step
+    whose neighbours on that grid have a larger loss."""
+    X, y = blobs(240, seed=5)
+    problem = exact_problem(X, y, l2=l2)
+    theta = size * np.random.default_rng(2).normal(size=2 * X.shape[1])
+    g = problem.loss_and_grad(theta)[1]
+    length = first_step_length(problem, theta, g)
+    rows = torch.arange(len(y))  # 240 rows: all of them are the sample
+
+    def loss(a):
+        with torch.no_grad():
+            return float(problem.loss(problem.to_tensor(theta - a * g), rows)[0])
+
+    steps = np.log2(length * np.linalg.norm(g))
+    assert steps == pytest.approx(round(steps), abs=1e-9) and abs(steps) <= SCALE_STEPS
+    assert np.sign(round(steps)) == direction
+    assert loss(length) < loss(0.0)
+    assert loss(length) < loss(2 * length) and loss(length) < loss(length / 2)

@@ -163,3 +163,36 @@ def test_the_memory_bounds_the_pairs_kept():
             if step.stop:
                 break
         assert len(solver.pairs) <= memory
+
+
+def test_a_rounds_first_step_tries_the_length_it_is_given_and_later_steps_do_not():
+    """Given a first length, a round's first line search evaluates x - a g first (a unit step
+    along -g without one); a step with curvature pairs ignores it."""
+    fun, _ = quadratic(n=5)
+    x0 = np.ones(5)
+
+    def run(second_length):
+        tried = []
+
+        def recorded(x):
+            tried.append(np.array(x))
+            return Evaluation(*fun(x))
+
+        solver = LBFGS(recorded, 1e-12)
+        at = solver.start(x0)
+        first = solver.step(x0, at, first_length=0.01)
+        second = solver.step(first.x, first.at, first_length=second_length)
+        return tried, at, first, second
+
+    tried, at, first, second = run(None)
+    np.testing.assert_allclose(tried[1], x0 - 0.01 * at.g, rtol=1e-15)
+    assert first.moved
+    plain = LBFGS(evaluation_of(fun), 1e-12)
+    unit = plain.step(x0, plain.start(x0))  # the unit step, as before
+    assert not np.allclose(unit.x, first.x)
+    # with pairs the given length is ignored: the same points are tried either way
+    tried_again, _, _, second_again = run(123.0)
+    assert len(tried_again) == len(tried)
+    for a, b in zip(tried_again, tried, strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(second_again.x, second.x)

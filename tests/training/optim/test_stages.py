@@ -65,7 +65,7 @@ class Collapsing:
         self.starts.append(np.array(theta, copy=True))
         return self.solver.start(theta)
 
-    def step(self, theta, at, max_evaluations=None):
+    def step(self, theta, at, max_evaluations=None, first_length=None):
         return Step(np.zeros_like(theta), at, 0, None, moved=True)
 
     @property
