@@ -202,12 +202,14 @@ def test_a_header_bomb_is_refused_without_holding_memory(server):
 def patient_server(model_artifact):
     """The module's server with a header deadline of CAP_HEADER_TIMEOUT: time for a loaded
     machine to fill the cap before the silent connections meet it (at 1 s, a CI run once saw
-    the fresh client served, not refused, within 0.8 s)."""
+    the fresh client served, not refused, within 0.8 s; at 5 s a full suite run beside
+    benchmarks once waited out its 4 s). A passing run ends at its first 503, so a longer
+    deadline costs it nothing."""
     with connection_server(model_artifact[0], CAP_HEADER_TIMEOUT) as running:
         yield running
 
 
-CAP_HEADER_TIMEOUT = 5.0
+CAP_HEADER_TIMEOUT = 15.0
 
 
 def test_the_connection_cap_answers_503_and_recovers(patient_server):
