@@ -343,7 +343,8 @@ class Problem:
 
     def mean_score(self, params: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         z = self.embed(params)  # (N, d)
-        self._embedded = (params.detach(), z.detach())
+        # a copy of the map: Adam's step changes its params in place after this evaluation
+        self._embedded = (params.detach().clone(), z.detach())
         total = self.objective_total(z, rows)
         return total / (self.n_samples if rows is None else rows.shape[0])
 

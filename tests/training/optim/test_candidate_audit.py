@@ -277,3 +277,27 @@ def test_figures_after_an_evaluation_read_its_embedding_and_no_other(n_candidate
         expected.refresh_candidates(theta)
         assert problem.outside_mass(theta, rows) == expected.outside_mass(theta, rows)
         assert problem.audit(theta, rows) == expected.audit(theta, rows)
+
+
+def test_after_an_adam_epoch_the_figures_embed_the_map_it_reached():
+    """Adam changes its parameters in place after each batch's evaluation: the embedding kept
+    from the epoch's last evaluation is of the map before its last update, and is not read
+    at the map the epoch returns."""
+    from training.optim.adam import AdamEpochs
+
+    X, y = blobs(200)
+    Xt = torch.as_tensor(X, dtype=torch.float32)
+    problem = Problem(
+        Xt,
+        torch.as_tensor(y),
+        make_objective("nca"),
+        transform="linear",
+        n_components=3,
+        n_candidates=5,
+    )
+    theta = np.random.default_rng(3).normal(size=3 * 6)
+    problem.refresh_candidates(theta)
+    solver = AdamEpochs(problem, 0.1, 50, np.random.default_rng(0), 1e-9)
+    step = solver.step(theta, solver.start(theta))
+    expected = Xt @ torch.as_tensor(step.x.reshape(3, 6), dtype=torch.float32).T
+    torch.testing.assert_close(problem.embedded(step.x), expected)
