@@ -89,12 +89,13 @@ def block_rows(n_features: int) -> int:
     return max(1, BLOCK_BYTES // (8 * max(1, n_features)))
 
 
-def blocks(X: np.ndarray, rows: np.ndarray | None = None):
-    """The rows of X (or of X[rows]) in float64 blocks of ``block_rows`` rows, each a copy
-    the caller may change: a memory map or a float32 array is read and converted a block at
-    a time, never whole (memory O(BLOCK_BYTES)), and X itself is never written."""
+def blocks(X: np.ndarray, rows: np.ndarray | None = None, min_rows: int = 1):
+    """The rows of X (or of X[rows]) in float64 blocks of max(``block_rows``, ``min_rows``)
+    rows, each a copy the caller may change: a memory map or a float32 array is read and
+    converted a block at a time, never whole (memory O(BLOCK_BYTES), or O(min_rows D)), and
+    X itself is never written."""
     n = len(X) if rows is None else len(rows)
-    step = block_rows(X.shape[1])
+    step = max(block_rows(X.shape[1]), min_rows)
     for start in range(0, n, step):
         part = slice(start, min(start + step, n))
         yield np.array(X[part] if rows is None else X[rows[part]], dtype=np.float64, copy=True)
@@ -276,7 +277,8 @@ def pca_components(
     orthonormal, completing the basis."""
     mean, _ = moments(Xs_shard, n, group)
     scatter = np.zeros((Xs_shard.shape[1], Xs_shard.shape[1]))
-    for block in blocks(Xs_shard):
+    # blocks of at least D rows: each block's (D, D) product is a temporary as large
+    for block in blocks(Xs_shard, min_rows=Xs_shard.shape[1]):
         block -= mean
         scatter += block.T @ block
     covariance = all_reduce_sum(scatter, group) / n  # (D, D)
@@ -301,16 +303,16 @@ def lda_components(
     n_features = Xs_shard.shape[1]
     counts = all_reduce_sum(np.bincount(y_shard, minlength=n_classes), group)  # (C,)
     sums = np.zeros((n_classes, n_features))
-    step = block_rows(n_features)
-    for start, block in zip(range(0, len(y_shard), step), blocks(Xs_shard), strict=True):
+    step = max(block_rows(n_features), n_features)  # rows a block: as pca_components'
+    starts = range(0, len(y_shard), step)
+    for start, block in zip(starts, blocks(Xs_shard, min_rows=n_features), strict=True):
         labels = y_shard[start : start + len(block)]
         sums += np.eye(n_classes)[labels].T @ block  # (C, D)
     class_sums = all_reduce_sum(sums, group)
     class_means = class_sums / np.maximum(counts, 1)[:, None]
     mean = class_sums.sum(0) / n
     scatter = np.zeros((n_features, n_features))
-    step = block_rows(n_features)
-    for start, block in zip(range(0, len(y_shard), step), blocks(Xs_shard), strict=True):
+    for start, block in zip(starts, blocks(Xs_shard, min_rows=n_features), strict=True):
         block -= class_means[y_shard[start : start + len(block)]]
         scatter += block.T @ block
     s_w = all_reduce_sum(scatter, group)  # (D, D)
