@@ -96,7 +96,10 @@ def _rerank_block(
         diff = refs[cand].astype(np.float64) - q[:, None, :]
         d2 = np.einsum("nmd,nmd->nm", diff, diff)  # (b, m)
         order = np.lexsort((cand, d2), axis=1)[:, :k]
-        return d2[rows, order], cand[rows, order]
+        out_d = d2[rows, order]
+        # a distance beyond float64 is no neighbour, as in the padded case below (so a row's
+        # answer does not depend on whether its block holds a padded row)
+        return out_d, np.where(np.isfinite(out_d), cand[rows, order], -1)
     valid = cand >= 0
     safe = np.where(valid, cand, 0)
     diff = refs[safe].astype(np.float64) - q[:, None, :]

@@ -113,7 +113,7 @@ def test_rerank_in_blocks_gives_each_row_its_own_answer(rng, monkeypatch):
     refs = rng.normal(size=(40, 3)).astype(np.float32)
     q = rng.normal(size=(11, 3)).astype(np.float32)
     cand = rng.integers(0, 40, size=(11, 6))
-    cand[[1, 6, 10], -2:] = -1
+    cand[[5, 6, 10], -2:] = -1  # padded rows in the second and third blocks, not the first
     monkeypatch.setattr(knn, "RERANK_BLOCK_VALUES", 4 * 6 * 3)  # 4 rows a block
     dist, idx = knn.rerank(q, refs, cand, 5)
     assert dist.shape == idx.shape == (11, 5)
@@ -121,7 +121,12 @@ def test_rerank_in_blocks_gives_each_row_its_own_answer(rng, monkeypatch):
         d1, i1 = knn.rerank(q[i : i + 1], refs, cand[i : i + 1], 5)
         np.testing.assert_array_equal(i1[0], idx[i])
         np.testing.assert_array_equal(d1[0], dist[i])
-    assert (idx[[1, 6, 10], 4] == -1).all() and np.isinf(dist[[1, 6, 10], 4]).all()
+    assert (idx[[5, 6, 10], 4] == -1).all() and np.isinf(dist[[5, 6, 10], 4]).all()
+    # an infinite query has no neighbour, in a block with padded rows (4-7) or without
+    # (rows 0-3): its row is (inf, -1) either way
+    q[[2, 5]] = np.inf
+    dist, idx = knn.rerank(q, refs, cand, 5)
+    assert (idx[[2, 5]] == -1).all() and np.isinf(dist[[2, 5]]).all()
     # more neighbours asked for than candidates: min(k, m) columns
     assert knn.rerank(q, refs, cand, 9)[0].shape == (11, 6)
 
