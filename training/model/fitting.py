@@ -50,9 +50,10 @@ theta does; a finish that is undone returns theta itself (and its objective on t
 finish's problem, one more forward pass). ``stages_`` records s. Its first L-BFGS step
 (along -g, no curvature pairs yet) tries first the length where the loss on the same
 sample rows stops falling along -g, on a grid of powers of 2 from a unit step
-(:func:`first_step_length`): the unit step overshot, and the line search spent a second
-evaluation on it, on the real digits (3 seeds) and moving50k; clustered20k's took one
-either way. kNCA's finish starts where it did: its start scale and first step are not
+(:func:`first_step_length`; 2-10 forward passes on those rows, not counted as evaluations,
+asked for only when the start does not meet the gradient test): the unit step overshot,
+and the line search spent a second evaluation on it, on the real digits (3 seeds) and
+moving50k; clustered20k's and a million clustered points' took one either way. kNCA's finish starts where it did: its start scale and first step are not
 measured.
 
 **The keep rule** (one, for the whole fit): a map scored is kept when it scores at least
@@ -498,7 +499,7 @@ class StagedFit:
                     stop = StopReason.MAX_EVALUATIONS
                     break
             if stage.scaled_start and iteration == 0:  # the finish's first step: its length
-                first = first_step_length(problem, theta, at.g)  # on the sample rows (L-BFGS)
+                first = partial(first_step_length, problem, theta, at.g)  # on sample rows
                 step = solver.step(theta, at, left, first_length=first)
             else:
                 step = solver.step(theta, at, left)

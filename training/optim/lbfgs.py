@@ -15,9 +15,10 @@ strong Wolfe conditions (Alg. 3.5, with the zoom of Alg. 3.6 and cubic interpola
     f(x + a d) <= f(x) + c1 a g'd        (sufficient decrease)
     |g(x + a d)'d| <= c2 |g'd|            (curvature)
 
-with scipy's L-BFGS-B constants c1 = 1e-3, c2 = 0.9. The first step of a round (no pairs yet)
-tries length 1 along -g first, as scipy's, unless the caller gives its first trial (the
-finish: ``training.model.fitting.first_step_length``). A step ends the optimisation when it converged,
+with scipy's L-BFGS-B constants c1 = 1e-3, c2 = 0.9. The first step of a round (no pairs
+yet) tries length 1 along -g first, as scipy's, unless the caller gives its first trial
+(the finish: ``training.model.fitting.first_step_length``). A step ends the optimisation
+when it converged,
 
     (f_old - f_new) / max(|f_old|, |f_new|, 1) <= tol    or    max |g| <= tol,
 
@@ -27,6 +28,7 @@ or when the line search finds no step that decreases f enough at this precision.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -104,11 +106,12 @@ class LBFGS:
         x: np.ndarray,
         at: Evaluation,
         max_evaluations: int | None = None,
-        first_length: float | None = None,
+        first_length: Callable[[], float] | None = None,
     ) -> Step:
         """One iteration from x (evaluated: ``at``), spending at most ``max_evaluations``
-        evaluations (None: LINE_SEARCH_EVALUATIONS). ``first_length``: where the line search
-        of a round's first step (along -g) tries first, instead of a unit step."""
+        evaluations (None: LINE_SEARCH_EVALUATIONS). ``first_length``: () -> where the line
+        search of a round's first step (along -g) tries first, instead of a unit step;
+        called only for such a step, once x has not met the gradient test."""
         if np.max(np.abs(at.g), initial=0.0) <= self.tol:
             return Step(x, at, 0, "converged", moved=False)
         d = self._direction(at.g)
@@ -118,7 +121,7 @@ class LBFGS:
             d, slope = -at.g, -float(at.g @ at.g)
         first = 1.0 if self.pairs else 1.0 / math.sqrt(-slope)  # length 1 along -g
         if first_length is not None and not self.pairs:
-            first = first_length
+            first = first_length()
         budget = min(LINE_SEARCH_EVALUATIONS, max_evaluations or LINE_SEARCH_EVALUATIONS)
         a, found, spent = line_search(self.fun, x, at, d, slope, first, budget)
         if a == 0.0:  # no step decreased f enough

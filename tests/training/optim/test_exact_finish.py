@@ -370,3 +370,35 @@ def test_the_first_step_length_is_the_sample_losss_least_on_its_grid_along_minus
     assert np.sign(round(steps)) == direction
     assert loss(length) < loss(0.0)
     assert loss(length) < loss(2 * length) and loss(length) < loss(length / 2)
+
+
+def test_only_the_scaled_finish_takes_its_first_step_at_the_probed_length(monkeypatch):
+    """The penalised NCA finish asks ``first_step_length`` once, for its first step, and its
+    first line search tries the length it answers first; the candidate stage, an
+    unpenalised finish and kNCA's finish do not ask."""
+    from training.model import fitting
+    from training.optim import lbfgs
+
+    asked, tried = [], []
+    real_length, real_search = fitting.first_step_length, lbfgs.line_search
+
+    def spy_length(problem, theta, gradient):  # half the probed length: a length of its own
+        length = 0.5 * real_length(problem, theta, gradient)
+        asked.append((length, len(tried)))  # the next line search is the one it is for
+        return length
+
+    def spy_search(fun, x, at, d, slope, first, budget):
+        tried.append(first)
+        return real_search(fun, x, at, d, slope, first, budget)
+
+    monkeypatch.setattr(fitting, "first_step_length", spy_length)
+    monkeypatch.setattr(lbfgs, "line_search", spy_search)
+    X, y = blobs(400)
+    model = fit(X, y, n_candidates=5, exact_finish=3)
+    assert len(asked) == 1 and model.stages_[1]["start_scale"] != 1.0
+    length, search = asked[0]
+    assert tried[search] == length  # the finish's first line search tries it first
+    asked.clear()
+    fit(X, y, n_candidates=5, exact_finish=3, l2=0.0)
+    fit(X, y, objective="knca-majority", k=3, n_candidates=5, exact_finish=3)
+    assert asked == []

@@ -180,7 +180,7 @@ def test_a_rounds_first_step_tries_the_length_it_is_given_and_later_steps_do_not
 
         solver = LBFGS(recorded, 1e-12)
         at = solver.start(x0)
-        first = solver.step(x0, at, first_length=0.01)
+        first = solver.step(x0, at, first_length=lambda: 0.01)
         second = solver.step(first.x, first.at, first_length=second_length)
         return tried, at, first, second
 
@@ -191,8 +191,13 @@ def test_a_rounds_first_step_tries_the_length_it_is_given_and_later_steps_do_not
     unit = plain.step(x0, plain.start(x0))  # the unit step, as before
     assert not np.allclose(unit.x, first.x)
     # with pairs the given length is ignored: the same points are tried either way
-    tried_again, _, _, second_again = run(123.0)
+    tried_again, _, _, second_again = run(lambda: 123.0)
     assert len(tried_again) == len(tried)
     for a, b in zip(tried_again, tried, strict=True):
         np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(second_again.x, second.x)
+    # a start that meets the gradient test takes no step and asks for no length
+    asked = []
+    done = LBFGS(evaluation_of(fun), 1e6)
+    still = done.step(x0, done.start(x0), first_length=lambda: asked.append(1) or 0.01)
+    assert not still.moved and still.stop == "converged" and asked == []
