@@ -237,13 +237,10 @@ def test_a_penalty_on_candidate_sets_is_what_l2_auto_avoids_and_the_audit_report
     assert auto.candidate_warning_ is None
 
 
-@pytest.mark.parametrize("n_candidates", [None, 5])
-def test_figures_after_an_evaluation_read_its_embedding_and_no_other(n_candidates):
-    """The watch's and the audit's figures at the map the last evaluation computed reuse its
-    embedding; at any other map they embed afresh (a stale embedding is never read)."""
-    X, y = blobs(300)
+def nca_problem(X, y, n_candidates):
+    """NCA on the rows X (N, 6) in float32, a map to 3 dimensions."""
     Xt = torch.as_tensor(X, dtype=torch.float32)
-    problem = Problem(
+    return Problem(
         Xt,
         torch.as_tensor(y),
         make_objective("nca"),
@@ -251,6 +248,15 @@ def test_figures_after_an_evaluation_read_its_embedding_and_no_other(n_candidate
         n_components=3,
         n_candidates=n_candidates,
     )
+
+
+@pytest.mark.parametrize("n_candidates", [None, 5])
+def test_figures_after_an_evaluation_read_its_embedding_and_no_other(n_candidates):
+    """The watch's and the audit's figures at the map the last evaluation computed reuse its
+    embedding; at any other map they embed afresh (a stale embedding is never read)."""
+    X, y = blobs(300)
+    problem = nca_problem(X, y, n_candidates)
+    Xt = problem.X
     rng = np.random.default_rng(2)
     theta, other = rng.normal(size=(2, 3, 6))
     if n_candidates:
@@ -266,14 +272,7 @@ def test_figures_after_an_evaluation_read_its_embedding_and_no_other(n_candidate
     assert moved is not problem.embedded(other)
     rows = torch.arange(0, 300, 7)
     if n_candidates:  # the figures at the evaluated map equal those computed from scratch
-        expected = Problem(
-            Xt,
-            torch.as_tensor(y),
-            make_objective("nca"),
-            transform="linear",
-            n_components=3,
-            n_candidates=n_candidates,
-        )
+        expected = nca_problem(X, y, n_candidates)
         expected.refresh_candidates(theta)
         assert problem.outside_mass(theta, rows) == expected.outside_mass(theta, rows)
         assert problem.audit(theta, rows) == expected.audit(theta, rows)
@@ -286,15 +285,8 @@ def test_after_an_adam_epoch_the_figures_embed_the_map_it_reached():
     from training.optim.adam import AdamEpochs
 
     X, y = blobs(200)
-    Xt = torch.as_tensor(X, dtype=torch.float32)
-    problem = Problem(
-        Xt,
-        torch.as_tensor(y),
-        make_objective("nca"),
-        transform="linear",
-        n_components=3,
-        n_candidates=5,
-    )
+    problem = nca_problem(X, y, 5)
+    Xt = problem.X
     theta = np.random.default_rng(3).normal(size=3 * 6)
     problem.refresh_candidates(theta)
     solver = AdamEpochs(problem, 0.1, 50, np.random.default_rng(0), 1e-9)
