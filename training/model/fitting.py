@@ -53,8 +53,8 @@ sample rows stops falling along -g, on a grid of powers of 2 from a unit step
 (:func:`first_step_length`; 2-10 forward passes on those rows, not counted as evaluations,
 asked for only when the start does not meet the gradient test): the unit step overshot,
 and the line search spent a second evaluation on it, on the real digits (3 seeds) and
-moving50k; clustered20k's and a million clustered points' took one either way. kNCA's finish starts where it did: its start scale and first step are not
-measured.
+moving50k; clustered20k's and a million clustered points' took one either way. kNCA's
+finish starts where it did: its start scale and first step are not measured.
 
 **The keep rule** (one, for the whole fit): a map scored is kept when it scores at least
 the best score of the fit so far less the tolerance (one and a half rows' worth), so
