@@ -167,11 +167,11 @@ def raise_on_interrupt() -> None:
 def holding_interrupts(seconds: float | None) -> Iterator[_Hold]:
     """Within it a first SIGINT or SIGTERM is held rather than raised, so that the work in
     hand can end at a point of its choosing: ``held_interrupt()`` names it, and the work
-    raises it once it has saved what it must. A second signal, or
-    ``seconds`` after the first (None: no limit), raises it wherever the work is. A signal
-    still held when the block ends is the caller's to act on (``hold.signum``). Inert when
-    the process's handler is not ``raise_on_interrupt``'s (the estimator used from Python),
-    and in any thread but the main one."""
+    raises it once it has saved what it must. A second signal, or ``seconds`` after the
+    first (None: no limit), raises it wherever the work is. A signal still held when the
+    block ends is the caller's to act on (``hold.signum``). Inert when the process's handler
+    is not ``raise_on_interrupt``'s (the estimator used from Python), and in any thread but
+    the main one."""
     global _hold
     main = threading.current_thread() is threading.main_thread()
     if not main or signal.getsignal(signal.SIGTERM) is not _on_signal:

@@ -151,7 +151,8 @@ def resolve_out(out: str | None, data_name: str, now: float | None = None) -> Pa
 
 
 def run(config: TrainConfig, *, log=print) -> dict:
-    """Run the whole job; returns the report. Raises DataError / ConfigError / ValueError on bad input.
+    """Run the whole job; returns the report. Raises DataError / ConfigError / ValueError
+    on bad input.
 
     Data-parallel (under ``torchrun``, a process group initialised): every rank reads the
     labels, plans the same split, and takes its rows of the training and validation splits
@@ -497,9 +498,8 @@ class Evaluation:
     test_predictions: np.ndarray  # (n_test,) class indices at default_k
     baselines: dict  # name -> accuracies (training.evaluation.baselines)
     train_digests: np.ndarray  # (n_train, 32) uint8: sha256 of each training row
-    outlier_calibration: dict | None = (
-        None  # training.evaluation.calibration.calibrate on validation
-    )
+    # training.evaluation.calibration.calibrate on the validation rows
+    outlier_calibration: dict | None = None
     z_ref: np.ndarray | None = None  # (M, d) the references served: z_train or prototypes
     y_ref: np.ndarray | None = None  # (M,)
     ref_ids: np.ndarray | None = None  # (M,) prototypes: the training row nearest each
@@ -546,8 +546,7 @@ def evaluate(
     """Project every split, score kNN for each k in K_VALUES with the served decision rule
     (with --decision-rule auto, each of NEIGHBOUR_RULES), choose the rule and the default k
     on validation or on cross-fitted votes (``training.evaluation.cross_fit``), score the
-    baselines with
-    the same rule.
+    baselines with the same rule.
 
     Data-parallel: the ranks' projected training and validation rows (N x d: small), their
     labels and row digests are gathered; rank 0 scores them, the other ranks return None."""
@@ -675,12 +674,15 @@ def nearest_reference_distances(
 ) -> dict | None:
     """How far the validation and the test rows sit from their nearest reference: the
     median Euclidean distance of each split to its nearest reference, and their ratio
-    (validation / test). The served k is chosen on the validation rows; it is the best k
-    for unseen rows only when those rows are as far from the references as unseen rows are
-    (a ratio near 1). z_ref (M, d), z_val (n_val, d), z_test (n_test, d); None when either
-    split is empty; the ratio None when the test rows' median distance is 0. The nearest
-    reference is ``nearest_references``' (FAISS's or torch's pass, re-ranked in float64):
-    ``service.core.knn.exact_knn``'s answer, an order of magnitude faster on the real digits
+    (validation / test).
+
+    The served k is chosen on the validation rows; it is the best k for unseen rows only
+    when those rows are as far from the references as unseen rows are (a ratio near 1).
+
+    z_ref (M, d), z_val (n_val, d), z_test (n_test, d). None when either split is empty;
+    the ratio is None when the test rows' median distance is 0. The nearest reference is
+    ``nearest_references``' (FAISS's or torch's pass, re-ranked in float64): the answer of
+    ``service.core.knn.exact_knn``, found faster
     (benchmarks/README.md, "A forward pass without the gradient")."""
     if len(z_val) == 0 or len(z_test) == 0:
         return None

@@ -16,8 +16,8 @@ it imports none of them (the import graph of ``training`` has no cycles):
 * ``evenly_spaced_rows`` (a deterministic sample of rows, spread however they are ordered),
 * ``PrecomputedGradient``, the autograd backward both evaluation paths share: the forward
   pass computes the objective and its gradient with respect to Z together (the exact NCA
-  kernel the value alone when Z does not require grad), and backward only scales that
-  gradient.
+  kernel computes the value alone when Z does not require grad), and backward only scales
+  that gradient.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ NEG_INF = float("-inf")
 LOG_ZERO = -1e30
 # exponents more than 80 below a row's maximum are floored here before exp(): exp(-80) ~ 2e-35
 # is below float32 resolution of any sum that holds the maximum (1), so no value changes,
-# while exp never takes its slow subnormal path (~4x slower on CPU)
+# while exp never takes its slow subnormal path
+# (benchmarks/README.md, "Training: ours vs scikit-learn")
 EXP_FLOOR = -80.0
 
 DEFAULT_MEMORY_BUDGET = 256 * 2**20  # bytes for one chunk's (B, M) temporaries

@@ -1,11 +1,11 @@
 """The CLI's view of a long fit: one tqdm bar per stage.
 
 The estimator reports each stage's start and every iteration as a
-``training.model.fitting.StageProgress`` (``NCA(options={"progress": ...})``); :class:`StageBar` shows it
-as a bar per stage: the stage's name, its iterations against its most, the latest held-out
-score, tqdm's estimate of the stage's time left (its remaining iterations at its rate so
-far) and, with a budget, the fit's budget left beside it. A stage that stops early
-(stalled, or converged) leaves its bar where it stopped.
+``training.model.fitting.StageProgress`` (``NCA(options={"progress": ...})``);
+:class:`StageBar` shows it as a bar per stage: the stage's name, its iterations against its
+most, the latest held-out score, tqdm's estimate of the stage's time left (its remaining
+iterations at its rate so far) and, with a budget, the fit's budget left beside it. A stage
+that stops early (stalled, or converged) leaves its bar where it stopped.
 
 ``progress_mode`` decides what a run shows: the bar when both stdout and stderr are a
 terminal, the per-iteration table (scikit-learn's verbose lines, on stdout) when either is a
@@ -49,9 +49,9 @@ def _is_terminal(stream) -> bool:
 
 
 class StageBar:
-    """A callable for ``NCA(options={"progress": ...})`` drawing one bar per stage on ``stream`` (None:
-    the stderr of the moment a bar is drawn, so an estimator holding it can still be cloned
-    and pickled between fits); call ``close()`` after the fit."""
+    """A callable for ``NCA(options={"progress": ...})`` drawing one bar per stage on
+    ``stream`` (None: the stderr of the moment a bar is drawn, so an estimator holding it
+    can still be cloned and pickled between fits); call ``close()`` after the fit."""
 
     def __init__(self, stream: TextIO | None = None, mininterval: float = 0.5):
         self.stream = stream

@@ -13,7 +13,9 @@ features' size is read from the file's header or metadata and held against a mem
 (the job's ``--memory-budget-gib``: by default 80% of the memory available when it starts)
 before their values are read. So a small compressed file whose arrays expand to gigabytes,
 or a sparse file with an honest large header, is refused in one line for what is wrong with
-it, without first being read. CSV files are read whole.
+it, without first being read. A CSV file is read whole, in two passes: the first counts
+its rows, so that the features' size is held against the budget before any value is
+parsed.
 """
 
 from __future__ import annotations

@@ -47,12 +47,14 @@ def read_sparse_npz(
 
     Every member's header is checked before any value is read (``header_of(archive, key)``
     gives its (shape, dtype)): ``format`` a string, ``shape`` two integers, the arrays 1-D
-    of numbers (data, at most 8 bytes) or integers (indices), as many indices as values and
+    of numbers (data, at most 8 bytes) or integers (indices), as many indices as values.
+
     The budget holds what the read and the conversion to CSR take at their peak: the stored
     arrays twice (as read, then as int64 / float64; three times for CSC and COO, which
-    tocsr copies once more) and the CSR row pointers twice (the fit's own memory, which
-    depends on d, is the job's check: ``training.job.check_sparse_settings``). Then the
-    structure is checked whole before scipy touches it (row pointers from 0,
+    tocsr copies once more) and the CSR row pointers twice. The fit's own memory, which
+    depends on d, is the job's check (``training.job.check_sparse_settings``).
+
+    Then the structure is checked whole before scipy touches it (row pointers from 0,
     non-decreasing, ending at the number of values; indices within the shape). ``error`` is
     the exception raised, naming ``path``."""
     members = set(archive.files)

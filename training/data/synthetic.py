@@ -24,10 +24,12 @@ With many clusters per class (their centres drawn from one law, so the classes' 
 interleave) and a nuisance spread above the centres', a row's nearest rows at the start share
 its style, not its class; a map that learns to drop V's directions moves every neighbourhood,
 so candidate sets found at the start are wrong later (what a fit at scale must keep up with).
-The defaults (``nuisance_dim=0``) draw nothing more: a sample without styles is unchanged. A sample is drawn with ``sample_seed``: training and test
-sets are two samples of one distribution. Rows are drawn in blocks of ``BLOCK_ROWS`` with a
-generator per block, so a sample does not depend on how it is consumed, and memory beyond
-the result is O(BLOCK_ROWS D).
+The default ``nuisance_dim=0`` draws nothing more: the sample is the first formula's.
+
+A sample is drawn with ``sample_seed``: training and test sets are two samples of one
+distribution. Rows are drawn in blocks of ``BLOCK_ROWS`` with a generator per block, so a
+sample does not depend on how it is consumed, and memory beyond the result is
+O(BLOCK_ROWS D).
 """
 
 from __future__ import annotations
