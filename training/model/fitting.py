@@ -29,32 +29,26 @@ k-NN accuracy at the served k and rule is reported beside it (``val_accuracy``),
 judged by. Rows the map was fitted on cannot judge it: NCA makes their leave-one-out
 neighbourhoods pure.
 It is checked at the fit's first iteration and every ``validation_interval``-th iteration of
-the fit (iteration counts, not the clock: the same maps are scored on every run and rank).
-So a later stage is first judged after some iterations (measured when the finish started
-from the candidate stage's scale and its penalty first pulled the map back: on moving50k,
-checks at the finish's 1st and 5th iterations both scored below its start and stopped it,
-5-NN test error 11.30% against 11.10% for checks at its 5th and 10th:
-``benchmarks/results/real_digits_one_loop.json``).
+the fit (iteration counts, not the clock: the same maps are scored on every run and rank),
+so a later stage is first judged after some iterations, not at its first
+(``benchmarks/results/real_digits_one_loop.json``).
 
 **The finish's start scale.** The candidate stage runs without a penalty (``l2="auto"`` is
 0 on candidate sets) and grows the map until each softmax sits on its nearest candidates;
-the exact finish carries ``l2 ||A||^2``, whose optimum lies at a far smaller scale. Started
-from the candidate stage's map, the finish's first L-BFGS steps spent its iterations
-shrinking the map, and its held-out score dipped on the way (moving50k: 0.804 -> 0.449
-after 3 iterations, back to 0.812 after 10). So the NCA finish (``Stage.scaled_start``,
-from the plan) starts from s theta, the first local minimum of its loss along that ray on
-a grid of powers of sqrt 2 within 1/16 and 16 (:func:`start_scale`: from 1 down, or up,
-while the loss falls; each scale tried is a forward pass over an eighth of the stage's
-rows, at most 10 of them). The held-out score is blind to the scale, so s theta scores as
+the exact finish carries ``l2 ||A||^2``, whose optimum lies at a far smaller scale, and
+would spend its first iterations shrinking the map. So the NCA finish
+(``Stage.scaled_start``, from the plan) starts from s theta, the first local minimum of its
+loss along that ray on a grid of powers of sqrt 2 within 1/16 and 16 (:func:`start_scale`:
+from 1 down, or up, while the loss falls; each scale tried is a forward pass over an
+eighth of the stage's rows). The held-out score is blind to the scale, so s theta scores as
 theta does; a finish that is undone returns theta itself (and its objective on the
 finish's problem, one more forward pass). ``stages_`` records s. Its first L-BFGS step
 (along -g, no curvature pairs yet) tries first the length where the loss on the same
 sample rows stops falling along -g, on a grid of powers of 2 from a unit step
-(:func:`first_step_length`; 2-10 forward passes on those rows, not counted as evaluations,
-asked for only when the start does not meet the gradient test): the unit step overshot,
-and the line search spent a second evaluation on it, on the real digits (3 seeds) and
-moving50k; clustered20k's and a million clustered points' took one either way. kNCA's
-finish starts where it did: its start scale and first step are not measured.
+(:func:`first_step_length`; forward passes on those rows, not counted as evaluations),
+where a unit step overshoots and costs the line search a second evaluation
+(``benchmarks/README.md``, "Page faults, repeated products and the finish's first step").
+kNCA's finish starts where it did: its start scale and first step are not measured.
 
 **The keep rule** (one, for the whole fit): a map scored is kept when it scores at least
 the best score of the fit so far less the tolerance (one and a half rows' worth), so
@@ -109,11 +103,9 @@ FIRST_STEP_RATIO = 2.0  # the grid of the finish's first step length (first_step
 CANDIDATE_CHANGE_TOL = 0.01  # a round converged on sets that changed less than this: done
 CACHED_MAPS = 4  # the held-out scores of this many maps are remembered
 # an exact L-BFGS stage is checkpointed after an iteration when this many seconds have passed
-# since the last save (the clock decides when to save, never what the fit computes). A save
-# writes the map and the optimiser's pairs (about 2 MiB at 32 x 784), some milliseconds
-# against the seconds of an exact iteration at 60k; at 30 s a finish killed before its
-# first save (the real digits' finish takes about 35 s) was redone whole
-# (benchmarks/results/resume_cost.json)
+# since the last save (the clock decides when to save, never what the fit computes); a save
+# (the map and the optimiser's pairs, about 2 MiB at 32 x 784) costs milliseconds against
+# the seconds of an exact iteration (benchmarks/results/resume_cost.json)
 CHECKPOINT_SECONDS = 10.0
 # a signal in a checkpointed stage waits at most this long for the iteration's end (its save)
 HOLD_SECONDS = 5.0

@@ -12,38 +12,26 @@ AUTO_EXACT_MAX_SAMPLES = 8192  # n_candidates="auto": exact up to this many poin
 AUTO_N_CANDIDATES = 32  # ... and K nearest candidates per kind above
 # an L-BFGS fit on candidate sets averages its loss over at most this many evenly spaced
 # query rows (every point still a neighbour), and keeps and searches candidate sets for them
-# only: an evaluation then costs O(CANDIDATE_QUERY_MAX_ROWS M d) and a refresh one index
-# build over N plus this many queries, so the candidate stage's cost stops growing with N
-# (benchmarks/scale.py). 2^17 query rows estimate a mean score to about 1e-3 and give a
-# d x D map 32 x 784 = 25,088 parameters five rows each.
+# only, so that the candidate stage's cost stops growing with N (benchmarks/scale.py);
+# 2^17 rows estimate a mean score to about 1e-3
 CANDIDATE_QUERY_MAX_ROWS = 2**17
-# exact_finish="auto": L-BFGS iterations on the exact objective after a fit on candidate sets
-# (benchmarks/README.md, "Finishing on the exact objective"), averaged over at most this many
-# evenly spaced query rows of its points (below), so that a finishing iteration costs
-# O(rows x points x d). An exact kNCA pair costs ~20x an NCA one, so kNCA's finish averages
-# over fewer rows and runs longer (measured in benchmarks/candidate_quality.py --knca and
-# benchmarks/exact_finish.py --objective knca-majority). Started at its best scale
-# (fitting.start_scale), 5 iterations reach what 10 did from the candidate stage's scale
-# (benchmarks/README.md, "The finish's start scale").
+# exact_finish="auto": L-BFGS iterations on the exact objective after a fit on candidate
+# sets, started at the penalised loss's best scale (fitting.start_scale); kNCA's exact
+# pairs cost ~20x NCA's, so its finish averages over fewer rows and runs longer
+# (benchmarks/README.md, "Finishing on the exact objective", "The finish's start scale")
 AUTO_EXACT_FINISH_ITER = 5
 EXACT_FINISH_MAX_ROWS = 65536
-# ... and at most this many (query row, point) pairs per finishing evaluation: the finish's
-# rows shrink as N grows (every row up to N = 32,768; 19,206 of the 55,904 digits an
-# estimator fits; 16,384 at N = 65,536 and, on a sample of the points, beyond: below), so an
-# evaluation costs O(FINISH_PAIRS d); where every point is kept (kNCA, torchrun) never with
-# fewer than FINISH_MIN_ROWS rows, O(FINISH_MIN_ROWS N d) from N = 2^20 on. Fewer
-# pairs make the digits' finish end worse than its start (2^28) or undone (2^27): measured
-# in benchmarks/README.md, "What the exact finish buys".
+# ... and at most this many (query row, point) pairs per finishing evaluation, so that one
+# costs O(FINISH_PAIRS d): the finish's rows shrink as N grows, never below FINISH_MIN_ROWS
+# where every point is kept (kNCA, torchrun). Fewer pairs leave the digits' finish worse than
+# its start (benchmarks/README.md, "What the exact finish buys")
 FINISH_PAIRS = 2**30
 FINISH_MIN_ROWS = 1024
 # ... and above this many points, NCA's finish is the exact objective on an evenly spaced
-# sample of this many of them (16,384 of those its query rows: FINISH_PAIRS pairs) rather
-# than on all N with fewer query rows. At 1,000,000 x 128 (moving neighbourhoods) the finish
-# over 1,078 query rows and all the points fitted its rows and was undone (held out 0.8632 ->
-# 0.8614); over 16,384 of a 65,536-point sample it was kept (0.8632 -> 0.8715) and bought 0.14
-# and 0.10 points of 1-NN and 5-NN test accuracy (benchmarks/README.md, "The finish on a
-# sample of the points"). Not under torchrun (each rank's shard is contiguous, the sample is
-# not), nor for kNCA's finish (not measured).
+# sample of this many of them rather than on all N with fewer query rows, which fitted its
+# few rows and was undone at 1M points (benchmarks/README.md, "The finish on a sample of
+# the points"). Not under torchrun (each rank's shard is contiguous, the sample is not),
+# nor for kNCA's finish (not measured)
 FINISH_MAX_POINTS = 2**16
 # the finish's L-BFGS evaluations are bounded too (a line search that overshoots cannot make
 # it cost more): at most FINISH_EVALUATIONS_PER_ITER per iteration, plus one

@@ -14,48 +14,32 @@ dL_ij/dz_i = -2 (z_i - z_j), dL_ij/dz_j = -2 (z_j - z_i):
 
 which is eqs 5 and 7 of the paper carried to the embedding (grad_A = grad_Z^T X).
 
-Tricks that make it fast and stable:
+How it is computed (evidence in benchmarks/README.md, the sections named):
 * Points are sorted by class, so the same-class columns of a chunk of same-class rows are one
   contiguous slice: no N-wide mask is ever built.
 * L'_ij = 2 z_i.z_j - ||z_j||^2 differs from L_ij by a per-row constant (||z_i||^2), which
   softmax ignores: one GEMM with a bias row gives the logits.
-* Each row's exps come from torch's softmax (its fused row kernel: the maximum, exp and
-  the sum in few passes over the row, in place), not from a chain of elementwise passes
-  (maximum, subtract, floor, exp, sum): the chain's exp is MKL's, whose subnormal results
-  are several times slower unless the exponents are first floored (one more pass). At the
-  digits' finish size an evaluation took 3.46 s instead of 3.80 (the value alone 1.82 s
-  instead of 2.29; benchmarks/README.md, "The row pass as a softmax"), and the default fit
-  of the real digits 36.9 s instead of 44.4, with the same map's errors
-  (softmax_rows_digits.json).
-* p_i is the block's sum of the row's softmax, which needs no maximum of its own: a
-  chunk's row pass is one softmax in place, a sum and a scale of the block, no further pass
-  over (B, N) (the value alone 1.58 -> 1.33 s an evaluation of the digits' finish size:
-  benchmarks/README.md, "The row pass without a maximum of its own"). Rows whose p_i falls below P_FLOOR are
-  recomputed by _far_rows, with the row's and the block's log-sum-exps, each
-  m - log(softmax at the maximum), so log p_i stays exact when every same-class point is
-  far beyond exp's range (g stays finite).
-* The (B, N) passes and the row sums of exps run in the embeddings' dtype (torch's sums are
-  vectorised partial sums); the per-row scalars made from them (p_i, log p_i, the factors
-  that turn p_ij into W) and the sum over chunks in float64: in float32 the gap of two
-  large logits (_far_rows) loses digits, enough to make two fits of the same data diverge
-  after a few L-BFGS steps (tests/training/model/test_sparse_input.py).
+* Each row's p_ij come from torch's fused softmax, in place ("The row pass as a softmax");
+  p_i is the sum of the row's same-class block, which needs no maximum of its own ("The
+  row pass without a maximum of its own"). Rows whose p_i falls below P_FLOOR are
+  recomputed by _far_rows from two log-sum-exps, so log p_i stays exact when every
+  same-class point is far beyond exp's range (g stays finite).
+* The (B, N) passes run in the embeddings' dtype; the per-row scalars made from them (p_i,
+  log p_i, the factors that turn p_ij into W) and the sum over chunks in float64: in float32
+  the gap of two large logits loses enough digits to make two fits of the same data
+  diverge (tests/training/model/test_sparse_input.py).
 * W = r U with a per-row scale r (B, 1): the (B, N) buffer holds U (p_ij, the same-class
-  block rescaled) and r is folded into the products' (B, d) and (N,) sides, which saves
-  two passes over (B, N): the default digits fit's finish took 0.75x the time
-  (benchmarks/results/exact_row_scale.json).
+  block rescaled) and r is folded into the products' (B, d) and (N,) sides, two passes over
+  (B, N) fewer (benchmarks/results/exact_row_scale.json).
 * The products are taken about the query class's mean c (W's rows sum to zero, so the
   gradient is unchanged): the column terms W^T (z_q - c) and colsum(W)_j (z_j - c) then
-  cancel less in float32 (the column sums are a GEMV, which sums less accurately than a
-  cascaded sum).
-* The gradient's three products (add_gradient_products) run over tiles of PRODUCT_TILE
-  columns of U on the CPU, so that one read of U from memory serves all three: a chunk's
-  products 19.0 -> 17.4 ms, an evaluation of the digits' finish 2.62 -> 2.52 s (median of
-  5 alternating rounds that overlap; benchmarks/README.md, "The gradient's products over
-  column tiles").
+  cancel less in float32.
+* On the CPU the gradient's three products (add_gradient_products) run over tiles of
+  PRODUCT_TILE columns of U, so that one read of U from memory serves all three ("The
+  gradient's products over column tiles").
 * A pass whose z does not require grad (built under ``torch.no_grad``: the finish's start
   scale, the objective at a map, the candidate audit) computes the value alone: the logits
-  and their row passes, none of the gradient's three products (17.4 of a chunk's 40.3 ms
-  in benchmarks/results/exact_passes.json, GEMM 179).
+  and their row passes, without the gradient's products.
 Peak memory: O(chunk x N + N d).
 """
 
@@ -80,10 +64,8 @@ def _zero_unless(keep: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 # block's p_ij lose digits (subnormal) or vanish, and their sum is then not p_i to float32
 # precision (nor p_ij / p_i the block's softmax); rows this far from their class are rare
 P_FLOOR = 1e-25
-# columns of a chunk's U (B, N) whose gradient products run together while they are in
-# cache (B x 4,096 float32: 4 MiB at B = 256), rather than three products each reading all
-# of U from memory (benchmarks/README.md, "The gradient's products over column tiles"); on
-# the CPU only: a GPU would launch three small kernels a tile for a cache it does not have
+# columns of a chunk's U (B, N) whose three gradient products run together while they are
+# in cache (4 MiB at B = 256); on the CPU only: a GPU has no such cache to keep them in
 PRODUCT_TILE = 4096
 
 
@@ -256,11 +238,8 @@ def _torch_value_and_grad(
     neg_sq = -sq[None, :]  # (1, N)
     total = torch.zeros((), dtype=torch.float64, device=zs.device)
     if chunk_size is None:
-        # at most 256 rows (small blocks stay in cache, measured), fewer where the (B, N)
-        # buffer and the recomputed logits of a chunk's far rows (_far_rows; rare) would
-        # pass the memory budget (2 floats a pair allowed): 33 rows at N = 1M, 13-17 s an
-        # evaluation of 1,024 rows on 2 cores (GEMM ~40) against 31-35 s with 6 rows (10
-        # floats a pair), +100 MiB
+        # at most 256 rows, fewer where the (B, N) buffer and the recomputed logits of a
+        # chunk's far rows (_far_rows; rare) would pass the memory budget (2 floats a pair)
         chunk_size = min(256, chunk_rows(n, floats_per_pair=2))
     # one (chunk, N) buffer for every chunk's logits (then U, in place): a fresh one per
     # chunk costs page faults on every new mapping
