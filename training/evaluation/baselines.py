@@ -35,8 +35,8 @@ def whitening(X: np.ndarray, y: np.ndarray, d: int) -> np.ndarray:
 
 
 def pca(X: np.ndarray, y: np.ndarray, d: int) -> np.ndarray:
-    """The top-d eigenvectors of the training covariance (D x D, from one GEMM: an SVD of
-    the centred N x D rows took several seconds at 54,000 x 784), largest first."""
+    """The top-d eigenvectors of the training covariance (D x D, from one GEMM, which is
+    cheaper than an SVD of the centred N x D rows when N is large), largest first."""
     centred = X - X.mean(axis=0)
     _, vecs = np.linalg.eigh(centred.T @ centred)
     return vecs[:, ::-1][:, :d].T

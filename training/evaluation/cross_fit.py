@@ -1,9 +1,10 @@
 """The served k and vote chosen on out-of-fold votes, when the validation split is small.
 
 A validation split of n rows moves its curve over k by 1/n a row, and the curves of
-neighbouring ks differ by less than a point: on UCI's Satellite (444 validation rows) the
-curve chose k = 1, 0.85 points worse on the 2,000 test rows than k = 5. Cross-fitting
-votes with every row the job may learn from, each from a map that never saw it:
+neighbouring ks differ by less than a point, so a small split can choose a k that serves
+unseen rows worse (benchmarks/README.md, "The served k cross-fitted on small sets").
+
+Cross-fitting votes with every row the job may learn from, each from a map that never saw it:
 
 1. pool the training and the validation rows (M of them) and deal each class's rows, in
    a seeded random order, into F folds in turn (every fold holds about M / F rows of each

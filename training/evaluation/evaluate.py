@@ -31,8 +31,9 @@ def knn_predictions(
 
     z_ref: (N, d) reference embeddings, y_ref: (N,) class indices, z_query: (n, d).
     Values of k above N are dropped. One neighbour search serves every k. The
-    ``soft_prior`` rule needs the outlier threshold (``training.evaluation.calibration.threshold_of``);
-    its component is built from the references as the service builds it.
+    ``soft_prior`` rule needs the outlier threshold
+    (``training.evaluation.calibration.threshold_of``); its component is built from the
+    references as the service builds it.
     """
     ks = tuple(k for k in ks if k <= len(z_ref))
     if len(z_query) == 0 or not ks:
@@ -47,9 +48,9 @@ def knn_predictions(
     return {k: decide(labels[:, :k], dist[:, :k], n_classes, rule, background)[0] for k in ks}
 
 
-# from this many references the first pass is FAISS's: inside a fit's one-thread BLAS limit
-# it is 1.12x torch's at 16,384 and 1.72x at 54,001, 0.93x at 4,096 (4,096 queries, d = 32,
-# k = 64; benchmarks/held_out_search.py)
+# from this many references the first pass is FAISS's, which is faster than torch's there,
+# also inside a fit's one-thread BLAS limit (benchmarks/held_out_search.py,
+# benchmarks/results/held_out_search.json)
 FLAT_SEARCH_MIN_REFS = 16384
 
 
@@ -84,7 +85,7 @@ def torch_candidates(
     per block of queries, ||r_j||^2 - 2 q_i.r_j (the squared distance less the query's own
     norm, which does not change its ranking) by one fused GEMM, then ``torch.topk``. Torch's
     own threads run it, also inside a fit's one-thread BLAS limit, where numpy's GEMM and
-    single-threaded ``argpartition`` took 5 s to score 4,096 held-out rows against 56,000.
+    ``argpartition`` would run on one thread.
     ``block_rows``: queries per block (default: SCORES_PER_TORCH_CHUNK scores at once)."""
     refs = torch.from_numpy(references)  # (N, d)
     norms = (refs * refs).sum(1)  # (N,)

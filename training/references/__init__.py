@@ -7,7 +7,8 @@
 * ``learned.py``: prototypes learned with NCA's objective (Stochastic Neighbor Compression):
   the objective, its closed-form gradient, L-BFGS with the best validation iteration kept
   (``tests/training/references/test_learned_references.py``).
-* ``compress.py``: a learned reference set: Wilson editing when validation prefers it, the
-  served k, the manifest's ``reference_set`` (``tests/training/references/test_learned_references.py``).
+* ``compress.py``: a learned reference set: Wilson editing when it would remove at least 5%
+  of the rows, the served k, the manifest's ``reference_set``
+  (``tests/training/references/test_learned_references.py``).
 * ``cli.py``: ``python -m training references add|remove|condense``.
 """

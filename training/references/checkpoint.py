@@ -18,10 +18,9 @@ when the learning ends:
 The learning has no random state after its k-means start (deterministic for a seed), so a
 resumed learning takes the steps the uninterrupted one takes and ends with the same
 prototypes, bit for bit, as long as the loss evaluates to the same bits in both processes.
-That has one known exception: under CPU load, about one process in 15 of the tests' fork
-server evaluated the same loss at the same prototypes to other low-order bits than the others
-(source not found); the learning, run to its float32 noise floor, then ends at other
-prototypes.
+One exception is known: under CPU load, a process of the tests has evaluated the same loss
+at the same prototypes to other low-order bits than the others (cause not found); the
+learning, run to its float32 noise floor, then ends at other prototypes.
 
 The key is a SHA-256 of the rows, labels, validation rows, budget, starting map and settings
 and the package's version: the state of other work is refused with a ValueError, never used.

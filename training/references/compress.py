@@ -7,24 +7,19 @@ all rows would outvote a single wrong neighbour. Wilson editing (Barber, ch. 14.
 ``training.references.condense.wilson_keep``) removes the rows whose ``edit_k`` nearest
 others (``edit_k``: the full set's served k, at least 3) outvote their label before the
 prototypes are placed and learned. It is applied when it would remove at least
-``EDIT_MIN_FRACTION`` (5%) of the rows: on clean digits it would remove about 1% (correct
-rows on the boundaries, whose removal costs a little), under 25% label noise about 27%.
-The share is a direct estimate of how noisy or overlapping the labels are; choosing on the
-validation split instead was tried and was unreliable (on 700 noisy USPS validation rows it
-kept the unedited set, 2.7 points worse on test, at one budget). The budget is counted on
-the rows before editing (``training.references.condense.class_budget``) either way.
+``EDIT_MIN_FRACTION`` (5%) of the rows: on clean data it would remove only a few correct rows
+on the class boundaries (at a small cost), under label noise far more. The share is a direct
+estimate of how noisy or overlapping the labels are; a choice on the validation split was
+unreliable where that split is small and noisy. The budget is counted on the rows before
+editing (``training.references.condense.class_budget``) either way. Under label noise,
+editing brings learned prototypes to about the full set's test accuracy, or above it
+(``benchmarks/learned_references.py``; benchmarks/README.md, "Learned reference sets").
 
-Measured (``benchmarks/learned_references.py``): with 25% of the USPS labels replaced,
-editing turns learned prototypes at 5% from 1.4 points below the full set's test accuracy
-to 0.05 below it; on a 26-class set with the same noise they end 5 points above it.
-
-Which of NCA's two losses (``learned.LOSSES``) to learn with depends on the data: at 5% kept
-over five k-means seeds, the log loss is 0.35 points closer to the full set than f on the
-60k digits, and 0.2 points further on USPS; at 2% on the 26-class set it is 1.35 points
-further. ``loss="auto"`` (the default) learns both from the same start and keeps the one
+Which of NCA's two losses (``learned.LOSSES``) to learn with depends on the data: neither is
+closer to the full set on every set (benchmarks/README.md, "Learner settings on the clean
+60k map"). ``loss="auto"`` (the default) learns both from the same start and keeps the one
 with the better validation accuracy at its served k (f among equals); without a validation
-split it learns f. It costs both fits (f is the faster: 20-25 s against 35-55 s at 60k
-digits, 5%).
+split it learns f. It costs both fits (f is the faster).
 
 Tests: ``tests/training/references/test_learned_references.py``.
 """

@@ -11,12 +11,11 @@ On the references' embeddings z (N, d) and labels y (N,):
    as it stands before the block (blocks of 1 are Hart's original order of additions; larger
    blocks keep a few more references and are much faster).
 
-Guarantee (checked by ``tests/training/references/test_condense.py`` on random data): every reference
-that was removed by condensing has its ``check_k`` nearest kept references all of its own
-label, so the k-NN rule on the kept set classifies it correctly for every k <= check_k, by
-majority or soft vote. Hart's 1-NN rule (check_k = 1) keeps far fewer references and loses
-far more accuracy (measured: USPS, 12x fewer references and 3-4 points of test accuracy;
-check_k = 5: 3.3x fewer and 0.4-0.9 points).
+Guarantee (checked by ``tests/training/references/test_condense.py`` on random data): every
+reference that was removed by condensing has its ``check_k`` nearest kept references all of
+its own label, so the k-NN rule on the kept set classifies it correctly for every
+k <= check_k, by majority or soft vote. Hart's 1-NN rule (check_k = 1) keeps far fewer
+references and loses far more accuracy.
 
 Prototypes (``prototypes``) replace selection by generation. Within each class, Lloyd's
 k-means (k-means++ seeding) partitions the class's references into clusters S_1 ... S_m
@@ -35,10 +34,9 @@ neighbour id still names a real training example (the one most like the prototyp
 is guaranteed: the clusters partition each class (every reference is represented by exactly
 one prototype of its class); without refinement each prototype is its cluster's mean; each
 refinement step follows the exact gradient of the GLVQ cost (finite-difference test). There
-is no per-reference guarantee like Hart's. Measured at 3x fewer references (test accuracy
-change at the served k, medians over seeds; README), refinement is what brings prototypes
-within the issue's 0.3 points: USPS -0.50 -> -0.25, a 60k x 784 digits set -0.48 -> -0.25
-(Hart: -0.30 at 3.2x and -0.62 at 3.2x).
+is no per-reference guarantee like Hart's. At 3x fewer references, refined prototypes lose
+about half the test accuracy that the plain cluster means lose, and no more than Hart's
+condensing (benchmarks/README.md, "Condensing: settings and seeds").
 """
 
 from __future__ import annotations
@@ -137,8 +135,9 @@ def knn_within(
     the float32 candidate step in torch (``training.evaluation.evaluate.torch_candidates``:
     one fused GEMM and ``torch.topk`` per block of rows); ``service.core.knn.rerank`` then
     orders the k + RERANK_MARGIN candidates by exact float64 distance, ties by smaller index,
-    as ``exact_knn`` does (its numpy elementwise passes and ``argpartition`` took most of
-    Wilson editing's time at N = 60,000). ``chunk_rows``: rows per block of the float32 step.
+    as ``exact_knn`` does. The torch step is used because ``exact_knn``'s numpy passes would
+    be most of Wilson editing's time on large sets (benchmarks/README.md, "UCI letters, and
+    the published figures beside ours"). ``chunk_rows``: rows per block of the float32 step.
     z (N, d) -> (distances (N, k) float64, indices (N, k) int64)."""
     n = len(z)
     if not 1 <= k <= n:

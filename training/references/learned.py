@@ -12,9 +12,9 @@ point u_i = A x_i (N, d) is scored against the prototypes, never against the oth
 
 With A fixed the parameters are the prototypes; the scale g = exp(s) stays at
 scale_factor / (median squared distance from a row to its nearest prototype): the
-prototypes are sparser than the points, so the softmax needs its own temperature, and
-learning it sharpens the softmax until the objective fits the training rows (measured:
-worse test accuracy). The 1-NN rule served does not depend on g. ``PrototypeProblem`` can
+prototypes are sparser than the points, so the softmax needs its own temperature. It is
+not learned: learning it sharpens the softmax until the objective fits the training rows,
+and test accuracy drops. The 1-NN rule served does not depend on g. ``PrototypeProblem`` can
 also return the gradient in s (``fixed_scale=False``; checked against autograd). In the
 joint mode the parameters are the prototypes and the map A (d, D), whose norm is the scale.
 Scoring each training row against all the other rows as prototypes (g = 1) is NCA's
@@ -52,7 +52,7 @@ from training.references.condense import _nearest, class_budget, kmeans
 
 LOSSES = ("log", "f")
 # L-BFGS ends when a step lowers the loss by at most this fraction, or max |g| is this small
-# (scipy's L-BFGS-B factr 1e7 times machine epsilon, as the learning used before)
+# (scipy's L-BFGS-B factr 1e7 times machine epsilon)
 TOLERANCE = 2.2e-9
 
 

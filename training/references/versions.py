@@ -487,7 +487,8 @@ def condense_references(
     min_per_class: int | None = None,
     checkpoint_dir: str | Path | None = None,
 ) -> dict:
-    """Keep the references the k-NN decision needs (``training.references.condense``); write ``out``.
+    """Keep the references the k-NN decision needs (``training.references.condense``); write
+    ``out``.
 
     check_k defaults to the model's default k + 2. Accuracy before and after is measured on
     the artifact's validation split and, when given, on X_test / y_test (raw inputs,
