@@ -78,9 +78,8 @@ def gather_labels(y_shard: np.ndarray, n: int, group: ProcessGroup) -> np.ndarra
 
 
 # the bytes of one float64 block of rows read, converted and reduced at once (8 MiB): under
-# the size glibc's allocator maps afresh, and page-faults through, for every block. Blocks
-# of 8,192 rows (51 MB at 784 features) took the real digits' moments 0.22 s against 0.06-0.09
-# s in blocks of 4-13 MB, the PCA scatter 0.78 s against 0.65-0.71 s
+# the size glibc's allocator maps afresh, and page-faults through, for every block
+# (benchmarks/README.md, "Page faults, repeated products and the finish's first step")
 BLOCK_BYTES = 8 << 20
 
 
@@ -227,9 +226,9 @@ def choose_standardizer(
     references); "global" is chosen only when it beats "feature" by CHOICE_MARGIN.
     Per-feature scaling suits features in different units; when they share one (pixels),
     it inflates near-constant features to the weight of informative ones and kNN suffers
-    (USPS 1-NN: 0.928 against 0.944). The cost does not grow with N:
-    O(CHOICE_QUERIES x CHOICE_REFERENCES x D). Returns (name, {name: score}), the same on
-    every rank."""
+    (``benchmarks/README.md``, "What limits accuracy: USPS at d = 32, one setting at a time").
+    The cost does not grow with N: O(CHOICE_QUERIES x CHOICE_REFERENCES x D). Returns
+    (name, {name: score}), the same on every rank."""
     n = len(y_all)
     local = len(X_shard) if rows is None else len(rows)
     stop = start + local

@@ -21,14 +21,15 @@ cancellation; nothing overflows or underflows in float32):
   used: they cancel catastrophically.
 * :func:`log_prob_majority` multiplies the other classes' polynomials (:func:`log_poly_mul`),
   sharing one untruncated product between every m > k / 2.
-* The fast path (``linear_log_prob``, both variants): where a row's weights keep every coefficient
-  within float64's range (``in_linear_range``, nearly every row of a trained model), the same
-  programme runs on the coefficients themselves in float64 -- multiplications and additions
-  instead of log-add-exps, products of polynomials as one matrix product -- and rows outside
-  the range, or whose P_i is below exp(-600), take the log programme. Both give P_i to
-  float64's precision (test: values within 1e-11, gradients within 1e-9). On the CPU the fast
-  path runs in C (:mod:`training.objectives.knca_native`: the same programme a row at a time, with its
-  reverse mode written out); ``NCA_KNN_NATIVE=0``, CUDA or a missing compiler keep it in torch.
+* The fast path (``linear_log_prob``, both variants): where a row's weights keep every
+  coefficient within float64's range (``in_linear_range``, nearly every row of a trained
+  model), the same programme runs on the coefficients themselves in float64: multiplications
+  and additions instead of log-add-exps, and products of polynomials as one matrix product.
+  Rows outside the range, or whose P_i is below exp(-600), take the log programme. Both give
+  P_i to float64's precision (``tests/training/objectives/test_knca.py``). On the CPU the
+  fast path runs in C (:mod:`training.objectives.knca_native`: the same programme a row at a
+  time, with its reverse mode written out); ``NCA_KNN_NATIVE=0``, CUDA or a missing compiler
+  keep it in torch.
 * Gradients of the torch programmes flow through by autograd. Inside the programme "log 0"
   is the finite LOG_ZERO = -1e30 rather than -inf, so torch's fused logsumexp needs no
   special cases and gradients stay finite; results below LOG_ZERO / 10 are mapped back to
@@ -321,8 +322,8 @@ def linear_log_prob(
     labels (B, M) and own (B,) in 0..n_classes-1 -> (B,) float64. For "all", labels are 0
     (i's class) and 1 (any other) and n_classes is 2.
 
-    native: the C programme of :mod:`training.objectives.knca_native` (True), the torch one (False), or
-    the C one where it can run (None)."""
+    native: the C programme of :mod:`training.objectives.knca_native` (True), the torch one
+    (False), or the C one where it can run (None)."""
     if native is None:
         native = knca_native.usable(logits)
     if native:
@@ -444,10 +445,10 @@ class KNCAObjective(Objective):
         about C (k+1) with the gathers and the backward, plus ~96 for the logits, weights,
         labels and masks. Per row: the C class polynomials and the products of the majority
         terms, (k+1)^2 pairs each, about 10 C (k+1)^2, spread over the row's M pairs.
-        C = n_classes for "majority", 2 for "all". Peak RSS measured on random data
-        (B = 2,000 rows, forward and backward, C = 10) stays below this: majority k = 10:
-        667-724 of 963 (M = 16), 317 of 585 (M = 32), 247 of 396 (M = 64), 203 of 254 (M = 255);
-        k = 5: 308 of 381 (M = 16), 126 of 213 (M = 64); all k = 10: 93 of 156 (M = 64).
+        C = n_classes for "majority", 2 for "all".
+
+        The estimate is an upper bound: the peak RSS of a forward and backward pass on random
+        data (C = 10, k = 5 and 10, M = 16 to 255) stays below it.
         """
         n_classes = (self.n_classes or 10) if self.variant == "majority" else 2
         per_row = 10 * n_classes * (self.k + 1) ** 2

@@ -1,13 +1,14 @@
-"""kNCA's fast path in C (``training/objectives/kernels/knca_linear.c``): log P_i and its Jacobian in one pass.
+"""kNCA's fast path in C (``training/objectives/kernels/knca_linear.c``): log P_i and its
+Jacobian in one pass.
 
-:func:`training.objectives.knca.linear_log_prob` runs the float64 polynomial programme as some hundred
-small torch operations a row block (a 64-step recurrence, then the products of the classes'
-polynomials) and leaves the backward to autograd, which records every one of them. The C
-source runs the same programme a row at a time and writes its reverse mode out by hand, so
-one call returns log P_i (B,) and d log P_i / d logit_ij (B, M); the source's comment has the
-mathematics. Built at install and loaded by :mod:`training.objectives.native`; when it
-was not built, ``NCA_KNN_NATIVE=0`` is set or the tensors are not on the CPU, callers use
-the torch programme.
+:func:`training.objectives.knca.linear_log_prob` runs the float64 polynomial programme as
+some hundred small torch operations a row block and leaves the backward to autograd, which
+records every one of them. The C source runs the same programme a row at a time and writes
+its reverse mode out by hand, so one call returns log P_i (B,) and d log P_i / d logit_ij
+(B, M) (``benchmarks/README.md``, "kNCA cost"); the source's comment has the mathematics.
+Built at install and loaded by :mod:`training.objectives.native`; when it was not built,
+``NCA_KNN_NATIVE=0`` is set or the tensors are not on the CPU, callers use the torch
+programme.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 This module finds and loads them; kNCA's fast path is in :mod:`training.objectives.knca_native`,
 NCA on candidate sets in :mod:`training.objectives.native_candidates`. Exact NCA has no C
-kernel: the one it had (``nca_exact.c``) ran at half torch's speed on an AVX2 machine and
-was removed (``benchmarks/README.md``, "Which native kernels pay").
+kernel: torch's exact path is faster on AVX2 machines
+(``benchmarks/README.md``, "Which native kernels pay").
 
 Building: ``setup.py`` compiles every source at install time, once per dtype flavour and per
 instruction-set level of the machine's architecture (``kernels/levels.py``: on x86-64 the

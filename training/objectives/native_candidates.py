@@ -3,9 +3,9 @@ gradient of :func:`training.objectives.nca_kernel.nca_value_and_grad_candidates`
 at a time.
 
 The torch path gathers each chunk's candidates into a (B, M, d) block, multiplies it in small
-batched products and scatters the candidates' share of the gradient back with ``index_add_``:
-about 8 s an evaluation at N = 60k, M = 64, d = 32 on two cores, most of it in the scatter.
-The C source reads a row's candidates once and adds the gradient in place. Built at install
+batched products and scatters the candidates' share of the gradient back with ``index_add_``,
+where most of its time goes. The C source reads a row's candidates once and adds the
+gradient in place (``benchmarks/README.md``, "Which native kernels pay"). Built at install
 and loaded by :mod:`training.objectives.native`; when it was not built,
 ``NCA_KNN_NATIVE=0`` is set, the tensors are not CPU float32 / float64 or M is larger than the
 source allows, callers use the torch path. Tested against it by

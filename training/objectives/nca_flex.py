@@ -5,12 +5,14 @@ logits L'_ij = 2 z_i.z_j - s_j differ from -||z_i - z_j||^2 by a per-row constan
 softmax ignores, so with queries [2 z_i, 1] and keys [z_j, -s_j] (q.k = L'_ij, scale 1)
 attention computes, never holding more than a tile of the N x N logits:
 
-    R1 (every j != i):        lse_i = log sum_j e^{L'_ij},    O_i = sum_j p_ij z_j
-    R2 (j != i, i's class):   lse^s_i,                         O^s_i = sum_{j in C_i} e^{L'_ij - lse^s_i} z_j
+    R1 (every j != i):       lse_i = log sum_j e^{L'_ij},
+                             O_i = sum_j p_ij z_j
+    R2 (j != i, i's class):  lse^s_i = log sum_{j in C_i} e^{L'_ij},
+                             O^s_i = sum_{j in C_i} e^{L'_ij - lse^s_i} z_j
 
-so log p_i = lse^s_i - lse_i exactly (g stays finite where p_i is below float range) and, with
-W_ij = d score_i / d L_ij (nca_kernel.py: p_ij (1[j in C_i] - p_i) for f, p_ij (1[j in C_i] / p_i
-- 1) for g), the row side of the gradient is
+so log p_i = lse^s_i - lse_i exactly (g stays finite where p_i is below float range) and,
+with W_ij = d score_i / d L_ij (nca_kernel.py: p_ij (1[j in C_i] - p_i) for f,
+p_ij (1[j in C_i] / p_i - 1) for g), the row side of the gradient is
 
     sum_j W_ij z_j = p_i (O^s_i - O_i)   (f),      O^s_i - O_i   (g).
 

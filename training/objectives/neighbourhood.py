@@ -62,7 +62,9 @@ class RowTable:
 
 
 def pairwise_sq_dist(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """||a_i - b_j||^2 = ||a_i||^2 + ||b_j||^2 - 2 a_i.b_j, clamped at 0.  (B, d), (M, d) -> (B, M)."""
+    """||a_i - b_j||^2 = ||a_i||^2 + ||b_j||^2 - 2 a_i.b_j, clamped at 0.
+
+    a (B, d), b (M, d) -> (B, M)."""
     d2 = (a * a).sum(1)[:, None] + (b * b).sum(1)[None, :] - 2.0 * (a @ b.T)
     return d2.clamp_min(0.0)
 
@@ -79,7 +81,7 @@ class CandidateNegSqDist(torch.autograd.Function):
         d/dz_c += 2 G_ic (z_i - z_c)
 
     scattered into one (N, d) gradient with ``index_add_``: autograd's own backward of the
-    gather costs ~3x more (index_put with accumulation, saved copies).
+    gather is slower (index_put with accumulation, saved copies).
     """
 
     @staticmethod
@@ -182,11 +184,11 @@ def objective_sum(
 
     rows: (B,) query rows (default: all); candidates: (N, M) neighbour indices (-1 padding),
     or a ``RowTable`` that holds them for the query rows only, or None for exact evaluation
-    against all points. log_weights: (N, M) log w_ic added to
-    the candidates' logits, so that p_ic = w_ic e^{-d_ic} / sum_c' w_ic' e^{-d_ic'} (a drawn
-    candidate standing for w points; NCA objectives only). method: "fused" uses the
-    closed-form NCA kernels (NCA objectives only), "autograd" the generic chunked autograd
-    path, "auto" the fused kernel where it applies.
+    against all points. log_weights: (N, M) log w_ic added to the candidates' logits, so that
+    p_ic = w_ic e^{-d_ic} / sum_c' w_ic' e^{-d_ic'} (a drawn candidate standing for w points;
+    NCA objectives only). method: "fused" uses the closed-form NCA kernels (NCA objectives
+    only), "autograd" the generic chunked autograd path, "auto" the fused kernel where it
+    applies.
     """
     if method not in ("auto", "fused", "autograd"):
         raise ValueError(f"method must be 'auto', 'fused' or 'autograd', got {method!r}")
@@ -251,7 +253,7 @@ def nearest_candidates(
     wanted = slot >= 0
     out = torch.full((int(wanted.sum()), 2 * k), -1, dtype=torch.long, device=z.device)
     # one (chunk, N) buffer for every chunk: a fresh one each time costs more than the GEMM
-    # (page faults on a new mapping), measured 3x on the whole search at N = 60k
+    # (page faults on a new mapping; benchmarks/README.md, "Training: ours vs scikit-learn")
     buffer = torch.empty((min(chunk_size, n), n), dtype=z.dtype, device=z.device)
     for s, e in class_runs(labels[order]):
         k_same = min(k, e - s - 1)

@@ -3,10 +3,11 @@ nearest other-class points in the current embedding, searched approximately in a
 inverted-file index (FAISS ``IndexIVFFlat``) when an exact scan would cost too much.
 
 The exact search (``training.objectives.neighbourhood.nearest_candidates``) compares every
-point with every other: O(N^2 d), about 6 s at N = 60k and half an hour at 1M on two cores.
-An IVF index splits the points into ``nlist`` cells around k-means centroids and compares a
-query with the points of its ``nprobe`` nearest cells only: O(N (nlist + nprobe N / nlist) d),
-linear in N for nlist ~ sqrt(N).
+point with every other: O(N^2 d), too slow at a million points
+(``benchmarks/README.md``, "Training at any N"). An IVF index splits the points into
+``nlist`` cells around k-means centroids and compares a query with the points of its
+``nprobe`` nearest cells only: O(N (nlist + nprobe N / nlist) d), linear in N for
+nlist ~ sqrt(N).
 
 * **Same class**: one index per class over its points, searched by its own points for K + 1
   neighbours (the point itself is dropped); a class of at most ``FLAT_MAX_ROWS`` points is
@@ -35,9 +36,9 @@ from training.objectives.neighbourhood import nearest_candidates
 
 APPROX_MIN_SAMPLES = 50_000  # "auto": exact below this many points
 FLAT_MAX_ROWS = 4096  # a class this small is searched exactly
-# nlist = LISTS_PER_SQRT * sqrt(n). On 1M points of benchmarks/scale.py's set under a random
-# 32 x 128 map, with 131,072 query rows and nprobe 16, 4 sqrt(n) lists held 0.69 of the exact
-# sets' neighbour mass and sqrt(n) lists 0.83, both in 14 s: fewer, larger lists win there
+# nlist = LISTS_PER_SQRT * sqrt(n): fewer, larger lists hold more of the exact sets' neighbour
+# mass in the same time (on 1M points of benchmarks/scale.py's set at nprobe 16, sqrt(n) lists
+# held 0.83 of it, 4 sqrt(n) lists 0.69)
 LISTS_PER_SQRT = 1
 TRAIN_ROWS_PER_LIST = 64  # k-means sees at most this many points per list
 DEFAULT_NPROBE = 16

@@ -14,10 +14,11 @@ AUDIT_ROWS = 512  # query rows whose exact objective is tracked when training on
 # range over the fit) before the candidate objective is called misleading
 AUDIT_DROP_ABS, AUDIT_DROP_REL = 0.01, 0.10
 # ... and the candidate objective may stand this far above the exact one on the sample at the
-# end of the fit: 0.1 of a probability for f (about 10% of the neighbour mass off the
-# candidates; faithful fits measured <= 0.03, gamed ones 0.15-0.3 in
-# benchmarks/candidate_quality.py), 0.25 nats of mean log-probability for g (the candidates
-# overstate p_i by a factor of 1.28; the candidate watch alone allows -log 0.855 = 0.16)
+# end of the fit. For f, 0.1 of a probability: about 10% of the neighbour mass off the
+# candidates, which faithful fits stay well below and gamed ones exceed
+# (benchmarks/README.md, "Candidate sets against exact training"). For g, 0.25 nats of mean
+# log-probability: the candidates overstate p_i by a factor of 1.28, more than the
+# -log 0.855 = 0.16 that the candidate watch alone allows.
 AUDIT_GAP = {"nca": 0.10, "nca-log": 0.25}
 
 

@@ -37,11 +37,12 @@ def _log_neighbour_probabilities(z: torch.Tensor, rows: torch.Tensor) -> torch.T
     of -||z_i - z_j||^2.
 
     Computed as the softmax of L'_ij = 2 z_i.z_j - ||z_j||^2 (L_ij plus the per-row constant
-    ||z_i||^2, which softmax ignores): one GEMM with a bias row, then in-place passes, with
-    the exponents floored at EXP_FLOOR (exp's subnormal path is ~8x slower on CPU, and a
-    trained map puts most points far beyond exp's range). Entries below the floor come out
-    as log p_ij >= EXP_FLOOR - log-sum, about 1e-35 too large, far below float precision of
-    any mass these are summed into."""
+    ||z_i||^2, which softmax ignores): one GEMM with a bias row, then in-place passes. The
+    exponents are floored at EXP_FLOOR because exp's subnormal path is slow on the CPU and a
+    trained map puts most points far beyond exp's range
+    (``benchmarks/README.md``, "Training: ours vs scikit-learn"). Entries below the floor come
+    out as log p_ij >= EXP_FLOOR - log-sum, about 1e-35 too large, far below the float
+    precision of any mass they are summed into."""
     log_p = torch.addmm(-(z * z).sum(1)[None, :], z[rows], z.T, alpha=2.0)  # (B, N)
     log_p[torch.arange(rows.shape[0], device=z.device), rows] = float("-inf")
     m = log_p.amax(1, keepdim=True)  # (B, 1)
