@@ -34,8 +34,12 @@ from training.data.datasets import check_finite, check_float32_range, stratified
 from training.distributed import sharded_stats
 from training.distributed.ranks import shard_bounds
 from training.model import parameters, sparse_input
-from training.model.init_scale import calibrated
-from training.model.initialization import check_lda, initial_components, resolve_auto
+from training.model.initialization import (
+    calibrated,
+    check_lda,
+    initial_components,
+    resolve_auto,
+)
 from training.model.options import validation_ks
 from training.model.plan import AUTO_EXACT_MAX_SAMPLES
 from training.numerics import evenly_spaced_rows
@@ -352,7 +356,7 @@ def initialize(est, settings, Xs, y_idx, n, n_classes, d, scale, rng, group):
 
 def scaled_init(est, settings, theta0, init_used: str, Xs, y_all, n: int, group) -> np.ndarray:
     """The initial map at the scale ``init_scale`` asks for: "auto" the factor that maximises
-    NCA's log-likelihood along its direction (``training.model.init_scale``), a number that
+    NCA's log-likelihood along its direction (``training.model.initialization``), a number that
     factor; maps the estimator built (pca, lda, identity, random) only, a given matrix,
     artifact or warm start is used as given. Sets ``init_scale_`` (the factor applied)."""
     est.init_scale_ = 1.0

@@ -1,5 +1,5 @@
-"""The scale of the initial map (training.model.init_scale): the mean log-likelihood against a
-brute-force numpy softmax, the maximum found against a fine scan, equivariance under a
+"""The scale of the initial map (training.model.initialization): the mean log-likelihood
+against a brute-force numpy softmax, the maximum found against a fine scan, equivariance under a
 rescaled map, the maps that have no scale to choose, and the estimator's init_scale_."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 from tests.training.problems import blobs
 from training import NCA
-from training.model.init_scale import calibrated, mean_log_likelihood
+from training.model.initialization import calibrated, mean_log_likelihood
 
 
 def problem(n=400, d=3, seed=0):
