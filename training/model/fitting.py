@@ -86,8 +86,7 @@ from training.model import sparse_input
 from training.numerics import evenly_spaced_rows
 from training.objectives.registry import make_objective
 from training.optim.adam import AdamEpochs
-from training.optim.candidate_search import CandidateSearch
-from training.optim.candidates import candidate_audit, candidate_watch
+from training.optim.candidates import CandidateSearch, candidate_audit, candidate_watch
 from training.optim.lbfgs import LBFGS, Evaluation
 from training.optim.problem import Problem, map_components
 from training.optim.sharded_problem import ShardedProblem

@@ -13,10 +13,9 @@ projection when they go stale.
   batch, exactly or on candidate sets.
 * ``sharded_problem.py``: ``ShardedProblem``, the ``Problem`` of one rank's row shard under
   torchrun, whose value and gradient equal one process's.
-* ``candidates.py``: the audit of candidate sets on fixed rows, and ``CandidateWatch``, which
-  says when they are stale and how many to keep.
-* ``candidate_search.py``: candidate sets by FAISS IVF indexes at scale, their held mass
-  measured against exact sets.
+* ``candidates.py``: candidate sets, found by FAISS IVF indexes at scale (their held mass
+  measured against exact sets); the audit of the sets on fixed rows, and
+  ``CandidateWatch``, which says when they are stale and how many to keep.
 * ``lbfgs.py``: L-BFGS with a strong-Wolfe line search, one iteration a step;
   ``adam.py``: mini-batch Adam, one epoch a step.
 

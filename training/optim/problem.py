@@ -16,7 +16,7 @@ from training.objectives.neighbourhood import (
     sampled_candidates,
     with_sampled_candidates,
 )
-from training.optim.candidate_search import CandidateSearch, held_mass
+from training.optim.candidates import CandidateSearch, held_mass
 
 SAMPLE_BLOCK_ROWS = 64
 SEARCH_AUDIT_ROWS = 512  # rows on which an approximate candidate search is measured

@@ -62,7 +62,7 @@ ESTIMATOR_CASES = {
 def fit_estimators(group):
     """{case/attribute: value} of NCA fits on this rank's shard of the digits rows."""
     from training import NCA
-    from training.optim.candidate_search import CandidateSearch
+    from training.optim.candidates import CandidateSearch
 
     X, y, X_val, y_val = digits_split()
     start, stop = shard_bounds(len(X), group.rank, group.world_size)

@@ -20,7 +20,7 @@ from training.model.options import fit_settings, with_options
 from training.numerics import evenly_spaced_rows
 from training.objectives.neighbourhood import RowTable, nearest_candidates
 from training.objectives.registry import make_objective
-from training.optim.candidate_search import CandidateSearch
+from training.optim.candidates import CandidateSearch
 from training.optim.problem import Problem
 
 

@@ -1,4 +1,4 @@
-"""Candidate sets found by an IVF index (training.optim.candidate_search): the same sets as
+"""Candidate sets found by an IVF index (training.optim.candidates): the same sets as
 the exact search when the index is searched exhaustively, at least the stated share of the
 neighbour mass when it is not, the same rows whatever subset is asked for, deterministic,
 and a fit on them that agrees with one on exact sets."""
@@ -13,7 +13,7 @@ import torch
 from training import NCA
 from training.data.synthetic import clustered_classes
 from training.objectives.neighbourhood import nearest_candidates
-from training.optim.candidate_search import (
+from training.optim.candidates import (
     MIN_MASS_RATIO,
     CandidateSearch,
     held_mass,
