@@ -44,7 +44,8 @@ from harness.report import RESULTS, machine, print_table, save_json
 
 from service.core.knn import decide, exact_knn
 from training import NCA
-from training.data.datasets import fit_standardizer
+from training.distributed.ranks import current_group
+from training.distributed.sharded_stats import standardizer
 from training.model.options import with_options
 
 NOISE = 0.25
@@ -164,7 +165,7 @@ def main() -> None:
             continue
         X, y, X_test, y_test = loaders[name]()
         n_classes = int(max(y.max(), y_test.max())) + 1
-        mean, scale = fit_standardizer(X)
+        mean, scale = standardizer("feature", X, len(X), current_group())
         for noise in (0.0, NOISE):
             y_train = resample_labels(y, noise, n_classes, seed=1) if noise else y
             base = {"data": name, "noise": noise, "n_train": len(X)}

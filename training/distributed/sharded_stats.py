@@ -28,7 +28,6 @@ import torch
 import torch.distributed as dist
 
 from service.core.knn import decide
-from training.data.datasets import CHOICE_MARGIN, CHOICE_QUERIES, global_scale, per_feature_scale
 from training.distributed.ranks import ProcessGroup, broadcast_from_rank0, gather_rows
 from training.evaluation.evaluate import nearest_references
 from training.numerics import evenly_spaced_rows, fisher_directions
@@ -138,6 +137,24 @@ def varying_features(X_shard, group: ProcessGroup, rows: np.ndarray | None = Non
     return int(np.count_nonzero(all_reduce_sum(differs, group)))
 
 
+def per_feature_scale(mean: np.ndarray, var: np.ndarray) -> np.ndarray:
+    """scale (D,) = the standard deviation of each feature; constant features get 1."""
+    scale = np.sqrt(var)
+    tiny = scale <= 10 * np.finfo(np.float64).eps * np.maximum(1.0, np.abs(mean))
+    return np.where(tiny, 1.0, scale)
+
+
+def global_scale(mean: np.ndarray, var: np.ndarray) -> np.ndarray:
+    """scale (D,): one shared value, the root mean of the feature variances (1 when every
+    feature is constant), so the centred data have unit mean variance per feature while the
+    features keep their relative scales (pixels stay pixels; a quiet border pixel stays
+    quiet)."""
+    shared = float(np.sqrt(np.mean(var)))
+    if not shared > 10 * np.finfo(np.float64).eps * max(1.0, float(np.abs(mean).max(initial=0))):
+        shared = 1.0  # every feature constant
+    return np.full(len(mean), shared)
+
+
 def standardizer(name: str, X_shard, n: int, group, rows=None) -> tuple[np.ndarray, np.ndarray]:
     """mean and scale (D,) of the "feature" or "global" standardisation of all rows."""
     mean, var = moments(X_shard, n, group, rows)
@@ -205,7 +222,12 @@ def knn_lists(
     return all_d[rows, order], all_i[rows, order]
 
 
-CHOICE_REFERENCES = 16384  # reference rows that score a standardisation, at most
+# choosing between them (choose_standardizer): training rows that score each
+# standardisation, the reference rows they are classified among, at most, and the margin
+# "global" must beat "feature" by
+CHOICE_QUERIES = 2048
+CHOICE_REFERENCES = 16384
+CHOICE_MARGIN = 0.005
 
 
 def choose_standardizer(

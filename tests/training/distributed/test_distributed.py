@@ -387,13 +387,12 @@ def test_pca_and_lda_from_scatter_matrices_span_scikit_learns_axes():
     from sklearn.decomposition import PCA
     from sklearn.discriminant_analysis import LinearDiscriminantAnalysis
 
-    from training.data.datasets import fit_standardizer
     from training.distributed import sharded_stats
 
     X, y, _, _ = digits_split()
-    mean, scale = fit_standardizer(X)
-    Xs = (X - mean) / scale
     single = ProcessGroup()
+    mean, scale = sharded_stats.standardizer("feature", X, len(X), single)
+    Xs = (X - mean) / scale
     pca = sharded_stats.pca_components(Xs, len(Xs), 5, single)
     reference = PCA(5).fit(Xs).components_
     # the same axes one by one (up to sign: the two eigensolvers round differently)

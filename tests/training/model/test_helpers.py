@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from training import NCA
-from training.data.datasets import fit_standardizer, stratified_split
+from training.data.datasets import stratified_split
+from training.distributed.ranks import current_group
+from training.distributed.sharded_stats import standardizer
 from training.evaluation.evaluate import choose_k, choose_rule_and_k
 from training.model.initialization import initial_components, resolve_auto
 from training.optim.candidates import audit_disagreement, audit_rows
@@ -82,7 +84,12 @@ def test_stratified_split_is_deterministic_per_seed():
     assert not np.array_equal(a[1], c[1])
 
 
-# ------------------------------------------------------------------ fit_standardizer
+# ------------------------------------------------------------------ standardizer
+
+
+def fit_standardizer(X, name="feature"):
+    """mean and scale (D,) of the fit's standardisation of every row of X, in one process."""
+    return standardizer(name, X, len(X), current_group())
 
 
 def test_fit_standardizer_gives_zero_mean_unit_variance_and_leaves_constants_alone():
@@ -251,15 +258,13 @@ def test_audit_rows_are_spread_and_distinct():
 
 
 def test_global_standardizer_centres_and_shares_one_scale():
-    from training.data.datasets import fit_global_standardizer
-
     X = np.random.default_rng(0).normal(size=(500, 3)) * [1.0, 2.0, 0.0] + [5.0, -1.0, 7.0]
-    mean, scale = fit_global_standardizer(X)
+    mean, scale = fit_standardizer(X, "global")
     np.testing.assert_allclose(mean, X.mean(0))
     assert np.all(scale == scale[0])
     assert np.mean(((X - mean) / scale).var(0)) == pytest.approx(1.0)  # unit mean variance
     const = np.full((10, 2), 3.0)
-    assert fit_global_standardizer(const)[1].tolist() == [1.0, 1.0]
+    assert fit_standardizer(const, "global")[1].tolist() == [1.0, 1.0]
 
 
 def pixels_with_quiet_border(n=1200, seed=0):
