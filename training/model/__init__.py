@@ -7,6 +7,6 @@
 * ``preparation.py``, ``plan.py``, ``parameters.py``: what a fit starts from, every "auto"
   resolved, the parameters' constraints.
 * ``initialization.py``: the initial map: auto (LDA, else PCA, else identity), pca, lda,
-  identity, random, a matrix or a previous artifact (``tests/training/model/test_estimator.py``,
-  ``test_helpers.py``).
+  identity, random, a matrix or a previous artifact, and the scale it starts at
+  (``tests/training/model/test_estimator.py``, ``test_helpers.py``, ``test_init_scale.py``).
 """
