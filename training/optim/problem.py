@@ -25,13 +25,6 @@ SEARCH_AUDIT_ROWS = 512  # rows on which an approximate candidate search is meas
 AUDIT_BLOCK_ROWS = 64
 
 
-def _logsumexp_at(log_p: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """log sum_{j in index_i} exp(log_p[i, j]): log_p (B, N), index (B, M) with -1 padding
-    -> (B,)."""
-    picked = log_p.gather(1, index.clamp_min(0)).masked_fill(index < 0, float("-inf"))
-    return torch.logsumexp(picked, dim=1)
-
-
 def _log_neighbour_probabilities(z: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """log p_ij (B, N) for sample rows (B,) of embeddings z (N, d): log softmax over j != i
     of -||z_i - z_j||^2.
@@ -195,10 +188,6 @@ class Problem:
         theta = np.asarray(theta, dtype=np.float64).ravel()
         return self.l2 * float(theta @ theta)
 
-    def components(self, theta: np.ndarray) -> np.ndarray:
-        """The (d, D) matrix A for parameters theta."""
-        return map_components(theta, self.transform, self.n_components, self.X.shape[1])
-
     def sample_rows(self, count: int) -> torch.Tensor:
         """``count`` evenly spaced rows (all when fewer) among those with candidate sets: the
         rows on which the candidates are audited and the search is measured."""
@@ -274,7 +263,7 @@ class Problem:
         with torch.no_grad():
             for block in rows.split(AUDIT_BLOCK_ROWS):
                 log_p = _log_neighbour_probabilities(z, block)  # (b, N)
-                inside = torch.exp(_logsumexp_at(log_p, self.nearest[block]))  # (b,)
+                inside = held_mass(log_p, self.nearest[block])  # (b,)
                 outside += float((1.0 - inside).clamp_min(0.0).sum())
         return outside / rows.shape[0]
 
@@ -292,7 +281,7 @@ class Problem:
                 for i, k in enumerate(ks):
                     k = min(k, k_max)
                     prefix = torch.cat([fresh[:, :k], fresh[:, k_max : k_max + k]], dim=1)
-                    totals[i] += float(torch.exp(_logsumexp_at(log_p, prefix)).sum())
+                    totals[i] += float(held_mass(log_p, prefix).sum())
         return [total / rows.shape[0] for total in totals]
 
     def audit(self, theta: np.ndarray, rows: torch.Tensor) -> dict[str, float]:
