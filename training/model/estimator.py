@@ -28,7 +28,7 @@ from service.core.knn import project
 from training.distributed.ranks import agreed_flags, current_group
 from training.model import preparation, sparse_input
 from training.model.checkpoint import FitCheckpoint, fingerprint
-from training.model.fitting import CONVERGED, FitClock, StagedFit
+from training.model.fitting import ENDED_AS_MEANT, FitClock, StagedFit
 from training.model.options import fit_settings
 from training.model.plan import FitPlan, resolve_plan
 from training.objectives.registry import kernels_used
@@ -220,7 +220,7 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         self.classes_ = prep.classes
         self.n_iter_ = state.iterations
         self.stop_reason_ = str(state.fit_stop_reason)
-        self.converged_ = state.fit_stop_reason in CONVERGED
+        self.converged_ = state.fit_stop_reason in ENDED_AS_MEANT
         self.objective_value_ = kept.objective
         self.history_ = state.history
         # the validation split's k-NN accuracy at the kept map (which its score chose)

@@ -86,7 +86,7 @@ from training.model import sparse_input
 from training.numerics import evenly_spaced_rows
 from training.objectives.registry import make_objective
 from training.optim.adam import AdamEpochs
-from training.optim.candidates import CandidateSearch, candidate_audit, candidate_watch
+from training.optim.candidates import AUDIT_ROWS, CandidateSearch, CandidateWatch
 from training.optim.lbfgs import LBFGS, Evaluation
 from training.optim.problem import Problem, map_components
 from training.optim.sharded_problem import ShardedProblem
@@ -127,8 +127,9 @@ class StopReason(str, Enum):
         return self.value
 
 
-# the stop reasons of a fit that ended where it meant to
-CONVERGED = {
+# the stop reasons of a fit that ended where it meant to (``converged_``): the optimiser's
+# tests, or the stop rule on held-out checks; not a limit of iterations, evaluations or time
+ENDED_AS_MEANT = {
     StopReason.CONVERGED,
     StopReason.PRECISION,
     StopReason.HURT,
@@ -250,7 +251,7 @@ class StageRecord:
 
 
 def with_refreshes(record: StageRecord, watch) -> StageRecord:
-    """``record`` with what the candidate sets' watch (``candidates.candidate_watch``) saw
+    """``record`` with what the candidate sets' watch (``candidates.CandidateWatch``) saw
     at each refresh."""
     return replace(
         record,
@@ -454,12 +455,12 @@ class StagedFit:
         problem = self.make_problem(stage)
         solver = self._solver(stage, problem)
         watch = audit = None
-        if stage.on_candidates:
-            settings = self.settings
-            watch = candidate_watch(
-                problem, settings.refresh_every, settings.refresh_tol, settings.candidate_mass
+        if stage.on_candidates:  # the sets' watch and audit on the same fixed sample rows
+            settings, rows = self.settings, problem.sample_rows(AUDIT_ROWS)
+            watch = CandidateWatch(
+                problem, rows, settings.refresh_every, settings.refresh_tol, settings.candidate_mass
             )
-            audit = candidate_audit(problem)
+            audit = partial(problem.audit, rows=rows)
         self._announce(stage, problem)
         check = StageChecks(self.held_out, self.patience)
         rounds = Rounds(watch)
@@ -521,7 +522,7 @@ class StagedFit:
             elif stop is None and step.stop is not None:
                 stop = rounds.stop_for(step.stop, iteration, moved=True)
             save, interrupted = self._saves_mid_stage(stage) if stop is None else (False, False)
-            if save or (interrupted and self._checkpoints_mid_stage(stage)):
+            if save:
                 state.resume = self._where(
                     index, iteration, theta, at, solver, check, started, scale
                 )
@@ -641,7 +642,7 @@ class StagedFit:
 
     def _saves_mid_stage(self, stage: Stage) -> tuple[bool, bool]:
         """(save, interrupted) after an iteration: save once CHECKPOINT_SECONDS have passed
-        since the last save; interrupted when a rank holds a signal (it is saved, then
+        since the last save, or when a rank holds a signal (interrupted: saved, then
         raised). Under torchrun rank 0's clock decides the save and any rank's signal the
         stop, for every rank, so that all save at the same iterations. A fit of one process
         that is not checkpointed mid-stage stops here too, unsaved, when a caller's hold keeps
@@ -650,7 +651,8 @@ class StagedFit:
             return False, not self.group.is_distributed and held_interrupt() is not None
         due = self.clock.elapsed() - self.last_save >= CHECKPOINT_SECONDS
         save = self.clock.agree((due,))[0]
-        return save, self._any_rank_signalled(held_interrupt())
+        interrupted = self._any_rank_signalled(held_interrupt())
+        return save or interrupted, interrupted
 
     def _any_rank_signalled(self, signum: int | None) -> bool:
         """Whether any rank holds a signal (``signum``: this rank's, None for none): one

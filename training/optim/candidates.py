@@ -24,7 +24,8 @@ below ``MIN_MASS_RATIO``. Below ``APPROX_MIN_SAMPLES`` points, on a CUDA device 
 exact scan in blocks is fast), and with ``kind="exact"`` the exact search is used.
 
 **Keeping them honest**: the audit of the neighbour mass they leave out on fixed rows
-(:func:`candidate_audit`), and ``CandidateWatch``, which decides when to recompute them.
+(``Problem.audit`` on AUDIT_ROWS fixed rows), and ``CandidateWatch``, which decides when to
+recompute them.
 """
 
 from __future__ import annotations
@@ -344,21 +345,3 @@ class CandidateWatch:
             figures["candidate_outside_mass"] = mass
             due = due or (1.0 - mass) < self.baseline * (1.0 - self.refresh_tol)
         return due, figures
-
-
-def candidate_watch(
-    problem, refresh_every: int, refresh_tol, target_mass=None
-) -> CandidateWatch | None:
-    if problem.n_candidates is None:
-        return None
-    rows = problem.sample_rows(AUDIT_ROWS)
-    return CandidateWatch(problem, rows, refresh_every, refresh_tol, target_mass)
-
-
-def candidate_audit(problem: Problem):
-    """theta -> the audit figures (``Problem.audit``) on a fixed sample of training rows,
-    when the objective is evaluated on candidate sets; None in exact mode."""
-    if problem.n_candidates is None:
-        return None
-    rows = problem.sample_rows(AUDIT_ROWS)
-    return lambda theta: problem.audit(theta, rows)
