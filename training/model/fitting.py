@@ -169,19 +169,26 @@ class Stage:
 def plan_stages(plan, max_iter: int) -> list[Stage]:
     """The stages of ``plan`` (``training.model.plan.FitPlan``)."""
     if plan.n_candidates is None:
-        return [Stage("exact fit", False, plan.l2, plan.solver, max_iter)]
-    stages = [Stage("candidate stage", True, plan.l2, plan.solver, max_iter)]
+        exact = Stage(
+            "exact fit", on_candidates=False, l2=plan.l2, solver=plan.solver, max_iter=max_iter
+        )
+        return [exact]
+    stages = [
+        Stage(
+            "candidate stage", on_candidates=True, l2=plan.l2, solver=plan.solver, max_iter=max_iter
+        )
+    ]
     if plan.finish_iter:
         finish = Stage(
             "exact finish",
-            False,
-            plan.finish_l2,
-            "lbfgs",
-            plan.finish_iter,
-            plan.finish_max_evaluations,
-            plan.finish_max_rows,
-            plan.finish_scaled_start,
-            plan.finish_points,
+            on_candidates=False,
+            l2=plan.finish_l2,
+            solver="lbfgs",
+            max_iter=plan.finish_iter,
+            max_evaluations=plan.finish_max_evaluations,
+            max_rows=plan.finish_max_rows,
+            scaled_start=plan.finish_scaled_start,
+            max_points=plan.finish_points,
         )
         stages.append(finish)
     return stages
@@ -990,4 +997,16 @@ def first_step_length(problem, theta: np.ndarray, gradient: np.ndarray) -> float
 
 def skipped_record(stage: str) -> StageRecord:
     """The record of a stage the spent budget skipped."""
-    return StageRecord(stage, None, None, "start", 0.0, 0, 0, 0, 0, 0.0, str(StopReason.SKIPPED))
+    return StageRecord(
+        stage,
+        start_score=None,
+        end_score=None,
+        kept="start",
+        seconds=0.0,
+        iterations=0,
+        evaluations=0,
+        refreshes=0,
+        checks=0,
+        check_seconds=0.0,
+        stop_reason=str(StopReason.SKIPPED),
+    )
