@@ -490,7 +490,7 @@ class StagedFit:
             if at is None:
                 at = solver.start(theta)
                 if iteration == 0 and scale == 1.0:  # the start's objective, on this stage's
-                    state.kept = replace(state.kept, objective=at.extra)  # problem
+                    state.kept = replace(state.kept, objective=at.objective)  # problem
             left = None
             if stage.max_evaluations is not None:
                 left = stage.max_evaluations - solver.evaluations
@@ -514,14 +514,14 @@ class StagedFit:
             scheduled = scheduled or state.iterations % self.settings.validation_interval == 0
             if scheduled and audit is not None:
                 figures.update(audit(theta))
-            record = self._record(index, stage, problem, theta, at.extra, figures, state)
+            record = self._record(index, stage, problem, theta, at.objective, figures, state)
             score = self._score(index, iteration, theta) if scheduled else None
             if score is not None and self.prep.X_val is not None:
                 record["val_accuracy"] = self.held_out.accuracy(theta)
                 record["val_score"] = score
             self._print(record)
             if score is not None:
-                state.offer(Snapshot(theta, at.extra, score, state.iterations), self._tolerance)
+                state.offer(Snapshot(theta, at.objective, score, state.iterations), self._tolerance)
                 stop = check.after(score)
             self._progress(stage, iteration, check.last_score)
             if stop is None and self.clock.exhausted():
@@ -540,9 +540,9 @@ class StagedFit:
         if iteration > 0:  # the stage's last map, offered to the keep rule too
             score = self._score(index, iteration, theta)
             check.seen(score)
-            state.offer(Snapshot(theta, at.extra, score, state.iterations), self._tolerance)
+            state.offer(Snapshot(theta, at.objective, score, state.iterations), self._tolerance)
         if scale != 1.0 and state.kept.iteration <= before:  # undone: the kept map is the
-            # stage's unscaled start, whose objective on this stage's problem is not at.extra
+            # stage's unscaled start, whose objective on this stage's problem is not at.objective
             state.kept = replace(state.kept, objective=objective_at(problem, state.kept.theta))
         state.evaluations += solver.evaluations
         if index == 0:
@@ -676,7 +676,7 @@ class StagedFit:
             theta,
             at.f,
             at.g,
-            at.extra,
+            at.objective,
             s,
             y,
             solver.evaluations,

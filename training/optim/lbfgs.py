@@ -43,12 +43,12 @@ MEMORY = 10  # curvature pairs kept (scipy's default)
 
 @dataclass(frozen=True)
 class Evaluation:
-    """The loss f, its gradient g (n,) and what else the evaluation measured (``extra``:
-    the mean score, for the history) at one point."""
+    """The loss f, its gradient g (n,) and the objective's mean score at one point (what the
+    history, the verbose table and ``objective_value_`` report; NaN where not measured)."""
 
     f: float
     g: np.ndarray
-    extra: float = math.nan
+    objective: float = math.nan
 
 
 @dataclass(frozen=True)
@@ -247,7 +247,7 @@ def _cubic_minimiser(a, fa, ga, b, fb, gb) -> float | None:
 
 
 class ProblemLoss:
-    """theta -> :class:`Evaluation` of the problem's loss (its mean score as ``extra``),
+    """theta -> :class:`Evaluation` of the problem's loss (its mean score as ``objective``),
     refusing a loss or gradient that is not finite (L-BFGS would carry a NaN into the map
     and return it)."""
 
