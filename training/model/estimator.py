@@ -81,6 +81,9 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
     components_ : (d, D) A, acting on standardised inputs
     projection_, offset_ : (d, D), (d,) the same map on raw inputs, z = x @ W.T + b
     mean_, scale_ : (D,) the standardisation
+    standardization_, standardization_scores_ : "feature", "global" or "none", and the kNN
+        scores of the two that ``standardize="auto"`` chose by (None when it did not choose)
+    init_scale_ : float, the factor the initial map was scaled by (``init_scale``)
     plan_ : ``training.model.plan.FitPlan``, every "auto" as this fit resolved it
     classes_, n_features_in_, n_iter_, converged_, stop_reason_, objective_value_, history_,
     init_used_, best_val_accuracy_, kept_iteration_, n_candidates_, solver_, l2_, exact_finish_iter_
@@ -184,7 +187,9 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
             decided = {**vars(settings), "plan": plan.describe()}
             key = fingerprint(prep.X, prep.y, prep.X_val, prep.y_val, decided, package_version())
             saver = FitCheckpoint(checkpoint, key, rank=group.rank)
-        stages = StagedFit(self, settings, prep, plan, group, clock, checkpoint=saver)
+        stages = StagedFit(
+            type(self).__name__, settings, prep, plan, group, clock, checkpoint=saver
+        )
         # numpy/scipy's BLAS threads (OpenBLAS) spin after each small call of the optimiser and
         # steal the cores from torch's kernels: measured 3x slower fits. One BLAS thread here.
         with threadpool_limits(1, user_api="blas"):
@@ -227,6 +232,9 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         self.best_val_accuracy_ = stages.validation_accuracy(kept.theta)
         self.kept_iteration_ = kept.iteration  # the map returned: 0 is the initial map
         self.init_used_ = prep.init_used
+        self.init_scale_ = prep.init_scale
+        self.standardization_ = prep.standardization
+        self.standardization_scores_ = prep.standardization_scores
         # K at the end (the watch may change it); the plan's when no candidate stage ran
         self.n_candidates_ = state.n_candidates or plan.n_candidates
         finish = [r for r in state.records if r.stage == "exact finish"]

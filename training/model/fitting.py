@@ -392,8 +392,8 @@ class StagedFit:
     ``group``, on the fit's ``clock``; ``checkpoint`` (``checkpoint.FitCheckpoint`` or None)
     saves the state after each stage and holds a killed fit's."""
 
-    def __init__(self, est, settings, prep, plan, group, clock: FitClock, checkpoint=None):
-        self.name, self.settings = type(est).__name__, settings
+    def __init__(self, name, settings, prep, plan, group, clock: FitClock, checkpoint=None):
+        self.name, self.settings = name, settings  # name: the estimator's, for its messages
         self.prep, self.plan, self.group, self.clock = prep, plan, group, clock
         self.checkpoint = checkpoint
         self.stages = plan_stages(plan, settings.max_iter)

@@ -72,6 +72,9 @@ class Prepared:
     scale: np.ndarray
     theta0: np.ndarray
     init_used: str
+    init_scale: float  # the factor the initial map was scaled by
+    standardization: str  # "feature", "global" or "none"
+    standardization_scores: dict | None  # the kNN scores "auto" chose by (None: not chosen)
     classes: np.ndarray
     # components (theta -> A (d, D)) -> (theta -> held-out score), or None without held-out
     # rows (training.model.fitting)
@@ -84,8 +87,8 @@ class Prepared:
 def prepare(est, settings, X, y, X_val, y_val, group) -> Prepared:
     """The fit's starting point from this process's rows: all of them, or its shard.
 
-    est: the estimator (validate_data records n_features_in_ on it; the standardisation and
-    the initial scale chosen are written to it); settings: every setting of the fit by name
+    est: the estimator (validate_data records n_features_in_ on it; a warm start reads its
+    components_); settings: every setting of the fit by name
     (``training.model.options.fit_settings``), checked here against its table of
     constraints (``training.model.parameters``)."""
     parameters.check(vars(settings))
@@ -125,7 +128,9 @@ def prepare(est, settings, X, y, X_val, y_val, group) -> Prepared:
     if settings.prototypes is not None:  # the budget is checked before the fit, not after it
         check_budget(y_all, len(classes), settings.prototypes, classes.tolist(), name="prototypes")
     start = shard_bounds(n, group.rank, group.world_size)[0]
-    mean, scale = standardizer(est, settings, X, rows, y_all, start, n, len(classes), group)
+    standardization, choice_scores, mean, scale = standardizer(
+        settings, X, rows, y_all, start, n, len(classes), group
+    )
     Xs = standardized(X, mean, scale, rows)  # (N_r, D) float32, dense or CSR
     if sharded_stats.varying_features(Xs, group) == 0:  # before any objective is evaluated
         if sharded_stats.varying_features(X, group, rows) > 0:  # lost to float32 on the way
@@ -142,7 +147,7 @@ def prepare(est, settings, X, y, X_val, y_val, group) -> Prepared:
     theta0, init_used = initialize(
         est, settings, Xs, y_idx[rows], n, len(classes), d, scale, rng, group
     )
-    theta0 = scaled_init(est, settings, theta0, init_used, Xs, y_all, n, group)
+    theta0, init_scale = scaled_init(settings, theta0, init_used, Xs, y_all, n, group)
     Xv_s, yv = None, None
     if X_val is not None:  # a validation split: its rows standardised here (one full pass)
         Xv_s, yv = standardized(X_val, mean, scale), y_val_idx
@@ -161,6 +166,9 @@ def prepare(est, settings, X, y, X_val, y_val, group) -> Prepared:
         scale=scale,
         theta0=theta0,
         init_used=init_used,
+        init_scale=init_scale,
+        standardization=standardization,
+        standardization_scores=choice_scores,
         classes=classes,
         judge=scores.validate,
         n_judged=scores.n_rows,
@@ -301,22 +309,20 @@ def held_out(est, settings, X, y_idx, classes, X_val, y_val, rng, group):
     return every, None, None, None
 
 
-def standardizer(est, settings, X, rows, y_all, start, n, n_classes, group):
-    """mean (D,) and scale (D,) of the chosen standardisation of the training rows; sets
-    standardization_ and standardization_scores_ (the kNN scores "auto" chose by)."""
-    est.standardization_scores_ = None
+def standardizer(settings, X, rows, y_all, start, n, n_classes, group):
+    """(name, the kNN scores "auto" chose by or None, mean (D,), scale (D,)) of the chosen
+    standardisation of the training rows."""
+    unit = np.zeros(X.shape[1]), np.ones(X.shape[1])
     if sparse_input.is_sparse(X):  # never centred: the zeros stay zeros (sparse_input)
-        est.standardization_ = "none"
-        return np.zeros(X.shape[1]), np.ones(X.shape[1])
-    name = STANDARDIZE_MODES.get(settings.standardize, settings.standardize)
+        return "none", None, *unit
+    name, scores = STANDARDIZE_MODES.get(settings.standardize, settings.standardize), None
     if name == "auto":
-        name, est.standardization_scores_ = sharded_stats.choose_standardizer(
+        name, scores = sharded_stats.choose_standardizer(
             X, y_all, start, n_classes, group, rows=rows
         )
-    est.standardization_ = name
     if name == "none":
-        return np.zeros(X.shape[1]), np.ones(X.shape[1])
-    return sharded_stats.standardizer(name, X, n, group, rows)
+        return name, scores, *unit
+    return name, scores, *sharded_stats.standardizer(name, X, n, group, rows)
 
 
 def initialize(est, settings, Xs, y_idx, n, n_classes, d, scale, rng, group):
@@ -354,24 +360,22 @@ def initialize(est, settings, Xs, y_idx, n, n_classes, d, scale, rng, group):
     return theta0, name
 
 
-def scaled_init(est, settings, theta0, init_used: str, Xs, y_all, n: int, group) -> np.ndarray:
-    """The initial map at the scale ``init_scale`` asks for: "auto" the factor that maximises
-    NCA's log-likelihood along its direction (``training.model.initialization``), a number that
-    factor; maps the estimator built (pca, lda, identity, random) only, a given matrix,
-    artifact or warm start is used as given. Sets ``init_scale_`` (the factor applied)."""
-    est.init_scale_ = 1.0
+def scaled_init(settings, theta0, init_used: str, Xs, y_all, n: int, group) -> tuple:
+    """(the initial map, the factor it was scaled by) at the scale ``init_scale`` asks for:
+    "auto" the factor that maximises NCA's log-likelihood along its direction
+    (``training.model.initialization``), a number that factor; maps the estimator built
+    (pca, lda, identity, random) only, a given matrix, artifact or warm start is used as
+    given (factor 1)."""
     if init_used not in BUILT_INITS:
-        return theta0
+        return theta0, 1.0
     if settings.init_scale != "auto":
-        est.init_scale_ = float(settings.init_scale)
-        return theta0 * est.init_scale_
+        return theta0 * float(settings.init_scale), float(settings.init_scale)
     if settings.transformation == "diagonal":
         z_local = Xs * theta0[None, :].astype(np.float32)  # (N_r, D)
     else:
         z_local = Xs @ theta0.T.astype(np.float32)  # (N_r, d)
     z = sharded_stats.gather_array(np.ascontiguousarray(z_local, dtype=np.float32), n, group)
-    theta0, est.init_scale_ = calibrated(theta0, z, y_all)  # the same on every rank
-    return theta0
+    return calibrated(theta0, z, y_all)  # the same on every rank
 
 
 class HeldOutScores:
