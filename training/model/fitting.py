@@ -751,13 +751,16 @@ class StagedFit:
     def _held_out(self) -> HeldOut | None:
         """The held-out rows' scorer: the validation split's, or that of the rows held out
         of the fit to judge it (``preparation.held_out``); None when no rows are held out."""
-        prep = self.prep
-        score = prep.judge(self.components)
-        if score is None:
+        scores = self.prep.held_out
+        if scores is None:
             return None
-        held = "validation rows" if prep.X_val is not None else "training rows held out of the fit"
-        measure = f"soft-neighbour score of {prep.n_judged} {held}"
-        return HeldOut(score, prep.n_judged, measure)
+        held = "validation rows" if scores.validation else "training rows held out of the fit"
+        measure = f"soft-neighbour score of {scores.n_rows} {held}"
+
+        def figures(theta: np.ndarray) -> tuple[float, float | None]:
+            return scores.figures(self.components(theta).astype(np.float32))
+
+        return HeldOut(figures, scores.n_rows, measure)
 
     def _patience(self) -> int | None:
         """Checks in a row without a gain that stop a stage (None: the rule is off, as it is

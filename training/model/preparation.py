@@ -22,7 +22,6 @@ Tested by ``tests/training/model/test_estimator.py`` and ``test_distributed.py``
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -76,10 +75,8 @@ class Prepared:
     standardization: str  # "feature", "global" or "none"
     standardization_scores: dict | None  # the kNN scores "auto" chose by (None: not chosen)
     classes: np.ndarray
-    # components (theta -> A (d, D)) -> (theta -> held-out score), or None without held-out
-    # rows (training.model.fitting)
-    judge: Callable
-    n_judged: int = 0  # held-out rows the judge scores
+    # the held-out rows that judge the fit's maps (None: none held out, on any rank)
+    held_out: HeldOutScores | None
     X_val: np.ndarray | None = None  # (V, D) standardised validation rows (this process's)
     y_val: np.ndarray | None = None  # (V,) their class indices
 
@@ -155,7 +152,7 @@ def prepare(est, settings, X, y, X_val, y_val, group) -> Prepared:
         Xv_s, yv = standardized(X, mean, scale, held), y_idx[held]
     scores = HeldOutScores(
         settings, Xs, y_all, Xv_s, yv, len(classes), n, group, validation=X_val is not None
-    )
+    )  # built on every rank: it counts every rank's held-out rows
     return Prepared(
         X=Xs,
         y=y_all,
@@ -170,8 +167,7 @@ def prepare(est, settings, X, y, X_val, y_val, group) -> Prepared:
         standardization=standardization,
         standardization_scores=choice_scores,
         classes=classes,
-        judge=scores.validate,
-        n_judged=scores.n_rows,
+        held_out=scores if scores.n_rows else None,
         X_val=Xv_s if X_val is not None else None,
         y_val=yv if X_val is not None else None,
     )
@@ -379,7 +375,7 @@ def scaled_init(settings, theta0, init_used: str, Xs, y_all, n: int, group) -> t
 
 
 class HeldOutScores:
-    """theta -> (score, accuracy) of held-out rows against every training row's embedding.
+    """A map's (score, accuracy) on held-out rows against every training row's embedding.
     The score, which judges the fit's stages, is their soft-neighbour score
     (``sharded_stats.soft_neighbour_score``: NCA's p_i at its best temperature, blind to the
     map's scale), which moves with a gain that their accuracy is too coarse to show. The
@@ -401,33 +397,28 @@ class HeldOutScores:
         held_rows = 0 if X_held is None else self.X_held.shape[0]
         self.n_rows = sharded_stats.total_rows(held_rows, group)
 
-    def validate(self, components):
-        if self.n_rows == 0:
-            return None
-
-        def figures(theta: np.ndarray) -> tuple[float, float | None]:
-            A = components(theta).astype(np.float32)  # (d, D)
-            z_tr = sharded_stats.gather_array(self.Xs @ A.T, self.n, self.group)  # (N, d)
-            z_held = self.X_held @ A.T  # (Q_r, d)
-            m = sharded_stats.SOFT_NEIGHBOURS
-            if self.validation:  # the same search gives the served k's votes
-                m = max(m, *self.ks)
-            neighbours = sharded_stats.held_out_neighbours(z_tr, z_held, m)
-            score = sharded_stats.soft_neighbour_score(
-                z_tr, self.y_all, z_held, self.y_held, self.n_rows, self.group, neighbours
-            )
-            if not self.validation:
-                return score, None
-            accuracies = sharded_stats.knn_accuracy(
-                neighbours,
-                self.y_all,
-                self.y_held,
-                self.n_classes,
-                self.ks,
-                self.rule,
-                self.n_rows,
-                self.group,
-            )
-            return score, max(accuracies.values())
-
-        return figures
+    def figures(self, A: np.ndarray) -> tuple[float, float | None]:
+        """(score, accuracy or None) of the map A (d, D) float32 (a collective under
+        torchrun: every rank calls it with the same map)."""
+        z_tr = sharded_stats.gather_array(self.Xs @ A.T, self.n, self.group)  # (N, d)
+        z_held = self.X_held @ A.T  # (Q_r, d)
+        m = sharded_stats.SOFT_NEIGHBOURS
+        if self.validation:  # the same search gives the served k's votes
+            m = max(m, *self.ks)
+        neighbours = sharded_stats.held_out_neighbours(z_tr, z_held, m)
+        score = sharded_stats.soft_neighbour_score(
+            z_tr, self.y_all, z_held, self.y_held, self.n_rows, self.group, neighbours
+        )
+        if not self.validation:
+            return score, None
+        accuracies = sharded_stats.knn_accuracy(
+            neighbours,
+            self.y_all,
+            self.y_held,
+            self.n_classes,
+            self.ks,
+            self.rule,
+            self.n_rows,
+            self.group,
+        )
+        return score, max(accuracies.values())
