@@ -322,18 +322,18 @@ class CandidateWatch:
                 (i for i, m in enumerate(masses) if m >= self.target_mass), len(masses) - 1
             )
             k, inside = self.ladder[chosen], masses[chosen]
-        changed = self.problem.refresh_candidates(theta, n_candidates=k)
+        refreshed = self.problem.refresh_candidates(theta, n_candidates=k)
         self.sizes.append(self.problem.n_candidates)
-        self.changes.append(float(changed))
-        self.replaced.append(float(self.problem.replaced_share))
-        self.search_mass_ratios.append(self.problem.search_mass_ratio)
+        self.changes.append(refreshed.changed)
+        self.replaced.append(refreshed.replaced)
+        self.search_mass_ratios.append(refreshed.search_mass_ratio)
         self.since = 0
         self.n_refreshes += 1
         if self.refresh_tol is not None:
             if inside is None:
                 inside = 1.0 - self.problem.outside_mass(theta, self.rows)
             self.baseline = inside
-        return changed
+        return refreshed.changed
 
     def after_iteration(self, theta: np.ndarray) -> tuple[bool, dict]:
         """(whether to refresh now, figures for the history)."""

@@ -3,6 +3,8 @@ loss (and its gradient) on all rows or a batch, exactly or on candidate sets."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -55,6 +57,15 @@ def _table(candidates):
 
 
 REPLACED_BLOCK_ROWS = 65536  # rows compared at once
+
+
+@dataclass(frozen=True)
+class Refreshed:
+    """What one refresh of the candidate sets did."""
+
+    changed: float  # the fraction of sets that changed (1: the first refresh, or K changed)
+    replaced: float  # the share of entries it replaced (``replaced_share``)
+    search_mass_ratio: float | None  # an approximate search's held mass over exact sets'
 
 
 def replaced_share(old: torch.Tensor | None, new: torch.Tensor) -> float:
@@ -147,10 +158,8 @@ class Problem:
         # how candidate sets are searched: exact, or approximately (IVF) at scale
         self.search = search if search is not None else CandidateSearch(seed=seed)
         self.nearest: torch.Tensor | None = None  # (N, 2K) nearest candidates
-        self.replaced_share = 1.0  # the last refresh's share of new candidates
         self.candidates: torch.Tensor | None = None  # (N, M) what the objective reads
         self.candidate_log_weights: torch.Tensor | None = None  # (N, M) or None
-        self.search_mass_ratio: float | None = None  # measured at the last refresh
         # (B,) the query rows the loss averages over (None: all N); neighbours are all points
         self.query_rows: torch.Tensor | None = query_rows
         self.candidate_rows = query_rows if n_candidates is not None else None
@@ -205,18 +214,17 @@ class Problem:
         found = self.search.find(z, self.labels, self.n_candidates, rows=self.candidate_rows)
         return RowTable(found, self.candidate_rows, self.n_samples)
 
-    def refresh_candidates(self, theta: np.ndarray, n_candidates: int | None = None) -> float:
+    def refresh_candidates(self, theta: np.ndarray, n_candidates: int | None = None) -> Refreshed:
         """Recompute candidate sets in the current projection (``n_candidates`` per kind from
         now on, when given), and draw the candidates beyond them afresh when ``n_draws``;
-        return the fraction of nearest sets that changed. An approximate search is measured
-        on sample rows (``search_mass_ratio``)."""
+        return how far the sets moved and, for an approximate search, its measured held
+        mass on sample rows (``Refreshed``)."""
         if n_candidates is not None:
             self.n_candidates = n_candidates
         z = self.embedded(theta)
         with torch.no_grad():
             new = self.find_candidates(z)
-            if self.search.approximate(z):
-                self.measure_search(z, new)
+            ratio = self.measure_search(z, new) if self.search.approximate(z) else None
         old, self.nearest = self.nearest, new
         self.candidates, self.candidate_log_weights = new, None
         if self.n_draws:
@@ -225,10 +233,11 @@ class Problem:
                 new, drawn, log_w, self.X.dtype
             )
         old, new = _table(old), _table(new)
-        self.replaced_share = replaced_share(old, new)
-        if old is None or old.shape != new.shape:
-            return 1.0
-        return float((torch.sort(old, 1).values != torch.sort(new, 1).values).any(1).float().mean())
+        changed = 1.0
+        if old is not None and old.shape == new.shape:
+            moved = (torch.sort(old, 1).values != torch.sort(new, 1).values).any(1)  # (N,)
+            changed = float(moved.float().mean())
+        return Refreshed(changed, replaced_share(old, new), ratio)
 
     def measure_search(self, z: torch.Tensor, found: torch.Tensor) -> float:
         """The neighbour mass the approximately found sets hold over what exact sets of the
@@ -241,7 +250,6 @@ class Problem:
             held_found += float(held_mass(log_p, found[block]).sum())
             held_exact += float(held_mass(log_p, exact).sum())
         ratio = self.agreed(held_found / held_exact)
-        self.search_mass_ratio = ratio
         self.search.tune(ratio, len(self.search.history) + 1)
         return ratio
 

@@ -14,7 +14,7 @@ from tests.training.problems import blobs, candidate_gaps, fit_history, hard_noi
 from training import NCA
 from training.objectives.neighbourhood import objective_sum
 from training.objectives.registry import make_objective
-from training.optim.problem import Problem
+from training.optim.problem import Problem, Refreshed
 
 
 @pytest.mark.parametrize("objective, k", [("nca", 1), ("knca-all", 3)])
@@ -115,8 +115,6 @@ class ScriptedProblem:
     """A stand-in for Problem whose outside mass follows a script (one value per call)."""
 
     n_candidates = 4
-    replaced_share = 1.0  # the share of candidates the last refresh replaced
-    search_mass_ratio = None  # an exact search: nothing measured
 
     def __init__(self, masses):
         self.masses = list(masses)
@@ -126,7 +124,7 @@ class ScriptedProblem:
         if n_candidates is not None:
             self.n_candidates = n_candidates
         self.refreshed_at.append(float(theta[0]))
-        return 1.0
+        return Refreshed(changed=1.0, replaced=1.0, search_mass_ratio=None)  # exact search
 
     def outside_mass(self, theta, rows):
         return self.masses.pop(0)
