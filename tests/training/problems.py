@@ -16,7 +16,7 @@ from training.model.fitting import StagedFit
 from training.model.options import with_options
 from training.objectives.registry import make_objective
 from training.optim.adam import AdamEpochs
-from training.optim.lbfgs import LBFGS
+from training.optim.lbfgs import LBFGS, ProblemLoss
 from training.optim.problem import Problem
 from training.optim.sharded_problem import ShardedProblem
 
@@ -174,7 +174,9 @@ def evaluate_all(X, y, theta, group=None, device="cpu"):
         problem = problem_for(X, y, "nca", n_candidates, torch.float64, group, device=device)
         # tol=0: 12 iterations on every path, not as many as one summation order needs; the
         # candidate sets refreshed every 4 (L-BFGS forgetting its pairs then, as a fit does)
-        out[f"fit/{mode}"] = steps(LBFGS(problem, 0.0), problem, theta, 12, refresh_every=4)
+        out[f"fit/{mode}"] = steps(
+            LBFGS(ProblemLoss(problem), 0.0), problem, theta, 12, refresh_every=4
+        )
         # Adam on mini-batches of 8 rows: the same seeded batches on every rank, each rank
         # scoring its share of a batch
         problem = problem_for(

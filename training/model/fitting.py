@@ -87,7 +87,7 @@ from training.numerics import evenly_spaced_rows
 from training.objectives.registry import make_objective
 from training.optim.adam import AdamEpochs
 from training.optim.candidates import AUDIT_ROWS, CandidateSearch, CandidateWatch
-from training.optim.lbfgs import LBFGS, Evaluation
+from training.optim.lbfgs import LBFGS, Evaluation, ProblemLoss
 from training.optim.problem import Problem, map_components
 from training.optim.sharded_problem import ShardedProblem
 
@@ -695,7 +695,7 @@ class StagedFit:
             return AdamEpochs(
                 problem, settings.learning_rate, settings.batch_size, self.prep.rng, settings.tol
             )
-        return LBFGS(problem, settings.tol)
+        return LBFGS(ProblemLoss(problem), settings.tol)
 
     def _problem_factory(self):
         """stage -> the objective over the training points the stage says (sharded across

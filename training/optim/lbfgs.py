@@ -30,10 +30,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from training.optim.problem import Problem
+if TYPE_CHECKING:  # ProblemLoss reads a Problem; the optimiser itself knows none
+    from training.optim.problem import Problem
 
 SUFFICIENT_DECREASE = 1e-3  # c1
 CURVATURE = 0.9  # c2
@@ -65,18 +67,17 @@ class Step:
 
 class LBFGS:
     """The state of one L-BFGS run on ``fun`` (x (n,) -> :class:`Evaluation`; a
-    :class:`~training.optim.problem.Problem`'s loss when given one): its curvature pairs and
-    the evaluations spent. ``reset`` forgets the pairs (a new objective: fresh candidate
+    :class:`ProblemLoss` for a :class:`~training.optim.problem.Problem`): its curvature pairs
+    and the evaluations spent. ``reset`` forgets the pairs (a new objective: fresh candidate
     sets)."""
 
     def __init__(self, fun, tol: float, memory: int = MEMORY):
-        evaluate = ProblemLoss(fun) if isinstance(fun, Problem) else fun
         self.tol, self.memory = tol, memory
         self.evaluations = 0
 
         def counted(x: np.ndarray) -> Evaluation:
             self.evaluations += 1
-            return evaluate(x)
+            return fun(x)
 
         self.fun = counted
         self.pairs: list[tuple[np.ndarray, np.ndarray, float]] = []  # (s, y, 1 / y's)
