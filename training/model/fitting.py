@@ -21,10 +21,11 @@ runs them; its shape (``docs/training.md`` shows it too):
     return kept
 
 **The score** of a map is computed on held-out rows (``preparation.HeldOutScores``: a
-validation split, or the rows held out of the fit to judge it, ``preparation.held_out``):
-their soft-neighbour score, NCA's p_i at its best temperature over the nearest references
-(``sharded_stats.soft_neighbour_score``), which is blind to the map's scale as k-NN is and
-moves with a gain that 4,096 rows' accuracy is too coarse to show. A validation split's
+validation split, or the rows held out of the fit to judge it, chosen by the function
+``preparation.held_out``): their soft-neighbour score, NCA's p_i at its best temperature
+over the nearest references (``sharded_stats.soft_neighbour_score``), which is blind to
+the map's scale as k-NN is and moves with a gain that 4,096 rows' accuracy is too coarse
+to show. A validation split's
 k-NN accuracy at the served k and rule is reported beside it (``val_accuracy``), not
 judged by. Rows the map was fitted on cannot judge it: NCA makes their leave-one-out
 neighbourhoods pure.
@@ -387,10 +388,11 @@ def _position(state: FitState | None) -> int:
 
 
 class StagedFit:
-    """The stages of the estimator ``est``'s fit on the prepared rows ``prep``
-    (``preparation.Prepared``) under ``plan`` (``plan.FitPlan``), in the process group
-    ``group``, on the fit's ``clock``; ``checkpoint`` (``checkpoint.FitCheckpoint`` or None)
-    saves the state after each stage and holds a killed fit's."""
+    """The stages of a fit on the prepared rows ``prep`` (``preparation.Prepared``) under
+    ``plan`` (``plan.FitPlan``), in the process group ``group``, on the fit's ``clock``;
+    ``name`` is the estimator's, for its messages; ``checkpoint``
+    (``checkpoint.FitCheckpoint`` or None) saves the state after each stage and holds a
+    killed fit's."""
 
     def __init__(self, name, settings, prep, plan, group, clock: FitClock, checkpoint=None):
         self.name, self.settings = name, settings  # name: the estimator's, for its messages
@@ -750,7 +752,8 @@ class StagedFit:
 
     def _held_out(self) -> HeldOut | None:
         """The held-out rows' scorer: the validation split's, or that of the rows held out
-        of the fit to judge it (``preparation.held_out``); None when no rows are held out."""
+        of the fit to judge it (chosen by the function ``preparation.held_out``); None when no
+        rows are held out."""
         scores = self.prep.held_out
         if scores is None:
             return None

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import faiss
 import numpy as np
@@ -40,9 +39,6 @@ import torch
 
 from training.numerics import class_runs, evenly_spaced_rows
 from training.objectives.neighbourhood import nearest_candidates
-
-if TYPE_CHECKING:  # the problem holds the search: a run-time import would be a cycle
-    from training.optim.problem import Problem
 
 APPROX_MIN_SAMPLES = 50_000  # "auto": exact below this many points
 FLAT_MAX_ROWS = 4096  # a class this small is searched exactly
@@ -290,7 +286,7 @@ class CandidateWatch:
 
     def __init__(
         self,
-        problem: Problem,
+        problem,  # the stage's training.optim.problem.Problem (which imports this module)
         rows: torch.Tensor,
         refresh_every: int,
         refresh_tol: float | None,
