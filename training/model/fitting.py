@@ -169,17 +169,16 @@ class Stage:
 
 def plan_stages(plan, max_iter: int) -> list[Stage]:
     """The stages of ``plan`` (``training.model.plan.FitPlan``)."""
-    if plan.n_candidates is None:
-        exact = Stage(
-            "exact fit", on_candidates=False, l2=plan.l2, solver=plan.solver, max_iter=max_iter
-        )
-        return [exact]
-    stages = [
-        Stage(
-            "candidate stage", on_candidates=True, l2=plan.l2, solver=plan.solver, max_iter=max_iter
-        )
-    ]
-    if plan.finish_iter:
+    on_candidates = plan.n_candidates is not None
+    first = Stage(
+        "candidate stage" if on_candidates else "exact fit",
+        on_candidates=on_candidates,
+        l2=plan.l2,
+        solver=plan.solver,
+        max_iter=max_iter,
+    )
+    stages = [first]
+    if on_candidates and plan.finish_iter:
         finish = Stage(
             "exact finish",
             on_candidates=False,
