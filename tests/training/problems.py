@@ -12,33 +12,12 @@ import torch
 
 from training import NCA
 from training.distributed.ranks import shard_bounds
-from training.model.fitting import StagedFit
 from training.model.options import with_options
 from training.objectives.registry import make_objective
 from training.optim.adam import AdamEpochs
 from training.optim.lbfgs import LBFGS, ProblemLoss
 from training.optim.problem import Problem
 from training.optim.sharded_problem import ShardedProblem
-
-# ---------------------------------------------------------------- scripted outcomes
-
-
-def script_validation(monkeypatch, scored) -> None:
-    """Every held-out score of a fit with a validation set is ``scored(stage, iteration)``
-    of the map scored (stage: None for the first stage, else its name, such as "exact
-    finish"; iteration: the stage's own count, 0 for its start), whatever the map. A test
-    of what the keep rule keeps then decides which iterate is best, instead of relying on
-    the scores one floating-point path of the optimiser happens to reach (the validation
-    accuracy reported beside each score is the map's own)."""
-    real_score = StagedFit._score
-
-    def score(self, index, iteration, theta):
-        if self.prep.X_val is None:
-            return real_score(self, index, iteration, theta)
-        return scored(None if index == 0 else self.stages[index].name, iteration)
-
-    monkeypatch.setattr(StagedFit, "_score", score)
-
 
 # ---------------------------------------------------------------- data sets
 

@@ -22,21 +22,21 @@ from training import errors
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# SIGTERM sent (``signals``: how many, each a line of Python) during the exact fit's 6th
-# iteration, after which the iteration goes on for ``linger`` seconds
+# SIGTERM sent (``signals``: how many) by the fit's callback at the end of the exact fit's
+# 6th iteration, before its save, after which the iteration goes on for ``linger`` seconds
 SIGNAL_AT_ITERATION_6 = """\
 import os, signal, time
+import training.job as job
 import training.model.fitting as f
 f.CHECKPOINT_SECONDS = 0.0  # a periodic save after every iteration
 f.HOLD_SECONDS = {hold}
-real = f.StagedFit._record
-def record(self, index, stage, problem, theta, objective, figures, state):
-    if state.iterations == 6:
+def signal_at_6(A, iteration):
+    if iteration == 6:
         for _ in range({signals}):
             os.kill(os.getpid(), signal.SIGTERM)
         time.sleep({linger})
-    return real(self, index, stage, problem, theta, objective, figures, state)
-f.StagedFit._record = record
+built = job.build_estimator
+job.build_estimator = lambda config, n: built(config, n).set_params(callback=signal_at_6)
 """
 
 
@@ -193,26 +193,24 @@ def test_a_second_signal_during_the_imports_is_one_line_too(tmp_path):
     assert len(err.strip().splitlines()) == 1 and err.startswith("error: interrupted by SIGINT")
 
 
-# SIGTERM sent during the 3rd iteration of the second fit (the cross-fit's first fold), after
-# which the iteration goes on for 0.3 s; each iteration's end is written to ``log``
+# SIGTERM sent by the second fit's callback (the cross-fit's first fold) at the end of its
+# 3rd iteration, after which the iteration goes on for 0.3 s; each iteration's end is
+# written to ``log``
 SIGNAL_IN_A_FOLD = """\
 import os, signal, time
-import training.model.fitting as f
-fits = []
-real_run, real_record = f.StagedFit.run, f.StagedFit._record
-def run(self):
-    fits.append(self)
-    return real_run(self)
-def record(self, index, stage, problem, theta, objective, figures, state):
-    signalled = len(fits) == 2 and state.iterations == 3
-    if signalled:
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(0.3)
-    out = real_record(self, index, stage, problem, theta, objective, figures, state)
-    with open({log!r}, "a") as log:
-        log.write(f"fit {{len(fits)}} iteration {{state.iterations}} ended\\n")
-    return out
-f.StagedFit.run, f.StagedFit._record = run, record
+import training.job as job
+built, fits = job.build_estimator, []
+def build_estimator(config, n_features):
+    fits.append(len(fits) + 1)  # 1: the job's fit; 2, 3, 4: the cross-fit's folds
+    fit = fits[-1]
+    def at_iteration_end(A, iteration):
+        if fit == 2 and iteration == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.3)
+        with open({log!r}, "a") as log:
+            log.write(f"fit {{fit}} iteration {{iteration}} ended\\n")
+    return built(config, n_features).set_params(callback=at_iteration_end)
+job.build_estimator = build_estimator
 """
 
 

@@ -63,8 +63,9 @@ DISPLAY_PARAMS = frozenset({"verbose", "progress", "callback"})
 
 def fingerprint(X: np.ndarray, y: np.ndarray, X_val, y_val, params: dict, version: str) -> str:
     """SHA-256 of what decides a fit: the prepared rows X (N, D) and labels y (N,), the
-    validation rows and labels (or None), the parameters (callables by their type only; the
-    estimator adds its plan, ``training.model.plan.FitPlan.describe()``)."""
+    validation rows and labels (or None), the parameters (callables by their type, module and
+    qualified name: two lambdas, or two instances of one class, look alike; the estimator
+    adds its plan, ``training.model.plan.FitPlan.describe()``)."""
     digest = hashlib.sha256()
     for array in (X, y, X_val, y_val):
         if sparse.issparse(array):  # a sparse X: its shape, index arrays and values
@@ -74,13 +75,20 @@ def fingerprint(X: np.ndarray, y: np.ndarray, X_val, y_val, params: dict, versio
             continue
         digest_array(digest, array)
     described = {
-        name: (type(value).__name__ if callable(value) else repr(value))
+        name: (_callable_name(value) if callable(value) else repr(value))
         for name, value in sorted(params.items())
         if name not in DISPLAY_PARAMS
     }
     digest.update(json.dumps(described, sort_keys=True).encode())
     digest.update(version.encode())
     return digest.hexdigest()
+
+
+def _callable_name(value) -> str:
+    """A callable's type, module and qualified name (a partial's, its function's)."""
+    function = getattr(value, "func", value)
+    where = f"{getattr(function, '__module__', '')}.{getattr(function, '__qualname__', '')}"
+    return f"{type(value).__name__} {where}"
 
 
 def _wrong_arrays(theta: np.ndarray, arrays: dict[str, np.ndarray]) -> str | None:

@@ -28,7 +28,9 @@ the map's scale as k-NN is and moves with a gain that 4,096 rows' accuracy is to
 to show. A validation split's
 k-NN accuracy at the served k and rule is reported beside it (``val_accuracy``), not
 judged by. Rows the map was fitted on cannot judge it: NCA makes their leave-one-out
-neighbourhoods pure.
+neighbourhoods pure. A user's ``held_out_score(A, stage, iteration)`` (``FitOptions``)
+replaces that score wherever maps are judged, with a tolerance of 0 (no rows are then held
+out of the fit; a validation split still gives the accuracy).
 It is checked at the fit's first iteration and every ``validation_interval``-th iteration of
 the fit (iteration counts, not the clock: the same maps are scored on every run and rank),
 so a later stage is first judged after some iterations, not at its first
@@ -53,8 +55,9 @@ kNCA's finish starts where it did: its start scale and first step are not measur
 
 **The keep rule** (one, for the whole fit): a map scored is kept when it scores at least
 the best score of the fit so far less the tolerance (one and a half rows' worth), so
-the kept map is the most trained one within a row of the best. Without held-out rows (or
-with ``select_stages=False`` and no ``early_stopping``) the last map is kept.
+the kept map is the most trained one within a row of the best. Without held-out rows or a
+``held_out_score`` (or with ``select_stages=False`` and no ``early_stopping``) the last
+map is kept.
 
 **The stop rule** (one, for every stage): ``patience`` checks in a row without a gain over
 the stage's best score (its start's included) by more than the tolerance stop the stage:
@@ -70,6 +73,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import signal
 import time
 import warnings
@@ -274,16 +278,40 @@ class HeldOut:
     """Scores maps on held-out rows (``figures``: theta -> (score, accuracy), the score in
     [0, 1] a mean probability over ``n_rows`` rows, the accuracy a validation split's k-NN
     accuracy or None), the last CACHED_MAPS remembered; ``tolerance`` is one and a half
-    rows' worth, 1.5 / n_rows."""
+    rows' worth, 1.5 / n_rows.
 
-    def __init__(self, figures: Callable[[np.ndarray], tuple], n_rows: int, measure: str):
-        self.figures, self.measure = figures, measure
-        self.tolerance = 1.5 / max(1, n_rows)
+    ``scorer`` (the user's ``held_out_score``, or None): (theta, stage, iteration) -> the
+    score that judges theta in place of the rows' score, in the user's units (so the
+    tolerance is 0), asked anew at each (stage, iteration) since it may depend on where the
+    fit is; the rows, when there are any, still give a validation split's accuracy."""
+
+    def __init__(
+        self,
+        figures: Callable[[np.ndarray], tuple],
+        n_rows: int,
+        measure: str,
+        scorer: Callable[[np.ndarray, str, int], float] | None = None,
+    ):
+        self.figures, self.measure, self.scorer = figures, measure, scorer
+        self.tolerance = 0.0 if scorer is not None else 1.5 / max(1, n_rows)
         self.checks, self.seconds = 0, 0.0  # scores computed, and their time
         self._cache: list[tuple[np.ndarray, float, float | None]] = []
+        self._asked: tuple | None = None  # the scorer's last (stage, iteration, theta, score)
 
-    def __call__(self, theta: np.ndarray) -> float:
-        """The score that judges ``theta``."""
+    def __call__(self, theta: np.ndarray, stage: str, iteration: int) -> float:
+        """The score that judges ``theta``, the map ``stage`` reached at its ``iteration``
+        (0: its start)."""
+        if self.scorer is not None:
+            asked = self._asked  # a stage's last map is offered again at its end
+            if asked is not None and asked[:2] == (stage, iteration):
+                if np.array_equal(asked[2], theta):
+                    return asked[3]
+            started = time.perf_counter()
+            score = float(self.scorer(theta, stage, iteration))
+            self.checks += 1
+            self.seconds += time.perf_counter() - started
+            self._asked = (stage, iteration, np.array(theta, copy=True), score)
+            return score
         cached = self._cached(theta)
         return cached[1] if cached is not None else self._computed(theta)[0]
 
@@ -592,8 +620,10 @@ class StagedFit:
 
     def _score(self, index: int, iteration: int, theta: np.ndarray) -> float | None:
         """The held-out score of ``theta``, the map stage ``index`` reached at its
-        ``iteration`` (0: its start); None without held-out rows."""
-        return None if self.held_out is None else self.held_out(theta)
+        ``iteration`` (0: its start); None when maps are not scored."""
+        if self.held_out is None:
+            return None
+        return self.held_out(theta, self.stages[index].name, iteration)
 
     @property
     def _tolerance(self) -> float | None:
@@ -751,18 +781,55 @@ class StagedFit:
 
     def _held_out(self) -> HeldOut | None:
         """The held-out rows' scorer: the validation split's, or that of the rows held out
-        of the fit to judge it (chosen by the function ``preparation.held_out``); None when no
-        rows are held out."""
-        scores = self.prep.held_out
-        if scores is None:
+        of the fit to judge it (chosen by the function ``preparation.held_out``), or the
+        user's ``held_out_score`` (with or without rows); None when nothing scores maps."""
+        scores, user_score = self.prep.held_out, self.settings.held_out_score
+        if not (self.settings.select_stages or self.settings.early_stopping):
+            user_score = None  # nothing is judged: the user's function is not asked
+        if scores is None and user_score is None:
             return None
-        held = "validation rows" if scores.validation else "training rows held out of the fit"
-        measure = f"soft-neighbour score of {scores.n_rows} {held}"
+        n_rows = 0 if scores is None else scores.n_rows
+        validation = scores is not None and scores.validation
+        held = "validation rows" if validation else "training rows held out of the fit"
+        measure = f"soft-neighbour score of {n_rows} {held}"
 
         def figures(theta: np.ndarray) -> tuple[float, float | None]:
             return scores.figures(self.components(theta).astype(np.float32))
 
-        return HeldOut(figures, scores.n_rows, measure)
+        scorer = None
+        if user_score is not None:
+            measure = "held_out_score (FitOptions)"
+
+            def scorer(theta: np.ndarray, stage: str, iteration: int) -> float:
+                # asked on rank 0 alone (with a copy of the map: the fit's own is not the
+                # user's to change); every rank judges by its number, so that no rank takes
+                # another branch, and a failure there is raised on every rank
+                score, failure = math.nan, None
+                if self.group.rank == 0:
+                    try:
+                        score = user_score(self.components(theta).copy(), stage, iteration)
+                    except Exception as exc:  # raised below, after the other ranks hear of it
+                        failure = exc
+                    else:
+                        if not isinstance(score, numbers.Real) or not math.isfinite(score):
+                            failure = ValueError(
+                                f"held_out_score returned {score!r} for the map of the "
+                                f"{stage}'s iteration {iteration}; expected a finite number "
+                                "(higher is better)"
+                            )
+                            score = math.nan
+                agreed = torch.tensor([float(score)], dtype=torch.float64, device=self.prep.device)
+                agreed = float(broadcast_from_rank0(agreed, self.group)[0])
+                if failure is not None:
+                    raise failure
+                if math.isnan(agreed):  # rank 0 failed (it raised its own error)
+                    raise ValueError(
+                        f"held_out_score failed on rank 0 for the map of the {stage}'s "
+                        f"iteration {iteration}; its error is in rank 0's output"
+                    )
+                return agreed
+
+        return HeldOut(figures, n_rows, measure, scorer)
 
     def _patience(self) -> int | None:
         """Checks in a row without a gain that stop a stage (None: the rule is off, as it is
@@ -785,8 +852,9 @@ class StagedFit:
         record.update(figures)
         record["penalty"] = problem.penalty(theta)
         state.history.append(record)
-        if self.settings.callback is not None:  # scikit-learn's form: (A raveled, iteration)
-            self.settings.callback(self.components(theta).ravel(), state.iterations)
+        if self.settings.callback is not None:  # scikit-learn's form: (A raveled, iteration),
+            # a copy: the fit's own map is not the callback's to change
+            self.settings.callback(self.components(theta).ravel().copy(), state.iterations)
         return record
 
     def _print(self, record: dict) -> None:

@@ -66,6 +66,16 @@ class FitOptions:
             held-out rows (False: whatever the optimiser returns).
         stop_stalled_stages : stop a stage after two held-out checks in a row without a gain
             (False: every stage runs its iterations).
+        held_out_score : None or a callable ``(A, stage, iteration) -> float`` that judges
+            maps in place of the held-out rows' soft-neighbour score, higher better: A (d, D)
+            the map on standardised inputs, ``stage`` its stage's name ("exact fit",
+            "candidate stage", "exact finish"), ``iteration`` the stage's own count (0: its
+            start), given a copy of the map. Where maps are judged (``select_stages`` or
+            ``early_stopping``) every check asks it, the keep and stop rules compare its
+            numbers with a tolerance of 0, and no training rows are held out of the fit to
+            judge it; a validation split's accuracy is still reported. Under torchrun it is
+            called on rank 0 alone and its number judges on every rank. A checkpoint tells
+            two functions apart by their module and qualified name only.
     Watching
         progress : None or a callable given a ``training.model.fitting.StageProgress`` at each
             stage's start and after each iteration (the CLI's progress bar).
@@ -97,6 +107,7 @@ class FitOptions:
     validation_rule: str = "majority"
     select_stages: bool = True
     stop_stalled_stages: bool = True
+    held_out_score: Any = None
     progress: Any = None
 
     def __repr__(self) -> str:

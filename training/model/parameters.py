@@ -87,11 +87,16 @@ class OneOf:
 
 
 class Callable_:
+    """A callable taking the arguments ``signature`` names (what the message says)."""
+
+    def __init__(self, signature: str):
+        self.signature = signature
+
     def accepts(self, value: Any) -> bool:
         return callable(value)
 
     def __str__(self) -> str:
-        return "a callable(transformation, n_iter)"
+        return f"a callable({self.signature})"
 
 
 def _equal(value: Any, option: Any) -> bool:
@@ -126,7 +131,7 @@ CONSTRAINTS: dict[str, list] = {
     "validation_interval": [Integer(1)],
     "validation_rule": [OneOf(NEIGHBOUR_RULES)],
     "standardize": [OneOf(STANDARDIZE_CHOICES)],
-    "callback": [NONE, Callable_()],
+    "callback": [NONE, Callable_("transformation, n_iter")],
     "prototypes": [NONE, Real(1, low_closed=False)],
     "candidate_search": [OneOf(("auto", "exact", "ivf"))],
     "select_stages": [OneOf((True, False))],
@@ -134,7 +139,8 @@ CONSTRAINTS: dict[str, list] = {
     # a factor outside [1e-6, 1e6] makes every p_ij uniform or the distances overflow float32
     "init_scale": [AUTO, Real(1e-6, 1e6)],
     "stop_stalled_stages": [OneOf((True, False))],
-    "progress": [NONE, Callable_()],
+    "progress": [NONE, Callable_("StageProgress")],
+    "held_out_score": [NONE, Callable_("A, stage, iteration")],
 }
 
 

@@ -260,8 +260,9 @@ def held_out(est, settings, X, y_idx, classes, X_val, y_val, rng, group):
     An explicit validation set is used as given (its labels must occur in y). Otherwise, in
     one process: with early stopping a stratified ``validation_fraction`` of X becomes the
     validation set; with ``select_stages`` and more than HOLDOUT_MIN_SAMPLES rows, a
-    stratified min(SELECTION_ROWS, N / 10) rows are held out to judge the stages. A
-    data-parallel fit holds nothing out (each rank's shard is fixed)."""
+    stratified min(SELECTION_ROWS, N / 10) rows are held out to judge the stages (none when
+    the user's ``held_out_score`` judges them). A data-parallel fit holds nothing out (each
+    rank's shard is fixed)."""
     every = np.arange(X.shape[0])
     if X_val is not None and X_val.shape[0]:
         X_val = validate_data(
@@ -298,7 +299,8 @@ def held_out(est, settings, X, y_idx, classes, X_val, y_val, rng, group):
         if len(va) == 0:
             return tr, None, None, None
         return tr, None, X[va] if sparse_input.is_sparse(X) else np.asarray(X[va]), y_idx[va]
-    if settings.select_stages and X.shape[0] > HOLDOUT_MIN_SAMPLES:
+    judged_by_rows = settings.held_out_score is None
+    if settings.select_stages and judged_by_rows and X.shape[0] > HOLDOUT_MIN_SAMPLES:
         fraction = min(SELECTION_ROWS, X.shape[0] // 10) / X.shape[0]
         tr, held = stratified_split(y_idx, (fraction,), int(rng.integers(2**31)))
         return tr, held, None, None

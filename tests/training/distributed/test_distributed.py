@@ -104,6 +104,38 @@ def fit_estimators(group):
             out[f"{case}/searched_rows"] = counts
             out[f"{case}/searched_cover"] = np.array([np.array_equal(joined, np.arange(len(X)))])
     CandidateSearch.find = find
+
+    asked = []
+
+    def rank_score(A, stage, iteration):  # rank 0 peaks at iteration 2; the others rise
+        asked.append(iteration)
+        return (0.9 if iteration == 2 else 0.5) if group.rank == 0 else float(iteration)
+
+    settings = dict(n_components=4, max_iter=6, tol=0.0, random_state=0, validation_interval=2)
+    model = NCA(**with_options({**settings, "held_out_score": rank_score}))
+    model.fit(X[start:stop], y[start:stop])
+    outcome = [int(model.kept_iteration_), len(asked)]  # every rank's
+    if group.world_size > 1:
+        every = [None] * group.world_size
+        dist.all_gather_object(every, outcome)
+        outcome = [value for pair in every for value in pair]
+    out["held_out_score/kept_and_asked"] = np.array(outcome)
+
+    def failing(A, stage, iteration):
+        raise RuntimeError("the score broke")
+
+    try:
+        NCA(**with_options({**settings, "held_out_score": failing})).fit(
+            X[start:stop], y[start:stop]
+        )
+        error = "none"
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    errors = [error]
+    if group.world_size > 1:
+        errors = [None] * group.world_size
+        dist.all_gather_object(errors, error)
+    out["held_out_score/errors"] = np.array(errors)
     return out
 
 
@@ -323,6 +355,25 @@ def test_estimator_on_two_ranks_fits_what_one_rank_fits(two_ranks, one_rank, cas
         two_ranks[f"{case}/val_accuracy"], one_rank[f"{case}/val_accuracy"], atol=0.006
     )
     assert len(one_rank[f"{case}/val_accuracy"]) >= 3
+
+
+def test_a_users_held_out_score_judges_by_rank_0s_number_on_every_rank(two_ranks, one_rank):
+    """A held_out_score that would answer differently on each rank: it is asked on rank 0,
+    and every rank keeps the map rank 0's scores choose (iteration 2's), as one process
+    does."""
+    # [rank 0's kept iteration, its calls, rank 1's kept iteration, its calls]
+    kept_0, asked_0, kept_1, asked_1 = two_ranks["held_out_score/kept_and_asked"].tolist()
+    assert (kept_0, kept_1) == (2, 2) and asked_0 >= 4 and asked_1 == 0
+    assert one_rank["held_out_score/kept_and_asked"].tolist() == [2, asked_0]
+
+
+def test_a_held_out_score_that_fails_on_rank_0_stops_every_rank(two_ranks, one_rank):
+    """Rank 0 raises the function's own error; the other ranks, which wait for its number,
+    raise one that says where the error is (none is left in a collective)."""
+    assert one_rank["held_out_score/errors"].tolist() == ["RuntimeError: the score broke"]
+    rank_0, rank_1 = two_ranks["held_out_score/errors"].tolist()
+    assert rank_0 == "RuntimeError: the score broke"
+    assert rank_1.startswith("ValueError: held_out_score failed on rank 0 for the map of the ")
 
 
 @pytest.mark.parametrize("case", [c for c in ESTIMATOR_CASES if "candidates" in c])

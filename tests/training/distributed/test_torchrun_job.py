@@ -196,14 +196,14 @@ def test_bad_rows_on_one_rank_fail_the_job_with_a_message_naming_that_rank(tmp_p
 SAVE_EVERY_ITERATION = """\
 import sys
 import time
+import training.job as job
 import training.model.fitting as fitting
 from training.cli import main
 fitting.CHECKPOINT_SECONDS = 0.0  # a checkpoint after every iteration of the exact fit
-save = fitting.StagedFit._save
-def slow_save(self, state):  # 0.1 s a save: the kill lands mid-fit even on a loaded machine
-    save(self, state)
+def slow(A, iteration):  # 0.1 s an iteration: the kill lands mid-fit even on a loaded machine
     time.sleep(0.1)
-fitting.StagedFit._save = slow_save
+built = job.build_estimator
+job.build_estimator = lambda config, n: built(config, n).set_params(callback=slow)
 sys.exit(main(sys.argv[1:]))
 """
 

@@ -209,12 +209,13 @@ def test_a_job_killed_in_its_finish_resumes_when_run_again(python_m_training, tm
     code, _, err = python_m_training(*args, "--out", tmp_path / "whole")
     assert code == 0, err
     # killed (os._exit) when the exact finish starts: the candidate stage is checkpointed
-    kill = (
-        "import os\nimport training.model.fitting as f\nreal = f.StagedFit._run_stage\n"
-        "def run(self, index, stage, state):\n"
-        "    if stage.name == 'exact finish':\n        os._exit(9)\n"
-        "    return real(self, index, stage, state)\n"
-        "f.StagedFit._run_stage = run\n"
+    kill = (  # by the fit's progress callable, at the finish's start
+        "import os\nimport training.job as job\nbuilt = job.build_estimator\n"
+        "def at(progress):\n"
+        "    if progress.stage == 'exact finish':\n        os._exit(9)\n"
+        "def build(config, n):\n    est = built(config, n)\n"
+        "    return est.set_params(options={**est.options, 'progress': at})\n"
+        "job.build_estimator = build\n"
     )
     code, _, err = python_m_training(*args, "--out", tmp_path / "m", prelude=kill)
     assert code == 9, err
@@ -256,13 +257,13 @@ def test_a_job_sigtermed_in_its_exact_fit_saves_there_and_resumes_there(
     args += ["--quiet"]
     code, _, err = python_m_training(*args, "--out", tmp_path / "whole")
     assert code == 0, err
-    drain = (
-        "import os, signal\nimport training.model.fitting as f\n"
-        "f.CHECKPOINT_SECONDS = 1e9  # no periodic save\nreal = f.StagedFit._record\n"
-        "def record(self, index, stage, problem, theta, objective, figures, state):\n"
-        "    if state.iterations == 6:\n        os.kill(os.getpid(), signal.SIGTERM)\n"
-        "    return real(self, index, stage, problem, theta, objective, figures, state)\n"
-        "f.StagedFit._record = record\n"
+    drain = (  # by the fit's callback, at the 6th iteration's end
+        "import os, signal\nimport training.job as job\nimport training.model.fitting as f\n"
+        "f.CHECKPOINT_SECONDS = 1e9  # no periodic save\n"
+        "def at(A, iteration):\n"
+        "    if iteration == 6:\n        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "built = job.build_estimator\n"
+        "job.build_estimator = lambda config, n: built(config, n).set_params(callback=at)\n"
     )
     code, _, err = python_m_training(*args, "--out", tmp_path / "m", prelude=drain)
     checkpoint = tmp_path / ".m.checkpoint"
@@ -332,3 +333,22 @@ def test_a_rank_without_a_signal_stops_with_the_rank_that_has_one(tmp_path, monk
     params = with_options({**PARAMS, **EXACT})
     resumed = NCA(**params).fit(X, y, X_val, y_val, checkpoint=tmp_path / "ckpt")
     assert resumed.resumed_iterations_ == 4
+
+
+def test_a_checkpoint_tells_two_score_functions_apart():
+    """held_out_score changes what a fit computes: a checkpoint made under one function is
+    not resumed under another (their module and qualified names differ)."""
+    from training.model.checkpoint import fingerprint
+
+    X, y = hard_noisy(60)[:2]
+
+    def rising(A, stage, iteration):
+        return float(iteration)
+
+    def falling(A, stage, iteration):
+        return -float(iteration)
+
+    def key(function):
+        return fingerprint(X, y, None, None, {"held_out_score": function}, "v")
+
+    assert key(rising) == key(rising) and key(rising) != key(falling)

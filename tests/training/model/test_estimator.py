@@ -17,7 +17,6 @@ from sklearn.utils.estimator_checks import check_estimator
 
 from service.core.artifact import write_artifact
 from service.core.knn import project
-from tests.training.problems import script_validation
 from training import NCA
 from training.model.initialization import initial_components
 from training.model.options import OPTION_NAMES, FitOptions, with_options
@@ -91,7 +90,21 @@ def test_matches_scikit_learn_on_the_same_problem():
             dict(validation_fraction=1.0),
             r"validation_fraction=1.0 must be a finite real number in \(0, 1\)",
         ),
-        (dict(callback="print"), r"callback='print' must be None or a callable"),
+        (dict(callback="print"), r"callback='print' must be None or a callable\(transformation"),
+        (dict(progress=3), r"progress=3 must be None or a callable\(StageProgress\)"),
+        (
+            dict(held_out_score=0.9),
+            r"held_out_score=0.9 must be None or a callable\(A, stage, iteration\)",
+        ),
+        (
+            dict(held_out_score=lambda A, stage, iteration: float("nan")),
+            r"held_out_score returned nan for the map of the exact fit's iteration 0; "
+            r"expected a finite number",
+        ),
+        (
+            dict(held_out_score=lambda A, stage, iteration: "best"),
+            r"held_out_score returned 'best' for the map of the exact fit's iteration 0",
+        ),
         (dict(random_state=-1), r"random_state=-1 must be None, an integer >= 0"),
         (dict(random_state={"seed": 1}), r"random_state=\{'seed': 1\} must be None, an integer"),
         (dict(transformation="square"), r"transformation='square' must be one of"),
@@ -286,12 +299,16 @@ def early_stopping_nca(n_iter_no_change: int, **params) -> NCA:
 PEAK_AT_2 = {1: 0.5, 2: 0.7}  # validation score by iteration, 0.6 after
 
 
-def test_early_stopping_keeps_best_validation_model(monkeypatch):
+def peak_at_2(A, stage, iteration):
+    """A held_out_score: PEAK_AT_2's score for the map of each iteration."""
+    return PEAK_AT_2.get(iteration, 0.6)
+
+
+def test_early_stopping_keeps_best_validation_model():
     """The validation score peaks at iteration 2 (scripted): with a patience of 2 checks
     the fit stops at iteration 4, by early stopping, with the accuracy of the best map."""
-    script_validation(monkeypatch, lambda stage, i: PEAK_AT_2.get(i, 0.6))
     X, y = load_digits(return_X_y=True)
-    nca = early_stopping_nca(2).fit(X[:600], y[:600])
+    nca = early_stopping_nca(2, held_out_score=peak_at_2).fit(X[:600], y[:600])
     assert nca.stop_reason_ == "stalled" and nca.n_iter_ == 4
     checked = [h["val_score"] for h in nca.history_ if "val_score" in h]
     assert checked == [0.5, 0.7, 0.6, 0.6]
@@ -387,12 +404,13 @@ def test_knca_estimator_in_a_pipeline():
     assert model.score(X[1::2], y[1::2]) > 0.9
 
 
-def test_early_stopping_returns_the_best_components_and_their_objective(monkeypatch):
-    script_validation(monkeypatch, lambda stage, i: PEAK_AT_2.get(i, 0.6))
+def test_early_stopping_returns_the_best_components_and_their_objective():
     X, y = load_digits(return_X_y=True)
     seen = {}
     nca = early_stopping_nca(
-        3, callback=lambda transformation, n_iter: seen.__setitem__(n_iter, transformation.copy())
+        3,
+        callback=lambda transformation, n_iter: seen.__setitem__(n_iter, transformation.copy()),
+        held_out_score=peak_at_2,
     ).fit(X[:600], y[:600])
     assert nca.stop_reason_ == "stalled"
     checks = [h for h in nca.history_ if "val_score" in h]

@@ -10,7 +10,7 @@ import pytest
 import scipy.sparse as sp
 import torch
 
-from tests.training.problems import blobs, brute_force, hard_noisy, script_validation
+from tests.training.problems import blobs, brute_force, hard_noisy
 from training import NCA
 from training.model import plan as estimator
 from training.model.fitting import SCALE_RATIO, SCALE_STEPS, first_step_length, start_scale
@@ -152,16 +152,19 @@ def test_the_finish_starts_from_the_scaled_map_and_stages_say_so():
     assert [s["start_scale"] for s in unpenalised.stages_] == [1.0, 1.0]
 
 
-def test_an_undone_finish_returns_its_unscaled_start_and_that_maps_objective(monkeypatch):
-    """Held-out scores scripted to fall in the finish: the judge undoes it, and the fit
-    returns the candidate stage's map itself (not the scaled start) with its mean score on
-    the finish's objective."""
-    script_validation(
-        monkeypatch, lambda stage, i: 0.5 if stage == "exact finish" and i > 0 else 0.9
-    )
+def test_an_undone_finish_returns_its_unscaled_start_and_that_maps_objective():
+    """Held-out scores scripted (``held_out_score``) to fall in the finish: the judge undoes
+    it, and the fit returns the candidate stage's map itself (not the scaled start) with its
+    mean score on the finish's objective."""
     X, y = blobs(400)
     X_val, y_val = blobs(120, seed=9)
-    params = dict(n_components=4, random_state=0, max_iter=30, standardize="feature")
+    params = dict(
+        n_components=4,
+        random_state=0,
+        max_iter=30,
+        standardize="feature",
+        held_out_score=lambda A, stage, i: 0.5 if stage == "exact finish" and i > 0 else 0.9,
+    )
 
     def judged_fit(**extra):
         with warnings.catch_warnings():
@@ -292,12 +295,11 @@ def test_knca_finish_averages_over_its_own_row_limit(monkeypatch):
     assert abs(on_rows - float(np.mean(probabilities))) > 1e-4  # the sample was averaged
 
 
-@pytest.mark.parametrize("best_stage", [None, "exact finish"])
-def test_early_stopping_keeps_the_best_validated_map_of_either_stage(monkeypatch, best_stage):
-    """The validation score scripted to peak at the first iteration of either stage (the
-    candidate stage: None): the fit returns that iterate's map and its accuracy, whatever
-    the other iterates of both stages did."""
-    script_validation(monkeypatch, lambda stage, i: 0.9 if (stage, i) == (best_stage, 1) else 0.5)
+@pytest.mark.parametrize("best_stage", ["candidate stage", "exact finish"])
+def test_early_stopping_keeps_the_best_validated_map_of_either_stage(best_stage):
+    """The validation score scripted (``held_out_score``) to peak at the first iteration of
+    either stage: the fit returns that iterate's map and its accuracy, whatever the other
+    iterates of both stages did."""
     X, y = hard_noisy(n=300, seed=0)
     maps = {}
     model = fit(
@@ -310,10 +312,12 @@ def test_early_stopping_keeps_the_best_validated_map_of_either_stage(monkeypatch
         n_iter_no_change=50,
         max_iter=15,
         callback=lambda A, iteration: maps.__setitem__(iteration, A.copy()),
+        held_out_score=lambda A, stage, i: 0.9 if (stage, i) == (best_stage, 1) else 0.5,
     )
     validated = [(r["val_score"], r["iteration"], r.get("stage")) for r in model.history_]
+    tag = None if best_stage == "candidate stage" else best_stage  # the first stage: no tag
     assert [(i, s) for a, i, s in validated if a == 0.9] == [
-        next((i, s) for _, i, s in validated if s == best_stage)
+        next((i, s) for _, i, s in validated if s == tag)
     ]
     best = next(i for a, i, _ in validated if a == 0.9)
     assert 1 <= model.exact_finish_iter_ <= 5 and len(maps) == model.n_iter_

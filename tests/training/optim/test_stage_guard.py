@@ -87,12 +87,34 @@ def test_the_held_out_scorer_computes_a_map_once():
 
     held = HeldOut(figures, 10, "t")
     for value in (1.0, 2.0, 1.0, 2.0, 3.0):
-        assert held(np.array([value])) == value
+        assert held(np.array([value]), "exact fit", 1) == value
     assert held.accuracy(np.array([2.0])) == 0.2  # remembered with its score
     assert calls == [1.0, 2.0, 3.0] and held.checks == 3
     held.remember(np.array([4.0]), 4.0)  # a checkpoint's score: the accuracy is computed
-    assert held(np.array([4.0])) == 4.0 and calls == [1.0, 2.0, 3.0]
+    assert held(np.array([4.0]), "exact fit", 2) == 4.0 and calls == [1.0, 2.0, 3.0]
     assert held.accuracy(np.array([4.0])) == 0.4 and calls == [1.0, 2.0, 3.0, 4.0]
+
+
+def test_a_users_scorer_is_asked_at_every_check_and_the_rows_still_give_the_accuracy():
+    asked, computed = [], []
+
+    def figures(theta):  # the held-out rows' (score, accuracy)
+        computed.append(float(theta[0]))
+        return 0.0, float(theta[0]) / 10
+
+    def scorer(theta, stage, iteration):  # where the fit is decides the score
+        asked.append((stage, iteration))
+        return float(theta[0]) + iteration
+
+    held = HeldOut(figures, 10, "t", scorer)
+    assert held(np.array([1.0]), "exact finish", 0) == 1.0
+    assert held(np.array([1.0]), "exact finish", 2) == 3.0  # the same map, asked again
+    assert asked == [("exact finish", 0), ("exact finish", 2)] and held.checks == 2
+    # the stage's last map offered again at its end: the answer is remembered
+    assert held(np.array([1.0]), "exact finish", 2) == 3.0 and held.checks == 2
+    assert held.accuracy(np.array([1.0])) == 0.1 and computed == [1.0]
+    assert held.tolerance == 0.0  # the user's units: no rows' worth
+    assert HeldOut(figures, 10, "t").tolerance == 0.15  # the rows' score: 1.5 rows' worth
 
 
 def test_the_budget_is_rank_0s_decision():
@@ -112,10 +134,12 @@ def test_the_budget_is_rank_0s_decision():
 
 @pytest.fixture
 def scripted(monkeypatch):
-    """Every iteration takes one scripted second, and a map's held-out score is
-    ``script(stage, iteration)`` of the iteration that reached it (stage: "first" or
-    "finish"; the initial map is iteration 0 of the first stage). Returns (the script's
-    holder, {iteration: the map it reached}, the clock)."""
+    """Every iteration takes one scripted second (the fit's clock), and a map's held-out
+    score (``held_out_score``, with the ``callback`` that records the maps: pass both) is
+    ``script(stage, iteration)`` of the fit's iteration that reached it (stage: "first" or
+    "finish"; the initial map, and any map no iteration reached, is iteration 0 of the
+    first stage). Returns (the script's holder, {iteration: the map it reached}, the
+    clock)."""
     clock = Clock()
     monkeypatch.setattr(fitting.time, "perf_counter", clock)
     reached: dict[bytes, tuple[str, int]] = {}
@@ -132,15 +156,11 @@ def scripted(monkeypatch):
         reached[np.asarray(components, dtype=np.float64).tobytes()] = (stage, iteration)
         maps[iteration] = np.array(components, copy=True)
 
-    def score(theta):
-        stage, iteration = reached.get(np.asarray(theta, dtype=np.float64).tobytes(), ("first", 0))
-        return holder["script"](stage, iteration), None  # (score, no validation accuracy)
+    def held_out_score(A, stage_name, stage_iteration):  # the script's, by the map's iteration
+        key = np.asarray(A, dtype=np.float64).ravel().tobytes()
+        return holder["script"](*reached.get(key, ("first", 0)))
 
-    def held_out(self):
-        return HeldOut(score, 1000, "scripted")
-
-    monkeypatch.setattr(fitting.StagedFit, "_held_out", held_out)
-    holder["callback"] = callback
+    holder["callback"], holder["held_out_score"] = callback, held_out_score
     return holder, maps, clock
 
 
@@ -149,7 +169,13 @@ def fit(X, y, holder, **params):
         warnings.simplefilter("ignore")
         model = NCA(
             **with_options(
-                dict(n_components=2, random_state=0, callback=holder["callback"], **params)
+                dict(
+                    n_components=2,
+                    random_state=0,
+                    callback=holder["callback"],
+                    held_out_score=holder["held_out_score"],
+                    **params,
+                )
             )
         )
         return model.fit(X, y)
@@ -255,7 +281,11 @@ def test_the_budget_returns_the_best_judged_map_and_says_so(scripted, monkeypatc
             max_iter=50,
             tol=0,
             max_seconds=107.0,
-            options=dict(validation_interval=1, stop_stalled_stages=False),
+            options=dict(
+                validation_interval=1,
+                stop_stalled_stages=False,
+                held_out_score=holder["held_out_score"],
+            ),
         ).fit(X, y)
     first, finish = model.stages_
     assert first["stop_reason"] == "max_seconds" and first["iterations"] == 7
@@ -330,15 +360,81 @@ def test_the_estimator_reports_each_stage_to_its_progress_callback():
     )
 
 
-def test_the_iteration_early_stopping_ends_on_is_reported_too(monkeypatch):
-    from tests.training.problems import script_validation
-
+def test_the_iteration_early_stopping_ends_on_is_reported_too():
     # validation falls after the first check: early stopping ends the stage at iteration 3
     # (the stages' own rules off: the real held-out rows would end it first)
-    script_validation(monkeypatch, lambda stage, it: 0.9 if it == 1 else 0.5)
     model, events = fit_with_events(
-        max_iter=50, early_stopping=True, n_iter_no_change=2, stop_stalled_stages=False
+        max_iter=50,
+        early_stopping=True,
+        n_iter_no_change=2,
+        stop_stalled_stages=False,
+        held_out_score=lambda A, stage, it: 0.9 if it == 1 else 0.5,
     )
     (record,) = model.stages_
     assert model.stop_reason_ == "stalled" and record["iterations"] == 3
     assert [e.iteration for e in events] == [0, 1, 2, 3]
+
+
+def test_a_users_callback_and_score_are_given_copies_of_the_map():
+    """A callback and a held_out_score that write zeros into the map they are given leave
+    the fit as it was: they get copies, not the fit's own parameters."""
+    X, y = blobs(300)
+
+    def meddling_callback(A, iteration):
+        A[...] = 0.0
+
+    def meddling_score(A, stage, iteration):
+        A[...] = 0.0
+        return float(iteration)  # rising: the keep rule keeps the last map, as unjudged
+
+    base = dict(n_components=2, random_state=0, max_iter=8, tol=0, validation_interval=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain = NCA(**with_options(base)).fit(X, y)
+        meddled = NCA(
+            **with_options(dict(base, callback=meddling_callback, held_out_score=meddling_score))
+        ).fit(X, y)
+    assert meddled.stage_measure_ == "held_out_score (FitOptions)"
+    assert meddled.n_iter_ == plain.n_iter_ > 1
+    np.testing.assert_array_equal(meddled.components_, plain.components_)
+
+
+def test_a_held_out_score_is_asked_once_a_check_and_never_when_nothing_is_judged():
+    X, y = blobs(300)
+    asked = []
+
+    def score(A, stage, iteration):
+        asked.append((stage, iteration))
+        return float(iteration)
+
+    params = dict(n_components=2, random_state=0, max_iter=6, tol=0, validation_interval=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        judged = NCA(**with_options(dict(params, held_out_score=score))).fit(X, y)
+        # the stage's last map (iteration 6, checked) is offered again at its end: not asked
+        assert asked == [("exact fit", i) for i in (0, 1, 2, 4, 6)]
+        assert judged.stages_[0]["checks"] == len(asked)
+        asked.clear()
+        unjudged = NCA(**with_options(dict(params, held_out_score=score, select_stages=False)))
+        unjudged.fit(X, y)
+    assert asked == [] and unjudged.stages_[0]["kept"] == "end (not judged)"
+    assert unjudged.stages_[0]["checks"] == 0
+
+
+def test_no_training_rows_are_held_out_of_the_fit_for_a_users_score():
+    """Rows are held out of a large fit only to judge it: with a held_out_score, which
+    judges instead, every row is fitted."""
+    from training.distributed.ranks import ProcessGroup
+    from training.model.options import fit_settings
+
+    X, y = blobs(20000)  # above HOLDOUT_MIN_SAMPLES
+    for held_out_score in (None, lambda A, stage, iteration: 0.5):
+        settings = fit_settings(NCA(options={"held_out_score": held_out_score}).get_params())
+        rng = np.random.default_rng(0)
+        rows, held, _, _ = preparation.held_out(
+            None, settings, X, y, np.unique(y), None, None, rng, ProcessGroup()
+        )
+        if held_out_score is None:  # a tenth of the rows, stratified
+            assert abs(len(held) - 2000) <= 5 and len(rows) + len(held) == len(X)
+        else:
+            assert held is None and len(rows) == len(X)
