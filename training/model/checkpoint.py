@@ -134,6 +134,8 @@ class FitCheckpoint:
             path = self.previous_path
         if not path.exists():
             return None
+        if not zipfile.is_zipfile(path):  # (numpy would call any other file pickled data)
+            raise self._unusable(path, "not a fit checkpoint (not an .npz archive)")
         try:
             with np.load(path, allow_pickle=False) as data:
                 meta = json.loads(str(data["meta"]))
@@ -145,8 +147,8 @@ class FitCheckpoint:
             raise self._unusable(path, "not a fit checkpoint of this format")
         if meta.get("fingerprint") != self.key:
             raise ValueError(
-                f"checkpoint {path} is of another fit (other data or options): remove "
-                f"{self.directory} to start over, or give the same data and options"
+                f"checkpoint {path} is of another fit (other data or options): "
+                f"{self.remedy}, or give the same data and options"
             )
         wrong = _wrong_arrays(theta, arrays)
         if wrong is not None:  # the fingerprint matched: the file was changed after the save
@@ -166,8 +168,14 @@ class FitCheckpoint:
         except (TypeError, KeyError, ValueError, RuntimeError) as exc:
             raise self._unusable(path, f"its state does not read back ({exc})") from None
 
+    @property
+    def remedy(self) -> str:
+        """What to remove to start over: the fit's own files, not the directory (a
+        ``--checkpoint-dir`` the user gave keeps their other files)."""
+        return f"remove the fit-rank*.npz files from {self.directory} to start over"
+
     def _unusable(self, path: Path, why: str) -> ValueError:
-        return ValueError(f"checkpoint {path}: {why}; remove {self.directory} to start over")
+        return ValueError(f"checkpoint {path}: {why}; {self.remedy}")
 
     def save(self, state: FitState, rng: np.random.Generator) -> None:
         """Write the fit's ``state`` and the generators, atomically. A disk that refuses it

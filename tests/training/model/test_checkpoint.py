@@ -186,7 +186,7 @@ def test_a_checkpoint_of_another_fit_is_refused(tmp_path):
         )
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "fit-rank0.npz").write_bytes(b"not a checkpoint")
-    with pytest.raises(ValueError, match="not a readable fit checkpoint"):
+    with pytest.raises(ValueError, match=r"not a fit checkpoint \(not an .npz archive\)"):
         fit(tmp_path / "bad")
 
 
@@ -306,7 +306,8 @@ def test_a_tampered_checkpoint_is_refused_naming_it_and_the_remedy(
     with pytest.raises(Killed):
         fit(tmp_path / "ckpt", **EXACT, callback=killer(5))
     _tamper(tmp_path / "ckpt" / "fit-rank0.npz", TAMPERED[change])
-    with pytest.raises(ValueError, match=f"remove {tmp_path / 'ckpt'} to start over") as caught:
+    remedy = f"remove the fit-rank\\*.npz files from {tmp_path / 'ckpt'} to start over"
+    with pytest.raises(ValueError, match=remedy) as caught:
         fit(tmp_path / "ckpt", **EXACT)
     assert str(tmp_path / "ckpt" / "fit-rank0.npz") in str(caught.value)
 
@@ -352,3 +353,22 @@ def test_a_checkpoint_tells_two_score_functions_apart():
         return fingerprint(X, y, None, None, {"held_out_score": function}, "v")
 
     assert key(rising) == key(rising) and key(rising) != key(falling)
+
+
+def test_a_checkpoint_directory_of_the_users_files_is_refused_naming_only_the_fits_files(
+    tmp_path,
+):
+    """A --checkpoint-dir holding the user's own files and a fit-rank0.npz that is not a
+    checkpoint (text): refused as not an .npz archive (numpy would call it pickled data),
+    with a remedy that names the fit's files, never the directory; nothing is removed."""
+    directory = tmp_path / "mine"
+    directory.mkdir()
+    (directory / "fit-rank0.npz").write_text("not a checkpoint")
+    (directory / "keep.txt").write_text("the user's")
+    X, y = hard_noisy(200)[:2]
+    with pytest.raises(ValueError) as caught:
+        NCA(n_components=2, max_iter=3, random_state=0).fit(X, y, checkpoint=directory)
+    message = str(caught.value)
+    assert "not a fit checkpoint (not an .npz archive)" in message and "pickled" not in message
+    assert message.endswith(f"remove the fit-rank*.npz files from {directory} to start over")
+    assert sorted(p.name for p in directory.iterdir()) == ["fit-rank0.npz", "keep.txt"]
