@@ -79,12 +79,12 @@ def _float_or_nan(value) -> float:
 
 
 def _l2(value):
-    """'auto' or a finite number >= 0."""
+    """'auto' or a number in [0, 1e6] (the estimator's bound: ``parameters.CONSTRAINTS``)."""
     if value in ("auto", None):
         return "auto"
     l2 = _float_or_nan(value)
-    if not 0 <= l2 < float("inf"):
-        raise ConfigError(f"--l2={value!r} must be 'auto' or a number >= 0")
+    if not 0 <= l2 <= 1e6:
+        raise ConfigError(f"--l2={value!r} must be 'auto' or a number in [0, 1e6]")
     return l2
 
 
@@ -182,7 +182,7 @@ class TrainConfig:
     tol: float = _shared("tol", "convergence tolerance")
     l2: str = _shared(
         "l2",
-        "L2 penalty on A (added to the mean per-point loss): a number >= 0, or auto "
+        "L2 penalty on A (added to the mean per-point loss): a number in [0, 1e6], or auto "
         "(0.03 on the exact objective, chosen by cross-validation, and with --candidate-draws; "
         "0 on nearest candidate sets alone)",
         parse=_l2,

@@ -227,12 +227,22 @@ def write_npz(path, **arrays):
         (
             lambda p, r: write_npz(p, X=r.normal(size=(20, 3)), y=np.arange(20) % 2),
             ["--l2", "lots"],
-            "--l2='lots' must be 'auto' or a number >= 0",
+            "--l2='lots' must be 'auto' or a number in \\[0, 1e6\\]",
         ),
         (
             lambda p, r: write_npz(p, X=r.normal(size=(20, 3)), y=np.arange(20) % 2),
             ["--l2", "-0.5"],
-            "--l2='-0.5' must be 'auto' or a number >= 0",
+            "--l2='-0.5' must be 'auto' or a number in \\[0, 1e6\\]",
+        ),
+        (
+            lambda p, r: write_npz(p, X=r.normal(size=(20, 3)), y=np.arange(20) % 2),
+            ["--l2", "1e300"],  # before, refused only inside the fit, as a non-finite loss
+            "--l2='1e300' must be 'auto' or a number in \\[0, 1e6\\]",
+        ),
+        (
+            lambda p, r: write_npz(p, X=r.normal(size=(20, 3)), y=np.arange(20) % 2),
+            ["--solver", "adam", "--learning-rate", "1e30"],
+            "--learning-rate=1e\\+30 must be a finite real number in \\(0, 1000\\]",
         ),
         (
             lambda p, r: write_npz(p, X=r.normal(size=(20, 3)), y=np.arange(20) % 2),

@@ -116,7 +116,9 @@ CONSTRAINTS: dict[str, list] = {
     "solver": [OneOf(SOLVERS)],
     "max_iter": [Integer(1)],
     "tol": [Real(0)],
-    "l2": [AUTO, Real(0)],
+    # the penalty on a mean score within [-1, 0]: above 1e6 it outweighs the loss at any map
+    # but the zero map, and near 1e300 it overflows (refused before the fit, not inside it)
+    "l2": [AUTO, Real(0, 1e6)],
     "n_candidates": [AUTO, NONE, Integer(1)],
     "refresh_every": [Integer(1)],
     "refresh_tol": [NONE, Real(0, 1, low_closed=False, high_closed=False)],
@@ -125,7 +127,9 @@ CONSTRAINTS: dict[str, list] = {
     "exact_finish": [AUTO, Integer(0)],
     "chunk_size": [NONE, Integer(1)],
     "batch_size": [Integer(1)],
-    "learning_rate": [Real(0, low_closed=False)],
+    # Adam moves each entry of A about learning_rate an epoch: standardised inputs' maps have
+    # entries of order 1, and 1e30 overflowed the map inside the fit
+    "learning_rate": [Real(0, 1e3, low_closed=False)],
     "validation_fraction": [Real(0, 1, low_closed=False, high_closed=False)],
     "n_iter_no_change": [Integer(1)],
     "validation_interval": [Integer(1)],
