@@ -90,14 +90,55 @@ def evenly_spaced_rows(n: int, count: int) -> np.ndarray:
 
 
 def fisher_directions(
-    between: np.ndarray, within: np.ndarray, n: int, n_components: int
+    between: np.ndarray, within: np.ndarray, n: int, n_components: int, n_features=None
 ) -> np.ndarray:
     """Fisher's discriminant directions (n_components, D): the top generalised eigenvectors
     of S_b v = lambda S_w v for the between- and within-class scatter matrices (D, D) of n
     rows, scaled so that the within-class covariance S_w / n is the identity along them.
-    S_w gets a ridge of 1e-6 of its mean eigenvalue, so rank-deficient data (constant
-    features, D > N) still has a solution."""
-    n_features = within.shape[0]
+    S_w gets a ridge of 1e-6 of its mean eigenvalue over ``n_features`` dimensions (D when
+    None; the full D when the matrices are those of a span, ``fisher_directions_of_rows``),
+    so rank-deficient data (constant features, D > N) still has a solution."""
+    n_features = within.shape[0] if n_features is None else n_features
     ridge = 1e-6 * max(np.trace(within) / n_features, np.finfo(np.float64).tiny)
-    _, vectors = scipy.linalg.eigh(between, within + ridge * np.eye(n_features))
+    _, vectors = scipy.linalg.eigh(between, within + ridge * np.eye(within.shape[0]))
     return vectors[:, ::-1][:, :n_components].T * np.sqrt(n)  # v^T (S_w / n) v = 1
+
+
+def principal_axes(centred: np.ndarray, n_components: int) -> np.ndarray:
+    """The top ``n_components`` principal axes (n_components, D) of centred rows (N, D),
+    largest variance first: eigenvectors of the scatter C^T C (D, D) from one GEMM and an
+    O(D^3) eigendecomposition, or, with fewer rows than features, the right singular
+    vectors of the rows, at O(N^2 D) (the same axes: C^T C = V S^2 V^T). Signs as either
+    decomposition gives them."""
+    n, n_features = centred.shape
+    if n < n_features and n_components <= n:
+        _, _, vt = np.linalg.svd(centred, full_matrices=False)  # (N, D), largest first
+        return vt[:n_components]
+    _, vectors = np.linalg.eigh(centred.T @ centred)  # ascending eigenvalues
+    return vectors[:, ::-1][:, :n_components].T
+
+
+def fisher_directions_of_rows(
+    X: np.ndarray, y_idx: np.ndarray, n_classes: int, n_components: int
+) -> np.ndarray:
+    """``fisher_directions`` (n_components, D) of rows X (N, D) with class indices y_idx
+    (N,). With fewer rows than features it works in the span of the centred rows (a basis V
+    (D, r) from their SVD, r <= N) at O(N^2 D), not O(D^3): S_b and S_w map into that span,
+    so a direction with lambda > 0 lies in it (its part outside would need
+    0 = lambda * ridge * v_perp), and V^T S_w V has S_w's trace, so the ridge is the same."""
+    counts = np.bincount(y_idx, minlength=n_classes)  # (C,)
+    class_means = (np.eye(n_classes)[y_idx].T @ X) / np.maximum(counts, 1)[:, None]  # (C, D)
+    between = (class_means - X.mean(axis=0)) * np.sqrt(counts)[:, None]  # (C, D)
+    within_rows = X - class_means[y_idx]  # (N, D)
+    n, n_features = X.shape
+    basis = None
+    if n < n_features:
+        _, singular, vt = np.linalg.svd(X - X.mean(axis=0), full_matrices=False)
+        rank = int(np.count_nonzero(singular > n * np.finfo(np.float64).eps * singular[0]))
+        basis = vt[:rank] if n_components <= rank else None  # (r, D)
+    if basis is None:  # as many rows as features, or more directions asked than the span has
+        s_b, s_w = between.T @ between, within_rows.T @ within_rows
+        return fisher_directions(s_b, s_w, n, n_components)
+    b, w = between @ basis.T, within_rows @ basis.T  # (C, r), (N, r)
+    directions = fisher_directions(b.T @ b, w.T @ w, n, n_components, n_features=n_features)
+    return directions @ basis  # (n_components, D)

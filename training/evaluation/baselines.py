@@ -9,14 +9,18 @@ Each returns A with z = x_std @ A.T:
 * rca        A = Sigma_w^{-1/2}             (D x D), Sigma_w the mean within-class covariance
 
 Inverse square roots use the eigendecomposition with eigenvalues floored at
-1e-6 * the largest, so rank-deficient data (constant features, D > N) stays finite.
+1e-6 * the largest, so rank-deficient data (constant features) stays finite. With fewer
+training rows than features the two D x D maps are not computed (ValueError, which the
+report records): their covariance is singular, and its O(D^3) decomposition would cost more
+than the fit (50 rows of 5,000 features: 10 s each). PCA and LDA are computed there in the
+span of the rows, at O(N^2 D).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from training.numerics import fisher_directions
+from training.numerics import fisher_directions_of_rows, principal_axes
 
 
 def inverse_sqrt(cov: np.ndarray, floor: float = 1e-6) -> np.ndarray:
@@ -30,16 +34,24 @@ def euclidean(X: np.ndarray, y: np.ndarray, d: int) -> np.ndarray:
     return np.eye(X.shape[1])
 
 
+def _check_more_rows_than_features(X: np.ndarray, name: str) -> None:
+    if X.shape[0] < X.shape[1]:
+        raise ValueError(
+            f"{name} not computed: fewer training rows ({X.shape[0]}) than features "
+            f"({X.shape[1]}) leave its D x D covariance singular"
+        )
+
+
 def whitening(X: np.ndarray, y: np.ndarray, d: int) -> np.ndarray:
+    _check_more_rows_than_features(X, "whitening")
     return inverse_sqrt(np.cov(X, rowvar=False).reshape(X.shape[1], X.shape[1]))
 
 
 def pca(X: np.ndarray, y: np.ndarray, d: int) -> np.ndarray:
-    """The top-d eigenvectors of the training covariance (D x D, from one GEMM, which is
-    cheaper than an SVD of the centred N x D rows when N is large), largest first."""
-    centred = X - X.mean(axis=0)
-    _, vecs = np.linalg.eigh(centred.T @ centred)
-    return vecs[:, ::-1][:, :d].T
+    """The top-d principal axes of the training rows, largest first
+    (``numerics.principal_axes``: the D x D covariance's eigenvectors, or with fewer rows
+    than features the rows' right singular vectors)."""
+    return principal_axes(X - X.mean(axis=0), d)
 
 
 def lda(X: np.ndarray, y: np.ndarray, d: int) -> np.ndarray:
@@ -47,14 +59,11 @@ def lda(X: np.ndarray, y: np.ndarray, d: int) -> np.ndarray:
     along them (``training.numerics.fisher_directions``, as LDA's scalings)."""
     classes, y_idx = np.unique(y, return_inverse=True)
     n_out = min(d, len(classes) - 1, X.shape[1])
-    counts = np.bincount(y_idx)
-    class_means = (np.eye(len(classes))[y_idx].T @ X) / counts[:, None]  # (C, D)
-    centred = X - class_means[y_idx]
-    between = (class_means - X.mean(axis=0)) * np.sqrt(counts)[:, None]
-    return fisher_directions(between.T @ between, centred.T @ centred, len(X), n_out)
+    return fisher_directions_of_rows(X, y_idx, len(classes), n_out)
 
 
 def rca(X: np.ndarray, y: np.ndarray, d: int) -> np.ndarray:
+    _check_more_rows_than_features(X, "rca")
     n_features = X.shape[1]
     within = np.zeros((n_features, n_features))
     classes = np.unique(y)

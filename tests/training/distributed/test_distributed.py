@@ -167,7 +167,16 @@ def sharded_statistics(group):
         sharded_stats.varying_features(one_row[z_start:z_stop], group),
         sharded_stats.varying_features(two_values[z_start:z_stop], group),
     ]
+    # fewer rows (40) than the digits' 64 features: PCA and LDA from the gathered rows' span
+    w_start, w_stop = shard_bounds(40, group.rank, group.world_size)
+    wide = X[:40].astype(np.float64)
+    wide_pca = sharded_stats.pca_components(wide[w_start:w_stop], 40, 5, group)
+    wide_lda = sharded_stats.lda_components(
+        wide[w_start:w_stop], y[w_start:w_stop], 40, 10, 3, group
+    )
     return {
+        "wide/pca": wide_pca,
+        "wide/lda": wide_lda,
         "varying": np.array(varying),
         "knn/dist": d,
         "knn/index": i,
@@ -431,6 +440,29 @@ def test_standardisation_choice_over_shards_scores_as_one_process(two_ranks):
     X, y, _, _ = digits_split()
     _, scores = choose_standardizer(X, y, 0, 10, ProcessGroup())
     np.testing.assert_allclose(two_ranks["choice/scores"], [scores["feature"], scores["global"]])
+
+
+def test_with_fewer_rows_than_features_pca_and_lda_equal_the_scatter_matrices_solutions(
+    two_ranks,
+):
+    """40 digits rows of 64 features: the span's PCA and LDA (on one process and gathered
+    over two ranks) against the D x D scatter matrices' eigenproblems, up to sign."""
+    from training.distributed import sharded_stats
+    from training.numerics import fisher_directions
+
+    X, y, _, _ = digits_split()
+    X, y, single = X[:40].astype(np.float64), y[:40], ProcessGroup()
+    centred = X - X.mean(0)
+    pca = sharded_stats._signed_rows(np.linalg.eigh(centred.T @ centred)[1][:, ::-1][:, :5].T)
+    means = np.stack([X[y == c].mean(0) for c in range(10)])
+    between = (means - X.mean(0)) * np.sqrt(np.bincount(y))[:, None]
+    within = X - means[y]
+    lda = fisher_directions(between.T @ between, within.T @ within, 40, 3)
+    lda = sharded_stats._signed_rows(lda)
+    for found in (sharded_stats.pca_components(X, 40, 5, single), two_ranks["wide/pca"]):
+        np.testing.assert_allclose(found, pca, atol=1e-8)
+    for found in (sharded_stats.lda_components(X, y, 40, 10, 3, single), two_ranks["wide/lda"]):
+        np.testing.assert_allclose(found, lda, rtol=1e-6, atol=1e-6 * np.abs(lda).max())
 
 
 def test_pca_and_lda_from_scatter_matrices_span_scikit_learns_axes():

@@ -85,3 +85,46 @@ def test_lda_makes_the_within_class_scatter_per_row_the_identity_along_its_direc
     # up to the ridge of 1e-6 of the mean eigenvalue that keeps S_w invertible
     np.testing.assert_allclose(within_per_row, np.eye(2), atol=1e-4)
     assert not np.allclose(np.linalg.norm(A, axis=1), 1.0)  # scaled, not merely unit vectors
+
+
+@pytest.fixture(scope="module")
+def wide():
+    """Fewer rows than features: 45 rows of 300 features, three classes."""
+    rng = np.random.default_rng(1)
+    y = np.repeat([0, 1, 2], 15)
+    X = rng.normal(size=(45, 300)) + rng.normal(0, 2, size=(3, 300))[y]
+    return X, y
+
+
+def test_with_fewer_rows_than_features_pca_is_the_covariances_top_eigenvectors(wide):
+    """The rows' right singular vectors (O(N^2 D)) against the D x D covariance's
+    eigenvectors (O(D^3)): the same axes, up to sign."""
+    X, y = wide
+    A = pca(X, y, 6)
+    centred = X - X.mean(axis=0)
+    _, vectors = np.linalg.eigh(centred.T @ centred)
+    expected = vectors[:, ::-1][:, :6].T
+    np.testing.assert_allclose(np.abs(A @ expected.T), np.eye(6), atol=1e-8)
+
+
+def test_with_fewer_rows_than_features_lda_solves_in_the_span_as_in_the_whole_space(wide):
+    """Fisher's directions from the rows' span equal those of the D x D generalised
+    eigenproblem with the same ridge, up to sign, scaling included."""
+    from training.numerics import fisher_directions
+
+    X, y = wide
+    A = lda(X, y, 2)
+    means = np.stack([X[y == c].mean(0) for c in range(3)])
+    between = (means - X.mean(0)) * np.sqrt(15)
+    within = X - means[y]
+    expected = fisher_directions(between.T @ between, within.T @ within, len(X), 2)
+    for row, want in zip(A, expected, strict=True):
+        sign = np.sign(row @ want)
+        np.testing.assert_allclose(sign * row, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("name", ["whitening", "rca"])
+def test_with_fewer_rows_than_features_the_d_by_d_maps_are_refused_with_the_reason(wide, name):
+    X, y = wide
+    with pytest.raises(ValueError, match=rf"{name} not computed: fewer training rows \(45\)"):
+        BASELINES[name](X, y, 6)
