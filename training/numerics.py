@@ -108,14 +108,30 @@ def principal_axes(centred: np.ndarray, n_components: int) -> np.ndarray:
     """The top ``n_components`` principal axes (n_components, D) of centred rows (N, D),
     largest variance first: eigenvectors of the scatter C^T C (D, D) from one GEMM and an
     O(D^3) eigendecomposition, or, with fewer rows than features, the right singular
-    vectors of the rows, at O(N^2 D) (the same axes: C^T C = V S^2 V^T). Signs as either
-    decomposition gives them."""
+    vectors of the rows, at O(N^2 D) (the same axes: C^T C = V S^2 V^T), completed past N
+    by orthonormal directions outside their span (eigenvalue 0, as eigh's would be). Signs
+    as either decomposition gives them."""
     n, n_features = centred.shape
-    if n < n_features and n_components <= n:
+    if n < n_features:
         _, _, vt = np.linalg.svd(centred, full_matrices=False)  # (N, D), largest first
-        return vt[:n_components]
+        if n_components <= n:
+            return vt[:n_components]
+        return np.vstack([vt, orthonormal_complement(vt, n_components - n)])
     _, vectors = np.linalg.eigh(centred.T @ centred)  # ascending eigenvalues
     return vectors[:, ::-1][:, :n_components].T
+
+
+def orthonormal_complement(rows: np.ndarray, count: int) -> np.ndarray:
+    """``count`` orthonormal rows (count, D) orthogonal to the orthonormal ``rows`` (r, D),
+    r + count <= D: the first r + count coordinate axes projected off their span, the
+    ``count`` longest residuals orthonormalised (QR with column pivoting): deterministic,
+    O(D (r + count)^2)."""
+    n_features = rows.shape[1]
+    axes = np.eye(n_features, len(rows) + count)  # (D, r + count)
+    residual = axes - rows.T @ (rows @ axes)  # (D, r + count), orthogonal to the rows
+    q, _, _ = scipy.linalg.qr(residual, mode="economic", pivoting=True)
+    q = q[:, :count]
+    return (q - rows.T @ (rows @ q)).T  # once more off the span, against rounding
 
 
 def fisher_directions_of_rows(

@@ -305,7 +305,7 @@ def pca_components(
     singular vectors (``numerics.principal_axes``): O(N^2 D), not the O(D^3) of an
     eigendecomposition (50 rows of 5,000 features: 10 s an eigh, here)."""
     mean, _ = moments(Xs_shard, n, group)
-    if n < Xs_shard.shape[1] and n_components <= n:
+    if n < Xs_shard.shape[1]:
         centred = gather_array(np.asarray(Xs_shard, dtype=np.float64) - mean, n, group)
         return _signed_rows(principal_axes(centred, n_components))
     scatter = np.zeros((Xs_shard.shape[1], Xs_shard.shape[1]))

@@ -96,35 +96,56 @@ def wide():
     return X, y
 
 
-def test_with_fewer_rows_than_features_pca_is_the_covariances_top_eigenvectors(wide):
-    """The rows' right singular vectors (O(N^2 D)) against the D x D covariance's
-    eigenvectors (O(D^3)): the same axes, up to sign."""
-    X, y = wide
-    A = pca(X, y, 6)
-    centred = X - X.mean(axis=0)
-    _, vectors = np.linalg.eigh(centred.T @ centred)
-    expected = vectors[:, ::-1][:, :6].T
-    np.testing.assert_allclose(np.abs(A @ expected.T), np.eye(6), atol=1e-8)
-
-
-def test_with_fewer_rows_than_features_lda_solves_in_the_span_as_in_the_whole_space(wide):
-    """Fisher's directions from the rows' span equal those of the D x D generalised
-    eigenproblem with the same ridge, up to sign, scaling included."""
+def d_by_d(name, X, y, d):
+    """The baseline's map from the D x D matrices, as computed with N >= D."""
+    from training.evaluation.baselines import inverse_sqrt
     from training.numerics import fisher_directions
 
-    X, y = wide
-    A = lda(X, y, 2)
-    means = np.stack([X[y == c].mean(0) for c in range(3)])
-    between = (means - X.mean(0)) * np.sqrt(15)
-    within = X - means[y]
-    expected = fisher_directions(between.T @ between, within.T @ within, len(X), 2)
-    for row, want in zip(A, expected, strict=True):
-        sign = np.sign(row @ want)
-        np.testing.assert_allclose(sign * row, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+    centred = X - X.mean(0)
+    if name == "pca":
+        return np.linalg.eigh(centred.T @ centred)[1][:, ::-1][:, :d].T
+    if name == "whitening":
+        return inverse_sqrt(np.cov(X, rowvar=False))
+    classes = np.unique(y)
+    means = np.stack([X[y == c].mean(0) for c in classes])
+    within = X - means[np.searchsorted(classes, y)]
+    if name == "rca":
+        per_class = [within[y == c].T @ within[y == c] / np.sum(y == c) for c in classes]
+        return inverse_sqrt(np.mean(per_class, axis=0))
+    between = (means - X.mean(0)) * np.sqrt(np.bincount(y))[:, None]
+    return fisher_directions(between.T @ between, within.T @ within, len(X), d)
 
 
-@pytest.mark.parametrize("name", ["whitening", "rca"])
-def test_with_fewer_rows_than_features_the_d_by_d_maps_are_refused_with_the_reason(wide, name):
+@pytest.mark.parametrize("name, d", [("pca", 6), ("lda", 2), ("whitening", 300), ("rca", 300)])
+def test_with_fewer_rows_than_features_each_map_comes_from_the_rows_as_from_d_by_d(wide, name, d):
+    """PCA (right singular vectors), LDA (solved in the rows' span with the same ridge) and
+    the inverse square roots (the span's part plus the floor's on the rest) against the
+    D x D problems they replace: the same maps, up to each row's sign."""
+    import scipy.linalg
+
     X, y = wide
-    with pytest.raises(ValueError, match=rf"{name} not computed: fewer training rows \(45\)"):
-        BASELINES[name](X, y, 6)
+    expected = d_by_d(name, X, y, d)
+    with pytest.MonkeyPatch.context() as patch:  # the wide maps: no D x D eigh
+        for module in (np.linalg, scipy.linalg):
+            real = module.eigh
+
+            def eigh(a, *args, _real=real, **kwargs):
+                assert np.shape(a)[0] <= 45, f"an eigh of a {np.shape(a)} matrix"
+                return _real(a, *args, **kwargs)
+
+            patch.setattr(module, "eigh", eigh)
+        found = BASELINES[name](X, y, d)
+    assert found.shape == expected.shape
+    signs = np.sign(np.sum(found * expected, axis=1))[:, None]
+    scale = np.abs(expected).max()
+    np.testing.assert_allclose(signs * found, expected, rtol=1e-6, atol=1e-7 * scale)
+
+
+def test_pca_past_the_rows_is_completed_by_orthonormal_axes_outside_their_span(wide):
+    """d = 60 > 45 rows: the first 45 axes are the rows' (all but one with variance: the
+    centred rows have rank 44), the rest orthonormal and orthogonal to every row."""
+    X, y = wide
+    A = pca(X, y, 60)
+    np.testing.assert_allclose(A @ A.T, np.eye(60), atol=1e-10)
+    centred = X - X.mean(0)
+    np.testing.assert_allclose(centred @ A[45:].T, 0.0, atol=1e-8 * np.abs(centred).max())
