@@ -400,7 +400,9 @@ def test_a_users_callback_and_score_are_given_copies_of_the_map():
 
 
 def test_a_held_out_score_is_asked_once_a_check_and_never_when_nothing_is_judged():
-    X, y = blobs(300)
+    from tests.training.problems import hard_noisy
+
+    X, y = hard_noisy(300)[:2]  # overlapping noisy classes: the loss keeps falling
     asked = []
 
     def score(A, stage, iteration):
@@ -411,8 +413,12 @@ def test_a_held_out_score_is_asked_once_a_check_and_never_when_nothing_is_judged
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         judged = NCA(**with_options(dict(params, held_out_score=score))).fit(X, y)
-        # the stage's last map (iteration 6, checked) is offered again at its end: not asked
-        assert asked == [("exact fit", i) for i in (0, 1, 2, 4, 6)]
+        # the start, the first iteration, every second one, and the stage's last map, which
+        # when it was a check is offered again at the stage's end: remembered, not asked
+        n = judged.n_iter_
+        assert n >= 3
+        checked = [0, 1, *range(2, n + 1, 2)]
+        assert asked == [("exact fit", i) for i in (checked if n in checked else [*checked, n])]
         assert judged.stages_[0]["checks"] == len(asked)
         asked.clear()
         unjudged = NCA(**with_options(dict(params, held_out_score=score, select_stages=False)))
