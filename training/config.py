@@ -79,11 +79,11 @@ def _float_or_nan(value) -> float:
 
 
 def _l2(value):
-    """'auto' or a number in [0, 1e6] (the estimator's bound: ``parameters.CONSTRAINTS``)."""
+    """'auto' or a number in [0, parameters.L2_MAX] (the estimator's bound)."""
     if value in ("auto", None):
         return "auto"
     l2 = _float_or_nan(value)
-    if not 0 <= l2 <= 1e6:
+    if not 0 <= l2 <= parameters.L2_MAX:
         raise ConfigError(f"--l2={value!r} must be 'auto' or a number in [0, 1e6]")
     return l2
 

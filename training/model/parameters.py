@@ -109,6 +109,11 @@ def _equal(value: Any, option: Any) -> bool:
 AUTO = OneOf(("auto",))
 NONE = OneOf((None,))
 
+# the largest l2: the penalty is on a mean score within [-1, 0], so above 1e6 it outweighs
+# the loss at any map but the zero map, and near 1e300 it overflows (refused before the fit,
+# not inside it)
+L2_MAX = 1e6
+
 CONSTRAINTS: dict[str, list] = {
     "objective": [OneOf(tuple(sorted(OBJECTIVES)))],
     "k": [Integer(1)],
@@ -116,9 +121,7 @@ CONSTRAINTS: dict[str, list] = {
     "solver": [OneOf(SOLVERS)],
     "max_iter": [Integer(1)],
     "tol": [Real(0)],
-    # the penalty on a mean score within [-1, 0]: above 1e6 it outweighs the loss at any map
-    # but the zero map, and near 1e300 it overflows (refused before the fit, not inside it)
-    "l2": [AUTO, Real(0, 1e6)],
+    "l2": [AUTO, Real(0, L2_MAX)],
     "n_candidates": [AUTO, NONE, Integer(1)],
     "refresh_every": [Integer(1)],
     "refresh_tol": [NONE, Real(0, 1, low_closed=False, high_closed=False)],
