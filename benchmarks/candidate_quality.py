@@ -104,9 +104,6 @@ NCA_METHODS = [
     ("nca 16 fixed", "nca", 1, {"n_candidates": 16, **FIXED, **ALONE}),
     ("nca 16", "nca", 1, {"n_candidates": 16, **ALONE}),
     ("nca 64", "nca", 1, {"n_candidates": 64, **ALONE}),
-    # 16 weighted uniform draws per kind beyond the 16 nearest: l2="auto" then applies the
-    # penalty, as on the exact objective
-    ("nca 16 + 16 draws", "nca", 1, {"n_candidates": 16, "candidate_draws": 16, **ALONE}),
     ("nca 16 + exact finish (defaults)", "nca", 1, {"n_candidates": 16}),
 ]
 # exact_finish="auto" for kNCA: 20 iterations averaged over at most 2,048 evenly spaced query

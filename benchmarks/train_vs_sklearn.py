@@ -13,8 +13,7 @@ part, which uses the estimator's default. Parts:
           reach scikit-learn's final objective (exact mode and the default "auto"), and peak
           memory
   large   N = 60k x 784 -> d = 32, ours alone with default settings (candidate sets, then
-          the exact finish), with candidate sets alone (exact_finish=0), and with
-          --large-draws also with drawn candidates (candidate_draws=32, 30 min)
+          the exact finish) and with candidate sets alone (exact_finish=0)
   kernel  seconds per exact objective+gradient evaluation at N = 10k, 20k (torch: exact NCA
           has no C kernel since its removal), the GFLOP/s it reaches and the machine's float32
           GEMM ceiling
@@ -132,7 +131,6 @@ def worker(spec: dict) -> dict:
                 callback=record,
                 options=dict(
                     standardize=False,
-                    candidate_draws=spec.get("candidate_draws", 0),
                     exact_finish=spec.get("exact_finish", "auto"),
                 ),
             ).fit(Xtr, ytr)
@@ -264,10 +262,10 @@ def part_scale() -> list[dict]:
     return rows
 
 
-def part_large(with_draws: bool = False) -> list[dict]:
+def part_large() -> list[dict]:
     """Ours with the defaults (candidate sets with l2="auto" = 0, then the exact finish,
-    5 iterations since round 6 (10 before), with l2 = 0.03), with candidate sets alone, and (``with_draws``) with 32 drawn candidates
-    per kind (l2="auto" is then 0.03), against kNN on the raw inputs."""
+    5 iterations since round 6 (10 before), with l2 = 0.03) and with candidate sets alone,
+    against kNN on the raw inputs."""
     spec = {
         "method": "ours",
         "data": "synthetic",
@@ -283,10 +281,6 @@ def part_large(with_draws: bool = False) -> list[dict]:
         ("ours (defaults)", {}),
         ("ours (candidate sets alone, exact_finish=0)", {"exact_finish": 0}),
     ]
-    if with_draws:
-        variants.append(
-            ("ours (defaults, candidate_draws=32)", {"candidate_draws": 32, "exact_finish": 0})
-        )
     for label, extra in variants:
         rows.append(run_worker({**spec, "label": label, **extra}))
         print_row(rows[-1])
@@ -363,9 +357,6 @@ def main() -> None:
     )
     parser.add_argument("--parts", default=",".join(PARTS))
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument(
-        "--large-draws", action="store_true", help="large part: also candidate_draws=32"
-    )
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
@@ -376,7 +367,7 @@ def main() -> None:
         results = {**json.loads(path.read_text()), "machine": machine()}
     for part in args.parts.split(","):
         print(f"== {part}", flush=True)
-        results[part] = part_large(args.large_draws) if part == "large" else PARTS[part]()
+        results[part] = part_large() if part == "large" else PARTS[part]()
         save_json("train_vs_sklearn.json", results)
     summarise(results)
 

@@ -183,8 +183,7 @@ class TrainConfig:
     l2: str = _shared(
         "l2",
         "L2 penalty on A (added to the mean per-point loss): a number in [0, 1e6], or auto "
-        "(0.03 on the exact objective, chosen by cross-validation, and with --candidate-draws; "
-        "0 on nearest candidate sets alone)",
+        "(0.03 on the exact objective, chosen by cross-validation; 0 on candidate sets)",
         parse=_l2,
     )
     n_candidates: str = _shared(
@@ -202,11 +201,6 @@ class TrainConfig:
     candidate_mass: float | None = _shared(
         "candidate_mass",
         "grow K (up to 8x) until fresh candidates hold this fraction of the neighbour mass",
-    )
-    candidate_draws: int = _shared(
-        "candidate_draws",
-        "nca/nca-log on candidates: S weighted uniform draws per point and kind beyond the "
-        "nearest candidates, estimating the neighbour mass they leave out (0: none)",
     )
     exact_finish: str = _shared(
         "exact_finish",

@@ -246,16 +246,6 @@ def write_npz(path, **arrays):
         ),
         (
             lambda p, r: write_npz(p, X=r.normal(size=(20, 3)), y=np.arange(20) % 2),
-            ["--candidate-draws", "-3"],
-            "--candidate-draws=-3 must be an integer >= 0",
-        ),
-        (
-            lambda p, r: write_npz(p, X=r.normal(size=(20, 3)), y=np.arange(20) % 2),
-            ["--objective", "knca-majority", "--k", "3", "--candidate-draws", "8"],
-            "candidate_draws=8 weights the candidates of NCA's objectives",
-        ),
-        (
-            lambda p, r: write_npz(p, X=r.normal(size=(20, 3)), y=np.arange(20) % 2),
             ["--exact-finish", "lots"],
             "--exact-finish='lots' must be 'auto' or an integer >= 0",
         ),
@@ -541,15 +531,6 @@ def test_l2_takes_auto_or_a_number_on_the_command_line(text, expected):
     assert TrainConfig().l2 == "auto"
     estimator = build_estimator(parse_config(["--l2", text]), n_features=64)
     assert estimator.l2 == expected
-
-
-def test_candidate_draws_reach_the_estimator():
-    from training.config import parse_config
-    from training.job import build_estimator
-
-    assert settings_of(build_estimator(parse_config([]), n_features=64)).candidate_draws == 0
-    config = parse_config(["--candidate-draws", "16"])
-    assert settings_of(build_estimator(config, n_features=64)).candidate_draws == 16
 
 
 def test_exact_finish_reaches_the_estimator():

@@ -56,8 +56,8 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
     max_iter, tol : L-BFGS iterations or Adam epochs; the convergence tolerance.
     l2 : "auto" or float
         Penalty l2 ||A||_F^2 on the per-point mean loss (0: scikit-learn's objective). "auto"
-        is DEFAULT_L2 where the objective stays faithful under it (exact, drawn candidates,
-        the exact finish), else 0. ``l2_`` is the value of the objective optimised last.
+        is DEFAULT_L2 where the objective stays faithful under it (exact, the exact finish),
+        else 0 (candidate sets). ``l2_`` is the value of the objective optimised last.
     n_candidates : "auto", int or None
         None: the exact objective (chunks against all points). K: each point's K nearest
         same-class and other-class points in the current projection, recomputed when stale.

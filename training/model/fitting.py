@@ -732,12 +732,6 @@ class StagedFit:
         """stage -> the objective over the training points the stage says (sharded across
         ranks under torchrun): exact or on candidate sets, its rows, its penalty."""
         settings, prep, plan, group = self.settings, self.prep, self.plan, self.group
-        draw_seed = 0  # a seed only when drawing: the generator's stream (Adam's) stays as it was
-        if plan.candidate_draws:
-            draw_seed = int(prep.rng.integers(2**31 - 1))
-            if group.is_distributed:  # every rank draws the same candidates
-                seed = torch.tensor([draw_seed], dtype=torch.int64, device=prep.device)
-                draw_seed = int(broadcast_from_rank0(seed, group)[0])
 
         def points_tensor(rows: np.ndarray | None = None):  # (N or len(rows), D)
             chosen = prep.X if rows is None else prep.X[rows]
@@ -767,10 +761,8 @@ class StagedFit:
                 n_components=prep.d,
                 l2=stage.l2,
                 n_candidates=plan.n_candidates if stage.on_candidates else None,
-                n_draws=plan.candidate_draws if stage.on_candidates else 0,
-                seed=draw_seed,
                 chunk_size=settings.chunk_size,
-                search=CandidateSearch(kind=settings.candidate_search, seed=draw_seed),
+                search=CandidateSearch(kind=settings.candidate_search),
                 query_rows=None if rows is None else torch.as_tensor(rows, device=prep.device),
             )
             if group.is_distributed:

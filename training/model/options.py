@@ -48,8 +48,6 @@ class FitOptions:
             ``refresh_tol`` (None: only on the count).
         candidate_mass : at each refresh K is the smallest of n_candidates x 1, 2, 4, 8 whose
             sets hold this fraction of the neighbour mass; None keeps K fixed.
-        candidate_draws : S weighted uniform draws per point and kind beyond the nearest (an
-            unbiased estimate of the mass they leave out; NCA's objectives only).
         candidate_search : "auto", "exact" (every pair) or "ivf" (a FAISS inverted file).
         chunk_size : rows per chunk of the exact objective (None: a 256 MiB working set).
     Held-out rows and stages
@@ -96,7 +94,6 @@ class FitOptions:
     refresh_every: int = 50
     refresh_tol: float | None = 0.05
     candidate_mass: float | None = 0.9
-    candidate_draws: int = 0
     candidate_search: str = "auto"
     chunk_size: int | None = None
     early_stopping: bool = False

@@ -126,7 +126,6 @@ CONSTRAINTS: dict[str, list] = {
     "refresh_every": [Integer(1)],
     "refresh_tol": [NONE, Real(0, 1, low_closed=False, high_closed=False)],
     "candidate_mass": [NONE, Real(0, 1, low_closed=False)],
-    "candidate_draws": [Integer(0)],
     "exact_finish": [AUTO, Integer(0)],
     "chunk_size": [NONE, Integer(1)],
     "batch_size": [Integer(1)],
@@ -188,7 +187,7 @@ def check_init_name(init: Any) -> None:
 
 def check_against_data(est, n_samples: int, n_features: int) -> int:
     """The checks that need the data: n_components (None resolved) within D, the diagonal
-    transform's shape, k < N, kNCA's candidates and draws, validation_k, an init path.
+    transform's shape, k < N, kNCA's candidates, validation_k, an init path.
     Returns d."""
     d = est.n_components
     if d is None:  # as scikit-learn: the rows of an array init, else the input dimension
@@ -214,11 +213,6 @@ def check_against_data(est, n_samples: int, n_features: int) -> int:
         raise ValueError(
             f"n_candidates={est.n_candidates} must be >= k={est.k}: each point needs k "
             "same-class candidates"
-        )
-    if est.candidate_draws and is_knca(est.objective):
-        raise ValueError(
-            f"candidate_draws={est.candidate_draws!r} weights the candidates of NCA's "
-            f"objectives ('nca', 'nca-log'), not objective={est.objective!r}; use 0"
         )
     for vk in validation_ks(est, n_samples):
         if not Integer(1).accepts(vk):

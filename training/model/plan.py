@@ -50,7 +50,6 @@ class FitPlan:
     solver: str  # "lbfgs" or "adam"
     n_candidates: int | None  # K nearest candidates per kind; None: the exact objective
     candidate_rows: int | None  # query rows of the candidate stage, at most (None: all)
-    candidate_draws: int  # weighted uniform draws per point and kind (0 without candidates)
     l2: float  # the penalty of the first stage's objective
     finish_iter: int  # exact L-BFGS iterations after a candidate fit (0: none)
     finish_l2: float  # the penalty of the exact finish
@@ -75,10 +74,11 @@ def resolve_plan(params: dict, n_samples: int, distributed: bool = False) -> Fit
     (over every rank when ``distributed``).
 
     n_candidates "auto": exact up to AUTO_EXACT_MAX_SAMPLES points, else AUTO_N_CANDIDATES.
-    candidate_rows: CANDIDATE_QUERY_MAX_ROWS for an L-BFGS fit on candidate sets without
-    draws on more points than that (draws and Adam's batches need every row's set), else None.
-    l2 "auto": DEFAULT_L2 where the objective stays faithful under it (exact, or candidates
-    with draws), else 0; the exact finish always carries DEFAULT_L2. exact_finish "auto":
+    candidate_rows: CANDIDATE_QUERY_MAX_ROWS for an L-BFGS fit on candidate sets on more
+    points than that (Adam's batches need every row's set), else None.
+    l2 "auto": DEFAULT_L2 on the exact objective, 0 on candidate sets (a penalty there pulls
+    the candidate objective away from the exact one); the exact finish always carries
+    DEFAULT_L2. exact_finish "auto":
     none after an exact fit or after Adam, else AUTO_EXACT_FINISH_ITER (NCA's objectives)
     or AUTO_KNCA_FINISH_ITER (kNCA's). The finish's points: all, or for NCA's objectives in
     one process above FINISH_MAX_POINTS points an evenly spaced sample of that many; its
@@ -88,15 +88,14 @@ def resolve_plan(params: dict, n_samples: int, distributed: bool = False) -> Fit
     n_candidates = params["n_candidates"]
     if n_candidates == "auto":
         n_candidates = None if n_samples <= AUTO_EXACT_MAX_SAMPLES else AUTO_N_CANDIDATES
-    draws = 0 if n_candidates is None else int(params["candidate_draws"])
     solver = "lbfgs" if params["solver"] == "auto" else params["solver"]
-    sampled = n_candidates is not None and solver == "lbfgs" and not draws
+    sampled = n_candidates is not None and solver == "lbfgs"
     candidate_rows = CANDIDATE_QUERY_MAX_ROWS if sampled else None
     if n_samples <= CANDIDATE_QUERY_MAX_ROWS:
         candidate_rows = None
     knca = is_knca(params["objective"])
     if isinstance(params["l2"], str):  # "auto"
-        l2 = DEFAULT_L2 if n_candidates is None or draws else 0.0
+        l2 = DEFAULT_L2 if n_candidates is None else 0.0
         finish_l2 = DEFAULT_L2
     else:
         l2 = finish_l2 = float(params["l2"])
@@ -116,7 +115,6 @@ def resolve_plan(params: dict, n_samples: int, distributed: bool = False) -> Fit
         solver=solver,
         n_candidates=n_candidates,
         candidate_rows=candidate_rows,
-        candidate_draws=draws,
         l2=l2,
         finish_iter=finish_iter,
         finish_l2=finish_l2,

@@ -34,7 +34,7 @@ def _load(dtype: torch.dtype) -> tuple[ctypes._CFuncPtr, int] | None:
     fn = getattr(lib, f"nca_candidates_rows_{flavour}")
     fn.restype = ctypes.c_double
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [p, p, i64, i64, p, i64, p, i64, i64, p, ctypes.c_int32, p]
+    fn.argtypes = [p, p, i64, i64, p, i64, p, i64, i64, ctypes.c_int32, p]
     lib.nca_candidates_max.restype = i64
     return fn, int(lib.nca_candidates_max())
 
@@ -57,13 +57,12 @@ def value_and_grad(
     *,
     k_same: int,
     log_form: bool,
-    log_weights: torch.Tensor | None = None,
     threads: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of the query rows' scores, its gradient with respect to z (N, d)).
 
     z: (N, d); rows: (B,) query rows; candidates: (B, M) each row's candidates (same class
-    in the first ``k_same`` columns), -1 where absent; log_weights: (B, M) or None. The rows
+    in the first ``k_same`` columns), -1 where absent. The rows
     are split into contiguous parts, one per thread (the C call releases the GIL), each
     adding into its own (N, d) gradient; the parts are summed at the end."""
     loaded = _load(z.dtype)
@@ -76,8 +75,6 @@ def value_and_grad(
     rows = rows.to(torch.int64).contiguous()
     candidates = candidates.to(torch.int64).contiguous()
     m = candidates.shape[1]
-    if log_weights is not None:
-        log_weights = log_weights.to(z.dtype).contiguous()
     n_rows = rows.shape[0]
     if threads is None:
         threads = torch.get_num_threads()
@@ -97,7 +94,6 @@ def value_and_grad(
             ptr(candidates) + 8 * a * m,
             m,
             k_same,
-            None if log_weights is None else ptr(log_weights) + z.element_size() * a * m,
             int(log_form),
             ptr(grads[t]),
         )

@@ -292,18 +292,14 @@ def nca_value_and_grad_candidates(
     *,
     log_form: bool,
     rows: torch.Tensor | None = None,
-    log_weights: torch.Tensor | None = None,
     chunk_size: int | None = None,
     native: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same value and gradient with each row's neighbours restricted to its candidates.
 
     candidates: (N, M) with same-class indices in the first half and other-class indices in
-    the second, -1 for padding (:func:`training.objectives.neighbourhood.nearest_candidates`, possibly
-    with drawn candidates). log_weights: (N, M) log w_ic added to the logits, L'_ic = L_ic +
-    log w_ic: a candidate standing for w points. W = d score / d L' is then also d score /
-    d L (the offset is constant), so the gradient below is unchanged in form. Per chunk of
-    B rows the candidates' embeddings are gathered once (B, M, d) and reused for the logits
+    the second, -1 for padding (:func:`training.objectives.neighbourhood.nearest_candidates`).
+    Per chunk of B rows the candidates' embeddings are gathered once (B, M, d) and reused for the logits
     and both gradient terms; the candidates' share of the gradient is scattered back with
     ``index_add_``. native: the C kernel of :mod:`training.objectives.native_candidates`
     (True), this torch path (False), or the C kernel whenever it can run (None).
@@ -322,7 +318,6 @@ def nca_value_and_grad_candidates(
             candidates[every],
             k_same=k_same,
             log_form=log_form,
-            log_weights=None if log_weights is None else log_weights[every],
         )
     sq = (z * z).sum(1)  # (N,)
     grad = torch.zeros_like(z)
@@ -338,7 +333,7 @@ def nca_value_and_grad_candidates(
         safe = idx.clamp_min(0)
         zc = z.index_select(0, safe.reshape(-1)).view(q.shape[0], m, d)  # (B, M, d)
         zq = z[q]  # (B, d)
-        parts = (zq, zc, sq[safe], None if log_weights is None else log_weights[q], invalid)
+        parts = (zq, zc, sq[safe], invalid)
         logits = _candidate_logits(*parts)  # (B, M)
         value, row_scale = _scores_and_row_scale(
             logits, 0, k_same, log_form, functools.partial(_candidate_logits, *parts)
@@ -352,13 +347,11 @@ def nca_value_and_grad_candidates(
     return total.to(z.dtype), grad
 
 
-def _candidate_logits(zq, zc, sq_c, log_w, invalid, rows=slice(None)) -> torch.Tensor:
-    """(b, M) logits L_ic + ||z_i||^2 (+ log w_ic), -inf at padding, of a chunk's ``rows``:
-    zq (B, d) its embeddings, zc (B, M, d) and sq_c (B, M) its candidates' embeddings and
-    squared norms, log_w (B, M) or None, invalid (B, M) the padding."""
+def _candidate_logits(zq, zc, sq_c, invalid, rows=slice(None)) -> torch.Tensor:
+    """(b, M) logits L_ic + ||z_i||^2, -inf at padding, of a chunk's ``rows``: zq (B, d)
+    its embeddings, zc (B, M, d) and sq_c (B, M) its candidates' embeddings and squared
+    norms, invalid (B, M) the padding."""
     logits = torch.bmm(zc[rows], zq[rows].unsqueeze(2)).squeeze(2).mul_(2.0).sub_(sq_c[rows])
-    if log_w is not None:
-        logits.add_(log_w[rows])
     return logits.masked_fill_(invalid[rows], float("-inf"))
 
 
@@ -366,7 +359,7 @@ class FusedNCA(PrecomputedGradient):
     """Autograd wrapper: value = sum_i score_i(z); backward returns the fused gradient."""
 
     @staticmethod
-    def forward(ctx, z, labels, log_form, rows, candidates, log_weights, chunk_size):
+    def forward(ctx, z, labels, log_form, rows, candidates, chunk_size):
         if candidates is None:
             # z does not require grad (built under torch.no_grad): the value alone
             value, grad = nca_value_and_grad(
@@ -386,7 +379,6 @@ class FusedNCA(PrecomputedGradient):
                 candidates,
                 log_form=log_form,
                 rows=rows,
-                log_weights=log_weights,
                 chunk_size=chunk_size,
             )
         ctx.save_for_backward(grad)

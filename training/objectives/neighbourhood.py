@@ -16,9 +16,6 @@ score_i depends on the squared distances from z_i to its neighbours. Two neighbo
   N points, so the peak extra memory is O(B N), never N x N.
 * candidates: each row i has a fixed candidate list (its nearest same-class and other-class
   points in the current projection, see :func:`nearest_candidates`); cost O(N M) per pass.
-  NCA's objectives also take per-candidate log-weights: uniform draws from the rest of each
-  kind, each standing for many points (:func:`sampled_candidates`), estimate the neighbour
-  mass the nearest candidates leave out.
 
 The gradient is taken with respect to Z chunk by chunk: for each chunk a fresh autograd graph
 is built on a detached copy of Z, back-propagated, and freed, so the gradients accumulate in an
@@ -115,10 +112,8 @@ def _chunk_scores(
     chunk_rows: torch.Tensor,
     objective: Objective,
     candidates: torch.Tensor | None,
-    log_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Sum of the objective's scores over ``chunk_rows`` (B,), built on ``leaf`` (N, d);
-    ``log_weights`` (N, M) are added to the candidates' logits (NCA objectives only)."""
+    """Sum of the objective's scores over ``chunk_rows`` (B,), built on ``leaf`` (N, d)."""
     zq = leaf[chunk_rows]  # (B, d)
     yq = labels[chunk_rows]  # (B,)
     if candidates is None:
@@ -131,8 +126,6 @@ def _chunk_scores(
         valid = idx >= 0
         safe = idx.clamp_min(0)
         neg = CandidateNegSqDist.apply(leaf, chunk_rows, safe)  # (B, M)
-        if log_weights is not None:
-            neg = neg + log_weights[chunk_rows]
         neighbour_labels = labels[safe]
     return objective.point_scores(neg, neighbour_labels, yq, valid).sum()
 
@@ -155,13 +148,13 @@ class ChunkedObjective(PrecomputedGradient):
     """value = sum_{i in rows} score_i(Z); backward gives d value / d Z (N, d)."""
 
     @staticmethod
-    def forward(ctx, z, labels, objective, rows, candidates, log_weights, chunk_size):
+    def forward(ctx, z, labels, objective, rows, candidates, chunk_size):
         leaf = z.detach().requires_grad_(True)
         total = torch.zeros((), dtype=z.dtype, device=z.device)
         with torch.enable_grad():
             for start in range(0, rows.shape[0], chunk_size):
                 chunk = rows[start : start + chunk_size]
-                value = _chunk_scores(leaf, labels, chunk, objective, candidates, log_weights)
+                value = _chunk_scores(leaf, labels, chunk, objective, candidates)
                 value.backward()
                 total += value.detach()
         grad = leaf.grad if leaf.grad is not None else torch.zeros_like(z)
@@ -176,7 +169,6 @@ def objective_sum(
     *,
     rows: torch.Tensor | None = None,
     candidates: torch.Tensor | None = None,
-    log_weights: torch.Tensor | None = None,
     chunk_size: int | None = None,
     method: str = "auto",
 ) -> torch.Tensor:
@@ -184,9 +176,7 @@ def objective_sum(
 
     rows: (B,) query rows (default: all); candidates: (N, M) neighbour indices (-1 padding),
     or a ``RowTable`` that holds them for the query rows only, or None for exact evaluation
-    against all points. log_weights: (N, M) log w_ic added to the candidates' logits, so that
-    p_ic = w_ic e^{-d_ic} / sum_c' w_ic' e^{-d_ic'} (a drawn candidate standing for w points;
-    NCA objectives only). method: "fused" uses the closed-form NCA kernels (NCA objectives
+    against all points. method: "fused" uses the closed-form NCA kernels (NCA objectives
     only), "autograd" the generic chunked autograd path, "auto" the fused kernel where it
     applies.
     """
@@ -195,16 +185,9 @@ def objective_sum(
     fused_applies = isinstance(objective, NCAObjective)
     if method == "fused" and not fused_applies:
         raise ValueError(f"the fused kernel computes NCA objectives only, not {objective!r}")
-    if log_weights is not None and (candidates is None or not fused_applies):
-        raise ValueError(
-            f"log_weights weight candidates of NCA objectives; got them with "
-            f"{'no candidates' if candidates is None else repr(objective)}"
-        )
     n = z.shape[0]
     if fused_applies and method != "autograd":
-        return FusedNCA.apply(
-            z, labels, objective.log_form, rows, candidates, log_weights, chunk_size
-        )
+        return FusedNCA.apply(z, labels, objective.log_form, rows, candidates, chunk_size)
     if rows is None:
         rows = torch.arange(n, device=z.device)
     if candidates is not None:
@@ -214,9 +197,7 @@ def objective_sum(
         # gathered candidates add their d coordinates to every pair's working set
         per_pair = objective.floats_per_pair(m) + (0 if candidates is None else z.shape[1])
         chunk_size = chunk_rows(m, per_pair)
-    return ChunkedObjective.apply(
-        z, labels, objective, rows, candidates, log_weights, int(chunk_size)
-    )
+    return ChunkedObjective.apply(z, labels, objective, rows, candidates, int(chunk_size))
 
 
 @torch.no_grad()
@@ -273,73 +254,3 @@ def nearest_candidates(
                 idx = torch.topk(closeness, k_other, dim=1).indices
                 out[targets, k : k + k_other] = order[idx]
     return out if repeat is None else out[repeat]
-
-
-@torch.no_grad()
-def sampled_candidates(
-    labels: torch.Tensor,
-    nearest: torch.Tensor,
-    n_draws: int,
-    generator: torch.Generator,
-    chunk_size: int = 4096,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Uniform draws that stand for the neighbours the nearest candidates leave out.
-
-    For each point i of class c (n_c points of N): ``n_draws`` = S draws with replacement
-    from the other n_c - 1 points of its class and S from the N - n_c points of other classes.
-    A draw that lands on one of i's ``nearest`` candidates (N, 2K) is dropped (-1): those are
-    counted exactly. Each kept draw s of a kind with n' points stands for w = n' / S of them,
-    so that for any e_j
-
-        E[ w sum_s e_s 1(s not nearest) ] = sum_{j of the kind, not nearest} e_j,
-
-    an unbiased estimate of the mass outside the nearest candidates (e_j = e^{-d_ij}).
-    Returns indices (N, 2S), S of i's class then S of others (-1 dropped or no such
-    point), and log w (N, 2): log((n_c - 1) / S), log((N - n_c) / S) (-inf for an empty
-    kind). Memory O(chunk x S x K).
-    """
-    n = labels.shape[0]
-    device = labels.device
-    order = torch.argsort(labels, stable=True)
-    position = torch.empty_like(order)
-    position[order] = torch.arange(n, device=device)  # sorted position of each point
-    counts = torch.bincount(labels)
-    starts = torch.cumsum(counts, 0) - counts
-    start, count = starts[labels], counts[labels]  # (N,) each point's class block
-    u = torch.rand((n, 2, n_draws), generator=generator, device=device, dtype=torch.float64)
-    # same class: one of the count - 1 others, skipping i's own sorted position
-    same = (u[:, 0] * (count - 1)[:, None]).long()  # (N, S) in [0, count - 1)
-    same = start[:, None] + same
-    same = same + (same >= position[:, None]).long()
-    # other classes: one of the n - count positions outside i's block
-    other = (u[:, 1] * (n - count)[:, None]).long()  # (N, S)
-    other = other + count[:, None] * (other >= start[:, None]).long()
-    # (N, 2S) point indices; an empty kind's draws point anywhere and are dropped next
-    drawn = order[torch.cat([same, other], dim=1).clamp_(0, n - 1)]
-    drawn[:, :n_draws][count < 2] = -1
-    drawn[:, n_draws:][count == n] = -1
-    for lo in range(0, n, chunk_size):
-        block = drawn[lo : lo + chunk_size]  # (B, 2S) view
-        hit = (block[:, :, None] == nearest[lo : lo + chunk_size, None, :]).any(2)
-        block[hit] = -1
-    sizes = torch.stack([count - 1, n - count], dim=1).double()  # (N, 2)
-    log_w = torch.log(sizes / n_draws)  # -inf where the kind is empty
-    return drawn, log_w
-
-
-def with_sampled_candidates(
-    nearest: torch.Tensor, drawn: torch.Tensor, log_w: torch.Tensor, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One candidate table from the nearest (N, 2K) and the drawn (N, 2S) candidates, in the
-    layout the kernels read (same-class first half, other-class second half):
-    [K nearest same | S drawn same | K nearest other | S drawn other] (N, 2(K + S)), and its
-    log-weights (N, 2(K + S)): 0 for the nearest, log w of the kind for the drawn."""
-    k, s = nearest.shape[1] // 2, drawn.shape[1] // 2
-    table = torch.cat([nearest[:, :k], drawn[:, :s], nearest[:, k:], drawn[:, s:]], dim=1)
-    zeros = torch.zeros((nearest.shape[0], k), dtype=dtype, device=nearest.device)
-    lw = log_w.to(dtype)
-    weights = torch.cat(
-        [zeros, lw[:, :1].expand(-1, s), zeros, lw[:, 1:].expand(-1, s)], dim=1
-    ).contiguous()
-    weights[table < 0] = 0.0  # padding: masked by the kernels; keep it finite
-    return table, weights

@@ -11,13 +11,7 @@ import torch
 from service.core.knn import decide
 from training.numerics import EXP_FLOOR, evenly_spaced_rows
 from training.objectives.nca import NCAObjective, Objective
-from training.objectives.neighbourhood import (
-    RowTable,
-    nearest_candidates,
-    objective_sum,
-    sampled_candidates,
-    with_sampled_candidates,
-)
+from training.objectives.neighbourhood import RowTable, nearest_candidates, objective_sum
 from training.optim.candidates import CandidateSearch, held_mass
 
 SAMPLE_BLOCK_ROWS = 64
@@ -130,7 +124,6 @@ class Problem:
         n_components: int,
         l2: float = 0.0,
         n_candidates: int | None = None,
-        n_draws: int = 0,
         seed: int = 0,
         chunk_size: int | None = None,
         search: CandidateSearch | None = None,
@@ -143,23 +136,10 @@ class Problem:
         self.n_components = n_components
         self.l2 = float(l2)
         self.n_candidates = n_candidates
-        # per kind and point, uniform draws beyond the nearest candidates that estimate the
-        # mass those leave out (NCA objectives; 0: the nearest candidates only)
-        self.n_draws = n_draws
-        if n_draws and query_rows is not None:
-            raise ValueError("drawn candidates need every row's set: give no query_rows")
-        if n_draws and not isinstance(objective, NCAObjective):
-            raise ValueError(
-                f"n_draws={n_draws}: drawn candidates weight NCA's objectives only, "
-                f"not {objective!r}"
-            )
-        self.generator = torch.Generator(device=X.device).manual_seed(seed)
         self.chunk_size = chunk_size
         # how candidate sets are searched: exact, or approximately (IVF) at scale
         self.search = search if search is not None else CandidateSearch(seed=seed)
-        self.nearest: torch.Tensor | None = None  # (N, 2K) nearest candidates
-        self.candidates: torch.Tensor | None = None  # (N, M) what the objective reads
-        self.candidate_log_weights: torch.Tensor | None = None  # (N, M) or None
+        self.candidates: torch.Tensor | None = None  # (N, 2K) nearest candidates, or None
         # (B,) the query rows the loss averages over (None: all N); neighbours are all points
         self.query_rows: torch.Tensor | None = query_rows
         self.candidate_rows = query_rows if n_candidates is not None else None
@@ -216,22 +196,15 @@ class Problem:
 
     def refresh_candidates(self, theta: np.ndarray, n_candidates: int | None = None) -> Refreshed:
         """Recompute candidate sets in the current projection (``n_candidates`` per kind from
-        now on, when given), and draw the candidates beyond them afresh when ``n_draws``;
-        return how far the sets moved and, for an approximate search, its measured held
-        mass on sample rows (``Refreshed``)."""
+        now on, when given); return how far the sets moved and, for an approximate search,
+        its measured held mass on sample rows (``Refreshed``)."""
         if n_candidates is not None:
             self.n_candidates = n_candidates
         z = self.embedded(theta)
         with torch.no_grad():
             new = self.find_candidates(z)
             ratio = self.measure_search(z, new) if self.search.approximate(z) else None
-        old, self.nearest = self.nearest, new
-        self.candidates, self.candidate_log_weights = new, None
-        if self.n_draws:
-            drawn, log_w = sampled_candidates(self.labels, new, self.n_draws, self.generator)
-            self.candidates, self.candidate_log_weights = with_sampled_candidates(
-                new, drawn, log_w, self.X.dtype
-            )
+        old, self.candidates = self.candidates, new
         old, new = _table(old), _table(new)
         changed = 1.0
         if old is not None and old.shape == new.shape:
@@ -271,7 +244,7 @@ class Problem:
         with torch.no_grad():
             for block in rows.split(AUDIT_BLOCK_ROWS):
                 log_p = _log_neighbour_probabilities(z, block)  # (b, N)
-                inside = held_mass(log_p, self.nearest[block])  # (b,)
+                inside = held_mass(log_p, self.candidates[block])  # (b,)
                 outside += float((1.0 - inside).clamp_min(0.0).sum())
         return outside / rows.shape[0]
 
@@ -309,7 +282,6 @@ class Problem:
                         self.objective,
                         rows=rows,
                         candidates=self.candidates,
-                        log_weights=self.candidate_log_weights,
                     )
                 )
                 / n
@@ -335,7 +307,6 @@ class Problem:
             self.objective,
             rows=rows,
             candidates=self.candidates,
-            log_weights=self.candidate_log_weights,
             chunk_size=self.chunk_size,
         )
 

@@ -47,15 +47,6 @@ ESTIMATOR_CASES = {
     "auto": dict(n_components=8, init="auto", standardize="auto"),  # LDA init, auto scaling
     # candidate sets, then the exact finish (exact_finish="auto": sharded exact iterations)
     "pca_candidates": dict(n_components=12, init="pca", standardize="feature", n_candidates=8),
-    # drawn candidates: every rank must draw the same ones (one seed, broadcast from rank 0)
-    "candidate_draws": dict(
-        n_components=12,
-        init="pca",
-        standardize="feature",
-        n_candidates=8,
-        candidate_draws=4,
-        exact_finish=0,
-    ),
 }
 
 

@@ -2,8 +2,8 @@
 training/objectives/kernels/nca_candidates.c).
 
 Its values against a brute-force numpy softmax over each row's candidates, its values and
-gradients against the torch path (absent candidates, drawn log-weights, row subsets, kept
-row tables, thread splits, float32 and float64), its gradient against central finite
+gradients against the torch path (absent candidates, row subsets, kept row tables, thread
+splits, float32 and float64), its gradient against central finite
 differences, and the cases in which the torch path must answer instead.
 """
 
@@ -39,13 +39,12 @@ def problem(n=120, d=5, n_classes=4, k=6, seed=0, dtype=torch.float64, scale=1.0
     return z, labels, candidates
 
 
-def brute_force(z, candidates, log_form, log_weights=None, rows=None):
+def brute_force(z, candidates, log_form, rows=None):
     """sum over rows of p_i (or log p_i), p_i the softmax mass of the same-class half of the
     row's candidates, from explicit float64 numpy; a row with no same-class candidate
     scores 0."""
     z = z.double().numpy()
     cand = candidates.numpy()
-    weights = None if log_weights is None else log_weights.double().numpy()
     k = cand.shape[1] // 2
     total = 0.0
     for i in range(len(z)) if rows is None else rows.tolist():
@@ -53,8 +52,6 @@ def brute_force(z, candidates, log_form, log_weights=None, rows=None):
         if not present[:k].any():
             continue
         logits = -((z[cand[i]] - z[i]) ** 2).sum(1)
-        if weights is not None:
-            logits = logits + weights[i]
         logits = np.where(present, logits, -np.inf)
         top = logits.max()
         e = np.exp(logits - top)
@@ -64,19 +61,12 @@ def brute_force(z, candidates, log_form, log_weights=None, rows=None):
 
 
 @pytest.mark.parametrize("log_form", [False, True])
-@pytest.mark.parametrize("weighted", [False, True])
-def test_values_equal_brute_force_and_gradients_equal_the_torch_path(log_form, weighted):
+def test_values_equal_brute_force_and_gradients_equal_the_torch_path(log_form):
     z, labels, candidates = problem()
-    log_weights = None
-    if weighted:
-        g = torch.Generator().manual_seed(5)
-        log_weights = torch.rand(candidates.shape, generator=g, dtype=z.dtype) * 2.0
-    kwargs = dict(log_form=log_form, log_weights=log_weights)
+    kwargs = dict(log_form=log_form)
     value, grad = nca_value_and_grad_candidates(z, labels, candidates, native=True, **kwargs)
     ref, ref_grad = nca_value_and_grad_candidates(z, labels, candidates, native=False, **kwargs)
-    assert float(value) == pytest.approx(
-        brute_force(z, candidates, log_form, log_weights), rel=1e-10, abs=1e-10
-    )
+    assert float(value) == pytest.approx(brute_force(z, candidates, log_form), rel=1e-10, abs=1e-10)
     torch.testing.assert_close(value, ref, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(grad, ref_grad, rtol=1e-9, atol=1e-11)
 

@@ -70,28 +70,12 @@ def test_the_loss_on_kept_rows_equals_the_full_tables_on_the_same_rows(data, obj
     assert kept.outside_mass(theta, sample) == pytest.approx(full.outside_mass(theta, sample))
 
 
-def test_drawn_candidates_need_every_rows_set(data):
-    X, y = data
-    with pytest.raises(ValueError, match="drawn candidates need every row's set"):
-        Problem(
-            X,
-            y,
-            make_objective("nca", 1, n_classes=4),
-            transform="linear",
-            n_components=2,
-            n_candidates=4,
-            n_draws=2,
-            query_rows=torch.arange(10),
-        )
-
-
 @pytest.mark.parametrize(
     "n_samples, params, expected",
     [
         (fit_plan.CANDIDATE_QUERY_MAX_ROWS, {}, None),  # at the limit: every row
         (fit_plan.CANDIDATE_QUERY_MAX_ROWS + 1, {}, fit_plan.CANDIDATE_QUERY_MAX_ROWS),
         (10**6, {"solver": "adam"}, None),  # Adam's batches draw from every row
-        (10**6, {"candidate_draws": 4}, None),  # draws need every row's set
         (10**6, {"n_candidates": None}, None),  # exact: no candidate stage
     ],
 )

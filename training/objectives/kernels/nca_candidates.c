@@ -2,10 +2,9 @@
 
    The same mathematics as nca_value_and_grad_candidates in training/objectives/nca_kernel.py
    (its docstring and _scores_and_row_scale's). Query row i has M candidates c (-1: none),
-   the first K_same of its own class, the rest of other classes, and optional log-weights
-   w_ic:
+   the first K_same of its own class, the rest of other classes:
 
-       L'_ic = 2 z_i.z_c - ||z_c||^2 + w_ic          (L_ic up to a per-row constant)
+       L'_ic = 2 z_i.z_c - ||z_c||^2                 (L_ic up to a per-row constant)
        p_ic  = exp(L'_ic - m_i) / S_i,   S_i = sum_c exp(max(L'_ic - m_i, EXP_FLOOR))
        p_i   = sum_{c < K_same} p_ic
 
@@ -49,10 +48,10 @@ typedef float real;
 static inline double floored_exp(double x) { return EXP((real)(x < EXP_FLOOR ? EXP_FLOOR : x)); }
 
 /* z (n, d) embeddings; sq (n,) their squared norms; rows (n_rows,) the query rows;
-   cand (n_rows, m) the candidates of each query row, in the order of rows; log_w (n_rows, m)
-   or NULL; grad (n, d) accumulates the gradient. Returns the sum of the rows' scores. */
+   cand (n_rows, m) the candidates of each query row, in the order of rows; grad (n, d)
+   accumulates the gradient. Returns the sum of the rows' scores. */
 double ENTRY(const real *z, const real *sq, int64_t n, int64_t d, const int64_t *rows,
-             int64_t n_rows, const int64_t *cand, int64_t m, int64_t k_same, const real *log_w,
+             int64_t n_rows, const int64_t *cand, int64_t m, int64_t k_same,
              int32_t log_form, real *grad) {
     double logit[MAX_CANDIDATES];
     double e[MAX_CANDIDATES]; /* exp of the logit less its block's maximum (same or all) */
@@ -75,8 +74,7 @@ double ENTRY(const real *z, const real *sq, int64_t n, int64_t d, const int64_t 
             const real *zj = z + j * d;
             real dot = 0;
             for (int64_t t = 0; t < d; t++) dot += zi[t] * zj[t];
-            double value = 2.0 * (double)dot - (double)sq[j];
-            if (log_w != NULL) value += (double)log_w[r * m + c];
+            const double value = 2.0 * (double)dot - (double)sq[j];
             logit[c] = value;
             if (value > m_all) m_all = value;
             if (c < k_same && value > m_same) m_same = value;
