@@ -90,7 +90,7 @@ class FitOptions:
     solver: str = "auto"
     exact_finish: Any = "auto"
     batch_size: int = 1024
-    learning_rate: float = 0.01
+    learning_rate: float = 0.001
     refresh_every: int = 50
     refresh_tol: float | None = 0.05
     candidate_mass: float | None = 0.9
