@@ -299,10 +299,11 @@ def nca_value_and_grad_candidates(
 
     candidates: (N, M) with same-class indices in the first half and other-class indices in
     the second, -1 for padding (:func:`training.objectives.neighbourhood.nearest_candidates`).
-    Per chunk of B rows the candidates' embeddings are gathered once (B, M, d) and reused for the logits
-    and both gradient terms; the candidates' share of the gradient is scattered back with
-    ``index_add_``. native: the C kernel of :mod:`training.objectives.native_candidates`
-    (True), this torch path (False), or the C kernel whenever it can run (None).
+    Per chunk of B rows the candidates' embeddings are gathered once (B, M, d) and reused for
+    the logits and both gradient terms; the candidates' share of the gradient is scattered
+    back with ``index_add_``. native: the C kernel of
+    :mod:`training.objectives.native_candidates` (True), this torch path (False), or the C
+    kernel whenever it can run (None).
     """
     n, d = z.shape
     z = z.detach()
