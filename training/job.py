@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import shutil
 import signal
 import sys
 import time
@@ -75,15 +74,29 @@ from training.references.learned import check_budget
 from training.state_file import checkpoint_beside
 
 
-def _remove_checkpoint(config: TrainConfig, checkpoint: Path | None, world_size: int) -> None:
-    """The fit's checkpoint, once the artifact is written: the directory beside --out (ours)
-    whole; in a --checkpoint-dir of the user's only the files the fit wrote."""
-    if checkpoint is not None and config.checkpoint_dir == "auto":
-        shutil.rmtree(checkpoint, ignore_errors=True)
-    elif checkpoint is not None:
-        for rank in range(world_size):
-            (checkpoint / f"fit-rank{rank}.npz").unlink(missing_ok=True)
-            (checkpoint / f"fit-rank{rank}.previous.npz").unlink(missing_ok=True)
+def _remove_checkpoint(config: TrainConfig, checkpoint: Path | None, world_size: int, log):
+    """The fit's checkpoint, once the artifact is written: the files the fit wrote
+    (``fit-rank{R}.npz``, ``fit-rank{R}.previous.npz`` and the temporary files of a save
+    that was killed, ``.fit-rank{R}.*.tmp``), and the directory beside --out when that
+    leaves it empty. Nothing else: a file the user put there stays, with the directory.
+    A file that cannot be removed (a read-only directory) is a warning, not a failure: the
+    artifact is written, and the next fit of other data refuses the stale state."""
+    if checkpoint is None:
+        return
+    ours = []
+    for rank in range(world_size):
+        ours += [checkpoint / f"fit-rank{rank}.npz", checkpoint / f"fit-rank{rank}.previous.npz"]
+        ours += sorted(checkpoint.glob(f".fit-rank{rank}.*.tmp"))
+    for path in ours:
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as exc:
+            log(
+                f"warning: the artifact is written, but its checkpoint stays: {describe_os_error(exc)}"
+            )
+    if config.checkpoint_dir == "auto":
+        with contextlib.suppress(OSError):  # not empty (files not ours), or already gone
+            checkpoint.rmdir()
 
 
 def build_estimator(config: TrainConfig, n_features: int) -> NCA:
@@ -245,9 +258,12 @@ def _finish(config, out, checkpoint, group, estimator, evaluation, report, log, 
     the lines that say what was written (with the seconds since ``started``)."""
     page = _write_page(out, log)
     if config.publish:
-        publish(config.publish, out)
+        try:
+            publish(config.publish, out)
+        except OSError as exc:  # the link alone failed: say that the artifact is there
+            raise ArtifactError(f"{out} is written, but {describe_os_error(exc)}") from exc
         log(f"published {config.publish} -> {out}")
-    _remove_checkpoint(config, checkpoint, group.world_size)
+    _remove_checkpoint(config, checkpoint, group.world_size, log)
     log(
         f"wrote {out}: {_served_line(evaluation)}; {estimator.n_iter_} iterations, "
         f"{estimator.stop_reason_}, {time.perf_counter() - started:.1f} s"

@@ -548,3 +548,93 @@ def test_a_signal_while_an_edit_is_written_says_the_version_was_written(
     assert f"{path} was written whole first" in err and "nothing was written" not in err
     assert len(read_artifact(path).labels) == before + 4
     assert lineage(path)[-1]["operation"] == "add"
+
+
+def small_job(tmp_path: Path) -> list[str]:
+    """A job of a few seconds: 240 rows of 6 features, 3 classes, an exact fit."""
+    rng = np.random.default_rng(0)
+    y = np.arange(240) % 3
+    X = rng.normal(size=(240, 6)) + y[:, None]
+    np.save(tmp_path / "X.npy", X)
+    np.save(tmp_path / "y.npy", y)
+    data = ["--data", tmp_path / "X.npy", "--labels", tmp_path / "y.npy", "--n-components", "2"]
+    return [*map(str, data), "--max-iter", "5", "--no-plots", "--quiet", "--k-folds", "0"]
+
+
+def test_the_default_checkpoint_dir_keeps_the_users_files_and_loses_only_the_fits(
+    tmp_path, capsys
+):
+    """A hostile pass put notes and a folder of its own in ``.m.checkpoint`` (the job's
+    default checkpoint directory beside --out); the job removed the directory whole, the
+    user's files with it. Now only the fit's files go (fit-rank*.npz and a killed save's
+    temporary files), and the directory stays because it is not empty."""
+    checkpoint = tmp_path / ".m.checkpoint"
+    (checkpoint / "sub").mkdir(parents=True)
+    (checkpoint / "notes.txt").write_text("mine")
+    (checkpoint / "sub" / "data.bin").write_bytes(b"\x00\x01")
+    (checkpoint / ".fit-rank0.abc123.tmp").write_bytes(b"half a save")  # a killed save's
+    assert cli_main([*small_job(tmp_path), "--out", str(tmp_path / "m")]) == 0
+    assert read_artifact(tmp_path / "m").projection.shape == (2, 6)
+    assert (checkpoint / "notes.txt").read_text() == "mine"
+    assert (checkpoint / "sub" / "data.bin").read_bytes() == b"\x00\x01"
+    assert sorted(p.name for p in checkpoint.iterdir()) == ["notes.txt", "sub"]
+
+
+def test_the_default_checkpoint_dir_goes_when_only_the_fits_files_were_in_it(tmp_path):
+    assert cli_main([*small_job(tmp_path), "--out", str(tmp_path / "m")]) == 0
+    assert not (tmp_path / ".m.checkpoint").exists()
+
+
+def test_a_checkpoint_that_cannot_be_removed_is_a_warning_after_a_written_artifact(
+    tmp_path, capsys, monkeypatch
+):
+    """The fit's checkpoint file in a directory the user cannot write (a hostile pass, as a
+    user without root; here the unlink is refused as such a directory refuses it): the job
+    wrote and published the artifact, then exited 2 on the removal, without its 'wrote'
+    line. Now the removal's failure is a warning and the job exits 0."""
+    import errno
+
+    refused = []
+    real_unlink = Path.unlink
+
+    def unlink(self, missing_ok=False):
+        if self.name.startswith("fit-rank") and self.exists():
+            refused.append(self.name)
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return real_unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", unlink)
+    ck, out, link = tmp_path / "ck", tmp_path / "m", tmp_path / "current"
+    args = [*small_job(tmp_path), "--out", str(out), "--checkpoint-dir", str(ck)]
+    code = cli_main([*args, "--publish", str(link)])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "fit-rank0.npz" in refused  # the fit saved its state and the removal was refused
+    assert f"warning: the artifact is written, but its checkpoint stays: {ck}" in err
+    assert f"wrote {out}" in err and link.resolve() == out.resolve()
+    assert read_artifact(out).projection.shape == (2, 6)
+
+
+def test_a_publish_link_that_fails_after_the_write_says_the_artifact_is_written(
+    tmp_path, capsys, monkeypatch
+):
+    """--publish refused by the file system after the artifact's write (a sticky directory
+    whose link is another user's, in a hostile pass): one line that says the artifact is
+    written and the link is not, exit 2 (before, the line spoke of the link alone)."""
+    import errno
+
+    import training.job as job
+    from training.errors import WriteError
+
+    def publish(link, target):
+        cause = PermissionError(errno.EPERM, "Operation not permitted")
+        raise WriteError("the --publish link", link, cause)
+
+    monkeypatch.setattr(job, "publish", publish)
+    out, link = tmp_path / "m", tmp_path / "current"
+    code = cli_main([*small_job(tmp_path), "--out", str(out), "--publish", str(link)])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error")]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in err, err
+    assert errors[0].startswith(f"error: {out} is written, but cannot write the --publish link")
+    assert read_artifact(out).projection.shape == (2, 6) and not link.exists()
