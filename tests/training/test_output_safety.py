@@ -561,9 +561,7 @@ def small_job(tmp_path: Path) -> list[str]:
     return [*map(str, data), "--max-iter", "5", "--no-plots", "--quiet", "--k-folds", "0"]
 
 
-def test_the_default_checkpoint_dir_keeps_the_users_files_and_loses_only_the_fits(
-    tmp_path, capsys
-):
+def test_the_default_checkpoint_dir_keeps_the_users_files_and_loses_only_the_fits(tmp_path, capsys):
     """A hostile pass put notes and a folder of its own in ``.m.checkpoint`` (the job's
     default checkpoint directory beside --out); the job removed the directory whole, the
     user's files with it. Now only the fit's files go (fit-rank*.npz and a killed save's
