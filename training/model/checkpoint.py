@@ -49,6 +49,7 @@ import numpy as np
 import scipy.sparse as sparse
 import torch
 
+from training.errors import describe_os_error
 from training.model import sparse_input
 from training.model.fitting import FitState, Snapshot, StageRecord, StageResume
 from training.state_file import digest_array, write_npz_atomically
@@ -134,7 +135,15 @@ class FitCheckpoint:
             path = self.previous_path
         if not path.exists():
             return None
-        if not zipfile.is_zipfile(path):  # (numpy would call any other file pickled data)
+        try:
+            with open(path, "rb") as fh:
+                archive = zipfile.is_zipfile(fh)  # (numpy calls any other file pickled data)
+        except OSError as exc:  # kept: a checkpoint the user cannot read may be resumable
+            raise ValueError(
+                f"checkpoint {path} cannot be read ({describe_os_error(exc)}): make it "
+                f"readable to resume from it, or {self.remedy}"
+            ) from None
+        if not archive:
             raise self._unusable(path, "not a fit checkpoint (not an .npz archive)")
         try:
             with np.load(path, allow_pickle=False) as data:

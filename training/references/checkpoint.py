@@ -38,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
+from training.errors import describe_os_error
 from training.state_file import digest_array, package_version, write_npz_atomically
 
 FORMAT = "nca-knn-prototype-checkpoint/1"
@@ -91,20 +92,32 @@ class PrototypeCheckpoint:
         self.failed: str | None = None  # why a save failed: the learning goes on without
 
     def load(self) -> LearningState | None:
-        """The saved state, or None when there is none; ValueError when the file is not a
-        checkpoint of this format or is another learning's."""
+        """The saved state, or None when there is none; ValueError when the file cannot be
+        read, is not a checkpoint of this format or is another learning's."""
         if not self.path.exists():
             return None
+        try:
+            with open(self.path, "rb"):
+                pass
+        except OSError as exc:  # kept: a checkpoint the user cannot read may be resumable
+            raise ValueError(
+                f"checkpoint {self.path} cannot be read ({describe_os_error(exc)}): make it "
+                "readable to resume from it, or remove it to start over"
+            ) from None
         try:
             with np.load(self.path, allow_pickle=False) as data:
                 arrays = {name: np.asarray(data[name]) for name in data.files}
             meta = json.loads(str(arrays.pop("meta")))
         except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
             raise ValueError(
-                f"checkpoint {self.path}: not a readable prototype checkpoint ({exc})"
+                f"checkpoint {self.path}: not a readable prototype checkpoint ({exc}); remove "
+                "it to start over"
             ) from None
         if meta.get("format") != FORMAT:
-            raise ValueError(f"checkpoint {self.path}: not a prototype checkpoint of this format")
+            raise ValueError(
+                f"checkpoint {self.path}: not a prototype checkpoint of this format; remove it "
+                "to start over"
+            )
         if meta.get("key") != self.key:
             raise ValueError(
                 f"checkpoint {self.path} is of another condense (other model, data or "
@@ -155,10 +168,19 @@ class PrototypeCheckpoint:
 
 def remove_checkpoints(directory: str | Path, losses) -> None:
     """Delete the checkpoint files of the learnings with these losses in ``directory`` (their
-    result is written), and the directory when that leaves it empty; nothing else."""
+    result is written), and the directory when that leaves it empty; nothing else. A file
+    the file system will not remove (a read-only directory) is a RuntimeWarning: the result
+    is written, and a later condense of other data refuses the stale state."""
     directory = Path(directory)
     for loss in losses:
-        checkpoint_path(directory, loss).unlink(missing_ok=True)
+        try:
+            checkpoint_path(directory, loss).unlink(missing_ok=True)
+        except OSError as exc:
+            warnings.warn(
+                f"the new version is written, but its checkpoint stays: {describe_os_error(exc)}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
     try:
         directory.rmdir()
     except OSError:  # not empty (files not ours), or already gone

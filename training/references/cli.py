@@ -15,6 +15,7 @@ import json
 import re
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -292,6 +293,11 @@ def _change(args: argparse.Namespace) -> dict:
     return summary
 
 
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning as the training job prints one: one line on stderr, no source line."""
+    print(f"WARNING: {message}", file=sys.stderr)
+
+
 def main(argv: list[str]) -> int:
     """Run one command: exit status 0 and the summary, or 2 and one line on stderr (also
     when the summary cannot be written to stdout: the line then says where the new version
@@ -301,14 +307,16 @@ def main(argv: list[str]) -> int:
     started = time.perf_counter()
     args = build_parser().parse_args(argv)
     try:
-        summary = run(args)
+        with warnings.catch_warnings():  # restores showwarning after the command
+            warnings.showwarning = _one_line_warning
+            summary = run(args)
     except Interrupted as exc:  # SIGINT or SIGTERM: one line, no traceback
         checkpoint = checkpoint_beside(args.out) if args.command == "condense" else None
         line = interrupted_line(exc, time.perf_counter() - started, args.out, checkpoint)
         print(f"error: {line}", file=sys.stderr)
         return exc.exit_status
-    except (ReferenceError, DataError, ConfigError, ArtifactError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except (ReferenceError, DataError, ConfigError, ArtifactError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)  # ValueError: a checkpoint it cannot use
         return 2
     except OSError as exc:  # a full or read-only disk, the file-size limit: path and cause
         print(f"error: {describe_os_error(exc)}", file=sys.stderr)

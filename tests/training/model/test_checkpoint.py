@@ -7,6 +7,7 @@ exact finish resumes when run again and leaves no checkpoint behind."""
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -372,3 +373,31 @@ def test_a_checkpoint_directory_of_the_users_files_is_refused_naming_only_the_fi
     assert "not a fit checkpoint (not an .npz archive)" in message and "pickled" not in message
     assert message.endswith(f"remove the fit-rank*.npz files from {directory} to start over")
     assert sorted(p.name for p in directory.iterdir()) == ["fit-rank0.npz", "keep.txt"]
+
+
+def test_a_checkpoint_the_user_cannot_read_is_named_as_such_and_kept(tmp_path, monkeypatch):
+    """A fit's own checkpoint that this user cannot read (another user's file, or mode 000;
+    here the open is refused as such a file refuses it, since the tests may run as root)
+    was called 'not a fit checkpoint (not an .npz archive)', with the advice to remove it:
+    a resumable fit thrown away. Now the refusal names the cause and keeps the file."""
+    import builtins
+    import errno
+
+    import training.model.checkpoint as checkpoint_module
+
+    fit(tmp_path / "ckpt", max_iter=3)  # a finished fit leaves its state: resumable
+    saved = tmp_path / "ckpt" / "fit-rank0.npz"
+    assert saved.is_file()
+
+    def refusing_open(path, *args, **kwargs):
+        if Path(path) == saved:
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return builtins.open(path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_module, "open", refusing_open, raising=False)
+    with pytest.raises(ValueError) as caught:
+        fit(tmp_path / "ckpt", max_iter=3)
+    message = str(caught.value)
+    assert f"checkpoint {saved} cannot be read" in message and "(EACCES)" in message
+    assert "make it readable to resume from it" in message and "not an .npz" not in message
+    assert saved.is_file()

@@ -191,3 +191,73 @@ def test_a_condense_sigtermed_mid_way_resumes_when_run_again(
     for field in ("budget", "n_prototypes", "n_training_rows", "editing", "reduction"):
         assert resumed.manifest["reference_set"][field] == whole.manifest["reference_set"][field]
     assert not ckpt.exists() and not (tmp_path / ".whole.checkpoint").exists()
+
+
+@pytest.mark.parametrize("content", [b"junk", None])
+def test_a_condense_refuses_a_checkpoint_it_cannot_use_in_one_line(
+    digits_like_model, tmp_path, capsys, content
+):
+    """A prototype checkpoint that is junk, or another condense's (a non-root hostile pass
+    found both, and an unreadable one): the command ended with a Python traceback and exit
+    1 (the refusal was a ValueError the references command did not catch). Now: exit 2,
+    the refusal on one line, the file kept, nothing written."""
+    from training.cli import main as cli_main
+
+    model, _ = digits_like_model
+    ckpt = tmp_path / ".c.checkpoint"
+    ckpt.mkdir()
+    path = checkpoint_path(ckpt, "f")
+    if content is not None:
+        path.write_bytes(content)
+    else:  # another condense's state: a learning on other rows saved here
+        learn_on(*blobs(700, seed=3), ckpt, loss="f", max_iter=2)
+    before = path.read_bytes()
+    code = cli_main([*map(str, CONDENSE), "--model", str(model), "--out", str(tmp_path / "c")])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    errors = [line for line in err.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and f"checkpoint {path}" in errors[0], err
+    assert path.read_bytes() == before and not (tmp_path / "c").exists()
+
+
+def test_a_checkpoint_file_that_cannot_be_removed_is_a_warning(tmp_path, monkeypatch):
+    """Removing the checkpoint once the version is written, refused by the file system (its
+    directory read-only to this user): the command exited 2 after writing the version, with
+    no summary. Now it is a RuntimeWarning, which the command prints on one line."""
+    import errno
+    from pathlib import Path
+
+    ckpt = tmp_path / "ckpt"
+    learn(ckpt)
+    assert checkpoint_path(ckpt, "log").is_file()
+    real_unlink = Path.unlink
+
+    def unlink(self, missing_ok=False):
+        if self.name.startswith("prototypes-"):
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return real_unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", unlink)
+    with pytest.warns(RuntimeWarning, match="the new version is written, but its checkpoint"):
+        checkpoint.remove_checkpoints(ckpt, ["f", "log"])
+    assert checkpoint_path(ckpt, "log").is_file()
+
+
+def test_a_checkpoint_the_user_cannot_read_is_named_as_such_and_kept(tmp_path, monkeypatch):
+    import builtins
+    import errno
+    from pathlib import Path
+
+    ckpt = tmp_path / "ckpt"
+    learn(ckpt)
+    saved = checkpoint_path(ckpt, "log")
+
+    def refusing_open(path, *args, **kwargs):
+        if Path(path) == saved:
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return builtins.open(path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "open", refusing_open, raising=False)
+    with pytest.raises(ValueError, match="cannot be read .*EACCES.*make it readable") as raised:
+        learn(ckpt)
+    assert "\n" not in str(raised.value) and saved.is_file()
