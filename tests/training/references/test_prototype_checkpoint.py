@@ -258,6 +258,6 @@ def test_a_checkpoint_the_user_cannot_read_is_named_as_such_and_kept(tmp_path, m
         return builtins.open(path, *args, **kwargs)
 
     monkeypatch.setattr(checkpoint, "open", refusing_open, raising=False)
-    with pytest.raises(ValueError, match="cannot be read .*EACCES.*make it readable") as raised:
+    with pytest.raises(ValueError, match=r"cannot be read .*EACCES.*make it readable") as raised:
         learn(ckpt)
     assert "\n" not in str(raised.value) and saved.is_file()
