@@ -292,10 +292,19 @@ def _load_builtin(name: str) -> Dataset:
 NPY_MAGIC = b"\x93NUMPY"  # the first bytes of every .npy file
 
 
+def _with_path(exc: OSError, path: Path) -> OSError:
+    """``exc`` naming ``path`` (a read error, EIO on a failing disk, names no file)."""
+    return exc if exc.filename is not None else OSError(exc.errno, exc.strerror, str(path))
+
+
 def _load_npy(path: Path, what: str, memory_map: bool = False) -> np.ndarray:
-    with open(path, "rb") as fh:
-        if fh.read(len(NPY_MAGIC)) != NPY_MAGIC:  # numpy would try it as a pickle
-            raise DataError(f"{path}: not a .npy file (it does not start with .npy's magic bytes)")
+    try:
+        with open(path, "rb") as fh:
+            magic = fh.read(len(NPY_MAGIC))
+    except OSError as exc:
+        raise _with_path(exc, path) from exc
+    if magic != NPY_MAGIC:  # numpy would try it as a pickle
+        raise DataError(f"{path}: not a .npy file (it does not start with .npy's magic bytes)")
     try:
         return np.load(path, allow_pickle=False, mmap_mode="r" if memory_map else None)
     except ValueError as exc:
@@ -462,6 +471,8 @@ def _csv_rows(path: Path):
         ) from None
     except csv.Error as exc:
         raise DataError(f"{path}: not a readable CSV file ({exc})") from None
+    except OSError as exc:
+        raise _with_path(exc, path) from exc
 
 
 def _first_bad_utf8(path: Path, chunk: int = 1 << 20) -> int:

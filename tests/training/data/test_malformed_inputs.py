@@ -632,7 +632,19 @@ CORPUS = [
         "",
         None,
     ),
+    # a read error names the file (EIO, as a failing disk gives: /proc/self/mem read at
+    # offset 0, which no process maps; it was a bare "Input/output error (EIO)")
+    ("a .npy whose read fails", lambda d: failing_read(d, "X.npy"), "X.npy: Input/output", None),
+    ("a CSV whose read fails", lambda d: failing_read(d, "X.csv"), "X.csv: Input/output", None),
 ]
+
+
+def failing_read(d: Path, name: str) -> list[str]:
+    (d / name).symlink_to("/proc/self/mem")
+    if name.endswith(".csv"):
+        return ["--data", d / name]
+    np.save(d / "y.npy", Y_OK)
+    return ["--data", d / name, "--labels", d / "y.npy"]
 
 
 def npy_pair_x_only(d: Path) -> list[str]:
