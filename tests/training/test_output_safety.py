@@ -636,3 +636,24 @@ def test_a_publish_link_that_fails_after_the_write_says_the_artifact_is_written(
     assert code == 2 and len(errors) == 1 and "Traceback" not in err, err
     assert errors[0].startswith(f"error: {out} is written, but cannot write the --publish link")
     assert read_artifact(out).projection.shape == (2, 6) and not link.exists()
+
+
+def test_references_refuse_a_publish_link_they_cannot_make_before_any_work(
+    model, tmp_path, capsys, monkeypatch
+):
+    """`references remove --publish pub/current` with `pub` read-only to this user (here
+    os.access says so, as it does for such a user; the tests may run as root): it was
+    refused by the link's lock, as ENOENT. Now one line names the link and EACCES, before
+    any work: nothing is written at --out."""
+    path, _ = model
+    pub = tmp_path / "pub"
+    pub.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: Path(p) != pub and real_access(p, mode))
+    ids = str(read_artifact(path).ids[0])
+    args = ["references", "remove", "--model", str(path), "--ids", ids]
+    code = cli_main([*args, "--out", str(tmp_path / "q"), "--publish", str(pub / "current")])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"cannot write the --publish link {pub / 'current'}" in err and "EACCES" in err
+    assert not (tmp_path / "q").exists() and not (pub / "current").exists()

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from service.core.artifact import ArtifactError, OutputClaim, writer_lock
+from service.core.artifact.ownership import check_lock_usable, check_writable
 from training.data.datasets import (
     DataError,
     check_regular_file,
@@ -38,6 +39,7 @@ from training.errors import (
     print_output,
     raise_on_file_size_limit,
     raise_on_interrupt,
+    writing,
 )
 from training.publish import check_publish_link, publish
 from training.references.versions import (
@@ -222,6 +224,10 @@ def run(args: argparse.Namespace) -> dict:
         check_seed(args.seed)  # before the wait for --out's turn
     try:
         claim = OutputClaim(args.out)
+        if args.publish:  # the link's directory and its lock, before any work
+            with writing("the --publish link", Path(args.publish).absolute()):
+                check_writable(args.publish)
+            check_lock_usable(args.publish)
     except ArtifactError as exc:
         raise ReferenceError(str(exc)) from None
     # with --publish, edits through one link take turns too (its lock first, then --out's):

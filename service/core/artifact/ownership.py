@@ -111,6 +111,15 @@ def check_replaceable(path: str | os.PathLike, option: str = "--out") -> None:
     if not entries:
         return
     manifest = _manifest_of(target)
+    if manifest is None and MANIFEST_FILE in entries:
+        try:  # a manifest this user cannot read is not a directory of someone else's data
+            (target / MANIFEST_FILE).read_bytes()
+        except OSError as exc:
+            raise ArtifactError(
+                f"{where}: cannot read its {MANIFEST_FILE} ({exc.strerror or exc}), so it "
+                "cannot be told from a model's; refusing to replace it: make it readable, or "
+                "choose a new or empty directory"
+            ) from None
     if manifest is None:
         shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
         raise ArtifactError(
@@ -144,13 +153,16 @@ def _is_plain_file(path: Path) -> bool:
 
 def check_writable(path: str | os.PathLike) -> None:
     """Raise ``OSError`` (errno EROFS or EACCES, ``filename`` the path) when the directory
-    that will hold ``path`` (its nearest existing ancestor) cannot take new entries: a writer
-    learns it before its work, not after."""
+    that will hold ``path`` (its nearest existing ancestor) cannot take new entries, or EPERM
+    when ``path`` exists in a sticky directory (``/tmp``'s mode 1777) and belongs to another
+    user, who alone may replace it there: a writer learns it before its work, not after."""
     target = Path(path).absolute()
     ancestor = target.parent
     while not ancestor.exists() and ancestor != ancestor.parent:
         ancestor = ancestor.parent
     if os.access(ancestor, os.W_OK | os.X_OK):
+        if _sticky_refuses(target):
+            raise OSError(errno.EPERM, os.strerror(errno.EPERM), str(target))
         return
     try:
         read_only = bool(os.statvfs(ancestor).f_flag & os.ST_RDONLY)
@@ -158,6 +170,46 @@ def check_writable(path: str | os.PathLike) -> None:
         read_only = False
     code = errno.EROFS if read_only else errno.EACCES
     raise OSError(code, os.strerror(code), str(target))
+
+
+def _sticky_refuses(target: Path) -> bool:
+    """Whether ``target`` exists in a sticky directory that will not let this user replace
+    it: neither the entry nor the directory is this user's (root may replace anything)."""
+    try:
+        directory, entry = os.stat(target.parent), os.lstat(target)
+    except OSError:  # absent: a new name may be made in a writable sticky directory
+        return False
+    user = os.geteuid()
+    sticky = bool(directory.st_mode & stat.S_ISVTX)
+    return sticky and user != 0 and user not in (entry.st_uid, directory.st_uid)
+
+
+def check_lock_usable(path: str | os.PathLike) -> None:
+    """Raise ``ArtifactError`` when the writer lock of ``path`` (:func:`lock_path`) exists
+    and cannot serve: a symbolic link (never followed), not a regular file, or a file this
+    user cannot open. A writer learns it before its work; an absent lock is made in its
+    turn (its directory's writability is :func:`check_writable`'s)."""
+    lock_file = lock_path(path)
+    try:
+        mode = os.lstat(lock_file).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise ArtifactError(f"the writer lock {lock_file}: {exc.strerror or exc}") from None
+    if stat.S_ISLNK(mode):
+        raise ArtifactError(
+            f"the writer lock {lock_file} is a symbolic link, which a writer never follows; "
+            "remove it (it is made again as a plain file)"
+        )
+    if not stat.S_ISREG(mode):
+        raise ArtifactError(f"the writer lock {lock_file} is not a regular file; remove it")
+    try:
+        os.close(os.open(lock_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC))
+    except OSError as exc:
+        raise ArtifactError(
+            f"the writer lock {lock_file} cannot be opened by this user "
+            f"({exc.strerror or exc}); ask its owner to remove it, or make it readable"
+        ) from None
 
 
 def version_at(path: str | os.PathLike) -> str | None:
@@ -193,6 +245,7 @@ class OutputClaim:
         self.option = option
         check_replaceable(self.path, option)
         check_writable(self.path)
+        check_lock_usable(self.path)
         self.expected = version_at(self.path)
 
     @contextmanager
@@ -312,8 +365,11 @@ def _open_lock_file(lock_file: Path) -> int:
     flags = os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
         return os.open(lock_file, os.O_RDWR | flags, 0o666)
-    except PermissionError:
-        return os.open(lock_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except PermissionError as refused:
+        try:
+            return os.open(lock_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:  # it could not be made: the directory's refusal is the cause
+            raise refused from None
 
 
 def _record_holder(fd: int) -> None:

@@ -187,3 +187,104 @@ def test_a_killed_holder_frees_the_lock(tmp_path):
     with writer_lock(path, wait_notice=None):
         assert time.monotonic() - started < 5
     assert lock_path(path).name == ".m.lock"
+
+
+# What a non-root hostile pass found, tested here as root can: the tests may run as root,
+# who reads any file and replaces any entry, so the refusals are what such a user meets,
+# made by the calls that refuse them (open, geteuid).
+
+
+def test_a_manifest_that_cannot_be_read_is_said_so(tmp_path, monkeypatch):
+    """An artifact whose manifest.json this user cannot read was refused as 'not an
+    artifact (no manifest.json; it holds ..., manifest.json, ...)': a reason that
+    contradicts itself. It is refused for what it is."""
+    import errno
+
+    out = tiny_artifact(tmp_path / "out")
+    real = Path.read_bytes
+
+    def read_bytes(self):
+        if self.name == "manifest.json":
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return real(self)
+
+    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    monkeypatch.setattr(Path, "read_text", lambda self, **kw: read_bytes(self).decode())
+    with pytest.raises(ArtifactError, match=r"cannot read its manifest\.json \(Permission denied"):
+        check_replaceable(out)
+
+
+@pytest.mark.parametrize("entry_owner, refused", [(0, True), (4242, False)])
+def test_an_entry_of_another_user_in_a_sticky_directory_is_refused_before_work(
+    tmp_path, monkeypatch, entry_owner, refused
+):
+    """In a sticky directory (mode 1777, as /tmp) only an entry's owner (or the directory's)
+    may replace it: an --out or a --publish link there that belonged to another user was
+    found only after the fit, when the rename failed with EPERM. check_writable says it
+    before. This user is uid 4242; the directory is root's."""
+    import errno
+
+    from service.core.artifact.ownership import check_writable
+
+    sticky = tmp_path / "shared"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    (sticky / "model").mkdir()
+    os.chown(sticky / "model", entry_owner, entry_owner)
+    monkeypatch.setattr(os, "geteuid", lambda: 4242)
+    if refused:
+        with pytest.raises(OSError) as caught:
+            check_writable(sticky / "model")
+        assert caught.value.errno == errno.EPERM
+        assert caught.value.filename == str(sticky / "model")
+    else:
+        check_writable(sticky / "model")
+    check_writable(sticky / "new")  # a new name may be made there by anyone
+
+
+def test_a_writer_lock_that_cannot_serve_is_refused_when_the_claim_is_made(tmp_path, monkeypatch):
+    """A lock planted as a link, or one this user cannot open (another user's, mode 0600):
+    the writer learned it after its work, from flock's open (ELOOP, EACCES). The claim,
+    made before any work, refuses it naming the lock and what to do."""
+    import errno
+
+    out = tmp_path / "out"
+    lock = lock_path(out)
+    lock.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(ArtifactError, match="is a symbolic link, which a writer never follows"):
+        OutputClaim(out)
+    lock.unlink()
+    lock.write_text("")
+    real_open = os.open
+
+    def refusing_open(path, flags, *args):
+        if Path(path) == lock:
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", refusing_open)
+    with pytest.raises(ArtifactError, match=r"cannot be opened by this user \(Permission denied"):
+        OutputClaim(out)
+    monkeypatch.setattr(os, "open", real_open)
+    OutputClaim(out)  # a plain lock file the user can open serves
+
+
+def test_a_lock_that_cannot_be_made_names_the_directorys_refusal(tmp_path, monkeypatch):
+    """A lock that cannot be made (its directory read-only to this user) was reported as
+    ENOENT, from the read-only retry that followed the refusal; the refusal is the cause."""
+    import errno
+
+    out = tmp_path / "out"
+    real_open = os.open
+
+    def refusing_open(path, flags, *args):
+        if Path(path) == lock_path(out):
+            if flags & os.O_CREAT:
+                raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", refusing_open)
+    with pytest.raises(OSError) as caught:
+        with writer_lock(out):
+            pass
+    assert caught.value.errno == errno.EACCES
