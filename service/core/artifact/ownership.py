@@ -152,10 +152,12 @@ def _is_plain_file(path: Path) -> bool:
 
 
 def check_writable(path: str | os.PathLike) -> None:
-    """Raise ``OSError`` (errno EROFS or EACCES, ``filename`` the path) when the directory
-    that will hold ``path`` (its nearest existing ancestor) cannot take new entries, or EPERM
-    when ``path`` exists in a sticky directory (``/tmp``'s mode 1777) and belongs to another
-    user, who alone may replace it there: a writer learns it before its work, not after."""
+    """Raise ``OSError`` (``filename`` the path) when the directory that will hold ``path``
+    (its nearest existing ancestor) cannot take new entries (EROFS or EACCES); when ``path``
+    exists in a sticky directory (``/tmp``'s mode 1777) and belongs to another user, who
+    alone may replace it there (EPERM); or when ``path`` is a directory of another user's
+    whose files this user cannot remove, so that its old version would stay beside the new
+    one for good (EACCES). A writer learns it before its work, not after."""
     target = Path(path).absolute()
     ancestor = target.parent
     while not ancestor.exists() and ancestor != ancestor.parent:
@@ -163,6 +165,8 @@ def check_writable(path: str | os.PathLike) -> None:
     if os.access(ancestor, os.W_OK | os.X_OK):
         if _sticky_refuses(target):
             raise OSError(errno.EPERM, os.strerror(errno.EPERM), str(target))
+        if _old_version_stays(target):
+            raise OSError(errno.EACCES, os.strerror(errno.EACCES), str(target))
         return
     try:
         read_only = bool(os.statvfs(ancestor).f_flag & os.ST_RDONLY)
@@ -170,6 +174,18 @@ def check_writable(path: str | os.PathLike) -> None:
         read_only = False
     code = errno.EROFS if read_only else errno.EACCES
     raise OSError(code, os.strerror(code), str(target))
+
+
+def _old_version_stays(target: Path) -> bool:
+    """Whether ``target`` is a directory (not a link) of another user's whose files this user
+    cannot remove: replacing it would leave its old version beside the new one for good."""
+    try:
+        entry = os.lstat(target)
+    except OSError:
+        return False
+    if not stat.S_ISDIR(entry.st_mode) or entry.st_uid == os.geteuid():
+        return False  # a directory of this user's is made writable to be removed
+    return not os.access(target, os.W_OK | os.X_OK)
 
 
 def _sticky_refuses(target: Path) -> bool:

@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import time
 import uuid
 from collections.abc import Mapping
@@ -137,7 +138,7 @@ def _move_into_place(staging: Path, final: Path) -> None:
             f"{final}: exists and is not an artifact directory; refusing to replace"
         )
     if _exchange_paths(staging, final):
-        shutil.rmtree(staging, ignore_errors=True)  # staging now holds the old artifact
+        _remove_replaced(staging)  # staging now holds the old artifact
         return
     # Portable fallback: move the old one aside, move the new one in, restore on failure.
     backup = final.with_name(f".{final.name}.old-{_writer_tag()}-{uuid.uuid4().hex[:8]}")
@@ -147,7 +148,21 @@ def _move_into_place(staging: Path, final: Path) -> None:
     except BaseException:
         os.rename(backup, final)
         raise
-    shutil.rmtree(backup, ignore_errors=True)
+    _remove_replaced(backup)
+
+
+def _remove_replaced(old: Path) -> None:
+    """Remove the replaced artifact ``old`` (a directory of plain files). One this user made
+    read-only (mode 555: its files cannot be unlinked) is made writable first; what still
+    cannot be removed is left, for the next write's :func:`remove_stale_staging` (a directory
+    of another user's is refused before the write, by ``ownership.check_writable``)."""
+    try:
+        mode = os.lstat(old).st_mode
+        if os.geteuid() == os.lstat(old).st_uid and not mode & stat.S_IWUSR:
+            os.chmod(old, stat.S_IMODE(mode) | stat.S_IRWXU)
+    except OSError:
+        pass
+    shutil.rmtree(old, ignore_errors=True)
 
 
 STALE_STAGING_SECONDS = 24 * 3600  # a staging entry this old is abandoned on any host
@@ -225,7 +240,9 @@ def remove_stale_staging(path: str | os.PathLike, *, now: float | None = None) -
             if match["kind"] == "old" and not owner.exists() and not owner.is_symlink():
                 os.rename(entry, owner)  # the previous artifact, back where it was
             elif entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry)
+                _remove_replaced(entry)
+                if entry.exists():
+                    continue
             else:
                 entry.unlink()
         except OSError:

@@ -288,3 +288,54 @@ def test_a_lock_that_cannot_be_made_names_the_directorys_refusal(tmp_path, monke
         with writer_lock(out):
             pass
     assert caught.value.errno == errno.EACCES
+
+
+def _unlink_as_a_user(monkeypatch) -> None:
+    """os.unlink as a user without root meets it: refused in a directory without the
+    owner's write bit (the tests may run as root, whom no mode refuses)."""
+    import errno
+    import stat
+
+    real_unlink = os.unlink
+
+    def unlink(path, *, dir_fd=None):
+        where = os.fstat(dir_fd) if dir_fd is not None else os.stat(Path(path).absolute().parent)
+        if not where.st_mode & stat.S_IWUSR:
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_unlink(path, dir_fd=dir_fd)
+
+    monkeypatch.setattr(os, "unlink", unlink)
+
+
+def test_replacing_a_read_only_artifact_of_ones_own_leaves_no_old_copy(tmp_path, monkeypatch):
+    """A model directory the user made read-only (mode 555) and then replaced: the new
+    version went in, and the old one stayed beside it as .m.tmp-HOST-PID-HEX, which no
+    later write removed and the user's rm could not. Its directory is now made writable
+    to be removed."""
+    _unlink_as_a_user(monkeypatch)
+    out = tiny_artifact(tmp_path / "m")
+    out.chmod(0o555)
+    tiny_artifact(out, n=9)  # the replacement
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith((".m.tmp", ".m.old"))]
+    assert len(np.load(out / "labels.npy")) == 9
+
+
+def test_a_directory_of_another_user_that_cannot_be_emptied_is_refused_before_work(
+    tmp_path, monkeypatch
+):
+    """--out a model of another user's (root's, mode 755) in the user's own directory: the
+    exchange of the two directories works (the parent is the user's), the old one's files
+    cannot be removed, and it stayed for good. Refused before any work instead."""
+    import errno
+
+    from service.core.artifact.ownership import check_writable
+
+    out = tiny_artifact(tmp_path / "m")
+    os.chown(out, 4242, 4242)  # another user's: this user is root here
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: Path(p) != out and real_access(p, mode))
+    with pytest.raises(OSError) as caught:
+        check_writable(out)
+    assert caught.value.errno == errno.EACCES and caught.value.filename == str(out)
+    monkeypatch.setattr(os, "access", real_access)
+    check_writable(out)  # one whose files the user can remove may be replaced
