@@ -97,13 +97,18 @@ class PrototypeCheckpoint:
         if not self.path.exists():
             return None
         try:
-            with open(self.path, "rb"):
-                pass
+            with open(self.path, "rb") as fh:
+                archive = zipfile.is_zipfile(fh)  # (numpy calls any other file pickled data)
         except OSError as exc:  # kept: a checkpoint the user cannot read may be resumable
             raise ValueError(
                 f"checkpoint {self.path} cannot be read ({describe_os_error(exc)}): make it "
                 "readable to resume from it, or remove it to start over"
             ) from None
+        if not archive:
+            raise ValueError(
+                f"checkpoint {self.path}: not a prototype checkpoint (not an .npz archive); "
+                "remove it to start over"
+            )
         try:
             with np.load(self.path, allow_pickle=False) as data:
                 arrays = {name: np.asarray(data[name]) for name in data.files}

@@ -209,6 +209,9 @@ def _ids_file(path: str, option: str = "--ids-file") -> np.ndarray:
         raise ReferenceError(
             f"{option} {path!r}: not UTF-8 text (byte {exc.start}); expected one id per line"
         ) from None
+    except OSError as exc:  # a read error (EIO) names no file: the option and path do
+        cause = describe_os_error(OSError(exc.errno, exc.strerror))
+        raise ReferenceError(f"{option} {path!r}: cannot be read ({cause})") from None
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     return _ids_from_text(lines, f"{option} {path!r}")
 

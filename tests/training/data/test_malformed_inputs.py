@@ -730,12 +730,18 @@ def _ids_text(data: bytes):
     return lay_out
 
 
+def _ids_failing_read(d: Path) -> list:
+    (d / "ids.txt").symlink_to("/proc/self/mem")  # read at offset 0: EIO, naming no file
+    return ["--ids-file", d / "ids.txt"]
+
+
 IDS_FILE_CORPUS = [
     ("a 2-D .npy", _ids_npy(np.zeros((2, 2), np.int64)), "expected a 1-D array of ids"),
     ("a 0-D .npy", _ids_npy(np.int64(3)), "expected a 1-D array of ids"),
     ("a float .npy", _ids_npy(np.array([1.0, 2.0])), "ids must be integers, got dtype float64"),
     ("uint64 beyond int64", _ids_npy(np.array([2**63 + 5], np.uint64)), "beyond the 64-bit"),
     ("latin-1 text", _ids_text("1\n\u00e9\n".encode("latin-1")), "not UTF-8 text"),
+    ("a text file whose read fails", _ids_failing_read, "ids.txt': cannot be read (Input/output"),
 ]
 
 
