@@ -14,6 +14,7 @@ import hashlib
 import importlib.metadata
 import os
 import tempfile
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +36,14 @@ def digest_array(digest: hashlib._Hash, array: np.ndarray | None) -> None:
     array = np.ascontiguousarray(array)
     digest.update(f"{array.dtype.str}{array.shape}".encode())
     digest.update(memoryview(array).cast("B"))
+
+
+def is_npz_archive(path: Path) -> bool:
+    """Whether ``path`` is an .npz (zip) archive, as every saved state is (numpy would call
+    any other file pickled data). OSError when it cannot be read: the caller says so and
+    keeps the file, which may be a resumable state this user cannot read."""
+    with open(path, "rb") as fh:
+        return zipfile.is_zipfile(fh)
 
 
 def checkpoint_beside(out: str | Path) -> Path:

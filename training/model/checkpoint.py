@@ -52,7 +52,7 @@ import torch
 from training.errors import describe_os_error
 from training.model import sparse_input
 from training.model.fitting import FitState, Snapshot, StageRecord, StageResume
-from training.state_file import digest_array, write_npz_atomically
+from training.state_file import digest_array, is_npz_archive, write_npz_atomically
 
 FORMAT = "nca-knn-fit-checkpoint/2"
 # a mid-stage state's arrays (StageResume's theta, g, pairs_s, pairs_y), members of their own
@@ -136,8 +136,7 @@ class FitCheckpoint:
         if not path.exists():
             return None
         try:
-            with open(path, "rb") as fh:
-                archive = zipfile.is_zipfile(fh)  # (numpy calls any other file pickled data)
+            archive = is_npz_archive(path)
         except OSError as exc:  # kept: a checkpoint the user cannot read may be resumable
             raise ValueError(
                 f"checkpoint {path} cannot be read ({describe_os_error(exc)}): make it "

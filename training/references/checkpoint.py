@@ -39,7 +39,12 @@ from pathlib import Path
 import numpy as np
 
 from training.errors import describe_os_error
-from training.state_file import digest_array, package_version, write_npz_atomically
+from training.state_file import (
+    digest_array,
+    is_npz_archive,
+    package_version,
+    write_npz_atomically,
+)
 
 FORMAT = "nca-knn-prototype-checkpoint/1"
 CHECKPOINT_SECONDS = 10.0  # a save after an iteration once this long has passed since the last
@@ -97,8 +102,7 @@ class PrototypeCheckpoint:
         if not self.path.exists():
             return None
         try:
-            with open(self.path, "rb") as fh:
-                archive = zipfile.is_zipfile(fh)  # (numpy calls any other file pickled data)
+            archive = is_npz_archive(self.path)
         except OSError as exc:  # kept: a checkpoint the user cannot read may be resumable
             raise ValueError(
                 f"checkpoint {self.path} cannot be read ({describe_os_error(exc)}): make it "

@@ -157,9 +157,9 @@ def _remove_replaced(old: Path) -> None:
     cannot be removed is left, for the next write's :func:`remove_stale_staging` (a directory
     of another user's is refused before the write, by ``ownership.check_writable``)."""
     try:
-        mode = os.lstat(old).st_mode
-        if os.geteuid() == os.lstat(old).st_uid and not mode & stat.S_IWUSR:
-            os.chmod(old, stat.S_IMODE(mode) | stat.S_IRWXU)
+        entry = os.lstat(old)
+        if entry.st_uid == os.geteuid() and not entry.st_mode & stat.S_IWUSR:
+            os.chmod(old, stat.S_IMODE(entry.st_mode) | stat.S_IRWXU)
     except OSError:
         pass
     shutil.rmtree(old, ignore_errors=True)

@@ -383,7 +383,7 @@ def test_a_checkpoint_the_user_cannot_read_is_named_as_such_and_kept(tmp_path, m
     import builtins
     import errno
 
-    import training.model.checkpoint as checkpoint_module
+    import training.state_file as state_file
 
     fit(tmp_path / "ckpt", max_iter=3)  # a finished fit leaves its state: resumable
     saved = tmp_path / "ckpt" / "fit-rank0.npz"
@@ -394,7 +394,7 @@ def test_a_checkpoint_the_user_cannot_read_is_named_as_such_and_kept(tmp_path, m
             raise PermissionError(errno.EACCES, "Permission denied", str(path))
         return builtins.open(path, *args, **kwargs)
 
-    monkeypatch.setattr(checkpoint_module, "open", refusing_open, raising=False)
+    monkeypatch.setattr(state_file, "open", refusing_open, raising=False)
     with pytest.raises(ValueError) as caught:
         fit(tmp_path / "ckpt", max_iter=3)
     message = str(caught.value)

@@ -248,6 +248,8 @@ def test_a_checkpoint_the_user_cannot_read_is_named_as_such_and_kept(tmp_path, m
     import errno
     from pathlib import Path
 
+    import training.state_file as state_file
+
     ckpt = tmp_path / "ckpt"
     learn(ckpt)
     saved = checkpoint_path(ckpt, "log")
@@ -257,7 +259,7 @@ def test_a_checkpoint_the_user_cannot_read_is_named_as_such_and_kept(tmp_path, m
             raise PermissionError(errno.EACCES, "Permission denied", str(path))
         return builtins.open(path, *args, **kwargs)
 
-    monkeypatch.setattr(checkpoint, "open", refusing_open, raising=False)
+    monkeypatch.setattr(state_file, "open", refusing_open, raising=False)
     with pytest.raises(ValueError, match=r"cannot be read .*EACCES.*make it readable") as raised:
         learn(ckpt)
     assert "\n" not in str(raised.value) and saved.is_file()
