@@ -28,8 +28,10 @@ PARAMS = dict(
 def data():
     """Overlapping classes with noisy labels: the fits stop on their iteration counts (the
     exact fit after its 12, the finish after its 5), not on float32's precision, whose
-    iteration moves with the order of the sums (well-separated blobs stopped after 5-8)."""
-    X, y = hard_noisy(900)[:2]
+    iteration moves with the order of the sums (well-separated blobs stopped after 5-8). On
+    this draw (seed 1) the finish gains on held-out rows at its first iteration, so it runs
+    on (on seed 0's it gains nothing there and stops, undone: "no gain")."""
+    X, y = hard_noisy(900, seed=1)[:2]
     return X[:600], y[:600], X[600:], y[600:]
 
 

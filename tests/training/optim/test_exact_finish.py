@@ -152,10 +152,11 @@ def test_the_finish_starts_from_the_scaled_map_and_stages_say_so():
     assert [s["start_scale"] for s in unpenalised.stages_] == [1.0, 1.0]
 
 
-def test_an_undone_finish_returns_its_unscaled_start_and_that_maps_objective():
-    """Held-out scores scripted (``held_out_score``) to fall in the finish: the judge undoes
-    it, and the fit returns the candidate stage's map itself (not the scaled start) with its
-    mean score on the finish's objective."""
+def test_a_finish_without_a_gain_returns_the_candidate_stages_map_and_objective():
+    """Held-out scores scripted (``held_out_score``) to fall in the finish: its first
+    iteration gains nothing, so it stops there undone, and the fit returns the candidate
+    stage's map itself (not the scaled start) with that stage's objective and penalty, as a
+    fit without a finish does."""
     X, y = blobs(400)
     X_val, y_val = blobs(120, seed=9)
     params = dict(
@@ -174,11 +175,13 @@ def test_an_undone_finish_returns_its_unscaled_start_and_that_maps_objective():
 
     undone = judged_fit(exact_finish=3)
     alone = judged_fit(exact_finish=0)
-    assert undone.stages_[1]["kept"] == "start" and undone.stages_[1]["start_scale"] < 1
+    finish = undone.stages_[1]
+    assert (finish["kept"], finish["stop_reason"], finish["iterations"]) == ("start", "no gain", 1)
+    assert finish["start_scale"] < 1
     np.testing.assert_array_equal(undone.components_, alone.components_)
-    assert undone.objective_value_ == pytest.approx(
-        -penalised_exact_loss(undone, X, y, l2=0.0), abs=1e-5
-    )
+    assert undone.objective_value_ == alone.objective_value_
+    assert undone.l2_ == alone.l2_ == undone.stages_[0]["l2"]  # the candidate stage's penalty
+    assert undone.converged_ and undone.stop_reason_ == alone.stop_reason_
 
 
 def test_exact_fits_and_fits_that_auto_leaves_alone_have_no_finish():

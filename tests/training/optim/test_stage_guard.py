@@ -197,7 +197,10 @@ def test_a_first_stage_that_stalls_stops_and_returns_its_best_checked_map(script
     assert record["checks"] == 5 and record["seconds"] == pytest.approx(6.0)
 
 
-def test_a_finish_that_falls_below_its_start_stops_at_its_second_check(scripted):
+def test_a_finish_without_a_gain_at_its_first_iteration_stops_there_undone(scripted):
+    """A later stage starts from a trained map and must earn its cost: checked at its first
+    iteration, it stops there ("no gain") unless it scored above its start by more than the
+    tolerance (here 0: a ``held_out_score``), and its map is not kept."""
     holder, _, _ = scripted
     X, y = blobs(300)
     first_iterations = 4
@@ -216,9 +219,35 @@ def test_a_finish_that_falls_below_its_start_stops_at_its_second_check(scripted)
     )
     first, finish = model.stages_
     assert first["stop_reason"] == "max_iter" and first["iterations"] == first_iterations
-    assert finish["stage"] == "exact finish" and finish["stop_reason"] == "hurt"
-    assert finish["iterations"] == 2  # judged at its first checks, not after 60 iterations
+    assert finish["stage"] == "exact finish" and finish["stop_reason"] == "no gain"
+    assert finish["iterations"] == 1  # judged at its first iteration, not after 60
     assert finish["kept"] == "start"  # it never beat the first stage's map
+    assert model.kept_iteration_ == first_iterations
+
+
+def test_a_finish_that_gains_at_its_first_iteration_goes_on_to_its_other_checks(scripted):
+    """The same finish scored one point above its start at its first iteration and flat
+    after: it passes its first check, runs on, and stops stalled at its later checks, its
+    first iteration's map kept (the keep rule's most trained map within the tolerance)."""
+    holder, _, _ = scripted
+    X, y = blobs(300)
+    first_iterations = 4
+    holder["finish_from"] = first_iterations + 1
+    start = 0.5 + 0.01 * first_iterations
+    holder["script"] = lambda stage, it: 0.5 + 0.01 * it if stage == "first" else start + 0.01
+    model = fit(
+        X,
+        y,
+        holder,
+        n_candidates=5,
+        max_iter=first_iterations,
+        tol=0,
+        exact_finish=60,
+        validation_interval=1,
+    )
+    finish = model.stages_[1]
+    assert finish["stop_reason"] == "stalled" and finish["iterations"] > 1
+    assert finish["kept"] == "end" and finish["end_score"] == pytest.approx(start + 0.01)
 
 
 def test_the_same_fit_under_two_scripted_clocks_gives_the_same_map(monkeypatch):
