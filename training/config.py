@@ -183,8 +183,7 @@ class TrainConfig:
     l2: str = _shared(
         "l2",
         "L2 penalty on A (added to the mean per-point loss): a number in [0, 1e6], or auto "
-        "(0.03 on the exact objective, chosen by cross-validation; 0.003 on candidate sets, "
-        "dropped when they go stale under it)",
+        "(0.03 on the exact objective, chosen by cross-validation; 0 on candidate sets)",
         parse=_l2,
     )
     n_candidates: str = _shared(

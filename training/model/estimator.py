@@ -57,11 +57,8 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
     max_iter, tol : L-BFGS iterations or Adam epochs; the convergence tolerance.
     l2 : "auto" or float
         Penalty l2 ||A||_F^2 on the per-point mean loss (0: scikit-learn's objective). "auto"
-        is DEFAULT_L2 on the exact objective (an exact fit, the exact finish); on candidate
-        sets CANDIDATE_L2 (NCA's objectives under L-BFGS; else 0), which the fit drops for
-        the rest of the stage when the sets go stale under it (``stages_[0]
-        ["penalty_dropped_at"]``). A number given is kept everywhere. ``l2_`` is the value
-        of the objective optimised last.
+        is DEFAULT_L2 where the objective stays faithful under it (exact, the exact finish),
+        else 0 (candidate sets). ``l2_`` is the value of the objective optimised last.
     n_candidates : "auto", int or None
         None: the exact objective (chunks against all points). K: each point's K nearest
         same-class and other-class points in the current projection, recomputed when stale.
@@ -244,9 +241,7 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         finish = [r for r in state.records if r.stage == "exact finish"]
         # a finish without a gain at its first iteration left the kept map and its objective
         finished = bool(finish) and finish[0].iterations > 0 and finish[0].stop_reason != "no gain"
-        dropped = bool(state.records) and state.records[0].penalty_dropped_at is not None
-        # of the objective optimised last (the candidate stage's penalty may have been dropped)
-        self.l2_ = float(plan.finish_l2 if finished else 0.0 if dropped else plan.l2)
+        self.l2_ = float(plan.finish_l2 if finished else plan.l2)  # of the objective optimised last
         self.exact_finish_iter_ = finish[0].iterations if finish else 0
         self.solver_ = plan.solver
         self.device_ = str(prep.device)

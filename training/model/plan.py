@@ -38,14 +38,9 @@ FINISH_MAX_POINTS = 2**16
 FINISH_EVALUATIONS_PER_ITER = 2
 AUTO_KNCA_FINISH_ITER = 20
 KNCA_FINISH_MAX_ROWS = 2048
-# what l2="auto" means on the exact objective; the l2 parameter's docstring says why,
-# benchmarks/results/default_l2.json how it was chosen
+# what l2="auto" means on the exact objective (0 on candidate sets); the l2 parameter's
+# docstring says why, benchmarks/results/default_l2.json how it was chosen
 DEFAULT_L2 = 0.03
-# ... and on candidate sets: a tenth of it, which keeps the candidate stage from growing the
-# map until each softmax sits on its nearest candidates (5-NN on the real digits 1.97%
-# against 2.09% unpenalised); dropped for the rest of the stage when the sets go stale under
-# it (fitting.Rounds; benchmarks/README.md, "A penalty the candidate sets can follow")
-CANDIDATE_L2 = 0.003
 
 
 @dataclass(frozen=True)
@@ -56,9 +51,6 @@ class FitPlan:
     n_candidates: int | None  # K nearest candidates per kind; None: the exact objective
     candidate_rows: int | None  # query rows of the candidate stage, at most (None: all)
     l2: float  # the penalty of the first stage's objective
-    # whether the first stage drops it when its candidate sets go stale under it ("auto"'s
-    # CANDIDATE_L2 alone: a penalty the user set is kept)
-    l2_drops_when_stale: bool
     finish_iter: int  # exact L-BFGS iterations after a candidate fit (0: none)
     finish_l2: float  # the penalty of the exact finish
     finish_max_rows: int  # query rows a finishing iteration averages over, at most
@@ -84,9 +76,9 @@ def resolve_plan(params: dict, n_samples: int, distributed: bool = False) -> Fit
     n_candidates "auto": exact up to AUTO_EXACT_MAX_SAMPLES points, else AUTO_N_CANDIDATES.
     candidate_rows: CANDIDATE_QUERY_MAX_ROWS for an L-BFGS fit on candidate sets on more
     points than that (Adam's batches need every row's set), else None.
-    l2 "auto": DEFAULT_L2 on the exact objective; on candidate sets CANDIDATE_L2 for NCA's
-    objectives under L-BFGS (where it was measured), dropped by the fit when the sets go
-    stale under it, else 0; the exact finish always carries DEFAULT_L2. exact_finish "auto":
+    l2 "auto": DEFAULT_L2 on the exact objective, 0 on candidate sets (a penalty there pulls
+    the candidate objective away from the exact one); the exact finish always carries
+    DEFAULT_L2. exact_finish "auto":
     none after an exact fit or after Adam, else AUTO_EXACT_FINISH_ITER (NCA's objectives)
     or AUTO_KNCA_FINISH_ITER (kNCA's). The finish's points: all, or for NCA's objectives in
     one process above FINISH_MAX_POINTS points an evenly spaced sample of that many; its
@@ -102,10 +94,8 @@ def resolve_plan(params: dict, n_samples: int, distributed: bool = False) -> Fit
     if n_samples <= CANDIDATE_QUERY_MAX_ROWS:
         candidate_rows = None
     knca = is_knca(params["objective"])
-    drops = False
     if isinstance(params["l2"], str):  # "auto"
-        drops = n_candidates is not None and solver == "lbfgs" and not knca
-        l2 = DEFAULT_L2 if n_candidates is None else CANDIDATE_L2 if drops else 0.0
+        l2 = DEFAULT_L2 if n_candidates is None else 0.0
         finish_l2 = DEFAULT_L2
     else:
         l2 = finish_l2 = float(params["l2"])
@@ -126,7 +116,6 @@ def resolve_plan(params: dict, n_samples: int, distributed: bool = False) -> Fit
         n_candidates=n_candidates,
         candidate_rows=candidate_rows,
         l2=l2,
-        l2_drops_when_stale=drops,
         finish_iter=finish_iter,
         finish_l2=finish_l2,
         finish_max_rows=min(max_rows, finish_rows),

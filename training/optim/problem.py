@@ -172,11 +172,6 @@ class Problem:
         with torch.no_grad():
             return self.embed(params)
 
-    def drop_penalty(self) -> None:
-        """Optimise the unpenalised objective from here on: the fit loop's step when a
-        penalised stage's candidate sets go stale under it (``fitting.Rounds``)."""
-        self.l2 = 0.0
-
     def penalty(self, theta: np.ndarray) -> float:
         """l2 ||theta||^2: what the loss adds to -mean score (0 without a penalty)."""
         theta = np.asarray(theta, dtype=np.float64).ravel()

@@ -276,10 +276,7 @@ def test_auto_picks_candidates_for_large_n(monkeypatch):
 
     monkeypatch.setattr(est, "AUTO_EXACT_MAX_SAMPLES", 100)
     X, y = load_iris(return_X_y=True)
-    # the plan's K: the watch may grow it from the data (n_candidates_ is K at the end)
-    large = NCA(n_components=2, max_iter=5).fit(X, y)
-    assert large.plan_.n_candidates == est.AUTO_N_CANDIDATES
-    assert large.n_candidates_ >= est.AUTO_N_CANDIDATES
+    assert NCA(n_components=2, max_iter=5).fit(X, y).n_candidates_ == est.AUTO_N_CANDIDATES
     assert NCA(n_components=2, max_iter=5).fit(X[:90], y[:90]).n_candidates_ is None
 
 
@@ -558,8 +555,7 @@ def test_a_non_finite_map_from_any_solver_is_refused(monkeypatch):
 
 def test_the_plan_records_what_every_auto_resolved_to(monkeypatch):
     """plan_: exact below the size limit (penalty on, no finish); candidate sets above it,
-    with a tenth of the penalty on them (CANDIDATE_L2) and the finish carrying the whole;
-    Adam gets no finish."""
+    with no penalty on them and the finish carrying it; Adam gets no finish."""
     import training.model.plan as plan
 
     X, y = load_iris(return_X_y=True)
@@ -568,7 +564,7 @@ def test_the_plan_records_what_every_auto_resolved_to(monkeypatch):
     monkeypatch.setattr(plan, "AUTO_EXACT_MAX_SAMPLES", 100)
     candidates = NCA(n_components=2, max_iter=3).fit(X, y).plan_
     assert candidates.n_candidates == plan.AUTO_N_CANDIDATES and candidates.solver == "lbfgs"
-    assert (candidates.l2, candidates.finish_l2) == (plan.CANDIDATE_L2, plan.DEFAULT_L2)
+    assert (candidates.l2, candidates.finish_l2) == (0.0, plan.DEFAULT_L2)
     assert candidates.finish_iter == plan.AUTO_EXACT_FINISH_ITER
     adam = NCA(n_components=2, max_iter=2, options=dict(solver="adam")).fit(X, y).plan_
     assert adam.finish_iter == 0 and adam.solver == "adam"

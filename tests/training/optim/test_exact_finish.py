@@ -180,7 +180,7 @@ def test_a_finish_without_a_gain_returns_the_candidate_stages_map_and_objective(
     assert finish["start_scale"] < 1
     np.testing.assert_array_equal(undone.components_, alone.components_)
     assert undone.objective_value_ == alone.objective_value_
-    assert undone.l2_ == alone.l2_ == undone.stages_[0]["l2"]  # the candidate stage's penalty
+    assert undone.l2_ == alone.l2_ == undone.plan_.l2  # the candidate stage's penalty
     assert undone.converged_ and undone.stop_reason_ == alone.stop_reason_
 
 
