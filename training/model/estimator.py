@@ -29,7 +29,7 @@ from service.core.knn import project
 from training.distributed.ranks import agreed_flags, current_group
 from training.model import preparation, sparse_input
 from training.model.checkpoint import FitCheckpoint, fingerprint
-from training.model.fitting import ENDED_AS_MEANT, FitClock, StagedFit
+from training.model.fitting import ENDED_AS_MEANT, FitClock, StagedFit, StopReason
 from training.model.options import fit_settings
 from training.model.plan import FitPlan, resolve_plan
 from training.objectives.registry import kernels_used
@@ -240,7 +240,8 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         self.n_candidates_ = state.n_candidates or plan.n_candidates
         finish = [r for r in state.records if r.stage == "exact finish"]
         # a finish without a gain at its first iteration left the kept map and its objective
-        finished = bool(finish) and finish[0].iterations > 0 and finish[0].stop_reason != "no gain"
+        ran = bool(finish) and finish[0].iterations > 0  # the exact objective was evaluated
+        finished = ran and finish[0].stop_reason != StopReason.NO_GAIN
         self.l2_ = float(plan.finish_l2 if finished else plan.l2)  # of the objective optimised last
         self.exact_finish_iter_ = finish[0].iterations if finish else 0
         self.solver_ = plan.solver
@@ -251,7 +252,7 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         # which implementation evaluated each objective: "c", "torch" or "flex" (on CUDA)
         self.kernels_ = kernels_used(
             self.objective,
-            exact=plan.n_candidates is None or bool(finished),
+            exact=plan.n_candidates is None or ran,
             candidates=plan.n_candidates is not None,
             device=str(prep.device),
         )

@@ -511,6 +511,7 @@ class StagedFit:
         check = StageChecks(self.held_out, self.patience)
         rounds = Rounds(watch)
         theta, at, iteration, resumed = self._stage_start(index, stage, state, solver, check)
+        objective_before = state.kept.objective  # the kept map's, as the stage before left it
         scale = 1.0 if resumed is None else resumed.start_scale
         if resumed is not None:  # mid-stage: the stage's time and iterations so far count
             started, before = started - resumed.seconds, before - resumed.iteration
@@ -562,8 +563,11 @@ class StagedFit:
                 record["val_score"] = score
             self._print(record)
             if first_of_later and score is not None and not check.gains(score):
+                # undone: the map is not offered, and the kept map keeps the objective the
+                # stage before gave it (an unscaled start took this stage's at iteration 0)
                 check.after(score)
-                stop = StopReason.NO_GAIN  # not offered: the stage is undone
+                stop = StopReason.NO_GAIN
+                state.kept = replace(state.kept, objective=objective_before)
             elif score is not None:
                 state.offer(Snapshot(theta, at.objective, score, state.iterations), self._tolerance)
                 stop = check.after(score)

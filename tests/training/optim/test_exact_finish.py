@@ -152,11 +152,9 @@ def test_the_finish_starts_from_the_scaled_map_and_stages_say_so():
     assert [s["start_scale"] for s in unpenalised.stages_] == [1.0, 1.0]
 
 
-def test_a_finish_without_a_gain_returns_the_candidate_stages_map_and_objective():
-    """Held-out scores scripted (``held_out_score``) to fall in the finish: its first
-    iteration gains nothing, so it stops there undone, and the fit returns the candidate
-    stage's map itself (not the scaled start) with that stage's objective and penalty, as a
-    fit without a finish does."""
+def judged_fit(**extra) -> NCA:
+    """A candidate fit on blobs whose held-out scores are scripted (``held_out_score``) to
+    fall in the finish: 0.9 for every map but the finish's after its start, 0.5."""
     X, y = blobs(400)
     X_val, y_val = blobs(120, seed=9)
     params = dict(
@@ -164,24 +162,49 @@ def test_a_finish_without_a_gain_returns_the_candidate_stages_map_and_objective(
         random_state=0,
         max_iter=30,
         standardize="feature",
+        n_candidates=5,
         held_out_score=lambda A, stage, i: 0.5 if stage == "exact finish" and i > 0 else 0.9,
     )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return NCA(**with_options({**params, **extra})).fit(X, y, X_val, y_val)
 
-    def judged_fit(**extra):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            estimator = NCA(**with_options(dict(n_candidates=5, **params, **extra)))
-            return estimator.fit(X, y, X_val, y_val)
 
-    undone = judged_fit(exact_finish=3)
-    alone = judged_fit(exact_finish=0)
+@pytest.mark.parametrize("penalty", [{}, {"l2": 0.0}, {"objective": "knca-majority", "k": 3}])
+def test_a_finish_without_a_gain_returns_the_candidate_stages_map_and_objective(penalty):
+    """The finish's first iteration gains nothing, so it stops there undone, and the fit
+    returns the candidate stage's map itself (not the scaled start) with that stage's
+    objective and penalty, as a fit without a finish does: for NCA's scaled start, and for
+    the unscaled starts (no penalty; kNCA), whose start took the finish's objective."""
+    undone = judged_fit(exact_finish=3, **penalty)
+    alone = judged_fit(exact_finish=0, **penalty)
     finish = undone.stages_[1]
     assert (finish["kept"], finish["stop_reason"], finish["iterations"]) == ("start", "no gain", 1)
-    assert finish["start_scale"] < 1
+    assert (finish["start_scale"] < 1) == (penalty == {})
     np.testing.assert_array_equal(undone.components_, alone.components_)
     assert undone.objective_value_ == alone.objective_value_
     assert undone.l2_ == alone.l2_ == undone.plan_.l2  # the candidate stage's penalty
     assert undone.converged_ and undone.stop_reason_ == alone.stop_reason_
+    if "objective" not in penalty:  # the exact kernel ran (kNCA names one kernel for both)
+        assert "nca_exact" in undone.kernels_ and "nca_exact" not in alone.kernels_
+
+
+def test_with_the_stop_rules_off_the_keep_rule_undoes_the_finish_at_its_end():
+    """Without the stop rules (``stop_stalled_stages=False``, no early stopping) the finish
+    runs all its iterations; scoring below the candidate stage's map, it is undone by the
+    keep rule at its end, and the fit returns the candidate stage's map itself (not the
+    scaled start) with its mean score on the finish's objective (the objective optimised
+    last)."""
+    X, y = blobs(400)
+    undone = judged_fit(exact_finish=3, stop_stalled_stages=False)
+    alone = judged_fit(exact_finish=0, stop_stalled_stages=False)
+    finish = undone.stages_[1]
+    assert (finish["kept"], finish["stop_reason"], finish["iterations"]) == ("start", "max_iter", 3)
+    assert finish["start_scale"] < 1
+    np.testing.assert_array_equal(undone.components_, alone.components_)
+    assert undone.objective_value_ == pytest.approx(
+        -penalised_exact_loss(undone, X, y, l2=0.0), abs=1e-5
+    )
 
 
 def test_exact_fits_and_fits_that_auto_leaves_alone_have_no_finish():

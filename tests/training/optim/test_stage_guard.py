@@ -197,57 +197,57 @@ def test_a_first_stage_that_stalls_stops_and_returns_its_best_checked_map(script
     assert record["checks"] == 5 and record["seconds"] == pytest.approx(6.0)
 
 
+FIRST_ITERATIONS = 4  # the first stage's, each checked and rising by 0.01 from 0.5
+FINISH_START = 0.5 + 0.01 * FIRST_ITERATIONS  # the score the finish starts from
+
+
+def finish_after_rising_stage(scripted, finish_score: float, exact_finish: int = 60) -> NCA:
+    """A candidate fit of FIRST_ITERATIONS iterations, checked at each and scored 0.5 +
+    0.01 * iteration, then an exact finish of ``exact_finish`` iterations whose every map
+    scores ``finish_score``."""
+    holder, _, _ = scripted
+    holder["finish_from"] = FIRST_ITERATIONS + 1
+    holder["script"] = lambda stage, it: 0.5 + 0.01 * it if stage == "first" else finish_score
+    params = dict(n_candidates=5, max_iter=FIRST_ITERATIONS, tol=0, validation_interval=1)
+    return fit(*blobs(300), holder, exact_finish=exact_finish, **params)
+
+
 def test_a_finish_without_a_gain_at_its_first_iteration_stops_there_undone(scripted):
     """A later stage starts from a trained map and must earn its cost: checked at its first
     iteration, it stops there ("no gain") unless it scored above its start by more than the
     tolerance (here 0: a ``held_out_score``), and its map is not kept."""
-    holder, _, _ = scripted
-    X, y = blobs(300)
-    first_iterations = 4
-    holder["finish_from"] = first_iterations + 1
-    # the first stage rises at every check; the finish falls below the first stage's map
-    holder["script"] = lambda stage, it: 0.5 + 0.01 * it if stage == "first" else 0.5
-    model = fit(
-        X,
-        y,
-        holder,
-        n_candidates=5,
-        max_iter=first_iterations,
-        tol=0,
-        exact_finish=60,
-        validation_interval=1,
-    )
+    model = finish_after_rising_stage(scripted, finish_score=0.5)  # below the first stage's
     first, finish = model.stages_
-    assert first["stop_reason"] == "max_iter" and first["iterations"] == first_iterations
+    assert first["stop_reason"] == "max_iter" and first["iterations"] == FIRST_ITERATIONS
     assert finish["stage"] == "exact finish" and finish["stop_reason"] == "no gain"
     assert finish["iterations"] == 1  # judged at its first iteration, not after 60
     assert finish["kept"] == "start"  # it never beat the first stage's map
-    assert model.kept_iteration_ == first_iterations
+    assert model.kept_iteration_ == FIRST_ITERATIONS
+
+
+def test_a_finish_that_ties_its_start_at_its_first_iteration_is_not_kept(scripted):
+    """A tie is no gain: the finish's first iteration scored exactly its start (which the
+    keep rule, with a ``held_out_score``'s tolerance of 0, would keep as the more trained
+    map) stops the finish, and the fit returns the first stage's last map, bit for bit
+    that of a fit without the finish."""
+    _, maps, _ = scripted
+    model = finish_after_rising_stage(scripted, finish_score=FINISH_START)
+    finish = model.stages_[1]
+    assert (finish["stop_reason"], finish["iterations"], finish["kept"]) == ("no gain", 1, "start")
+    assert model.kept_iteration_ == FIRST_ITERATIONS
+    np.testing.assert_array_equal(model.components_.ravel(), maps[FIRST_ITERATIONS].ravel())
+    alone = finish_after_rising_stage(scripted, finish_score=FINISH_START, exact_finish=0)
+    np.testing.assert_array_equal(model.components_, alone.components_)
 
 
 def test_a_finish_that_gains_at_its_first_iteration_goes_on_to_its_other_checks(scripted):
     """The same finish scored one point above its start at its first iteration and flat
     after: it passes its first check, runs on, and stops stalled at its later checks, its
     first iteration's map kept (the keep rule's most trained map within the tolerance)."""
-    holder, _, _ = scripted
-    X, y = blobs(300)
-    first_iterations = 4
-    holder["finish_from"] = first_iterations + 1
-    start = 0.5 + 0.01 * first_iterations
-    holder["script"] = lambda stage, it: 0.5 + 0.01 * it if stage == "first" else start + 0.01
-    model = fit(
-        X,
-        y,
-        holder,
-        n_candidates=5,
-        max_iter=first_iterations,
-        tol=0,
-        exact_finish=60,
-        validation_interval=1,
-    )
+    model = finish_after_rising_stage(scripted, finish_score=FINISH_START + 0.01)
     finish = model.stages_[1]
     assert finish["stop_reason"] == "stalled" and finish["iterations"] > 1
-    assert finish["kept"] == "end" and finish["end_score"] == pytest.approx(start + 0.01)
+    assert finish["kept"] == "end" and finish["end_score"] == pytest.approx(FINISH_START + 0.01)
 
 
 def test_the_same_fit_under_two_scripted_clocks_gives_the_same_map(monkeypatch):
