@@ -68,14 +68,16 @@ def save_every_iteration(monkeypatch):
     monkeypatch.setattr(fitting, "CHECKPOINT_SECONDS", 0.0)
 
 
-@pytest.mark.parametrize("killed_at", [2, 3])
+@pytest.mark.parametrize("killed_at", [1, 2, 3])
 def test_a_fit_killed_in_its_finish_resumes_there_and_ends_with_the_same_map(
     tmp_path, save_every_iteration, killed_at
 ):
     """Killed at the finish's iteration ``killed_at`` (in its callback, before that
     iteration is saved): the checkpoint holds the candidate stage and the finish as it
     stood an iteration before, and the resumed fit goes on from there to the same map, the
-    same records and the same history as a fit never interrupted."""
+    same records and the same history as a fit never interrupted. Killed at its first
+    iteration, the resumed finish runs that iteration and its held-out check again (the
+    check that may stop it: "no gain")."""
     whole = fit()
     first_iterations = whole.stages_[0]["iterations"]
     assert [r["stage"] for r in whole.stages_] == ["candidate stage", "exact finish"]
