@@ -585,8 +585,9 @@ class StagedFit:
                 state.resume = None
             if interrupted:  # a signal held to here: saved when checkpointed, and raised
                 raise Interrupted(held_interrupt() or signal.SIGTERM)
-        if iteration > 0 and stop != StopReason.NO_GAIN:  # the stage's last map, offered to
-            score = self._score(index, iteration, theta)  # the keep rule too
+        if iteration > 0 and stop != StopReason.NO_GAIN:
+            # the stage's last map, offered to the keep rule too (not an undone stage's)
+            score = self._score(index, iteration, theta)
             check.seen(score)
             state.offer(Snapshot(theta, at.objective, score, state.iterations), self._tolerance)
         undone = state.kept.iteration <= before and stop != StopReason.NO_GAIN
