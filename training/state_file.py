@@ -5,19 +5,23 @@ The fit's checkpoint (``training.model.checkpoint``) and the prototype learning'
 temporary file in the same directory, fsynced, then renamed over the last one, so a reader
 sees the old file or the new one, never half of one. Each is keyed by a SHA-256 of what
 decides the work (the rows, the labels, the settings, this package's version), so that the
-state of other work is refused rather than used.
+state of other work is refused rather than used. Both are read back by :func:`read_state`,
+which refuses a damaged file in one ValueError that names it and the remedy.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import json
 import os
 import tempfile
 import zipfile
 from pathlib import Path
 
 import numpy as np
+
+from training.errors import describe_os_error
 
 
 def package_version() -> str:
@@ -44,6 +48,38 @@ def is_npz_archive(path: Path) -> bool:
     keeps the file, which may be a resumable state this user cannot read."""
     with open(path, "rb") as fh:
         return zipfile.is_zipfile(fh)
+
+
+def read_state(
+    path: Path, kind: str, format_name: str, remedy: str, required: tuple = ()
+) -> tuple[dict, dict[str, np.ndarray]]:
+    """(meta, arrays) of the saved state ``path``: its JSON member ``meta`` (a dict whose
+    "format" is ``format_name``) and its other members by name, ``required`` among them.
+    ValueError naming the file, what is wrong with it and ``remedy`` (what to remove to
+    start over) when it cannot be read, is not an .npz archive, does not read back or is
+    of another format; ``kind`` names the state ("fit checkpoint"). The caller checks the
+    key, whose field and meaning are its own."""
+    try:
+        archive = is_npz_archive(path)
+    except OSError as exc:  # kept: a state the user cannot read may be resumable
+        raise ValueError(
+            f"checkpoint {path} cannot be read ({describe_os_error(exc)}): make it readable "
+            f"to resume from it, or {remedy}"
+        ) from None
+    if not archive:
+        raise ValueError(f"checkpoint {path}: not a {kind} (not an .npz archive); {remedy}")
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            arrays = {name: np.asarray(data[name]) for name in data.files}
+        meta = json.loads(str(arrays.pop("meta")))
+        missing = [name for name in required if name not in arrays]
+        if missing:
+            raise KeyError(f"no member {', '.join(missing)}")
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
+        raise ValueError(f"checkpoint {path}: not a readable {kind} ({exc}); {remedy}") from None
+    if not isinstance(meta, dict) or meta.get("format") != format_name:
+        raise ValueError(f"checkpoint {path}: not a {kind} of this format; {remedy}")
+    return meta, arrays
 
 
 def checkpoint_beside(out: str | Path) -> Path:

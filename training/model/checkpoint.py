@@ -41,7 +41,6 @@ import hashlib
 import json
 import os
 import warnings
-import zipfile
 from dataclasses import asdict
 from pathlib import Path
 
@@ -49,10 +48,9 @@ import numpy as np
 import scipy.sparse as sparse
 import torch
 
-from training.errors import describe_os_error
 from training.model import sparse_input
 from training.model.fitting import FitState, Snapshot, StageRecord, StageResume
-from training.state_file import digest_array, is_npz_archive, write_npz_atomically
+from training.state_file import digest_array, read_state, write_npz_atomically
 
 FORMAT = "nca-knn-fit-checkpoint/2"
 # a mid-stage state's arrays (StageResume's theta, g, pairs_s, pairs_y), members of their own
@@ -135,24 +133,11 @@ class FitCheckpoint:
             path = self.previous_path
         if not path.exists():
             return None
-        try:
-            archive = is_npz_archive(path)
-        except OSError as exc:  # kept: a checkpoint the user cannot read may be resumable
-            raise ValueError(
-                f"checkpoint {path} cannot be read ({describe_os_error(exc)}): make it "
-                f"readable to resume from it, or {self.remedy}"
-            ) from None
-        if not archive:
-            raise self._unusable(path, "not a fit checkpoint (not an .npz archive)")
-        try:
-            with np.load(path, allow_pickle=False) as data:
-                meta = json.loads(str(data["meta"]))
-                theta, torch_rng = data["theta"], data["torch_rng"]
-                arrays = {name: data[name] for name in RESUME_ARRAYS if name in data.files}
-        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
-            raise self._unusable(path, f"not a readable fit checkpoint ({exc})") from None
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-            raise self._unusable(path, "not a fit checkpoint of this format")
+        meta, arrays = read_state(
+            path, "fit checkpoint", FORMAT, self.remedy, required=("theta", "torch_rng")
+        )
+        theta, torch_rng = arrays.pop("theta"), arrays.pop("torch_rng")
+        arrays = {name: arrays[name] for name in RESUME_ARRAYS if name in arrays}
         if meta.get("fingerprint") != self.key:
             raise ValueError(
                 f"checkpoint {path} is of another fit (other data or options): "

@@ -32,22 +32,17 @@ import hashlib
 import json
 import time
 import warnings
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from training.errors import describe_os_error
-from training.state_file import (
-    digest_array,
-    is_npz_archive,
-    package_version,
-    write_npz_atomically,
-)
+from training.state_file import digest_array, package_version, read_state, write_npz_atomically
 
 FORMAT = "nca-knn-prototype-checkpoint/1"
 CHECKPOINT_SECONDS = 10.0  # a save after an iteration once this long has passed since the last
+REMEDY = "remove it to start over"  # what a checkpoint that cannot be used asks of the user
 
 
 @dataclass
@@ -101,32 +96,7 @@ class PrototypeCheckpoint:
         read, is not a checkpoint of this format or is another learning's."""
         if not self.path.exists():
             return None
-        try:
-            archive = is_npz_archive(self.path)
-        except OSError as exc:  # kept: a checkpoint the user cannot read may be resumable
-            raise ValueError(
-                f"checkpoint {self.path} cannot be read ({describe_os_error(exc)}): make it "
-                "readable to resume from it, or remove it to start over"
-            ) from None
-        if not archive:
-            raise ValueError(
-                f"checkpoint {self.path}: not a prototype checkpoint (not an .npz archive); "
-                "remove it to start over"
-            )
-        try:
-            with np.load(self.path, allow_pickle=False) as data:
-                arrays = {name: np.asarray(data[name]) for name in data.files}
-            meta = json.loads(str(arrays.pop("meta")))
-        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
-            raise ValueError(
-                f"checkpoint {self.path}: not a readable prototype checkpoint ({exc}); remove "
-                "it to start over"
-            ) from None
-        if meta.get("format") != FORMAT:
-            raise ValueError(
-                f"checkpoint {self.path}: not a prototype checkpoint of this format; remove it "
-                "to start over"
-            )
+        meta, arrays = read_state(self.path, "prototype checkpoint", FORMAT, REMEDY)
         if meta.get("key") != self.key:
             raise ValueError(
                 f"checkpoint {self.path} is of another condense (other model, data or "

@@ -299,6 +299,9 @@ TAMPERED = {  # a checkpoint changed after its save (its fingerprint still match
     "a state of other fields": lambda a: a.update(
         meta=np.array(str(a["meta"]).replace('"records"', '"recorded"'))
     ),
+    "no kept map": lambda a: a.pop("theta"),
+    "a meta that is not an object": lambda a: a.update(meta=np.array("[]")),
+    "a meta that is not JSON": lambda a: a.update(meta=np.array("{format")),
 }
 
 

@@ -129,6 +129,28 @@ def test_a_damaged_checkpoint_is_refused_in_one_line(tmp_path, content):
     assert "\n" not in str(raised.value) and "pickle" not in str(raised.value)
 
 
+TAMPERED = {  # a checkpoint changed after its save: each is one ValueError, not a crash
+    "a meta that is not an object": lambda a: a.update(meta=np.array("[]")),
+    "a meta that is not JSON": lambda a: a.update(meta=np.array("{format")),
+    "no meta": lambda a: a.pop("meta"),
+    "another format": lambda a: a.update(meta=np.array('{"format": "other/1"}')),
+}
+
+
+@pytest.mark.parametrize("change", list(TAMPERED), ids=list(TAMPERED))
+def test_a_tampered_checkpoint_is_refused_naming_it_and_the_remedy(tmp_path, change):
+    """Before, a meta that was JSON but not an object raised AttributeError from the read."""
+    learn(tmp_path / "ckpt")
+    path = checkpoint_path(tmp_path / "ckpt", "log")
+    with np.load(path, allow_pickle=False) as data:
+        arrays = {name: data[name] for name in data.files}
+    TAMPERED[change](arrays)
+    np.savez(path, **arrays)
+    with pytest.raises(ValueError, match="remove it to start over") as raised:
+        learn(tmp_path / "ckpt")
+    assert f"checkpoint {path}" in str(raised.value) and "\n" not in str(raised.value)
+
+
 def test_a_checkpoint_the_disk_refuses_costs_the_checkpoint_not_the_learning(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("a regular file where the checkpoint directory would go")
