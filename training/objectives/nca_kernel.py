@@ -64,6 +64,27 @@ def _zero_unless(keep: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 # block's p_ij lose digits (subnormal) or vanish, and their sum is then not p_i to float32
 # precision (nor p_ij / p_i the block's softmax); rows this far from their class are rare
 P_FLOOR = 1e-25
+# float32 p_ij below this are taken as 0 before a row's products (zero_subnormal): 4 x the
+# smallest normal over epsilon, so that the same-class block, scaled by |p_i - 1| / p_i (at
+# least epsilon / 2 where not 0: p_i is a float32 sum), stays normal; a p_ij this small is
+# below float32's resolution of every sum it enters
+TINY_P = 4.0 * torch.finfo(torch.float32).tiny / torch.finfo(torch.float32).eps
+
+
+def zero_subnormal(p: torch.Tensor) -> torch.Tensor:
+    """p (in place) with its float32 entries below TINY_P set to 0 (NaN kept); other dtypes
+    as they are (float64's subnormals lie below exp(-708), where the tests compare every
+    digit with the exact sums).
+
+    Exps below float32's smallest normal (1.2e-38) are subnormal, and a product over a buffer
+    of them ran 100x slower on an Intel Xeon (a microcode assist per element; AMD's EPYC has
+    none), which doubled the digits' finish (``benchmarks/README.md``, "Subnormal
+    probabilities")."""
+    if p.dtype == torch.float32:
+        torch.nn.functional.threshold_(p, TINY_P, 0.0)
+    return p
+
+
 # columns of a chunk's U (B, N) whose three gradient products run together while they are
 # in cache (4 MiB at B = 256); on the CPU only: a GPU has no such cache to keep them in
 PRODUCT_TILE = 4096
@@ -101,6 +122,7 @@ def _scores_and_row_scale(
         raise ValueError(f"logits of shape {tuple(logits.shape)} must be contiguous")
     dtype = logits.dtype
     torch.ops.aten._softmax.out(logits, 1, False, out=logits)  # (B, M) p_ij, in place
+    zero_subnormal(logits)
     block = logits[:, s:e]  # (B, n_c) view
     p = block.sum(1, keepdim=True).to(torch.float64)  # (B, 1) p_i (a cascaded sum)
     block.mul_(((p - 1.0) / p).to(dtype))  # (p_i - 1) q_ij; inf or NaN on far rows (below)
@@ -134,6 +156,7 @@ def _far_rows(
     q = torch.softmax(same, 1)  # (b, n_c) new buffer; NaN in a row without a finite logit
     m_all = logits.amax(1, keepdim=True)  # (b, 1)
     torch.ops.aten._softmax.out(logits, 1, False, out=logits)  # (b, M) p_ij, in place
+    zero_subnormal(logits)
     lse_same = m_same.to(wide) - torch.log(q.amax(1, keepdim=True).to(wide))  # (b, 1)
     lse_all = m_all.to(wide) - torch.log(logits.amax(1, keepdim=True).to(wide))
     log_p = _zero_unless(has_same, lse_same - lse_all)  # (b, 1), <= 0
@@ -142,7 +165,8 @@ def _far_rows(
     else:
         score = torch.exp(log_p)
         row_scale = -score
-    logits[:, s:e] = q.mul_(torch.expm1(log_p).to(dtype))  # (p_i - 1) q_ij
+    # (p_i - 1) q_ij; the amax of q and of the row above read their maxima, never 0
+    logits[:, s:e] = zero_subnormal(q).mul_(torch.expm1(log_p).to(dtype))
     return _zero_unless(has_same, score), _zero_unless(has_same, row_scale)
 
 
