@@ -14,6 +14,8 @@ it imports none of them (the import graph of ``training`` has no cycles):
 * ``class_runs`` (points sorted by class, one contiguous run per class),
 * ``chunk_rows`` (rows per chunk from a memory budget),
 * ``evenly_spaced_rows`` (a deterministic sample of rows, spread however they are ordered),
+* ``zero_subnormal`` (float32 probabilities too small to count, set to 0 before a product
+  that a subnormal operand would slow 100x on some CPUs),
 * ``PrecomputedGradient``, the autograd backward both evaluation paths share: the forward
   pass computes the objective and its gradient with respect to Z together (the exact NCA
   kernel computes the value alone when Z does not require grad), and backward only scales
@@ -158,3 +160,24 @@ def fisher_directions_of_rows(
     b, w = between @ basis.T, within_rows @ basis.T  # (C, r), (N, r)
     directions = fisher_directions(b.T @ b, w.T @ w, n, n_components, n_features=n_features)
     return directions @ basis  # (n_components, D)
+
+
+# float32 probabilities below this are taken as 0 before the products they enter
+# (zero_subnormal): 4 x the smallest normal over epsilon, so that what is left, scaled by a
+# factor of at least epsilon / 2 (the exact kernel's |p_i - 1| / p_i, p_i a float32 sum),
+# stays normal; a p_ij this small is below float32's resolution of every sum it enters
+TINY_P = 4.0 * torch.finfo(torch.float32).tiny / torch.finfo(torch.float32).eps
+
+
+def zero_subnormal(p: torch.Tensor) -> torch.Tensor:
+    """p (in place) with its float32 entries below TINY_P set to 0 (NaN kept); other dtypes
+    as they are (float64's subnormals lie below exp(-708), where the tests compare every
+    digit with the exact sums).
+
+    Exps below float32's smallest normal (1.2e-38) are subnormal, and a product over a buffer
+    of them ran 100x slower on an Intel Xeon (a microcode assist per element; AMD's EPYC has
+    none), which doubled the digits' finish and slowed the prototypes' learning by a third
+    (``benchmarks/README.md``, "Subnormal probabilities on an Intel Xeon")."""
+    if p.dtype == torch.float32:
+        torch.nn.functional.threshold_(p, TINY_P, 0.0)
+    return p

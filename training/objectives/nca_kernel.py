@@ -19,7 +19,9 @@ How it is computed (evidence in benchmarks/README.md, the sections named):
   contiguous slice: no N-wide mask is ever built.
 * L'_ij = 2 z_i.z_j - ||z_j||^2 differs from L_ij by a per-row constant (||z_i||^2), which
   softmax ignores: one GEMM with a bias row gives the logits.
-* Each row's p_ij come from torch's fused softmax, in place ("The row pass as a softmax");
+* Each row's p_ij come from torch's fused softmax, in place ("The row pass as a softmax"),
+  those below float32's normal range then set to 0 (``numerics.zero_subnormal``: a product
+  over subnormals ran 100x slower on an Intel Xeon);
   p_i is the sum of the row's same-class block, which needs no maximum of its own ("The
   row pass without a maximum of its own"). Rows whose p_i falls below P_FLOOR are
   recomputed by _far_rows from two log-sum-exps, so log p_i stays exact when every
@@ -50,7 +52,7 @@ from collections.abc import Callable
 
 import torch
 
-from training.numerics import PrecomputedGradient, chunk_rows, class_runs
+from training.numerics import PrecomputedGradient, chunk_rows, class_runs, zero_subnormal
 from training.objectives import native_candidates, nca_flex
 
 
@@ -64,27 +66,6 @@ def _zero_unless(keep: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 # block's p_ij lose digits (subnormal) or vanish, and their sum is then not p_i to float32
 # precision (nor p_ij / p_i the block's softmax); rows this far from their class are rare
 P_FLOOR = 1e-25
-# float32 p_ij below this are taken as 0 before a row's products (zero_subnormal): 4 x the
-# smallest normal over epsilon, so that the same-class block, scaled by |p_i - 1| / p_i (at
-# least epsilon / 2 where not 0: p_i is a float32 sum), stays normal; a p_ij this small is
-# below float32's resolution of every sum it enters
-TINY_P = 4.0 * torch.finfo(torch.float32).tiny / torch.finfo(torch.float32).eps
-
-
-def zero_subnormal(p: torch.Tensor) -> torch.Tensor:
-    """p (in place) with its float32 entries below TINY_P set to 0 (NaN kept); other dtypes
-    as they are (float64's subnormals lie below exp(-708), where the tests compare every
-    digit with the exact sums).
-
-    Exps below float32's smallest normal (1.2e-38) are subnormal, and a product over a buffer
-    of them ran 100x slower on an Intel Xeon (a microcode assist per element; AMD's EPYC has
-    none), which doubled the digits' finish (``benchmarks/README.md``, "Subnormal
-    probabilities")."""
-    if p.dtype == torch.float32:
-        torch.nn.functional.threshold_(p, TINY_P, 0.0)
-    return p
-
-
 # columns of a chunk's U (B, N) whose three gradient products run together while they are
 # in cache (4 MiB at B = 256); on the CPU only: a GPU has no such cache to keep them in
 PRODUCT_TILE = 4096

@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from training.evaluation.evaluate import K_VALUES, choose_k, knn_accuracies
+from training.numerics import zero_subnormal
 from training.optim.lbfgs import LBFGS, Evaluation
 from training.references.checkpoint import LearningState, PrototypeCheckpoint, learning_key
 from training.references.condense import _nearest, class_budget, kmeans
@@ -205,11 +206,11 @@ def chunk_terms(u, z, same: slice, g: float, loss: str, n: int, *, want_u=True, 
     d2 = ((u * u).sum(1, keepdim=True) - 2.0 * u @ z.T + (z * z).sum(1)).clamp_min_(0.0)
     logits = d2 * (-g)  # (B, M)
     log_same = torch.logsumexp(logits[:, same], 1, keepdim=True)  # (B, 1)
-    q = (logits[:, same] - log_same).exp_()  # (B, M_c) q_ij on the class's columns
+    q = zero_subnormal((logits[:, same] - log_same).exp_())  # (B, M_c) q_ij, class's columns
     top = logits.amax(1, keepdim=True)  # (B, 1)
     p_ij = logits.sub_(top).exp_()  # (B, M) e_ij, in the logits' memory
     total = p_ij.sum(1, keepdim=True)  # (B, 1)
-    p_ij.div_(total)
+    zero_subnormal(p_ij.div_(total))  # none subnormal in the products below
     log_p = log_same - top - total.log()  # (B, 1) log p_i
     if loss == "log":
         part, w = -float(log_p.sum()) / n, torch.full_like(log_p, 1.0 / n)

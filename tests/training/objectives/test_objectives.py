@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests.training.problems import brute_force_p
+from training import numerics
 from training.objectives import nca_kernel
 from training.objectives.nca import NCAObjective
 from training.objectives.nca_kernel import nca_value_and_grad
@@ -176,18 +177,18 @@ def test_the_row_pass_leaves_no_subnormal_probability_in_float32(log_form):
     p_block = p[:, :150].sum(1)  # (8,) p_i, float64
     expected = p_block.log().sum() if log_form else p_block.sum()
     assert float(value) == pytest.approx(float(expected), rel=1e-6)
-    kept = p[:, 150:] >= nca_kernel.TINY_P  # off the block U is p_ij
+    kept = p[:, 150:] >= numerics.TINY_P  # off the block U is p_ij
     torch.testing.assert_close(u[:, 150:][kept].double(), p[:, 150:][kept], rtol=1e-5, atol=0)
     assert (u[:, 150:][~kept] == 0).all()
 
 
 def test_zero_subnormal_keeps_nan_and_normal_values_and_leaves_float64_alone():
     values = torch.tensor([float("nan"), 1e-40, 3e-31, 5e-31, 0.25, float("inf")])
-    out = nca_kernel.zero_subnormal(values.clone())
+    out = numerics.zero_subnormal(values.clone())
     expected = torch.tensor([float("nan"), 0.0, 0.0, 5e-31, 0.25, float("inf")])
     torch.testing.assert_close(out, expected, equal_nan=True, rtol=0, atol=0)
     wide = values.double() * 1e-280  # float64 entries far below TINY_P: kept
-    torch.testing.assert_close(nca_kernel.zero_subnormal(wide.clone()), wide, equal_nan=True)
+    torch.testing.assert_close(numerics.zero_subnormal(wide.clone()), wide, equal_nan=True)
 
 
 @pytest.mark.parametrize("log_form", [False, True])
