@@ -165,13 +165,14 @@ def fisher_directions_of_rows(
 # float32 probabilities below this are taken as 0 before the products they enter
 # (zero_subnormal): 4 x the smallest normal over epsilon, so that what is left, scaled by a
 # factor of at least epsilon / 2 (the exact kernel's |p_i - 1| / p_i, p_i a float32 sum),
-# stays normal; a p_ij this small is below float32's resolution of every sum it enters
+# stays normal; a p_ij this small is below float32's resolution of every sum it enters of
+# at least TINY_P / eps (the exact kernel's P_FLOOR keeps p_i above that)
 TINY_P = 4.0 * torch.finfo(torch.float32).tiny / torch.finfo(torch.float32).eps
 
 
 def zero_subnormal(p: torch.Tensor) -> torch.Tensor:
-    """p (in place) with its float32 entries below TINY_P set to 0 (NaN kept); other dtypes
-    as they are (float64's subnormals lie below exp(-708), where the tests compare every
+    """p (in place) with its float32 entries at or below TINY_P set to 0 (NaN kept; every
+    caller passes probabilities, so nothing negative is met); other dtypes as they are (float64's subnormals lie below exp(-708), where the tests compare every
     digit with the exact sums).
 
     Exps below float32's smallest normal (1.2e-38) are subnormal, and a product over a buffer

@@ -70,12 +70,21 @@ def read_state(
         raise ValueError(f"checkpoint {path}: not a {kind} (not an .npz archive); {remedy}")
     try:
         with np.load(path, allow_pickle=False) as data:
+            missing = [name for name in ("meta", *required) if name not in data.files]
+            if missing:
+                raise KeyError(f"no member {', '.join(missing)}")
             arrays = {name: np.asarray(data[name]) for name in data.files}
         meta = json.loads(str(arrays.pop("meta")))
-        missing = [name for name in required if name not in arrays]
-        if missing:
-            raise KeyError(f"no member {', '.join(missing)}")
-    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
+    except (
+        OSError,
+        ValueError,
+        KeyError,
+        EOFError,
+        zipfile.BadZipFile,
+        NotImplementedError,  # a member compressed by a method zipfile does not read
+        RecursionError,  # JSON nested beyond the parser's depth
+        MemoryError,
+    ) as exc:
         raise ValueError(f"checkpoint {path}: not a readable {kind} ({exc}); {remedy}") from None
     if not isinstance(meta, dict) or meta.get("format") != format_name:
         raise ValueError(f"checkpoint {path}: not a {kind} of this format; {remedy}")

@@ -62,10 +62,12 @@ def _zero_unless(keep: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 
 
 # A row whose same-class mass p_i (the block's sum of the row's softmax) is below this is
-# recomputed by _far_rows. A margin: float32's smallest normal is 1.2e-38, below which a
-# block's p_ij lose digits (subnormal) or vanish, and their sum is then not p_i to float32
-# precision (nor p_ij / p_i the block's softmax); rows this far from their class are rare
-P_FLOOR = 1e-25
+# recomputed by _far_rows. A margin: the row pass sets p_ij at or below
+# numerics.TINY_P (3.9e-31) to 0, and up to n_c of them are then missing from p_i; above
+# 1e-18 that is below float32's resolution of p_i for classes of up to 2e5 points (n_c
+# TINY_P / P_FLOOR < eps / 2), and below it the far rows' recomputation is exact; rows
+# this far from their class are rare
+P_FLOOR = 1e-18
 # columns of a chunk's U (B, N) whose three gradient products run together while they are
 # in cache (4 MiB at B = 256); on the CPU only: a GPU has no such cache to keep them in
 PRODUCT_TILE = 4096

@@ -210,7 +210,8 @@ def chunk_terms(u, z, same: slice, g: float, loss: str, n: int, *, want_u=True, 
     top = logits.amax(1, keepdim=True)  # (B, 1)
     p_ij = logits.sub_(top).exp_()  # (B, M) e_ij, in the logits' memory
     total = p_ij.sum(1, keepdim=True)  # (B, 1)
-    zero_subnormal(p_ij.div_(total))  # none subnormal in the products below
+    # no subnormal p_ij (their scaling by w below can still make some where p_i is tiny)
+    zero_subnormal(p_ij.div_(total))
     log_p = log_same - top - total.log()  # (B, 1) log p_i
     if loss == "log":
         part, w = -float(log_p.sum()) / n, torch.full_like(log_p, 1.0 / n)

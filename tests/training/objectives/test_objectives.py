@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -180,6 +182,28 @@ def test_the_row_pass_leaves_no_subnormal_probability_in_float32(log_form):
     kept = p[:, 150:] >= numerics.TINY_P  # off the block U is p_ij
     torch.testing.assert_close(u[:, 150:][kept].double(), p[:, 150:][kept], rtol=1e-5, atol=0)
     assert (u[:, 150:][~kept] == 0).all()
+
+
+@pytest.mark.parametrize("log_form", [False, True])
+def test_a_row_whose_class_mass_is_tiny_keeps_its_score_and_block(log_form):
+    """A row with one same-class p_ij of 2e-25 and 999 of 3.5e-31 (at or below TINY_P, which
+    the row pass zeroes): p_i and the block's U agree with float64 to float32 precision. With
+    the floor of the recomputation at 1e-25, where it stood before TINY_P, this row stayed on
+    the row pass and lost 3e-3 of log p_i and of its block."""
+    block = torch.full((1, 1000), math.log(3.5e-31), dtype=torch.float64)
+    block[0, 0] = math.log(2e-25)
+    others = torch.zeros((1, 1), dtype=torch.float64)  # one other-class point at the top
+    logits = torch.cat([block, others], 1)  # (1, 1001): the block is columns [0, 1000)
+    p = torch.softmax(logits, 1)
+    p_i = p[:, :1000].sum(1)
+    expected = float(p_i.log().sum() if log_form else p_i.sum())
+    u = logits.float().contiguous()
+    value, _ = nca_kernel._scores_and_row_scale(
+        u, 0, 1000, log_form, lambda far: logits.float()[far]
+    )
+    assert float(value) == pytest.approx(expected, rel=1e-5)
+    expected_block = (p_i - 1.0)[:, None] * p[:, :1000] / p_i[:, None]  # (p_i - 1) q_ij
+    torch.testing.assert_close(u[:, :1000].double(), expected_block, rtol=1e-5, atol=0)
 
 
 def test_zero_subnormal_keeps_nan_and_normal_values_and_leaves_float64_alone():
@@ -501,8 +525,8 @@ def test_a_non_finite_embedding_reaches_the_value_or_gradient(log_form):
 def floor_straddling_points():
     """Points in 2-D clusters on a circle of radius 30, each a class-0 point at its centre, a
     class-1 point 0.1 away and a class-0 point sqrt(D) away. The centre's p_i is about
-    exp(-D) (D from 2 to 120): above the row pass's floor (P_FLOOR, about exp(-57.6)) for
-    D <= 50; below it but within float32's normal range (exp(-87)) for D = 70 and 80; below
+    exp(-D) (D from 2 to 120): above the row pass's floor (P_FLOOR, about exp(-41.4)) for
+    D <= 30; below it but within float32's normal range (exp(-87)) for D = 50, 70 and 80; below
     that range for 100 and 120. The class-1 points' same-class neighbours are a cluster away
     (p_i about exp(-400) or less: 0 in float32). Small norms keep float32 logits exact to
     about 1e-4."""

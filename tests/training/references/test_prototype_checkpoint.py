@@ -134,12 +134,25 @@ TAMPERED = {  # a checkpoint changed after its save: each is one ValueError, not
     "a meta that is not JSON": lambda a: a.update(meta=np.array("{format")),
     "no meta": lambda a: a.pop("meta"),
     "another format": lambda a: a.update(meta=np.array('{"format": "other/1"}')),
+    "no iterate": lambda a: a.pop("theta"),
+    "an iterate as text": lambda a: a.update(theta=np.array(["x"] * len(a["theta"]))),
+    "an infinite gradient": lambda a: a.update(g=np.full_like(a["g"], np.inf)),
+    "pairs of another length": lambda a: a.update(
+        pairs_s=np.zeros((2, 3)), pairs_y=np.zeros((2, 3))
+    ),
+    "a member no save writes": lambda a: a.update(extra=np.zeros(3)),
+    "a state without its fields": lambda a: a.update(
+        meta=np.array(str(a["meta"]).replace('"iteration"', '"iterations"'))
+    ),
+    "JSON nested beyond the parser": lambda a: a.update(meta=np.array("[" * 100_000)),
 }
 
 
 @pytest.mark.parametrize("change", list(TAMPERED), ids=list(TAMPERED))
 def test_a_tampered_checkpoint_is_refused_naming_it_and_the_remedy(tmp_path, change):
-    """Before, a meta that was JSON but not an object raised AttributeError from the read."""
+    """Before, a meta that was JSON but not an object raised AttributeError from the read, a
+    missing iterate or a state of other fields TypeError, deep JSON RecursionError; arrays
+    of text, infinities or other shapes were handed to the learning."""
     learn(tmp_path / "ckpt")
     path = checkpoint_path(tmp_path / "ckpt", "log")
     with np.load(path, allow_pickle=False) as data:
