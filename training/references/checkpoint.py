@@ -43,7 +43,12 @@ from training.state_file import digest_array, package_version, read_state, write
 FORMAT = "nca-knn-prototype-checkpoint/1"
 CHECKPOINT_SECONDS = 10.0  # a save after an iteration once this long has passed since the last
 REMEDY = "remove it to start over"
-STATE_ARRAYS = ("theta", "g", "pairs_s", "pairs_y")  # the arrays every save writes  # what a checkpoint that cannot be used asks of the user
+STATE_ARRAYS = (
+    "theta",
+    "g",
+    "pairs_s",
+    "pairs_y",
+)  # the arrays every save writes  # what a checkpoint that cannot be used asks of the user
 
 
 @dataclass
