@@ -172,8 +172,9 @@ TINY_P = 4.0 * torch.finfo(torch.float32).tiny / torch.finfo(torch.float32).eps
 
 def zero_subnormal(p: torch.Tensor) -> torch.Tensor:
     """p (in place) with its float32 entries at or below TINY_P set to 0 (NaN kept; every
-    caller passes probabilities, so nothing negative is met); other dtypes as they are (float64's subnormals lie below exp(-708), where the tests compare every
-    digit with the exact sums).
+    caller passes probabilities, so nothing negative is met); other dtypes as they are
+    (float64's subnormals lie below exp(-708), where the tests compare every digit with the
+    exact sums).
 
     Exps below float32's smallest normal (1.2e-38) are subnormal, and a product over a buffer
     of them ran 100x slower on an Intel Xeon (a microcode assist per element; AMD's EPYC has

@@ -91,6 +91,27 @@ def read_state(
     return meta, arrays
 
 
+def wrong_arrays(arrays: dict[str, np.ndarray], vectors: tuple, pairs: tuple = ()) -> str | None:
+    """What is wrong with the arrays of a saved iterate (None: nothing), whose key matched
+    (so the file was changed after its save): every array finite floats, the ``vectors``
+    (P,) of one length, the ``pairs`` (L-BFGS's curvature pairs) (m, P), or (0, *) when
+    there are none, of one shape."""
+    for name, array in arrays.items():
+        if array.dtype.kind != "f" or not np.all(np.isfinite(array)):
+            return f"its {name} is not all finite numbers"
+    shapes = {arrays[name].shape for name in vectors}
+    if len(shapes) != 1 or len(next(iter(shapes))) != 1:
+        return f"its {', '.join(vectors)} are not vectors of one length"
+    (p,) = shapes.pop()
+    for name in pairs:
+        shape = arrays[name].shape
+        if len(shape) != 2 or (shape[0] and shape[1] != p):
+            return f"its {name} has shape {shape}, expected (pairs, {p})"
+    if len({arrays[name].shape for name in pairs}) > 1:
+        return f"its {', '.join(pairs)} differ in shape"
+    return None
+
+
 def checkpoint_beside(out: str | Path) -> Path:
     """The checkpoint directory of a command writing ``out``: ``.NAME.checkpoint`` beside it
     (on the same volume, so that a restarted job finds it)."""

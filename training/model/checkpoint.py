@@ -50,7 +50,7 @@ import torch
 
 from training.model import sparse_input
 from training.model.fitting import FitState, Snapshot, StageRecord, StageResume
-from training.state_file import digest_array, read_state, write_npz_atomically
+from training.state_file import digest_array, read_state, write_npz_atomically, wrong_arrays
 
 FORMAT = "nca-knn-fit-checkpoint/2"
 # a mid-stage state's arrays (StageResume's theta, g, pairs_s, pairs_y), members of their own
@@ -90,27 +90,6 @@ def _callable_name(value) -> str:
     return f"{type(value).__name__} {where}"
 
 
-def _wrong_arrays(theta: np.ndarray, arrays: dict[str, np.ndarray]) -> str | None:
-    """What is wrong with a checkpoint's arrays (None: nothing): the kept map ``theta`` (p,)
-    and a mid-stage point's iterate and gradient (q,) and curvature pairs (m, q), all
-    finite numbers."""
-    for name, array in {"theta": theta, **arrays}.items():
-        if array.dtype.kind != "f" or not np.all(np.isfinite(array)):
-            return f"its {name} is not all finite numbers"
-    if theta.ndim != 1:
-        return f"its theta has shape {theta.shape}, expected a vector"
-    if arrays:
-        q = arrays.get("resume_theta", np.empty(0)).shape
-        if len(q) != 1 or arrays.get("resume_g", np.empty(0)).shape != q:
-            return "its mid-stage iterate and gradient are not vectors of one length"
-        for name in ("resume_pairs_s", "resume_pairs_y"):
-            shape = arrays.get(name, np.empty((0, 0, 0))).shape
-            pairs_of_q = len(shape) == 2 and (shape[0] == 0 or shape[1] == q[0])  # (0, 0): none
-            if not pairs_of_q or shape != arrays["resume_pairs_s"].shape:
-                return f"its {name} has shape {shape}, expected (pairs, {q[0]})"
-    return None
-
-
 class FitCheckpoint:
     """The checkpoint of one fit in ``directory`` (rank ``rank``'s file), for the fit whose
     :func:`fingerprint` is ``key``."""
@@ -143,7 +122,9 @@ class FitCheckpoint:
                 f"checkpoint {path} is of another fit (other data or options): "
                 f"{self.remedy}, or give the same data and options"
             )
-        wrong = _wrong_arrays(theta, arrays)
+        wrong = wrong_arrays({"theta": theta}, ("theta",))
+        if wrong is None and arrays:  # mid-stage: the iterate, its gradient and the pairs
+            wrong = wrong_arrays(arrays, RESUME_ARRAYS[:2], RESUME_ARRAYS[2:])
         if wrong is not None:  # the fingerprint matched: the file was changed after the save
             raise self._unusable(path, wrong)
         try:

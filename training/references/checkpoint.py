@@ -38,17 +38,18 @@ from pathlib import Path
 import numpy as np
 
 from training.errors import describe_os_error
-from training.state_file import digest_array, package_version, read_state, write_npz_atomically
+from training.state_file import (
+    digest_array,
+    package_version,
+    read_state,
+    write_npz_atomically,
+    wrong_arrays,
+)
 
 FORMAT = "nca-knn-prototype-checkpoint/1"
 CHECKPOINT_SECONDS = 10.0  # a save after an iteration once this long has passed since the last
-REMEDY = "remove it to start over"
-STATE_ARRAYS = (
-    "theta",
-    "g",
-    "pairs_s",
-    "pairs_y",
-)  # the arrays every save writes  # what a checkpoint that cannot be used asks of the user
+REMEDY = "remove it to start over"  # what a checkpoint that cannot be used asks of the user
+STATE_ARRAYS = ("theta", "g", "pairs_s", "pairs_y")  # the arrays every save writes
 
 
 @dataclass
@@ -87,28 +88,6 @@ def checkpoint_path(directory: str | Path, loss: str) -> Path:
     return Path(directory) / f"prototypes-{loss}.npz"
 
 
-def _wrong_arrays(arrays: dict[str, np.ndarray]) -> str | None:
-    """What is wrong with a checkpoint's arrays (None: nothing): no member but STATE_ARRAYS
-    and ``best``; theta (P,) and its gradient g and kept best (P,), the pairs (m, P) or
-    none, all finite floats."""
-    extra = sorted(set(arrays) - {*STATE_ARRAYS, "best"})
-    if extra:
-        return f"it has members {', '.join(extra)} that no checkpoint writes"
-    for name, array in arrays.items():
-        if array.dtype.kind != "f" or not np.all(np.isfinite(array)):
-            return f"its {name} is not all finite numbers"
-    p = arrays["theta"].shape
-    if len(p) != 1 or arrays["g"].shape != p or arrays.get("best", arrays["g"]).shape != p:
-        return "its theta, g and best are not vectors of one length"
-    for name in ("pairs_s", "pairs_y"):
-        shape = arrays[name].shape
-        if len(shape) != 2 or (shape[0] and shape[1] != p[0]):
-            return f"its {name} has shape {shape}, expected (pairs, {p[0]})"
-    if arrays["pairs_s"].shape != arrays["pairs_y"].shape:
-        return "its pairs_s and pairs_y differ in shape"
-    return None
-
-
 class PrototypeCheckpoint:
     """The checkpoint file of the learning keyed ``key`` with loss ``loss`` in ``directory``.
     ``clock`` (seconds, monotonic) decides when a save is due, never what is computed."""
@@ -132,7 +111,11 @@ class PrototypeCheckpoint:
                 f"checkpoint {self.path} is of another condense (other model, data or "
                 f"options): remove {self.path} to start over, or give the same ones"
             )
-        wrong = _wrong_arrays(arrays)
+        extra = sorted(set(arrays) - {*STATE_ARRAYS, "best"})  # members no save writes
+        vectors = ("theta", "g", "best") if "best" in arrays else ("theta", "g")
+        wrong = wrong_arrays(arrays, vectors, ("pairs_s", "pairs_y"))
+        if extra:
+            wrong = f"it has members {', '.join(extra)} that no checkpoint writes"
         if wrong is not None:  # the key matched: the file was changed after the save
             raise ValueError(f"checkpoint {self.path}: {wrong}; {REMEDY}")
         try:
