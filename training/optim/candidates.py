@@ -23,15 +23,16 @@ rows, and ``CandidateSearch`` doubles ``nprobe`` for the next refresh while that
 below ``MIN_MASS_RATIO``. Below ``APPROX_MIN_SAMPLES`` points, on a CUDA device (where the
 exact scan in blocks is fast), and with ``kind="exact"`` the exact search is used.
 
-**Keeping them honest**: the audit of the neighbour mass they leave out on fixed rows
-(``Problem.audit`` on AUDIT_ROWS fixed rows), and ``CandidateWatch``, which decides when to
-recompute them.
+**Keeping them honest**: the neighbour mass they leave out, measured on AUDIT_ROWS fixed
+rows (``Problem.outside_mass``) after every iteration, and ``CandidateWatch``, which decides
+from it when to recompute them; ``Problem.audit`` compares the candidate objective with the
+exact one on the same rows at the held-out checks.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import faiss
 import numpy as np
@@ -97,8 +98,7 @@ class CandidateSearch:
 
     kind: str = "auto"
     nprobe: int = DEFAULT_NPROBE
-    seed: int = 0
-    history: list[dict] = field(default_factory=list)  # one record per measured refresh
+    seed: int = 0  # of the IVF's k-means: the same cells on every run
 
     def approximate(self, z: torch.Tensor) -> bool:
         if self.kind == "exact":
@@ -114,9 +114,9 @@ class CandidateSearch:
             return nearest_candidates(z, labels, k, rows=rows)
         return ivf_candidates(z, labels, k, self.nprobe, self.seed, rows=rows)
 
-    def tune(self, mass_ratio: float, refresh: int) -> None:
-        """Record the measured ratio; double nprobe (up to MAX_NPROBE) when it fell short."""
-        self.history.append({"refresh": refresh, "nprobe": self.nprobe, "mass_ratio": mass_ratio})
+    def tune(self, mass_ratio: float) -> None:
+        """Double nprobe (up to MAX_NPROBE) when the measured ratio fell short (the ratios
+        reach ``stages_`` through ``CandidateWatch.search_mass_ratios``)."""
         if mass_ratio < MIN_MASS_RATIO:
             self.nprobe = min(MAX_NPROBE, self.nprobe * 2)
 
@@ -309,15 +309,18 @@ class CandidateWatch:
 
     def refresh(self, theta: np.ndarray) -> float:
         """Recompute the candidates at theta (choosing K first when adaptive); return the
-        fraction of points whose set changed."""
-        inside = None  # mass inside the new candidates, when the choice of K measured it
+        fraction of points whose set changed. The baseline of the drift rule is the mass the
+        installed sets hold, measured: an approximate search's sets hold less than the exact
+        sets K is chosen on, and a baseline taken from those would call every next iteration
+        a fall (a search at 90% of the exact mass, below 1 - refresh_tol, would refresh
+        after every iteration)."""
         k = None  # K for the new sets (None: as it is)
         if self.target_mass is not None:
             masses = self.problem.fresh_inside_mass(theta, self.rows, self.ladder)
             chosen = next(
                 (i for i, m in enumerate(masses) if m >= self.target_mass), len(masses) - 1
             )
-            k, inside = self.ladder[chosen], masses[chosen]
+            k = self.ladder[chosen]
         refreshed = self.problem.refresh_candidates(theta, n_candidates=k)
         self.sizes.append(self.problem.n_candidates)
         self.changes.append(refreshed.changed)
@@ -326,9 +329,7 @@ class CandidateWatch:
         self.since = 0
         self.n_refreshes += 1
         if self.refresh_tol is not None:
-            if inside is None:
-                inside = 1.0 - self.problem.outside_mass(theta, self.rows)
-            self.baseline = inside
+            self.baseline = 1.0 - self.problem.outside_mass(theta, self.rows)
         return refreshed.changed
 
     def after_iteration(self, theta: np.ndarray) -> tuple[bool, dict]:

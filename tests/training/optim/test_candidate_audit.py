@@ -190,6 +190,34 @@ def test_candidate_watch_chooses_the_smallest_k_that_holds_the_target_mass(fresh
     assert problem.n_candidates == chosen and watch.sizes == [chosen]
 
 
+class ApproximateSearchProblem(LadderProblem):
+    """Fresh exact sets hold 0.95 of the mass; the approximate search installs sets that
+    hold 90% of that (0.855), and the map does not move: its outside mass stays 0.145."""
+
+    def __init__(self):
+        super().__init__([0.95, 0.97, 0.99, 1.0])
+        self.masses = [0.145] * 10
+
+    def refresh_candidates(self, theta, n_candidates=None):
+        super().refresh_candidates(theta, n_candidates)
+        return Refreshed(changed=1.0, replaced=1.0, search_mass_ratio=0.9)
+
+
+def test_the_drift_rule_measures_the_installed_sets_not_the_exact_ones_k_was_chosen_on():
+    """K is chosen on what exact sets would hold; the drift rule compares the mass the
+    installed sets hold with what they held right after the refresh. With an approximate
+    search holding 90% of the exact mass, a map that does not move is no fall: no refresh
+    is due (a baseline of the exact 0.95 called every iteration a 10% fall)."""
+    from training.optim.candidates import CandidateWatch
+
+    problem = ApproximateSearchProblem()
+    watch = CandidateWatch(problem, None, refresh_every=50, refresh_tol=0.05, target_mass=0.9)
+    watch.refresh(np.array([0.0]))
+    assert watch.baseline == pytest.approx(0.855)
+    assert [watch.after_iteration(np.array([0.0]))[0] for _ in range(5)] == [False] * 5
+    assert watch.n_refreshes == 1
+
+
 def test_refreshing_on_the_signal_keeps_the_candidate_objective_honest():
     """On hard data a fixed refresh count lets the map pull non-candidates into
     neighbourhoods (the candidate objective runs far above the exact one on the audit
