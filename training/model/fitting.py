@@ -6,18 +6,22 @@ its loss averages over, its penalty, its optimiser and its limits. ``StagedFit.r
 runs them; its shape (``docs/training.md`` shows it too):
 
     kept = Snapshot(the initial map)
-    for stage in stages:
-        problem = the stage's objective; theta = kept.theta; start = score(theta)
+    for stage in plan_stages(plan, max_iter):     # [exact fit] or [candidate stage, exact finish]
+        if the budget is spent: record the stage as skipped; next stage
+        problem = the stage's objective; theta = kept.theta
+        score theta on held-out rows, offer it to the keep rule (it is the kept map)
         if stage.scaled_start (the NCA finish): theta = s theta, s its loss's best scale
-                                                (and its first step's length likewise)
+                                                 (and its first step's length likewise)
         while no stop reason:
             if the candidate sets are stale: refresh them (L-BFGS forgets its pairs)
-            theta = optimiser.step(theta)           # one L-BFGS iteration or Adam epoch
-            record it (history, verbose table, callback, progress)
-            a later stage's first iteration: stop, undone, unless it gained (no gain)
+            theta = optimiser.step(theta)          # one L-BFGS iteration or one Adam epoch
+            record it (history_, the verbose table, callback, progress)
+            a later stage's first iteration: stop, undone, unless it gained ("no gain")
             on a check: score theta on held-out rows, offer it to the keep rule,
-                        stop when patience checks bring no gain (hurt or stalled)
-            stop when the optimiser says so, at max_iter, or when the budget is spent
+                        stop when `patience` checks bring no gain (hurt or stalled)
+            stop when the optimiser says so (on candidate sets, a new round instead
+            unless the last refresh changed under 1% of the sets), at max_iter, else
+            when the budget is spent
         offer the stage's last map to the keep rule; record the stage (stages_)
     return kept
 
@@ -55,7 +59,7 @@ kNCA's finish starts where it did: its start scale and first step are not measur
 
 **The keep rule** (one, for the whole fit): a map scored is kept when it scores at least
 the best score of the fit so far less the tolerance (one and a half rows' worth), so
-the kept map is the most trained one within a row of the best. Without held-out rows or a
+the kept map is the most trained one within that of the best. Without held-out rows or a
 ``held_out_score`` (or with ``select_stages=False`` and no ``early_stopping``) the last
 map is kept.
 
@@ -478,7 +482,9 @@ class StagedFit:
                     self._save(state)
             if holds and self._any_rank_signalled(hold.signum):  # held to the stage's end
                 raise Interrupted(hold.signum or signal.SIGTERM)
-        if math.isnan(state.kept.objective):  # the budget skipped every stage
+        # the kept map has no objective: the budget skipped every stage, or an Adam stage
+        # (whose start computes none) kept its start
+        if math.isnan(state.kept.objective):
             state.kept = self._evaluated(state.kept)
             state.evaluations += 1
         self._close()
@@ -572,10 +578,14 @@ class StagedFit:
                 state.offer(Snapshot(theta, at.objective, score, state.iterations), self._tolerance)
                 stop = check.after(score)
             self._progress(stage, iteration, check.last_score)
+            # a stage that ends here by its own rules says so; the budget names only the
+            # stops it caused (it is spent, and the stage would have gone on)
+            if stop is None and step.stop is not None:
+                stop = rounds.stop_for(step.stop, iteration, moved=True)
+            if stop is None and iteration >= stage.max_iter:
+                stop = StopReason.MAX_ITER
             if stop is None and self.clock.exhausted():
                 stop = StopReason.MAX_SECONDS
-            elif stop is None and step.stop is not None:
-                stop = rounds.stop_for(step.stop, iteration, moved=True)
             save, interrupted = self._saves_mid_stage(stage) if stop is None else (False, False)
             if save:
                 state.resume = self._where(

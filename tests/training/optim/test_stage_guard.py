@@ -324,6 +324,59 @@ def test_the_budget_returns_the_best_judged_map_and_says_so(scripted, monkeypatc
     np.testing.assert_array_equal(model.components_.ravel(), maps[3].ravel())
 
 
+def test_a_stage_that_ends_by_its_own_rule_as_the_budget_runs_out_says_its_rule(
+    scripted, monkeypatch
+):
+    """The budget names only the stops it caused: a last stage that reaches its max_iter at
+    the iteration that spends the budget stopped at max_iter (max_iter's own warning, no
+    budget warning, not ``budget_exhausted_``); one more iteration allowed, the budget stops
+    it."""
+    holder, _, clock = scripted
+    real_prepare = preparation.prepare
+
+    def slow_prepare(*args, **kwargs):  # 100 scripted seconds, then one a callback
+        clock.now += 100.0
+        return real_prepare(*args, **kwargs)
+
+    monkeypatch.setattr(preparation, "prepare", slow_prepare)
+    X, y = blobs(300)
+    holder["script"] = lambda stage, it: 0.5 + 0.01 * it  # rising: no held-out stop
+
+    def budgeted(max_iter: int) -> NCA:
+        clock.now = 0.0
+        return NCA(
+            n_components=2,
+            random_state=0,
+            callback=holder["callback"],
+            n_candidates=5,
+            max_iter=max_iter,
+            tol=0,
+            max_seconds=107.0,
+            options=dict(
+                exact_finish=0,
+                validation_interval=1,
+                stop_stalled_stages=False,
+                held_out_score=holder["held_out_score"],
+            ),
+        ).fit(X, y)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = budgeted(max_iter=7)  # its 7th iteration ends at 107 s
+    said = [str(w.message) for w in caught]
+    assert any("did not converge in max_iter=7" in m for m in said)  # the limit it hit
+    assert not any("budget" in m for m in said), said
+    (record,) = model.stages_
+    assert (record["stop_reason"], record["iterations"]) == ("max_iter", 7)
+    assert model.stop_reason_ == "max_iter" and not model.budget_exhausted_
+    with pytest.warns(ConvergenceWarning, match="budget max_seconds=107 ran out"):
+        cut = budgeted(max_iter=8)
+    (record,) = cut.stages_
+    assert (record["stop_reason"], record["iterations"]) == ("max_seconds", 7)
+    assert cut.budget_exhausted_
+    np.testing.assert_array_equal(cut.components_, model.components_)
+
+
 def test_a_budget_spent_before_the_first_stage_returns_the_initial_map(monkeypatch):
     prepared = []
     real_prepare = preparation.prepare
