@@ -1,13 +1,10 @@
-"""Numerics shared by the objectives and the kernels that evaluate them.
+"""Numerics shared by the objectives, the kernels that evaluate them and the preparation.
 
-Nothing here knows about a particular objective; every training module may import it, and
-it imports none of them (the import graph of ``training`` has no cycles):
-
-    numerics  <-  objectives  <-  knca  <-  objective_registry  <-  estimator
-        ^             ^
-        +---------  nca_kernel  <-  neighbourhood (dispatcher)  <-  optimize
-                        ^
-           native_candidates (the C path of nca_kernel's candidate sets; imports native)
+Nothing here knows about a particular objective or stage; any module of ``training`` may
+import it (the objectives, ``optim.problem`` and ``optim.candidates``, the model's
+preparation, initialisation and fit loop, ``distributed.sharded_stats``, the learned
+references, the job), and it imports none of them: the import graph of ``training`` has no
+cycles. What it holds:
 
 * the floors that keep exp() and log 0 finite (``EXP_FLOOR``, ``LOG_ZERO``),
 * ``floored_logsumexp``,
@@ -16,6 +13,8 @@ it imports none of them (the import graph of ``training`` has no cycles):
 * ``evenly_spaced_rows`` (a deterministic sample of rows, spread however they are ordered),
 * ``zero_subnormal`` (float32 probabilities too small to count, set to 0 before a product
   that a subnormal operand would slow 100x on some CPUs),
+* ``fisher_directions``, ``fisher_directions_of_rows``, ``principal_axes`` and
+  ``orthonormal_complement`` (the linear algebra of the LDA and PCA initial maps),
 * ``PrecomputedGradient``, the autograd backward both evaluation paths share: the forward
   pass computes the objective and its gradient with respect to Z together (the exact NCA
   kernel computes the value alone when Z does not require grad), and backward only scales

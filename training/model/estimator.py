@@ -157,7 +157,8 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
 
         X_val, y_val: an explicit validation set for early stopping (optional).
         checkpoint: a directory where the fit's state is written at the end of each stage, and
-        within the exact finish (or an exact fit) at each held-out check
+        within the exact finish (or an exact fit) after an iteration once
+        ``fitting.CHECKPOINT_SECONDS`` have passed since the last save
         (``training.model.checkpoint``); a fit of the same data and parameters started with
         it again goes on from there and ends with the same map. ``resumed_stages_`` and
         ``resumed_iterations_`` say how much it found done.

@@ -60,8 +60,9 @@ class FitOptions:
         validation_k, validation_rule : the k (or several, the best kept) and the vote a
             validation split's k-NN accuracy is reported with (``val_accuracy``,
             ``best_val_accuracy_``): those that will be served.
-        select_stages : keep a stage's end only when it scores at least its start on
-            held-out rows (False: whatever the optimiser returns).
+        select_stages : judge the maps on held-out rows and return the most trained one
+            within the tolerance (1.5 rows' worth) of the best score of the fit
+            (``training.model.fitting``, the keep rule; False: the last map).
         stop_stalled_stages : stop a stage after two held-out checks in a row without a gain
             (False: every stage runs its iterations).
         held_out_score : None or a callable ``(A, stage, iteration) -> float`` that judges

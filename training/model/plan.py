@@ -1,7 +1,7 @@
 """The fit plan: every "auto" of the estimator resolved once, from the parameters and the
 size of the data, into what the fit then does. The estimator keeps it as ``plan_`` and the
 training report reads it from there. Tested by ``tests/training/model/test_estimator.py`` and
-``test_exact_finish.py`` (what "auto" means) through the fitted attributes.
+``tests/training/optim/test_exact_finish.py`` (what "auto" means) through the fitted attributes.
 """
 
 from __future__ import annotations

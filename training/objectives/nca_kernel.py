@@ -39,9 +39,10 @@ How it is computed (evidence in benchmarks/README.md, the sections named):
 * On the CPU the gradient's three products (add_gradient_products) run over tiles of
   PRODUCT_TILE columns of U, so that one read of U from memory serves all three ("The
   gradient's products over column tiles").
-* A pass whose z does not require grad (built under ``torch.no_grad``: the finish's start
-  scale, the objective at a map, the candidate audit) computes the value alone: the logits
-  and their row passes, without the gradient's products.
+* An exact pass whose z does not require grad (built under ``torch.no_grad``: the
+  finish's start scale, the objective at a map, the candidate audit's exact objective)
+  computes the value alone: the logits and their row passes, without the gradient's
+  products. The candidate sets' pass computes its gradient either way.
 Peak memory: O(chunk x N + N d).
 """
 
@@ -64,7 +65,7 @@ def _zero_unless(keep: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 # A row whose same-class mass p_i (the block's sum of the row's softmax) is below this is
 # recomputed by _far_rows. A margin: the row pass sets p_ij at or below
 # numerics.TINY_P (3.9e-31) to 0, and up to n_c of them are then missing from p_i; above
-# 1e-18 that is below float32's resolution of p_i for classes of up to 2e5 points (n_c
+# 1e-18 that is below float32's resolution of p_i for classes of up to 1.5e5 points (n_c
 # TINY_P / P_FLOOR < eps / 2), and below it the far rows' recomputation is exact; rows
 # this far from their class are rare
 P_FLOOR = 1e-18

@@ -62,7 +62,7 @@ class Step:
     at: Evaluation
     evaluations: int
     stop: str | None  # "converged", "precision", "max_evaluations" or None
-    moved: bool  # False when the start already met the gradient test
+    moved: bool  # False when the start met the gradient test or the line search failed
 
 
 class LBFGS:

@@ -124,7 +124,6 @@ class Problem:
         n_components: int,
         l2: float = 0.0,
         n_candidates: int | None = None,
-        seed: int = 0,
         chunk_size: int | None = None,
         search: CandidateSearch | None = None,
         query_rows: torch.Tensor | None = None,
@@ -138,7 +137,7 @@ class Problem:
         self.n_candidates = n_candidates
         self.chunk_size = chunk_size
         # how candidate sets are searched: exact, or approximately (IVF) at scale
-        self.search = search if search is not None else CandidateSearch(seed=seed)
+        self.search = search if search is not None else CandidateSearch()
         self.candidates: torch.Tensor | None = None  # (N, 2K) nearest candidates, or None
         # (B,) the query rows the loss averages over (None: all N); neighbours are all points
         self.query_rows: torch.Tensor | None = query_rows
@@ -223,7 +222,7 @@ class Problem:
             held_found += float(held_mass(log_p, found[block]).sum())
             held_exact += float(held_mass(log_p, exact).sum())
         ratio = self.agreed(held_found / held_exact)
-        self.search.tune(ratio, len(self.search.history) + 1)
+        self.search.tune(ratio)
         return ratio
 
     def agreed(self, value: float) -> float:
