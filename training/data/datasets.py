@@ -664,7 +664,10 @@ FLOAT_LABEL_MAX = 2.0**53  # float labels beyond it are not distinct integers
 def label_values(y: np.ndarray, what: str) -> np.ndarray:
     """Labels (n,) as training takes them: integers (integer-valued floats as int64, within
     +-FLOAT_LABEL_MAX, where every integer is a float of its own) or strings (bytes as str);
-    ``what`` names them in the error for any other kind."""
+    ``what`` names them in the error for any other kind (booleans too: True and False
+    would become the classes 1 and 0 of an integer model)."""
+    if y.dtype.kind == "b":
+        raise DataError(f"{what}: must be integers or strings, got booleans")
     if y.dtype.kind == "f":
         with np.errstate(invalid="ignore"):
             whole = np.isfinite(y) & (y == np.round(y))
@@ -683,7 +686,7 @@ def label_values(y: np.ndarray, what: str) -> np.ndarray:
                 "integers or strings"
             )
         return y.astype(np.int64)
-    if y.dtype.kind not in "biuUS":
+    if y.dtype.kind not in "iuUS":
         raise DataError(f"{what}: must be integers or strings, got dtype {y.dtype}")
     return y.astype(str) if y.dtype.kind == "S" else y
 

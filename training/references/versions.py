@@ -204,6 +204,11 @@ def add_references(
     n_before = len(parent.ids)
     if ids is None:
         start = int(parent.ids.max()) + 1 if n_before else 0
+        if start + len(X) - 1 > np.iinfo(np.int64).max:
+            raise ReferenceError(
+                f"the model's largest id is {start - 1}: the {len(X)} new rows' ids, which "
+                "follow it, would pass int64's maximum; give them ids of their own with --ids"
+            )
         new_ids = np.arange(start, start + len(X), dtype=np.int64)
     else:
         new_ids = _checked_ids(ids, len(X), "--ids")

@@ -127,6 +127,22 @@ def test_add_takes_given_ids_refuses_used_or_repeated_ones_and_grows_the_classes
     assert not (tmp_path / "b").exists()
 
 
+def test_add_refuses_default_ids_beyond_int64_and_takes_given_ones(base, tmp_path):
+    """New rows' default ids follow the model's largest; where that is int64's maximum
+    they have none to take: a ReferenceError asks for --ids (an OverflowError's traceback
+    before), and ids given with --ids are still taken."""
+    path, split = base
+    parent = read_artifact(path)
+    top = np.iinfo(np.int64).max
+    label = np.array([parent.classes[0]])
+    add_references(path, split.X_test[:1], label, out=tmp_path / "top", ids=[top])
+    with pytest.raises(ReferenceError, match="would pass int64's maximum; give them ids"):
+        add_references(tmp_path / "top", split.X_test[1:2], label, out=tmp_path / "b")
+    assert not (tmp_path / "b").exists()
+    add_references(tmp_path / "top", split.X_test[1:2], label, out=tmp_path / "b", ids=[-1])
+    assert read_artifact(tmp_path / "b").ids[-2:].tolist() == [top, -1]
+
+
 def test_removed_ids_never_appear_and_emptied_classes_are_recorded(base, tmp_path):
     path, split = base
     parent = read_artifact(path)
@@ -247,6 +263,11 @@ BAD_INPUTS = {
     "labels vs rows": (
         lambda t, s: {"X": s.X_test[:5], "y": s.classes[s.y_test[:4]]},
         "has 5 rows but its labels have 4",
+    ),
+    # True and False compare equal to 1 and 0: they would be served as digits 1 and 0
+    "boolean labels": (
+        lambda t, s: {"X": s.X_test[:5], "y": s.y_test[:5] > 4},
+        "must be integers or strings, got booleans",
     ),
 }
 
