@@ -17,7 +17,7 @@ import torch.distributed as dist
 from sklearn.exceptions import ConvergenceWarning
 
 from service.core.artifact import ArtifactError, OutputClaim, write_artifact
-from service.core.artifact.ownership import check_writable
+from service.core.artifact.ownership import check_writable, is_artifact
 from service.core.knn import project
 from service.core.vocabulary import NEIGHBOUR_RULES
 from training.config import TrainConfig
@@ -444,18 +444,26 @@ def checkpoint_dir_for(config: TrainConfig, out: Path) -> Path | None:
 def check_checkpoint_dir(checkpoint: Path | None, given: str, out: Path) -> None:
     """A checkpoint directory the fit can use, checked before the data is read: a directory
     or a path that can become one (created at the first save), not a file, and not under
-    one; nor ``out`` or a path inside it (the artifact replaces ``out`` whole, and a
-    checkpoint there would make it a folder that is not an artifact). ConfigError naming
-    --checkpoint-dir (when given) and what is in the way."""
+    one; nor ``out`` or a path inside it, also through a symbolic link (the artifact
+    replaces ``out`` whole, and a checkpoint there would make it a folder that is not an
+    artifact), nor another artifact (a killed fit would leave its files there, and every
+    later writer of that artifact would refuse it). ConfigError naming --checkpoint-dir
+    (when given) and what is in the way."""
     if checkpoint is None:
         return
     option = "--checkpoint-dir " if given != "auto" else "the checkpoint directory "
-    inside = checkpoint.absolute()
-    if inside == out.absolute() or out.absolute() in inside.parents:
+    inside, artifact = checkpoint.resolve(), out.resolve()  # symbolic links followed
+    if inside == artifact or artifact in inside.parents:
         raise ConfigError(
             f"{option}{checkpoint} is --out or inside it: expected a directory beside the "
             "artifact (the default, auto, puts it at .OUT.checkpoint)"
         )
+    for path in (inside, *inside.parents):
+        if is_artifact(path):
+            raise ConfigError(
+                f"{option}{checkpoint} is an artifact or inside one ({path}): expected a "
+                "directory of its own beside the artifact"
+            )
     for path in (checkpoint, *checkpoint.parents):
         if path.exists() or path.is_symlink():
             if not path.is_dir():

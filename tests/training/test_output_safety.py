@@ -517,6 +517,32 @@ def test_a_checkpoint_dir_that_cannot_be_a_directory_is_refused_before_the_data_
     assert notes.read_text() == "mine" and not (tmp_path / "m").exists()
 
 
+@pytest.mark.parametrize("where", ["a link to --out", "another artifact", "inside an artifact"])
+def test_a_checkpoint_dir_at_an_artifact_is_refused_before_the_data_is_read(
+    model, tmp_path, capsys, where
+):
+    """--checkpoint-dir a symbolic link to --out, another model, or a folder inside one: one
+    line, exit 2, before the data is read, the model as it was. Before, a link to --out
+    passed (paths compared unresolved): the fit ran, wrote its checkpoint into the
+    artifact and then refused to replace it; another model took the checkpoint's files,
+    which a killed fit left there for every later writer to refuse."""
+    path, _ = model
+    before = sorted(p.name for p in Path(path).iterdir())
+    out = tmp_path / "new-model"
+    if where == "a link to --out":
+        given = tmp_path / "link"
+        given.symlink_to(out, target_is_directory=True)
+    else:
+        given = Path(path) if where == "another artifact" else Path(path) / "checkpoints"
+    args = ["--data", str(tmp_path / "absent.npy"), "--labels", str(tmp_path / "absent-y.npy")]
+    code = cli_main([*args, "--out", str(out), "--checkpoint-dir", str(given)])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    said = "is --out or inside it" if where == "a link to --out" else "is an artifact or inside"
+    assert f"--checkpoint-dir {given} " in err and said in err
+    assert sorted(p.name for p in Path(path).iterdir()) == before and not out.exists()
+
+
 def test_a_signal_while_an_edit_is_written_says_the_version_was_written(
     model, tmp_path, capsys, monkeypatch
 ):

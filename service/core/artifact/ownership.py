@@ -75,6 +75,11 @@ def _manifest_of(directory: Path) -> dict | None:
     return manifest
 
 
+def is_artifact(directory: str | os.PathLike) -> bool:
+    """Whether ``directory`` holds an artifact of this format (its manifest.json)."""
+    return _manifest_of(Path(directory)) is not None
+
+
 def check_replaceable(path: str | os.PathLike, option: str = "--out") -> None:
     """Raise ``ArtifactError`` unless ``path`` is absent, an empty directory, or an artifact
     directory holding nothing but its own files (see the module's docstring). The message
