@@ -103,10 +103,13 @@ class FitCheckpoint:
         self.key = key
         self.failed: str | None = None  # why a save failed: the fit then goes on without
 
-    def load(self, rng: np.random.Generator, previous: bool = False) -> FitState | None:
+    def load(
+        self, rng: np.random.Generator, stage_limits: list[int], previous: bool = False
+    ) -> FitState | None:
         """The fit's state saved (``previous``: the save before it), with both generators
         set as they were (``rng`` and torch's), or None when there is none. ValueError when
-        it is not a checkpoint or is another fit's."""
+        it is not a checkpoint, is another fit's, or holds counts that no fit of the plan
+        reaches (``stage_limits``: each stage's max_iter; :func:`miscounted`)."""
         path = self.previous_path if previous else self.path
         if not path.exists() and not previous:  # killed between the two renames of a save
             path = self.previous_path
@@ -138,9 +141,13 @@ class FitCheckpoint:
                 for name in RESUME_ARRAYS:
                     resume[name.removeprefix("resume_")] = np.asarray(arrays[name], np.float64)
                 resume = StageResume(**resume)
-            return FitState(kept=kept, records=records, resume=resume, **state)
+            loaded = FitState(kept=kept, records=records, resume=resume, **state)
+            wrong = miscounted(loaded, stage_limits)
         except (TypeError, KeyError, ValueError, RuntimeError) as exc:
             raise self._unusable(path, f"its state does not read back ({exc})") from None
+        if wrong is not None:  # the fingerprint matched: the file was changed after the save
+            raise self._unusable(path, wrong)
+        return loaded
 
     @property
     def remedy(self) -> str:
@@ -186,6 +193,39 @@ class FitCheckpoint:
             os.replace(self.path, self.previous_path)
         torch_rng = torch.get_rng_state().numpy()
         write_npz_atomically(self.path, {"torch_rng": torch_rng, "meta": np.array(text), **arrays})
+
+
+def miscounted(state: FitState, stage_limits: list[int]) -> str | None:
+    """What in a loaded state no fit of the plan reaches (None: nothing): a save is made
+    after each stage (its record appended) and mid-stage after an iteration, so
+
+        0 <= stages_done <= stages, one record per stage done,
+        0 <= a stage's iterations <= its max_iter (the running stage's in ``resume``),
+        the fit's iterations = the stages' sum = its history's records,
+        0 <= the kept map's iteration <= the fit's iterations."""
+    n_stages, done = len(stage_limits), state.stages_done
+    if not 0 <= done <= n_stages or len(state.records) != done:
+        return (
+            f"it says {done} stages done with {len(state.records)} records, where the plan "
+            f"has {n_stages} stages"
+        )
+    stages = [(record.stage, record.iterations) for record in state.records]
+    if state.resume is not None:
+        if state.resume.index != done or done == n_stages:
+            return f"its running stage is stage {state.resume.index}, after {done} done"
+        stages.append((f"stage {done}", state.resume.iteration))
+    for (name, iterations), limit in zip(stages, stage_limits, strict=False):
+        if not 0 <= iterations <= limit:
+            return f"its {name} ran {iterations} iterations, outside [0, {limit}]"
+    counts = (state.iterations, sum(i for _, i in stages), len(state.history))
+    if len(set(counts)) != 1 or state.evaluations < 0:
+        return (
+            f"its counts disagree ({counts[0]} iterations, {counts[1]} in its stages, "
+            f"{counts[2]} history records, {state.evaluations} evaluations)"
+        )
+    if not 0 <= state.kept.iteration <= state.iterations:
+        return f"its kept map is from iteration {state.kept.iteration}, of {state.iterations}"
+    return None
 
 
 def _plain(value):

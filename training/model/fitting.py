@@ -678,11 +678,12 @@ class StagedFit:
         if self.checkpoint is None:
             return None
         rng, torch_rng = self.prep.rng.bit_generator.state, torch.get_rng_state()
-        state = self.checkpoint.load(self.prep.rng)
+        limits = [stage.max_iter for stage in self.stages]
+        state = self.checkpoint.load(self.prep.rng, limits)
         lowest, highest = lowest_and_highest(_position(state), self.group)
         disagreed = lowest != highest
         if disagreed and _position(state) != lowest:
-            state = self.checkpoint.load(self.prep.rng, previous=True)
+            state = self.checkpoint.load(self.prep.rng, limits, previous=True)
             if _position(state) != lowest:
                 state = None
             lowest, highest = lowest_and_highest(_position(state), self.group)

@@ -6,6 +6,7 @@ exact finish resumes when run again and leaves no checkpoint behind."""
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 
@@ -291,7 +292,24 @@ def _tamper(path, change):
     np.savez(path, **arrays)
 
 
+def _state_edit(edit):
+    """A change of the saved state's JSON (``edit(state)`` in place)."""
+
+    def change(arrays):
+        meta = json.loads(str(arrays["meta"]))
+        edit(meta["state"])
+        arrays["meta"] = np.array(json.dumps(meta))
+
+    return change
+
+
 TAMPERED = {  # a checkpoint changed after its save (its fingerprint still matches)
+    # counts that no fit of this plan reaches: before, each resumed and wrote a model
+    "more stages done than planned": _state_edit(lambda s: s.update(stages_done=7)),
+    "a stage beyond its max_iter": _state_edit(lambda s: s["resume"].update(iteration=10**6)),
+    "negative iterations": _state_edit(lambda s: s.update(iterations=-5)),
+    "a history short of the iterations": _state_edit(lambda s: s.update(history=[])),
+    "a kept map from the future": _state_edit(lambda s: s["kept"].update(iteration=10**6)),
     "pairs of another length": lambda a: a.update(resume_pairs_s=a["resume_pairs_s"][:, :5]),
     "an infinite iterate": lambda a: a.update(resume_theta=np.full_like(a["resume_theta"], np.inf)),
     "a NaN kept map": lambda a: a.update(theta=np.full_like(a["theta"], np.nan)),
