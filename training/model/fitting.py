@@ -785,7 +785,7 @@ class StagedFit:
                 stage_X, m = points_tensor(sample), len(sample)
                 stage_labels = labels[torch.as_tensor(sample, device=prep.device)]
             rows = None  # the query rows the loss averages over, of the stage's points (None: all)
-            if stage.on_candidates and plan.candidate_rows is not None and not group.is_distributed:
+            if stage.on_candidates and plan.candidate_rows is not None:  # none under torchrun
                 rows = evenly_spaced_rows(m, plan.candidate_rows)
             if not stage.on_candidates and stage.max_rows is not None and m > stage.max_rows:
                 rows = evenly_spaced_rows(m, stage.max_rows)

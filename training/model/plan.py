@@ -74,8 +74,9 @@ def resolve_plan(params: dict, n_samples: int, distributed: bool = False) -> Fit
     (over every rank when ``distributed``).
 
     n_candidates "auto": exact up to AUTO_EXACT_MAX_SAMPLES points, else AUTO_N_CANDIDATES.
-    candidate_rows: CANDIDATE_QUERY_MAX_ROWS for an L-BFGS fit on candidate sets on more
-    points than that (Adam's batches need every row's set), else None.
+    candidate_rows: CANDIDATE_QUERY_MAX_ROWS for an L-BFGS fit on candidate sets in one
+    process on more points than that (Adam's batches need every row's set; under torchrun
+    each rank's loss runs over its own shard), else None.
     l2 "auto": DEFAULT_L2 on the exact objective, 0 on candidate sets (a penalty there pulls
     the candidate objective away from the exact one); the exact finish always carries
     DEFAULT_L2. exact_finish "auto":
@@ -89,7 +90,7 @@ def resolve_plan(params: dict, n_samples: int, distributed: bool = False) -> Fit
     if n_candidates == "auto":
         n_candidates = None if n_samples <= AUTO_EXACT_MAX_SAMPLES else AUTO_N_CANDIDATES
     solver = "lbfgs" if params["solver"] == "auto" else params["solver"]
-    sampled = n_candidates is not None and solver == "lbfgs"
+    sampled = n_candidates is not None and solver == "lbfgs" and not distributed
     candidate_rows = CANDIDATE_QUERY_MAX_ROWS if sampled else None
     if n_samples <= CANDIDATE_QUERY_MAX_ROWS:
         candidate_rows = None

@@ -77,11 +77,15 @@ def test_the_loss_on_kept_rows_equals_the_full_tables_on_the_same_rows(data, obj
         (fit_plan.CANDIDATE_QUERY_MAX_ROWS + 1, {}, fit_plan.CANDIDATE_QUERY_MAX_ROWS),
         (10**6, {"solver": "adam"}, None),  # Adam's batches draw from every row
         (10**6, {"n_candidates": None}, None),  # exact: no candidate stage
+        (10**6, {"distributed": True}, None),  # torchrun: each rank's shard (the plan said
+        # 131,072 sampled rows, which report.json showed, where none were sampled)
     ],
 )
 def test_the_plan_samples_query_rows_only_above_the_limit(n_samples, params, expected):
+    params = dict(params)
+    distributed = params.pop("distributed", False)
     settings = vars(fit_settings(NCA(**with_options(params)).get_params()))
-    assert fit_plan.resolve_plan(settings, n_samples).candidate_rows == expected
+    assert fit_plan.resolve_plan(settings, n_samples, distributed).candidate_rows == expected
 
 
 def test_a_fit_on_sampled_rows_is_deterministic_and_learns(monkeypatch):
