@@ -501,7 +501,8 @@ class StagedFit:
     def _run_stage(self, index: int, stage: Stage, state: FitState) -> None:
         """One stage from the kept map, by the rules of the module's docstring."""
         started, before = self.clock.elapsed(), state.iterations
-        if self.clock.exhausted():
+        resuming = state.resume is not None and state.resume.index == index
+        if self.clock.exhausted() and not resuming:
             state.records.append(skipped_record(stage.name))
             return
         problem = self.make_problem(stage)
@@ -525,6 +526,8 @@ class StagedFit:
             scale = start_scale(problem, theta)
             theta = scale * theta
         stop = None
+        if resumed is not None and self.clock.exhausted():  # a stage cut short where its
+            stop = StopReason.MAX_SECONDS  # checkpoint stood (its iterations count)
         while stop is None:
             if iteration >= stage.max_iter:
                 stop = StopReason.MAX_ITER

@@ -17,7 +17,7 @@ from service.core.artifact import read_artifact
 from tests.training.problems import hard_noisy
 from training import NCA
 from training.errors import Interrupted
-from training.model import fitting
+from training.model import fitting, preparation
 from training.model import plan as fit_plan
 from training.model.options import with_options
 
@@ -100,6 +100,35 @@ def test_a_fit_killed_in_its_finish_resumes_there_and_ends_with_the_same_map(
     again = fit(tmp_path / "ckpt")  # every stage done: nothing to run
     assert again.resumed_stages_ == 2
     np.testing.assert_array_equal(again.components_, whole.components_)
+
+
+def test_a_finish_resumed_with_its_budget_spent_ends_there_and_its_checkpoint_reads_back(
+    tmp_path, save_every_iteration, monkeypatch
+):
+    """Killed at the finish's 3rd iteration, then run again where preparing the data alone
+    spends the budget (a scripted clock): the resumed finish stops where its checkpoint
+    stood ("max_seconds", its 2 iterations counted; it had been recorded as skipped with 0
+    while its iterations stayed in the fit's count), and a third run finds every stage
+    done in a checkpoint that reads back, with the same map."""
+    now = [0.0]
+    monkeypatch.setattr(fitting.time, "perf_counter", lambda: now[0])
+    first_iterations = fit(max_seconds=1000.0).stages_[0]["iterations"]
+    with pytest.raises(Killed):
+        fit(tmp_path / "ckpt", max_seconds=1000.0, callback=killer(first_iterations + 3))
+    real_prepare = preparation.prepare
+
+    def slow_prepare(*args, **kwargs):  # 2,000 scripted seconds
+        now[0] += 2000.0
+        return real_prepare(*args, **kwargs)
+
+    monkeypatch.setattr(preparation, "prepare", slow_prepare)
+    cut = fit(tmp_path / "ckpt", max_seconds=1000.0)
+    finish = cut.stages_[1]
+    assert (finish["stop_reason"], finish["iterations"]) == ("max_seconds", 2)
+    assert cut.n_iter_ == first_iterations + 2 and cut.budget_exhausted_
+    again = fit(tmp_path / "ckpt", max_seconds=1000.0)
+    assert again.resumed_stages_ == 2
+    np.testing.assert_array_equal(again.components_, cut.components_)
 
 
 def test_an_exact_fit_killed_mid_way_resumes_at_its_last_iteration(tmp_path, save_every_iteration):
@@ -321,6 +350,27 @@ TAMPERED = {  # a checkpoint changed after its save (its fingerprint still match
     "a meta that is not an object": lambda a: a.update(meta=np.array("[]")),
     "a meta that is not JSON": lambda a: a.update(meta=np.array("{format")),
 }
+
+
+def _beyond_max_iter(state):
+    """The running stage one iteration past the plan's max_iter (12), its counts agreeing:
+    the fit's iterations and its history grown with it."""
+    extra = 13 - state["resume"]["iteration"]
+    state["resume"]["iteration"] = 13
+    state["iterations"] += extra
+    state["history"] += [state["history"][-1]] * extra
+
+
+def test_a_stage_saved_beyond_its_max_iter_is_refused_by_the_plans_limit(
+    tmp_path, save_every_iteration
+):
+    """Counts that agree with each other but not with the plan: the stage's limit, each
+    stage's max_iter passed to the checkpoint by the fit, refuses them."""
+    with pytest.raises(Killed):
+        fit(tmp_path / "ckpt", **EXACT, callback=killer(5))
+    _tamper(tmp_path / "ckpt" / "fit-rank0.npz", _state_edit(_beyond_max_iter))
+    with pytest.raises(ValueError, match=r"its stage 0 ran 13 iterations, outside \[0, 12\]"):
+        fit(tmp_path / "ckpt", **EXACT)
 
 
 @pytest.mark.parametrize("change", list(TAMPERED), ids=list(TAMPERED))
