@@ -452,7 +452,12 @@ def check_checkpoint_dir(checkpoint: Path | None, given: str, out: Path) -> None
     if checkpoint is None:
         return
     option = "--checkpoint-dir " if given != "auto" else "the checkpoint directory "
-    inside, artifact = checkpoint.resolve(), out.resolve()  # symbolic links followed
+    try:
+        inside, artifact = checkpoint.resolve(), out.resolve()  # symbolic links followed
+    except (RuntimeError, OSError) as exc:  # a loop of links, a directory that cannot be read
+        raise ConfigError(
+            f"{option}{checkpoint}: cannot follow it or --out to where it leads ({exc})"
+        ) from None
     if inside == artifact or artifact in inside.parents:
         raise ConfigError(
             f"{option}{checkpoint} is --out or inside it: expected a directory beside the "

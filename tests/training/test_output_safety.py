@@ -517,6 +517,18 @@ def test_a_checkpoint_dir_that_cannot_be_a_directory_is_refused_before_the_data_
     assert notes.read_text() == "mine" and not (tmp_path / "m").exists()
 
 
+def test_a_checkpoint_dir_in_a_loop_of_links_is_one_line(tmp_path, capsys):
+    """--checkpoint-dir a link to itself: one line, exit 2 (resolving it raised a
+    RuntimeError's traceback)."""
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    args = ["--data", str(tmp_path / "absent.npy"), "--labels", str(tmp_path / "absent-y.npy")]
+    code = cli_main([*args, "--out", str(tmp_path / "new"), "--checkpoint-dir", str(loop)])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"--checkpoint-dir {loop}: cannot follow it" in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize("where", ["a link to --out", "another artifact", "inside an artifact"])
 def test_a_checkpoint_dir_at_an_artifact_is_refused_before_the_data_is_read(
     model, tmp_path, capsys, where
