@@ -188,9 +188,7 @@ def check_labels(y: np.ndarray, what: str = "labels") -> np.ndarray:
     y = np.asarray(y)
     if y.ndim != 1:
         raise DataError(f"{what}: expected a 1-D array, got shape {y.shape}")
-    if y.dtype.kind == "b":
-        raise DataError(f"{what}: must be integers or strings, got booleans")
-    y = label_values(y, what)
+    y = label_values(y, what)  # booleans refused there
     classes, counts = np.unique(y, return_counts=True)
     if len(classes) < 2:
         raise DataError(

@@ -157,8 +157,8 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
 
         X_val, y_val: an explicit validation set for early stopping (optional).
         checkpoint: a directory where the fit's state is written at the end of each stage, and
-        within the exact finish (or an exact fit) after an iteration once
-        ``fitting.CHECKPOINT_SECONDS`` have passed since the last save
+        within an exact L-BFGS stage (the exact finish, an exact fit) after an iteration once
+        ``fitting.CHECKPOINT_SECONDS`` have passed since the last save, or a signal came
         (``training.model.checkpoint``); a fit of the same data and parameters started with
         it again goes on from there and ends with the same map. ``resumed_stages_`` and
         ``resumed_iterations_`` say how much it found done.
