@@ -16,6 +16,7 @@ only when it gained on held-out rows.
 
 from __future__ import annotations
 
+import hashlib
 import warnings
 from functools import partial
 
@@ -187,6 +188,11 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
             # the plan too: what a fit computes can change with it where the settings do not
             # (the plan's constants between two source trees, both versioned "unknown")
             decided = {**vars(settings), "plan": plan.describe()}
+            # and the map it starts from: a warm start begins at the last fit's map, where a
+            # checkpoint of that same data and settings holds the last fit's own start
+            decided["start"] = hashlib.sha256(
+                np.ascontiguousarray(prep.theta0).tobytes()
+            ).hexdigest()
             key = fingerprint(prep.X, prep.y, prep.X_val, prep.y_val, decided, package_version())
             saver = FitCheckpoint(checkpoint, key, rank=group.rank)
         stages = StagedFit(

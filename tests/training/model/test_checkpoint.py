@@ -131,6 +131,21 @@ def test_a_finish_resumed_with_its_budget_spent_ends_there_and_its_checkpoint_re
     np.testing.assert_array_equal(again.components_, cut.components_)
 
 
+def test_a_warm_start_is_not_resumed_from_the_last_fits_checkpoint(tmp_path):
+    """A warm start begins at the last fit's map; the checkpoint the last fit left (same
+    data, same settings) holds that fit from its own start. Before, the refit resumed it
+    (every stage done) and returned the last map untrained; now the start is part of the
+    checkpoint's key and the refit refuses it, naming the remedy."""
+    X, y, X_val, y_val = data()
+    params = with_options({**PARAMS, **EXACT, "warm_start": True})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = NCA(**params).fit(X, y, X_val, y_val, checkpoint=tmp_path / "ckpt")
+        assert model.resumed_stages_ == 0
+        with pytest.raises(ValueError, match="is of another fit"):
+            model.fit(X, y, X_val, y_val, checkpoint=tmp_path / "ckpt")
+
+
 def test_an_exact_fit_killed_mid_way_resumes_at_its_last_iteration(tmp_path, save_every_iteration):
     exact = EXACT
     whole = fit(**exact)
