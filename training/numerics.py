@@ -3,8 +3,8 @@
 Nothing here knows about a particular objective or stage; any module of ``training`` may
 import it (the objectives, ``optim.problem`` and ``optim.candidates``, the model's
 preparation, initialisation and fit loop, ``distributed.sharded_stats``, the learned
-references, the baselines, the job), and it imports none of them: the import graph of ``training`` has no
-cycles. What it holds:
+references, the baselines, the job), and it imports none of them: the import graph of
+``training`` has no cycles. What it holds:
 
 * the floors that keep exp() and log 0 finite (``EXP_FLOOR``, ``LOG_ZERO``),
 * ``floored_logsumexp``,

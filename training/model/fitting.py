@@ -59,7 +59,7 @@ kNCA's finish starts where it did: its start scale and first step are not measur
 
 **The keep rule** (one, for the whole fit): a map scored is kept when it scores at least
 the best score of the fit so far less the tolerance (one and a half rows' worth), so
-the kept map is the most trained one within that of the best. Without held-out rows or a
+the kept map is the most trained one within that tolerance of the best. Without held-out rows or a
 ``held_out_score`` (or with ``select_stages=False`` and no ``early_stopping``) the last
 map is kept.
 
