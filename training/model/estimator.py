@@ -246,10 +246,12 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         # K at the end (the watch may change it); the plan's when no candidate stage ran
         self.n_candidates_ = state.n_candidates or plan.n_candidates
         finish = [r for r in state.records if r.stage == "exact finish"]
-        # a finish without a gain at its first iteration left the kept map and its objective
-        ran = bool(finish) and finish[0].iterations > 0  # the exact objective was evaluated
+        # a finish the budget did not skip evaluated the exact objective, and the kept map's
+        # objective is the finish's (also after no step: its start's), unless it ended
+        # without a gain at its first iteration, which left the stage before's
+        ran = bool(finish) and finish[0].stop_reason != StopReason.SKIPPED
         finished = ran and finish[0].stop_reason != StopReason.NO_GAIN
-        self.l2_ = float(plan.finish_l2 if finished else plan.l2)  # of the objective optimised last
+        self.l2_ = float(plan.finish_l2 if finished else plan.l2)  # of objective_value_
         self.exact_finish_iter_ = finish[0].iterations if finish else 0
         self.solver_ = plan.solver
         self.device_ = str(prep.device)

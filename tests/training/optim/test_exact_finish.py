@@ -75,6 +75,21 @@ def test_the_finish_converges_to_the_exact_fits_penalised_optimum():
     assert penalised_exact_loss(unfinished, X, y, DEFAULT_L2) > target + 1e-3
 
 
+def test_a_finish_that_takes_no_step_reports_its_own_objective_penalty_and_kernel():
+    """A finish whose start already meets the gradient test (tol huge: no stage takes a step)
+    leaves the kept map's objective the finish's (the exact mean score, every point a
+    neighbour): ``l2_`` is the penalty of that objective's loss and ``kernels_`` names the
+    exact kernel it evaluated (they said the candidate stage's 0 and no exact kernel,
+    beside the finish's objective)."""
+    X, y = hard_noisy(600, seed=1)[:2]
+    model = fit(X, y, n_candidates=5, exact_finish=5, tol=1e9, select_stages=True)
+    assert [(r["iterations"], r["stop_reason"]) for r in model.stages_] == [(0, "converged")] * 2
+    assert model.l2_ == DEFAULT_L2 and "nca_exact" in model.kernels_
+    assert model.objective_value_ == pytest.approx(
+        -penalised_exact_loss(model, X, y, l2=0.0), abs=1e-5
+    )
+
+
 def test_exact_finish_zero_is_the_candidate_fit_alone():
     X, y = blobs(400)
     model = fit(X, y, n_candidates=5, exact_finish=0)
