@@ -7,9 +7,12 @@ in one run, median of ``--repeats``:
 
 * NCA on candidate sets, every row against its K = 32 same-class and 32 other-class nearest
   points (the candidate stage);
-* kNCA (majority, k = 5) on candidate sets, 8,192 rows.
+* kNCA (majority, k = 5) on candidate sets, 8,192 rows;
+* exact NCA on the finish's 2^30 pairs (2^30 / N evenly spaced query rows against all N
+  points): its row pass in C (``nca_exact_rows.c``; the GEMMs in torch either way) against
+  torch's softmax.
 
-Exact NCA (the finish's 2^30 pairs) had a C kernel too, ``nca_exact.c``, removed in round 6
+Exact NCA had a whole C kernel before, ``nca_exact.c`` (the products too), removed in round 6
 (``benchmarks/README.md``, "Which native kernels pay": torch / C 0.87-0.93 at this size on an
 AVX-512 machine, 0.53 on an AVX2 one; ``results/kernel_choice_amd.json`` holds the latter).
 
@@ -36,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from harness.report import gemm_gflops, save_json
 
 from training.objectives import knca, native_candidates
-from training.objectives.nca_kernel import nca_value_and_grad_candidates
+from training.objectives.nca_kernel import nca_value_and_grad, nca_value_and_grad_candidates
 
 MNIST = Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist.npz"
 
@@ -130,6 +133,11 @@ def main() -> None:
         log_p.sum().backward()
 
     measure(f"kNCA majority k=5, {len(keep)} rows x 64 candidates", knca_eval)
+    finish_rows = torch.from_numpy(np.linspace(0, n - 1, 2**30 // n).astype(np.int64))
+    measure(
+        f"exact NCA, {len(finish_rows)} rows x {n} points",
+        lambda f: nca_value_and_grad(z, y, log_form=False, rows=finish_rows, native=f),
+    )
     print(f"float32 GEMM {gemm:.1f} GFLOP/s (torch, {torch.get_num_threads()} threads)")
     save_json(
         args.name,

@@ -102,9 +102,9 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
         ``stage_measure_`` says what the scores are.
     kernels_ : dict
         Which implementation evaluated each objective of the fit ("nca_exact",
-        "nca_candidates", "knca"): "c" (the native kernels built at install), "torch", or
-        "flex" (exact NCA on CUDA; on the CPU exact NCA is always torch); report.json records
-        it.
+        "nca_candidates", "knca"): "c" (the native kernels built at install; for exact NCA
+        its row pass, its products in torch), "torch", or "flex" (exact NCA on CUDA);
+        report.json records it.
     resumed_stages_ : int
         Stages a ``fit(..., checkpoint=DIR)`` found done in DIR and skipped (0: none).
     resumed_iterations_ : int

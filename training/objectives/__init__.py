@@ -9,8 +9,9 @@
   or against candidate sets per point (``tests/training/optim/test_candidate_*.py``).
 * ``nca_kernel.py``: NCA's fused closed-form value and gradient (torch; on CUDA also
   ``nca_flex.py``).
-* ``native.py`` (loading), ``native_candidates.py``, ``knca_native.py``: NCA on candidate sets
-  and kNCA in C (``kernels/*.c``), built at install (``setup.py``, ``kernels/levels.py``) and
-  loaded with ctypes; torch is the fallback (``test_native.py``, ``test_native_candidates.py``,
-  ``test_knca_native.py``).
+* ``native.py`` (loading), ``native_candidates.py``, ``knca_native.py``, ``native_rows.py``:
+  NCA on candidate sets, kNCA and exact NCA's row pass in C (``kernels/*.c``), built at
+  install (``setup.py``, ``kernels/levels.py``) and loaded with ctypes; torch is the fallback
+  (``test_native.py``, ``test_native_candidates.py``, ``test_knca_native.py``,
+  ``test_native_rows.py``).
 """

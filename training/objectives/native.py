@@ -1,9 +1,10 @@
 """The native kernels (``training/objectives/kernels/*.c``): built at install, loaded with ctypes.
 
 This module finds and loads them; kNCA's fast path is in :mod:`training.objectives.knca_native`,
-NCA on candidate sets in :mod:`training.objectives.native_candidates`. Exact NCA has no C
-kernel: torch's exact path is faster on AVX2 machines
-(``benchmarks/README.md``, "Which native kernels pay").
+NCA on candidate sets in :mod:`training.objectives.native_candidates`, exact NCA's row pass
+(its exps and their sums; the products stay in torch) in
+:mod:`training.objectives.native_rows` (``benchmarks/README.md``, "Which native kernels
+pay", "The exact row pass in C").
 
 Building: ``setup.py`` compiles every source at install time, once per dtype flavour and per
 instruction-set level of the machine's architecture (``kernels/levels.py``: on x86-64 the

@@ -19,7 +19,11 @@ How it is computed (evidence in benchmarks/README.md, the sections named):
   contiguous slice: no N-wide mask is ever built.
 * L'_ij = 2 z_i.z_j - ||z_j||^2 differs from L_ij by a per-row constant (||z_i||^2), which
   softmax ignores: one GEMM with a bias row gives the logits.
-* Each row's p_ij come from torch's fused softmax, in place ("The row pass as a softmax"),
+* On the CPU in float32 the row pass runs in C (:mod:`training.objectives.native_rows`:
+  the GEMM writes z_i.z_j alone, and one call turns them into e_ij = exp(L'_ij - m_i) with
+  their row and block sums in two passes; the division by the row's sum rides on r below;
+  "The exact row pass in C"). Elsewhere, and as the reference it is tested against:
+* each row's p_ij come from torch's fused softmax, in place ("The row pass as a softmax"),
   those below float32's normal range then set to 0 (``numerics.zero_subnormal``: a product
   over subnormals ran 100x slower on an Intel Xeon);
   p_i is the sum of the row's same-class block, which needs no maximum of its own ("The
@@ -54,7 +58,7 @@ from collections.abc import Callable
 import torch
 
 from training.numerics import PrecomputedGradient, chunk_rows, class_runs, zero_subnormal
-from training.objectives import native_candidates, nca_flex
+from training.objectives import native_candidates, native_rows, nca_flex
 
 
 def _zero_unless(keep: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -117,6 +121,35 @@ def _scores_and_row_scale(
         score[far], row_scale[far] = _far_rows(original, s, e, log_form)
         logits[far] = original
     return score.sum(), row_scale.to(dtype)
+
+
+def _native_scores_and_row_scale(
+    dots: torch.Tensor,
+    sq: torch.Tensor,
+    q: torch.Tensor,
+    s: int,
+    e: int,
+    log_form: bool,
+    recompute: Callable[[torch.Tensor], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What :func:`_scores_and_row_scale` returns, from the dot products ``dots`` (B, N) =
+    z_i.z_j of a block of rows of one class at sorted positions q (B,), through the C row
+    pass (:mod:`training.objectives.native_rows`): it leaves the unnormalised exps e_ij in
+    ``dots`` with their sums S_i and S^c_i, so that p_ij = e_ij / S_i and p_i = S^c_i / S_i,
+    and U and r keep W = r U with U_ij = e_ij off the block, (p_i - 1) / p_i e_ij on it, and
+    r_i = -p_i / S_i (f) or -1 / S_i (g): the division by S_i rides on r, a (B, 1) scale.
+    Rows whose p_i is below P_FLOOR or not finite are taken again by :func:`_far_rows`."""
+    row_sum, block_sum = native_rows.exp_rows(dots, sq, q, (s, e))  # (B,), (B,) float64
+    p = (block_sum / row_sum)[:, None]  # (B, 1) p_i
+    dots[:, s:e].mul_(((p - 1.0) / p).to(dots.dtype))  # inf or NaN on far rows (below)
+    score, row_scale = (torch.log(p), -torch.ones_like(p)) if log_form else (p, -p)
+    row_scale = row_scale / row_sum[:, None]
+    far = torch.nonzero(~(p >= P_FLOOR))[:, 0]  # (b,) rows below the floor, or NaN
+    if far.numel():
+        original = recompute(far)  # (b, N)
+        score[far], row_scale[far] = _far_rows(original, s, e, log_form)
+        dots[far] = original
+    return score.sum(), row_scale.to(dots.dtype)
 
 
 def _far_rows(
@@ -191,6 +224,7 @@ def nca_value_and_grad(
     rows: torch.Tensor | None = None,
     chunk_size: int | None = None,
     flex: bool | None = None,
+    native: bool | None = None,
     with_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(sum_{i in rows} score_i, d/dz of that sum (N, d)) for f (or g when log_form).
@@ -199,7 +233,8 @@ def nca_value_and_grad(
     Rows whose class has no other member score 0 and contribute no gradient.
     flex: the fused attention passes of :mod:`training.objectives.nca_flex` (True), or
     whenever they can run (None: float32 on CUDA); otherwise the chunked torch path below,
-    whose chunk is ``chunk_size`` rows. ``with_grad`` False: the value alone (the gradient
+    whose chunk is ``chunk_size`` rows and whose row pass runs in C (native True; None:
+    whenever :func:`training.objectives.native_rows.usable`) or in torch (False). ``with_grad`` False: the value alone (the gradient
     None), which the torch path computes without the gradient's products, about half of an
     evaluation's time (the flex path computes the gradient all the same and drops it).
     """
@@ -229,18 +264,28 @@ def nca_value_and_grad(
         fused = nca_flex.try_exact_value_and_grad(zs, ys, query_sorted[keep], log_form=log_form)
     if fused is not None:
         return fused[0], fused[1][inverse] if with_grad else None
+    if native is None:
+        native = native_rows.usable(zs)
     total, grad_s = _torch_value_and_grad(
-        zs, runs, query_sorted, run_of_query, log_form, chunk_size, with_grad
+        zs, runs, query_sorted, run_of_query, log_form, chunk_size, with_grad, native
     )
     return total, None if grad_s is None else grad_s[inverse]
 
 
 def _torch_value_and_grad(
-    zs, runs, query_sorted, run_of_query, log_form: bool, chunk_size, with_grad: bool = True
+    zs,
+    runs,
+    query_sorted,
+    run_of_query,
+    log_form: bool,
+    chunk_size,
+    with_grad: bool = True,
+    native: bool = False,
 ):
-    """The torch path on class-sorted embeddings zs (N, d): chunks of each class run's query
-    rows against all points, one GEMM for the logits; (value, gradient (N, d) sorted, or
-    None without ``with_grad``)."""
+    """The chunked path on class-sorted embeddings zs (N, d): chunks of each class run's
+    query rows against all points, one GEMM for the logits (with ``native``, for the dot
+    products the C row pass turns into U); (value, gradient (N, d) sorted, or None without
+    ``with_grad``)."""
     n = zs.shape[0]
     sq = (zs * zs).sum(1)  # (N,)
     neg_sq = -sq[None, :]  # (1, N)
@@ -269,10 +314,15 @@ def _torch_value_and_grad(
         for start in range(0, q_run.shape[0], chunk_size):
             q = q_run[start : start + chunk_size]  # (B,) sorted positions, all of class r
             b = q.shape[0]
-            logits = _exact_logits(zs, neg_sq, q, out=buffer[:b])  # (B, N)
-            value, row_scale = _scores_and_row_scale(
-                logits, s, e, log_form, lambda far, q=q: _exact_logits(zs, neg_sq, q[far])
-            )  # (q=q binds this chunk's rows)
+            recompute = functools.partial(_far_logits, zs, neg_sq, q)
+            if native:
+                logits = torch.mm(zs[q], zs.T, out=buffer[:b])  # (B, N) z_i.z_j
+                value, row_scale = _native_scores_and_row_scale(
+                    logits, sq, q, s, e, log_form, recompute
+                )
+            else:
+                logits = _exact_logits(zs, neg_sq, q, out=buffer[:b])  # (B, N)
+                value, row_scale = _scores_and_row_scale(logits, s, e, log_form, recompute)
             units = logits  # (B, N) U, W = row_scale U; U_ii = 0 (the diagonal is in [s, e))
             total += value
             if not with_grad:
@@ -281,6 +331,11 @@ def _torch_value_and_grad(
         if with_grad:
             grad_s.addcmul_(col_total[:, None], centred, value=-2.0)
     return total.to(zs.dtype), grad_s if with_grad else None
+
+
+def _far_logits(zs: torch.Tensor, neg_sq: torch.Tensor, q: torch.Tensor, far: torch.Tensor):
+    """The logits (b, N) of a chunk's far rows (``far`` indexes its sorted positions q)."""
+    return _exact_logits(zs, neg_sq, q[far])
 
 
 def _exact_logits(

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from training.objectives import knca_native, native, native_candidates, nca_flex
+from training.objectives import knca_native, native, native_candidates, native_rows, nca_flex
 from training.objectives.knca import KNCAObjective
 from training.objectives.nca import NCAObjective, Objective
 
@@ -23,15 +23,17 @@ OBJECTIVES: dict[str, Callable[[int, int | None], Objective]] = {
 
 def kernels_used(name: str, *, exact: bool, candidates: bool, device: str) -> dict[str, str]:
     """Which implementation evaluates each objective a fit with ``name`` runs: "c" (the
-    native kernels of :mod:`training.objectives.native`, built and loaded on this machine),
-    "torch", or on CUDA "flex" for exact NCA where flex_attention can run (exact NCA has no
-    C kernel). ``exact``: an exact stage or finish; ``candidates``: a stage on candidate
-    sets. (A CPU evaluation whose embeddings are not finite takes torch instead.)"""
+    native kernels of :mod:`training.objectives.native`, built and loaded on this machine;
+    for exact NCA its row pass, beside torch's products), "torch", or on CUDA "flex" for
+    exact NCA where flex_attention can run. ``exact``: an exact stage or finish;
+    ``candidates``: a stage on candidate sets. (A CPU evaluation whose embeddings are not
+    finite takes torch instead.)"""
     cpu = not str(device).startswith("cuda")
     used: dict[str, str] = {}
     if name.startswith("nca"):
         if exact:
-            used["nca_exact"] = "torch"
+            loaded = cpu and native.enabled() and native_rows._load() is not None
+            used["nca_exact"] = "c" if loaded else "torch"
             if not cpu:
                 flex = torch.zeros(1, 1, device=device, dtype=torch.float32)
                 used["nca_exact"] = "flex" if nca_flex.usable(flex) else "torch"

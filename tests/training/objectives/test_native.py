@@ -4,7 +4,7 @@ The libraries are built at install (setup.py): every level built for this CPU co
 values, the best level the CPU runs is the one loaded, the environment switch turns them off,
 a library the install did not build warns and the torch path answers, and a fit with no
 compiler on PATH loads them. Each kernel's values are tested in its own file
-(test_native_candidates.py, test_knca_native.py); exact NCA has no C kernel (torch beat it).
+(test_native_candidates.py, test_knca_native.py, test_native_rows.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from training.objectives import native, native_candidates
 from training.objectives.nca_kernel import nca_value_and_grad_candidates
 from training.objectives.neighbourhood import nearest_candidates
 
-LIBRARIES = ("nca_candidates_f32", "nca_candidates_f64", "knca_linear_f64")
+LIBRARIES = ("nca_candidates_f32", "nca_candidates_f64", "knca_linear_f64", "nca_exact_rows_f32")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -111,8 +111,7 @@ def test_a_library_the_install_did_not_build_warns_and_the_torch_path_answers(re
 
 def test_a_fit_with_no_compiler_on_path_runs_the_kernels_built_at_install(tmp_path):
     """Nothing is compiled at run time: with PATH holding only the interpreter's folder (no
-    gcc, no cc) and CC naming nothing, every kernel a fit uses is the C one (exact NCA has
-    none: torch)."""
+    gcc, no cc) and CC naming nothing, every kernel a fit uses is the C one."""
     script = (
         "import json, warnings; from sklearn.datasets import make_blobs; "
         "from training import NCA; X, y = make_blobs(300, n_features=6, centers=3, "
@@ -133,4 +132,4 @@ def test_a_fit_with_no_compiler_on_path_runs_the_kernels_built_at_install(tmp_pa
     )
     assert done.returncode == 0, done.stderr[-2000:]
     fitted = json.loads(done.stdout.strip().splitlines()[-1])
-    assert fitted == [{"nca_exact": "torch", "nca_candidates": "c"}, {"knca": "c"}]
+    assert fitted == [{"nca_exact": "c", "nca_candidates": "c"}, {"knca": "c"}]

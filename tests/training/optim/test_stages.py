@@ -195,8 +195,8 @@ def test_the_fit_records_which_kernels_evaluated_its_objectives(monkeypatch):
         monkeypatch.setenv("NCA_KNN_NATIVE", "0")
         off = NCA(**with_options(dict(n_candidates=4, **params))).fit(X, y)
     built = "c"  # built at install (setup.py); a fit never compiles
-    assert exact.kernels_ == {"nca_exact": "torch"}  # exact NCA has no C kernel
-    assert staged.kernels_ == {"nca_exact": "torch", "nca_candidates": built}
+    assert exact.kernels_ == {"nca_exact": built}  # its row pass; its products in torch
+    assert staged.kernels_ == {"nca_exact": built, "nca_candidates": built}
     assert knca.kernels_ == {"knca": built}
     assert off.kernels_ == {"nca_exact": "torch", "nca_candidates": "torch"}
 

@@ -36,4 +36,5 @@ LIBRARIES = [
     ("nca_candidates_f32", "nca_candidates", []),
     ("nca_candidates_f64", "nca_candidates", ["NCA_DOUBLE"]),
     ("knca_linear_f64", "knca_linear", []),
+    ("nca_exact_rows_f32", "nca_exact_rows", []),
 ]

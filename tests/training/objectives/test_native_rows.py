@@ -1,0 +1,188 @@
+"""Exact NCA's row pass in C (training/objectives/native_rows.py,
+training/objectives/kernels/nca_exact_rows.c).
+
+The pass itself against numpy in float64 (the exps, the cut below exp(-70), the own column,
+the sums, a row with no finite logit), every level built for this CPU and every thread split
+giving the same floats; the exact objective through it against the float64 brute force, the
+torch path and central differences, far rows (a class beyond exp's range) in both forms, and
+the cases in which the torch path must answer instead.
+"""
+
+from __future__ import annotations
+
+import platform
+
+import numpy as np
+import pytest
+import torch
+
+from training.objectives import native, native_rows
+from training.objectives.nca_kernel import nca_value_and_grad
+
+from .test_objectives import brute_force_score, exact_data
+
+EXP_CUT = -69.9996
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built_at_install():
+    # the project's install builds the kernels (setup.py): a library missing fails, never skips
+    assert native_rows._load() is not None
+
+
+def pass_inputs(b=40, n=300, d=6, seed=0, scale=1.0):
+    """(dots (b, n) float32 z_i.z_j, sq (n,), own (b,), z (n, d)) for the first b points."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(n, d, generator=g) * scale
+    own = torch.arange(b) * 3 % n
+    dots = (z[own] @ z.T).contiguous()
+    return dots, (z * z).sum(1), own, z
+
+
+def numpy_pass(dots, sq, own, s, e):
+    """The row pass in float64 from the same float32 dot products: (exps (b, n), their
+    row sums, their block sums, each exp's tolerance). In float32 the argument
+    2 z_i.z_j - ||z_j||^2 - m_i of exp is rounded at each of its two steps, by up to half an
+    ulp of the larger of its terms, which moves exp by that relative amount; exp itself adds
+    an ulp or two."""
+    twice, norms = 2.0 * dots.double().numpy(), sq.double().numpy()[None, :]
+    logits = twice - norms
+    logits[np.arange(len(own)), own.numpy()] = -np.inf
+    top = logits.max(1, keepdims=True)
+    shifted = logits - top
+    exps = np.where(shifted < EXP_CUT, 0.0, np.exp(shifted))
+    scale = np.abs(twice) + norms + np.abs(top)
+    return exps, exps.sum(1), exps[:, s:e].sum(1), exps * (scale + 4.0) * 2.0**-23
+
+
+@pytest.mark.parametrize("scale", [0.3, 1.0, 4.0])
+def test_the_pass_gives_the_exps_and_their_sums(scale):
+    dots, sq, own, _ = pass_inputs(scale=scale)
+    expected, row_sum, block_sum, tolerance = numpy_pass(dots, sq, own, 50, 170)
+    got = dots.clone()
+    s_all, s_block = native_rows.exp_rows(got, sq, own, (50, 170))
+    assert got[torch.arange(len(own)), own].eq(0).all()  # e_ii = 0
+    assert (np.abs(got.double().numpy() - expected) <= tolerance).all()
+    # the sums: within the exps' own tolerances, plus float32's additions
+    assert (np.abs(s_all.numpy() - row_sum) <= tolerance.sum(1) + 1e-6 * row_sum).all()
+    block_tolerance = tolerance[:, 50:170].sum(1) + 1e-6 * block_sum
+    assert (np.abs(s_block.numpy() - block_sum) <= block_tolerance).all()
+    # every exp kept is at least exp(EXP_CUT): no subnormal float reaches the products
+    kept = got[got > 0]
+    assert float(kept.min()) >= np.exp(EXP_CUT) * 0.999
+    assert (got <= 1.0).all() and got.eq(1.0).any(1).all()  # each row's maximum is e^0
+
+
+def test_a_row_with_no_finite_logit_gets_nan_sums_and_the_others_are_untouched():
+    dots, sq, own, _ = pass_inputs(b=4)
+    dots[2] = float("inf")
+    reference = dots.clone()
+    s_all, s_block = native_rows.exp_rows(dots, sq, own, (0, 100))
+    assert torch.isnan(s_all[2]) and torch.isnan(s_block[2])
+    assert torch.isfinite(s_all[[0, 1, 3]]).all()
+    fine, _, _, tolerance = numpy_pass(reference[[0, 1, 3]], sq, own[[0, 1, 3]], 0, 100)
+    assert (np.abs(dots[[0, 1, 3]].double().numpy() - fine) <= tolerance).all()
+
+
+def test_thread_splits_give_the_same_floats(monkeypatch):
+    dots, sq, own, _ = pass_inputs(b=64, n=1000)
+    results = []
+    for threads in (1, 2, 3):
+        monkeypatch.setattr(torch, "get_num_threads", lambda threads=threads: threads)
+        got = dots.clone()
+        sums = native_rows.exp_rows(got, sq, own, (100, 400))
+        results.append((got, *sums))
+    for other in results[1:]:
+        for a, b in zip(results[0], other, strict=True):
+            assert torch.equal(a, b)
+
+
+def test_every_level_built_for_this_cpu_computes_the_same_floats(monkeypatch):
+    """The same vector operations in the same order at every width (16, 8, 4 lanes): the
+    baseline library (a CPU without AVX) gives the best level's floats, bit for bit."""
+    levels = native.levels.levels_for(platform.machine())
+    runnable = [name for name, _flags, needs in levels if set(needs) <= native.cpu_flags()]
+    dots, sq, own, _ = pass_inputs(b=16, n=1003, scale=2.0)  # 1003: a tail past the lanes
+    results = []
+    for level in runnable:
+        needs = next(needs for name, _f, needs in levels if name == level)
+        monkeypatch.setattr(native, "cpu_flags", lambda needs=needs: frozenset(needs))
+        native.load_library.cache_clear()
+        native_rows._load.cache_clear()
+        try:
+            assert native.library_file("nca_exact_rows_f32")[0] == level
+            got = dots.clone()
+            results.append((got, *native_rows.exp_rows(got, sq, own, (7, 300))))
+        finally:
+            native.load_library.cache_clear()
+            native_rows._load.cache_clear()
+    assert len(results) == len(runnable)
+    for other in results[1:]:
+        for a, b in zip(results[0], other, strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("log_form", [False, True])
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_the_objective_through_it_equals_the_brute_force_and_the_torch_path(log_form, chunk):
+    z, labels = exact_data(260, 9, 4, seed=5)
+    rows = torch.arange(0, 260, 2)
+    expected, expected_grad = brute_force_score(z, labels, log_form, rows)
+    z32 = z.float()
+    value, grad = nca_value_and_grad(
+        z32, labels, log_form=log_form, rows=rows, chunk_size=chunk, native=True
+    )
+    by_torch, grad_by_torch = nca_value_and_grad(
+        z32, labels, log_form=log_form, rows=rows, chunk_size=chunk, native=False
+    )
+    assert float(value) == pytest.approx(expected, rel=1e-6)
+    torch.testing.assert_close(grad.double(), expected_grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(value, by_torch, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad, grad_by_torch, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("log_form", [False, True])
+def test_its_gradient_matches_central_differences(log_form):
+    """In float32 through the row pass, against differences of the float64 objective."""
+    z, labels = exact_data(60, 3, 3, seed=8)
+    _, grad = nca_value_and_grad(z.float(), labels, log_form=log_form, native=True)
+    step = 1e-6
+    for i, k in [(0, 0), (17, 2), (59, 1)]:
+        plus, minus = z.clone(), z.clone()
+        plus[i, k] += step
+        minus[i, k] -= step
+        f_plus, _ = nca_value_and_grad(plus, labels, log_form=log_form)
+        f_minus, _ = nca_value_and_grad(minus, labels, log_form=log_form)
+        numeric = float(f_plus - f_minus) / (2 * step)
+        assert float(grad[i, k]) == pytest.approx(numeric, rel=1e-3, abs=1e-4)
+
+
+@pytest.mark.parametrize("log_form", [False, True])
+def test_a_class_far_beyond_exps_range_stays_exact(log_form):
+    """Class 2 lies 30 units from the rest at this scale: its rows' same-class exps are
+    ordinary, but a row of class 0 placed among class 2 has p_i far below float range; those
+    rows are taken again from their logits (_far_rows), g stays finite and equals float64."""
+    g = torch.Generator().manual_seed(3)
+    z = torch.randn(90, 2, generator=g, dtype=torch.float64)
+    labels = torch.arange(90) % 3
+    z[labels == 2] += 30.0
+    z[0] += 30.0  # a class-0 point inside class 2: its own class is ~30 units away
+    expected, expected_grad = nca_value_and_grad(z, labels, log_form=log_form)
+    value, grad = nca_value_and_grad(z.float(), labels, log_form=log_form, native=True)
+    assert torch.isfinite(value) and torch.isfinite(grad).all()
+    assert float(value) == pytest.approx(float(expected), rel=1e-5, abs=1e-5)
+    torch.testing.assert_close(grad.double(), expected_grad, rtol=1e-3, atol=1e-4)
+
+
+def test_the_torch_path_answers_where_the_pass_must_not_run(monkeypatch):
+    z = torch.randn(30, 3)
+    assert native_rows.usable(z)
+    assert not native_rows.usable(z.double())  # float32 only
+    assert not native_rows.usable(torch.empty(0, 3))
+    bad = z.clone()
+    bad[4, 1] = float("nan")
+    assert not native_rows.usable(bad)  # a NaN dot product would become e_ij = 0
+    monkeypatch.setenv("NCA_KNN_NATIVE", "0")
+    assert not native_rows.usable(z)
+    with pytest.raises(ValueError, match="contiguous float32"):
+        native_rows.exp_rows(torch.ones(4, 6).T, torch.ones(4), torch.zeros(6), (0, 2))

@@ -1,0 +1,149 @@
+/* The row pass of exact NCA in float32: the exps and their sums of query rows against every
+   point, in place.
+
+   The gradient's mathematics is in training/objectives/nca_kernel.py (its docstring and
+   _scores_and_row_scale's). Its torch path takes each chunk of B query rows of one class
+   through a GEMM with a bias row (the logits), torch's softmax over each row, a threshold
+   pass (no subnormal p_ij) and the block's sum: four passes over the (B, N) buffer. Here the
+   GEMM writes the dot products z_i.z_j alone and one call makes, for each row i,
+
+       L'_ij = 2 z_i.z_j - ||z_j||^2     (L_ij = -||z_i - z_j||^2 up to the per-row ||z_i||^2)
+       m_i   = max_{j != i} L'_ij
+       e_ij  = exp(L'_ij - m_i), or 0 where L'_ij - m_i < EXP_CUT, and e_ii = 0
+       S_i   = sum_j e_ij,    S_i^c = sum_{s <= j < e} e_ij   (the same-class block [s, e))
+
+   in two passes over the row: its maximum, then the exps written over the dot products with
+   their sums. The caller divides by S_i (p_ij = e_ij / S_i, p_i = S_i^c / S_i) where the row
+   meets the (B, d) side of its products, never in another pass over (B, N).
+
+   EXP_CUT = log(numerics.TINY_P): an exp below it is set to 0, as the torch path sets
+   p_ij <= TINY_P to 0, so that the products never meet a subnormal float (a microcode assist
+   per element on an Intel Xeon). exp itself is Cephes' expf: x = n ln2 + r with |r| <= ln2/2,
+   a degree-7 polynomial in r times 2^n built from the exponent's bits (about 1 ulp).
+
+   The loops run on GCC's vector extensions, 16, 8 or 4 floats wide for the AVX-512, AVX and
+   baseline builds (setup.py builds each x86-64 level): the same operations in the same
+   order at every level, so every level gives the same floats. A row's sums add 16 float sums
+   over PART columns, then those in double.
+
+   The caller passes finite embeddings only (a NaN dot product would get e_ij = 0); a row
+   whose sums are not finite (an infinite dot product) or whose p_i is tiny it recomputes
+   from its logits (nca_kernel._far_rows). */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#define LANES 16
+#elif defined(__AVX__)
+#define LANES 8
+#else
+#define LANES 4
+#endif
+typedef float vf __attribute__((vector_size(4 * LANES)));
+typedef int32_t vi __attribute__((vector_size(4 * LANES)));
+
+#define STEP 16             /* columns a step of the sums takes, whatever LANES is */
+#define PART 1024           /* columns whose 16 float sums are added into the double sum */
+#define EXP_CUT (-69.9996f) /* log(TINY_P), TINY_P = 4 FLT_MIN / FLT_EPSILON */
+
+static inline vf load(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
+/* a where mask (all bits set), else b */
+static inline vf pick(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
+
+/* exp(x) for EXP_CUT <= x <= 0, 0 below EXP_CUT (and for NaN x) */
+static inline vf exp_or_zero(vf x) {
+    const vi keep = x >= EXP_CUT;
+    x = pick(keep, x, (vf){0} + EXP_CUT);
+    const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round(x/ln2) */
+    vf r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    vf p = (vf){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const vi two_to_n = (__builtin_convertvector(n, vi) + 127) << 23;
+    return (vf)((vi)(p * (vf)two_to_n) & keep);
+}
+
+/* the same for one float (a row's last columns, fewer than LANES) */
+static inline float exp_or_zero_1(float x) {
+    float lane[LANES] = {x};
+    store(lane, exp_or_zero(load(lane)));
+    return lane[0];
+}
+
+/* max_j 2 x_j - sq_j over the row (NaN ignored; -inf when every value is) */
+static float row_max(const float *x, const float *sq, int64_t n) {
+    vf lanes = (vf){0} - INFINITY;
+    int64_t j = 0;
+    for (; j + LANES <= n; j += LANES) {
+        const vf v = load(x + j) * 2.0f - load(sq + j);
+        lanes = pick(v > lanes, v, lanes);
+    }
+    float m = -INFINITY;
+    for (; j < n; j++) {
+        const float v = 2.0f * x[j] - sq[j];
+        m = v > m ? v : m;
+    }
+    for (int l = 0; l < LANES; l++) m = lanes[l] > m ? lanes[l] : m;
+    return m;
+}
+
+/* x_j = exp(2 x_j - sq_j - m) (or 0) for lo <= j < hi, in place; returns their sum, added
+   as 16 float sums (column j into sum j mod 16 from lo) over each PART columns, then those in
+   double: the same additions in the same order at every vector width */
+static double exp_sum(float *x, const float *sq, int64_t lo, int64_t hi, float m) {
+    double total = 0.0;
+    int64_t j = lo;
+    while (j + STEP <= hi) {
+        const int64_t stop = j + PART < hi ? j + PART : hi;
+        vf part[STEP / LANES] = {{0}};
+        for (; j + STEP <= stop; j += STEP) {
+            for (int k = 0; k < STEP / LANES; k++) {
+                const int64_t at = j + k * LANES;
+                const vf e = exp_or_zero(load(x + at) * 2.0f - load(sq + at) - m);
+                store(x + at, e);
+                part[k] += e;
+            }
+        }
+        for (int k = 0; k < STEP / LANES; k++)
+            for (int l = 0; l < LANES; l++) total += part[k][l];
+    }
+    for (; j < hi; j++) {
+        x[j] = exp_or_zero_1(2.0f * x[j] - sq[j] - m);
+        total += x[j];
+    }
+    return total;
+}
+
+/* dots (b, n): z_i.z_j of b query rows against every point, row-major; replaced by e_ij.
+   sq (n,): ||z_j||^2; self (b,): each row's own column (e_ii = 0); [s, e): the same-class
+   block of every row. row_sum (b,) and block_sum (b,) receive S_i and S_i^c, both NaN for a
+   row with no finite L'_ij (its dots are left as they were read). */
+void nca_exact_rows_f32(float *dots, int64_t b, int64_t n, const float *sq, const int64_t *self,
+                        int64_t s, int64_t e, double *row_sum, double *block_sum) {
+    for (int64_t r = 0; r < b; r++) {
+        float *x = dots + r * n;
+        x[self[r]] = -INFINITY; /* its exp is 0 */
+        const float m = row_max(x, sq, n);
+        if (!(m > -INFINITY && m < INFINITY)) { /* no finite logit: the caller recomputes */
+            row_sum[r] = block_sum[r] = NAN;
+            continue;
+        }
+        const double inside = exp_sum(x, sq, s, e, m);
+        row_sum[r] = inside + exp_sum(x, sq, 0, s, m) + exp_sum(x, sq, e, n, m);
+        block_sum[r] = inside;
+    }
+}
