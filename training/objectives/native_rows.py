@@ -3,7 +3,8 @@ chunk's query rows against every point and their sums, in place, in float32.
 
 The exact path's GEMMs stay in torch (BLAS): the C source replaces what torch spent four
 passes over each (B, N) chunk on (the bias row, the softmax, the threshold, the block's sum)
-with two (``benchmarks/README.md``, "The exact row pass in C"). Built at install and loaded
+with one, and never makes a subnormal float (``benchmarks/README.md``, "The exact row pass
+in C"). Built at install and loaded
 by :mod:`training.objectives.native`; when it was not built, ``NCA_KNN_NATIVE=0`` is set, or
 the embeddings are not finite CPU float32, :mod:`training.objectives.nca_kernel` takes its
 torch path. Tested against it by ``tests/training/objectives/test_native_rows.py``.
@@ -48,11 +49,12 @@ def exp_rows(
     dots: torch.Tensor, sq: torch.Tensor, own: torch.Tensor, block: tuple[int, int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(S (B,), S^c (B,)) in float64; ``dots`` (B, N) = z_i.z_j, contiguous, is replaced by
-    e_ij = exp(L'_ij - m_i) (0 below exp(-70) and at j = own_i), L'_ij = 2 z_i.z_j - sq_j,
-    m_i the row's maximum; S_i = sum_j e_ij, S^c_i the same over the block [s, e) of columns.
-    sq (N,): ||z_j||^2; own (B,): each row's own column. A row with no finite L'_ij gets NaN
-    sums. The rows are split into contiguous parts, one per thread (the C call releases the
-    GIL)."""
+    e_ij = exp(2 z_i.z_j - sq_j - sq_i) = exp(-||z_i - z_j||^2) (0 below exp(-70) and at
+    j = own_i, i's own column); S_i = sum_j e_ij, S^c_i the same over the block [s, e) of
+    columns. sq (N,): ||z_j||^2. A row whose largest e_ij is below exp(-20) (its nearest
+    point beyond squared distance 20), or whose sums are not finite, gets NaN sums: the
+    caller recomputes it. The rows are split into contiguous parts, one per thread (the C
+    call releases the GIL)."""
     fn = _load()
     if fn is None:
         raise RuntimeError("the native exact row pass is not available")

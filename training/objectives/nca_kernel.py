@@ -20,9 +20,10 @@ How it is computed (evidence in benchmarks/README.md, the sections named):
 * L'_ij = 2 z_i.z_j - ||z_j||^2 differs from L_ij by a per-row constant (||z_i||^2), which
   softmax ignores: one GEMM with a bias row gives the logits.
 * On the CPU in float32 the row pass runs in C (:mod:`training.objectives.native_rows`:
-  the GEMM writes z_i.z_j alone, and one call turns them into e_ij = exp(L'_ij - m_i) with
-  their row and block sums in two passes; the division by the row's sum rides on r below;
-  "The exact row pass in C"). Elsewhere, and as the reference it is tested against:
+  the GEMM writes z_i.z_j alone, and one pass turns them into e_ij = exp(-||z_i - z_j||^2)
+  with their row and block sums; the division by the row's sum rides on r below; rows
+  whose nearest point is far go to _far_rows; "The exact row pass in C"). Elsewhere, and
+  as the reference it is tested against:
 * each row's p_ij come from torch's fused softmax, in place ("The row pass as a softmax"),
   those below float32's normal range then set to 0 (``numerics.zero_subnormal``: a product
   over subnormals ran 100x slower on an Intel Xeon);
@@ -134,8 +135,9 @@ def _native_scores_and_row_scale(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """What :func:`_scores_and_row_scale` returns, from the dot products ``dots`` (B, N) =
     z_i.z_j of a block of rows of one class at sorted positions q (B,), through the C row
-    pass (:mod:`training.objectives.native_rows`): it leaves the unnormalised exps e_ij in
-    ``dots`` with their sums S_i and S^c_i, so that p_ij = e_ij / S_i and p_i = S^c_i / S_i,
+    pass (:mod:`training.objectives.native_rows`): it leaves the unnormalised exps
+    e_ij = exp(-||z_i - z_j||^2) in ``dots`` with their sums S_i and S^c_i (NaN for a row
+    whose nearest point is far), so that p_ij = e_ij / S_i and p_i = S^c_i / S_i,
     and U and r keep W = r U with U_ij = e_ij off the block, (p_i - 1) / p_i e_ij on it, and
     r_i = -p_i / S_i (f) or -1 / S_i (g): the division by S_i rides on r, a (B, 1) scale.
     Rows whose p_i is below P_FLOOR or not finite are taken again by :func:`_far_rows`."""

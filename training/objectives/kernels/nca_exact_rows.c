@@ -1,5 +1,5 @@
 /* The row pass of exact NCA in float32: the exps and their sums of query rows against every
-   point, in place.
+   point, in place, in one pass over each row.
 
    The gradient's mathematics is in training/objectives/nca_kernel.py (its docstring and
    _scores_and_row_scale's). Its torch path takes each chunk of B query rows of one class
@@ -7,28 +7,36 @@
    pass (no subnormal p_ij) and the block's sum: four passes over the (B, N) buffer. Here the
    GEMM writes the dot products z_i.z_j alone and one call makes, for each row i,
 
-       L'_ij = 2 z_i.z_j - ||z_j||^2     (L_ij = -||z_i - z_j||^2 up to the per-row ||z_i||^2)
-       m_i   = max_{j != i} L'_ij
-       e_ij  = exp(L'_ij - m_i), or 0 where L'_ij - m_i < EXP_CUT, and e_ii = 0
+       L'_ij = 2 z_i.z_j - ||z_j||^2     (= ||z_i||^2 - ||z_i - z_j||^2)
+       e_ij  = exp(L'_ij - ||z_i||^2) = exp(-||z_i - z_j||^2), or 0 where that is below
+               exp(EXP_CUT), and e_ii = 0
        S_i   = sum_j e_ij,    S_i^c = sum_{s <= j < e} e_ij   (the same-class block [s, e))
 
-   in two passes over the row: its maximum, then the exps written over the dot products with
-   their sums. The caller divides by S_i (p_ij = e_ij / S_i, p_i = S_i^c / S_i) where the row
-   meets the (B, d) side of its products, never in another pass over (B, N).
+   in one pass that reads the dot products and writes the exps over them. The caller divides
+   by S_i (p_ij = e_ij / S_i, p_i = S_i^c / S_i) where the row meets the (B, d) side of its
+   products, never in another pass over (B, N).
 
-   EXP_CUT = log(numerics.TINY_P): an exp below it is set to 0, as the torch path sets
-   p_ij <= TINY_P to 0, so that the products never meet a subnormal float (a microcode assist
-   per element on an Intel Xeon). exp itself is Cephes' expf: x = n ln2 + r with |r| <= ln2/2,
-   a degree-7 polynomial in r times 2^n built from the exponent's bits (about 1 ulp).
+   The shift ||z_i||^2 is the row's bound (the logit of j = i), not its maximum, which would
+   cost a pass of its own: the exps stay in range while i's nearest point lies within
+   squared distance 20 (the row's largest e_ij at least PEAK_FLOOR = exp(-20)), and those
+   cut to 0 then lie at least 50 below the largest in the exponent (each below 2e-22 of it).
+   A row whose nearest point is farther, or whose sums are not finite (an infinite dot
+   product), gets NaN sums, and the caller recomputes it from its logits with their own
+   maximum (nca_kernel._far_rows).
 
-   The loops run on GCC's vector extensions, 16, 8 or 4 floats wide for the AVX-512, AVX and
+   EXP_CUT = log(numerics.TINY_P): as the torch path sets p_ij <= TINY_P to 0, no exp below
+   it is kept, so that the products never meet a subnormal float (a microcode assist per
+   element on an Intel Xeon). exp itself is Cephes' expf: x = n ln2 + r with |r| <= ln2/2, a
+   degree-7 polynomial in r times 2^n built from the exponent's bits (about 1 ulp).
+
+   The loop runs on GCC's vector extensions, 16, 8 or 4 floats wide for the AVX-512, AVX and
    baseline builds (setup.py builds each x86-64 level): the same operations in the same
-   order at every level, so every level gives the same floats. A row's sums add 16 float sums
-   over PART columns, then those in double.
+   order at every level. exp's multiply-adds are fused where the level has FMA (AVX2 and
+   AVX-512: a fifth faster, and the same floats at both), separate at the baseline (within an
+   ulp or two of those). A row's sums add 16 float sums over PART columns, then those in
+   double.
 
-   The caller passes finite embeddings only (a NaN dot product would get e_ij = 0); a row
-   whose sums are not finite (an infinite dot product) or whose p_i is tiny it recomputes
-   from its logits (nca_kernel._far_rows). */
+   The caller passes finite embeddings only (a NaN dot product would get e_ij = 0). */
 
 #include <math.h>
 #include <stdint.h>
@@ -44,9 +52,21 @@
 typedef float vf __attribute__((vector_size(4 * LANES)));
 typedef int32_t vi __attribute__((vector_size(4 * LANES)));
 
+/* a b + c, fused (one rounding) where the level has FMA, else a product and a sum */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define MADD(a, b, c) ((vf)_mm512_fmadd_ps((__m512)(a), (__m512)(b), (__m512)(c)))
+#elif defined(__FMA__)
+#include <immintrin.h>
+#define MADD(a, b, c) ((vf)_mm256_fmadd_ps((__m256)(a), (__m256)(b), (__m256)(c)))
+#else
+#define MADD(a, b, c) ((a) * (b) + (c))
+#endif
+
 #define STEP 16             /* columns a step of the sums takes, whatever LANES is */
 #define PART 1024           /* columns whose 16 float sums are added into the double sum */
 #define EXP_CUT (-69.9996f) /* log(TINY_P), TINY_P = 4 FLT_MIN / FLT_EPSILON */
+#define PEAK_FLOOR 2.0611536e-9f /* exp(-20): a row's largest e_ij at least this */
 
 static inline vf load(const float *p) {
     vf v;
@@ -63,16 +83,17 @@ static inline vf pick(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b
 static inline vf exp_or_zero(vf x) {
     const vi keep = x >= EXP_CUT;
     x = pick(keep, x, (vf){0} + EXP_CUT);
+    const vf zero = {0};
     const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round(x/ln2) */
-    vf r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    vf p = (vf){0} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
+    vf r = MADD(n, zero - 0.693359375f, x);                              /* x - n ln2 */
+    r = MADD(n, zero + 2.12194440e-4f, r);
+    vf p = zero + 1.9875691500e-4f;
+    p = MADD(p, r, zero + 1.3981999507e-3f);
+    p = MADD(p, r, zero + 8.3334519073e-3f);
+    p = MADD(p, r, zero + 4.1665795894e-2f);
+    p = MADD(p, r, zero + 1.6666665459e-1f);
+    p = MADD(p, r, zero + 5.0000001201e-1f);
+    p = MADD(p, r * r, r) + 1.0f;
     const vi two_to_n = (__builtin_convertvector(n, vi) + 127) << 23;
     return (vf)((vi)(p * (vf)two_to_n) & keep);
 }
@@ -84,28 +105,13 @@ static inline float exp_or_zero_1(float x) {
     return lane[0];
 }
 
-/* max_j 2 x_j - sq_j over the row (NaN ignored; -inf when every value is) */
-static float row_max(const float *x, const float *sq, int64_t n) {
-    vf lanes = (vf){0} - INFINITY;
-    int64_t j = 0;
-    for (; j + LANES <= n; j += LANES) {
-        const vf v = load(x + j) * 2.0f - load(sq + j);
-        lanes = pick(v > lanes, v, lanes);
-    }
-    float m = -INFINITY;
-    for (; j < n; j++) {
-        const float v = 2.0f * x[j] - sq[j];
-        m = v > m ? v : m;
-    }
-    for (int l = 0; l < LANES; l++) m = lanes[l] > m ? lanes[l] : m;
-    return m;
-}
-
 /* x_j = exp(2 x_j - sq_j - m) (or 0) for lo <= j < hi, in place; returns their sum, added
    as 16 float sums (column j into sum j mod 16 from lo) over each PART columns, then those in
-   double: the same additions in the same order at every vector width */
-static double exp_sum(float *x, const float *sq, int64_t lo, int64_t hi, float m) {
+   double: the same additions in the same order at every vector width. *peak becomes the
+   largest of them if that is larger. */
+static double exp_sum(float *x, const float *sq, int64_t lo, int64_t hi, float m, float *peak) {
     double total = 0.0;
+    vf top = {0};
     int64_t j = lo;
     while (j + STEP <= hi) {
         const int64_t stop = j + PART < hi ? j + PART : hi;
@@ -116,6 +122,7 @@ static double exp_sum(float *x, const float *sq, int64_t lo, int64_t hi, float m
                 const vf e = exp_or_zero(load(x + at) * 2.0f - load(sq + at) - m);
                 store(x + at, e);
                 part[k] += e;
+                top = pick(e > top, e, top);
             }
         }
         for (int k = 0; k < STEP / LANES; k++)
@@ -124,26 +131,29 @@ static double exp_sum(float *x, const float *sq, int64_t lo, int64_t hi, float m
     for (; j < hi; j++) {
         x[j] = exp_or_zero_1(2.0f * x[j] - sq[j] - m);
         total += x[j];
+        *peak = x[j] > *peak ? x[j] : *peak;
     }
+    for (int l = 0; l < LANES; l++) *peak = top[l] > *peak ? top[l] : *peak;
     return total;
 }
 
 /* dots (b, n): z_i.z_j of b query rows against every point, row-major; replaced by e_ij.
    sq (n,): ||z_j||^2; self (b,): each row's own column (e_ii = 0); [s, e): the same-class
    block of every row. row_sum (b,) and block_sum (b,) receive S_i and S_i^c, both NaN for a
-   row with no finite L'_ij (its dots are left as they were read). */
+   row whose largest e_ij is below PEAK_FLOOR (its nearest point farther than that) or whose
+   sums are not finite: the caller recomputes those rows from their logits. */
 void nca_exact_rows_f32(float *dots, int64_t b, int64_t n, const float *sq, const int64_t *self,
                         int64_t s, int64_t e, double *row_sum, double *block_sum) {
     for (int64_t r = 0; r < b; r++) {
         float *x = dots + r * n;
+        const float shift = sq[self[r]]; /* ||z_i||^2 = L'_ii >= L'_ij (rounding aside) */
+        float peak = 0.0f;
         x[self[r]] = -INFINITY; /* its exp is 0 */
-        const float m = row_max(x, sq, n);
-        if (!(m > -INFINITY && m < INFINITY)) { /* no finite logit: the caller recomputes */
-            row_sum[r] = block_sum[r] = NAN;
-            continue;
-        }
-        const double inside = exp_sum(x, sq, s, e, m);
-        row_sum[r] = inside + exp_sum(x, sq, 0, s, m) + exp_sum(x, sq, e, n, m);
-        block_sum[r] = inside;
+        const double inside = exp_sum(x, sq, s, e, shift, &peak);
+        const double total = inside + exp_sum(x, sq, 0, s, shift, &peak) +
+                             exp_sum(x, sq, e, n, shift, &peak);
+        const int kept = peak >= PEAK_FLOOR && isfinite(total);
+        row_sum[r] = kept ? total : NAN;
+        block_sum[r] = kept ? inside : NAN;
     }
 }
