@@ -6,10 +6,10 @@ PCA when d < min(D, N), else the identity. ``pca`` takes the top-d principal axe
 the first d LDA scalings, ``identity`` the first d rows of I, ``random`` a standard normal
 matrix; an explicit (d, D) array or an artifact directory (warm start) is used as given.
 
-PCA and LDA can find fewer directions than d when the data has low rank (7 points in 3
-dimensions with 5 classes; 200 points on a plane): the missing rows are completed by
-:func:`complete_rows` (principal axes of what the found rows leave unexplained, then any
-orthonormal directions), so every ordering of N, D, C and d gets a (d, D) map.
+PCA and LDA come from scatter matrices reduced over blocks and ranks
+(``training.distributed.sharded_stats``); where the data has fewer directions than d they
+complete the basis, so every ordering of N, D, C and d gets a (d, D) map
+(``tests/training/model/test_helpers.py``).
 
 **The scale** of the maps built here. NCA's neighbour probabilities
 p_ij = softmax_j(-||A x_i - A x_j||^2) depend on the scale of A: a map that is too large
@@ -38,8 +38,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from sklearn.decomposition import PCA
-from sklearn.discriminant_analysis import LinearDiscriminantAnalysis
 
 from service.core.artifact import read_artifact
 from training.numerics import EXP_FLOOR, evenly_spaced_rows
@@ -54,37 +52,6 @@ def resolve_auto(n_components: int, n_features: int, n_samples: int, n_classes: 
     if n_components < min(n_features, n_samples):
         return "pca"
     return "identity"
-
-
-def complete_rows(
-    found: np.ndarray, X: np.ndarray, n_components: int, rng: np.random.Generator
-) -> np.ndarray:
-    """found (r, D) rows extended to (n_components, D).
-
-    Extra rows: the principal axes of the residual X - X Q Q^T (Q an orthonormal basis of
-    the found rows' span), largest variance first; if the residual has too few directions,
-    orthonormal directions completing the basis (QR of a random matrix projected off it).
-    """
-    found = np.asarray(found, dtype=np.float64).reshape(-1, X.shape[1])
-    missing = n_components - len(found)
-    if missing <= 0:
-        return found[:n_components]
-    n_features = X.shape[1]
-    basis = np.linalg.qr(found.T)[0] if len(found) else np.zeros((n_features, 0))  # (D, r)
-    residual = X - (X @ basis) @ basis.T
-    residual = residual - residual.mean(axis=0)
-    _, singular, vt = np.linalg.svd(residual, full_matrices=False)
-    tol = max(residual.shape) * np.finfo(np.float64).eps * (singular[0] if len(singular) else 0)
-    extra = vt[singular > tol][:missing]  # (<= missing, D)
-    rows = np.vstack([found, extra])
-    while len(rows) < n_components:
-        span = np.linalg.qr(rows.T)[0] if len(rows) else np.zeros((n_features, 0))
-        v = rng.standard_normal(n_features)
-        v -= span @ (span.T @ v)
-        norm = np.linalg.norm(v)
-        if norm > 1e-8:
-            rows = np.vstack([rows, v / norm])
-    return rows
 
 
 def checked_array_init(init: np.ndarray, n_features: int, n_components: int) -> np.ndarray:
@@ -127,33 +94,24 @@ def check_lda(n_components: int, n_samples: int, n_features: int, n_classes: int
         )
 
 
-def lda_components(
-    X: np.ndarray, y: np.ndarray, n_components: int, rng: np.random.Generator
-) -> np.ndarray:
-    """LDA's most discriminative directions (d, D), completed by ``complete_rows`` when LDA
-    finds fewer than d (rank-deficient data). Needs d <= min(D, C - 1) and N > C."""
-    check_lda(n_components, *X.shape, len(np.unique(y)))
-    lda = LinearDiscriminantAnalysis(n_components=n_components).fit(X, y)
-    found = np.asarray(lda.scalings_.T[:n_components], dtype=np.float64)  # may be < d rows
-    return complete_rows(found, X, n_components, rng)
-
-
 def initial_components(
     init,
     X: np.ndarray,
-    y: np.ndarray,
     n_components: int,
     *,
     random_state: np.random.Generator,
     scale: np.ndarray | None = None,
 ) -> tuple[np.ndarray, str]:
-    """Return (A (d, D) float64, the name of the rule used).
+    """Return (A (d, D) float64, the name of the rule used) for the rules that need no
+    statistics of the data: an artifact directory (warm start), an array, ``identity`` and
+    ``random``. PCA and LDA (also what ``auto`` resolves to, :func:`resolve_auto`) are
+    computed from scatter matrices reduced over blocks and ranks
+    (``training.distributed.sharded_stats``, ``training.model.preparation.initialize``).
 
-    X: (N, D) standardised training inputs, y: (N,) class indices. ``scale`` (D,) is the
-    current standardisation, used to carry a warm-start artifact's map over unchanged on raw
-    inputs: A = W_old * scale.
+    X: (N, D) standardised training inputs. ``scale`` (D,) is the current standardisation,
+    used to carry a warm-start artifact's map over unchanged on raw inputs: A = W_old * scale.
     """
-    n_samples, n_features = X.shape
+    n_features = X.shape[1]
     if isinstance(init, (str, Path)) and str(init) not in INIT_NAMES:
         artifact = read_artifact(init)
         if artifact.n_features_in != n_features:
@@ -171,22 +129,14 @@ def initial_components(
     if isinstance(init, np.ndarray):
         return checked_array_init(init, n_features, n_components), name
 
-    if name == "auto":
-        name = resolve_auto(n_components, n_features, n_samples, len(np.unique(y)))
     if name == "identity":
         return np.eye(n_components, n_features), name
     if name == "random":
         return random_state.standard_normal((n_components, n_features)), name
-    if name == "pca":
-        seed = int(random_state.integers(2**31 - 1))
-        pca = PCA(n_components=min(n_components, n_samples, n_features), random_state=seed)
-        found = pca.fit(X).components_
-        return complete_rows(found, X, n_components, random_state), name
-    if name == "lda":
-        return lda_components(X, y, n_components, random_state), name
     raise ValueError(
-        f"init must be one of {INIT_NAMES}, an array of shape (n_components, n_features) "
-        f"or an artifact directory, got {init!r}"
+        f"init={init!r} here must be 'identity', 'random', an array of shape (n_components, "
+        "n_features) or an artifact directory ('auto', 'pca' and 'lda' are computed by "
+        "training.distributed.sharded_stats)"
     )
 
 

@@ -350,7 +350,7 @@ def initialize(est, settings, Xs, y_idx, n, n_classes, d, scale, rng, group):
         A0 = sharded_stats.lda_components(Xs, y_idx, n, n_classes, d, group)
     else:
         A0, name = initial_components(
-            init if name is None else name, Xs, y_idx, d, random_state=rng, scale=scale
+            init if name is None else name, Xs, d, random_state=rng, scale=scale
         )
     if settings.verbose and name in INIT_MESSAGES and group.rank == 0:  # scikit-learn's line
         print(f"{INIT_MESSAGES[name]}... done in {time.perf_counter() - started:5.2f}s")

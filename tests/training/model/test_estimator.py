@@ -368,7 +368,7 @@ def test_warm_start_from_an_artifact_continues_the_same_map(tmp_path):
     # the artifact's map on raw inputs, carried to the current standardisation, is A itself
     Xs = (X - first.mean_) / first.scale_
     A0, name = initial_components(
-        str(path), Xs, y, 2, random_state=np.random.default_rng(0), scale=first.scale_
+        str(path), Xs, 2, random_state=np.random.default_rng(0), scale=first.scale_
     )
     assert name == "artifact"
     np.testing.assert_allclose(A0, first.components_, rtol=1e-5, atol=1e-6)

@@ -15,7 +15,7 @@ from training.data.datasets import stratified_split
 from training.distributed.ranks import current_group
 from training.distributed.sharded_stats import standardizer
 from training.evaluation.evaluate import choose_k, choose_rule_and_k
-from training.model.initialization import initial_components, resolve_auto
+from training.model.initialization import resolve_auto
 from training.optim.candidates import audit_disagreement, audit_rows
 
 # ------------------------------------------------------------------ resolve_auto
@@ -40,17 +40,22 @@ def test_resolve_auto_follows_scikit_learns_rule(d, D, N, C, expected):
 
 def test_auto_init_gives_a_full_rank_map_for_every_ordering_of_small_sizes():
     """Like scikit-learn's test_auto_init: every (N, D, C, d) with d <= D, including data of
-    lower rank than d and LDA with fewer directions than d."""
+    lower rank than d and LDA with fewer directions than d, through the fit's own path
+    (``preparation.initialize``: PCA and LDA from ``sharded_stats``). With a tolerance no
+    gradient misses the fit takes no step: its map is the initial map, scaled."""
     rng = np.random.default_rng(0)
     for N, D, C, d in itertools.product((3, 5, 7), (2, 4, 6), (2, 3, 5), (1, 2, 3, 4)):
         if d > D or C > N:
             continue
         X = rng.normal(size=(N, D))
         y = np.arange(N) % C
-        A, used = initial_components("auto", X, y, d, random_state=rng, scale=np.ones(D))
-        assert used == resolve_auto(d, D, N, C), (N, D, C, d)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = NCA(n_components=d, max_iter=1, tol=1e30, random_state=0).fit(X, y)
+        assert model.init_used_ == resolve_auto(d, D, N, C), (N, D, C, d)
+        A = model.components_
         assert A.shape == (d, D) and np.all(np.isfinite(A)), (N, D, C, d)
-        assert np.linalg.matrix_rank(A) == d, (N, D, C, d, used)
+        assert np.linalg.matrix_rank(A) == d, (N, D, C, d, model.init_used_)
 
 
 # ------------------------------------------------------------------ stratified_split

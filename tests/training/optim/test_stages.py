@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 
 from training import NCA
 from training.data.synthetic import clustered_classes
+from training.distributed import sharded_stats
+from training.distributed.ranks import current_group
 from training.evaluation.evaluate import knn_accuracies
 from training.model import preparation
 from training.model.initialization import initial_components
@@ -25,6 +27,19 @@ def problem(n: int, seed: int, n_features: int = 24):
     X, y = clustered_classes(n, seed=seed, **law)
     X_test, y_test = clustered_classes(600, seed=seed, sample_seed=99, **law)
     return X.astype(np.float64), y, X_test.astype(np.float64), y_test
+
+
+def initial_map(name: str, Xs: np.ndarray, y_idx: np.ndarray, d: int) -> np.ndarray:
+    """The initial map (d, D), unscaled, a fit on standardised Xs starts from with ``init``
+    ``name`` (its ``init_used_``): PCA and LDA as the fit computes them (``sharded_stats``),
+    the other rules from ``initial_components``."""
+    group = current_group()
+    if name == "pca":
+        return sharded_stats.pca_components(Xs, len(Xs), d, group)
+    if name == "lda":
+        return sharded_stats.lda_components(Xs, y_idx, len(Xs), int(y_idx.max()) + 1, d, group)
+    rng = np.random.default_rng(0)
+    return initial_components(name, Xs, d, random_state=rng, scale=None)[0]
 
 
 def fit(X, y, **params):
@@ -138,9 +153,7 @@ def test_the_default_fit_never_ends_below_its_start_or_its_first_stage(
     full = fit(X, y, n_candidates=5)
     first = fit(X, y, n_candidates=5, exact_finish=0)
     Xs = (X - full.mean_) / full.scale_
-    A0, _ = initial_components(
-        full.init_used_, Xs, y, 4, random_state=np.random.default_rng(0), scale=full.scale_
-    )
+    A0 = initial_map(full.init_used_, Xs, np.searchsorted(full.classes_, y), 4)
     scores = {
         "initial": held_out_accuracy(full, A0, X, y, X_test, y_test),
         "first stage": held_out_accuracy(first, first.components_, X, y, X_test, y_test),
