@@ -58,16 +58,24 @@ def exp_rows(
     fn = _load()
     if fn is None:
         raise RuntimeError("the native exact row pass is not available")
-    if not dots.is_contiguous() or dots.dtype != torch.float32:
+    if not dots.is_contiguous() or dots.dtype != torch.float32 or dots.dim() != 2:
         raise ValueError(
-            f"dots must be contiguous float32, got {dots.dtype} {tuple(dots.stride())}"
+            f"dots must be a contiguous 2-D float32 tensor, got {dots.dtype} of shape "
+            f"{tuple(dots.shape)}, strides {tuple(dots.stride())}"
         )
     b, n = dots.shape
+    s, e = block
+    # the C source trusts these: a bad index would read or write out of bounds
+    if sq.dtype != torch.float32 or tuple(sq.shape) != (n,):
+        raise ValueError(f"sq must be float32 of shape ({n},), got {sq.dtype} {tuple(sq.shape)}")
+    if tuple(own.shape) != (b,) or (b and not 0 <= int(own.min()) <= int(own.max()) < n):
+        raise ValueError(f"own must hold {b} column indices in [0, {n}), got {own.tolist()}")
+    if not 0 <= s <= e <= n:
+        raise ValueError(f"the block [{s}, {e}) must lie within the {n} columns")
     sq = sq.contiguous()
     own = own.to(torch.int64).contiguous()
     row_sum = torch.empty(b, dtype=torch.float64)
     block_sum = torch.empty(b, dtype=torch.float64)
-    s, e = block
     ptr = torch.Tensor.data_ptr
 
     def run(_t: int, lo: int, hi: int) -> None:

@@ -58,7 +58,7 @@ from collections.abc import Callable
 
 import torch
 
-from training.numerics import PrecomputedGradient, chunk_rows, class_runs, zero_subnormal
+from training.numerics import TINY_P, PrecomputedGradient, chunk_rows, class_runs, zero_subnormal
 from training.objectives import native_candidates, native_rows, nca_flex
 
 
@@ -74,6 +74,11 @@ def _zero_unless(keep: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 # TINY_P / P_FLOOR < eps / 2), and below it the far rows' recomputation is exact; rows
 # this far from their class are rare
 P_FLOOR = 1e-18
+# ... and through the C row pass, whose cut at exp(-70) is absolute rather than relative to
+# the row's sum S_i (e_ij = exp(-||z_i - z_j||^2) with S_i down to exp(-20)): a row is
+# recomputed unless its same-class sum S^c_i is at least this many times its class's
+# size, so that the n_c cut exps (each below exp(-70)) stay below eps / 2 of it
+NATIVE_BLOCK_FLOOR = 2.0 * TINY_P / float(torch.finfo(torch.float32).eps)  # 6.6e-24
 # columns of a chunk's U (B, N) whose three gradient products run together while they are
 # in cache (4 MiB at B = 256); on the CPU only: a GPU has no such cache to keep them in
 PRODUCT_TILE = 4096
@@ -140,13 +145,16 @@ def _native_scores_and_row_scale(
     whose nearest point is far), so that p_ij = e_ij / S_i and p_i = S^c_i / S_i,
     and U and r keep W = r U with U_ij = e_ij off the block, (p_i - 1) / p_i e_ij on it, and
     r_i = -p_i / S_i (f) or -1 / S_i (g): the division by S_i rides on r, a (B, 1) scale.
-    Rows whose p_i is below P_FLOOR or not finite are taken again by :func:`_far_rows`."""
+    Rows whose p_i is below P_FLOOR or not finite, or whose S^c_i is below
+    NATIVE_BLOCK_FLOOR a same-class point, are taken again by :func:`_far_rows`."""
     row_sum, block_sum = native_rows.exp_rows(dots, sq, q, (s, e))  # (B,), (B,) float64
     p = (block_sum / row_sum)[:, None]  # (B, 1) p_i
     dots[:, s:e].mul_(((p - 1.0) / p).to(dots.dtype))  # inf or NaN on far rows (below)
     score, row_scale = (torch.log(p), -torch.ones_like(p)) if log_form else (p, -p)
     row_scale = row_scale / row_sum[:, None]
-    far = torch.nonzero(~(p >= P_FLOOR))[:, 0]  # (b,) rows below the floor, or NaN
+    # rows below the floor, or NaN, or whose block the absolute cut may have thinned
+    exact = (p[:, 0] >= P_FLOOR) & (block_sum >= (e - s) * NATIVE_BLOCK_FLOOR)
+    far = torch.nonzero(~exact)[:, 0]  # (b,)
     if far.numel():
         original = recompute(far)  # (b, N)
         score[far], row_scale[far] = _far_rows(original, s, e, log_form)
@@ -268,6 +276,11 @@ def nca_value_and_grad(
         return fused[0], fused[1][inverse] if with_grad else None
     if native is None:
         native = native_rows.usable(zs)
+    elif native and not native_rows.usable(zs):
+        raise ValueError(
+            "native=True needs finite float32 embeddings on the CPU and the C row pass built "
+            f"(got {zs.dtype} on {zs.device}, finite: {bool(torch.isfinite(zs).all())})"
+        )
     total, grad_s = _torch_value_and_grad(
         zs, runs, query_sorted, run_of_query, log_form, chunk_size, with_grad, native
     )

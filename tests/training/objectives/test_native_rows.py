@@ -195,5 +195,66 @@ def test_the_torch_path_answers_where_the_pass_must_not_run(monkeypatch):
     assert not native_rows.usable(bad)  # a NaN dot product would become e_ij = 0
     monkeypatch.setenv("NCA_KNN_NATIVE", "0")
     assert not native_rows.usable(z)
-    with pytest.raises(ValueError, match="contiguous float32"):
+    with pytest.raises(ValueError, match="contiguous 2-D float32"):
         native_rows.exp_rows(torch.ones(4, 6).T, torch.ones(4), torch.zeros(6), (0, 2))
+
+
+@pytest.mark.parametrize("log_form", [False, True])
+@pytest.mark.parametrize("crowd", [1, 4000])
+def test_a_row_far_from_its_class_keeps_its_same_class_mass(log_form, crowd):
+    """Row 0's nearest point (squared distance 19.9) is of another class, its own class
+    lies at 60.9 and beyond 70: through the C pass the exps beyond 70 are cut absolutely,
+    below e^-50 of the row's sum, which would thin p_i by up to a third (a hostile review
+    found value and gradient 20-30% off); such a row is recomputed, and matches float64."""
+    z = torch.tensor(
+        [[0.0], [19.9**0.5], [-(60.9**0.5)]] + [[-(70.01**0.5)]] * crowd, dtype=torch.float64
+    )
+    labels = torch.tensor([0, 1, 0] + [0] * crowd)
+    rows = torch.tensor([0])
+    expected, expected_grad = nca_value_and_grad(z, labels, log_form=log_form, rows=rows)
+    value, grad = nca_value_and_grad(z.float(), labels, log_form=log_form, rows=rows, native=True)
+    assert float(value) == pytest.approx(float(expected), rel=2e-5)
+    scale = float(expected_grad.abs().max())
+    torch.testing.assert_close(grad.double(), expected_grad, rtol=1e-4, atol=1e-4 * scale)
+
+
+def test_an_argument_beyond_exps_range_flags_the_row():
+    """2 z_i.z_j - ||z_j||^2 - ||z_i||^2 is at most 0 but for rounding, which at ||z|| of
+    thousands can pass 88, where 2^n wraps: the row's sums are NaN (recomputed), never the
+    finite garbage of a wrapped exponent."""
+    dots = torch.zeros(3, 20)
+    dots[1, 1] = 177.0 / 2  # an argument of 177
+    dots[2, 3] = 89.5 / 2
+    s_all, s_block = native_rows.exp_rows(dots, torch.zeros(20), torch.tensor([0, 0, 0]), (0, 5))
+    assert torch.isfinite(s_all[0]) and torch.isnan(s_all[1:]).all()
+    assert torch.isnan(s_block[1:]).all()
+
+
+def test_forcing_the_pass_on_embeddings_it_must_not_take_is_refused():
+    z, labels = exact_data(40, 3, 2, seed=1)
+    bad = z.float()
+    bad[3, 0] = float("inf")
+    with pytest.raises(ValueError, match="native=True needs finite float32"):
+        nca_value_and_grad(bad, labels, log_form=False, native=True)
+    with pytest.raises(ValueError, match="native=True needs finite float32"):
+        nca_value_and_grad(z, labels, log_form=False, native=True)  # float64
+
+
+@pytest.mark.parametrize(
+    "own, block, sq, message",
+    [
+        (torch.tensor([0, 6]), (0, 2), None, r"own must hold 2 column indices in \[0, 6\)"),
+        (torch.tensor([0, -1]), (0, 2), None, "own must hold"),
+        (torch.tensor([0]), (0, 2), None, "own must hold 2"),
+        (torch.tensor([0, 1]), (0, 7), None, r"the block \[0, 7\) must lie within the 6"),
+        (torch.tensor([0, 1]), (3, 2), None, r"the block \[3, 2\)"),
+        (torch.tensor([0, 1]), (-1, 2), None, r"the block \[-1, 2\)"),
+        (torch.tensor([0, 1]), (0, 2), torch.ones(6, dtype=torch.float64), "sq must be float32"),
+        (torch.tensor([0, 1]), (0, 2), torch.ones(5), r"sq must be float32 of shape \(6,\)"),
+    ],
+)
+def test_the_wrapper_checks_what_the_c_source_trusts(own, block, sq, message):
+    # a bad index reached the C source as an out-of-bounds write (a hostile review)
+    dots = torch.ones(2, 6)
+    with pytest.raises(ValueError, match=message):
+        native_rows.exp_rows(dots, torch.ones(6) if sq is None else sq, own, block)

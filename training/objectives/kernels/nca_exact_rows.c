@@ -21,8 +21,11 @@
    squared distance 20 (the row's largest e_ij at least PEAK_FLOOR = exp(-20)), and those
    cut to 0 then lie at least 50 below the largest in the exponent (each below 2e-22 of it).
    A row whose nearest point is farther, or whose sums are not finite (an infinite dot
-   product), gets NaN sums, and the caller recomputes it from its logits with their own
-   maximum (nca_kernel._far_rows).
+   product, or an argument above EXP_TOP, which rounding of ||z||^2 beyond about 3e3 can
+   make), gets NaN sums, and the caller recomputes it from its logits with their own
+   maximum (nca_kernel._far_rows). The cut is absolute, so relative to S_i it may drop
+   exps up to exp(-50) of it: the caller also recomputes a row whose same-class sum is too
+   small for that to stay below float32's resolution of p_i.
 
    EXP_CUT = log(numerics.TINY_P): as the torch path sets p_ij <= TINY_P to 0, no exp below
    it is kept, so that the products never meet a subnormal float (a microcode assist per
@@ -66,6 +69,7 @@ typedef int32_t vi __attribute__((vector_size(4 * LANES)));
 #define STEP 16             /* columns a step of the sums takes, whatever LANES is */
 #define PART 1024           /* columns whose 16 float sums are added into the double sum */
 #define EXP_CUT (-69.9996f) /* log(TINY_P), TINY_P = 4 FLT_MIN / FLT_EPSILON */
+#define EXP_TOP 88.0f        /* exp of more than this is not a float (2^n would wrap) */
 #define PEAK_FLOOR 2.0611536e-9f /* exp(-20): a row's largest e_ij at least this */
 
 static inline vf load(const float *p) {
@@ -79,10 +83,12 @@ static inline void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
 /* a where mask (all bits set), else b */
 static inline vf pick(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
 
-/* exp(x) for EXP_CUT <= x <= 0, 0 below EXP_CUT (and for NaN x) */
+/* exp(x) for EXP_CUT <= x <= EXP_TOP, 0 below EXP_CUT (and for NaN x), +inf above EXP_TOP
+   (where 2^n would wrap: the caller's row sum is then not finite) */
 static inline vf exp_or_zero(vf x) {
     const vi keep = x >= EXP_CUT;
-    x = pick(keep, x, (vf){0} + EXP_CUT);
+    const vi above = x > EXP_TOP;
+    x = pick(keep & ~above, x, (vf){0} + EXP_CUT);
     const vf zero = {0};
     const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round(x/ln2) */
     vf r = MADD(n, zero - 0.693359375f, x);                              /* x - n ln2 */
@@ -95,7 +101,7 @@ static inline vf exp_or_zero(vf x) {
     p = MADD(p, r, zero + 5.0000001201e-1f);
     p = MADD(p, r * r, r) + 1.0f;
     const vi two_to_n = (__builtin_convertvector(n, vi) + 127) << 23;
-    return (vf)((vi)(p * (vf)two_to_n) & keep);
+    return pick(above, (vf){0} + INFINITY, (vf)((vi)(p * (vf)two_to_n) & keep));
 }
 
 /* the same for one float (a row's last columns, fewer than LANES) */
