@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import inspect
 import json
 import os
 import platform
@@ -182,13 +183,20 @@ def digits_like(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
 
 def one_evaluation() -> dict:
     """Seconds of one evaluation of the digits' finish size, with the gradient and the
-    value alone (whichever ``training`` is on sys.path)."""
+    value alone (whichever ``training`` is on sys.path), on the torch row pass that this
+    module times (``native=False`` in a tree that has the C row pass, so that two trees
+    compare the same path; ``kernel_choice.py`` compares the two passes)."""
     z, labels = digits_like(torch.Generator().manual_seed(0))
     rows = torch.linspace(0, N - 1, FINISH_ROWS).long()
+    torch_pass = {}
+    if "native" in inspect.signature(nca_value_and_grad).parameters:
+        torch_pass["native"] = False
     seconds = {}
     for name, with_grad in (("gradient_s", True), ("value_s", False)):
         started = time.perf_counter()
-        nca_value_and_grad(z, labels, log_form=False, rows=rows, flex=False, with_grad=with_grad)
+        nca_value_and_grad(
+            z, labels, log_form=False, rows=rows, flex=False, with_grad=with_grad, **torch_pass
+        )
         seconds[name] = time.perf_counter() - started
     return seconds
 

@@ -14,9 +14,9 @@ part, which uses the estimator's default. Parts:
           memory
   large   N = 60k x 784 -> d = 32, ours alone with default settings (candidate sets, then
           the exact finish) and with candidate sets alone (exact_finish=0)
-  kernel  seconds per exact objective+gradient evaluation at N = 10k, 20k (torch: exact NCA
-          has no C kernel since its removal), the GFLOP/s it reaches and the machine's float32
-          GEMM ceiling
+  kernel  seconds per exact objective+gradient evaluation at N = 10k, 20k (the default path:
+          torch's GEMMs and, on the CPU in float32, the C row pass), the GFLOP/s it reaches
+          and the machine's float32 GEMM ceiling
 
 Usage:  python benchmarks/train_vs_sklearn.py [--parts small,usps,scale,large,kernel]
 Writes benchmarks/results/train_vs_sklearn.json and prints tables.

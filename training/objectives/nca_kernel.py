@@ -22,8 +22,9 @@ How it is computed (evidence in benchmarks/README.md, the sections named):
 * On the CPU in float32 the row pass runs in C (:mod:`training.objectives.native_rows`:
   the GEMM writes z_i.z_j alone, and one pass turns them into e_ij = exp(-||z_i - z_j||^2)
   with their row and block sums; the division by the row's sum rides on r below; rows
-  whose nearest point is far go to _far_rows; "The exact row pass in C"). Elsewhere, and
-  as the reference it is tested against:
+  whose nearest point is far, whose sums are not finite, or whose same-class sum the
+  pass's absolute cut may have thinned go to _far_rows; "The exact row pass in C").
+  Elsewhere, and as the reference it is tested against:
 * each row's p_ij come from torch's fused softmax, in place ("The row pass as a softmax"),
   those below float32's normal range then set to 0 (``numerics.zero_subnormal``: a product
   over subnormals ran 100x slower on an Intel Xeon);
@@ -35,9 +36,9 @@ How it is computed (evidence in benchmarks/README.md, the sections named):
   log p_i, the factors that turn p_ij into W) and the sum over chunks in float64: in float32
   the gap of two large logits loses enough digits to make two fits of the same data
   diverge (tests/training/model/test_sparse_input.py).
-* W = r U with a per-row scale r (B, 1): the (B, N) buffer holds U (p_ij, the same-class
-  block rescaled) and r is folded into the products' (B, d) and (N,) sides, two passes over
-  (B, N) fewer (benchmarks/results/exact_row_scale.json).
+* W = r U with a per-row scale r (B, 1): the (B, N) buffer holds U (p_ij, or the C pass's
+  e_ij, the same-class block rescaled) and r is folded into the products' (B, d) and (N,)
+  sides, two passes over (B, N) fewer (benchmarks/results/exact_row_scale.json).
 * The products are taken about the query class's mean c (W's rows sum to zero, so the
   gradient is unchanged): the column terms W^T (z_q - c) and colsum(W)_j (z_j - c) then
   cancel less in float32.
@@ -79,6 +80,7 @@ P_FLOOR = 1e-18
 # recomputed unless its same-class sum S^c_i is at least this many times its class's
 # size, so that the n_c cut exps (each below exp(-70)) stay below eps / 2 of it
 NATIVE_BLOCK_FLOOR = 2.0 * TINY_P / float(torch.finfo(torch.float32).eps)  # 6.6e-24
+BLOCK_FACTOR_MIN = float(torch.finfo(torch.float32).eps) / 2  # the least nonzero block factor
 # columns of a chunk's U (B, N) whose three gradient products run together while they are
 # in cache (4 MiB at B = 256); on the CPU only: a GPU has no such cache to keep them in
 PRODUCT_TILE = 4096
@@ -143,13 +145,19 @@ def _native_scores_and_row_scale(
     pass (:mod:`training.objectives.native_rows`): it leaves the unnormalised exps
     e_ij = exp(-||z_i - z_j||^2) in ``dots`` with their sums S_i and S^c_i (NaN for a row
     whose nearest point is far), so that p_ij = e_ij / S_i and p_i = S^c_i / S_i,
-    and U and r keep W = r U with U_ij = e_ij off the block, (p_i - 1) / p_i e_ij on it, and
-    r_i = -p_i / S_i (f) or -1 / S_i (g): the division by S_i rides on r, a (B, 1) scale.
+    and U and r keep W = r U with U_ij = e_ij off the block, (p_i - 1) / p_i e_ij on it
+    (the factor 0 where it is below BLOCK_FACTOR_MIN), and r_i = -p_i / S_i (f) or
+    -1 / S_i (g): the division by S_i rides on r, a (B, 1) scale.
     Rows whose p_i is below P_FLOOR or not finite, or whose S^c_i is below
     NATIVE_BLOCK_FLOOR a same-class point, are taken again by :func:`_far_rows`."""
     row_sum, block_sum = native_rows.exp_rows(dots, sq, q, (s, e))  # (B,), (B,) float64
     p = (block_sum / row_sum)[:, None]  # (B, 1) p_i
-    dots[:, s:e].mul_(((p - 1.0) / p).to(dots.dtype))  # inf or NaN on far rows (below)
+    # the block's factor (p_i - 1) / p_i, 0 where it is below float32's resolution of 1 (as
+    # a float32 p_i would make it): at least eps / 2 where it is not, so that times a kept
+    # e_ij (above TINY_P) it stays a normal float, never a subnormal in the products
+    factor = (p - 1.0) / p  # (B, 1) float64; inf or NaN on far rows (below)
+    factor[factor.abs() < BLOCK_FACTOR_MIN] = 0.0
+    dots[:, s:e].mul_(factor.to(dots.dtype))
     score, row_scale = (torch.log(p), -torch.ones_like(p)) if log_form else (p, -p)
     row_scale = row_scale / row_sum[:, None]
     # rows below the floor, or NaN, or whose block the absolute cut may have thinned
@@ -244,9 +252,10 @@ def nca_value_and_grad(
     flex: the fused attention passes of :mod:`training.objectives.nca_flex` (True), or
     whenever they can run (None: float32 on CUDA); otherwise the chunked torch path below,
     whose chunk is ``chunk_size`` rows and whose row pass runs in C (native True; None:
-    whenever :func:`training.objectives.native_rows.usable`) or in torch (False). ``with_grad`` False: the value alone (the gradient
-    None), which the torch path computes without the gradient's products, about half of an
-    evaluation's time (the flex path computes the gradient all the same and drops it).
+    whenever :func:`training.objectives.native_rows.usable`) or in torch (False).
+    ``with_grad`` False: the value alone (the gradient None), which the chunked path
+    computes without the gradient's products, about half of an evaluation's time (the flex
+    path computes the gradient all the same and drops it).
     """
     n = z.shape[0]
     z = z.detach()

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from training.objectives import native, native_rows
+from training.objectives import native, native_rows, nca_kernel
 from training.objectives.nca_kernel import nca_value_and_grad
 
 from .test_objectives import brute_force_score, exact_data
@@ -106,7 +106,9 @@ def test_thread_splits_give_the_same_floats(monkeypatch):
 def test_every_level_built_for_this_cpu_computes_the_same_floats(monkeypatch):
     """The same vector operations in the same order at every width (16, 8, 4 lanes): the
     levels with FMA (AVX-512, AVX2) give the same floats, bit for bit, and the baseline (a
-    CPU without AVX, exp's multiply-adds unfused) the same within an ulp or two."""
+    CPU without AVX, exp's multiply-adds unfused) the same within an ulp or two. Only the
+    levels this CPU runs are compared: on an AVX2 machine the FMA pair is one level, and
+    elsewhere than x86-64 there is one level and nothing to compare."""
     levels = native.levels.levels_for(platform.machine())
     runnable = [name for name, _flags, needs in levels if set(needs) <= native.cpu_flags()]
     dots, sq, own, _ = pass_inputs(b=16, n=1003, scale=2.0)  # 1003: a tail past the lanes
@@ -186,6 +188,7 @@ def test_a_class_far_beyond_exps_range_stays_exact(log_form):
 
 
 def test_the_torch_path_answers_where_the_pass_must_not_run(monkeypatch):
+    monkeypatch.delenv("NCA_KNN_NATIVE", raising=False)
     z = torch.randn(30, 3)
     assert native_rows.usable(z)
     assert not native_rows.usable(z.double())  # float32 only
@@ -258,3 +261,39 @@ def test_the_wrapper_checks_what_the_c_source_trusts(own, block, sq, message):
     dots = torch.ones(2, 6)
     with pytest.raises(ValueError, match=message):
         native_rows.exp_rows(dots, torch.ones(6) if sq is None else sq, own, block)
+
+
+def test_the_default_exact_path_takes_the_c_pass(monkeypatch):
+    monkeypatch.delenv("NCA_KNN_NATIVE", raising=False)
+    calls = []
+    pass_itself = native_rows.exp_rows
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return pass_itself(*args, **kwargs)
+
+    monkeypatch.setattr(native_rows, "exp_rows", counted)
+    z, labels = exact_data(90, 4, 3, seed=2)
+    nca_value_and_grad(z.float(), labels, log_form=False)  # native=None
+    assert sum(calls) == 90  # every row went through it
+    calls.clear()
+    nca_value_and_grad(z, labels, log_form=False)  # float64: the torch path
+    assert calls == []
+
+
+def test_a_tiny_block_factor_puts_no_subnormal_float_into_the_products():
+    """Row 0 holds all but 1e-12 of its mass in its class (p_i = 1 - 1e-12, so the block's
+    factor (p_i - 1) / p_i is -1e-12) and has a same-class point at squared distance 65 (a
+    kept e_ij of 6e-29): their product, 6e-41, would be a subnormal float in U, which the
+    products pay a microcode assist for on an Intel Xeon. A float32 p_i rounds to 1 and
+    makes the factor 0; so does the C path (a reader's review found it did not)."""
+    z = torch.tensor([[0.0], [0.1], [65.0**0.5], [-(27.63**0.5)]])  # class 0, 0, 0, 1
+    q = torch.tensor([0])
+    sq = (z * z).sum(1)
+    dots = (z[q] @ z.T).contiguous()  # (1, 4)
+    recompute = lambda far: None  # noqa: E731 (no row is far here)
+    nca_kernel._native_scores_and_row_scale(dots, sq, q, 0, 3, False, recompute)
+    units = dots[0]
+    tiny = float(torch.finfo(torch.float32).tiny)
+    assert not ((units != 0) & (units.abs() < tiny)).any(), units.tolist()
+    assert units[3] > 0  # the other class's e_ij is kept as it is

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import numpy as np
@@ -433,9 +434,10 @@ def test_a_forward_pass_gives_the_value_of_a_pass_with_its_gradient_bit_for_bit(
     torch_path = nca_kernel._torch_value_and_grad
     passes = []
 
-    def recorded(*args):
-        passes.append(args[6])  # with_grad
-        return torch_path(*args)
+    def recorded(*args, **kwargs):
+        bound = inspect.signature(torch_path).bind(*args, **kwargs)
+        passes.append(bound.arguments["with_grad"])
+        return torch_path(*args, **kwargs)
 
     monkeypatch.setattr(nca_kernel, "_torch_value_and_grad", recorded)
     objective = NCAObjective(log_form)

@@ -21,14 +21,15 @@
    squared distance 20 (the row's largest e_ij at least PEAK_FLOOR = exp(-20)), and those
    cut to 0 then lie at least 50 below the largest in the exponent (each below 2e-22 of it).
    A row whose nearest point is farther, or whose sums are not finite (an infinite dot
-   product, or an argument above EXP_TOP, which rounding of ||z||^2 beyond about 3e3 can
-   make), gets NaN sums, and the caller recomputes it from its logits with their own
+   product, or an argument above EXP_TOP, which rounding can make where ||z|| is in the
+   thousands), gets NaN sums, and the caller recomputes it from its logits with their own
    maximum (nca_kernel._far_rows). The cut is absolute, so relative to S_i it may drop
    exps up to exp(-50) of it: the caller also recomputes a row whose same-class sum is too
    small for that to stay below float32's resolution of p_i.
 
-   EXP_CUT = log(numerics.TINY_P): as the torch path sets p_ij <= TINY_P to 0, no exp below
-   it is kept, so that the products never meet a subnormal float (a microcode assist per
+   EXP_CUT is just above log(numerics.TINY_P) (-70.008), so every exp kept exceeds TINY_P:
+   as the torch path sets p_ij <= TINY_P to 0, and with the caller's block factor (0, or at
+   least eps / 2), the products never meet a subnormal float (a microcode assist per
    element on an Intel Xeon). exp itself is Cephes' expf: x = n ln2 + r with |r| <= ln2/2, a
    degree-7 polynomial in r times 2^n built from the exponent's bits (about 1 ulp).
 
@@ -68,7 +69,7 @@ typedef int32_t vi __attribute__((vector_size(4 * LANES)));
 
 #define STEP 16             /* columns a step of the sums takes, whatever LANES is */
 #define PART 1024           /* columns whose 16 float sums are added into the double sum */
-#define EXP_CUT (-69.9996f) /* log(TINY_P), TINY_P = 4 FLT_MIN / FLT_EPSILON */
+#define EXP_CUT (-69.9996f) /* above log(TINY_P) = -70.008, TINY_P = 4 FLT_MIN / FLT_EPSILON */
 #define EXP_TOP 88.0f        /* exp of more than this is not a float (2^n would wrap) */
 #define PEAK_FLOOR 2.0611536e-9f /* exp(-20): a row's largest e_ij at least this */
 
