@@ -15,7 +15,10 @@ oracle, which no rule can see):
   Tibshirani and Friedman, ch. 7.10: among near-equals, the smoothest rule, here the
   largest k); ``half-SE`` the same within half an error;
 - ``auto: best (vote, k)``: ``--decision-rule auto``, the vote (majority or soft) and k
-  with the best validation accuracy (``choose_rule_and_k``).
+  with the best validation accuracy (``choose_rule_and_k``);
+- ``majority unless soft > 1 SE`` (and ``2 SE``): the majority vote at its best k, unless
+  the soft vote at its best k wins on validation by more than one (two) paired standard
+  errors of the per-row difference (``soft_beyond_noise``).
 
 The first three vote by majority, so their regret includes what the soft vote would have
 gained.
@@ -25,8 +28,8 @@ pixels); MNIST's first 10,000 training rows and its 10,000 test rows, in 50 prin
 components of the training rows; UCI letters (``benchmarks/prepare_uci.py``; 16,000
 training, 4,000 test) when prepared. Sets whose data is absent are skipped.
 
-Usage: python benchmarks/k_choice.py [--seeds 20] [--val-fraction 0.1]
-Writes benchmarks/results/k_choice.json.
+Usage: python benchmarks/k_choice.py [--seeds 20] [--val-fraction 0.1] [--name k_choice.json]
+Writes benchmarks/results/NAME (default k_choice.json).
 """
 
 from __future__ import annotations
@@ -100,16 +103,33 @@ RULES = {
 VOTES = ("majority", "soft")  # --decision-rule auto chooses between these with the k
 
 
+def soft_beyond_noise(correct: dict[str, dict[int, np.ndarray]], width: float) -> tuple[str, int]:
+    """The majority vote at its best k (``choose_k``, ties to 1), unless the soft vote at its
+    best k is more accurate on the validation rows by more than ``width`` paired standard
+    errors of the per-row difference: then the soft vote at that k."""
+    ks = {vote: choose_k({k: c.mean() for k, c in correct[vote].items()}, 1) for vote in VOTES}
+    diff = correct["soft"][ks["soft"]].astype(np.float64) - correct["majority"][ks["majority"]]
+    n = len(diff)
+    se = diff.std(ddof=1) / np.sqrt(n) if n > 1 else 0.0
+    vote = "soft" if diff.mean() > width * se else "majority"
+    return vote, ks[vote]
+
+
+# majority unless soft wins by more than this many paired standard errors
+PAIRED = {"majority unless soft > 1 SE": 1.0, "majority unless soft > 2 SE": 2.0}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=20)
     parser.add_argument("--val-fraction", type=float, default=0.1)
+    parser.add_argument("--name", default="k_choice.json", help="result file in results/")
     args = parser.parse_args()
     rows = []
     for name, (X, y, X_test, y_test) in sets().items():
         X, X_test = np.asarray(X, np.float32), np.asarray(X_test, np.float32)
         n_classes = int(max(y.max(), y_test.max())) + 1
-        regrets = {rule: [] for rule in [*RULES, "auto: best (vote, k)"]}
+        regrets = {rule: [] for rule in [*RULES, "auto: best (vote, k)", *PAIRED]}
         picks = {rule: [] for rule in regrets}
         for seed in range(args.seeds):
             held = stratified_holdout(y, args.val_fraction, np.random.default_rng(seed))
@@ -133,6 +153,11 @@ def main() -> None:
             vote, k = choose_rule_and_k(accuracy, 1)
             picks["auto: best (vote, k)"].append(f"{vote}:{k}")
             regrets["auto: best (vote, k)"].append(test_error[vote][k] - oracle)
+            by_vote = {v: {k: val[v][k] == y[held] for k in K_VALUES} for v in VOTES}
+            for rule, width in PAIRED.items():
+                vote, k = soft_beyond_noise(by_vote, width)
+                picks[rule].append(f"{vote}:{k}")
+                regrets[rule].append(test_error[vote][k] - oracle)
         for rule in regrets:
             r = 100 * np.asarray(regrets[rule])
             rows.append(
@@ -152,7 +177,7 @@ def main() -> None:
         ["set", "rule", "n_val", "regret_median_points", "regret_mean_points", "regret_max_points"],
     )
     save_json(
-        "k_choice.json",
+        args.name,
         {
             "machine": machine(),
             "seeds": args.seeds,
