@@ -43,6 +43,7 @@ from training.errors import (
 )
 from training.publish import check_publish_link, publish
 from training.references.versions import (
+    PROTOTYPE_REFINERS,
     ReferenceError,
     add_references,
     condense_references,
@@ -132,16 +133,14 @@ def add_condense_options(condense: argparse.ArgumentParser) -> None:
     )
     condense.add_argument(
         "--refine",
-        choices=("nca", "glvq", "none"),
+        choices=PROTOTYPE_REFINERS,
         help="prototypes: how they move from the per-class k-means centres: nca (default) "
-        "learns them with NCA's objective, the map fixed; glvq refines them by generalised "
-        "LVQ; none keeps the cluster means",
+        "learns them with NCA's objective, the map fixed; none keeps the cluster means",
     )
     condense.add_argument(
         "--refine-epochs",
         type=int,
-        help="prototypes: at most this many L-BFGS iterations (nca, default 200) or GLVQ "
-        "steps (glvq, default 30)",
+        help="prototypes: at most this many L-BFGS iterations (nca, default 200)",
     )
     condense.add_argument(
         "--seed", type=int, default=0, help="the order of the passes / the k-means seeding"
