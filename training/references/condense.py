@@ -256,23 +256,15 @@ def _cluster_means(x: np.ndarray, assignment: np.ndarray, m: int) -> np.ndarray:
     return sums / np.maximum(counts, 1)
 
 
-def prototypes(
-    z: np.ndarray,
-    y: np.ndarray,
-    *,
-    reduction: float = 3.0,
-    seed: int = 0,
-    iterations: int = 25,
-    floor: int = 1,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Per-class k-means prototypes, ``class_budget(y, reduction, floor)`` centres per class.
+def class_kmeans(
+    z: np.ndarray, y: np.ndarray, budget: dict, *, seed: int = 0, iterations: int = 25
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``budget[c]`` k-means centres for each class c of y, the classes in sorted order; a
+    class no larger than its budget starts from its rows as they are.
 
-    z: (N, d), y: (N,). Returns (centres (M, d) float32, labels (M,), representative (M,) the
-    index of the member of each prototype's cluster nearest the prototype, assignment (N,)
-    each reference's cluster). A class no larger than its number of centres starts from its
-    references as they are."""
+    z: (N, d), y: (N,). Returns (centres (M, d) float64, labels (M,) of y's dtype,
+    assignment (N,) each row's centre)."""
     means, labels, assignment, offset = [], [], np.empty(len(z), dtype=np.int64), 0
-    budget = class_budget(y, reduction, floor)
     for c in np.unique(y):
         members = np.flatnonzero(y == c)
         m = budget[int(c)]
@@ -284,7 +276,27 @@ def prototypes(
         labels.append(np.full(len(mu), c, dtype=y.dtype))
         assignment[members] = offset + part
         offset += len(mu)
-    centres, labels = np.concatenate(means).astype(np.float32), np.concatenate(labels)
+    return np.concatenate(means), np.concatenate(labels), assignment
+
+
+def prototypes(
+    z: np.ndarray,
+    y: np.ndarray,
+    *,
+    reduction: float = 3.0,
+    seed: int = 0,
+    iterations: int = 25,
+    floor: int = 1,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per-class k-means prototypes, ``class_budget(y, reduction, floor)`` centres per class
+    (``class_kmeans``).
+
+    z: (N, d), y: (N,). Returns (centres (M, d) float32, labels (M,), representative (M,) the
+    index of the member of each prototype's cluster nearest the prototype, assignment (N,)
+    each reference's cluster)."""
+    budget = class_budget(y, reduction, floor)
+    means, labels, assignment = class_kmeans(z, y, budget, seed=seed, iterations=iterations)
+    centres = means.astype(np.float32)
     d2 = ((np.asarray(z, dtype=np.float64) - centres[assignment]) ** 2).sum(1)  # (N,)
     order = np.lexsort((d2, assignment))  # by cluster, nearest first
     representative = order[np.r_[True, assignment[order][1:] != assignment[order][:-1]]]
