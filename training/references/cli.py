@@ -251,25 +251,25 @@ def seconds(text: str) -> float | None:
     return None if text.strip().lower() == "none" else float(text)
 
 
+def _data(args: argparse.Namespace):
+    """The rows of --data (with --labels / --label-column), as the training job reads them."""
+    return load_dataset(
+        args.data,
+        labels=args.labels,
+        label_column=args.label_column,
+        memory_budget=default_memory_budget(),
+    )
+
+
 def _change(args: argparse.Namespace) -> dict:
     if args.command == "add":
-        data = load_dataset(
-            args.data,
-            labels=args.labels,
-            label_column=args.label_column,
-            memory_budget=default_memory_budget(),
-        )
+        data = _data(args)
         ids = None if args.ids is None else _ids_file(args.ids, "--ids")
         summary = add_references(args.model, data.X, data.y, out=args.out, ids=ids)
     elif args.command == "condense":
         X_test = y_test = None
         if args.data:
-            data = load_dataset(
-                args.data,
-                labels=args.labels,
-                label_column=args.label_column,
-                memory_budget=default_memory_budget(),
-            )
+            data = _data(args)
             # an .npz with a test split (X_test, y_test) is scored on that split
             if data.X_test is not None:
                 X_test, y_test = data.X_test, data.y_test
