@@ -284,15 +284,6 @@ def remove_references(model: str | Path, ids, *, out: str | Path) -> dict:
     return {**entry, "artifact": str(path)}
 
 
-def _accuracies(z_refs, y_refs, z_queries, y_queries, n_classes, ks, rule) -> dict:
-    return {
-        str(k): v
-        for k, v in knn_accuracies(
-            z_refs, y_refs, z_queries, y_queries, n_classes, ks, rule
-        ).items()
-    }
-
-
 CONDENSE_METHODS = {
     "hart": "k-NN condensing (Hart)",
     "wilson+hart": "Wilson editing then k-NN condensing",
@@ -445,11 +436,13 @@ def _condensed(parent, z, y, settings, unchanged, checkpoint_dir) -> tuple:
 def _before_and_after(parent, before, after, ks, X_test, y_test) -> dict:
     """{split: {"before": {k: accuracy}, "after": ...}} on the validation and test rows."""
     n_classes, rule = len(parent.classes), parent.decision_rule
+
+    def accuracies(references, zq, yq) -> dict:  # {k as text: accuracy}
+        by_k = knn_accuracies(*references, zq, yq, n_classes, ks, rule)
+        return {str(k): v for k, v in by_k.items()}
+
     return {
-        name: {
-            "before": _accuracies(*before, zq, yq, n_classes, ks, rule),
-            "after": _accuracies(*after, zq, yq, n_classes, ks, rule),
-        }
+        name: {"before": accuracies(before, zq, yq), "after": accuracies(after, zq, yq)}
         for name, (zq, yq) in _evaluation_sets(parent, X_test, y_test).items()
     }
 
