@@ -148,13 +148,8 @@ class PrototypeCheckpoint:
             "checks": state.checks,
         }
         meta = {"format": FORMAT, "key": self.key, "state": scalars}
-        arrays = {
-            "theta": state.theta,
-            "g": state.g,
-            "pairs_s": state.pairs_s,
-            "pairs_y": state.pairs_y,
-            "meta": np.array(json.dumps(meta)),
-        }
+        arrays = {name: getattr(state, name) for name in STATE_ARRAYS}
+        arrays["meta"] = np.array(json.dumps(meta))
         if state.best_theta is not None:
             arrays["best"] = state.best_theta
         try:

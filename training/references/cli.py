@@ -43,6 +43,7 @@ from training.errors import (
 )
 from training.publish import check_publish_link, publish
 from training.references.versions import (
+    PROTOTYPE_REFINERS,
     ReferenceError,
     add_references,
     condense_references,
@@ -132,16 +133,14 @@ def add_condense_options(condense: argparse.ArgumentParser) -> None:
     )
     condense.add_argument(
         "--refine",
-        choices=("nca", "glvq", "none"),
+        choices=PROTOTYPE_REFINERS,
         help="prototypes: how they move from the per-class k-means centres: nca (default) "
-        "learns them with NCA's objective, the map fixed; glvq refines them by generalised "
-        "LVQ; none keeps the cluster means",
+        "learns them with NCA's objective, the map fixed; none keeps the cluster means",
     )
     condense.add_argument(
         "--refine-epochs",
         type=int,
-        help="prototypes: at most this many L-BFGS iterations (nca, default 200) or GLVQ "
-        "steps (glvq, default 30)",
+        help="prototypes: at most this many L-BFGS iterations (nca, default 200)",
     )
     condense.add_argument(
         "--seed", type=int, default=0, help="the order of the passes / the k-means seeding"
@@ -252,25 +251,25 @@ def seconds(text: str) -> float | None:
     return None if text.strip().lower() == "none" else float(text)
 
 
+def _data(args: argparse.Namespace):
+    """The rows of --data (with --labels / --label-column), as the training job reads them."""
+    return load_dataset(
+        args.data,
+        labels=args.labels,
+        label_column=args.label_column,
+        memory_budget=default_memory_budget(),
+    )
+
+
 def _change(args: argparse.Namespace) -> dict:
     if args.command == "add":
-        data = load_dataset(
-            args.data,
-            labels=args.labels,
-            label_column=args.label_column,
-            memory_budget=default_memory_budget(),
-        )
+        data = _data(args)
         ids = None if args.ids is None else _ids_file(args.ids, "--ids")
         summary = add_references(args.model, data.X, data.y, out=args.out, ids=ids)
     elif args.command == "condense":
         X_test = y_test = None
         if args.data:
-            data = load_dataset(
-                args.data,
-                labels=args.labels,
-                label_column=args.label_column,
-                memory_budget=default_memory_budget(),
-            )
+            data = _data(args)
             # an .npz with a test split (X_test, y_test) is scored on that split
             if data.X_test is not None:
                 X_test, y_test = data.X_test, data.y_test

@@ -20,23 +20,20 @@ references and loses far more accuracy.
 Prototypes (``prototypes``) replace selection by generation. Within each class, Lloyd's
 k-means (k-means++ seeding) partitions the class's references into clusters S_1 ... S_m
 (m from ``class_budget``: the class's share of round(N / reduction), at least one), each
-starting as one prototype at its mean
+prototype at its cluster's mean
 
     mu_j = (1 / |S_j|) sum_{i in S_j} z_i,
 
 which minimises the within-class sum of squared distances locally but ignores the other
-classes. Then generalised LVQ (``refine_prototypes``, Sato & Yamada 1996) moves all the
-prototypes together to lower a smooth count of the references that the 1-NN rule on the
-prototypes gets wrong (``glvq_cost``): each reference pulls the nearest prototype of its
-class and pushes the nearest prototype of another class, most strongly near the boundary.
-A prototype is not a reference; its id is that of the member of its cluster nearest it, so a
-neighbour id still names a real training example (the one most like the prototype). What
-is guaranteed: the clusters partition each class (every reference is represented by exactly
-one prototype of its class); without refinement each prototype is its cluster's mean; each
-refinement step follows the exact gradient of the GLVQ cost (finite-difference test). There
-is no per-reference guarantee like Hart's. At 3x fewer references, refined prototypes lose
-about half the test accuracy that the plain cluster means lose, and no more than Hart's
-condensing (benchmarks/README.md, "Condensing: settings and seeds").
+classes: these are ``references condense --refine none``, and the start from which the
+default, ``--refine nca``, learns the prototypes with NCA's objective
+(``training.references.learned``). A prototype is not a reference; its id is that of the
+member of its cluster nearest it, so a neighbour id still names a real training example (the
+one most like the prototype). What is guaranteed: the clusters partition each class (every
+reference is represented by exactly one prototype of its class) and each prototype is its
+cluster's mean. There is no per-reference guarantee like Hart's. At 3x fewer references the
+cluster means lose about half a point of test accuracy on USPS and the 60k digits
+(benchmarks/README.md, "Condensing: settings and seeds").
 """
 
 from __future__ import annotations
@@ -259,25 +256,15 @@ def _cluster_means(x: np.ndarray, assignment: np.ndarray, m: int) -> np.ndarray:
     return sums / np.maximum(counts, 1)
 
 
-def prototypes(
-    z: np.ndarray,
-    y: np.ndarray,
-    *,
-    reduction: float = 3.0,
-    seed: int = 0,
-    iterations: int = 25,
-    refine_epochs: int = 30,
-    floor: int = 1,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Per-class k-means prototypes, ``class_budget(y, reduction, floor)`` centres per class,
-    then ``refine_epochs`` steps of ``refine_prototypes`` (0: the cluster means as they are).
+def class_kmeans(
+    z: np.ndarray, y: np.ndarray, budget: dict, *, seed: int = 0, iterations: int = 25
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``budget[c]`` k-means centres for each class c of y, the classes in sorted order; a
+    class no larger than its budget starts from its rows as they are.
 
-    z: (N, d), y: (N,). Returns (centres (M, d) float32, labels (M,), representative (M,) the
-    index of the member of each prototype's cluster nearest the prototype, assignment (N,)
-    each reference's cluster). A class no larger than its number of centres starts from its
-    references as they are."""
+    z: (N, d), y: (N,). Returns (centres (M, d) float64, labels (M,) of y's dtype,
+    assignment (N,) each row's centre)."""
     means, labels, assignment, offset = [], [], np.empty(len(z), dtype=np.int64), 0
-    budget = class_budget(y, reduction, floor)
     for c in np.unique(y):
         members = np.flatnonzero(y == c)
         m = budget[int(c)]
@@ -289,32 +276,31 @@ def prototypes(
         labels.append(np.full(len(mu), c, dtype=y.dtype))
         assignment[members] = offset + part
         offset += len(mu)
-    centres, labels = np.concatenate(means).astype(np.float32), np.concatenate(labels)
-    if refine_epochs > 0:
-        centres = refine_prototypes(z, y, centres, labels, epochs=refine_epochs)
+    return np.concatenate(means), np.concatenate(labels), assignment
+
+
+def prototypes(
+    z: np.ndarray,
+    y: np.ndarray,
+    *,
+    reduction: float = 3.0,
+    seed: int = 0,
+    iterations: int = 25,
+    floor: int = 1,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per-class k-means prototypes, ``class_budget(y, reduction, floor)`` centres per class
+    (``class_kmeans``).
+
+    z: (N, d), y: (N,). Returns (centres (M, d) float32, labels (M,), representative (M,) the
+    index of the member of each prototype's cluster nearest the prototype, assignment (N,)
+    each reference's cluster)."""
+    budget = class_budget(y, reduction, floor)
+    means, labels, assignment = class_kmeans(z, y, budget, seed=seed, iterations=iterations)
+    centres = means.astype(np.float32)
     d2 = ((np.asarray(z, dtype=np.float64) - centres[assignment]) ** 2).sum(1)  # (N,)
     order = np.lexsort((d2, assignment))  # by cluster, nearest first
     representative = order[np.r_[True, assignment[order][1:] != assignment[order][:-1]]]
     return centres, labels, representative, assignment
-
-
-def nearest_prototypes(
-    z: np.ndarray, y: np.ndarray, centres: np.ndarray, labels: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """For each reference, the index of the nearest prototype of its own class and of the
-    nearest prototype of any other class (one search per class, float32 distances).
-
-    z: (N, d), y: (N,), centres: (M, d), labels: (M,)  ->  (same (N,), other (N,)) int64;
-    -1 where no prototype qualifies (a class without prototypes, or a single class)."""
-    same = np.full(len(z), -1, dtype=np.int64)
-    other = np.full(len(z), -1, dtype=np.int64)
-    for c in np.unique(y):
-        members = np.flatnonzero(y == c)
-        for target, pool in ((same, labels == c), (other, labels != c)):
-            pool = np.flatnonzero(pool)
-            if len(pool):
-                target[members] = pool[_nearest(z[members], centres[pool])]
-    return same, other
 
 
 def _nearest(queries: np.ndarray, references: np.ndarray, max_floats: int = 2**24) -> np.ndarray:
@@ -327,74 +313,3 @@ def _nearest(queries: np.ndarray, references: np.ndarray, max_floats: int = 2**2
         block = queries[start : start + chunk]
         out[start : start + chunk] = squared_distances(block, references).argmin(1)
     return out
-
-
-def glvq_cost(
-    z: np.ndarray, y: np.ndarray, centres: np.ndarray, labels: np.ndarray, slope: float = 4.0
-) -> tuple[float, np.ndarray]:
-    """Generalised LVQ's cost (Sato & Yamada 1996) of prototypes on the references, and its
-    gradient with respect to the prototypes.
-
-        E = sum_i sigmoid(slope * mu_i),   mu_i = (d+_i - d-_i) / (d+_i + d-_i)  in (-1, 1),
-
-    d+_i = ||z_i - w+_i||^2 to the nearest prototype of i's class, d-_i to the nearest of any
-    other class (references without both are left out). mu_i < 0 exactly when the 1-NN rule
-    on the prototypes classifies z_i correctly, so E is a smooth count of errors. With
-    g_i = slope * sigmoid' and s_i = d+_i + d-_i (the nearest prototypes held fixed, which
-    they are almost everywhere):
-
-        dE/dw+_i = -4 g_i d-_i / s_i^2 (z_i - w+_i),   dE/dw-_i = +4 g_i d+_i / s_i^2 (z_i - w-_i).
-
-    Returns (E, gradient (M, d) float64)."""
-    cost, gradient, _, _ = _glvq(z, y, centres, labels, slope)
-    return cost, gradient
-
-
-def _glvq(z, y, centres, labels, slope) -> tuple[float, np.ndarray, np.ndarray, float]:
-    """(E, dE/dw (M, d), n_j (M,) how many references each prototype is nearest-same or
-    nearest-other for, mean_i s_i) of ``glvq_cost``, from one search."""
-    z = np.asarray(z, dtype=np.float64)
-    w = np.asarray(centres, dtype=np.float64)
-    same, other = nearest_prototypes(z, y, centres, labels)
-    rows = (same >= 0) & (other >= 0)
-    z, same, other = z[rows], same[rows], other[rows]
-    to_same, to_other = z - w[same], z - w[other]  # (n, d)
-    d_same, d_other = (to_same**2).sum(1), (to_other**2).sum(1)  # (n,)
-    s = np.maximum(d_same + d_other, np.finfo(np.float64).tiny)
-    sig = 0.5 * (1.0 + np.tanh(0.5 * slope * (d_same - d_other) / s))  # sigmoid, no overflow
-    g = slope * sig * (1.0 - sig)
-    gradient = np.zeros_like(w)
-    np.add.at(gradient, same, (-4.0 * g * d_other / s**2)[:, None] * to_same)
-    np.add.at(gradient, other, (4.0 * g * d_same / s**2)[:, None] * to_other)
-    n_j = np.bincount(np.r_[same, other], minlength=len(w))
-    return float(sig.sum()), gradient, n_j, float(s.mean()) if len(s) else 0.0
-
-
-def refine_prototypes(
-    z: np.ndarray,
-    y: np.ndarray,
-    centres: np.ndarray,
-    labels: np.ndarray,
-    *,
-    epochs: int = 30,
-    step: float = 0.15,
-    slope: float = 4.0,
-) -> np.ndarray:
-    """Move prototypes to lower GLVQ's cost (``glvq_cost``) on the references: ``epochs``
-    full-batch steps
-
-        w_j <- w_j - step * mean_i(d+_i + d-_i) * dE/dw_j / n_j,
-
-    n_j the number of references for which w_j is the nearest prototype of their class or of
-    another class (a per-prototype step, as in batch LVQ: each prototype moves by a fraction
-    of the mean pull and push it receives); the mean distance makes the step independent of
-    the embedding's scale. Returns the refined centres (M, d) float32; labels are unchanged.
-    """
-    w = np.asarray(centres, dtype=np.float64).copy()
-    z = np.asarray(z, dtype=np.float64)  # once, not every step
-    for _ in range(epochs):
-        _, gradient, n_j, mean_s = _glvq(z, y, w, labels, slope)
-        if mean_s == 0.0:  # one class, or nothing to separate
-            break
-        w -= step * mean_s * gradient / np.maximum(n_j, 1)[:, None]
-    return w.astype(np.float32)

@@ -24,8 +24,9 @@ Cost: one evaluation is O(N M d) time and O(B M) memory (rows in chunks of B, gr
 accumulated chunk by chunk), never N x N.
 
 The starting prototypes are per-class k-means centres in the starting embedding
-(``training.references.condense.kmeans``), round(N / reduction) in all, shared in proportion
-to the classes' sizes, at least one per class (``training.references.condense.class_budget``).
+(``training.references.condense.class_kmeans``), round(N / reduction) in all, shared in
+proportion to the classes' sizes, at least one per class
+(``training.references.condense.class_budget``).
 Full-batch L-BFGS (``training.optim.lbfgs``) moves them; every ``check_every`` iterations
 the validation accuracy of the 1-NN rule on the prototypes is measured and the best
 parameters are kept (the log loss can fall for long after the 1-NN boundaries stop
@@ -49,7 +50,7 @@ from training.evaluation.evaluate import K_VALUES, choose_k, knn_accuracies
 from training.numerics import zero_subnormal
 from training.optim.lbfgs import LBFGS, Evaluation
 from training.references.checkpoint import LearningState, PrototypeCheckpoint, learning_key
-from training.references.condense import _nearest, class_budget, kmeans
+from training.references.condense import _nearest, class_budget, class_kmeans
 
 LOSSES = ("log", "f")
 # L-BFGS ends when a step lowers the loss by at most this fraction, or max |g| is this small
@@ -88,14 +89,8 @@ def initial_prototypes(
     ``reduction`` is rows per prototype, or the budget itself ({class: prototypes}, every
     class of y in it). A class with no more rows than its budget starts from its rows."""
     budget = reduction if isinstance(reduction, dict) else class_budget(y, reduction)
-    centres, labels = [], []
-    for c in np.unique(y):
-        m = budget[int(c)]
-        members = u[y == c]
-        mu = members.astype(np.float64) if m >= len(members) else kmeans(members, m, seed=seed)[0]
-        centres.append(mu)
-        labels.append(np.full(len(mu), c, dtype=np.int64))
-    return np.concatenate(centres), np.concatenate(labels)
+    centres, labels, _ = class_kmeans(u, y, budget, seed=seed)
+    return centres, labels.astype(np.int64)
 
 
 class PrototypeProblem:

@@ -23,7 +23,7 @@ time, warnings), which ``GET /v1/model`` shows.
   "prototypes"; reduction defaults to 20, 5% kept), starting at per-class k-means centres.
   ``refine`` "nca" (the default) learns them with NCA's objective and the map fixed
   (``training.references.learned``, at most ``refine_epochs`` L-BFGS iterations, 200);
-  "glvq" moves them for ``refine_epochs`` GLVQ steps (30); "none" keeps the cluster means.
+  "none" keeps the cluster means.
   Prototypes are not training rows: each carries the id of the training row of its class
   nearest it, and the manifest's ``reference_set`` says what the references are. With
   "nca" the default k becomes the one the prototypes serve best on the validation split
@@ -284,29 +284,18 @@ def remove_references(model: str | Path, ids, *, out: str | Path) -> dict:
     return {**entry, "artifact": str(path)}
 
 
-def _accuracies(z_refs, y_refs, z_queries, y_queries, n_classes, ks, rule) -> dict:
-    return {
-        str(k): v
-        for k, v in knn_accuracies(
-            z_refs, y_refs, z_queries, y_queries, n_classes, ks, rule
-        ).items()
-    }
-
-
 CONDENSE_METHODS = {
     "hart": "k-NN condensing (Hart)",
     "wilson+hart": "Wilson editing then k-NN condensing",
     "prototypes-nca": "per-class k-means prototypes learned with NCA's objective, the map fixed "
     "(embeddings are prototypes, not references; each id is the training row of its class "
     "nearest it)",
-    "prototypes-glvq": "per-class k-means prototypes refined by GLVQ (embeddings are "
-    "prototypes, not references; each id is the member of its cluster nearest it)",
     "prototypes-none": "per-class k-means prototypes, the cluster means (each id is the member "
     "of its cluster nearest it)",
 }
-PROTOTYPE_REFINERS = ("nca", "glvq", "none")
+PROTOTYPE_REFINERS = ("nca", "none")
 DEFAULT_REDUCTION = 20.0  # 5% of the rows kept
-DEFAULT_REFINE_EPOCHS = {"nca": 200, "glvq": 30, "none": 0}
+DEFAULT_REFINE_EPOCHS = {"nca": 200, "none": 0}
 
 
 def _is_prototypes(parent: Artifact) -> bool:
@@ -413,13 +402,12 @@ def _condensed(parent, z, y, settings, unchanged, checkpoint_dir) -> tuple:
         return z, y, parent.ids, counts, None, parent.manifest.get("reference_set")
     if settings.get("method") == "prototypes" and settings["refine"] == "nca":
         return _learned(parent, z, y, settings, checkpoint_dir)
-    if settings.get("method") == "prototypes":
+    if settings.get("method") == "prototypes":  # --refine none: the cluster means
         centres, labels, representative, _ = prototypes(
             z,
             y,
             reduction=settings["reduction"],
             seed=settings["seed"],
-            refine_epochs=settings["refine_epochs"] if settings["refine"] == "glvq" else 0,
             floor=settings.get("min_per_class", 1),
         )
         budget = budget_record(
@@ -448,11 +436,13 @@ def _condensed(parent, z, y, settings, unchanged, checkpoint_dir) -> tuple:
 def _before_and_after(parent, before, after, ks, X_test, y_test) -> dict:
     """{split: {"before": {k: accuracy}, "after": ...}} on the validation and test rows."""
     n_classes, rule = len(parent.classes), parent.decision_rule
+
+    def accuracies(references, zq, yq) -> dict:  # {k as text: accuracy}
+        by_k = knn_accuracies(*references, zq, yq, n_classes, ks, rule)
+        return {str(k): v for k, v in by_k.items()}
+
     return {
-        name: {
-            "before": _accuracies(*before, zq, yq, n_classes, ks, rule),
-            "after": _accuracies(*after, zq, yq, n_classes, ks, rule),
-        }
+        name: {"before": accuracies(before, zq, yq), "after": accuracies(after, zq, yq)}
         for name, (zq, yq) in _evaluation_sets(parent, X_test, y_test).items()
     }
 

@@ -12,12 +12,9 @@ from training.references.condense import (
     _nearest,
     condense,
     condensed_keep,
-    glvq_cost,
     kmeans,
     knn_within,
-    nearest_prototypes,
     prototypes,
-    refine_prototypes,
     wilson_keep,
 )
 from training.references.versions import ReferenceError, condense_references
@@ -159,16 +156,13 @@ def test_prototypes_of_well_separated_clumps_are_their_means():
     assert (np.bincount(assignment) == 3).all()
 
 
-@pytest.mark.parametrize("refine_epochs", [0, 5])
 @pytest.mark.parametrize("reduction", [1.0, 2.5, 4.0])
-def test_prototypes_partition_each_class_and_sit_at_their_clusters_means(reduction, refine_epochs):
-    # without refinement each prototype is its cluster's mean; refined or not, the clusters
-    # partition each class and the representative is the member nearest the prototype
+def test_prototypes_partition_each_class_and_sit_at_their_clusters_means(reduction):
+    # each prototype is its cluster's mean, the clusters partition each class and the
+    # representative is the member nearest the prototype
     z, y = overlapping_blobs(n=500, seed=3)
     z = z.astype(np.float32)
-    P, labels, representative, assignment = prototypes(
-        z, y, reduction=reduction, seed=0, refine_epochs=refine_epochs
-    )
+    P, labels, representative, assignment = prototypes(z, y, reduction=reduction, seed=0)
     for c in np.unique(y):
         members = np.flatnonzero(y == c)
         # at most round(N_c / reduction) prototypes (k-means may leave a centre empty)
@@ -177,32 +171,12 @@ def test_prototypes_partition_each_class_and_sit_at_their_clusters_means(reducti
     assert (np.bincount(assignment, minlength=len(P)) > 0).all()  # a partition, none empty
     for j in range(len(P)):
         cluster = np.flatnonzero(assignment == j)
-        if refine_epochs == 0:
-            np.testing.assert_allclose(P[j], z[cluster].astype(np.float64).mean(0), atol=1e-5)
+        np.testing.assert_allclose(P[j], z[cluster].astype(np.float64).mean(0), atol=1e-5)
         d2 = ((z[cluster] - P[j]) ** 2).sum(1)  # a two-point cluster ties: either is nearest
         assert representative[j] in cluster
         assert d2[cluster == representative[j]][0] <= d2.min() * (1 + 1e-5)
     if reduction == 1.0:  # one reference per prototype: the set itself
         np.testing.assert_array_equal(np.sort(representative), np.arange(len(z)))
-
-
-def one_nn_errors(z, y, centres, labels):
-    """Brute force: references the 1-NN rule on the prototypes gets wrong."""
-    d2 = ((z[:, None, :] - centres[None].astype(np.float64)) ** 2).sum(-1)
-    return int((labels[d2.argmin(1)] != y).sum())
-
-
-def test_nearest_prototypes_against_brute_force():
-    z, y = overlapping_blobs(n=300, seed=5)
-    rng = np.random.default_rng(5)
-    centres, labels = rng.normal(0, 2, (17, 3)), rng.integers(0, 4, 17)
-    same, other = nearest_prototypes(z, y, centres, labels)
-    d2 = ((z[:, None, :] - centres[None]) ** 2).sum(-1)  # (N, M)
-    np.testing.assert_array_equal(same, np.where(labels == y[:, None], d2, np.inf).argmin(1))
-    np.testing.assert_array_equal(other, np.where(labels != y[:, None], d2, np.inf).argmin(1))
-    # a class without prototypes has no nearest of its own
-    same, other = nearest_prototypes(z, y, centres[labels != 2], labels[labels != 2])
-    assert (same[y == 2] == -1).all() and (same[y != 2] >= 0).all() and (other >= 0).all()
 
 
 def test_nearest_search_in_bounded_chunks_equals_brute_force():
@@ -213,58 +187,6 @@ def test_nearest_search_in_bounded_chunks_equals_brute_force():
     d2 = ((queries[:, None, :] - references[None]) ** 2).sum(-1)
     np.testing.assert_array_equal(_nearest(queries, references, max_floats=50), d2.argmin(1))
     np.testing.assert_array_equal(_nearest(queries, references, max_floats=1), d2.argmin(1))
-
-
-def test_glvq_gradient_matches_finite_differences():
-    z, y = overlapping_blobs(n=200, seed=6)
-    rng = np.random.default_rng(6)
-    centres, labels = rng.normal(0, 1.5, (12, 3)), np.arange(12) % 4
-    cost, gradient = glvq_cost(z, y, centres, labels, slope=2.0)
-    numeric = np.zeros_like(centres)
-    eps = 1e-6
-    for j, a in np.ndindex(*centres.shape):
-        up, down = centres.copy(), centres.copy()
-        up[j, a] += eps
-        down[j, a] -= eps
-        numeric[j, a] = glvq_cost(z, y, up, labels, 2.0)[0] - glvq_cost(z, y, down, labels, 2.0)[0]
-        numeric[j, a] /= 2 * eps
-    np.testing.assert_allclose(gradient, numeric, rtol=1e-5, atol=1e-7)
-    assert 0 < cost < len(z)
-
-
-def test_glvq_cost_with_a_steep_sigmoid_counts_the_1nn_errors():
-    z, y = overlapping_blobs(n=300, seed=7)
-    rng = np.random.default_rng(7)
-    centres, labels = rng.normal(0, 1.5, (20, 3)), np.arange(20) % 4
-    cost, _ = glvq_cost(z, y, centres, labels, slope=1e6)
-    assert round(cost) == one_nn_errors(z, y, centres, labels) > 0
-
-
-def test_refinement_fixes_a_point_the_cluster_means_misclassify():
-    # 1-D, one prototype per class: the means 1 and 5.67 put the boundary at 3.33, on the
-    # wrong side of the class-1 point at 3; GLVQ moves the boundary between 2 and 3
-    z, y = np.array([[0.0], [1], [2], [3], [4], [10]]), np.array([0, 0, 0, 1, 1, 1])
-    means, labels, _, _ = prototypes(z, y, reduction=3.0, refine_epochs=0)
-    np.testing.assert_allclose(means.ravel(), [1.0, 17 / 3], rtol=1e-6)
-    assert one_nn_errors(z, y, means, labels) == 1
-    refined, labels, _, _ = prototypes(z, y, reduction=3.0, refine_epochs=30)
-    assert one_nn_errors(z, y, refined, labels) == 0
-    assert 2 < refined.mean() < 3  # the 1-D boundary is the prototypes' midpoint
-
-
-def test_refinement_lowers_the_cost_and_the_errors_on_overlapping_classes():
-    z, y = overlapping_blobs(n=800, seed=8)
-    means, labels, _, _ = prototypes(z, y, reduction=4.0, refine_epochs=0)
-    costs = [glvq_cost(z, y, means, labels)[0]]
-    refined = means
-    for _ in range(6):
-        refined = refine_prototypes(z, y, refined, labels, epochs=5)
-        costs.append(glvq_cost(z, y, refined, labels)[0])
-    assert costs[-1] < 0.9 * costs[0]
-    assert one_nn_errors(z, y, refined, labels) < one_nn_errors(z, y, means, labels)
-    # one class: nothing to separate, the prototypes stay where they are
-    alone = refine_prototypes(z, np.zeros(len(z), int), means, np.zeros(len(means), int))
-    np.testing.assert_array_equal(alone, means)
 
 
 def test_kmeans_reaches_a_fixed_point_of_lloyds_iteration():
@@ -284,7 +206,7 @@ def test_condensing_to_prototypes_writes_cluster_means_with_real_ids(model, tmp_
         out=tmp_path / "p1",
         method="prototypes",
         reduction=3,
-        refine="glvq",
+        refine="none",
         X_test=split.X_test,
         y_test=split.classes[split.y_test],
     )
@@ -296,9 +218,9 @@ def test_condensing_to_prototypes_writes_cluster_means_with_real_ids(model, tmp_
     entry = first.manifest["lineage"][-1]
     assert entry["settings"] == {
         "method": "prototypes",
-        "refine": "glvq",
+        "refine": "none",
         "reduction": 3.0,
-        "refine_epochs": 30,
+        "refine_epochs": 0,
         "seed": 0,
     }
     assert "prototypes" in entry["method"] and set(summary["accuracy"]) == {"validation", "test"}
@@ -306,7 +228,7 @@ def test_condensing_to_prototypes_writes_cluster_means_with_real_ids(model, tmp_
     parent_label = dict(zip(parent.ids.tolist(), np.asarray(parent.labels).tolist(), strict=True))
     assert [parent_label[i] for i in first.ids.tolist()] == np.asarray(first.labels).tolist()
     condense_references(
-        tmp_path / "p1", out=tmp_path / "p2", method="prototypes", reduction=3, refine="glvq"
+        tmp_path / "p1", out=tmp_path / "p2", method="prototypes", reduction=3, refine="none"
     )
     assert read_artifact(tmp_path / "p2").version == first.version  # idempotent
 
@@ -316,7 +238,7 @@ def test_condensing_to_prototypes_writes_cluster_means_with_real_ids(model, tmp_
     [
         ({"method": "prototypes", "reduction": 0.5}, "--reduction must be a number > 1"),
         ({"method": "prototypes", "reduction": 1}, "--reduction must be a number > 1"),
-        ({"method": "prototypes", "refine": "lvq"}, "--refine must be one of nca, glvq, none"),
+        ({"method": "prototypes", "refine": "lvq"}, "--refine must be one of nca, none"),
         ({"method": "prototypes", "reduction": float("nan")}, "--reduction must be a number"),
         ({"method": "prototypes", "check_k": 3}, "apply to --method hart only"),
         ({"method": "prototypes", "edit_k": 3}, "apply to --method hart only"),
@@ -360,3 +282,9 @@ def test_condense_cli_prototypes_and_a_bad_reduction(model, tmp_path, capsys):
     assert read_artifact(tmp_path / "m").manifest["lineage"][-1]["settings"]["refine_epochs"] == 0
     assert cli_main([*base, "--refine-epochs", "-2", "--out", str(tmp_path / "y")]) == 2
     assert "--refine-epochs must be an integer >= 0, got -2" in capsys.readouterr().err
+    # --refine glvq was removed: a usage error that names the refiners left
+    with pytest.raises(SystemExit) as usage:
+        cli_main([*base, "--refine", "glvq", "--out", str(tmp_path / "g")])
+    err = capsys.readouterr().err
+    assert usage.value.code == 2 and "argument --refine: invalid choice: 'glvq'" in err, err
+    assert "nca" in err and "none" in err and not (tmp_path / "g").exists()

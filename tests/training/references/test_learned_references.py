@@ -388,7 +388,7 @@ def test_an_imbalanced_reference_set_compresses_and_says_which_classes_were_rais
     )
     build_model_artifact(tmp_path / "imbalanced", small)
     n = int(keep.sum())  # 8 x 125 + 5 + 12 = 1,017 rows
-    for reduction, refine in ((20, "nca"), (50, "nca"), (50, "glvq")):
+    for reduction, refine in ((20, "nca"), (50, "nca"), (50, "none")):
         out = tmp_path / f"r{reduction}-{refine}"
         summary = condense_references(
             tmp_path / "imbalanced",
