@@ -238,15 +238,6 @@ def npy_header(stream) -> tuple[tuple, np.dtype]:
     return shape, dtype
 
 
-def _check_npz_member(archive, key: str, path: Path, budget: int | None, numeric: bool) -> None:
-    """An .npz member's header against the budget (and, for features, a numeric dtype),
-    before its values are read."""
-    shape, dtype = member_header(archive, key, path)
-    if numeric and dtype.kind not in "biuf":
-        raise DataError(f"{path}: {key}: features must be numeric, got dtype {dtype}")
-    check_memory(shape, f"{path}: {key}", budget, dtype.itemsize)
-
-
 def member_header(archive, key: str, path: Path) -> tuple[tuple, np.dtype]:
     """(shape, dtype) of an .npz's member ``key`` from its header, its values unread;
     DataError naming the member when the header is not a readable .npy one."""
@@ -337,16 +328,20 @@ def _load_npz(
         raise DataError(f"{path}: not a readable .npz file ({_line(exc)})") from exc
     with archive:
         keys = set(archive.files)
-        if not (sparse_file.is_sparse_layout(keys) or labels is not None):
-            missing = {"X", "y"} - keys
-            if missing:
-                raise DataError(f"{path}: missing arrays {sorted(missing)}; found {sorted(keys)}")
+        as_sparse = sparse_file.is_sparse_layout(keys) or labels is not None
+        missing = {"X", "y"} - keys
+        if missing and not as_sparse:
+            raise DataError(f"{path}: missing arrays {sorted(missing)}; found {sorted(keys)}")
         try:
-            if sparse_file.is_sparse_layout(keys) or labels is not None:
+            if as_sparse:
                 return _load_sparse_npz(archive, path, memory_budget, label_check, labels, sparse)
             for key in ("y", "y_test", "X", "X_test"):  # every header before any value
-                if key in keys:
-                    _check_npz_member(archive, key, path, memory_budget, key.startswith("X"))
+                if key not in keys:
+                    continue
+                shape, dtype = member_header(archive, key, path)
+                if key.startswith("X") and dtype.kind not in "biuf":
+                    raise DataError(f"{path}: {key}: features must be numeric, got dtype {dtype}")
+                check_memory(shape, f"{path}: {key}", memory_budget, dtype.itemsize)
             y = archive["y"]
             label_check(y, what=f"{path}: labels")  # before any feature is read
             X = archive["X"]
