@@ -8,18 +8,17 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from service.core.artifact import ArtifactError
 from training.config import ReportCommand, TrainConfig, parse_command
-from training.data.datasets import DataError
 from training.distributed.ranks import init_from_environment
 from training.errors import (
-    ConfigError,
+    REFUSED,
     Interrupted,
     describe_os_error,
     interrupted_line,
     print_output,
     raise_on_file_size_limit,
     raise_on_interrupt,
+    refusal,
 )
 from training.evaluation.report_page import write_report_page
 from training.job import checkpoint_dir_for, run
@@ -53,22 +52,14 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         run(config, log=log)
-    except (DataError, ConfigError, ArtifactError, ValueError) as exc:
-        print(f"error{where}: {exc}", file=sys.stderr, flush=True)
-        return 2
-    except FloatingPointError as exc:  # the settings drove the loss or the map out of range
-        print(f"error{where}: {exc}", file=sys.stderr, flush=True)
-        return 2
-    except OSError as exc:
-        print(f"error{where}: {describe_os_error(exc)}", file=sys.stderr, flush=True)
-        return 2
+    except REFUSED as exc:
+        return _fail(f"error{where}: {refusal(exc)}")
     except Interrupted as exc:  # SIGINT or SIGTERM: one line, no traceback
         checkpoint = checkpoint_dir_for(config, Path(config.out)) if config.out else None
         line = interrupted_line(
             exc, time.perf_counter() - started, config.out or "--out", checkpoint
         )
-        print(f"error{where}: {line}", file=sys.stderr, flush=True)
-        return exc.exit_status
+        return _fail(f"error{where}: {line}", exc.exit_status)
     finally:
         if group.is_distributed and dist.is_initialized():
             dist.destroy_process_group()
@@ -80,22 +71,21 @@ def report_main(command: ReportCommand) -> int:
     (also when the path cannot be written to stdout)."""
     try:
         page = write_report_page(command.model_dir)
-    except (ArtifactError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 2
-    except OSError as exc:
-        print(f"error: {describe_os_error(exc)}", file=sys.stderr, flush=True)
-        return 2
+    except REFUSED as exc:
+        return _fail(f"error: {refusal(exc)}")
     failed = print_output(str(page))
     if failed is not None:
-        print(
+        return _fail(
             f"error: cannot write the page's path to standard output: "
-            f"{describe_os_error(failed)}; the page was written at {page}",
-            file=sys.stderr,
-            flush=True,
+            f"{describe_os_error(failed)}; the page was written at {page}"
         )
-        return 2
     return 0
+
+
+def _fail(line: str, status: int = 2) -> int:
+    """``line`` on stderr, flushed; returns ``status``."""
+    print(line, file=sys.stderr, flush=True)
+    return status
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -46,79 +46,50 @@ def _opt(default, help: str, **extra):
     return field(default=default, metadata={"help": help, **extra})
 
 
-def _shared(name: str, help: str, parse=None):
-    """A setting the estimator has too: its default comes from the estimator; ``parse``
-    turns the command line's text into the estimator's value (ConfigError when it cannot)."""
+def _shared(name: str, help: str):
+    """A setting the estimator has too: its default comes from the estimator."""
     default = JOB_DEFAULTS.get(name, ESTIMATOR_DEFAULTS[name])
-    return field(default=default, metadata={"help": help, "estimator": name, "parse": parse})
+    return field(default=default, metadata={"help": help, "estimator": name})
 
 
-def _n_candidates(value):
-    """'auto', 'exact' (None: every point a candidate) or an integer K >= 1."""
-    if value in ("auto", None):
-        return "auto"
-    if value in ("exact", "none", "None"):
-        return None
+def _integer(value) -> int:
+    """int(value), but not of a bool or a float (2.5 is no count of iterations)."""
+    if isinstance(value, (bool, float)):
+        raise ValueError(value)
+    return int(value)
+
+
+# The estimator's settings the command line gives as text: each one's words (None: as the
+# job's default), how a number is read, and what the message says the option takes. A number's
+# bounds are the estimator's (``training.model.parameters.CONSTRAINTS``).
+AUTO_WORDS = {None: "auto", "auto": "auto"}
+TEXT_SETTINGS = {
+    "n_candidates": (
+        {**AUTO_WORDS, "exact": None, "none": None, "None": None},
+        int,
+        "'auto', 'exact' or an integer >= 1",
+    ),
+    "l2": (AUTO_WORDS, float, "'auto' or a number in [0, 1e6]"),
+    "exact_finish": (AUTO_WORDS, _integer, "'auto' or an integer >= 0"),
+    "max_seconds": ({None: None}, float, "a number of seconds > 0, or none"),
+    "init_scale": (AUTO_WORDS, float, "'auto' or a number in [1e-06, 1e+06]"),
+}
+
+
+def parse_setting(name: str, value):
+    """The estimator's value of the setting ``name`` (a row of TEXT_SETTINGS) given as
+    ``value``: one of its words, or a number the estimator accepts; ConfigError naming the
+    option, the value and what the option takes."""
+    words, number, accepted = TEXT_SETTINGS[name]
+    if (value is None or isinstance(value, str)) and value in words:
+        return words[value]
     try:
-        k = int(value)
-    except (TypeError, ValueError):
-        raise ConfigError(
-            f"--n-candidates={value!r} must be 'auto', 'exact' or an integer >= 1"
-        ) from None
-    if k < 1:
-        raise ConfigError(f"--n-candidates={value!r} must be 'auto', 'exact' or an integer >= 1")
-    return k
-
-
-def _float_or_nan(value) -> float:
-    """float(value), or NaN for what is not a number (NaN then fails every bound check)."""
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return float("nan")
-
-
-def _l2(value):
-    """'auto' or a number in [0, parameters.L2_MAX] (the estimator's bound)."""
-    if value in ("auto", None):
-        return "auto"
-    l2 = _float_or_nan(value)
-    if not 0 <= l2 <= parameters.L2_MAX:
-        raise ConfigError(f"--l2={value!r} must be 'auto' or a number in [0, 1e6]")
-    return l2
-
-
-def _exact_finish(value):
-    """'auto' or an integer >= 0."""
-    if value in ("auto", None):
-        return "auto"
-    try:
-        n = -1 if isinstance(value, (bool, float)) else int(value)
-    except (TypeError, ValueError):
-        n = -1
-    if n < 0:
-        raise ConfigError(f"--exact-finish={value!r} must be 'auto' or an integer >= 0")
-    return n
-
-
-def _max_seconds(value):
-    """None (no budget) or a finite number of seconds > 0."""
-    if value is None:
-        return None
-    seconds = _float_or_nan(value)
-    if not 0 < seconds < float("inf"):
-        raise ConfigError(f"--max-seconds={value!r} must be a number of seconds > 0, or none")
-    return seconds
-
-
-def _init_scale(value):
-    """'auto' or a number in [1e-6, 1e6] (the estimator's bounds)."""
-    if value in ("auto", None):
-        return "auto"
-    scale = _float_or_nan(value)
-    if not 1e-6 <= scale <= 1e6:
-        raise ConfigError(f"--init-scale={value!r} must be 'auto' or a number in [1e-06, 1e+06]")
-    return scale
+        parsed = number(value)
+    except (TypeError, ValueError, OverflowError):
+        parsed = float("nan")  # no constraint accepts it
+    if not any(c.accepts(parsed) for c in parameters.CONSTRAINTS[name]):
+        raise ConfigError(f"--{name.replace('_', '-')}={value!r} must be {accepted}")
+    return parsed
 
 
 @dataclass
@@ -184,12 +155,10 @@ class TrainConfig:
         "l2",
         "L2 penalty on A (added to the mean per-point loss): a number in [0, 1e6], or auto "
         "(0.03 on the exact objective, chosen by cross-validation; 0 on candidate sets)",
-        parse=_l2,
     )
     n_candidates: str = _shared(
         "n_candidates",
         "exact (all points), auto, or K: K nearest same- and other-class candidates per point",
-        parse=_n_candidates,
     )
     refresh_every: int = _shared(
         "refresh_every", "at most this many iterations between candidate refreshes"
@@ -208,7 +177,6 @@ class TrainConfig:
         "65,536 query rows for nca/nca-log, among an evenly spaced sample of 65,536 points "
         "above that many, 2,048 rows among every point for knca-*): auto (5 "
         "for nca/nca-log, 20 for knca-*, 0 with adam), or an integer >= 0",
-        parse=_exact_finish,
     )
     candidate_search: str = _shared(
         "candidate_search",
@@ -219,14 +187,12 @@ class TrainConfig:
         "init_scale",
         "factor on the initial map: auto (the scale that maximises NCA's log-likelihood of "
         "the initial map) or a number in [1e-6, 1e6] (1: the map as built)",
-        parse=_init_scale,
     )
     max_seconds: float | None = _shared(
         "max_seconds",
         "the fit's budget in seconds: when spent, the running stage stops, later stages are "
         "skipped and the best judged map is kept (the report says so); each of --k-folds' "
         "cross-fitted fits has the same budget; none: no budget",
-        parse=_max_seconds,
     )
     stop_stalled_stages: bool = _shared(
         "stop_stalled_stages",
@@ -309,10 +275,10 @@ class TrainConfig:
         params = {}
         for f in fields(self):
             name = f.metadata.get("estimator")
-            if name is not None:
-                parse = f.metadata["parse"]
-                value = getattr(self, f.name)
-                params[name] = parse(value) if parse is not None else value
+            if name in TEXT_SETTINGS:
+                params[name] = parse_setting(name, getattr(self, f.name))
+            elif name is not None:
+                params[name] = getattr(self, f.name)
         if params["n_components"] is None:
             params["n_components"] = min(32, n_features)
         params.update(

@@ -64,6 +64,17 @@ def describe_os_error(exc: OSError) -> str:
     return f"{where}: {_cause(exc)}" if where else _cause(exc)
 
 
+# What a command refuses with exit status 2 and one line: bad input (DataError, ConfigError
+# and ArtifactError are ValueErrors), settings that drive the fit out of floating-point
+# range, output that cannot be written (an OSError: its path and cause)
+REFUSED = (ValueError, FloatingPointError, OSError)
+
+
+def refusal(exc: Exception) -> str:
+    """The line of a REFUSED exception: an OSError's path and cause, another's text."""
+    return str(exc) if isinstance(exc, (ValueError, FloatingPointError)) else describe_os_error(exc)
+
+
 @contextlib.contextmanager
 def writing(what: str, path: str | os.PathLike) -> Iterator[None]:
     """Any OSError inside becomes a WriteError naming ``what`` and ``path``."""

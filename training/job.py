@@ -30,11 +30,9 @@ from training.data.datasets import (
     fingerprint_from_row_digests,
     load_dataset,
     make_split,
-    plan_split,
     row_digests,
-    take_rows,
 )
-from training.distributed.ranks import ProcessGroup, current_group, shard_bounds
+from training.distributed.ranks import ProcessGroup, current_group
 from training.distributed.sharded_stats import gather_array
 from training.errors import (
     ConfigError,
@@ -169,7 +167,7 @@ def run(config: TrainConfig, *, log=print) -> dict:
 
     Data-parallel (under ``torchrun``, a process group initialised): every rank reads the
     labels, plans the same split, and takes its rows of the training and validation splits
-    (``shard_split``); the fit is the data-parallel estimator's; the embeddings are gathered,
+    (``split_data``); the fit is the data-parallel estimator's; the embeddings are gathered,
     and rank 0 alone evaluates, writes the artifact and publishes it while the other ranks
     wait at a barrier. Rank 0 returns the report, the others an empty dict."""
     started = time.perf_counter()
@@ -199,7 +197,7 @@ def run(config: TrainConfig, *, log=print) -> dict:
     )
     if sp.issparse(data.X):  # the settings a sparse X cannot take, before anything is said
         check_sparse_settings(config, data.X.shape[1], memory_budget(config.memory_budget_gib))
-    split = shard_split(data, config, group) if group.is_distributed else _split(data, config)
+    split = split_data(data, config, group)
     del data  # a data-parallel rank keeps only its rows
     _check_prototypes(config, split, group)
     if not group.is_distributed:  # (a data-parallel run never cross-fits)
@@ -353,10 +351,6 @@ def check_sparse_settings(config: TrainConfig, n_features: int, budget: int | No
         )
 
 
-def _split(data: Dataset, config: TrainConfig) -> Split:
-    return make_split(data, test_size=config.test_size, val_size=config.val_size, seed=config.seed)
-
-
 def _check_prototypes(config: TrainConfig, split, group: ProcessGroup) -> None:
     """--prototypes (when given) against the training split, before the fit (ConfigError)."""
     if config.prototypes is None:
@@ -384,48 +378,21 @@ def _data_name(config: TrainConfig) -> str:
     return config.data if config.data in BUILTIN_DATASETS else Path(config.data).stem
 
 
-def shard_split(data: Dataset, config: TrainConfig, group: ProcessGroup) -> Split:
-    """This rank's rows of the training and validation splits (rank 0 also takes the test
-    split), from the split every rank plans from the labels alone. Only these rows are read
-    from a memory-mapped ``.npy``, and only they are checked for NaN and Inf."""
-    if sp.issparse(data.X):
+def split_data(data: Dataset, config: TrainConfig, group: ProcessGroup) -> Split:
+    """The run's split (``make_split``): under torchrun this rank's rows, which must be
+    dense."""
+    if group.is_distributed and sp.issparse(data.X):
         raise DataError(
             f"--data {config.data} is a sparse matrix: a data-parallel run (torchrun) takes "
             "dense rows; fit it in one process (python -m training)"
         )
-    plan = plan_split(data, test_size=config.test_size, val_size=config.val_size, seed=config.seed)
-    n_train, n_val = len(plan.train_idx), len(plan.val_idx)
-    if n_train < group.world_size:
-        raise DataError(
-            f"{n_train} training rows cannot be shared by {group.world_size} ranks "
-            "(each needs at least one)"
-        )
-    t0, t1 = shard_bounds(n_train, group.rank, group.world_size)
-    v0, v1 = shard_bounds(n_val, group.rank, group.world_size)
-    mine = f"rank {group.rank}'s"
-    X_train = take_rows(data, plan.train_idx[t0:t1], what=f"X ({mine} training rows)")
-    X_val = take_rows(data, plan.val_idx[v0:v1], what=f"X ({mine} validation rows)")
-    n_features = X_train.shape[1]
-    X_test, y_test = np.empty((0, n_features)), np.empty(0, dtype=np.int64)
-    if group.rank == 0:
-        if plan.test_idx is None:
-            X_test = take_rows(
-                Dataset(X=data.X_test, y=data.y_test), np.arange(len(data.X_test)), what="X_test"
-            )
-            y_test = plan.y_test
-        else:
-            X_test = take_rows(data, plan.test_idx, what="X (test rows)")
-            y_test = plan.y_idx[plan.test_idx]
-    return Split(
-        X_train,
-        plan.y_idx[plan.train_idx[t0:t1]],
-        X_val,
-        plan.y_idx[plan.val_idx[v0:v1]],
-        X_test,
-        y_test,
-        plan.classes,
-        n_train_total=n_train,
-        n_val_total=n_val,
+    return make_split(
+        data,
+        test_size=config.test_size,
+        val_size=config.val_size,
+        seed=config.seed,
+        rank=group.rank,
+        world_size=group.world_size,
     )
 
 

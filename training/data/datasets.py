@@ -36,6 +36,7 @@ from sklearn import datasets
 
 from training.data import sparse_file
 from training.data.parquet import ParquetError, read_parquet, read_parquet_labels
+from training.distributed.ranks import shard_bounds
 
 BUILTIN_DATASETS = ("digits", "iris", "wine", "breast_cancer")
 
@@ -237,15 +238,6 @@ def npy_header(stream) -> tuple[tuple, np.dtype]:
     return shape, dtype
 
 
-def _check_npz_member(archive, key: str, path: Path, budget: int | None, numeric: bool) -> None:
-    """An .npz member's header against the budget (and, for features, a numeric dtype),
-    before its values are read."""
-    shape, dtype = member_header(archive, key, path)
-    if numeric and dtype.kind not in "biuf":
-        raise DataError(f"{path}: {key}: features must be numeric, got dtype {dtype}")
-    check_memory(shape, f"{path}: {key}", budget, dtype.itemsize)
-
-
 def member_header(archive, key: str, path: Path) -> tuple[tuple, np.dtype]:
     """(shape, dtype) of an .npz's member ``key`` from its header, its values unread;
     DataError naming the member when the header is not a readable .npy one."""
@@ -336,16 +328,20 @@ def _load_npz(
         raise DataError(f"{path}: not a readable .npz file ({_line(exc)})") from exc
     with archive:
         keys = set(archive.files)
-        if not (sparse_file.is_sparse_layout(keys) or labels is not None):
-            missing = {"X", "y"} - keys
-            if missing:
-                raise DataError(f"{path}: missing arrays {sorted(missing)}; found {sorted(keys)}")
+        as_sparse = sparse_file.is_sparse_layout(keys) or labels is not None
+        missing = {"X", "y"} - keys
+        if missing and not as_sparse:
+            raise DataError(f"{path}: missing arrays {sorted(missing)}; found {sorted(keys)}")
         try:
-            if sparse_file.is_sparse_layout(keys) or labels is not None:
+            if as_sparse:
                 return _load_sparse_npz(archive, path, memory_budget, label_check, labels, sparse)
             for key in ("y", "y_test", "X", "X_test"):  # every header before any value
-                if key in keys:
-                    _check_npz_member(archive, key, path, memory_budget, key.startswith("X"))
+                if key not in keys:
+                    continue
+                shape, dtype = member_header(archive, key, path)
+                if key.startswith("X") and dtype.kind not in "biuf":
+                    raise DataError(f"{path}: {key}: features must be numeric, got dtype {dtype}")
+                check_memory(shape, f"{path}: {key}", memory_budget, dtype.itemsize)
             y = archive["y"]
             label_check(y, what=f"{path}: labels")  # before any feature is read
             X = archive["X"]
@@ -639,12 +635,7 @@ def validate_xy(X, y, *, what: str = "X") -> tuple[np.ndarray, np.ndarray]:
     """Check features (n, D) numeric and finite and labels (n,) ints or strings."""
     X = np.asarray(X)
     y = np.asarray(y)
-    if X.dtype.kind not in "biuf":
-        raise DataError(f"{what}: features must be numeric, got dtype {X.dtype}")
-    if X.ndim != 2:
-        raise DataError(
-            f"{what}: expected a 2-D array (n_samples, n_features), got shape {X.shape}"
-        )
+    _check_features_shape(X, what)
     if X.shape[1] == 0:
         raise DataError(f"{what}: has 0 features")
     if y.ndim != 1:
@@ -778,6 +769,7 @@ def plan_split(data: Dataset, *, test_size: float, val_size: float, seed: int) -
             f"{data.named('X')} has {data.X.shape[0]} rows but its labels have {len(y)}"
         )
     classes, y_idx = np.unique(y, return_inverse=True)
+    y_test = None  # class indices of the data set's own test rows
     if data.X_test is not None:
         _, y_test_raw = validate_xy(np.zeros((len(data.y_test), 1)), data.y_test, what="X_test")
         if len(data.X_test) != len(y_test_raw):
@@ -791,41 +783,67 @@ def plan_split(data: Dataset, *, test_size: float, val_size: float, seed: int) -
         unknown = np.setdiff1d(np.unique(y_test_raw), classes)
         if unknown.size:
             raise DataError(f"y_test has labels not seen in y: {unknown.tolist()}")
-        train_idx, val_idx = stratified_split(y_idx, (val_size,), seed)
-        return SplitPlan(
-            classes, y_idx, train_idx, val_idx, None, np.searchsorted(classes, y_test_raw)
-        )
-    train_idx, val_idx, test_idx = stratified_split(y_idx, (val_size, test_size), seed)
-    return SplitPlan(classes, y_idx, train_idx, val_idx, test_idx, None)
+        y_test = np.searchsorted(classes, y_test_raw)
+    fractions = (val_size,) if data.X_test is not None else (val_size, test_size)
+    train_idx, val_idx, *test_idx = stratified_split(y_idx, fractions, seed)
+    return SplitPlan(classes, y_idx, train_idx, val_idx, test_idx[0] if test_idx else None, y_test)
 
 
-def take_rows(data: Dataset, rows: np.ndarray, *, what: str) -> np.ndarray:
-    """X[rows] as float64, checked numeric and finite (only these rows are read from a
-    memory-mapped file)."""
-    X = np.asarray(data.X[np.asarray(rows, dtype=np.int64)])
-    X_checked, _ = validate_xy(X, np.zeros(len(X), dtype=np.int64), what=what)
-    return X_checked
+def make_split(
+    data: Dataset,
+    *,
+    test_size: float,
+    val_size: float,
+    seed: int,
+    rank: int = 0,
+    world_size: int = 1,
+) -> Split:
+    """Validate, encode the labels and split into train / validation / test, by the plan
+    every rank makes from the labels alone (:func:`plan_split`).
 
-
-def make_split(data: Dataset, *, test_size: float, val_size: float, seed: int) -> Split:
-    """Validate, encode labels and split into train / validation / test. A sparse X (CSR,
-    checked by its reader: ``training.data.sparse_file``) stays sparse in every split."""
-    if sp.issparse(data.X):
-        X = data.X
-    else:
-        X, _ = validate_xy(data.X, data.y, what=data.named("X"))
+    In one process (``world_size`` 1) the splits are whole, and X is checked whole first; a
+    sparse X (CSR, checked by its reader: ``training.data.sparse_file``) stays sparse in
+    every split. Data-parallel, they are ``rank``'s rows [start, stop) of the training and
+    validation splits (``shard_bounds``) and rank 0 alone takes the test split: only these
+    rows are read from a memory-mapped ``.npy``, and only they are checked for NaN and Inf."""
+    sharded = world_size > 1
+    X = data.X
+    if not sharded and not sp.issparse(X):
+        X, _ = validate_xy(X, data.y, what=data.named("X"))
     plan = plan_split(data, test_size=test_size, val_size=val_size, seed=seed)
-    if plan.test_idx is None:
+    n_train, n_val = len(plan.train_idx), len(plan.val_idx)
+    if n_train < world_size:
+        raise DataError(
+            f"{n_train} training rows cannot be shared by {world_size} ranks "
+            "(each needs at least one)"
+        )
+
+    def rows(index: np.ndarray, what: str) -> np.ndarray:
+        """X[index], as float64 checked numeric and finite when X was not checked whole."""
+        if not sharded:
+            return X[index]
+        taken = np.asarray(X[np.asarray(index, dtype=np.int64)])
+        return validate_xy(taken, np.zeros(len(taken), dtype=np.int64), what=what)[0]
+
+    train = plan.train_idx[slice(*shard_bounds(n_train, rank, world_size))]
+    val = plan.val_idx[slice(*shard_bounds(n_val, rank, world_size))]
+    mine = f"rank {rank}'s "
+    X_train = rows(train, f"X ({mine}training rows)")
+    X_val = rows(val, f"X ({mine}validation rows)")
+    X_test, y_test = np.empty((0, X_train.shape[1])), np.empty(0, dtype=np.int64)
+    if rank == 0 and plan.test_idx is None:  # the data set's own test rows
         X_test, _ = validate_xy(data.X_test, data.y_test, what=data.named("X_test"))
         y_test = plan.y_test
-    else:
-        X_test, y_test = X[plan.test_idx], plan.y_idx[plan.test_idx]
+    elif rank == 0:
+        X_test, y_test = rows(plan.test_idx, "X (test rows)"), plan.y_idx[plan.test_idx]
     return Split(
-        X[plan.train_idx],
-        plan.y_idx[plan.train_idx],
-        X[plan.val_idx],
-        plan.y_idx[plan.val_idx],
+        X_train,
+        plan.y_idx[train],
+        X_val,
+        plan.y_idx[val],
         X_test,
         y_test,
         plan.classes,
+        n_train_total=n_train if sharded else None,
+        n_val_total=n_val if sharded else None,
     )

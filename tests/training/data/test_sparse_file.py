@@ -399,13 +399,13 @@ def test_the_sparse_euclidean_baseline_equals_knn_on_the_dense_rows(rule):
 
 def test_a_sparse_file_is_refused_by_a_data_parallel_split(tmp_path):
     from training.distributed.ranks import ProcessGroup
-    from training.job import shard_split
+    from training.job import split_data
 
     sparse_pair(tmp_path)
     data = load_dataset(str(tmp_path / "X.npz"), labels=str(tmp_path / "y.npy"), sparse=True)
     config = TrainConfig(data=str(tmp_path / "X.npz"))
     with pytest.raises(ValueError, match="a data-parallel run \\(torchrun\\) takes dense rows"):
-        shard_split(data, config, ProcessGroup(0, 2, "gloo"))
+        split_data(data, config, ProcessGroup(0, 2, "gloo"))
 
 
 def test_an_npz_of_x_and_y_is_read_densely_whatever_else_it_holds(tmp_path):
