@@ -681,3 +681,48 @@ def settings_of(estimator):
     from training.model.options import fit_settings
 
     return fit_settings(estimator.get_params())
+
+
+SPIN_AT_TORCH_IMPORT = """
+import importlib.abc, os, runpy, sys
+
+seen = []
+
+
+class Watch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "torch" and not seen:  # the first import of torch loads libgomp
+            seen.append(os.environ.get("GOMP_SPINCOUNT"))
+        return None
+
+
+sys.meta_path.insert(0, Watch())
+sys.argv = ["training", "--data", "digits", "--dry-run-that-does-not-exist"]
+try:
+    runpy.run_module("training", run_name="__main__")
+except SystemExit:
+    pass
+print(seen)
+"""
+
+
+@pytest.mark.parametrize("given, expected", [(None, "10000"), ("7", "7")])
+def test_the_job_shortens_openmps_spin_before_torch_is_imported_unless_told(given, expected):
+    """``python -m training`` sets GOMP_SPINCOUNT (libgomp reads it once, when torch loads
+    it) before torch is first imported, and keeps a value the environment gives."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    if given is not None:
+        env["GOMP_SPINCOUNT"] = given
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run(
+        [sys.executable, "-c", SPIN_AT_TORCH_IMPORT],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.stdout.strip().splitlines()[-1] == repr([expected]), done.stderr
