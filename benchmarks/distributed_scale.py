@@ -51,7 +51,8 @@ def _worker(rank, world_size, rendezvous, data_path, labels_path, mode, repeats,
     import torch
     import torch.distributed as dist
 
-    from training.distributed.ranks import ProcessGroup, shard_bounds
+    from training.distributed.ranks import ProcessGroup
+    from training.numerics import shard_bounds
     from training.objectives.registry import make_objective
     from training.optim.sharded_problem import ShardedProblem
 

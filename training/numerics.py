@@ -11,6 +11,8 @@ references, the baselines, the job), and it imports none of them: the import gra
 * ``class_runs`` (points sorted by class, one contiguous run per class),
 * ``chunk_rows`` (rows per chunk from a memory budget),
 * ``evenly_spaced_rows`` (a deterministic sample of rows, spread however they are ordered),
+* ``shard_bounds`` (rank r of P's contiguous rows [start, stop) of N: the data split and the
+  data-parallel fit cut rows the same way),
 * ``zero_subnormal`` (float32 probabilities too small to count, set to 0 before a product
   that a subnormal operand would slow 100x on some CPUs),
 * ``fisher_directions``, ``fisher_directions_of_rows``, ``principal_axes`` and
@@ -182,3 +184,13 @@ def zero_subnormal(p: torch.Tensor) -> torch.Tensor:
     if p.dtype == torch.float32:
         torch.nn.functional.threshold_(p, TINY_P, 0.0)
     return p
+
+
+def shard_bounds(n: int, rank: int, world_size: int) -> tuple[int, int]:
+    """[start, stop) of rank's rows when N rows are cut into world_size contiguous shards
+    whose sizes differ by at most one (the first N mod P shards have one more row)."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    base, extra = divmod(n, world_size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)

@@ -11,8 +11,8 @@ import numpy as np
 import torch
 
 from training import NCA
-from training.distributed.ranks import shard_bounds
 from training.model.options import with_options
+from training.numerics import shard_bounds
 from training.objectives.registry import make_objective
 from training.optim.adam import AdamEpochs
 from training.optim.lbfgs import LBFGS, ProblemLoss

@@ -36,7 +36,7 @@ from sklearn import datasets
 
 from training.data import sparse_file
 from training.data.parquet import ParquetError, read_parquet, read_parquet_labels
-from training.distributed.ranks import shard_bounds
+from training.numerics import shard_bounds
 
 BUILTIN_DATASETS = ("digits", "iris", "wine", "breast_cancer")
 

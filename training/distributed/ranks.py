@@ -2,8 +2,8 @@
 data-parallel fit uses.
 
 One process is a group of size 1 (``ProcessGroup(0, 1, "none")``): every collective here
-is then the identity, so the data-parallel code path is the only one. ``shard_bounds``
-gives rank r of P its contiguous rows [start, stop) of N; ``gather_rows`` all-gathers
+is then the identity, so the data-parallel code path is the only one. Rank r of P holds
+the contiguous rows ``training.numerics.shard_bounds`` gives it; ``gather_rows`` all-gathers
 per-rank rows into the full (N, ...) tensor; ``broadcast_from_rank0`` and ``agreed_flags`` make
 every rank see rank 0's numbers, so rounding can never make ranks take different branches
 (a mismatched collective would hang the job). The data-parallel objective built on them is
@@ -18,6 +18,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from training.numerics import shard_bounds
 
 
 @dataclass(frozen=True)
@@ -75,16 +77,6 @@ def init_from_environment(device: str = "auto") -> ProcessGroup:
     prefixed = dist.PrefixStore(f"nca-knn/world{restart}", store)
     dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size)
     return current_group()
-
-
-def shard_bounds(n: int, rank: int, world_size: int) -> tuple[int, int]:
-    """[start, stop) of rank's rows when N rows are cut into world_size contiguous shards
-    whose sizes differ by at most one (the first N mod P shards have one more row)."""
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-    base, extra = divmod(n, world_size)
-    start = rank * base + min(rank, extra)
-    return start, start + base + (1 if rank < extra else 0)
 
 
 def gather_rows(local: torch.Tensor, n: int, group: ProcessGroup) -> torch.Tensor:

@@ -171,7 +171,7 @@ class NCA(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
 
         Data-parallel: when a ``torch.distributed`` process group is initialised (``torchrun``),
         every rank calls fit with its own row shard: X, y (and X_val, y_val, if any) are rows
-        [start, stop) of the global sets in rank order, as ``training.distributed.ranks.shard_bounds``
+        [start, stop) of the global sets in rank order, as ``training.numerics.shard_bounds``
         cuts them. The standardisation, the initial map, the objective, the gradient and the
         validation accuracy are those of all rows together (``training.distributed.sharded_stats``), and
         every rank ends with the same fitted attributes. No rank holds another's rows.

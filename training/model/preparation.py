@@ -31,7 +31,6 @@ from sklearn.utils.validation import validate_data
 
 from training.data.datasets import check_finite, check_float32_range, stratified_split
 from training.distributed import sharded_stats
-from training.distributed.ranks import shard_bounds
 from training.model import parameters, sparse_input
 from training.model.initialization import (
     calibrated,
@@ -41,7 +40,7 @@ from training.model.initialization import (
 )
 from training.model.options import validation_ks
 from training.model.plan import AUTO_EXACT_MAX_SAMPLES
-from training.numerics import evenly_spaced_rows
+from training.numerics import evenly_spaced_rows, shard_bounds
 from training.references.learned import check_budget
 
 VALIDATION_MAX_ROWS = 8192  # validation rows a check during the fit classifies
@@ -249,7 +248,7 @@ def check_shard(n_local: int, n: int, group) -> None:
         raise ValueError(
             f"rank {group.rank} of {group.world_size}: X has {n_local} rows, but a "
             f"data-parallel fit takes rows [{start}, {stop}) of the N = {n} training rows "
-            "(training.distributed.ranks.shard_bounds)"
+            "(training.numerics.shard_bounds)"
         )
 
 

@@ -34,7 +34,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from training.distributed.ranks import broadcast_from_rank0, gather_rows, shard_bounds
+from training.distributed.ranks import broadcast_from_rank0, gather_rows
+from training.numerics import shard_bounds
 from training.optim.problem import Problem
 
 

@@ -29,8 +29,9 @@ from tests.training.problems import (
     data,
     evaluate_all,
 )
-from training.distributed.ranks import ProcessGroup, current_group, shard_bounds
+from training.distributed.ranks import ProcessGroup, current_group
 from training.model.options import with_options
+from training.numerics import shard_bounds
 from training.objectives.registry import make_objective
 from training.optim.sharded_problem import ShardedProblem
 
