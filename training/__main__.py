@@ -7,8 +7,9 @@ ImportError or RecursionError, with a traceback). Once the command is parsed, it
 takes over (``training.errors.raise_on_interrupt``, installed by ``training.cli.main``).
 
 Before torch is imported it also shortens how long OpenMP's idle worker threads spin
-(``GOMP_SPINCOUNT``, unless the environment sets it): libgomp reads it once, when torch
-loads it. After each of torch's parallel regions its worker spins on the other core for
+(``GOMP_SPINCOUNT``, unless the environment sets it or ``OMP_WAIT_POLICY``, from which
+libgomp derives the spin count when ``GOMP_SPINCOUNT`` is unset: PASSIVE 0, ACTIVE
+30,000,000,000): libgomp reads them once, when torch loads it. After each of torch's parallel regions its worker spins on the other core for
 300,000 turns by default, and the C row pass that follows the GEMM gets one core in effect;
 at 10,000 the real digits' default fit took 26.7 s instead of 29.4 s and clustered20k's 6.2 s
 instead of 7.6 s, the same maps (medians of three alternating pairs, ``benchmarks/README.md``,
@@ -20,7 +21,8 @@ import sys
 
 # OpenMP's idle workers spin this many turns before they sleep (libgomp's default: 300,000)
 OPENMP_SPIN_COUNT = "10000"
-os.environ.setdefault("GOMP_SPINCOUNT", OPENMP_SPIN_COUNT)
+if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
+    os.environ["GOMP_SPINCOUNT"] = OPENMP_SPIN_COUNT
 
 
 def _stop_while_starting(signum: int, frame) -> None:

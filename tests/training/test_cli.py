@@ -706,16 +706,24 @@ print(seen)
 """
 
 
-@pytest.mark.parametrize("given, expected", [(None, "10000"), ("7", "7")])
+@pytest.mark.parametrize(
+    "given, expected",
+    [
+        ({}, "10000"),
+        ({"GOMP_SPINCOUNT": "7"}, "7"),
+        ({"OMP_WAIT_POLICY": "PASSIVE"}, None),  # libgomp's own count for the policy: 0
+        ({"OMP_WAIT_POLICY": "active"}, None),
+    ],
+)
 def test_the_job_shortens_openmps_spin_before_torch_is_imported_unless_told(given, expected):
     """``python -m training`` sets GOMP_SPINCOUNT (libgomp reads it once, when torch loads
-    it) before torch is first imported, and keeps a value the environment gives."""
+    it) before torch is first imported, and keeps the spin the environment asks for, by a
+    count or by a wait policy."""
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
-    if given is not None:
-        env["GOMP_SPINCOUNT"] = given
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    env.update(given)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     done = subprocess.run(
         [sys.executable, "-c", SPIN_AT_TORCH_IMPORT],
