@@ -7,13 +7,14 @@ ImportError or RecursionError, with a traceback). Once the command is parsed, it
 takes over (``training.errors.raise_on_interrupt``, installed by ``training.cli.main``).
 
 Before torch is imported it also shortens how long OpenMP's idle worker threads spin
-(``GOMP_SPINCOUNT``, unless the environment sets it or ``OMP_WAIT_POLICY``, from which
+(``GOMP_SPINCOUNT``), unless the environment sets it or ``OMP_WAIT_POLICY`` (from which
 libgomp derives the spin count when ``GOMP_SPINCOUNT`` is unset: PASSIVE 0, ACTIVE
-30,000,000,000): libgomp reads them once, when torch loads it. After each of torch's parallel regions its worker spins on the other core for
-300,000 turns by default, and the C row pass that follows the GEMM gets one core in effect;
-at 10,000 the real digits' default fit took 26.7 s instead of 29.4 s and clustered20k's 6.2 s
-instead of 7.6 s, the same maps (medians of three alternating pairs, ``benchmarks/README.md``,
-"OpenMP's spinning worker")."""
+30,000,000,000); libgomp reads them once, when torch loads it. After each of torch's
+parallel regions its worker spins on the other core for 300,000 turns by default, and the C
+row pass that follows the GEMM gets one core in effect; at 10,000 the real digits' default
+fit took 26.7 s instead of 29.4 s and clustered20k's 6.2 s instead of 7.6 s, the same maps
+(medians of three alternating pairs, ``benchmarks/README.md``, "OpenMP's spinning
+worker")."""
 
 import os
 import signal
