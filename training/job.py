@@ -19,7 +19,6 @@ from sklearn.exceptions import ConvergenceWarning
 from service.core.artifact import ArtifactError, OutputClaim, write_artifact
 from service.core.artifact.ownership import check_writable, is_artifact
 from service.core.knn import project
-from service.core.vocabulary import NEIGHBOUR_RULES
 from training.config import TrainConfig
 from training.data.datasets import (
     BUILTIN_DATASETS,
@@ -32,7 +31,7 @@ from training.data.datasets import (
     make_split,
     row_digests,
 )
-from training.distributed.ranks import ProcessGroup, current_group
+from training.distributed.ranks import ProcessGroup, agreed_value, current_group
 from training.distributed.sharded_stats import gather_array
 from training.errors import (
     ConfigError,
@@ -48,10 +47,12 @@ from training.evaluation.calibration import calibrate, outlier_report
 from training.evaluation.cross_fit import check_k_folds, choose_served_k, largest_class
 from training.evaluation.evaluate import (
     K_VALUES,
+    SERVED_VOTES,
     knn_accuracies,
     knn_accuracies_by_rule,
     knn_predictions,
     nearest_references,
+    parse_vote,
     sparse_knn_accuracies,
 )
 from training.evaluation.report import (
@@ -121,9 +122,9 @@ def baseline_rows(n_rows: int, n_references: int, dimensions: int) -> np.ndarray
     return evenly_spaced_rows(n_rows, max(MIN_BASELINE_ROWS, budget))
 
 
-def evaluate_baselines(split, mean, scale, d: int, rule: str) -> dict:
+def evaluate_baselines(split, mean, scale, d: int, vote: str) -> dict:
     """kNN accuracies of each baseline map on the same split (validation and test), with the
-    decision rule the artifact serves; maps that keep D dimensions on evenly spaced rows
+    vote the artifact serves (a rule, or "soft@t": ``evaluate.parse_vote``); maps that keep D dimensions on evenly spaced rows
     within BASELINE_SEARCH_BUDGET (``val_rows``, ``test_rows`` say how many)."""
     Xtr = (split.X_train - mean) / scale
     Xtr32 = Xtr.astype(np.float32)  # the embeddings by float32 GEMMs
@@ -142,7 +143,7 @@ def evaluate_baselines(split, mean, scale, d: int, rule: str) -> dict:
             rows = baseline_rows(len(X), len(z_tr), A32.shape[0])
             z = ((X[rows] - mean) / scale).astype(np.float32) @ A32.T
             record[f"{part}_accuracy"] = knn_accuracies(
-                z_tr, split.y_train, z, y[rows], n_classes, K_VALUES, rule
+                z_tr, split.y_train, z, y[rows], n_classes, K_VALUES, vote
             )
             record[f"{part}_rows"] = len(rows)
         results[name] = record
@@ -280,7 +281,7 @@ def _served_line(evaluation) -> str:
     """What the served (k, vote) scores on the test rows, beside the Euclidean baseline; or
     that there are no test rows to score (the data's X_test was empty, or too few rows of
     each class for --test-size to take one)."""
-    k, rule = evaluation.default_k, evaluation.rule
+    k, rule = evaluation.default_k, evaluation.vote  # "soft@0.5": the soft vote at t = 0.5
     if not evaluation.test_accuracy:
         return f"served k={k}, {rule} vote; no test rows, so no test accuracy"
     if "euclidean" in evaluation.baselines:
@@ -505,6 +506,11 @@ class Evaluation:
     # which curve chose the served (rule, k), on how many rows ("validation" or "cross-fitted"
     # with its folds and its {rule: {k: accuracy}}): training.evaluation.cross_fit
     k_choice: dict | None = None
+    # the vote chosen: the rule, or "soft@t" for the soft vote at temperature t (evaluate's
+    # SERVED_VOTES), which the served map carries in its scale
+    vote: str = "majority"
+    projection: np.ndarray | None = None  # (d, D) float32: the served map, sqrt(t) x the fit's
+    offset: np.ndarray | None = None  # (d,) float32
 
 
 BASELINES_SKIPPED = (
@@ -519,7 +525,7 @@ BASELINES_SKIPPED_SPARSE = (
 )
 
 
-def sparse_baselines(split, rule: str) -> dict:
+def sparse_baselines(split, vote: str) -> dict:
     """The baselines of a sparse split: kNN on the rows as they are (the sparse fit does not
     standardise them), on evenly spaced validation and test rows within
     BASELINE_SEARCH_BUDGET (a query costs about N times a row's non-zeros); the others
@@ -530,7 +536,7 @@ def sparse_baselines(split, rule: str) -> dict:
     for part, X, y in (("val", split.X_val, split.y_val), ("test", split.X_test, split.y_test)):
         rows = baseline_rows(X.shape[0], n_train, per_row)
         record[f"{part}_accuracy"] = sparse_knn_accuracies(
-            split.X_train, split.y_train, X[rows], y[rows], len(split.classes), K_VALUES, rule
+            split.X_train, split.y_train, X[rows], y[rows], len(split.classes), K_VALUES, vote
         )
         record[f"{part}_rows"] = len(rows)
     return {"euclidean": record, "skipped": BASELINES_SKIPPED_SPARSE}
@@ -539,63 +545,89 @@ def sparse_baselines(split, rule: str) -> dict:
 def evaluate(
     estimator: NCA, split, config: TrainConfig, group: ProcessGroup | None = None, log=print
 ) -> Evaluation | None:
-    """Project every split, score kNN for each k in K_VALUES with the served decision rule
-    (with --decision-rule auto, each of NEIGHBOUR_RULES), choose the rule and the default k
-    on validation or on cross-fitted votes (``training.evaluation.cross_fit``), score the
-    baselines with the same rule.
+    """Project every split, score kNN for each k in K_VALUES with each vote the artifact may
+    serve (--decision-rule auto: ``SERVED_VOTES``, the majority vote and the soft vote at
+    each of ``SOFT_TEMPERATURES``), choose the vote and the default k on validation or on
+    cross-fitted votes (``training.evaluation.cross_fit``), and score the test rows and the
+    baselines with that vote.
+
+    The served map is the fitted one multiplied by sqrt(t), t the chosen soft vote's
+    temperature (1 for the majority vote): the service's soft rule on it is the soft vote
+    at t. Every split is projected by that map, as the service projects a query.
 
     Data-parallel: the ranks' projected training and validation rows (N x d: small), their
-    labels and row digests are gathered; rank 0 scores them, the other ranks return None."""
+    labels and row digests are gathered; rank 0 scores them and chooses, every rank
+    projects its rows again when the chosen map is another, and the other ranks return
+    None."""
     group = group or ProcessGroup()
+
+    def projected(W: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, ...]:
+        """(z_train, z_val, z_test) in the map (W, b); data-parallel, every rank's training
+        and validation rows in rank order."""
+        z_train, z_val, z_test = (
+            (sparse_input.project if sp.issparse(x) else project)(x, W, b)
+            for x in (split.X_train, split.X_val, split.X_test)
+        )
+        if group.is_distributed:
+            z_train = gather_array(z_train, split.n_train, group)
+            z_val = gather_array(z_val, split.n_val, group)
+        return z_train, z_val, z_test
+
     W, b = estimator.projection_, estimator.offset_
-    z_train, z_val, z_test = (
-        (sparse_input.project if sp.issparse(x) else project)(x, W, b)
-        for x in (split.X_train, split.X_val, split.X_test)
-    )
+    z_train, z_val, z_test = projected(W, b)
     y_train, y_val = split.y_train, split.y_val
     digests = row_digests(split.X_train)
     if group.is_distributed:
-
-        def gather(rows: np.ndarray, n: int) -> np.ndarray:
-            return gather_array(rows, n, group)
-
-        z_train, y_train = gather(z_train, split.n_train), gather(y_train, split.n_train)
-        digests = gather(digests, split.n_train)
-        z_val, y_val = gather(z_val, split.n_val), gather(y_val, split.n_val)
-        if group.rank != 0:
-            return None
+        y_train, y_val = (
+            gather_array(y_train, split.n_train, group),
+            gather_array(y_val, split.n_val, group),
+        )
+        digests = gather_array(digests, split.n_train, group)
     n_classes = len(split.classes)
-    z_ref, y_ref, ref_ids, k = z_train, y_train, None, config.k  # the references served
     prototypes = getattr(estimator, "prototypes_", None)
-    if prototypes is not None:  # learned prototypes instead
-        z_ref, y_ref, k = estimator.prototypes_, estimator.prototype_labels_.astype(np.int64), 1
-        ref_ids = estimator.prototype_rows_  # the training row of its class nearest each
-    # "auto": the rule and k that serve the validation rows best (majority among equals)
-    rules = NEIGHBOUR_RULES if config.decision_rule == "auto" else (config.decision_rule,)
-    val_by_rule = knn_accuracies_by_rule(z_ref, y_ref, z_val, y_val, n_classes, K_VALUES, rules)
-    quiet = replace(config, quiet=True)  # the cross-fit's fits: no bar or table
-    rule, default_k, k_choice = choose_served_k(
-        lambda: build_estimator(quiet, split.X_train.shape[1]),
-        split,
-        # a data-parallel run, and learned prototypes (the references served), do not
-        # cross-fit: their curve is the validation split's
-        "0" if group.is_distributed or prototypes is not None else config.k_folds,
-        config.seed,
-        rules,
-        val_by_rule,
-        min(k, len(z_ref)),
-        log,
-    )
-    val_acc = val_by_rule[rule]
+    # "auto": the vote and k that serve the validation rows best (majority among equals)
+    votes = SERVED_VOTES if config.decision_rule == "auto" else (config.decision_rule,)
+    vote, default_k, k_choice, val_by_vote = None, None, None, None
+    if group.rank == 0:
+        z_ref, y_ref, k = z_train, y_train, config.k  # the references served
+        if prototypes is not None:  # learned prototypes instead
+            z_ref, y_ref, k = prototypes, estimator.prototype_labels_.astype(np.int64), 1
+        val_by_vote = knn_accuracies_by_rule(z_ref, y_ref, z_val, y_val, n_classes, K_VALUES, votes)
+        quiet = replace(config, quiet=True)  # the cross-fit's fits: no bar or table
+        vote, default_k, k_choice = choose_served_k(
+            lambda: build_estimator(quiet, split.X_train.shape[1]),
+            split,
+            # a data-parallel run, and learned prototypes (the references served), do not
+            # cross-fit: their curve is the validation split's
+            "0" if group.is_distributed or prototypes is not None else config.k_folds,
+            config.seed,
+            votes,
+            val_by_vote,
+            min(k, len(z_ref)),
+            log,
+        )
+    # the served map: the vote's temperature t in its scale (every rank projects by it)
+    temperature = agreed_value(parse_vote(vote)[1] if group.rank == 0 else 1.0, group)
+    if temperature != 1.0:
+        scale = np.float32(np.sqrt(temperature))
+        W, b = W * scale, b * scale  # float32: as the artifact stores them
+        z_train, z_val, z_test = projected(W, b)
+    if group.rank != 0:
+        return None
+    rule = parse_vote(vote)[0]  # the service's rule on the served map
+    z_ref, y_ref, ref_ids = z_train, y_train, None
+    if prototypes is not None:  # the prototypes in the served map's scale
+        z_ref, y_ref = prototypes * np.float32(np.sqrt(temperature)), estimator.prototype_labels_
+        y_ref, ref_ids = y_ref.astype(np.int64), estimator.prototype_rows_
     test_acc = knn_accuracies(z_ref, y_ref, z_test, split.y_test, n_classes, K_VALUES, rule)
     predictions = knn_predictions(z_ref, y_ref, z_test, n_classes, (default_k,), rule)
     if group.is_distributed:
         baselines = {"skipped": BASELINES_SKIPPED}
     elif sp.issparse(split.X_train):
-        baselines = sparse_baselines(split, rule)
+        baselines = sparse_baselines(split, vote)
     else:
         baselines = evaluate_baselines(
-            split, estimator.mean_, estimator.scale_, estimator.n_components, rule
+            split, estimator.mean_, estimator.scale_, estimator.n_components, vote
         )
     return Evaluation(
         z_train,
@@ -603,7 +635,7 @@ def evaluate(
         z_val,
         y_val,
         z_test,
-        val_acc,
+        val_by_vote[vote],
         test_acc,
         default_k,
         predictions[default_k],
@@ -615,8 +647,11 @@ def evaluate(
         ref_ids,
         nearest_reference_distances(z_ref, z_val, z_test),
         rule,
-        val_by_rule if len(rules) > 1 else None,
+        val_by_vote if len(votes) > 1 else None,
         k_choice,
+        vote,
+        W,
+        b,
     )
 
 
@@ -728,6 +763,10 @@ def build_report(
     }
     if ev.val_accuracy_by_rule is not None:  # --decision-rule auto: what it chose among
         metrics["decision_rule"] = ev.rule
+        # the vote chosen ("soft@t": the soft vote at temperature t, served as the map
+        # multiplied by sqrt(t), map_scale)
+        metrics["vote"] = ev.vote
+        metrics["map_scale"] = float(np.sqrt(parse_vote(ev.vote)[1]))
         metrics["val_accuracy_by_rule"] = ev.val_accuracy_by_rule
     data_record = {
         "name": data_name,
@@ -773,8 +812,8 @@ def save_artifact(
     with writing("the artifact", out):  # a full or read-only disk: path and cause, exit 2
         write_artifact(
             out,
-            projection=estimator.projection_,
-            offset=estimator.offset_,
+            projection=ev.projection,
+            offset=ev.offset,
             embeddings=ev.z_ref,
             labels=ev.y_ref.astype(np.int32),
             ids=ev.ref_ids,

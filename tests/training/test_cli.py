@@ -403,20 +403,27 @@ def test_publish_refuses_to_replace_a_real_directory(tmp_path, capsys):
 
 
 def test_decision_rule_auto_serves_the_rule_and_k_best_on_validation(tmp_path):
-    """By default the job scores majority and soft votes for every k on validation and
-    serves the best pair: the artifact, report.json and the test predictions agree on it,
-    and its validation accuracy is the best of all pairs; a rule given is served as given."""
+    """By default the job scores the majority vote and the soft vote at each temperature
+    for every k on validation and serves the best pair: the artifact, report.json and the
+    test predictions agree on it, and its validation accuracy is the best of all pairs; a
+    rule given is served as given. (tests/training/evaluation/test_served_vote.py: a soft
+    vote at t < 1 served as the map multiplied by sqrt(t).)"""
+    from training.evaluation.evaluate import SERVED_VOTES, parse_vote
+
     out = tmp_path / "auto"
-    assert main(["--data", "digits", "--n-components", "8", "--out", str(out), "--quiet"]) == 0
+    args = ["--data", "digits", "--n-components", "8", "--k-folds", "0"]
+    assert main([*args, "--out", str(out), "--quiet"]) == 0
     artifact = read_artifact(out)
     report = json.loads((out / "report.json").read_text())
     metrics = report["metrics"]
     by_rule = metrics["val_accuracy_by_rule"]
-    assert set(by_rule) == {"majority", "soft"}
+    assert set(by_rule) == set(SERVED_VOTES)
     assert artifact.decision_rule == metrics["decision_rule"] == report["test_predictions"]["rule"]
+    assert parse_vote(metrics["vote"])[0] == metrics["decision_rule"]
+    assert metrics["map_scale"] == pytest.approx(np.sqrt(parse_vote(metrics["vote"])[1]))
     best = max(v for by_k in by_rule.values() for v in by_k.values())
     assert metrics["val_accuracy_at_default_k"] == best
-    assert by_rule[metrics["decision_rule"]][str(artifact.default_k)] == best
+    assert by_rule[metrics["vote"]][str(artifact.default_k)] == best
     given = tmp_path / "soft"
     args = ["--data", "digits", "--n-components", "8", "--decision-rule", "soft"]
     assert main([*args, "--out", str(given), "--quiet"]) == 0
@@ -467,10 +474,10 @@ def test_knca_end_to_end_records_objective_and_k(tmp_path, objective):
     manifest = read_artifact(out).manifest
     assert manifest["training"]["objective"] == objective and manifest["training"]["k"] == 3
     # iris's validation split is small: the served k is the best of the cross-fitted curve
-    # of the served rule (training k 3 among equals)
+    # of the served vote (training k 3 among equals)
     choice = manifest["metrics"]["k_choice"]
     assert choice["method"] == "cross-fitted" and choice["rows"] == 120  # of 150: 30 test
-    curve = choice["accuracy"][manifest["decision_rule"]]
+    curve = choice["accuracy"][manifest["metrics"]["vote"]]  # the vote served: "soft@t" too
     best = max(curve.values())
     assert (
         manifest["default_k"] == 3

@@ -114,6 +114,17 @@ def lowest_and_highest(value: int, group: ProcessGroup) -> tuple[int, int]:
     return int(values[0]), -int(values[1])
 
 
+def agreed_value(value: float, group: ProcessGroup) -> float:
+    """Rank 0's ``value`` on every rank (the other ranks' are ignored): a choice rank 0 made
+    alone from the gathered rows, which every rank then acts on. Unchanged in a single
+    process."""
+    if not group.is_distributed:
+        return value
+    device = torch.device("cuda", torch.cuda.current_device()) if group.backend == "nccl" else None
+    values = torch.tensor([value], dtype=torch.float64, device=device)
+    return float(broadcast_from_rank0(values, group)[0])
+
+
 def agreed_flags(flags: tuple[bool, ...], group: ProcessGroup) -> tuple[bool, ...]:
     """Rank 0's ``flags`` on every rank: a decision taken by a clock (a budget spent, a
     held-out check due) must be taken by every rank at the same iteration, or their

@@ -17,6 +17,34 @@ from service.core.vocabulary import DecisionRule
 
 K_VALUES = (1, 3, 5, 7, 9, 11, 13, 15)
 
+# The soft vote at temperature t weighs the k nearest references by exp(-t d_j^2): the soft
+# vote of the map multiplied by sqrt(t). t = 1 is the map's own scale, which NCA's objective
+# calibrates on the training rows; a smaller t flattens the weights toward the majority
+# vote. --decision-rule auto chooses among the majority vote and the soft vote at each of
+# these temperatures (``SERVED_VOTES``); the artifact serves the service's soft rule on the
+# map multiplied by sqrt(t) (benchmarks/README.md, "The soft vote's temperature").
+SOFT_TEMPERATURES = (1.0, 0.5, 0.25)
+
+
+def vote_name(rule: str, temperature: float = 1.0) -> str:
+    """A vote's name in the curves and the report: the rule's name ("majority", "soft"), or
+    "soft@t" for the soft vote at a temperature t other than 1."""
+    return rule if temperature == 1.0 else f"{rule}@{temperature:g}"
+
+
+def parse_vote(name: str) -> tuple[str, float]:
+    """(the service's rule, the temperature t) of a vote's name (``vote_name``'s inverse):
+    "majority" and "soft" are at t = 1, "soft@0.5" is the soft rule at t = 0.5."""
+    rule, _, temperature = name.partition("@")
+    return rule, float(temperature) if temperature else 1.0
+
+
+# the votes --decision-rule auto chooses among, in the order ties go (majority first)
+SERVED_VOTES = (
+    DecisionRule.MAJORITY.value,
+    *(vote_name(DecisionRule.SOFT.value, t) for t in SOFT_TEMPERATURES),
+)
+
 
 def knn_predictions(
     z_ref: np.ndarray,
@@ -131,10 +159,11 @@ def knn_accuracies_by_rule(
     ks: tuple[int, ...] = K_VALUES,
     rules: tuple[str, ...] = ("majority",),
 ) -> dict[str, dict[int, float]]:
-    """{rule: {k: accuracy}} for each of ``rules`` (majority, soft), from one neighbour
-    search: the rules differ only in how the k nearest labels and distances vote. {rule: {}}
-    without queries; values of k above N are dropped."""
-    if DecisionRule.SOFT_PRIOR.value in rules:
+    """{rule: {k: accuracy}} for each of ``rules`` (majority, soft, or a vote's name such as
+    "soft@0.5": ``parse_vote``), from one neighbour search: the rules differ only in how the
+    k nearest labels and distances vote. {rule: {}} without queries; values of k above N are
+    dropped."""
+    if any(parse_vote(rule)[0] == DecisionRule.SOFT_PRIOR.value for rule in rules):
         raise ValueError("rule 'soft_prior' needs outlier_threshold: use knn_predictions")
     ks = tuple(k for k in ks if k <= len(z_ref))
     if len(z_query) == 0 or not ks:
@@ -143,9 +172,12 @@ def knn_accuracies_by_rule(
     return {rule: accuracies_at(y_ref[idx], dist, y_query, n_classes, ks, rule) for rule in rules}
 
 
-def accuracies_at(labels, dist, y_query, n_classes: int, ks, rule: str) -> dict[int, float]:
-    """{k: accuracy} of the rule's decision from the k nearest of each query: labels (n, m)
-    and dist (n, m) of its neighbours in order, m >= max(ks); y_query (n,)."""
+def accuracies_at(labels, dist, y_query, n_classes: int, ks, vote: str) -> dict[int, float]:
+    """{k: accuracy} of the vote's decision from the k nearest of each query: labels (n, m)
+    and squared distances dist (n, m) of its neighbours in order, m >= max(ks); y_query
+    (n,). The vote's temperature t (``parse_vote``) multiplies the distances."""
+    rule, temperature = parse_vote(vote)
+    dist = dist * temperature if temperature != 1.0 else dist
     return {
         k: float(np.mean(decide(labels[:, :k], dist[:, :k], n_classes, rule)[0] == y_query))
         for k in ks

@@ -177,7 +177,8 @@ def _accuracy_chart(metrics: dict) -> str:
     choice = metrics.get("k_choice") or {}
     if choice.get("method") == "cross-fitted":  # the curve the served k was chosen on
         curves = choice.get("accuracy") or {}  # {rule: {k: accuracy}}, one rule unless auto
-        curve = curves.get(metrics.get("decision_rule") or next(iter(curves), ""), {})
+        served = metrics.get("vote") or metrics.get("decision_rule")  # "soft@0.5": the vote
+        curve = curves.get(served or next(iter(curves), ""), {})
         label = f"NCA (ours), {choice.get('folds')} folds cross-fitted"
         series.append(Series(label, points(curve), markers=True))
     for name, record in _baselines(metrics):

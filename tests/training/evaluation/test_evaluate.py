@@ -55,3 +55,31 @@ def test_accuracies_by_rule_from_one_search_equal_each_rule_scored_alone():
     assert empty == {"majority": {}, "soft": {}}
     with pytest.raises(ValueError, match="soft_prior"):
         knn_accuracies_by_rule(z_ref, y_ref, z_q, y_q, 3, ks, ("soft_prior",))
+
+
+def test_a_soft_vote_at_a_temperature_is_the_soft_vote_of_the_scaled_map():
+    """ "soft@t" weighs the k nearest by exp(-t d^2): the soft vote of the embeddings
+    multiplied by sqrt(t) (here t = 1/4, a scale of 1/2, exact in float). Names round-trip
+    through vote_name / parse_vote; majority and soft are at t = 1."""
+    from training.evaluation.evaluate import (
+        SERVED_VOTES,
+        knn_accuracies_by_rule,
+        parse_vote,
+        vote_name,
+    )
+
+    rng = np.random.default_rng(5)
+    z_ref, y_ref = rng.normal(size=(80, 3)), rng.integers(0, 3, 80)
+    z_q, y_q = rng.normal(size=(60, 3)), rng.integers(0, 3, 60)
+    ks = (1, 3, 5, 9, 15)
+    tempered = knn_accuracies_by_rule(z_ref, y_ref, z_q, y_q, 3, ks, ("soft@0.25",))["soft@0.25"]
+    scaled = knn_accuracies_by_rule(z_ref / 2, y_ref, z_q / 2, y_q, 3, ks, ("soft",))["soft"]
+    assert tempered == scaled
+    plain = knn_accuracies_by_rule(z_ref, y_ref, z_q, y_q, 3, ks, ("soft",))["soft"]
+    assert tempered != plain  # the temperature changes the votes on this data
+    assert SERVED_VOTES == ("majority", "soft", "soft@0.5", "soft@0.25")
+    for name in SERVED_VOTES:
+        assert vote_name(*parse_vote(name)) == name
+    assert parse_vote("majority") == ("majority", 1.0) and parse_vote("soft@0.5") == ("soft", 0.5)
+    with pytest.raises(ValueError, match="soft_prior"):
+        knn_accuracies_by_rule(z_ref, y_ref, z_q, y_q, 3, ks, ("soft_prior@0.5",))
