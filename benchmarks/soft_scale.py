@@ -39,15 +39,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness.report import machine, print_table, save_json
-from uci_served_k import uci_sets
+from uci_served_k import job_artifact, uci_sets
 
 USPS = Path(__file__).resolve().parents[2] / "shared" / "data" / "usps.npz"
 
@@ -106,18 +104,8 @@ def one_run(name, X, y, X_test, y_test, seed: int, temperatures) -> dict:
     from service.core.knn import project
     from training.config import TrainConfig
     from training.evaluation.evaluate import choose_rule_and_k, vote_name
-    from training.job import run
 
-    with tempfile.TemporaryDirectory() as tmp:
-        data = Path(tmp) / f"{name}.npz"
-        np.savez(data, X=X, y=y, X_test=X_test, y_test=y_test)
-        out = Path(tmp) / "model"
-        started = time.perf_counter()
-        config = TrainConfig(
-            data=str(data), out=str(out), plots=False, quiet=True, k_folds="0", seed=seed
-        )
-        run(config, log=lambda *_: None)
-        seconds = time.perf_counter() - started
+    with job_artifact(name, X, y, X_test, y_test, "0", seed) as (out, seconds):
         metrics = json.loads((out / "report.json").read_text())["metrics"]
         scale = float(metrics.get("map_scale", 1.0))  # the served map over the fitted one
         art = read_artifact(out)
@@ -136,7 +124,7 @@ def one_run(name, X, y, X_test, y_test, seed: int, temperatures) -> dict:
     best = max(test[r][k] for r in test for k in test[r])
     replayed = {}
     for label, rules in choices(temperatures).items():
-        rule, k = choose_rule_and_k({r: val[r] for r in rules}, config.k)
+        rule, k = choose_rule_and_k({r: val[r] for r in rules}, TrainConfig().k)
         replayed[label] = {
             "served": f"{rule} {k}",
             "test_error": 100 * (1 - test[rule][k]),

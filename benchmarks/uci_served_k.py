@@ -29,6 +29,7 @@ Writes benchmarks/results/NAME.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
@@ -85,8 +86,11 @@ def test_curves(model: Path, X_test: np.ndarray, y_test: np.ndarray) -> dict[str
     )
 
 
-def one_run(name, X, y, X_test, y_test, k_folds: str, seed: int) -> dict:
-    """The job on one set with one --k-folds and --seed: what it served, against the best."""
+@contextlib.contextmanager
+def job_artifact(name, X, y, X_test, y_test, k_folds: str, seed: int):
+    """The job with its defaults on one set (written as an .npz with its own test rows),
+    with ``--k-folds`` and ``--seed``, in a temporary folder: yields (the artifact's path,
+    the job's seconds); the folder goes when the block ends."""
     from training.config import TrainConfig
     from training.job import run
 
@@ -99,7 +103,12 @@ def one_run(name, X, y, X_test, y_test, k_folds: str, seed: int) -> dict:
             data=str(data), out=str(out), plots=False, quiet=True, k_folds=k_folds, seed=seed
         )
         run(config, log=lambda *_: None)
-        seconds = time.perf_counter() - started
+        yield out, time.perf_counter() - started
+
+
+def one_run(name, X, y, X_test, y_test, k_folds: str, seed: int) -> dict:
+    """The job on one set with one --k-folds and --seed: what it served, against the best."""
+    with job_artifact(name, X, y, X_test, y_test, k_folds, seed) as (out, seconds):
         metrics = json.loads((out / "report.json").read_text())["metrics"]
         curves = test_curves(out, X_test, y_test)
     served_rule, served_k = metrics.get("decision_rule", "majority"), metrics["default_k"]
