@@ -14,7 +14,10 @@ Each set runs once per ``--k-folds`` setting given, side by side: ``0`` chooses 
 training and validation rows where the validation split is small
 (``training.evaluation.cross_fit``), a number forces that many folds. The regret is
 measured against the best (rule, k) on the test rows over every rule, from the artifact's
-map and references (the test curve of each rule), so a choice of vote counts too.
+map and references (the test curve of each rule), so a choice of vote counts too. Where
+the job chose a soft vote at a temperature t, the artifact's map carries it (times
+sqrt(t)): its "soft" curve is then the soft vote at that t (``benchmarks/soft_scale.py``
+scores every t on the fitted map).
 (The leave-one-out and pooled curves this script measured before the cross-fit are in
 ``results/uci_served_k.json`` and in git history.)
 

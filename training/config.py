@@ -241,8 +241,9 @@ class TrainConfig:
     decision_rule: str = _opt(
         "auto",
         f"default decision rule in the artifact: {' or '.join(NEIGHBOUR_RULES)}, or auto (the "
-        "rule, with the k, that scores best on the validation split; majority among equals); "
-        "soft_prior is chosen per request",
+        "vote, with the k, that scores best on the validation split among majority and soft "
+        "at a temperature t of 1, 0.5 or 0.25, the earlier among equals; soft at t is served "
+        "on the map multiplied by sqrt(t)); soft_prior is chosen per request",
     )
     k_folds: str = _opt(
         "auto",
@@ -270,7 +271,8 @@ class TrainConfig:
             raise ConfigError(
                 f"--decision-rule={self.decision_rule!r} must be one of "
                 f"{[*NEIGHBOUR_RULES, 'auto']} (soft_prior needs the outlier calibration made "
-                "after training: ask for it per request)"
+                "after training: ask for it per request; a soft vote at a temperature is "
+                "chosen by auto)"
             )
         params = {}
         for f in fields(self):

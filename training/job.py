@@ -124,7 +124,8 @@ def baseline_rows(n_rows: int, n_references: int, dimensions: int) -> np.ndarray
 
 def evaluate_baselines(split, mean, scale, d: int, vote: str) -> dict:
     """kNN accuracies of each baseline map on the same split (validation and test), with the
-    vote the artifact serves (a rule, or "soft@t": ``evaluate.parse_vote``); maps that keep D dimensions on evenly spaced rows
+    vote the artifact serves (a rule, or "soft@t": ``evaluate.parse_vote``); maps that keep
+    D dimensions on evenly spaced rows
     within BASELINE_SEARCH_BUDGET (``val_rows``, ``test_rows`` say how many)."""
     Xtr = (split.X_train - mean) / scale
     Xtr32 = Xtr.astype(np.float32)  # the embeddings by float32 GEMMs
@@ -511,6 +512,7 @@ class Evaluation:
     vote: str = "majority"
     projection: np.ndarray | None = None  # (d, D) float32: the served map, sqrt(t) x the fit's
     offset: np.ndarray | None = None  # (d,) float32
+    map_scale: float = 1.0  # the float32 factor sqrt(t) the served map carries
 
 
 BASELINES_SKIPPED = (
@@ -608,8 +610,8 @@ def evaluate(
         )
     # the served map: the vote's temperature t in its scale (every rank projects by it)
     temperature = agreed_value(parse_vote(vote)[1] if group.rank == 0 else 1.0, group)
+    scale = np.float32(np.sqrt(temperature))  # the served map over the fitted one
     if temperature != 1.0:
-        scale = np.float32(np.sqrt(temperature))
         W, b = W * scale, b * scale  # float32: as the artifact stores them
         z_train, z_val, z_test = projected(W, b)
     if group.rank != 0:
@@ -617,7 +619,7 @@ def evaluate(
     rule = parse_vote(vote)[0]  # the service's rule on the served map
     z_ref, y_ref, ref_ids = z_train, y_train, None
     if prototypes is not None:  # the prototypes in the served map's scale
-        z_ref, y_ref = prototypes * np.float32(np.sqrt(temperature)), estimator.prototype_labels_
+        z_ref, y_ref = prototypes * scale, estimator.prototype_labels_
         y_ref, ref_ids = y_ref.astype(np.int64), estimator.prototype_rows_
     test_acc = knn_accuracies(z_ref, y_ref, z_test, split.y_test, n_classes, K_VALUES, rule)
     predictions = knn_predictions(z_ref, y_ref, z_test, n_classes, (default_k,), rule)
@@ -652,6 +654,7 @@ def evaluate(
         vote,
         W,
         b,
+        float(scale),
     )
 
 
@@ -766,7 +769,7 @@ def build_report(
         # the vote chosen ("soft@t": the soft vote at temperature t, served as the map
         # multiplied by sqrt(t), map_scale)
         metrics["vote"] = ev.vote
-        metrics["map_scale"] = float(np.sqrt(parse_vote(ev.vote)[1]))
+        metrics["map_scale"] = ev.map_scale
         metrics["val_accuracy_by_rule"] = ev.val_accuracy_by_rule
     data_record = {
         "name": data_name,

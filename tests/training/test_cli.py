@@ -420,7 +420,8 @@ def test_decision_rule_auto_serves_the_rule_and_k_best_on_validation(tmp_path):
     assert set(by_rule) == set(SERVED_VOTES)
     assert artifact.decision_rule == metrics["decision_rule"] == report["test_predictions"]["rule"]
     assert parse_vote(metrics["vote"])[0] == metrics["decision_rule"]
-    assert metrics["map_scale"] == pytest.approx(np.sqrt(parse_vote(metrics["vote"])[1]))
+    # the float32 factor the served map carries (a warm start divides it out)
+    assert metrics["map_scale"] == float(np.float32(np.sqrt(parse_vote(metrics["vote"])[1])))
     best = max(v for by_k in by_rule.values() for v in by_k.values())
     assert metrics["val_accuracy_at_default_k"] == best
     assert by_rule[metrics["vote"]][str(artifact.default_k)] == best

@@ -185,7 +185,8 @@ def _accuracy_chart(metrics: dict) -> str:
         if "test_accuracy" in record:
             series.append(Series(name, points(record["test_accuracy"]), dashed=True, markers=True))
     default_k = metrics.get("default_k")
-    markers = [Marker(float(default_k), f"default k = {default_k}")] if default_k else []
+    vote = f", {metrics['vote']}" if metrics.get("vote") else ""  # "soft@0.5": t = 0.5
+    markers = [Marker(float(default_k), f"default k = {default_k}{vote}")] if default_k else []
     return line_chart(Chart("accuracy against k", "k", "accuracy", series, markers))
 
 
@@ -335,8 +336,10 @@ def _predictions(report: dict, manifest: dict) -> list[str]:
     classes = manifest.get("classes")
     if not predictions or not classes:
         return []
+    # the vote served: the rule, or "soft@t" for the soft vote at a temperature t
+    vote = (report.get("metrics") or {}).get("vote") or predictions.get("rule")
     return [
-        f"<h2>Confusion matrix (test, k = {predictions.get('k')}, {html.escape(str(predictions.get('rule')))})</h2>",
+        f"<h2>Confusion matrix (test, k = {predictions.get('k')}, {html.escape(str(vote))})</h2>",
         confusion_table(predictions["true_class_index"], predictions["class_index"], classes),
     ]
 

@@ -94,6 +94,22 @@ def check_lda(n_components: int, n_samples: int, n_features: int, n_classes: int
         )
 
 
+def served_map_scale(artifact) -> float:
+    """The factor by which the job multiplied the fitted map to serve its soft vote at a
+    temperature (the manifest's ``metrics.map_scale``, ``training.job.evaluate``); 1 when
+    the artifact has none. A warm start divides it out: it resumes from the fitted map.
+    ValueError naming the artifact when the manifest holds something other than a positive
+    finite number."""
+    value = (artifact.manifest.get("metrics") or {}).get("map_scale", 1.0)
+    number = value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    if number is None or not np.isfinite(number) or number <= 0:
+        raise ValueError(
+            f"init={str(artifact.path)!r}: the manifest's metrics.map_scale is {value!r}; "
+            "expected a positive finite number (the factor the served map carries)"
+        )
+    return float(number)
+
+
 def initial_components(
     init,
     X: np.ndarray,
@@ -120,7 +136,8 @@ def initial_components(
                 f"the data has {n_features}"
             )
         s = np.ones(n_features) if scale is None else scale
-        init = np.asarray(artifact.projection, dtype=np.float64) * s[None, :]
+        fitted = np.asarray(artifact.projection, dtype=np.float64) / served_map_scale(artifact)
+        init = fitted * s[None, :]
         name = "artifact"
     elif isinstance(init, np.ndarray):
         name = "array"

@@ -244,3 +244,18 @@ def test_validation_rows_with_near_copies_among_the_references_are_flagged():
     found = warnings_of({"metrics": {"nearest_reference_distance": flagged}})
     assert len(found) == 1 and "near-copies of validation rows" in found[0]
     assert warnings_of({"metrics": {"nearest_reference_distance": alike}}) == []
+
+
+def test_the_page_names_the_vote_served_with_its_temperature():
+    """A soft vote at t = 0.5 is served as the service's soft rule on a scaled map: the
+    page names the vote ("soft@0.5"), not the rule alone, at the default k's marker and the
+    confusion matrix; without a vote in the metrics (a rule given), the rule."""
+    metrics = {"default_k": 3, "test_accuracy": {"3": 0.9}, "vote": "soft@0.5"}
+    predictions = {"k": 3, "rule": "soft", "class_index": [0, 1], "true_class_index": [0, 1]}
+    report = {"training": history(0.9), "metrics": metrics, "test_predictions": predictions}
+    page = render_page(report, {"classes": [0, 1]}, {})
+    assert "default k = 3, soft@0.5" in page
+    assert "Confusion matrix (test, k = 3, soft@0.5)" in page
+    del metrics["vote"]
+    page = render_page(report, {"classes": [0, 1]}, {})
+    assert "Confusion matrix (test, k = 3, soft)" in page and "soft@" not in page

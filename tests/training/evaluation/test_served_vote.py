@@ -61,6 +61,7 @@ def test_auto_serves_the_soft_vote_at_the_temperature_best_on_validation():
     np.testing.assert_array_equal(ev.projection, FittedMap.projection_ * scale)
     np.testing.assert_array_equal(ev.offset, FittedMap.offset_ * scale)
     assert ev.projection.dtype == np.float32
+    assert ev.map_scale == float(scale)  # the factor applied, as report.json records it
     # every split is in the served map, as the service projects it
     np.testing.assert_array_equal(ev.z_ref, project(REFERENCES, ev.projection, ev.offset))
     np.testing.assert_array_equal(ev.z_val, project(ROWS, ev.projection, ev.offset))
@@ -79,4 +80,5 @@ def test_a_rule_given_is_served_on_the_fitted_map(rule):
     assert ev.vote == ev.rule == rule and ev.val_accuracy_by_rule is None
     np.testing.assert_array_equal(ev.projection, FittedMap.projection_)
     np.testing.assert_array_equal(ev.offset, FittedMap.offset_)
+    assert ev.map_scale == 1.0
     assert max(ev.val_accuracy.values()) == 0.5  # neither serves both rows

@@ -351,19 +351,25 @@ def test_fit_leaves_the_callers_arrays_untouched(dtype, n_candidates):
     np.testing.assert_array_equal(y, y_before)
 
 
-def test_warm_start_from_an_artifact_continues_the_same_map(tmp_path):
+@pytest.mark.parametrize("map_scale", [None, 0.5, float(np.float32(np.sqrt(0.5)))])
+def test_warm_start_from_an_artifact_continues_the_same_map(tmp_path, map_scale):
+    """An artifact's map carried over is the fitted map: a job that serves its soft vote
+    at a temperature t stores the map times sqrt(t) (its manifest's metrics.map_scale,
+    training.job.evaluate), which the warm start divides out."""
     X, y = load_iris(return_X_y=True)
     first = NCA(n_components=2, random_state=0).fit(X, y)
+    factor = np.float32(1.0 if map_scale is None else map_scale)
     path = write_artifact(
         tmp_path / "m",
-        projection=first.projection_,
-        offset=first.offset_,
-        embeddings=first.transform(X),
+        projection=first.projection_ * factor,
+        offset=first.offset_ * factor,
+        embeddings=first.transform(X) * factor,
         labels=y.astype(np.int32),
         classes=[0, 1, 2],
         mean=first.mean_,
         scale=first.scale_,
         default_k=1,
+        metadata={} if map_scale is None else {"metrics": {"map_scale": map_scale}},
     )
     # the artifact's map on raw inputs, carried to the current standardisation, is A itself
     Xs = (X - first.mean_) / first.scale_
@@ -379,6 +385,25 @@ def test_warm_start_from_an_artifact_continues_the_same_map(tmp_path):
     # it starts where the first fit ended (which may already be stationary: no iteration)
     assert warm.objective_value_ >= first.objective_value_ - 1e-3
     assert all(r["objective"] >= first.objective_value_ - 1e-3 for r in warm.history_)
+
+
+@pytest.mark.parametrize("bad", [0, -0.5, "0.5", True, None, [1]])  # JSON: no NaN or inf
+def test_warm_start_refuses_an_artifact_whose_map_scale_is_not_a_positive_number(tmp_path, bad):
+    X, y = load_iris(return_X_y=True)
+    path = write_artifact(
+        tmp_path / "m",
+        projection=np.eye(2, 4, dtype=np.float32),
+        offset=np.zeros(2, np.float32),
+        embeddings=np.zeros((4, 2), np.float32),
+        labels=np.zeros(4, np.int32),
+        classes=[0],
+        mean=np.zeros(4),
+        scale=np.ones(4),
+        default_k=1,
+        metadata={"metrics": {"map_scale": bad}},
+    )
+    with pytest.raises(ValueError, match=r"metrics\.map_scale is .*expected a positive finite"):
+        NCA(n_components=2, init=str(path)).fit(X, y)
 
 
 def test_warm_start_refuses_an_artifact_with_other_features(tmp_path):
