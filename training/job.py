@@ -125,8 +125,8 @@ def baseline_rows(n_rows: int, n_references: int, dimensions: int) -> np.ndarray
 def evaluate_baselines(split, mean, scale, d: int, vote: str) -> dict:
     """kNN accuracies of each baseline map on the same split (validation and test), with the
     vote the artifact serves (a rule, or "soft@t": ``evaluate.parse_vote``); maps that keep
-    D dimensions on evenly spaced rows
-    within BASELINE_SEARCH_BUDGET (``val_rows``, ``test_rows`` say how many)."""
+    D dimensions on evenly spaced rows within BASELINE_SEARCH_BUDGET (``val_rows``,
+    ``test_rows`` say how many)."""
     Xtr = (split.X_train - mean) / scale
     Xtr32 = Xtr.astype(np.float32)  # the embeddings by float32 GEMMs
     n_classes = len(split.classes)
