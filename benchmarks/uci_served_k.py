@@ -127,7 +127,8 @@ def one_run(name, X, y, X_test, y_test, k_folds: str, seed: int) -> dict:
         "choice_rows": choice["rows"],
         "n_train": len(y),
         "n_test": len(y_test),
-        "served": f"{served_rule} {served_k}",
+        # the vote served ("soft@0.5": its "soft" curve above is on the map that carries t)
+        "served": f"{metrics.get('vote', served_rule)} {served_k}",
         "test_at_served": curves[served_rule][served_k],
         "best_on_test": f"{best_rule} {best_k}",
         "test_at_best": curves[best_rule][best_k],

@@ -241,9 +241,10 @@ class TrainConfig:
     decision_rule: str = _opt(
         "auto",
         f"default decision rule in the artifact: {' or '.join(NEIGHBOUR_RULES)}, or auto (the "
-        "vote, with the k, that scores best on the validation split among majority and soft "
-        "at a temperature t of 1, 0.5 or 0.25, the earlier among equals; soft at t is served "
-        "on the map multiplied by sqrt(t)); soft_prior is chosen per request",
+        "vote, with the k, that scores best on the validation split, or on cross-fitted votes "
+        "(--k-folds), among majority and soft at a temperature t of 1, 0.5 or 0.25, the "
+        "earlier among equals; soft at t is served on the map multiplied by sqrt(t)); "
+        "soft_prior is chosen per request",
     )
     k_folds: str = _opt(
         "auto",

@@ -502,17 +502,32 @@ class Evaluation:
     y_ref: np.ndarray | None = None  # (M,)
     ref_ids: np.ndarray | None = None  # (M,) prototypes: the training row nearest each
     nearest_reference: dict | None = None  # nearest_reference_distances(z_ref, z_val, z_test)
-    rule: str = "majority"  # the decision rule served: --decision-rule, or chosen on validation
-    val_accuracy_by_rule: dict | None = None  # {rule: {k: accuracy}} when the rule was chosen
-    # which curve chose the served (rule, k), on how many rows ("validation" or "cross-fitted"
-    # with its folds and its {rule: {k: accuracy}}): training.evaluation.cross_fit
-    k_choice: dict | None = None
-    # the vote chosen: the rule, or "soft@t" for the soft vote at temperature t (evaluate's
-    # SERVED_VOTES), which the served map carries in its scale
+    # the vote served: --decision-rule, or chosen on validation among SERVED_VOTES ("soft@t":
+    # the soft vote at temperature t, which the served map carries in its scale)
     vote: str = "majority"
+    # {vote: {k: accuracy}} on validation, for each vote offered, when the vote was chosen
+    val_accuracy_by_rule: dict | None = None
+    # which curve chose the served (vote, k), on how many rows ("validation" or "cross-fitted"
+    # with its folds and its {vote: {k: accuracy}}): training.evaluation.cross_fit
+    k_choice: dict | None = None
     projection: np.ndarray | None = None  # (d, D) float32: the served map, sqrt(t) x the fit's
     offset: np.ndarray | None = None  # (d,) float32
-    map_scale: float = 1.0  # the float32 factor sqrt(t) the served map carries
+
+    @property
+    def rule(self) -> str:
+        """The service's decision rule of the vote ("soft" for "soft@t")."""
+        return parse_vote(self.vote)[0]
+
+    @property
+    def map_scale(self) -> float:
+        """The float32 factor sqrt(t) by which the served map is the fitted one."""
+        return float(served_map_factor(parse_vote(self.vote)[1]))
+
+
+def served_map_factor(temperature: float) -> np.float32:
+    """sqrt(t) in float32: the factor by which the job multiplies the fitted map (W and b)
+    to serve the soft vote at temperature t as the service's soft rule."""
+    return np.float32(np.sqrt(temperature))
 
 
 BASELINES_SKIPPED = (
@@ -610,7 +625,7 @@ def evaluate(
         )
     # the served map: the vote's temperature t in its scale (every rank projects by it)
     temperature = agreed_value(parse_vote(vote)[1] if group.rank == 0 else 1.0, group)
-    scale = np.float32(np.sqrt(temperature))  # the served map over the fitted one
+    scale = served_map_factor(temperature)  # the served map over the fitted one
     if temperature != 1.0:
         W, b = W * scale, b * scale  # float32: as the artifact stores them
         z_train, z_val, z_test = projected(W, b)
@@ -648,13 +663,11 @@ def evaluate(
         y_ref,
         ref_ids,
         nearest_reference_distances(z_ref, z_val, z_test),
-        rule,
-        val_by_vote if len(votes) > 1 else None,
-        k_choice,
-        vote,
-        W,
-        b,
-        float(scale),
+        vote=vote,
+        val_accuracy_by_rule=val_by_vote if len(votes) > 1 else None,
+        k_choice=k_choice,
+        projection=W,
+        offset=b,
     )
 
 
@@ -734,6 +747,21 @@ def nearest_reference_distances(
     }
 
 
+def served_vote_record(ev: Evaluation) -> dict:
+    """What report.json's metrics say of the vote served: ``vote`` ("soft@t": the soft vote
+    at temperature t) and ``map_scale`` (the factor sqrt(t) the artifact's map carries over
+    the fitted one, which a warm start divides out) always; with --decision-rule auto also
+    the service's ``decision_rule``, the votes offered in the order ties go
+    (``votes_offered``: report.json sorts its keys) and their validation curves
+    (``val_accuracy_by_rule``, keyed by vote)."""
+    record = {"vote": ev.vote, "map_scale": ev.map_scale}
+    if ev.val_accuracy_by_rule is not None:  # --decision-rule auto: what it chose among
+        record["decision_rule"] = ev.rule
+        record["votes_offered"] = list(ev.val_accuracy_by_rule)
+        record["val_accuracy_by_rule"] = ev.val_accuracy_by_rule
+    return record
+
+
 def build_report(
     config: TrainConfig, data_name: str, split, estimator: NCA, ev: Evaluation, warns: list[str]
 ) -> dict:
@@ -764,13 +792,7 @@ def build_report(
             ev.rule,
         ),
     }
-    if ev.val_accuracy_by_rule is not None:  # --decision-rule auto: what it chose among
-        metrics["decision_rule"] = ev.rule
-        # the vote chosen ("soft@t": the soft vote at temperature t, served as the map
-        # multiplied by sqrt(t), map_scale)
-        metrics["vote"] = ev.vote
-        metrics["map_scale"] = ev.map_scale
-        metrics["val_accuracy_by_rule"] = ev.val_accuracy_by_rule
+    metrics.update(served_vote_record(ev))
     data_record = {
         "name": data_name,
         "source": config.data,

@@ -58,7 +58,8 @@ def knn_predictions(
     """Predicted class indices for each k: {k: (n_query,) int64}.
 
     z_ref: (N, d) reference embeddings, y_ref: (N,) class indices, z_query: (n, d).
-    Values of k above N are dropped. One neighbour search serves every k. The
+    ``rule``: the service's rule, or a vote's name ("soft@0.5": ``parse_vote``). Values of k
+    above N are dropped. One neighbour search serves every k. The
     ``soft_prior`` rule needs the outlier threshold
     (``training.evaluation.calibration.threshold_of``); its component is built from the
     references as the service builds it.
@@ -66,12 +67,14 @@ def knn_predictions(
     ks = tuple(k for k in ks if k <= len(z_ref))
     if len(z_query) == 0 or not ks:
         return {k: np.empty(0, dtype=np.int64) for k in ks}
+    rule, temperature = parse_vote(rule)
     background = None
     if rule == DecisionRule.SOFT_PRIOR.value:
         if outlier_threshold is None:
             raise ValueError("rule 'soft_prior' needs outlier_threshold")
         background = FarPrior.of(z_ref, y_ref, n_classes).background(z_query, outlier_threshold)
     dist, idx = nearest_references(z_query, z_ref, max(ks))
+    dist = dist * temperature if temperature != 1.0 else dist
     labels = y_ref[idx]
     return {k: decide(labels[:, :k], dist[:, :k], n_classes, rule, background)[0] for k in ks}
 

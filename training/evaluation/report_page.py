@@ -176,7 +176,7 @@ def _accuracy_chart(metrics: dict) -> str:
         series.append(Series("NCA (ours), validation", validation, markers=True))
     choice = metrics.get("k_choice") or {}
     if choice.get("method") == "cross-fitted":  # the curve the served k was chosen on
-        curves = choice.get("accuracy") or {}  # {rule: {k: accuracy}}, one rule unless auto
+        curves = choice.get("accuracy") or {}  # {vote: {k: accuracy}}, one vote unless auto
         served = metrics.get("vote") or metrics.get("decision_rule")  # "soft@0.5": the vote
         curve = curves.get(served or next(iter(curves), ""), {})
         label = f"NCA (ours), {choice.get('folds')} folds cross-fitted"
