@@ -103,12 +103,13 @@ def one_run(name, X, y, X_test, y_test, seed: int, temperatures) -> dict:
     from service.core.artifact import read_artifact
     from service.core.knn import project
     from training.config import TrainConfig
-    from training.evaluation.evaluate import choose_rule_and_k, vote_name
+    from training.evaluation.evaluate import choose_rule_and_k, parse_vote, vote_name
+    from training.model.initialization import served_map_scale
 
     with job_artifact(name, X, y, X_test, y_test, "0", seed) as (out, seconds):
         metrics = json.loads((out / "report.json").read_text())["metrics"]
-        scale = float(metrics.get("map_scale", 1.0))  # the served map over the fitted one
         art = read_artifact(out)
+        scale = served_map_scale(art)  # the served map over the fitted one
         classes = list(art.classes)
         # (N, d), (n_val, d), (n_test, d): in the fitted map's scale
         z_ref = np.asarray(art.embeddings, dtype=np.float32) / np.float32(scale)
@@ -130,10 +131,8 @@ def one_run(name, X, y, X_test, y_test, seed: int, temperatures) -> dict:
             "test_error": 100 * (1 - test[rule][k]),
             "regret_points": 100 * (best - test[rule][k]),
         }
-    rule, temperature = replayed["job"]["served"].split()[0].partition("@")[::2]
-    replay_of_job = (
-        f"{vote_name(rule, float(temperature or 1))} {replayed['job']['served'].split()[1]}"
-    )
+    replayed_vote, replayed_k = replayed["job"]["served"].split()  # "soft@1 7": the job's "soft 7"
+    replay_of_job = f"{vote_name(*parse_vote(replayed_vote))} {replayed_k}"
     return {
         "set": name,
         "seed": seed,

@@ -387,21 +387,29 @@ def test_warm_start_from_an_artifact_continues_the_same_map(tmp_path, map_scale)
     assert all(r["objective"] >= first.objective_value_ - 1e-3 for r in warm.history_)
 
 
-@pytest.mark.parametrize("bad", [0, -0.5, "0.5", True, None, [1]])  # JSON: no NaN or inf
-def test_warm_start_refuses_an_artifact_whose_map_scale_is_not_a_positive_number(tmp_path, bad):
-    X, y = load_iris(return_X_y=True)
-    path = write_artifact(
-        tmp_path / "m",
-        projection=np.eye(2, 4, dtype=np.float32),
+def map_only_artifact(path, projection: np.ndarray, metadata: dict | None = None):
+    """An artifact that a warm start reads the map of: ``projection`` (2, D) float32, four
+    references at the origin of one class."""
+    n_features = projection.shape[1]
+    return write_artifact(
+        path,
+        projection=projection,
         offset=np.zeros(2, np.float32),
         embeddings=np.zeros((4, 2), np.float32),
         labels=np.zeros(4, np.int32),
         classes=[0],
-        mean=np.zeros(4),
-        scale=np.ones(4),
+        mean=np.zeros(n_features),
+        scale=np.ones(n_features),
         default_k=1,
-        metadata={"metrics": {"map_scale": bad}},
+        metadata=metadata or {},
     )
+
+
+@pytest.mark.parametrize("bad", [0, -0.5, "0.5", True, None, [1]])  # JSON: no NaN or inf
+def test_warm_start_refuses_an_artifact_whose_map_scale_is_not_a_positive_number(tmp_path, bad):
+    X, y = load_iris(return_X_y=True)
+    projection = np.eye(2, 4, dtype=np.float32)
+    path = map_only_artifact(tmp_path / "m", projection, {"metrics": {"map_scale": bad}})
     with pytest.raises(ValueError, match=r"metrics\.map_scale is .*expected a positive finite"):
         NCA(n_components=2, init=str(path)).fit(X, y)
 
@@ -409,17 +417,7 @@ def test_warm_start_refuses_an_artifact_whose_map_scale_is_not_a_positive_number
 def test_warm_start_refuses_an_artifact_with_other_features(tmp_path):
     X, y = load_iris(return_X_y=True)
     rng = np.random.default_rng(0)
-    path = write_artifact(
-        tmp_path / "m",
-        projection=rng.normal(size=(2, 3)).astype(np.float32),
-        offset=np.zeros(2, np.float32),
-        embeddings=np.zeros((4, 2), np.float32),
-        labels=np.zeros(4, np.int32),
-        classes=[0],
-        mean=np.zeros(3),
-        scale=np.ones(3),
-        default_k=1,
-    )
+    path = map_only_artifact(tmp_path / "m", rng.normal(size=(2, 3)).astype(np.float32))
     with pytest.raises(ValueError, match="the artifact expects 3 features, the data has 4"):
         NCA(n_components=2, init=str(path)).fit(X, y)
 
