@@ -29,7 +29,12 @@ the same rows):
   subspace), 5,000 test rows;
 - ``moving50k``: 50,000 x 128 rows with moving neighbourhoods (``scale.py --family moving``:
   32 interleaved clusters per class and a style shared across classes that dominates the
-  raw distances), 5,000 test rows.
+  raw distances), 5,000 test rows;
+- ``letters``, ``shuttle``: UCI's letters (16,000 training and 4,000 test rows of 16
+  features, 26 classes) and Shuttle (43,500 and 14,500 rows of 9, 7 classes), as
+  ``uci_served_k.py`` splits them (``benchmarks/prepare_uci.py`` writes them; skipped when
+  absent). Both are fitted on candidate sets (above 8,192 rows), so a change to the
+  candidate stage or the finish shows on them; the map has min(32, D) components.
 
 Settings: ``default`` (the estimator's defaults), ``no-stall`` (``stop_stalled_stages=False``:
 what the stage-stopping rule saves and costs), ``budget:S`` (``max_seconds=S``),
@@ -41,6 +46,11 @@ capitals sets that constant of ``training.model.plan`` for the run instead, of t
 type: ``params:FINISH_MAX_POINTS=32768+FINISH_PAIRS=536870912+random_state=1``; only the
 constants ``resolve_plan`` reads when a fit starts take effect, and the row records the
 plan the fit ran, ``plan_``).
+``--path`` also records, for every run, the test errors of the map after each iteration of
+the fit (``path``: iteration, the map's Frobenius norm, 1-NN and 5-NN error; the maps come
+from the estimator's ``callback``, on the standardised inputs, and are scored as the
+fitted one is): where along the fit the test error moves, and by how much between two
+neighbouring iterations (the noise a rule that stops or keeps a stage has to see through).
 ``--before TREE`` runs ``default`` also with the code of another checkout (e.g. ``git worktree
 add /tmp/base <commit>``); settings that tree's estimator lacks are not run there.
 
@@ -49,7 +59,8 @@ The kNN rule for the errors is the same for every run and tree: majority of the 
 tied classes, else to the lowest tied class index.
 
 Usage: taskset -c 0,1 python benchmarks/real_digits.py [--sets mnist,clustered20k]
-       [--settings default,no-stall,budget:60] [--before /tmp/base] [--name real_digits]
+       [--settings default,no-stall,budget:60] [--before /tmp/base] [--path]
+       [--name real_digits]
 Writes benchmarks/results/<name>.json.
 """
 
@@ -81,6 +92,8 @@ SETS = (
     "mnist_shifted8_refs",
     "clustered20k",
     "moving50k",
+    "letters",
+    "shuttle",
 )
 SHIFTS = ((-1, 0), (1, 0), (0, -1), (0, 1))  # (rows, columns) of mnist_shifted's copies
 DIAGONALS = ((-1, -1), (-1, 1), (1, -1), (1, 1))  # ... and mnist_shifted8_refs' others
@@ -119,7 +132,15 @@ def write_set(name: str, folder: Path) -> Path | None:
 
     from training.data.synthetic import clustered_classes
 
-    if name.startswith("mnist"):
+    if name in ("letters", "shuttle"):
+        from uci_served_k import uci_sets
+
+        found = dict(uci_sets([name]))  # empty when benchmarks/prepare_uci.py has not run
+        if not found:
+            return None
+        X, y, Xt, yt = found[name]
+        arrays = dict(X=X, y=y, X_test=Xt, y_test=yt)
+    elif name.startswith("mnist"):
         if not MNIST.exists():
             return None
         data = np.load(MNIST)
@@ -195,8 +216,9 @@ def setting_params(setting: str) -> dict:
     )
 
 
-def one_run(data_path: str, setting: str) -> dict:
-    """One fit in this process (whose ``training`` is the tree on sys.path)."""
+def one_run(data_path: str, setting: str, path: bool = False) -> dict:
+    """One fit in this process (whose ``training`` is the tree on sys.path); with ``path``,
+    the test errors after each of its iterations too (``fit_path``)."""
     import inspect
 
     from training import NCA
@@ -233,13 +255,23 @@ def one_run(data_path: str, setting: str) -> dict:
         validation = {}  # a set's own validation split (mnist_shifted_judged), else none
         if "X_val" in data.files:
             validation = {"X_val": data["X_val"], "y_val": data["y_val"]}
-        model = NCA(**with_options({"n_components": 32, "random_state": 0, **params}))
+        maps = []  # (iteration, A (d * D,) on standardised inputs) after each iteration
+
+        def keep_map(flat, iteration):
+            maps.append((int(iteration), np.array(flat, dtype=np.float64)))
+
+        d = min(32, X.shape[1])
+        settings = {"n_components": d, "random_state": 0, **params}
+        if path:
+            settings["callback"] = keep_map
+        model = NCA(**with_options(settings))
         model.fit(X, y, **validation)
         fit_s = time.perf_counter() - started
     X_ref, y_ref = X, y  # the references: the training rows, or the set's own
     if "X_references" in data.files:
         X_ref, y_ref = data["X_references"], data["y_references"]
     errors = knn_errors(model.transform(X_ref), y_ref, model.transform(Xt), yt)
+    path_rows = fit_path(model, maps, X_ref, y_ref, Xt, yt) if path else None
     fit_plan = getattr(model, "plan_", None)  # the resolved FitPlan (a tree before it: none)
     return {
         "fit_s": fit_s,
@@ -253,6 +285,7 @@ def one_run(data_path: str, setting: str) -> dict:
         "init_scale": getattr(model, "init_scale_", None),
         "stages": getattr(model, "stages_", None),
         "plan": fit_plan.describe() if hasattr(fit_plan, "describe") else None,  # as the fit ran
+        "path": path_rows,
         # the neighbour mass the candidate sets left out at the candidate stage's last
         # iteration (Problem.outside_mass on its fixed sample rows; None without candidates)
         "candidate_outside_mass": next(
@@ -266,10 +299,34 @@ def one_run(data_path: str, setting: str) -> dict:
     }
 
 
-def run_in(tree: Path, data_path: Path, setting: str) -> dict:
+def fit_path(model, maps, X_ref, y_ref, X_test, y_test) -> list[dict]:
+    """The test errors of each map the fit stepped through, scored as the fitted map is:
+    A (d, D) acts on standardised rows, z = ((x - mean_) / scale_) @ A.T, the same function
+    as ``model.transform`` (``components_`` -> ``projection_``, ``offset_``)."""
+    mean, scale = np.asarray(model.mean_, np.float64), np.asarray(model.scale_, np.float64)
+    d = model.components_.shape[0]
+    rows = []
+    for iteration, flat in maps:
+        A = flat.reshape(d, -1)  # (d, D)
+        W, b = A / scale[None, :], -(mean / scale) @ A.T  # (d, D), (d,): on raw rows
+
+        def project(X, W=W, b=b):
+            return np.asarray(X, np.float64) @ W.T + b  # (n, d)
+
+        errors = knn_errors(project(X_ref), y_ref, project(X_test), y_test)
+        norm = float(np.linalg.norm(A))
+        rows.append(
+            {"iteration": iteration, "norm": norm, "err_1nn": errors[1], "err_5nn": errors[5]}
+        )
+    return rows
+
+
+def run_in(tree: Path, data_path: Path, setting: str, path: bool = False) -> dict:
     """one_run in a fresh process that imports ``training`` from ``tree``."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
     command = [sys.executable, __file__, "--one", str(data_path), setting]
+    if path:
+        command.append("--path")
     done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{tree} {setting}: exit {done.returncode}\n{done.stderr[-3000:]}")
@@ -283,10 +340,11 @@ def main() -> None:
     parser.add_argument("--before", type=Path, help="another checkout to fit 'default' with")
     parser.add_argument("--before-sets", default="mnist20k", help="the sets --before runs on")
     parser.add_argument("--name", default="real_digits")
+    parser.add_argument("--path", action="store_true", help="test errors after each iteration")
     parser.add_argument("--one", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(one_run(*args.one), default=float))
+        print(json.dumps(one_run(*args.one, path=args.path), default=float))
         return
     rows = []
     with tempfile.TemporaryDirectory() as folder:
@@ -300,10 +358,12 @@ def main() -> None:
                 runs.insert(0, (args.before.resolve(), "before", "default"))
             for tree, label, setting in runs:
                 gemm = gemm_gflops()
-                result = run_in(tree, path, setting)
+                result = run_in(tree, path, setting, args.path)
                 row = {"set": name, "tree": label, "setting": setting, "gemm_gflops": gemm}
                 rows.append({**row, **result})
-                print(json.dumps({k: v for k, v in rows[-1].items() if k != "stages"}))
+                print(
+                    json.dumps({k: v for k, v in rows[-1].items() if k not in ("stages", "path")})
+                )
     columns = ["set", "tree", "setting", "fit_s", "err_1nn", "err_5nn", "peak_rss_mib"]
     print_table([r for r in rows if "skipped" not in r], [*columns, "stop_reason", "gemm_gflops"])
     stage_rows = [
@@ -316,6 +376,15 @@ def main() -> None:
         stage_rows,
         ["set", "tree", "setting", *stage_columns, "start_score", "end_score", "stop_reason"],
     )
+    path_rows = [
+        {"set": r["set"], "tree": r["tree"], "setting": r["setting"], **step}
+        for r in rows
+        for step in r.get("path") or []
+    ]
+    if path_rows:
+        print_table(
+            path_rows, ["set", "tree", "setting", "iteration", "norm", "err_1nn", "err_5nn"]
+        )
     facts = machine()  # the rate at the end of the run, printed by save_json
     command = "python benchmarks/real_digits.py " + " ".join(sys.argv[1:])
     save_json(f"{args.name}.json", {"command": command, "machine": facts, "rows": rows})
