@@ -49,7 +49,9 @@ plan the fit ran, ``plan_``).
 ``--path`` also records, for every run, the test errors of the map after each iteration of
 the fit (``path``: iteration, the map's Frobenius norm, 1-NN and 5-NN error; the maps come
 from the estimator's ``callback``, on the standardised inputs, and are scored as the
-fitted one is): where along the fit the test error moves, and by how much between two
+fitted one is; the start map has no row, and ``kept_iteration`` says which row the fit
+returned; with ``--before``, a tree from 3b24e80 on, whose callback takes the map and the
+iteration): where along the fit the test error moves, and by how much between two
 neighbouring iterations (the noise a rule that stops or keeps a stage has to see through).
 ``--before TREE`` runs ``default`` also with the code of another checkout (e.g. ``git worktree
 add /tmp/base <commit>``); settings that tree's estimator lacks are not run there.
@@ -286,6 +288,7 @@ def one_run(data_path: str, setting: str, path: bool = False) -> dict:
         "stages": getattr(model, "stages_", None),
         "plan": fit_plan.describe() if hasattr(fit_plan, "describe") else None,  # as the fit ran
         "path": path_rows,
+        "kept_iteration": getattr(model, "kept_iteration_", None),  # the path's row kept
         # the neighbour mass the candidate sets left out at the candidate stage's last
         # iteration (Problem.outside_mass on its fixed sample rows; None without candidates)
         "candidate_outside_mass": next(
@@ -300,23 +303,29 @@ def one_run(data_path: str, setting: str, path: bool = False) -> dict:
 
 
 def fit_path(model, maps, X_ref, y_ref, X_test, y_test) -> list[dict]:
-    """The test errors of each map the fit stepped through, scored as the fitted map is:
-    A (d, D) acts on standardised rows, z = ((x - mean_) / scale_) @ A.T, the same function
-    as ``model.transform`` (``components_`` -> ``projection_``, ``offset_``)."""
+    """The test errors of each map the fit stepped through (``maps``: (iteration, A raveled)
+    from the estimator's ``callback``, which is not called for the start map, so iteration
+    0 has no row), scored as the fitted map is: A (d, D) acts on standardised rows, and is
+    turned into W = A / scale_ and b = -(mean_ / scale_) @ A.T in float32 as the estimator
+    turns ``components_`` into ``projection_`` and ``offset_``, then projected by the
+    service's ``project``, the function ``model.transform`` calls."""
+    from service.core.knn import project
+
     mean, scale = np.asarray(model.mean_, np.float64), np.asarray(model.scale_, np.float64)
     d = model.components_.shape[0]
     rows = []
     for iteration, flat in maps:
         A = flat.reshape(d, -1)  # (d, D)
-        W, b = A / scale[None, :], -(mean / scale) @ A.T  # (d, D), (d,): on raw rows
-
-        def project(X, W=W, b=b):
-            return np.asarray(X, np.float64) @ W.T + b  # (n, d)
-
-        errors = knn_errors(project(X_ref), y_ref, project(X_test), y_test)
-        norm = float(np.linalg.norm(A))
+        W = (A / scale[None, :]).astype(np.float32)  # (d, D): on raw rows
+        b = (-(mean / scale) @ A.T).astype(np.float32)  # (d,)
+        errors = knn_errors(project(X_ref, W, b), y_ref, project(X_test, W, b), y_test)
         rows.append(
-            {"iteration": iteration, "norm": norm, "err_1nn": errors[1], "err_5nn": errors[5]}
+            {
+                "iteration": iteration,
+                "norm": float(np.linalg.norm(A)),
+                "err_1nn": errors[1],
+                "err_5nn": errors[5],
+            }
         )
     return rows
 
