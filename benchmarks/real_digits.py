@@ -69,6 +69,7 @@ Writes benchmarks/results/<name>.json.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import subprocess
@@ -305,20 +306,16 @@ def one_run(data_path: str, setting: str, path: bool = False) -> dict:
 def fit_path(model, maps, X_ref, y_ref, X_test, y_test) -> list[dict]:
     """The test errors of each map the fit stepped through (``maps``: (iteration, A raveled)
     from the estimator's ``callback``, which is not called for the start map, so iteration
-    0 has no row), scored as the fitted map is: A (d, D) acts on standardised rows, and is
-    turned into W = A / scale_ and b = -(mean_ / scale_) @ A.T in float32 as the estimator
-    turns ``components_`` into ``projection_`` and ``offset_``, then projected by the
-    service's ``project``, the function ``model.transform`` calls."""
-    from service.core.knn import project
-
-    mean, scale = np.asarray(model.mean_, np.float64), np.asarray(model.scale_, np.float64)
+    0 has no row), scored as the fitted map is: a copy of the model is given A (d, D) as its
+    map on standardised rows by the estimator's own ``_set_map`` (with the fit's ``mean_``
+    and ``scale_``), and its ``transform`` projects the rows."""
+    step = copy.copy(model)  # the fitted model's attributes; _set_map replaces its map
     d = model.components_.shape[0]
     rows = []
     for iteration, flat in maps:
         A = flat.reshape(d, -1)  # (d, D)
-        W = (A / scale[None, :]).astype(np.float32)  # (d, D): on raw rows
-        b = (-(mean / scale) @ A.T).astype(np.float32)  # (d,)
-        errors = knn_errors(project(X_ref, W, b), y_ref, project(X_test, W, b), y_test)
+        step._set_map(A, model.mean_, model.scale_)
+        errors = knn_errors(step.transform(X_ref), y_ref, step.transform(X_test), y_test)
         rows.append(
             {
                 "iteration": iteration,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -29,11 +28,9 @@ def test_each_map_is_scored_on_raw_rows_through_the_standardisation():
     rng = np.random.default_rng(0)
     X, y = two_classes(rng, 100)
     Xt, yt = two_classes(rng, 40)
-    model = SimpleNamespace(
-        mean_=np.array([105.0, 0.0]),
-        scale_=np.array([5.0, 50.0]),
-        components_=np.zeros((2, 2)),
-    )
+    model = NCA(n_components=2)  # as fitted, with a standardisation of its own
+    model.n_features_in_ = 2
+    model._set_map(np.zeros((2, 2)), np.array([105.0, 0.0]), np.array([5.0, 50.0]))
     # the identity on standardised rows weighs both features alike: feature 0 (spread 0.1 /
     # 5) decides; on raw rows feature 1 (spread 50) would drown it. Then feature 0 alone,
     # then feature 1 alone (a map with rows the other way round)
